@@ -1,0 +1,55 @@
+//! `tpc compile MODEL --tp N [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
+
+use std::path::PathBuf;
+use tpc::frontend::load::load_model;
+use tpc::pipeline::compile;
+use tpc::plan::report::{render_table, summarize};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A .ron model definition, an HF model directory, or a config.json.
+    model: PathBuf,
+    /// Number of tensor-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    tp: u64,
+    /// Write the plan here (RON, or JSON when the name ends in .json).
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// Also write a Graphviz picture of the plan (rank 0).
+    #[arg(long)]
+    dot: Option<PathBuf>,
+    /// Print the machine-readable summary instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Print the plan's programs as text after the table.
+    #[arg(long)]
+    text: bool,
+}
+
+pub fn execute(a: Args) -> anyhow::Result<()> {
+    let def = load_model(&a.model)?;
+    let compiled = compile(&def, a.tp)?;
+    let summary = summarize(&compiled.plan);
+    if let Some(out) = &a.output {
+        compiled.plan.save(out)?;
+    }
+    if let Some(path) = &a.dot {
+        let text = tpc::plan::dot::render(&compiled.plan, &tpc::plan::dot::DotOptions::default());
+        std::fs::write(path, text).map_err(|source| tpc::TpcError::Write {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print!("{}", render_table(&summary));
+        if let Some(out) = &a.output {
+            println!("plan written to {}", out.display());
+        }
+        if a.text {
+            print!("{}", tpc::plan::text::render_plan(&compiled.plan));
+        }
+    }
+    Ok(())
+}

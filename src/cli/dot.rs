@@ -1,0 +1,84 @@
+//! `tpc dot MODEL|PLAN --tp N [-o FILE] [--all-ranks] [--layers A..B]`
+
+use anyhow::Context;
+use std::path::PathBuf;
+use tpc::frontend::load::load_model;
+use tpc::pipeline::compile;
+use tpc::plan::dot::{render, DotOptions};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A model (.ron, HF directory, config.json) or a plan written by `tpc compile -o`.
+    input: PathBuf,
+    /// Number of ranks (read from the plan when the input is a plan).
+    #[arg(long)]
+    tp: Option<u64>,
+    /// Output file; stdout when absent.
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// Draw every rank instead of rank 0.
+    #[arg(long)]
+    all_ranks: bool,
+    /// Only these layers, e.g. `0..1` or `3`; others are elided.
+    #[arg(long)]
+    layers: Option<String>,
+}
+
+fn parse_layers(s: &str) -> anyhow::Result<(u32, u32)> {
+    let parse = |x: &str| {
+        x.trim()
+            .parse::<u32>()
+            .with_context(|| format!("`{x}` is not a layer number"))
+    };
+    match s.split_once("..") {
+        Some((a, b)) => {
+            let b = b.strip_prefix('=').unwrap_or(b);
+            let (a, b) = (parse(a)?, parse(b)?);
+            anyhow::ensure!(
+                a <= b,
+                "--layers {s}: the first layer must not exceed the last"
+            );
+            Ok((a, b))
+        }
+        None => {
+            let l = parse(s)?;
+            Ok((l, l))
+        }
+    }
+}
+
+pub fn execute(a: Args) -> anyhow::Result<()> {
+    let layers = a
+        .layers
+        .as_deref()
+        .map(parse_layers)
+        .transpose()
+        .context("--layers takes `A..B` (inclusive) or one layer number")?;
+    let options = DotOptions {
+        all_ranks: a.all_ranks,
+        layers,
+    };
+    let plan = match tpc::plan::Plan::looks_like_plan(&a.input) {
+        Some(plan) => {
+            let plan = plan?;
+            if let Some(tp) = a.tp {
+                anyhow::ensure!(
+                    tp == plan.tp,
+                    "the plan is for tp={}, not --tp {tp}; omit --tp for a plan",
+                    plan.tp
+                );
+            }
+            plan
+        }
+        None => compile(&load_model(&a.input)?, a.tp.unwrap_or(1))?.plan,
+    };
+    let text = render(&plan, &options);
+    match &a.output {
+        Some(p) => std::fs::write(p, text).map_err(|source| tpc::TpcError::Write {
+            path: p.clone(),
+            source,
+        })?,
+        None => print!("{text}"),
+    }
+    Ok(())
+}

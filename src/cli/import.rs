@@ -1,0 +1,40 @@
+//! `tpc import config.json -o model.ron`
+
+use std::path::PathBuf;
+use tpc::frontend::load::{hf_config_path, load_model, ron_options};
+use tpc::frontend::ModelDef;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// An HF model directory or its config.json.
+    config: PathBuf,
+    /// Where to write the RON preset; stdout when absent.
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+}
+
+pub fn execute(a: Args) -> anyhow::Result<()> {
+    if hf_config_path(&a.config).is_none() {
+        anyhow::bail!(
+            "`{}` is not an HF config: give a model directory or a config.json path",
+            a.config.display()
+        );
+    }
+    let def = load_model(&a.config)?;
+    if let ModelDef::Preset(p) = &def {
+        // Fail here, not later, if the config does not make a valid model.
+        tpc::frontend::preset::lower_preset(p)?;
+    }
+    let cfg = ron::ser::PrettyConfig::new()
+        .extensions(ron::extensions::Extensions::IMPLICIT_SOME)
+        .struct_names(false);
+    let text = ron_options().to_string_pretty(&def, cfg)?;
+    match &a.output {
+        Some(path) => std::fs::write(path, text + "\n").map_err(|source| tpc::TpcError::Write {
+            path: path.clone(),
+            source,
+        })?,
+        None => println!("{text}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,33 @@
+//! Subcommands. Each file holds its arguments and a thin `execute`.
+
+mod compile;
+mod dot;
+mod import;
+
+use clap::{Parser, Subcommand};
+
+/// tpc: tensor-parallel compiler and executor for transformer language models.
+#[derive(Debug, Parser)]
+#[command(name = "tpc", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Shard a model for N ranks: plan, summary, picture.
+    Compile(compile::Args),
+    /// Draw a model's or a plan's sharding as Graphviz DOT.
+    Dot(dot::Args),
+    /// Convert a Hugging Face config.json into a RON preset.
+    Import(import::Args),
+}
+
+pub fn execute(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Compile(a) => compile::execute(a),
+        Command::Dot(a) => dot::execute(a),
+        Command::Import(a) => import::execute(a),
+    }
+}

@@ -1,0 +1,90 @@
+//! Typed library errors. Each message names the place and says what would be right.
+
+use crate::ir::verify::Problem;
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TpcError {
+    #[error("cannot read `{path}`: {source}. Check that the path exists and is readable.")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error("cannot write `{path}`: {source}. Check that the directory exists and is writable.")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error("{path}:{line}:{column}: {message}. Fix the {format} syntax at that position.")]
+    Syntax {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        format: &'static str,
+        message: String,
+    },
+
+    #[error("`{path}` is not a model tpc can read: {reason}. Give a .ron model definition, a Hugging Face model directory with config.json, or a config.json path.")]
+    UnknownInput { path: PathBuf, reason: String },
+
+    #[error("{path}: {message}")]
+    HfConfig { path: PathBuf, message: String },
+
+    #[error("model `{model}`, {place}: {message}")]
+    Model {
+        model: String,
+        place: String,
+        message: String,
+    },
+
+    #[error("pass `{pass}` produced an invalid graph ({} problem(s)):\n{}", problems.len(), problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Verify {
+        pass: &'static str,
+        problems: Vec<Problem>,
+    },
+
+    #[error("pass `{pass}` did not settle within {limit} rounds; this is a bug in tpc, please report it with the model file.")]
+    NoFixpoint { pass: &'static str, limit: usize },
+
+    #[error("{model} cannot be split {tp} ways: {}. Valid tp values for this model: {}.", reasons.join("; "), fmt_list(valid))]
+    Infeasible {
+        model: String,
+        tp: u64,
+        reasons: Vec<String>,
+        valid: Vec<u64>,
+    },
+
+    #[error("tp must be at least 1, got {tp}.")]
+    ZeroTp { tp: u64 },
+
+    #[error("tp_plan override `{pattern}: {word}` is wrong: {reason}")]
+    BadOverride {
+        pattern: String,
+        word: &'static str,
+        reason: String,
+    },
+
+    #[error("partial sums reach ops that are not linear in them: {}. This is a sharding-rule bug in tpc.", places.join("; "))]
+    PartialMisuse { places: Vec<String> },
+
+    #[error("`{path}` is a plan for format version {found}, this tpc reads version {expected}. Recompile the model with this tpc.")]
+    PlanVersion {
+        path: PathBuf,
+        found: u32,
+        expected: u32,
+    },
+
+    #[error("cannot serialize the plan: {0}")]
+    Serialize(String),
+}
+
+fn fmt_list(v: &[u64]) -> String {
+    if v.is_empty() {
+        return "none up to 1024".into();
+    }
+    v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+}
+
+pub type Result<T, E = TpcError> = std::result::Result<T, E>;

@@ -1,0 +1,157 @@
+//! Explicit graph definition → IR graph, with shape inference at every node.
+
+use super::spec::{GraphDef, RepeatDef, Stmt};
+use crate::error::{Result, TpcError};
+use crate::ir::shape::infer;
+use crate::ir::*;
+use std::collections::HashMap;
+
+struct Builder<'a> {
+    def: &'a GraphDef,
+    graph: Graph,
+    env: HashMap<String, NodeId>,
+    next_order: u64,
+}
+
+/// Builds the IR for a graph definition; every name must be bound before use.
+pub fn build_graph(def: &GraphDef) -> Result<Graph> {
+    let mut b = Builder {
+        def,
+        graph: Graph::new(def.name.clone(), def.dtype),
+        env: HashMap::new(),
+        next_order: 0,
+    };
+    for stmt in &def.body {
+        match stmt {
+            Stmt::Repeat(r) => b.repeat(r)?,
+            other => b.stmt(other, None)?,
+        }
+    }
+    if !b
+        .graph
+        .g
+        .node_weights()
+        .any(|n| matches!(n.op, Op::Output(_)))
+    {
+        return Err(b.err(
+            "the graph",
+            "it has no Output node; add one for the logits".into(),
+        ));
+    }
+    Ok(b.graph)
+}
+
+fn subst(s: &str, layer: Option<u32>) -> String {
+    match layer {
+        Some(i) if s.contains("{i}") => s.replace("{i}", &i.to_string()),
+        _ => s.to_string(),
+    }
+}
+
+impl Builder<'_> {
+    fn err(&self, place: &str, message: String) -> TpcError {
+        TpcError::Model {
+            model: self.def.name.clone(),
+            place: place.to_string(),
+            message,
+        }
+    }
+
+    fn repeat(&mut self, r: &RepeatDef) -> Result<()> {
+        let place = format!("repeat over `{}`", r.carry);
+        let mut carried = *self.env.get(&r.init).ok_or_else(|| {
+            self.err(
+                &place,
+                format!("init `{}` is not defined before the repeat", r.init),
+            )
+        })?;
+        if r.count > u32::MAX as u64 {
+            return Err(self.err(&place, format!("{} layers is too many", r.count)));
+        }
+        for i in 0..r.count as u32 {
+            self.env.insert(r.carry.clone(), carried);
+            for stmt in &r.body {
+                if let Stmt::Repeat(_) = stmt {
+                    return Err(self.err(&place, "repeats cannot be nested".into()));
+                }
+                self.stmt(stmt, Some(i))?;
+            }
+            let result = subst(&r.result, Some(i));
+            carried = *self.env.get(&result).ok_or_else(|| {
+                self.err(
+                    &place,
+                    format!("result `{result}` is not defined by the body"),
+                )
+            })?;
+        }
+        self.env.insert(r.carry.clone(), carried);
+        Ok(())
+    }
+
+    fn stmt(&mut self, stmt: &Stmt, layer: Option<u32>) -> Result<()> {
+        let (name, op, inputs) = match stmt {
+            Stmt::Weight(w) => {
+                let name = subst(&w.name, layer);
+                let op = Op::Param(ParamOp {
+                    tensor: name.clone(),
+                    shape: w.shape.clone(),
+                    dtype: w.dtype,
+                    groups: w.groups.clone(),
+                });
+                (name, op, Vec::new())
+            }
+            Stmt::Node(n) => {
+                let mut op = n.op.clone();
+                if let Op::Param(p) = &mut op {
+                    p.tensor = subst(&p.tensor, layer);
+                }
+                if op.is_collective() || matches!(op, Op::LocalSlice(_)) {
+                    return Err(self.err(
+                        &format!("node `{}`", n.name),
+                        format!(
+                            "{} is inserted by tpc's sharding passes; remove it from the model",
+                            op.kind()
+                        ),
+                    ));
+                }
+                let inputs = n.inputs.iter().map(|s| subst(s, layer)).collect();
+                (subst(&n.name, layer), op, inputs)
+            }
+            Stmt::Repeat(_) => unreachable!("repeats are handled by the caller"),
+        };
+        let place = format!("node `{name}`");
+        if self.env.contains_key(&name) {
+            return Err(self.err(
+                &place,
+                "this name is already bound; every name is defined once".into(),
+            ));
+        }
+        let ids = inputs
+            .iter()
+            .map(|i| {
+                self.env.get(i).copied().ok_or_else(|| {
+                    self.err(
+                        &place,
+                        format!("input `{i}` is not defined before this node"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let facts: Vec<_> = ids.iter().map(|&i| &self.graph.node(i).fact).collect();
+        let fact = infer(&op, &facts, self.def.dtype).map_err(|m| self.err(&place, m))?;
+        self.next_order += ORDER_STEP;
+        let id = self.graph.add(
+            Node {
+                name: name.clone(),
+                op,
+                fact,
+                layer,
+                order: self.next_order,
+                layout: None,
+            },
+            &ids,
+        );
+        self.env.insert(name, id);
+        Ok(())
+    }
+}

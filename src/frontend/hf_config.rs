@@ -1,0 +1,248 @@
+//! Hugging Face `config.json` → family preset. Accepts transformers 4.x and 5.x spellings.
+
+use super::spec::{Family, FamilyConfig};
+use crate::error::{Result, TpcError};
+use crate::ir::{ActivationKind, DType, RopeScaling, F64};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+struct Reader<'a> {
+    path: &'a Path,
+    json: &'a Value,
+}
+
+impl Reader<'_> {
+    fn err(&self, message: String) -> TpcError {
+        TpcError::HfConfig {
+            path: self.path.to_path_buf(),
+            message,
+        }
+    }
+
+    fn get(&self, keys: &[&str]) -> Option<&Value> {
+        keys.iter()
+            .find_map(|k| self.json.get(*k).filter(|v| !v.is_null()))
+    }
+
+    fn u64_opt(&self, keys: &[&str]) -> Result<Option<u64>> {
+        match self.get(keys) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+                self.err(format!(
+                    "`{}` must be a non-negative integer, found {v}",
+                    keys[0]
+                ))
+            }),
+        }
+    }
+
+    fn u64(&self, keys: &[&str]) -> Result<u64> {
+        self.u64_opt(keys)?.ok_or_else(|| {
+            self.err(format!(
+                "`{}` is missing; it is required for this model type",
+                keys[0]
+            ))
+        })
+    }
+
+    fn f64_opt(&self, keys: &[&str]) -> Result<Option<f64>> {
+        match self.get(keys) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("`{}` must be a number, found {v}", keys[0]))),
+        }
+    }
+
+    fn bool_opt(&self, keys: &[&str]) -> Result<Option<bool>> {
+        match self.get(keys) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("`{}` must be true or false, found {v}", keys[0]))),
+        }
+    }
+
+    fn str_opt(&self, keys: &[&str]) -> Result<Option<&str>> {
+        match self.get(keys) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("`{}` must be a string, found {v}", keys[0]))),
+        }
+    }
+
+    /// `rope_parameters` (5.x) or `rope_scaling` (4.x), whichever is present.
+    fn rope_block(&self) -> Option<Reader<'_>> {
+        self.get(&["rope_parameters", "rope_scaling"])
+            .filter(|v| v.is_object())
+            .map(|json| Reader {
+                path: self.path,
+                json,
+            })
+    }
+}
+
+fn dtype(r: &Reader) -> Result<DType> {
+    match r.str_opt(&["dtype", "torch_dtype"])? {
+        None | Some("bfloat16") => Ok(DType::Bf16),
+        Some("float16") => Ok(DType::F16),
+        Some("float32") => Ok(DType::F32),
+        Some(other) => Err(r.err(format!(
+            "dtype `{other}` is not supported; use bfloat16, float16 or float32"
+        ))),
+    }
+}
+
+fn activation(r: &Reader, keys: &[&str]) -> Result<Option<ActivationKind>> {
+    Ok(match r.str_opt(keys)? {
+        None => None,
+        Some("silu" | "swish") => Some(ActivationKind::Silu),
+        Some("gelu") => Some(ActivationKind::Gelu),
+        Some("gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") => Some(ActivationKind::GeluTanh),
+        Some("relu") => Some(ActivationKind::Relu),
+        Some(other) => {
+            return Err(r.err(format!(
+                "activation `{other}` is not supported; tpc knows silu, gelu, gelu_new, gelu_pytorch_tanh and relu"
+            )))
+        }
+    })
+}
+
+fn rope_scaling(r: &Reader) -> Result<Option<RopeScaling>> {
+    let Some(block) = r.rope_block() else {
+        return Ok(None);
+    };
+    let kind = block.str_opt(&["rope_type", "type"])?.unwrap_or("default");
+    let factor = || -> Result<F64> {
+        Ok(F64(block.f64_opt(&["factor"])?.ok_or_else(|| {
+            r.err(format!("rope scaling `{kind}` needs `factor`"))
+        })?))
+    };
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear { factor: factor()? })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: F64(block.f64_opt(&["low_freq_factor"])?.unwrap_or(1.0)),
+            high_freq_factor: F64(block.f64_opt(&["high_freq_factor"])?.unwrap_or(4.0)),
+            original_max_position_embeddings: block
+                .u64_opt(&["original_max_position_embeddings"])?
+                .unwrap_or(8192),
+        })),
+        other => Err(r.err(format!(
+            "rope type `{other}` is not supported; tpc knows default, linear and llama3"
+        ))),
+    }
+}
+
+fn rope_theta(r: &Reader, legacy: &[&str]) -> Result<Option<f64>> {
+    if let Some(t) = r.f64_opt(legacy)? {
+        return Ok(Some(t));
+    }
+    match r.rope_block() {
+        Some(b) => b.f64_opt(&["rope_theta"]),
+        None => Ok(None),
+    }
+}
+
+/// Reads an HF config into the matching family preset.
+pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
+    let r = Reader { path, json };
+    if !json.is_object() {
+        return Err(r.err("the file must hold a JSON object".into()));
+    }
+    let model_type = r
+        .str_opt(&["model_type"])?
+        .ok_or_else(|| r.err("`model_type` is missing".into()))?;
+    let family = match model_type {
+        "llama" | "mistral" => Family::Llama,
+        "qwen2" => Family::Qwen2,
+        "qwen3" => Family::Qwen3,
+        "gpt2" => Family::Gpt2,
+        "gpt_neox" => Family::GptNeox,
+        other => {
+            return Err(r.err(format!(
+                "model_type `{other}` is not supported; tpc reads llama, mistral, qwen2, qwen3, gpt2 and gpt_neox \
+                 (or write the architecture as an explicit graph in RON)"
+            )))
+        }
+    };
+    let name = r
+        .str_opt(&["_name_or_path"])?
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .or_else(|| Some(model_type.to_string()));
+    let mut c = if family == Family::Gpt2 {
+        let h = r.u64(&["n_embd", "hidden_size"])?;
+        FamilyConfig {
+            family,
+            name,
+            hidden_size: h,
+            intermediate_size: r.u64_opt(&["n_inner"])?.unwrap_or(4 * h),
+            num_hidden_layers: r.u64(&["n_layer", "num_hidden_layers"])?,
+            num_attention_heads: r.u64(&["n_head", "num_attention_heads"])?,
+            num_key_value_heads: None,
+            head_dim: None,
+            vocab_size: r.u64(&["vocab_size"])?,
+            max_position_embeddings: r.u64_opt(&["n_positions", "max_position_embeddings"])?,
+            norm_eps: r.f64_opt(&["layer_norm_epsilon"])?,
+            rope_theta: None,
+            rope_scaling: None,
+            rotary_pct: None,
+            attention_bias: None,
+            tie_word_embeddings: None,
+            use_parallel_residual: None,
+            hidden_act: activation(&r, &["activation_function"])?,
+            dtype: DType::F32,
+            tp_plan: BTreeMap::new(),
+        }
+    } else {
+        FamilyConfig {
+            family,
+            name,
+            hidden_size: r.u64(&["hidden_size"])?,
+            intermediate_size: r.u64(&["intermediate_size"])?,
+            num_hidden_layers: r.u64(&["num_hidden_layers"])?,
+            num_attention_heads: r.u64(&["num_attention_heads"])?,
+            num_key_value_heads: r.u64_opt(&["num_key_value_heads"])?,
+            head_dim: r.u64_opt(&["head_dim"])?,
+            vocab_size: r.u64(&["vocab_size"])?,
+            max_position_embeddings: r.u64_opt(&["max_position_embeddings"])?,
+            norm_eps: r.f64_opt(&["rms_norm_eps", "layer_norm_eps"])?,
+            rope_theta: rope_theta(&r, &["rope_theta", "rotary_emb_base"])?,
+            rope_scaling: rope_scaling(&r)?,
+            rotary_pct: match r.f64_opt(&["rotary_pct", "partial_rotary_factor"])? {
+                Some(p) => Some(p),
+                None => match r.rope_block() {
+                    Some(b) => b.f64_opt(&["partial_rotary_factor"])?,
+                    None => None,
+                },
+            },
+            attention_bias: r.bool_opt(&["attention_bias"])?,
+            tie_word_embeddings: r.bool_opt(&["tie_word_embeddings"])?,
+            use_parallel_residual: r.bool_opt(&["use_parallel_residual"])?,
+            hidden_act: activation(&r, &["hidden_act"])?,
+            dtype: DType::Bf16,
+            tp_plan: BTreeMap::new(),
+        }
+    };
+    if family == Family::Gpt2 {
+        // GPT-2 checkpoints carry no dtype and are stored in f32.
+        c.dtype = match r.get(&["dtype", "torch_dtype"]) {
+            Some(_) => dtype(&r)?,
+            None => DType::F32,
+        };
+    } else {
+        c.dtype = dtype(&r)?;
+    }
+    if family == Family::Qwen2 {
+        // Qwen2 always has q/k/v bias (not in its config).
+        c.attention_bias = Some(true);
+    }
+    Ok(c)
+}

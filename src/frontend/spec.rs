@@ -1,0 +1,152 @@
+//! What a model file says: a family preset with HF-like hyper-parameters, or an explicit
+//! graph of named ops with a repeat over layers.
+
+use crate::ir::{ActivationKind, DType, Groups, Op, RopeScaling};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ModelDef {
+    Preset(FamilyConfig),
+    Graph(GraphDef),
+}
+
+impl ModelDef {
+    pub fn tp_plan(&self) -> &BTreeMap<String, TpWord> {
+        match self {
+            ModelDef::Preset(p) => &p.tp_plan,
+            ModelDef::Graph(g) => &g.tp_plan,
+        }
+    }
+}
+
+/// The architectures tpc has presets for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Family {
+    /// Llama 2/3/3.1 and Mistral dense.
+    Llama,
+    /// Qwen2: q/k/v projections with bias.
+    Qwen2,
+    /// Qwen3: per-head RMSNorm on q and k, explicit head_dim.
+    Qwen3,
+    /// GPT-2: LayerNorm, learned positions, Conv1D weights, fused c_attn, tied head.
+    Gpt2,
+    /// GPT-NeoX / Pythia: parallel residual, partial rotary, per-head fused qkv.
+    GptNeox,
+}
+
+/// HF tensor-parallel plan words for per-weight overrides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TpWord {
+    Colwise,
+    Rowwise,
+    Vocab,
+    Replicate,
+}
+
+impl TpWord {
+    pub fn word(self) -> &'static str {
+        match self {
+            TpWord::Colwise => "colwise",
+            TpWord::Rowwise => "rowwise",
+            TpWord::Vocab => "vocab",
+            TpWord::Replicate => "replicate",
+        }
+    }
+}
+
+/// Family preset. Names follow HF `config.json`; unset options take the family's default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FamilyConfig {
+    pub family: Family,
+    #[serde(default)]
+    pub name: Option<String>,
+    pub hidden_size: u64,
+    pub intermediate_size: u64,
+    pub num_hidden_layers: u64,
+    pub num_attention_heads: u64,
+    #[serde(default)]
+    pub num_key_value_heads: Option<u64>,
+    #[serde(default)]
+    pub head_dim: Option<u64>,
+    pub vocab_size: u64,
+    #[serde(default)]
+    pub max_position_embeddings: Option<u64>,
+    #[serde(default)]
+    pub norm_eps: Option<f64>,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Fraction of each head that is rotated (GPT-NeoX `rotary_pct`).
+    #[serde(default)]
+    pub rotary_pct: Option<f64>,
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    pub use_parallel_residual: Option<bool>,
+    #[serde(default)]
+    pub hidden_act: Option<ActivationKind>,
+    #[serde(default = "default_dtype")]
+    pub dtype: DType,
+    /// Overrides: weight name pattern (`*` matches one dotted segment) → HF tp_plan word.
+    #[serde(default)]
+    pub tp_plan: BTreeMap<String, TpWord>,
+}
+
+pub fn default_dtype() -> DType {
+    DType::Bf16
+}
+
+/// An explicit graph: statements in order; names are bound once and referenced later.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GraphDef {
+    pub name: String,
+    #[serde(default = "default_dtype")]
+    pub dtype: DType,
+    pub body: Vec<Stmt>,
+    #[serde(default)]
+    pub tp_plan: BTreeMap<String, TpWord>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Stmt {
+    /// A checkpoint tensor, bound under its own name.
+    Weight(WeightDef),
+    /// An op applied to earlier names.
+    Node(NodeDef),
+    /// The body once per layer; `{i}` in names becomes the layer index.
+    Repeat(RepeatDef),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightDef {
+    pub name: String,
+    pub shape: Vec<u64>,
+    #[serde(default)]
+    pub dtype: Option<DType>,
+    #[serde(default)]
+    pub groups: BTreeMap<u32, Groups>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeDef {
+    pub name: String,
+    pub op: Op,
+    #[serde(default)]
+    pub inputs: Vec<String>,
+}
+
+/// `count` layers. Inside the body, the name `carry` means `init` in layer 0 and the
+/// previous layer's `result` after that; after the loop it means the last layer's result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RepeatDef {
+    pub count: u64,
+    pub carry: String,
+    pub init: String,
+    pub result: String,
+    pub body: Vec<Stmt>,
+}

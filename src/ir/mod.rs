@@ -1,0 +1,15 @@
+//! The dataflow IR: ops, tensor facts, layouts, the graph and its verifier.
+
+pub mod graph;
+pub mod groups;
+pub mod layout;
+pub mod op;
+pub mod shape;
+pub mod tensor;
+pub mod verify;
+
+pub use graph::{Edge, Graph, Node, NodeId, ORDER_STEP};
+pub use groups::{DimSlice, Groups, SliceRange, SplitProblem};
+pub use layout::Layout;
+pub use op::*;
+pub use tensor::{DType, Dim, Shape, TensorFact};

@@ -1,0 +1,326 @@
+//! The closed set of operations. Each variant carries one small struct of attributes.
+
+use super::groups::Groups;
+use super::tensor::DType;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// An f64 attribute with bitwise equality, so ops can be `Eq + Hash`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct F64(pub f64);
+
+impl Eq for F64 {}
+
+impl std::hash::Hash for F64 {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.to_bits().hash(state)
+    }
+}
+
+impl fmt::Display for F64 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum InputKind {
+    /// Token ids `[B, S]`.
+    TokenIds,
+    /// Absolute positions `[B, S]`.
+    Positions,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct InputOp {
+    pub kind: InputKind,
+}
+
+/// A checkpoint tensor, named as the checkpoint names it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParamOp {
+    pub tensor: String,
+    pub shape: Vec<u64>,
+    #[serde(default)]
+    pub dtype: Option<DType>,
+    /// Structure of splittable dims (dim index → groups); unlisted dims are plain.
+    #[serde(default)]
+    pub groups: BTreeMap<u32, Groups>,
+}
+
+impl ParamOp {
+    pub fn groups_of(&self, dim: u32) -> Groups {
+        self.groups.get(&dim).cloned().unwrap_or_default()
+    }
+}
+
+/// Table lookup: inputs `ids [B,S]`, `table [V, H]` → `[B, S, H]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct EmbeddingOp {
+    /// Set per rank by partitioning: the rows `[offset, offset+len)` this rank holds;
+    /// ids outside it yield zeros.
+    #[serde(default)]
+    pub vocab_range: Option<(u64, u64)>,
+}
+
+/// How a linear weight is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum WeightOrder {
+    /// `[out, in]` (torch `nn.Linear`).
+    #[default]
+    OutIn,
+    /// `[in, out]` (GPT-2 `Conv1D`).
+    InOut,
+}
+
+impl WeightOrder {
+    pub fn out_dim(self) -> u32 {
+        match self {
+            WeightOrder::OutIn => 0,
+            WeightOrder::InOut => 1,
+        }
+    }
+    pub fn in_dim(self) -> u32 {
+        1 - self.out_dim()
+    }
+}
+
+/// `y = x · Wᵀ`: inputs `x [.., in]`, `w` → `[.., out]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct LinearOp {
+    #[serde(default)]
+    pub weight_order: WeightOrder,
+}
+
+/// `y = x + b` with `b` broadcast over the last dim.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct BiasAddOp {}
+
+/// Elementwise sum of two equal shapes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct AddOp {}
+
+/// Elementwise product of two equal shapes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct MulOp {}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ActivationKind {
+    Silu,
+    /// GeLU with the tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
+    GeluTanh,
+    /// Exact GeLU with erf.
+    Gelu,
+    Relu,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ActivationOp {
+    pub kind: ActivationKind,
+}
+
+/// RMSNorm over the last dim, or over each `group`-sized slice of it (per-head q/k norm).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RmsNormOp {
+    pub eps: F64,
+    #[serde(default)]
+    pub group: Option<u64>,
+}
+
+/// LayerNorm over the last dim: inputs `x`, `weight`, `bias`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayerNormOp {
+    pub eps: F64,
+}
+
+/// Rotary-embedding frequency scaling.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RopeScaling {
+    /// Llama 3.1: long wavelengths scaled by `factor`, smooth in between.
+    Llama3 {
+        factor: F64,
+        low_freq_factor: F64,
+        high_freq_factor: F64,
+        original_max_position_embeddings: u64,
+    },
+    /// Positions divided by `factor`.
+    Linear { factor: F64 },
+}
+
+/// Rotary position embedding, rotate-half style, on the first `rotary_dim` of each head.
+/// Inputs: `x [B, S, heads*head_dim]`, `positions [B, S]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RopeOp {
+    pub head_dim: u64,
+    pub rotary_dim: u64,
+    pub theta: F64,
+    #[serde(default)]
+    pub scaling: Option<RopeScaling>,
+}
+
+/// Causal scaled-dot-product attention with grouped kv heads. Inputs `q, k, v`; the head
+/// counts are read from the input shapes, so one rank's op needs no rewriting.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AttentionOp {
+    pub head_dim: u64,
+    /// Softmax scale; `None` means `1/sqrt(head_dim)`.
+    #[serde(default)]
+    pub scale: Option<F64>,
+}
+
+/// Takes part `part` out of a fused last dim with structure `groups` (a `Concat` or
+/// `Interleaved` structure, the same one the producing weight declares).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct UnfuseOp {
+    pub groups: Groups,
+    pub part: u32,
+}
+
+/// A model output (logits).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct OutputOp {
+    pub name: String,
+}
+
+/// Sum over ranks; every rank gets the whole result.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AllReduceOp {}
+
+/// Concatenate the ranks' pieces along `dim`; `unpad_to` drops vocab padding afterwards.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AllGatherOp {
+    pub dim: u32,
+    #[serde(default)]
+    pub unpad_to: Option<u64>,
+}
+
+/// Sum over ranks, each rank keeping its piece along `dim`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ReduceScatterOp {
+    pub dim: u32,
+}
+
+/// Keep this rank's piece of a replicated value along `dim` (no communication).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LocalSliceOp {
+    pub dim: u32,
+}
+
+/// Every operation tpc knows. Collectives are only ever inserted by passes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Op {
+    Input(InputOp),
+    Param(ParamOp),
+    Embedding(EmbeddingOp),
+    Linear(LinearOp),
+    BiasAdd(BiasAddOp),
+    Add(AddOp),
+    Mul(MulOp),
+    Activation(ActivationOp),
+    RmsNorm(RmsNormOp),
+    LayerNorm(LayerNormOp),
+    Rope(RopeOp),
+    Attention(AttentionOp),
+    Unfuse(UnfuseOp),
+    Output(OutputOp),
+    AllReduce(AllReduceOp),
+    AllGather(AllGatherOp),
+    ReduceScatter(ReduceScatterOp),
+    LocalSlice(LocalSliceOp),
+}
+
+impl Op {
+    /// Short kind name used in reports, errors and pictures.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Op::Input(_) => "input",
+            Op::Param(_) => "param",
+            Op::Embedding(_) => "embedding",
+            Op::Linear(_) => "linear",
+            Op::BiasAdd(_) => "bias_add",
+            Op::Add(_) => "add",
+            Op::Mul(_) => "mul",
+            Op::Activation(_) => "activation",
+            Op::RmsNorm(_) => "rms_norm",
+            Op::LayerNorm(_) => "layer_norm",
+            Op::Rope(_) => "rope",
+            Op::Attention(_) => "attention",
+            Op::Unfuse(_) => "unfuse",
+            Op::Output(_) => "output",
+            Op::AllReduce(_) => "all_reduce",
+            Op::AllGather(_) => "all_gather",
+            Op::ReduceScatter(_) => "reduce_scatter",
+            Op::LocalSlice(_) => "local_slice",
+        }
+    }
+
+    /// Number of inputs the op takes.
+    pub fn arity(&self) -> usize {
+        match self {
+            Op::Input(_) | Op::Param(_) => 0,
+            Op::Activation(_)
+            | Op::Unfuse(_)
+            | Op::Output(_)
+            | Op::AllReduce(_)
+            | Op::AllGather(_)
+            | Op::ReduceScatter(_)
+            | Op::LocalSlice(_) => 1,
+            Op::Embedding(_)
+            | Op::Linear(_)
+            | Op::BiasAdd(_)
+            | Op::Add(_)
+            | Op::Mul(_)
+            | Op::RmsNorm(_)
+            | Op::Rope(_) => 2,
+            Op::LayerNorm(_) | Op::Attention(_) => 3,
+        }
+    }
+
+    pub fn is_collective(&self) -> bool {
+        matches!(
+            self,
+            Op::AllReduce(_) | Op::AllGather(_) | Op::ReduceScatter(_)
+        )
+    }
+
+    /// A one-line attribute summary for printers.
+    pub fn attrs(&self) -> String {
+        match self {
+            Op::Input(i) => format!("{:?}", i.kind),
+            Op::Param(p) => p.tensor.clone(),
+            Op::Embedding(e) => match e.vocab_range {
+                Some((o, l)) => format!("rows {o}..{}", o + l),
+                None => String::new(),
+            },
+            Op::Linear(l) => match l.weight_order {
+                WeightOrder::OutIn => String::new(),
+                WeightOrder::InOut => "w[in,out]".into(),
+            },
+            Op::Activation(a) => format!("{:?}", a.kind),
+            Op::RmsNorm(n) => match n.group {
+                Some(g) => format!("eps={} group={g}", n.eps),
+                None => format!("eps={}", n.eps),
+            },
+            Op::LayerNorm(n) => format!("eps={}", n.eps),
+            Op::Rope(r) => format!(
+                "head_dim={} rotary_dim={} theta={}{}",
+                r.head_dim,
+                r.rotary_dim,
+                r.theta,
+                if r.scaling.is_some() { " scaled" } else { "" }
+            ),
+            Op::Attention(a) => format!("head_dim={}", a.head_dim),
+            Op::Unfuse(u) => format!("part {}", u.part),
+            Op::Output(o) => o.name.clone(),
+            Op::AllGather(g) => match g.unpad_to {
+                Some(n) => format!("dim={} unpad_to={n}", g.dim),
+                None => format!("dim={}", g.dim),
+            },
+            Op::ReduceScatter(r) => format!("dim={}", r.dim),
+            Op::LocalSlice(s) => format!("dim={}", s.dim),
+            Op::BiasAdd(_) | Op::Add(_) | Op::Mul(_) | Op::AllReduce(_) => String::new(),
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! The verifier: checks the whole graph and collects every problem with its node.
+
+use super::graph::Graph;
+use super::layout::Layout;
+use super::op::Op;
+use super::shape::infer;
+use std::collections::HashSet;
+use std::fmt;
+
+/// One problem found by the verifier, at a named node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub node: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "at node `{}`: {}", self.node, self.message)
+    }
+}
+
+/// Checks structure, arity, shapes against inference, unique names, and (once layouts
+/// are assigned) that every layout fits its value and every collective converts the layout
+/// it says it does.
+pub fn verify(graph: &Graph) -> Result<(), Vec<Problem>> {
+    let mut problems = Vec::new();
+    let mut say = |node: &str, message: String| {
+        problems.push(Problem {
+            node: node.to_string(),
+            message,
+        })
+    };
+    if let Err(cycle) = graph.topo_order() {
+        let names: Vec<_> = cycle.iter().map(|&n| graph.node(n).name.as_str()).collect();
+        say(
+            names[0],
+            format!("nodes form a cycle: {}", names.join(", ")),
+        );
+    }
+    let mut names = HashSet::new();
+    let any_layout = graph.g.node_weights().any(|n| n.layout.is_some());
+    for id in graph.g.node_indices() {
+        let node = graph.node(id);
+        if !names.insert(node.name.as_str()) {
+            say(&node.name, "name is used by more than one node".into());
+        }
+        let inputs = graph.inputs(id);
+        let mut slots: Vec<u32> = graph
+            .g
+            .edges_directed(id, petgraph::Direction::Incoming)
+            .map(|e| e.weight().slot)
+            .collect();
+        slots.sort_unstable();
+        if slots != (0..inputs.len() as u32).collect::<Vec<_>>() {
+            say(&node.name, format!("input slots {slots:?} are not 0..n"));
+            continue;
+        }
+        let facts: Vec<_> = inputs.iter().map(|&i| &graph.node(i).fact).collect();
+        match infer(&node.op, &facts, graph.dtype) {
+            Ok(f) if f != node.fact => say(
+                &node.name,
+                format!("recorded fact {} but inference gives {f}", node.fact),
+            ),
+            Ok(_) => {}
+            Err(e) => say(&node.name, e),
+        }
+        if !any_layout {
+            continue;
+        }
+        let Some(layout) = node.layout else {
+            say(&node.name, "has no layout while others do".into());
+            continue;
+        };
+        if let Layout::Split { dim } = layout {
+            if dim as usize >= node.fact.shape.rank() {
+                say(
+                    &node.name,
+                    format!("split dim {dim} is outside its shape {}", node.fact.shape),
+                );
+            }
+        }
+        let input_layout = inputs.first().map(|&i| graph.layout(i));
+        let expect = match &node.op {
+            Op::AllReduce(_) => Some((Layout::Partial, Layout::Replicated)),
+            Op::AllGather(g) => Some((Layout::Split { dim: g.dim }, Layout::Replicated)),
+            Op::ReduceScatter(r) => Some((Layout::Partial, Layout::Split { dim: r.dim })),
+            Op::LocalSlice(s) => Some((Layout::Replicated, Layout::Split { dim: s.dim })),
+            _ => None,
+        };
+        if let Some((from, to)) = expect {
+            if input_layout != Some(from) || layout != to {
+                say(
+                    &node.name,
+                    format!(
+                        "{} must turn {from} into {to}, but turns {} into {layout}",
+                        node.op.kind(),
+                        input_layout.map(|l| l.to_string()).unwrap_or_default()
+                    ),
+                );
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::*;
+
+    fn param(g: &mut Graph, name: &str, shape: &[u64]) -> NodeId {
+        let op = Op::Param(ParamOp {
+            tensor: name.into(),
+            shape: shape.to_vec(),
+            dtype: None,
+            groups: Default::default(),
+        });
+        g.add(
+            Node {
+                name: name.into(),
+                op,
+                fact: TensorFact {
+                    dtype: DType::F32,
+                    shape: Shape::fixed(shape),
+                },
+                layer: None,
+                order: 0,
+                layout: None,
+            },
+            &[],
+        )
+    }
+
+    #[test]
+    fn collects_every_problem_with_its_node() {
+        let mut g = Graph::new("t", DType::F32);
+        let a = param(&mut g, "a", &[4]);
+        let b = param(&mut g, "a", &[5]);
+        let bad_fact = TensorFact {
+            dtype: DType::F32,
+            shape: Shape::fixed(&[4]),
+        };
+        g.add(
+            Node {
+                name: "sum".into(),
+                op: Op::Add(AddOp {}),
+                fact: bad_fact,
+                layer: None,
+                order: 1,
+                layout: None,
+            },
+            &[a, b],
+        );
+        let problems = verify(&g).unwrap_err();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems
+            .iter()
+            .any(|p| p.message.contains("more than one node")));
+        assert!(problems
+            .iter()
+            .any(|p| p.node == "sum" && p.message.contains("equal shapes")));
+    }
+}

@@ -1,0 +1,14 @@
+//! tpc: a tensor-parallel compiler and executor for transformer language models.
+//!
+//! Pipeline: [`frontend`] (model files → IR) → [`passes`] (layouts, collectives,
+//! feasibility) → [`plan`] (per-rank programs, weight slices, report, DOT) → runtime.
+
+pub mod error;
+pub mod frontend;
+pub mod ir;
+pub mod passes;
+pub mod pipeline;
+pub mod plan;
+pub mod runtime;
+
+pub use error::{Result, TpcError};

@@ -1,0 +1,112 @@
+//! Feasibility, decided before any weight is read: every split weight must divide among
+//! the ranks by whole heads (kv heads may be replicated), vocabularies are padded. An
+//! impossible tp is one error that names each constraint and lists the tp values that work.
+
+use super::ShardCtx;
+use crate::error::{Result, TpcError};
+use crate::ir::{Graph, Groups, Layout, Op, SplitProblem};
+use std::collections::BTreeSet;
+
+/// Largest tp the error message searches when it lists valid values.
+pub const MAX_TP: u64 = 1024;
+
+/// One split dimension: its structure and length.
+type SplitDim = (Groups, u64);
+
+fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    for n in graph.g.node_weights() {
+        let (Op::Param(p), Some(Layout::Split { dim })) = (&n.op, n.layout) else {
+            continue;
+        };
+        let Some(&len) = p.shape.get(dim as usize) else {
+            continue;
+        };
+        let groups = p.groups_of(dim);
+        let pattern = tensor_pattern(&p.tensor);
+        if seen.insert((pattern.clone(), format!("{groups:?}"), len)) {
+            out.push((pattern, (groups, len)));
+        }
+    }
+    out
+}
+
+/// `model.layers.3.mlp.up_proj.weight` → `model.layers.*.mlp.up_proj.weight`
+pub fn tensor_pattern(tensor: &str) -> String {
+    tensor
+        .split('.')
+        .map(|s| {
+            if s.chars().all(|c| c.is_ascii_digit()) {
+                "*"
+            } else {
+                s
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
+    let dims = split_dims(graph);
+    let tp = ctx.tp;
+    let mut reasons: Vec<String> = Vec::new();
+    for (pattern, (groups, len)) in &dims {
+        if let Err(problem) = groups.check(*len, tp) {
+            let text = problem.describe(tp);
+            let line = match problem {
+                SplitProblem::LengthMismatch { .. } => format!("`{pattern}`: {text}"),
+                _ => format!("{text} (`{pattern}`)"),
+            };
+            if !reasons.contains(&line) {
+                reasons.push(line);
+            }
+        }
+        notes_for(groups, *len, tp, &mut ctx.notes);
+    }
+    if reasons.is_empty() {
+        return Ok(());
+    }
+    let valid = (1..=MAX_TP)
+        .filter(|&t| dims.iter().all(|(_, (g, len))| g.check(*len, t).is_ok()))
+        .collect();
+    Err(TpcError::Infeasible {
+        model: graph.name.clone(),
+        tp,
+        reasons,
+        valid,
+    })
+}
+
+fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
+    let mut add = |s: String| {
+        if !notes.contains(&s) {
+            notes.push(s)
+        }
+    };
+    match groups {
+        Groups::Plain { padded: true } if len % tp != 0 => {
+            let padded = len.div_ceil(tp) * tp;
+            add(format!(
+                "vocabulary of {len} rows padded to {padded} for tp={tp} ({} padding rows at the end); padded rows are masked and padded logits are dropped",
+                padded - len
+            ));
+        }
+        Groups::Heads {
+            count,
+            replicable: true,
+            ..
+        } if tp > *count && tp % count == 0 => {
+            add(format!(
+                "{count} key/value heads for tp={tp}: each kv head is replicated on {} ranks",
+                tp / count
+            ));
+        }
+        Groups::Concat(parts) => {
+            for p in parts {
+                notes_for(p, p.covered_len().unwrap_or(0), tp, &mut *notes);
+            }
+        }
+        _ => {}
+    }
+}

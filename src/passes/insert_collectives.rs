@@ -1,0 +1,65 @@
+//! Collective insertion: every input whose producer's layout differs from what the
+//! consumer needs gets the reshard table's steps, shared by all consumers that need the
+//! same layout of the same value.
+
+use super::reshard::reshard;
+use super::ShardCtx;
+use crate::error::{Result, TpcError};
+use crate::ir::{Graph, Layout, Node, NodeId, Op};
+use std::collections::HashMap;
+
+pub fn insert_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
+    let mut wanted: Vec<((NodeId, u32), Layout)> =
+        ctx.required.iter().map(|(&k, &v)| (k, v)).collect();
+    wanted.sort_unstable_by_key(|&((n, s), _)| (graph.node(n).order, s));
+    let mut cache: HashMap<(NodeId, Layout), NodeId> = HashMap::new();
+    let mut inserted_after: HashMap<NodeId, u64> = HashMap::new();
+    for ((consumer, slot), need) in wanted {
+        let producer = graph.inputs(consumer)[slot as usize];
+        let from = graph.layout(producer);
+        let steps = reshard(from, need).ok_or_else(|| TpcError::PartialMisuse {
+            places: vec![format!(
+                "`{}` needs `{}` as {need} but it is {from}, and no collective makes that",
+                graph.node(consumer).name,
+                graph.node(producer).name
+            )],
+        })?;
+        let mut current = producer;
+        for step in steps {
+            let to = step_output(&step);
+            current = match cache.get(&(current, to)) {
+                Some(&done) => done,
+                None => {
+                    let src = graph.node(current).clone();
+                    let k = inserted_after.entry(producer).or_insert(0);
+                    *k += 1;
+                    let node = Node {
+                        name: format!("{}.{}", src.name, step.kind()),
+                        op: step,
+                        fact: src.fact.clone(),
+                        layer: src.layer,
+                        order: graph.node(producer).order + *k,
+                        layout: Some(to),
+                    };
+                    let id = graph.add(node, &[current]);
+                    cache.insert((current, to), id);
+                    id
+                }
+            };
+        }
+        if current != producer {
+            graph.rewire(consumer, slot, current);
+        }
+    }
+    ctx.required.clear();
+    Ok(())
+}
+
+fn step_output(op: &Op) -> Layout {
+    match op {
+        Op::AllReduce(_) | Op::AllGather(_) => Layout::Replicated,
+        Op::ReduceScatter(r) => Layout::Split { dim: r.dim },
+        Op::LocalSlice(s) => Layout::Split { dim: s.dim },
+        _ => unreachable!("the reshard table only yields collectives and local slices"),
+    }
+}

@@ -1,0 +1,94 @@
+//! Sharding passes, run in order by one pass manager that verifies the graph after each.
+
+pub mod feasibility;
+pub mod insert_collectives;
+pub mod overrides;
+pub mod partial_check;
+pub mod propagate;
+pub mod regions;
+pub mod reshard;
+pub mod rules;
+
+use crate::error::{Result, TpcError};
+use crate::frontend::TpWord;
+use crate::ir::verify::verify;
+use crate::ir::{Graph, Layout, NodeId};
+pub use regions::Region;
+use std::collections::{BTreeMap, HashMap};
+
+/// What passes share besides the graph (side tables keyed by node id).
+#[derive(Debug, Default)]
+pub struct ShardCtx {
+    pub tp: u64,
+    /// Override words by weight node.
+    pub overrides: HashMap<NodeId, TpWord>,
+    /// Layout each (consumer, input slot) needs; filled by propagation, consumed by
+    /// collective insertion.
+    pub required: HashMap<(NodeId, u32), Layout>,
+    /// Column→row regions.
+    pub regions: Vec<Region>,
+    /// Things a user should know about this plan (kv replication, vocab padding).
+    pub notes: Vec<String>,
+}
+
+impl ShardCtx {
+    fn cycle_error(&self) -> TpcError {
+        TpcError::Verify {
+            pass: "topological order",
+            problems: vec![],
+        }
+    }
+}
+
+pub type Pass = fn(&mut Graph, &mut ShardCtx) -> Result<()>;
+
+/// The sharding pipeline, in order.
+pub const PIPELINE: &[(&str, Pass)] = &[
+    ("assign_layouts", propagate::assign_layouts),
+    ("check_feasibility", feasibility::check_feasibility),
+    ("insert_collectives", insert_collectives::insert_collectives),
+    ("check_partials", partial_check::check_partials),
+    ("find_regions", regions::find_regions),
+];
+
+/// Runs passes in order, verifying after each; a pass that leaves a broken graph is named.
+pub fn run_passes(
+    graph: &mut Graph,
+    ctx: &mut ShardCtx,
+    passes: &[(&'static str, Pass)],
+) -> Result<()> {
+    verify(graph).map_err(|problems| TpcError::Verify {
+        pass: "frontend",
+        problems,
+    })?;
+    for &(name, pass) in passes {
+        pass(graph, ctx)?;
+        verify(graph).map_err(|problems| TpcError::Verify {
+            pass: name,
+            problems,
+        })?;
+    }
+    Ok(())
+}
+
+/// A sharded graph with its side tables.
+#[derive(Debug)]
+pub struct Sharded {
+    pub graph: Graph,
+    pub ctx: ShardCtx,
+}
+
+/// Shards `graph` for `tp` ranks with the model's overrides.
+pub fn shard(mut graph: Graph, tp: u64, tp_plan: &BTreeMap<String, TpWord>) -> Result<Sharded> {
+    if tp == 0 {
+        return Err(TpcError::ZeroTp { tp });
+    }
+    let overrides = overrides::resolve_overrides(&graph, tp_plan)?;
+    let mut ctx = ShardCtx {
+        tp,
+        overrides,
+        ..Default::default()
+    };
+    run_passes(&mut graph, &mut ctx, PIPELINE)?;
+    Ok(Sharded { graph, ctx })
+}

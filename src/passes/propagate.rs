@@ -1,0 +1,66 @@
+//! Layout propagation and plan choice: one generic forward walk that asks each op's rule
+//! what it needs, places undecided weights as the rule prefers (or as an override says),
+//! and records every input whose layout must change.
+
+use super::rules::rule;
+use super::ShardCtx;
+use crate::error::Result;
+use crate::ir::{Graph, Layout, NodeId, Op};
+use std::collections::HashSet;
+
+/// Gives every node a layout and fills `ctx.required` with the layout each input slot
+/// needs. With tp = 1 everything is replicated and nothing needs to change.
+pub fn assign_layouts(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
+    let order = graph.topo_order().map_err(|_| ctx.cycle_error())?;
+    ctx.required.clear();
+    for n in graph.g.node_weights_mut() {
+        n.layout = None;
+    }
+    if ctx.tp == 1 {
+        for &id in &order {
+            graph.node_mut(id).layout = Some(Layout::Replicated);
+            for (slot, _) in graph.inputs(id).iter().enumerate() {
+                ctx.required.insert((id, slot as u32), Layout::Replicated);
+            }
+        }
+        return Ok(());
+    }
+    // Partial values some earlier consumer already needs whole: later consumers read the
+    // reduced copy, so the residual stream stays whole as in Megatron.
+    let mut reduced: HashSet<NodeId> = HashSet::new();
+    for &id in &order {
+        if matches!(graph.node(id).op, Op::Param(_)) {
+            continue;
+        }
+        let inputs = graph.inputs(id);
+        let given: Vec<Option<Layout>> = inputs
+            .iter()
+            .map(|&i| match graph.node(i).layout {
+                Some(Layout::Partial) if reduced.contains(&i) => Some(Layout::Replicated),
+                other => other,
+            })
+            .collect();
+        let ranks: Vec<usize> = inputs
+            .iter()
+            .map(|&i| graph.node(i).fact.shape.rank())
+            .collect();
+        let word = inputs.iter().find_map(|i| ctx.overrides.get(i).copied());
+        let choice = rule(&graph.node(id).op, &given, &ranks, word);
+        for (slot, (&input, &need)) in inputs.iter().zip(&choice.inputs).enumerate() {
+            let producer = graph.node_mut(input);
+            if producer.layout.is_none() {
+                // An undecided weight takes the layout its first consumer needs.
+                producer.layout = Some(need);
+            }
+            if producer.layout == Some(Layout::Partial) && need == Layout::Replicated {
+                reduced.insert(input);
+            }
+            ctx.required.insert((id, slot as u32), need);
+        }
+        graph.node_mut(id).layout = Some(choice.output);
+    }
+    for n in graph.g.node_weights_mut() {
+        n.layout.get_or_insert(Layout::Replicated);
+    }
+    Ok(())
+}

@@ -1,0 +1,22 @@
+//! The whole compiler: model definition → sharded graph → plan.
+
+use crate::error::Result;
+use crate::frontend::{to_graph, ModelDef};
+use crate::passes::{shard, Sharded};
+use crate::plan::partition::partition;
+use crate::plan::Plan;
+
+/// A compiled model: the sharded graph (for pictures) and the plan.
+#[derive(Debug)]
+pub struct Compiled {
+    pub sharded: Sharded,
+    pub plan: Plan,
+}
+
+/// Compiles a model definition for `tp` ranks.
+pub fn compile(def: &ModelDef, tp: u64) -> Result<Compiled> {
+    let graph = to_graph(def)?;
+    let sharded = shard(graph, tp, def.tp_plan())?;
+    let plan = partition(&sharded)?;
+    Ok(Compiled { sharded, plan })
+}

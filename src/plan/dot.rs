@@ -1,0 +1,240 @@
+//! Graphviz pictures of a plan: rank 0 by default or every rank; edges labelled with
+//! layouts and local shapes, collectives highlighted with their bytes per token,
+//! column→row regions boxed, one cluster per layer.
+
+use super::{Plan, RankProgram};
+use crate::ir::Op;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
+
+#[derive(Debug, Clone, Default)]
+pub struct DotOptions {
+    /// Draw every rank, with each collective joining them.
+    pub all_ranks: bool,
+    /// Only these layers (inclusive range); layers outside are elided.
+    pub layers: Option<(u32, u32)>,
+}
+
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+/// Where each instruction goes: which layer cluster and which region box.
+struct Placement {
+    region_of: HashMap<String, usize>,
+}
+
+impl Placement {
+    fn new(plan: &Plan) -> Placement {
+        let mut region_of = HashMap::new();
+        for (i, r) in plan.regions.iter().enumerate() {
+            for m in &r.members {
+                region_of.insert(m.clone(), i);
+            }
+        }
+        Placement { region_of }
+    }
+}
+
+fn shown(layer: Option<u32>, o: &DotOptions) -> bool {
+    match (layer, o.layers) {
+        (Some(l), Some((a, b))) => l >= a && l <= b,
+        _ => true,
+    }
+}
+
+fn node_label(
+    plan: &Plan,
+    i: &super::Instr,
+    weights: &HashMap<u32, String>,
+) -> (String, &'static str) {
+    let short = i
+        .name
+        .rsplit_once(".layers.")
+        .map_or(i.name.as_str(), |(_, rest)| rest);
+    let short = short.rsplit_once(".h.").map_or(short, |(_, rest)| rest);
+    let mut label = format!("{short}\\n{}", i.op.kind());
+    let attrs = i.op.attrs();
+    if !attrs.is_empty() && !matches!(i.op, Op::Param(_)) {
+        label.push_str(&format!(" {{{}}}", esc(&attrs)));
+    }
+    for w in i.inputs.iter().filter_map(|a| weights.get(a)) {
+        label.push_str(&format!("\\nW {w}"));
+    }
+    label.push_str(&format!("\\n{} {}", i.fact, i.layout));
+    if i.op.is_collective() {
+        if let Some(c) = plan.collectives.iter().find(|c| c.id == i.id) {
+            label.push_str(&format!(
+                "\\n{} B/token (ring wire {} B)",
+                c.bytes_per_token, c.ring_wire_bytes_per_token
+            ));
+        }
+        return (
+            label,
+            "shape=box, style=\"filled,bold\", fillcolor=\"#ffb3a7\", color=\"#c0392b\"",
+        );
+    }
+    let style = match i.op {
+        Op::Input(_) | Op::Output(_) => "shape=oval, style=filled, fillcolor=\"#dfe6e9\"",
+        Op::LocalSlice(_) => "shape=box, style=\"filled,dashed\", fillcolor=\"#fdf2d0\"",
+        _ => "shape=box, style=rounded",
+    };
+    (label, style)
+}
+
+/// Weight descriptions by value id ("[64, 32] S(0)") for labels of ops that read them.
+fn weight_notes(r: &RankProgram) -> HashMap<u32, String> {
+    r.instrs
+        .iter()
+        .filter(|i| matches!(i.op, Op::Param(_)))
+        .map(|i| (i.id, format!("{} {}", i.fact.shape, i.layout)))
+        .collect()
+}
+
+fn rank_body(
+    out: &mut String,
+    plan: &Plan,
+    r: &RankProgram,
+    prefix: &str,
+    o: &DotOptions,
+    place: &Placement,
+) {
+    let weights = weight_notes(r);
+    let local: HashMap<u32, &super::Instr> = r.instrs.iter().map(|i| (i.id, i)).collect();
+    // Layer → region → nodes; `None` keys hold nodes outside layers / regions.
+    let mut tree: BTreeMap<Option<u32>, BTreeMap<Option<usize>, Vec<String>>> = BTreeMap::new();
+    let mut elided = false;
+    for i in &r.instrs {
+        if matches!(i.op, Op::Param(_)) {
+            continue;
+        }
+        if !shown(i.layer, o) {
+            elided = true;
+            continue;
+        }
+        if o.all_ranks && i.op.is_collective() {
+            continue; // drawn once, between the ranks
+        }
+        let (label, style) = node_label(plan, i, &weights);
+        let line = format!("\"{prefix}{}\" [label=\"{label}\", {style}];", i.id);
+        let region = place.region_of.get(&i.name).copied();
+        tree.entry(i.layer)
+            .or_default()
+            .entry(region)
+            .or_default()
+            .push(line);
+    }
+    for (layer, regions) in &tree {
+        let indent = if layer.is_some() { "    " } else { "  " };
+        if let Some(l) = layer {
+            let _ = writeln!(out, "  subgraph \"cluster_{prefix}layer_{l}\" {{");
+            let _ = writeln!(
+                out,
+                "    label=\"layer {l}\"; style=rounded; color=\"#7f8c8d\";"
+            );
+        }
+        for (region, lines) in regions {
+            if let Some(k) = region {
+                let _ = writeln!(out, "{indent}subgraph \"cluster_{prefix}region_{k}\" {{");
+                let _ = writeln!(out, "{indent}  label=\"column→row: no communication\"; style=dashed; color=\"#2980b9\";");
+            }
+            for line in lines {
+                let _ = writeln!(out, "{indent}  {line}");
+            }
+            if region.is_some() {
+                let _ = writeln!(out, "{indent}}}");
+            }
+        }
+        if layer.is_some() {
+            let _ = writeln!(out, "  }}");
+        }
+    }
+    if elided {
+        let _ = writeln!(
+            out,
+            "  \"{prefix}elided\" [label=\"… other layers …\", shape=plaintext];"
+        );
+    }
+    let name_of = |id: u32, p: &str| -> Option<String> {
+        let i = local.get(&id)?;
+        if !shown(i.layer, o) {
+            return Some(format!("\"{p}elided\""));
+        }
+        if o.all_ranks && i.op.is_collective() {
+            return Some(format!("\"coll_{id}\""));
+        }
+        Some(format!("\"{p}{id}\""))
+    };
+    let mut drawn = std::collections::HashSet::new();
+    for i in &r.instrs {
+        if matches!(i.op, Op::Param(_)) || !shown(i.layer, o) {
+            continue;
+        }
+        let is_shared = o.all_ranks && i.op.is_collective();
+        for &a in &i.inputs {
+            let Some(src) = local.get(&a) else { continue };
+            if matches!(src.op, Op::Param(_)) {
+                continue;
+            }
+            let (Some(from), Some(to)) = (name_of(a, prefix), name_of(i.id, prefix)) else {
+                continue;
+            };
+            if !drawn.insert((from.clone(), to.clone())) {
+                continue;
+            }
+            let label = format!("{} {}", src.layout, src.fact.shape);
+            let color = if is_shared || src.op.is_collective() {
+                ", color=\"#c0392b\""
+            } else {
+                ""
+            };
+            let _ = writeln!(out, "  {from} -> {to} [label=\"{label}\"{color}];");
+        }
+    }
+}
+
+/// Renders the picture.
+pub fn render(plan: &Plan, o: &DotOptions) -> String {
+    let place = Placement::new(plan);
+    let mut out = String::new();
+    let _ = writeln!(out, "digraph tpc {{");
+    let view = if o.all_ranks {
+        "all ranks".to_string()
+    } else {
+        "rank 0".to_string()
+    };
+    let _ = writeln!(
+        out,
+        "  label=\"{} — tp={} — {view}\\nedges: layout (R replicated, S(d) split on dim d, P partial sums) and local shape\"; labelloc=t;",
+        esc(&plan.model),
+        plan.tp
+    );
+    let _ = writeln!(out, "  rankdir=TB; node [fontname=\"Helvetica\", fontsize=10]; edge [fontname=\"Helvetica\", fontsize=8];");
+    if o.all_ranks {
+        for r in &plan.ranks {
+            let prefix = format!("r{}_", r.rank);
+            let _ = writeln!(
+                out,
+                "subgraph \"cluster_rank_{}\" {{ label=\"rank {}\"; color=\"#34495e\";",
+                r.rank, r.rank
+            );
+            rank_body(&mut out, plan, r, &prefix, o, &place);
+            let _ = writeln!(out, "}}");
+        }
+        if let Some(r0) = plan.ranks.first() {
+            let weights = weight_notes(r0);
+            for i in r0
+                .instrs
+                .iter()
+                .filter(|i| i.op.is_collective() && shown(i.layer, o))
+            {
+                let (label, style) = node_label(plan, i, &weights);
+                let _ = writeln!(out, "  \"coll_{}\" [label=\"{label}\", {style}];", i.id);
+            }
+        }
+    } else if let Some(r0) = plan.ranks.first() {
+        rank_body(&mut out, plan, r0, "", o, &place);
+    }
+    let _ = writeln!(out, "}}");
+    out
+}

@@ -1,0 +1,168 @@
+//! The plan: a versioned artifact with one program per rank, the weight-slice manifest and
+//! every collective. The runtime consumes only plans.
+
+pub mod dot;
+pub mod partition;
+pub mod report;
+pub mod text;
+
+use crate::error::{Result, TpcError};
+use crate::frontend::load::{parse_json, parse_ron, read_text, ron_options};
+use crate::ir::{DType, Layout, Op, SliceRange, TensorFact};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Bumped whenever the plan's meaning or fields change.
+pub const PLAN_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub version: u32,
+    pub model: String,
+    pub tp: u64,
+    pub dtype: DType,
+    /// Things a user should know (kv-head replication, vocab padding).
+    pub notes: Vec<String>,
+    pub collectives: Vec<Collective>,
+    /// Column→row regions: the linears that open and close each.
+    pub regions: Vec<RegionInfo>,
+    pub ranks: Vec<RankProgram>,
+}
+
+/// One collective of the forward pass (the same on every rank).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Collective {
+    /// Value id in the rank programs.
+    pub id: u32,
+    pub name: String,
+    /// `all_reduce`, `all_gather` or `reduce_scatter`.
+    pub kind: String,
+    pub layer: Option<u32>,
+    /// Elements of the whole (gathered or reduced) value per token.
+    pub elements_per_token: u64,
+    /// Message size per token: elements × dtype size.
+    pub bytes_per_token: u64,
+    /// Bytes each rank sends per token with a ring algorithm.
+    pub ring_wire_bytes_per_token: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionInfo {
+    pub layer: Option<u32>,
+    pub columns: Vec<String>,
+    pub rows: Vec<String>,
+    /// Every op inside the region.
+    pub members: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankProgram {
+    pub rank: u64,
+    pub weights: Vec<WeightSlice>,
+    pub instrs: Vec<Instr>,
+}
+
+/// Which part of a checkpoint tensor one rank loads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WeightSlice {
+    /// The checkpoint's tensor name.
+    pub tensor: String,
+    /// Shape in the checkpoint.
+    pub shape: Vec<u64>,
+    pub dtype: DType,
+    /// The split dim, `None` when the rank loads the whole tensor.
+    pub dim: Option<u32>,
+    /// Ranges of `dim` to load, concatenated in order.
+    pub ranges: Vec<SliceRange>,
+    /// Zero rows appended after the ranges (vocab padding).
+    pub padding: u64,
+    /// Shape the rank holds.
+    pub local_shape: Vec<u64>,
+}
+
+impl WeightSlice {
+    pub fn local_elements(&self) -> u64 {
+        self.local_shape.iter().product()
+    }
+    pub fn local_bytes(&self) -> u64 {
+        self.local_elements() * self.dtype.size_bytes()
+    }
+}
+
+/// One instruction: `%id = op(inputs)`. Ids are shared by all ranks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Instr {
+    pub id: u32,
+    pub name: String,
+    pub op: Op,
+    pub inputs: Vec<u32>,
+    /// The value on this rank.
+    pub fact: TensorFact,
+    pub layout: Layout,
+    pub layer: Option<u32>,
+}
+
+impl Plan {
+    /// Writes RON, or JSON when the path ends in `.json`.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let text = if path.extension().is_some_and(|e| e == "json") {
+            serde_json::to_string_pretty(self).map_err(|e| TpcError::Serialize(e.to_string()))?
+        } else {
+            let cfg = ron::ser::PrettyConfig::new().depth_limit(6);
+            ron_options()
+                .to_string_pretty(self, cfg)
+                .map_err(|e| TpcError::Serialize(e.to_string()))?
+        };
+        std::fs::write(path, text).map_err(|source| TpcError::Write {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// Reads a plan written by [`Plan::save`], checking its version.
+    pub fn load(path: &Path) -> Result<Plan> {
+        let text = read_text(path)?;
+        #[derive(Deserialize)]
+        struct Header {
+            version: u32,
+        }
+        let json = path.extension().is_some_and(|e| e == "json");
+        let header: Header = if json {
+            parse_json(path, &text)?
+        } else {
+            parse_ron(path, &text)?
+        };
+        if header.version != PLAN_VERSION {
+            return Err(TpcError::PlanVersion {
+                path: path.to_path_buf(),
+                found: header.version,
+                expected: PLAN_VERSION,
+            });
+        }
+        if json {
+            parse_json(path, &text)
+        } else {
+            parse_ron(path, &text)
+        }
+    }
+
+    /// If `path` holds a plan (not a model definition), reads it.
+    pub fn looks_like_plan(path: &Path) -> Option<Result<Plan>> {
+        let ext = path.extension()?.to_str()?;
+        if !path.is_file() || !(ext == "ron" || ext == "json") {
+            return None;
+        }
+        let text = std::fs::read_to_string(path).ok()?;
+        let is_plan = if ext == "json" {
+            let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+            v.get("ranks").is_some() && v.get("version").is_some()
+        } else {
+            // Model files start with an enum variant (`Preset(` / `Graph(`); plans with `(`.
+            text.lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty() && !l.starts_with("//") && !l.starts_with("#!"))
+                .is_some_and(|l| l.starts_with('('))
+        };
+        is_plan.then(|| Plan::load(path))
+    }
+}

@@ -1,0 +1,275 @@
+//! Partition: the sharded global graph → one program per rank with local shapes and
+//! local attributes, plus the weight-slice manifest and the list of collectives.
+
+use super::*;
+use crate::error::{Result, TpcError};
+use crate::ir::shape::infer;
+use crate::ir::{Dim, DimSlice, Graph, LocalSliceOp, NodeId, Op, ParamOp, ReduceScatterOp, Shape};
+use crate::passes::Sharded;
+use std::collections::HashMap;
+
+fn bug(pass: &'static str, node: &str, message: String) -> TpcError {
+    TpcError::Verify {
+        pass,
+        problems: vec![crate::ir::verify::Problem {
+            node: node.to_string(),
+            message,
+        }],
+    }
+}
+
+/// Whether `node` only runs on rank 0: adding a replicated term to partial sums must
+/// happen once, so other ranks pass their partial sum through.
+fn rank0_only(graph: &Graph, id: NodeId) -> Option<usize> {
+    let node = graph.node(id);
+    if node.layout != Some(Layout::Partial) {
+        return None;
+    }
+    let inputs = graph.inputs(id);
+    match node.op {
+        Op::BiasAdd(_) => Some(0),
+        Op::Add(_) => {
+            let l: Vec<_> = inputs.iter().map(|&i| graph.layout(i)).collect();
+            match (l[0], l[1]) {
+                (Layout::Replicated, Layout::Partial) => Some(1),
+                (Layout::Partial, Layout::Replicated) => Some(0),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+fn weight_slice(
+    p: &ParamOp,
+    layout: Layout,
+    tp: u64,
+    rank: u64,
+    dtype: DType,
+) -> std::result::Result<WeightSlice, String> {
+    let (dim, piece) = match layout {
+        Layout::Split { dim } => {
+            let len = *p
+                .shape
+                .get(dim as usize)
+                .ok_or("split dim outside the weight")?;
+            let s: DimSlice = p
+                .groups_of(dim)
+                .slice(len, tp, rank)
+                .map_err(|e| e.describe(tp))?;
+            (Some(dim), Some(s))
+        }
+        _ => (None, None),
+    };
+    let mut local_shape = p.shape.clone();
+    if let (Some(d), Some(s)) = (dim, &piece) {
+        local_shape[d as usize] = s.local_len();
+    }
+    Ok(WeightSlice {
+        tensor: p.tensor.clone(),
+        shape: p.shape.clone(),
+        dtype: p.dtype.unwrap_or(dtype),
+        dim,
+        ranges: piece.as_ref().map(|s| s.ranges.clone()).unwrap_or_default(),
+        padding: piece.map(|s| s.padding).unwrap_or(0),
+        local_shape,
+    })
+}
+
+fn resize(shape: &Shape, dim: u32, f: impl Fn(u64) -> Option<u64>) -> Option<Shape> {
+    let mut s = shape.clone();
+    match s.0.get_mut(dim as usize) {
+        Some(Dim::Fixed(n)) => *n = f(*n)?,
+        _ => return None,
+    }
+    Some(s)
+}
+
+/// Builds the plan for a sharded graph.
+pub fn partition(sharded: &Sharded) -> Result<Plan> {
+    let graph = &sharded.graph;
+    let tp = sharded.ctx.tp;
+    let order = graph
+        .topo_order()
+        .map_err(|_| bug("partition", &graph.name, "the graph has a cycle".into()))?;
+    let id_of: HashMap<NodeId, u32> = order
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (n, i as u32))
+        .collect();
+    let mut ranks = Vec::with_capacity(tp as usize);
+    for rank in 0..tp {
+        ranks.push(rank_program(graph, &order, &id_of, tp, rank)?);
+    }
+    let collectives = collectives(graph, &order, &ranks[0], tp);
+    let name = |n: &NodeId| graph.node(*n).name.clone();
+    let regions = sharded
+        .ctx
+        .regions
+        .iter()
+        .map(|r| RegionInfo {
+            layer: r.layer,
+            columns: r.columns.iter().map(name).collect(),
+            rows: r.rows.iter().map(name).collect(),
+            members: r.members.iter().map(name).collect(),
+        })
+        .collect();
+    Ok(Plan {
+        version: PLAN_VERSION,
+        model: graph.name.clone(),
+        tp,
+        dtype: graph.dtype,
+        notes: sharded.ctx.notes.clone(),
+        collectives,
+        regions,
+        ranks,
+    })
+}
+
+fn rank_program(
+    graph: &Graph,
+    order: &[NodeId],
+    id_of: &HashMap<NodeId, u32>,
+    tp: u64,
+    rank: u64,
+) -> Result<RankProgram> {
+    // `holder[id]` is the value id that holds value `id` on this rank (itself unless aliased).
+    let mut holder: Vec<u32> = (0..order.len() as u32).collect();
+    let mut facts: Vec<Option<TensorFact>> = vec![None; order.len()];
+    let mut slices: HashMap<NodeId, WeightSlice> = HashMap::new();
+    let mut weights = Vec::new();
+    let mut instrs = Vec::with_capacity(order.len());
+    for &n in order {
+        let node = graph.node(n);
+        let id = id_of[&n];
+        let inputs: Vec<u32> = graph
+            .inputs(n)
+            .iter()
+            .map(|i| holder[id_of[i] as usize])
+            .collect();
+        if let (true, Some(keep)) = (rank != 0, rank0_only(graph, n)) {
+            holder[id as usize] = inputs[keep];
+            continue;
+        }
+        let local_in: Vec<&TensorFact> = inputs
+            .iter()
+            .map(|&i| facts[i as usize].as_ref().expect("inputs come first"))
+            .collect();
+        let layout = node.layout.unwrap_or(Layout::Replicated);
+        let mut op = node.op.clone();
+        let bad = |m: String| bug("partition", &node.name, m);
+        let fact = match &mut op {
+            Op::Param(p) => {
+                let s = weight_slice(p, layout, tp, rank, graph.dtype).map_err(bad)?;
+                p.shape = s.local_shape.clone();
+                p.groups.clear();
+                let fact = TensorFact {
+                    dtype: s.dtype,
+                    shape: Shape::fixed(&s.local_shape),
+                };
+                slices.insert(n, s.clone());
+                weights.push(s);
+                fact
+            }
+            Op::Embedding(e) => {
+                let table = graph.inputs(n)[1];
+                if let Some(s) = slices.get(&table).filter(|s| s.dim == Some(0)) {
+                    let start = s.ranges.first().map(|r| r.offset).unwrap_or(0);
+                    let len = s.ranges.iter().map(|r| r.len).sum();
+                    e.vocab_range = Some((start, len));
+                }
+                infer(&op, &local_in, graph.dtype).map_err(bad)?
+            }
+            Op::Unfuse(u) => {
+                if matches!(layout, Layout::Split { .. }) {
+                    u.groups = u.groups.localize(tp);
+                }
+                infer(&op, &local_in, graph.dtype).map_err(bad)?
+            }
+            Op::AllGather(g) => {
+                let gathered = resize(&local_in[0].shape, g.dim, |n| Some(n * tp))
+                    .ok_or_else(|| bad("all-gather over a symbolic dim".into()))?;
+                let whole = node.fact.shape.fixed_at(g.dim as usize);
+                if gathered.fixed_at(g.dim as usize) != whole {
+                    g.unpad_to = whole;
+                }
+                let shape = match g.unpad_to {
+                    Some(w) => resize(&gathered, g.dim, |_| Some(w)).unwrap_or(gathered),
+                    None => gathered,
+                };
+                TensorFact {
+                    dtype: local_in[0].dtype,
+                    shape,
+                }
+            }
+            Op::ReduceScatter(ReduceScatterOp { dim }) | Op::LocalSlice(LocalSliceOp { dim }) => {
+                let dim = *dim;
+                let shape = resize(&local_in[0].shape, dim, |n| (n % tp == 0).then_some(n / tp))
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "dim {dim} of {} does not divide by tp={tp}",
+                            local_in[0].shape
+                        ))
+                    })?;
+                TensorFact {
+                    dtype: local_in[0].dtype,
+                    shape,
+                }
+            }
+            _ => infer(&op, &local_in, graph.dtype).map_err(bad)?,
+        };
+        facts[id as usize] = Some(fact.clone());
+        instrs.push(Instr {
+            id,
+            name: node.name.clone(),
+            op,
+            inputs,
+            fact,
+            layout,
+            layer: node.layer,
+        });
+    }
+    Ok(RankProgram {
+        rank,
+        weights,
+        instrs,
+    })
+}
+
+fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) -> Vec<Collective> {
+    let local: HashMap<u32, &Instr> = rank0.instrs.iter().map(|i| (i.id, i)).collect();
+    let mut out = Vec::new();
+    for (id, &n) in order.iter().enumerate() {
+        let node = graph.node(n);
+        if !node.op.is_collective() {
+            continue;
+        }
+        let Some(instr) = local.get(&(id as u32)) else {
+            continue;
+        };
+        let input_elems = instr
+            .inputs
+            .first()
+            .and_then(|i| local.get(i))
+            .map(|i| i.fact.shape.fixed_elements())
+            .unwrap_or(0);
+        let (elements, wire_factor) = match node.op {
+            // The whole reduced value moves; ring: reduce-scatter + all-gather.
+            Op::AllReduce(_) => (input_elems, 2.0 * (tp - 1) as f64 / tp as f64),
+            // The gathered value, padding included.
+            Op::AllGather(_) => (input_elems * tp, (tp - 1) as f64 / tp as f64),
+            _ => (input_elems, (tp - 1) as f64 / tp as f64),
+        };
+        let bytes = elements * instr.fact.dtype.size_bytes();
+        out.push(Collective {
+            id: id as u32,
+            name: node.name.clone(),
+            kind: node.op.kind().to_string(),
+            layer: node.layer,
+            elements_per_token: elements,
+            bytes_per_token: bytes,
+            ring_wire_bytes_per_token: (bytes as f64 * wire_factor).round() as u64,
+        });
+    }
+    out
+}

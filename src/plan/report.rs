@@ -1,0 +1,231 @@
+//! The summary of a plan: memory per rank, communication per token, KV cache per rank.
+
+use super::Plan;
+use crate::ir::Op;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Machine-readable summary (`tpc compile --json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub model: String,
+    pub tp: u64,
+    pub dtype: String,
+    pub param_count_per_rank: Vec<u64>,
+    pub param_bytes_per_rank: Vec<u64>,
+    /// Parameters of the unsplit model (each checkpoint tensor once).
+    pub model_param_count: u64,
+    pub model_param_bytes: u64,
+    pub kv_cache_bytes_per_token_per_rank: Vec<u64>,
+    pub collectives: Vec<CollectiveSummary>,
+    /// Collective counts by kind inside layers (per layer, equal for all layers) and outside.
+    pub collectives_per_layer: BTreeMap<String, u64>,
+    pub collectives_outside_layers: BTreeMap<String, u64>,
+    pub collective_count: u64,
+    pub bytes_per_token_total: u64,
+    pub ring_wire_bytes_per_token_total: u64,
+    pub column_row_pairs: u64,
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectiveSummary {
+    pub kind: String,
+    pub layer: Option<u32>,
+    pub value: String,
+    pub elements_per_token: u64,
+    pub bytes_per_token: u64,
+    pub ring_wire_bytes_per_token: u64,
+}
+
+pub fn summarize(plan: &Plan) -> Summary {
+    let param_count_per_rank = plan
+        .ranks
+        .iter()
+        .map(|r| r.weights.iter().map(|w| w.local_elements()).sum())
+        .collect();
+    let param_bytes_per_rank = plan
+        .ranks
+        .iter()
+        .map(|r| r.weights.iter().map(|w| w.local_bytes()).sum())
+        .collect();
+    let (model_param_count, model_param_bytes) = plan.ranks.first().map_or((0, 0), |r| {
+        r.weights.iter().fold((0, 0), |(c, b), w| {
+            let n: u64 = w.shape.iter().product();
+            (c + n, b + n * w.dtype.size_bytes())
+        })
+    });
+    let kv_cache_bytes_per_token_per_rank = plan
+        .ranks
+        .iter()
+        .map(|r| {
+            let facts: BTreeMap<u32, _> = r.instrs.iter().map(|i| (i.id, &i.fact)).collect();
+            r.instrs
+                .iter()
+                .filter(|i| matches!(i.op, Op::Attention(_)))
+                .map(|i| {
+                    let k = facts[&i.inputs[1]];
+                    let v = facts[&i.inputs[2]];
+                    k.shape.fixed_elements() * k.dtype.size_bytes()
+                        + v.shape.fixed_elements() * v.dtype.size_bytes()
+                })
+                .sum()
+        })
+        .collect();
+    let layers: std::collections::BTreeSet<u32> =
+        plan.ranks.first().map_or_else(Default::default, |r| {
+            r.instrs.iter().filter_map(|i| i.layer).collect()
+        });
+    let mut per_layer: BTreeMap<String, u64> = BTreeMap::new();
+    let mut outside: BTreeMap<String, u64> = BTreeMap::new();
+    for c in &plan.collectives {
+        let m = if c.layer.is_some() {
+            &mut per_layer
+        } else {
+            &mut outside
+        };
+        *m.entry(c.kind.clone()).or_default() += 1;
+    }
+    if !layers.is_empty() {
+        for v in per_layer.values_mut() {
+            *v /= layers.len() as u64;
+        }
+    }
+    Summary {
+        model: plan.model.clone(),
+        tp: plan.tp,
+        dtype: plan.dtype.to_string(),
+        param_count_per_rank,
+        param_bytes_per_rank,
+        model_param_count,
+        model_param_bytes,
+        kv_cache_bytes_per_token_per_rank,
+        collectives: plan
+            .collectives
+            .iter()
+            .map(|c| CollectiveSummary {
+                kind: c.kind.clone(),
+                layer: c.layer,
+                value: c.name.clone(),
+                elements_per_token: c.elements_per_token,
+                bytes_per_token: c.bytes_per_token,
+                ring_wire_bytes_per_token: c.ring_wire_bytes_per_token,
+            })
+            .collect(),
+        collectives_per_layer: per_layer,
+        collectives_outside_layers: outside,
+        collective_count: plan.collectives.len() as u64,
+        bytes_per_token_total: plan.collectives.iter().map(|c| c.bytes_per_token).sum(),
+        ring_wire_bytes_per_token_total: plan
+            .collectives
+            .iter()
+            .map(|c| c.ring_wire_bytes_per_token)
+            .sum(),
+        column_row_pairs: plan.regions.len() as u64,
+        notes: plan.notes.clone(),
+    }
+}
+
+/// Bytes in binary units with one decimal.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+fn human_count(n: u64) -> String {
+    match n {
+        0..=9_999 => n.to_string(),
+        10_000..=9_999_999 => format!("{:.2}M", n as f64 / 1e6),
+        _ if n < 10_000_000_000 => format!("{:.3}B", n as f64 / 1e9),
+        _ => format!("{:.1}B", n as f64 / 1e9),
+    }
+}
+
+/// The human-readable table printed by `tpc compile`.
+pub fn render_table(s: &Summary) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "model {}  tp={}  dtype={}", s.model, s.tp, s.dtype);
+    let _ = writeln!(
+        out,
+        "model parameters: {} ({})",
+        human_count(s.model_param_count),
+        human_bytes(s.model_param_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "\n{:>5}  {:>12}  {:>12}  {:>16}",
+        "rank", "params", "bytes", "kv bytes/token"
+    );
+    for r in 0..s.tp as usize {
+        let _ = writeln!(
+            out,
+            "{:>5}  {:>12}  {:>12}  {:>16}",
+            r,
+            human_count(s.param_count_per_rank[r]),
+            human_bytes(s.param_bytes_per_rank[r]),
+            s.kv_cache_bytes_per_token_per_rank[r]
+        );
+    }
+    let _ = writeln!(out, "\ncollectives (batch 1, per token):");
+    let _ = writeln!(
+        out,
+        "{:<16} {:>10} {:>8} {:>16} {:>16}",
+        "kind", "where", "count", "bytes each", "ring wire each"
+    );
+    // Group identical collectives (same kind, inside/outside layers, same size).
+    let mut groups: BTreeMap<(String, bool, u64, u64), u64> = BTreeMap::new();
+    for c in &s.collectives {
+        *groups
+            .entry((
+                c.kind.clone(),
+                c.layer.is_some(),
+                c.bytes_per_token,
+                c.ring_wire_bytes_per_token,
+            ))
+            .or_default() += 1;
+    }
+    for ((kind, in_layer, bytes, wire), count) in &groups {
+        let place = if *in_layer { "layers" } else { "outside" };
+        let _ = writeln!(
+            out,
+            "{kind:<16} {place:>10} {count:>8} {bytes:>16} {wire:>16}"
+        );
+    }
+    let per_layer: Vec<String> = s
+        .collectives_per_layer
+        .iter()
+        .map(|(k, v)| format!("{v} {k}"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "per layer: {}; total: {} collectives, {} per token ({} on the wire per rank, ring)",
+        if per_layer.is_empty() {
+            "none".to_string()
+        } else {
+            per_layer.join(", ")
+        },
+        s.collective_count,
+        human_bytes(s.bytes_per_token_total),
+        human_bytes(s.ring_wire_bytes_per_token_total)
+    );
+    let _ = writeln!(
+        out,
+        "column→row pairs (no communication inside): {}",
+        s.column_row_pairs
+    );
+    for n in &s.notes {
+        let _ = writeln!(out, "note: {n}");
+    }
+    out
+}

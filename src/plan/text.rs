@@ -1,0 +1,106 @@
+//! Deterministic text form of a plan (used for golden tests and `--text`).
+
+use super::{Plan, RankProgram};
+use std::fmt::Write;
+
+fn weight_line(w: &super::WeightSlice) -> String {
+    let dims = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+    match w.dim {
+        None => format!("{} {}[{}] whole", w.tensor, w.dtype, dims(&w.shape)),
+        Some(d) => {
+            let ranges: Vec<String> = w
+                .ranges
+                .iter()
+                .map(|r| format!("{}..{}", r.offset, r.offset + r.len))
+                .collect();
+            let pad = if w.padding > 0 {
+                format!(" +{} pad", w.padding)
+            } else {
+                String::new()
+            };
+            format!(
+                "{} {}[{}] dim {d} [{}]{pad} -> [{}]",
+                w.tensor,
+                w.dtype,
+                dims(&w.shape),
+                ranges.join(", "),
+                dims(&w.local_shape)
+            )
+        }
+    }
+}
+
+/// One rank's program.
+pub fn render_rank(r: &RankProgram) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "rank {}:", r.rank);
+    let _ = writeln!(out, "  weights:");
+    for w in &r.weights {
+        let _ = writeln!(out, "    {}", weight_line(w));
+    }
+    let _ = writeln!(out, "  program:");
+    for i in &r.instrs {
+        let args: Vec<String> = i.inputs.iter().map(|a| format!("%{a}")).collect();
+        let attrs = i.op.attrs();
+        let attrs = if attrs.is_empty() {
+            String::new()
+        } else {
+            format!(" {{{attrs}}}")
+        };
+        let layer = i
+            .layer
+            .map(|l| format!("  # layer {l}"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "    %{} = {}({}){attrs} : {} {}  // {}{layer}",
+            i.id,
+            i.op.kind(),
+            args.join(", "),
+            i.fact,
+            i.layout,
+            i.name
+        );
+    }
+    out
+}
+
+/// The whole plan: header, notes, collectives and every rank.
+pub fn render_plan(plan: &Plan) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "plan v{} model {} tp={} dtype={}",
+        plan.version, plan.model, plan.tp, plan.dtype
+    );
+    for n in &plan.notes {
+        let _ = writeln!(out, "note: {n}");
+    }
+    let _ = writeln!(out, "collectives:");
+    for c in &plan.collectives {
+        let layer = c.layer.map(|l| l.to_string()).unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            out,
+            "  %{} {} layer {layer}: {} elements/token, {} B/token, ring wire {} B/token  // {}",
+            c.id,
+            c.kind,
+            c.elements_per_token,
+            c.bytes_per_token,
+            c.ring_wire_bytes_per_token,
+            c.name
+        );
+    }
+    let _ = writeln!(out, "column->row pairs:");
+    for r in &plan.regions {
+        let _ = writeln!(
+            out,
+            "  [{}] -> [{}]",
+            r.columns.join(", "),
+            r.rows.join(", ")
+        );
+    }
+    for r in &plan.ranks {
+        out.push_str(&render_rank(r));
+    }
+    out
+}

@@ -1,0 +1,1 @@
+//! Runtime: executes per-rank plans. Not built yet; plans are its only input.
