@@ -3,6 +3,7 @@
 mod compile;
 mod dot;
 mod import;
+mod lower;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +23,8 @@ enum Command {
     Dot(dot::Args),
     /// Convert a Hugging Face config.json into a RON preset.
     Import(import::Args),
+    /// Write a preset out as the equivalent explicit graph.
+    Lower(lower::Args),
 }
 
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -29,5 +32,6 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Compile(a) => compile::execute(a),
         Command::Dot(a) => dot::execute(a),
         Command::Import(a) => import::execute(a),
+        Command::Lower(a) => lower::execute(a),
     }
 }

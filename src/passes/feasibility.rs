@@ -4,7 +4,7 @@
 
 use super::ShardCtx;
 use crate::error::{Result, TpcError};
-use crate::ir::{Graph, Groups, Layout, Op, SplitProblem};
+use crate::ir::{Graph, Groups, Layout, Op};
 use std::collections::BTreeSet;
 
 /// Largest tp the error message searches when it lists valid values.
@@ -50,20 +50,22 @@ pub fn tensor_pattern(tensor: &str) -> String {
 pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     let dims = split_dims(graph);
     let tp = ctx.tp;
-    let mut reasons: Vec<String> = Vec::new();
+    // One reason per distinct constraint, with every weight it concerns.
+    let mut reasons: Vec<(String, Vec<String>)> = Vec::new();
     for (pattern, (groups, len)) in &dims {
         if let Err(problem) = groups.check(*len, tp) {
             let text = problem.describe(tp);
-            let line = match problem {
-                SplitProblem::LengthMismatch { .. } => format!("`{pattern}`: {text}"),
-                _ => format!("{text} (`{pattern}`)"),
-            };
-            if !reasons.contains(&line) {
-                reasons.push(line);
+            match reasons.iter_mut().find(|(t, _)| *t == text) {
+                Some((_, names)) => names.push(format!("`{pattern}`")),
+                None => reasons.push((text, vec![format!("`{pattern}`")])),
             }
         }
         notes_for(groups, *len, tp, &mut ctx.notes);
     }
+    let reasons: Vec<String> = reasons
+        .into_iter()
+        .map(|(text, names)| format!("{text} ({})", names.join(", ")))
+        .collect();
     if reasons.is_empty() {
         return Ok(());
     }
