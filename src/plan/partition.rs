@@ -229,11 +229,37 @@ fn rank_program(
             layer: node.layer,
         });
     }
+    drop_dead(&mut instrs, &mut weights);
     Ok(RankProgram {
         rank,
         weights,
         instrs,
     })
+}
+
+/// Removes what no output depends on on this rank (e.g. the bias another rank adds), so a
+/// rank never loads a weight it does not use.
+fn drop_dead(instrs: &mut Vec<Instr>, weights: &mut Vec<WeightSlice>) {
+    let mut live = std::collections::HashSet::new();
+    for i in instrs.iter().rev() {
+        if matches!(i.op, Op::Output(_)) || live.contains(&i.id) {
+            live.insert(i.id);
+            live.extend(i.inputs.iter().copied());
+        }
+    }
+    if live.len() == instrs.len() {
+        return;
+    }
+    let dead: std::collections::HashSet<&str> = instrs
+        .iter()
+        .filter(|i| !live.contains(&i.id))
+        .filter_map(|i| match &i.op {
+            Op::Param(p) => Some(p.tensor.as_str()),
+            _ => None,
+        })
+        .collect();
+    weights.retain(|w| !dead.contains(w.tensor.as_str()));
+    instrs.retain(|i| live.contains(&i.id));
 }
 
 fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) -> Vec<Collective> {
