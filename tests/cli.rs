@@ -1,0 +1,356 @@
+//! The command line as users and scripts see it: exit codes, messages, JSON, plan files,
+//! pictures that Graphviz renders, and overrides.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn tpc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tpc"))
+        .args(args)
+        .output()
+        .expect("tpc runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A fresh directory for one test's files.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tpc-cli-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn fails_cleanly(o: &Output) -> String {
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "expected exit 1 (not a panic): {}",
+        stderr(o)
+    );
+    let e = stderr(o);
+    assert!(!e.contains("panicked"), "{e}");
+    e
+}
+
+#[test]
+fn impossible_tp_names_the_constraint_and_the_valid_values() {
+    let o = tpc(&["compile", "models/tiny-llama.ron", "--tp", "3"]);
+    let e = fails_cleanly(&o);
+    assert!(
+        e.contains("8 attention heads are not divisible by tp=3"),
+        "{e}"
+    );
+    assert!(
+        e.contains("Valid tp values for this model: 1, 2, 4, 8."),
+        "{e}"
+    );
+    assert_eq!(e.trim().lines().count(), 1, "one paragraph: {e}");
+
+    let o = tpc(&["compile", "models/llama3-70b.ron", "--tp", "12"]);
+    let e = fails_cleanly(&o);
+    assert!(
+        e.contains("8 key/value heads cannot be shared by tp=12"),
+        "{e}"
+    );
+    assert!(
+        e.contains("64 attention heads are not divisible by tp=12"),
+        "{e}"
+    );
+    assert!(
+        e.contains("Valid tp values for this model: 1, 2, 4, 8, 16"),
+        "{e}"
+    );
+}
+
+#[test]
+fn zero_tp_is_an_error() {
+    let e = fails_cleanly(&tpc(&["compile", "models/tiny-llama.ron", "--tp", "0"]));
+    assert!(e.contains("tp must be at least 1"), "{e}");
+}
+
+#[test]
+fn malformed_ron_reports_file_line_and_column() {
+    let dir = scratch("ron");
+    let path = dir.join("bad.ron");
+    std::fs::write(
+        &path,
+        "Preset(\n    family: Llama,\n    hidden_size: 64\n    vocab_size: 10,\n)\n",
+    )
+    .unwrap();
+    let e = fails_cleanly(&tpc(&["compile", path.to_str().unwrap(), "--tp", "2"]));
+    assert!(e.contains(&format!("{}:4:", path.display())), "{e}");
+}
+
+#[test]
+fn garbage_and_missing_inputs_fail_without_panicking() {
+    let dir = scratch("garbage");
+    let path = dir.join("junk.ron");
+    std::fs::write(&path, [0xffu8, 0xfe, 0x00, 0x41]).unwrap();
+    fails_cleanly(&tpc(&["compile", path.to_str().unwrap(), "--tp", "2"]));
+    let e = fails_cleanly(&tpc(&["compile", "models/does-not-exist.ron", "--tp", "2"]));
+    assert!(e.contains("does-not-exist.ron"), "{e}");
+    let txt = dir.join("model.txt");
+    std::fs::write(&txt, "hello").unwrap();
+    let e = fails_cleanly(&tpc(&["compile", txt.to_str().unwrap()]));
+    assert!(e.contains(".ron"), "{e}");
+}
+
+#[test]
+fn bad_graph_definitions_name_the_node() {
+    let dir = scratch("graph");
+    let path = dir.join("g.ron");
+    std::fs::write(
+        &path,
+        r#"Graph(name: "broken", dtype: F32, body: [
+            Node(name: "ids", op: Input(kind: TokenIds)),
+            Weight(name: "emb", shape: [10, 8]),
+            Node(name: "x", op: Embedding(), inputs: ["ids", "emb"]),
+            Weight(name: "w", shape: [4, 7]),
+            Node(name: "y", op: Linear(), inputs: ["x", "w"]),
+            Node(name: "out", op: Output(name: "logits"), inputs: ["y"]),
+        ])"#,
+    )
+    .unwrap();
+    let e = fails_cleanly(&tpc(&["compile", path.to_str().unwrap()]));
+    assert!(e.contains("node `y`") && e.contains("expects 7"), "{e}");
+
+    std::fs::write(
+        &path,
+        r#"Graph(name: "broken", body: [Node(name: "y", op: Output(name: "o"), inputs: ["nowhere"])])"#,
+    )
+    .unwrap();
+    let e = fails_cleanly(&tpc(&["compile", path.to_str().unwrap()]));
+    assert!(e.contains("input `nowhere` is not defined"), "{e}");
+}
+
+#[test]
+fn json_summary_has_the_contract_fields() {
+    let o = tpc(&["compile", "models/llama3-70b.ron", "--tp", "8", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["tp"], 8);
+    let per_rank = v["param_bytes_per_rank"].as_array().unwrap();
+    assert_eq!(per_rank.len(), 8);
+    let collectives = v["collectives"].as_array().unwrap();
+    assert_eq!(collectives.len(), 162);
+    for c in collectives {
+        let kind = c["kind"].as_str().unwrap();
+        assert!(["all_reduce", "all_gather", "reduce_scatter"].contains(&kind));
+        assert!(c["layer"].is_null() || c["layer"].is_u64());
+        assert!(c["bytes_per_token"].as_u64().unwrap() > 0);
+    }
+    let embedding = &collectives[0];
+    assert_eq!(embedding["kind"], "all_reduce");
+    assert!(embedding["layer"].is_null());
+    assert_eq!(collectives[1]["layer"], 0);
+    assert_eq!(collectives[1]["bytes_per_token"], 16384);
+}
+
+#[test]
+fn table_reports_memory_communication_and_kv_cache() {
+    let o = tpc(&["compile", "models/llama3-8b.ron", "--tp", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for needle in [
+        "params",
+        "bytes",
+        "kv bytes/token",
+        "all_reduce",
+        "all_gather",
+        "per layer: 2 all_reduce",
+        "ring",
+    ] {
+        assert!(out.contains(needle), "missing `{needle}` in:\n{out}");
+    }
+}
+
+#[test]
+fn plans_round_trip_through_ron_and_json() {
+    let dir = scratch("plans");
+    for ext in ["ron", "json"] {
+        let path = dir.join(format!("plan.{ext}"));
+        let o = tpc(&[
+            "compile",
+            "models/tiny-gpt2.ron",
+            "--tp",
+            "2",
+            "-o",
+            path.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let loaded = tpc::plan::Plan::load(&path).unwrap();
+        let def = tpc::frontend::load::load_model(Path::new("models/tiny-gpt2.ron")).unwrap();
+        let fresh = tpc::pipeline::compile(&def, 2).unwrap().plan;
+        assert_eq!(loaded, fresh, "{ext}");
+        assert_eq!(loaded.ranks.len(), 2);
+        assert!(loaded.ranks.iter().all(|r| !r.weights.is_empty()));
+    }
+    // A plan from another format version is refused with advice.
+    let json = dir.join("plan.json");
+    let text =
+        std::fs::read_to_string(&json)
+            .unwrap()
+            .replacen("\"version\": 1", "\"version\": 99", 1);
+    let old = dir.join("old.json");
+    std::fs::write(&old, text).unwrap();
+    let e = tpc::plan::Plan::load(&old).unwrap_err().to_string();
+    assert!(e.contains("version 99") && e.contains("Recompile"), "{e}");
+}
+
+fn graphviz_renders(dot_file: &Path) {
+    let out = dot_file.with_extension("svg");
+    let status = Command::new("dot")
+        .args([
+            "-Tsvg",
+            dot_file.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ])
+        .status()
+        .expect("Graphviz `dot` must be installed (apt-get install graphviz; .ci/run does this)");
+    assert!(status.success(), "dot failed on {}", dot_file.display());
+    let svg = std::fs::read_to_string(&out).unwrap();
+    assert!(svg.contains("<svg"), "no svg from {}", dot_file.display());
+}
+
+#[test]
+fn dot_files_render_with_graphviz() {
+    let dir = scratch("dot");
+    let rank0 = dir.join("rank0.dot");
+    let o = tpc(&[
+        "dot",
+        "models/tiny-neox.ron",
+        "--tp",
+        "2",
+        "-o",
+        rank0.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&rank0).unwrap();
+    assert!(
+        text.contains("cluster_layer_0") && text.contains("cluster_region_"),
+        "layer clusters and column→row boxes"
+    );
+    assert!(text.contains("B/token"), "collectives carry their bytes");
+    graphviz_renders(&rank0);
+
+    // From a plan file, every rank, one layer of an 80-layer model.
+    let plan = dir.join("plan.ron");
+    let o = tpc(&[
+        "compile",
+        "models/llama3-70b.ron",
+        "--tp",
+        "4",
+        "-o",
+        plan.to_str().unwrap(),
+        "--dot",
+        dir.join("c.dot").to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    graphviz_renders(&dir.join("c.dot"));
+    let all = dir.join("all.dot");
+    let o = tpc(&[
+        "dot",
+        plan.to_str().unwrap(),
+        "--all-ranks",
+        "--layers",
+        "3..4",
+        "-o",
+        all.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&all).unwrap();
+    assert!(
+        text.contains("cluster_rank_3") && text.contains("layer 4") && !text.contains("layer 5\"")
+    );
+    graphviz_renders(&all);
+    let e = fails_cleanly(&tpc(&["dot", plan.to_str().unwrap(), "--tp", "2"]));
+    assert!(e.contains("tp=4"), "{e}");
+    let e = fails_cleanly(&tpc(&["dot", "models/tiny-llama.ron", "--layers", "5..x"]));
+    assert!(e.contains("--layers"), "{e}");
+}
+
+fn with_overrides(dir: &Path, plan: &str) -> PathBuf {
+    let base = std::fs::read_to_string("models/tiny-llama.ron").unwrap();
+    let text = base.replacen(
+        "    dtype: F32,\n",
+        &format!("    dtype: F32,\n    tp_plan: {{{plan}}},\n"),
+        1,
+    );
+    assert_ne!(text, base);
+    let path = dir.join("over.ron");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn overrides_apply_and_are_checked() {
+    let dir = scratch("over");
+    // A replicated LM head needs no logits gather.
+    let p = with_overrides(&dir, r#""lm_head": replicate"#);
+    let o = tpc(&["compile", p.to_str().unwrap(), "--tp", "2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let kinds: Vec<&str> = v["collectives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["kind"].as_str().unwrap())
+        .collect();
+    assert!(!kinds.contains(&"all_gather"), "{kinds:?}");
+
+    // Row-splitting the MLP's up projections is legal but costs an extra all-reduce per
+    // layer, and the plan says so by counting it.
+    let p = with_overrides(&dir, r#""layers.*.mlp.gate_proj": rowwise"#);
+    let o = tpc(&["compile", p.to_str().unwrap(), "--tp", "2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["collectives"].as_array().unwrap().len() > 6);
+
+    for (plan, needle) in [
+        (r#""layers.*.mlp.nothing": colwise"#, "matches no weight"),
+        (r#""layers.*.self_attn.q_proj": vocab"#, "not an LM head"),
+        (r#""layers.*.input_layernorm": colwise"#, "rms_norm"),
+    ] {
+        let p = with_overrides(&dir, plan);
+        let e = fails_cleanly(&tpc(&["compile", p.to_str().unwrap(), "--tp", "2"]));
+        assert!(e.contains(needle), "{plan}: {e}");
+    }
+}
+
+#[test]
+fn explicit_graph_compiles_to_the_preset_plan() {
+    let load = |p: &str| tpc::frontend::load::load_model(Path::new(p)).unwrap();
+    let (explicit, preset) = (
+        load("models/tiny-llama-explicit.ron"),
+        load("models/tiny-llama.ron"),
+    );
+    for tp in [1, 2, 4, 8] {
+        let a = tpc::pipeline::compile(&explicit, tp).unwrap().plan;
+        let b = tpc::pipeline::compile(&preset, tp).unwrap().plan;
+        assert_eq!(a, b, "tp={tp}");
+    }
+}
+
+#[test]
+fn lower_writes_an_explicit_graph_with_the_same_plan() {
+    let dir = scratch("lower");
+    let out = dir.join("gpt2.ron");
+    let o = tpc(&["lower", "models/tiny-gpt2.ron", "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let load = |p: &Path| tpc::frontend::load::load_model(p).unwrap();
+    let lowered = load(&out);
+    assert!(matches!(lowered, tpc::frontend::ModelDef::Graph(_)));
+    let a = tpc::pipeline::compile(&lowered, 4).unwrap().plan;
+    let b = tpc::pipeline::compile(&load(Path::new("models/tiny-gpt2.ron")), 4)
+        .unwrap()
+        .plan;
+    assert_eq!(a, b);
+}
