@@ -5,17 +5,13 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TpcError {
-    #[error("cannot read `{path}`: {source}. Check that the path exists and is readable.")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    // `io` is printed in the message and deliberately not a `source`, so `{:#}` chains
+    // do not print it twice.
+    #[error("cannot read `{path}`: {io}. Check that the path exists and is readable.")]
+    Read { path: PathBuf, io: std::io::Error },
 
-    #[error("cannot write `{path}`: {source}. Check that the directory exists and is writable.")]
-    Write {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error("cannot write `{path}`: {io}. Check that the directory exists and is writable.")]
+    Write { path: PathBuf, io: std::io::Error },
 
     #[error("{path}:{line}:{column}: {message}. Fix the {format} syntax at that position.")]
     Syntax {

@@ -5,6 +5,7 @@
 
 pub mod error;
 pub mod frontend;
+pub mod fsio;
 pub mod ir;
 pub mod passes;
 pub mod pipeline;

@@ -35,10 +35,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     }
     if let Some(path) = &a.dot {
         let text = tpc::plan::dot::render(&compiled.plan, &tpc::plan::dot::DotOptions::default());
-        std::fs::write(path, text).map_err(|source| tpc::TpcError::Write {
-            path: path.clone(),
-            source,
-        })?;
+        tpc::fsio::write_text(path, &text)?;
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -51,5 +48,8 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             print!("{}", tpc::plan::text::render_plan(&compiled.plan));
         }
     }
+    // The process ends here; freeing tens of thousands of small allocations one by one
+    // would cost more than the rest of a large compile.
+    std::mem::forget(compiled);
     Ok(())
 }

@@ -74,10 +74,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     };
     let text = render(&plan, &options);
     match &a.output {
-        Some(p) => std::fs::write(p, text).map_err(|source| tpc::TpcError::Write {
-            path: p.clone(),
-            source,
-        })?,
+        Some(p) => tpc::fsio::write_text(p, &text)?,
         None => print!("{text}"),
     }
     Ok(())

@@ -14,6 +14,12 @@ pub struct Args {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
+    if !a.config.exists() {
+        anyhow::bail!(
+            "`{}`: no such file or directory; give an HF model directory or its config.json",
+            a.config.display()
+        );
+    }
     if hf_config_path(&a.config).is_none() {
         anyhow::bail!(
             "`{}` is not an HF config: give a model directory or a config.json path",
@@ -30,10 +36,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         .struct_names(false);
     let text = ron_options().to_string_pretty(&def, cfg)?;
     match &a.output {
-        Some(path) => std::fs::write(path, text + "\n").map_err(|source| tpc::TpcError::Write {
-            path: path.clone(),
-            source,
-        })?,
+        Some(path) => tpc::fsio::write_text(path, &(text + "\n"))?,
         None => println!("{text}"),
     }
     Ok(())

@@ -27,10 +27,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         .depth_limit(4);
     let text = ron_options().to_string_pretty(&ModelDef::Graph(graph), cfg)?;
     match &a.output {
-        Some(p) => std::fs::write(p, text + "\n").map_err(|source| tpc::TpcError::Write {
-            path: p.clone(),
-            source,
-        })?,
+        Some(p) => tpc::fsio::write_text(p, &(text + "\n"))?,
         None => println!("{text}"),
     }
     Ok(())

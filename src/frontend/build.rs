@@ -4,7 +4,7 @@ use super::spec::{GraphDef, RepeatDef, Stmt};
 use crate::error::{Result, TpcError};
 use crate::ir::shape::infer;
 use crate::ir::*;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 struct Builder<'a> {
     def: &'a GraphDef,
@@ -18,7 +18,7 @@ pub fn build_graph(def: &GraphDef) -> Result<Graph> {
     let mut b = Builder {
         def,
         graph: Graph::new(def.name.clone(), def.dtype),
-        env: HashMap::new(),
+        env: HashMap::default(),
         next_order: 0,
     };
     for stmt in &def.body {

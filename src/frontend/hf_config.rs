@@ -150,7 +150,18 @@ fn rope_theta(r: &Reader, legacy: &[&str]) -> Result<Option<f64>> {
     }
 }
 
-/// Reads an HF config into the matching family preset.
+/// `num_key_value_heads` when the key is absent: the HF config class's default. Llama's is
+/// `None` (one kv head per query head); Mistral's, Qwen2's and Qwen3's are fixed numbers.
+fn hf_default_kv_heads(model_type: &str) -> Option<u64> {
+    match model_type {
+        "mistral" => Some(8),
+        "qwen2" | "qwen3" => Some(32),
+        _ => None,
+    }
+}
+
+/// Reads an HF config into the matching family preset. Keys a config leaves out take the
+/// HF config class's default where it differs from the tpc family default.
 pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
     let r = Reader { path, json };
     if !json.is_object() {
@@ -172,6 +183,13 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             )))
         }
     };
+    if r.bool_opt(&["mlp_bias"])? == Some(true) {
+        return Err(r.err(
+            "`mlp_bias: true` is not supported; tpc's presets have no MLP biases for this model type \
+             (write the architecture as an explicit graph in RON)"
+                .into(),
+        ));
+    }
     let name = r
         .str_opt(&["_name_or_path"])?
         .filter(|s| !s.is_empty())
@@ -179,11 +197,17 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
         .or_else(|| Some(model_type.to_string()));
     let mut c = if family == Family::Gpt2 {
         let h = r.u64(&["n_embd", "hidden_size"])?;
+        let intermediate_size = match r.u64_opt(&["n_inner"])? {
+            Some(n) => n,
+            None => h
+                .checked_mul(4)
+                .ok_or_else(|| r.err(format!("`n_embd` {h} is too large")))?,
+        };
         FamilyConfig {
             family,
             name,
             hidden_size: h,
-            intermediate_size: r.u64_opt(&["n_inner"])?.unwrap_or(4 * h),
+            intermediate_size,
             num_hidden_layers: r.u64(&["n_layer", "num_hidden_layers"])?,
             num_attention_heads: r.u64(&["n_head", "num_attention_heads"])?,
             num_key_value_heads: None,
@@ -195,7 +219,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             rope_scaling: None,
             rotary_pct: None,
             attention_bias: None,
-            tie_word_embeddings: None,
+            tie_word_embeddings: r.bool_opt(&["tie_word_embeddings"])?,
             use_parallel_residual: None,
             hidden_act: activation(&r, &["activation_function"])?,
             dtype: DType::F32,
@@ -209,8 +233,17 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             intermediate_size: r.u64(&["intermediate_size"])?,
             num_hidden_layers: r.u64(&["num_hidden_layers"])?,
             num_attention_heads: r.u64(&["num_attention_heads"])?,
-            num_key_value_heads: r.u64_opt(&["num_key_value_heads"])?,
-            head_dim: r.u64_opt(&["head_dim"])?,
+            num_key_value_heads: match json.get("num_key_value_heads") {
+                // Absent: the HF class default. Null: HF falls back to num_attention_heads.
+                None => hf_default_kv_heads(model_type),
+                Some(_) => r.u64_opt(&["num_key_value_heads"])?,
+            },
+            head_dim: match r.u64_opt(&["head_dim"])? {
+                Some(d) => Some(d),
+                // Qwen3Config's head_dim defaults to 128, not hidden_size / heads.
+                None if family == Family::Qwen3 => Some(128),
+                None => None,
+            },
             vocab_size: r.u64(&["vocab_size"])?,
             max_position_embeddings: r.u64_opt(&["max_position_embeddings"])?,
             norm_eps: r.f64_opt(&["rms_norm_eps", "layer_norm_eps"])?,
@@ -222,7 +255,9 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
                     Some(b) => b.f64_opt(&["partial_rotary_factor"])?,
                     None => None,
                 },
-            },
+            }
+            // GPTNeoXConfig rotates a quarter of each head unless told otherwise.
+            .or((family == Family::GptNeox).then_some(0.25)),
             attention_bias: r.bool_opt(&["attention_bias"])?,
             tie_word_embeddings: r.bool_opt(&["tie_word_embeddings"])?,
             use_parallel_residual: r.bool_opt(&["use_parallel_residual"])?,

@@ -14,12 +14,7 @@ pub fn ron_options() -> ron::Options {
         .with_default_extension(ron::extensions::Extensions::UNWRAP_VARIANT_NEWTYPES)
 }
 
-pub fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| TpcError::Read {
-        path: path.to_path_buf(),
-        source,
-    })
-}
+pub use crate::fsio::read_text;
 
 /// Parses RON text, turning errors into `file:line:column` messages.
 pub fn parse_ron<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
@@ -60,6 +55,12 @@ pub fn hf_config_path(path: &Path) -> Option<PathBuf> {
 
 /// Loads any model input tpc accepts.
 pub fn load_model(path: &Path) -> Result<ModelDef> {
+    if !path.exists() {
+        return Err(TpcError::Read {
+            path: path.to_path_buf(),
+            io: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+        });
+    }
     if let Some(cfg) = hf_config_path(path) {
         if !cfg.exists() {
             return Err(TpcError::UnknownInput {
@@ -74,12 +75,6 @@ pub fn load_model(path: &Path) -> Result<ModelDef> {
     if path.extension().is_some_and(|e| e == "ron") {
         let text = read_text(path)?;
         return parse_ron(path, &text);
-    }
-    if !path.exists() {
-        return Err(TpcError::Read {
-            path: path.to_path_buf(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
-        });
     }
     Err(TpcError::UnknownInput {
         path: path.to_path_buf(),

@@ -176,6 +176,8 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
     let head_dim = match c.head_dim {
         Some(d) if d > 0 => d,
         Some(_) => return Err(bad("head_dim must be positive".into())),
+        // transformers' Qwen3Config default, independent of hidden_size.
+        None if c.family == Family::Qwen3 => 128,
         None if c.hidden_size % heads == 0 => c.hidden_size / heads,
         None => {
             return Err(bad(format!(
@@ -217,7 +219,13 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
 }
 
 fn rope_op(c: &FamilyConfig, d: &Dims) -> Result<Op> {
-    let pct = c.rotary_pct.unwrap_or(1.0);
+    // transformers' GPTNeoXConfig rotates a quarter of each head by default.
+    let default_pct = if c.family == Family::GptNeox {
+        0.25
+    } else {
+        1.0
+    };
+    let pct = c.rotary_pct.unwrap_or(default_pct);
     let rotary = (d.head_dim as f64 * pct).round() as u64;
     if !(pct > 0.0 && pct <= 1.0) || rotary % 2 != 0 || rotary == 0 {
         return Err(TpcError::Model {

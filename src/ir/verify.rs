@@ -4,7 +4,7 @@ use super::graph::Graph;
 use super::layout::Layout;
 use super::op::Op;
 use super::shape::infer;
-use std::collections::HashSet;
+use rustc_hash::FxHashSet as HashSet;
 use std::fmt;
 
 /// One problem found by the verifier, at a named node.
@@ -38,7 +38,7 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<Problem>> {
             format!("nodes form a cycle: {}", names.join(", ")),
         );
     }
-    let mut names = HashSet::new();
+    let mut names = HashSet::default();
     let any_layout = graph.g.node_weights().any(|n| n.layout.is_some());
     for id in graph.g.node_indices() {
         let node = graph.node(id);

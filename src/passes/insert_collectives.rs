@@ -6,14 +6,14 @@ use super::reshard::reshard;
 use super::ShardCtx;
 use crate::error::{Result, TpcError};
 use crate::ir::{Graph, Layout, Node, NodeId, Op};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 pub fn insert_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     let mut wanted: Vec<((NodeId, u32), Layout)> =
         ctx.required.iter().map(|(&k, &v)| (k, v)).collect();
     wanted.sort_unstable_by_key(|&((n, s), _)| (graph.node(n).order, s));
-    let mut cache: HashMap<(NodeId, Layout), NodeId> = HashMap::new();
-    let mut inserted_after: HashMap<NodeId, u64> = HashMap::new();
+    let mut cache: HashMap<(NodeId, Layout), NodeId> = HashMap::default();
+    let mut inserted_after: HashMap<NodeId, u64> = HashMap::default();
     for ((consumer, slot), need) in wanted {
         let producer = graph.inputs(consumer)[slot as usize];
         let from = graph.layout(producer);

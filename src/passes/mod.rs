@@ -14,7 +14,8 @@ use crate::frontend::TpWord;
 use crate::ir::verify::verify;
 use crate::ir::{Graph, Layout, NodeId};
 pub use regions::Region;
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::BTreeMap;
 
 /// What passes share besides the graph (side tables keyed by node id).
 #[derive(Debug, Default)]

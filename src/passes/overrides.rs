@@ -3,7 +3,8 @@
 use crate::error::{Result, TpcError};
 use crate::frontend::TpWord;
 use crate::ir::{Graph, Groups, NodeId, Op};
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::BTreeMap;
 
 /// Whether `pattern` (dotted, `*` = one segment) matches the tail of `name`.
 pub fn pattern_matches(pattern: &str, name: &str) -> bool {
@@ -29,7 +30,7 @@ pub fn resolve_overrides(
     graph: &Graph,
     plan: &BTreeMap<String, TpWord>,
 ) -> Result<HashMap<NodeId, TpWord>> {
-    let mut out = HashMap::new();
+    let mut out = HashMap::default();
     for (pattern, &word) in plan {
         let bad = |reason: String| TpcError::BadOverride {
             pattern: pattern.clone(),

@@ -6,7 +6,7 @@ use super::rules::rule;
 use super::ShardCtx;
 use crate::error::Result;
 use crate::ir::{Graph, Layout, NodeId, Op};
-use std::collections::HashSet;
+use rustc_hash::FxHashSet as HashSet;
 
 /// Gives every node a layout and fills `ctx.required` with the layout each input slot
 /// needs. With tp = 1 everything is replicated and nothing needs to change.
@@ -27,7 +27,7 @@ pub fn assign_layouts(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     }
     // Partial values some earlier consumer already needs whole: later consumers read the
     // reduced copy, so the residual stream stays whole as in Megatron.
-    let mut reduced: HashSet<NodeId> = HashSet::new();
+    let mut reduced: HashSet<NodeId> = HashSet::default();
     for &id in &order {
         if matches!(graph.node(id).op, Op::Param(_)) {
             continue;

@@ -113,10 +113,7 @@ impl Plan {
                 .to_string_pretty(self, cfg)
                 .map_err(|e| TpcError::Serialize(e.to_string()))?
         };
-        std::fs::write(path, text).map_err(|source| TpcError::Write {
-            path: path.to_path_buf(),
-            source,
-        })
+        crate::fsio::write_text(path, &text)
     }
 
     /// Reads a plan written by [`Plan::save`], checking its version.

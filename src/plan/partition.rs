@@ -92,15 +92,32 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
     let order = graph
         .topo_order()
         .map_err(|_| bug("partition", &graph.name, "the graph has a cycle".into()))?;
-    let id_of: HashMap<NodeId, u32> = order
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| (n, i as u32))
-        .collect();
+    let mut id_of = vec![
+        u32::MAX;
+        graph
+            .g
+            .node_indices()
+            .map(|n| n.index() + 1)
+            .max()
+            .unwrap_or(0)
+    ];
+    for (i, &n) in order.iter().enumerate() {
+        id_of[n.index()] = i as u32;
+    }
+    // Shared by all ranks: inputs as value ids, and which ops only rank 0 runs.
+    let walk = Walk {
+        inputs: order
+            .iter()
+            .map(|&n| graph.inputs(n).iter().map(|i| id_of[i.index()]).collect())
+            .collect(),
+        rank0_keep: order.iter().map(|&n| rank0_only(graph, n)).collect(),
+        order,
+    };
     let mut ranks = Vec::with_capacity(tp as usize);
     for rank in 0..tp {
-        ranks.push(rank_program(graph, &order, &id_of, tp, rank)?);
+        ranks.push(rank_program(graph, &walk, tp, rank)?);
     }
+    let order = walk.order;
     let collectives = collectives(graph, &order, &ranks[0], tp);
     let name = |n: &NodeId| graph.node(*n).name.clone();
     let regions = sharded
@@ -126,28 +143,30 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
     })
 }
 
-fn rank_program(
-    graph: &Graph,
-    order: &[NodeId],
-    id_of: &HashMap<NodeId, u32>,
-    tp: u64,
-    rank: u64,
-) -> Result<RankProgram> {
+/// The graph in program order, prepared once for all ranks.
+struct Walk {
+    order: Vec<NodeId>,
+    inputs: Vec<Vec<u32>>,
+    rank0_keep: Vec<Option<usize>>,
+}
+
+fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankProgram> {
+    let order = &walk.order;
     // `holder[id]` is the value id that holds value `id` on this rank (itself unless aliased).
     let mut holder: Vec<u32> = (0..order.len() as u32).collect();
     let mut facts: Vec<Option<TensorFact>> = vec![None; order.len()];
-    let mut slices: HashMap<NodeId, WeightSlice> = HashMap::new();
-    let mut weights = Vec::new();
+    // Index into `weights` of each param value.
+    let mut slice_of: Vec<Option<usize>> = vec![None; order.len()];
+    let mut weights: Vec<WeightSlice> = Vec::new();
     let mut instrs = Vec::with_capacity(order.len());
-    for &n in order {
+    for (pos, &n) in order.iter().enumerate() {
         let node = graph.node(n);
-        let id = id_of[&n];
-        let inputs: Vec<u32> = graph
-            .inputs(n)
+        let id = pos as u32;
+        let inputs: Vec<u32> = walk.inputs[pos]
             .iter()
-            .map(|i| holder[id_of[i] as usize])
+            .map(|&i| holder[i as usize])
             .collect();
-        if let (true, Some(keep)) = (rank != 0, rank0_only(graph, n)) {
+        if let (true, Some(keep)) = (rank != 0, walk.rank0_keep[pos]) {
             holder[id as usize] = inputs[keep];
             continue;
         }
@@ -156,24 +175,42 @@ fn rank_program(
             .map(|&i| facts[i as usize].as_ref().expect("inputs come first"))
             .collect();
         let layout = node.layout.unwrap_or(Layout::Replicated);
-        let mut op = node.op.clone();
         let bad = |m: String| bug("partition", &node.name, m);
+        if let Op::Param(p) = &node.op {
+            // The rank's weight: its local shape, without the split structure.
+            let s = weight_slice(p, layout, tp, rank, graph.dtype).map_err(bad)?;
+            let fact = TensorFact {
+                dtype: s.dtype,
+                shape: Shape::fixed(&s.local_shape),
+            };
+            let op = Op::Param(ParamOp {
+                tensor: p.tensor.clone(),
+                shape: s.local_shape.clone(),
+                dtype: p.dtype,
+                groups: Default::default(),
+            });
+            slice_of[pos] = Some(weights.len());
+            weights.push(s);
+            facts[pos] = Some(fact.clone());
+            instrs.push(Instr {
+                id,
+                name: node.name.clone(),
+                op,
+                inputs,
+                fact,
+                layout,
+                layer: node.layer,
+            });
+            continue;
+        }
+        let mut op = node.op.clone();
         let fact = match &mut op {
-            Op::Param(p) => {
-                let s = weight_slice(p, layout, tp, rank, graph.dtype).map_err(bad)?;
-                p.shape = s.local_shape.clone();
-                p.groups.clear();
-                let fact = TensorFact {
-                    dtype: s.dtype,
-                    shape: Shape::fixed(&s.local_shape),
-                };
-                slices.insert(n, s.clone());
-                weights.push(s);
-                fact
-            }
             Op::Embedding(e) => {
-                let table = graph.inputs(n)[1];
-                if let Some(s) = slices.get(&table).filter(|s| s.dim == Some(0)) {
+                let table = walk.inputs[pos][1] as usize;
+                if let Some(s) = slice_of[table]
+                    .map(|w| &weights[w])
+                    .filter(|s| s.dim == Some(0))
+                {
                     let start = s.ranges.first().map(|r| r.offset).unwrap_or(0);
                     let len = s.ranges.iter().map(|r| r.len).sum();
                     e.vocab_range = Some((start, len));
@@ -240,26 +277,30 @@ fn rank_program(
 /// Removes what no output depends on on this rank (e.g. the bias another rank adds), so a
 /// rank never loads a weight it does not use.
 fn drop_dead(instrs: &mut Vec<Instr>, weights: &mut Vec<WeightSlice>) {
-    let mut live = std::collections::HashSet::new();
+    let mut live = vec![false; instrs.iter().map(|i| i.id as usize + 1).max().unwrap_or(0)];
     for i in instrs.iter().rev() {
-        if matches!(i.op, Op::Output(_)) || live.contains(&i.id) {
-            live.insert(i.id);
-            live.extend(i.inputs.iter().copied());
+        if matches!(i.op, Op::Output(_)) || live[i.id as usize] {
+            live[i.id as usize] = true;
+            for &a in &i.inputs {
+                live[a as usize] = true;
+            }
         }
     }
-    if live.len() == instrs.len() {
+    if instrs.iter().all(|i| live[i.id as usize]) {
         return;
     }
     let dead: std::collections::HashSet<&str> = instrs
         .iter()
-        .filter(|i| !live.contains(&i.id))
+        .filter(|i| !live[i.id as usize])
         .filter_map(|i| match &i.op {
             Op::Param(p) => Some(p.tensor.as_str()),
             _ => None,
         })
         .collect();
-    weights.retain(|w| !dead.contains(w.tensor.as_str()));
-    instrs.retain(|i| live.contains(&i.id));
+    if !dead.is_empty() {
+        weights.retain(|w| !dead.contains(w.tensor.as_str()));
+    }
+    instrs.retain(|i| live[i.id as usize]);
 }
 
 fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) -> Vec<Collective> {

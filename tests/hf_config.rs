@@ -1,0 +1,931 @@
+//! Reading Hugging Face `config.json` files. The fixtures under `tests/fixtures/hf_configs/`
+//! are the configs published on the Hub, byte for byte as far as the fields go, except
+//! `llama3.1-8b-v5`: the same Llama 3.1 8B config in the transformers 5.x spelling (`dtype`,
+//! `rope_parameters`).
+
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tpc::frontend::load::load_model;
+use tpc::frontend::{Family, FamilyConfig, ModelDef};
+use tpc::ir::{ActivationKind, DType, RopeScaling, F64};
+use tpc::pipeline::compile;
+use tpc::plan::report::{summarize, Summary};
+use tpc::plan::Plan;
+
+const FIXTURES: [&str; 9] = [
+    "llama3-8b",
+    "llama3.1-405b",
+    "llama3.1-8b",
+    "llama3.1-8b-v5",
+    "mistral-7b",
+    "qwen2-7b",
+    "qwen3-32b",
+    "gpt2",
+    "pythia-1.4b",
+];
+
+/// Fixtures with a shipped preset of the same name in `models/`.
+const WITH_PRESET: [&str; 7] = [
+    "llama3-8b",
+    "llama3.1-405b",
+    "mistral-7b",
+    "qwen2-7b",
+    "qwen3-32b",
+    "gpt2",
+    "pythia-1.4b",
+];
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    root().join("tests/fixtures/hf_configs").join(name)
+}
+
+fn fixture_json(name: &str) -> Value {
+    let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn load(path: &Path) -> ModelDef {
+    load_model(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn family_of(def: &ModelDef) -> &FamilyConfig {
+    match def {
+        ModelDef::Preset(p) => p,
+        ModelDef::Graph(g) => panic!("an HF config must read as a preset, got graph {}", g.name),
+    }
+}
+
+fn plan_of(def: &ModelDef, tp: u64, what: &str) -> Plan {
+    compile(def, tp)
+        .unwrap_or_else(|e| panic!("{what} at tp={tp}: {e}"))
+        .plan
+}
+
+fn preset(name: &str) -> ModelDef {
+    load(&root().join("models").join(format!("{name}.ron")))
+}
+
+/// A scratch directory under the system temp dir, unique per process and call, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!(
+            "tpc-hf-config-test-{}-{n}-{tag}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    /// Writes `text` as `<dir>/<sub>/config.json` and returns the model directory.
+    fn model_dir(&self, sub: &str, text: &str) -> PathBuf {
+        let dir = self.0.join(sub);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), text).unwrap();
+        dir
+    }
+
+    fn model_json(&self, sub: &str, json: &Value) -> PathBuf {
+        self.model_dir(sub, &serde_json::to_string_pretty(json).unwrap())
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tpc<I, S>(args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    Command::new(env!("CARGO_BIN_EXE_tpc"))
+        .args(args)
+        .output()
+        .expect("run the tpc binary")
+}
+
+/// Runs tpc, expects exit code 1 (an error, never a panic), returns stderr.
+fn tpc_fails<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let out = tpc(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected exit code 1; stderr:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "tpc panicked:\n{stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    stderr
+}
+
+/// Everything `None`; fill in what a config says.
+fn blank(family: Family, name: &str, dtype: DType) -> FamilyConfig {
+    FamilyConfig {
+        family,
+        name: Some(name.to_string()),
+        hidden_size: 0,
+        intermediate_size: 0,
+        num_hidden_layers: 0,
+        num_attention_heads: 0,
+        num_key_value_heads: None,
+        head_dim: None,
+        vocab_size: 0,
+        max_position_embeddings: None,
+        norm_eps: None,
+        rope_theta: None,
+        rope_scaling: None,
+        rotary_pct: None,
+        attention_bias: None,
+        tie_word_embeddings: None,
+        use_parallel_residual: None,
+        hidden_act: None,
+        dtype,
+        tp_plan: BTreeMap::new(),
+    }
+}
+
+fn llama31_rope() -> Option<RopeScaling> {
+    Some(RopeScaling::Llama3 {
+        factor: F64(8.0),
+        low_freq_factor: F64(1.0),
+        high_freq_factor: F64(4.0),
+        original_max_position_embeddings: 8192,
+    })
+}
+
+/// What each published config says, as tpc should read it.
+fn expected(name: &str) -> FamilyConfig {
+    let llama3_8b = FamilyConfig {
+        hidden_size: 4096,
+        intermediate_size: 14336,
+        num_hidden_layers: 32,
+        num_attention_heads: 32,
+        num_key_value_heads: Some(8),
+        vocab_size: 128256,
+        max_position_embeddings: Some(8192),
+        norm_eps: Some(1e-5),
+        rope_theta: Some(500000.0),
+        attention_bias: Some(false),
+        tie_word_embeddings: Some(false),
+        hidden_act: Some(ActivationKind::Silu),
+        ..blank(Family::Llama, "llama", DType::Bf16)
+    };
+    match name {
+        "llama3-8b" => llama3_8b,
+        "llama3.1-8b" | "llama3.1-8b-v5" => FamilyConfig {
+            max_position_embeddings: Some(131072),
+            rope_scaling: llama31_rope(),
+            ..llama3_8b
+        },
+        "llama3.1-405b" => FamilyConfig {
+            hidden_size: 16384,
+            intermediate_size: 53248,
+            num_hidden_layers: 126,
+            num_attention_heads: 128,
+            max_position_embeddings: Some(131072),
+            rope_scaling: llama31_rope(),
+            ..llama3_8b
+        },
+        "mistral-7b" => FamilyConfig {
+            hidden_size: 4096,
+            intermediate_size: 14336,
+            num_hidden_layers: 32,
+            num_attention_heads: 32,
+            num_key_value_heads: Some(8),
+            vocab_size: 32000,
+            max_position_embeddings: Some(32768),
+            norm_eps: Some(1e-5),
+            rope_theta: Some(10000.0),
+            tie_word_embeddings: Some(false),
+            hidden_act: Some(ActivationKind::Silu),
+            ..blank(Family::Llama, "mistral", DType::Bf16)
+        },
+        "qwen2-7b" => FamilyConfig {
+            hidden_size: 3584,
+            intermediate_size: 18944,
+            num_hidden_layers: 28,
+            num_attention_heads: 28,
+            num_key_value_heads: Some(4),
+            vocab_size: 152064,
+            max_position_embeddings: Some(131072),
+            norm_eps: Some(1e-6),
+            rope_theta: Some(1000000.0),
+            // Not in the config: Qwen2 always has q/k/v biases.
+            attention_bias: Some(true),
+            tie_word_embeddings: Some(false),
+            hidden_act: Some(ActivationKind::Silu),
+            ..blank(Family::Qwen2, "qwen2", DType::Bf16)
+        },
+        "qwen3-32b" => FamilyConfig {
+            hidden_size: 5120,
+            intermediate_size: 25600,
+            num_hidden_layers: 64,
+            num_attention_heads: 64,
+            num_key_value_heads: Some(8),
+            head_dim: Some(128),
+            vocab_size: 151936,
+            max_position_embeddings: Some(40960),
+            norm_eps: Some(1e-6),
+            rope_theta: Some(1000000.0),
+            attention_bias: Some(false),
+            tie_word_embeddings: Some(false),
+            hidden_act: Some(ActivationKind::Silu),
+            ..blank(Family::Qwen3, "qwen3", DType::Bf16)
+        },
+        // No dtype in the config: GPT-2 checkpoints are f32.
+        "gpt2" => FamilyConfig {
+            hidden_size: 768,
+            intermediate_size: 3072,
+            num_hidden_layers: 12,
+            num_attention_heads: 12,
+            vocab_size: 50257,
+            max_position_embeddings: Some(1024),
+            norm_eps: Some(1e-5),
+            hidden_act: Some(ActivationKind::GeluTanh),
+            ..blank(Family::Gpt2, "gpt2", DType::F32)
+        },
+        "pythia-1.4b" => FamilyConfig {
+            hidden_size: 2048,
+            intermediate_size: 8192,
+            num_hidden_layers: 24,
+            num_attention_heads: 16,
+            vocab_size: 50304,
+            max_position_embeddings: Some(2048),
+            norm_eps: Some(1e-5),
+            rope_theta: Some(10000.0),
+            rotary_pct: Some(0.25),
+            tie_word_embeddings: Some(false),
+            use_parallel_residual: Some(true),
+            hidden_act: Some(ActivationKind::Gelu),
+            ..blank(Family::GptNeox, "gpt_neox", DType::F16)
+        },
+        other => panic!("no expectation for {other}"),
+    }
+}
+
+/// Parameter counts of the published checkpoints (each tensor once, tied heads once).
+fn published_params(name: &str) -> u64 {
+    match name {
+        "llama3-8b" | "llama3.1-8b" | "llama3.1-8b-v5" => 8_030_261_248,
+        "llama3.1-405b" => 405_853_388_800,
+        "mistral-7b" => 7_241_732_096,
+        "qwen2-7b" => 7_615_616_512,
+        "qwen3-32b" => 32_762_123_264,
+        "gpt2" => 124_439_808,
+        "pythia-1.4b" => 1_414_647_808,
+        other => panic!("no parameter count for {other}"),
+    }
+}
+
+/// The first difference between two sequences, described for a failure message.
+fn first_diff<T: PartialEq + Debug>(a: &[T], b: &[T]) -> Option<String> {
+    if let Some(i) = (0..a.len().min(b.len())).find(|&i| a[i] != b[i]) {
+        return Some(format!(
+            "first difference at index {i}:\n  hf:     {:?}\n  preset: {:?}",
+            a[i], b[i]
+        ));
+    }
+    (a.len() != b.len()).then(|| format!("lengths differ: hf {} vs preset {}", a.len(), b.len()))
+}
+
+/// Asserts two plans are equal except the model name, pointing at the first difference.
+fn assert_same_plan_but_name(hf: &Plan, preset: &Plan, ctx: &str) {
+    assert_eq!(hf.version, preset.version, "{ctx}: version");
+    assert_eq!(hf.tp, preset.tp, "{ctx}: tp");
+    assert_eq!(hf.dtype, preset.dtype, "{ctx}: dtype");
+    assert_eq!(hf.notes, preset.notes, "{ctx}: notes");
+    if let Some(d) = first_diff(&hf.collectives, &preset.collectives) {
+        panic!("{ctx}: collectives: {d}");
+    }
+    if let Some(d) = first_diff(&hf.regions, &preset.regions) {
+        panic!("{ctx}: regions: {d}");
+    }
+    assert_eq!(hf.ranks.len(), preset.ranks.len(), "{ctx}: rank count");
+    for (a, b) in hf.ranks.iter().zip(&preset.ranks) {
+        assert_eq!(a.rank, b.rank, "{ctx}");
+        if let Some(d) = first_diff(&a.weights, &b.weights) {
+            panic!("{ctx}: rank {} weights: {d}", a.rank);
+        }
+        if let Some(d) = first_diff(&a.instrs, &b.instrs) {
+            panic!("{ctx}: rank {} instrs: {d}", a.rank);
+        }
+    }
+    // Catch-all: nothing else differs either.
+    let renamed = Plan {
+        model: preset.model.clone(),
+        ..hf.clone()
+    };
+    assert!(
+        renamed == *preset,
+        "{ctx}: plans differ outside the checked fields"
+    );
+}
+
+#[test]
+fn every_fixture_reads_as_published_from_directory_and_file() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let from_dir = load(&dir);
+        let from_file = load(&dir.join("config.json"));
+        assert_eq!(from_dir, from_file, "{name}: directory vs config.json");
+        assert_eq!(family_of(&from_dir), &expected(name), "{name}");
+        assert!(
+            from_dir.tp_plan().is_empty(),
+            "{name}: no tp_plan overrides"
+        );
+    }
+}
+
+#[test]
+fn every_fixture_compiles_at_tp_1_2_4_with_published_sizes() {
+    for name in FIXTURES {
+        let def = load(&fixture(name));
+        let c = family_of(&def).clone();
+        let kv_heads = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
+        let head_dim = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
+        let bytes = c.dtype.size_bytes();
+        let kv_total = c.num_hidden_layers * 2 * kv_heads * head_dim * bytes;
+        for tp in [1, 2, 4] {
+            let ctx = format!("{name} tp={tp}");
+            let plan = plan_of(&def, tp, &ctx);
+            assert_eq!(plan.tp, tp, "{ctx}");
+            assert_eq!(plan.ranks.len() as u64, tp, "{ctx}");
+            assert_eq!(plan.dtype, c.dtype, "{ctx}");
+            assert_eq!(plan.model, c.name.clone().unwrap(), "{ctx}");
+            let s: Summary = summarize(&plan);
+            assert_eq!(s.model_param_count, published_params(name), "{ctx}");
+            assert_eq!(s.model_param_bytes, published_params(name) * bytes, "{ctx}");
+            // Every kv head count here divides by 4: the cache splits evenly, no copies.
+            assert_eq!(
+                s.kv_cache_bytes_per_token_per_rank,
+                vec![kv_total / tp; tp as usize],
+                "{ctx}"
+            );
+            let sharded: u64 = s.param_count_per_rank.iter().sum();
+            if tp == 1 {
+                assert_eq!(sharded, s.model_param_count, "{ctx}");
+                assert_eq!(
+                    s.collective_count, 0,
+                    "{ctx}: one rank needs no collectives"
+                );
+            } else {
+                // Norms are replicated and padded vocab rows added: never less than the model.
+                assert!(sharded >= s.model_param_count, "{ctx}");
+                // Most parameters are split: each rank holds far less than the whole.
+                for p in &s.param_count_per_rank {
+                    assert!(*p < s.model_param_count * 2 / tp + 1, "{ctx}: {p}");
+                }
+                assert!(s.collective_count >= c.num_hidden_layers, "{ctx}");
+            }
+        }
+    }
+}
+
+#[test]
+fn hf_configs_compile_to_the_shipped_presets_plans() {
+    for name in WITH_PRESET {
+        let mut hf = load(&fixture(name));
+        let preset_def = preset(name);
+        let want = family_of(&preset_def);
+        let ModelDef::Preset(got) = &mut hf else {
+            unreachable!()
+        };
+        // The presets are bf16 for serving; GPT-2 ships f32 and Pythia f16 checkpoints.
+        // Only the dtype may differ, and only for those two.
+        match name {
+            "gpt2" => assert_eq!(got.dtype, DType::F32),
+            "pythia-1.4b" => assert_eq!(got.dtype, DType::F16),
+            _ => assert_eq!(got.dtype, want.dtype, "{name}: dtype"),
+        }
+        got.dtype = want.dtype;
+        for tp in [1, 2, 4] {
+            let ctx = format!("{name} tp={tp}");
+            let from_hf = plan_of(&hf, tp, &format!("{ctx} (hf)"));
+            let from_preset = plan_of(&preset_def, tp, &format!("{ctx} (preset)"));
+            assert_same_plan_but_name(&from_hf, &from_preset, &ctx);
+        }
+    }
+}
+
+#[test]
+fn gpt2_and_pythia_keep_their_checkpoint_dtype() {
+    for (name, dtype) in [("gpt2", DType::F32), ("pythia-1.4b", DType::F16)] {
+        let plan = plan_of(&load(&fixture(name)), 2, name);
+        assert_eq!(plan.dtype, dtype, "{name}");
+        for r in &plan.ranks {
+            for w in &r.weights {
+                assert_eq!(w.dtype, dtype, "{name}: {}", w.tensor);
+            }
+        }
+        let s = summarize(&plan);
+        assert_eq!(
+            s.model_param_bytes,
+            published_params(name) * dtype.size_bytes()
+        );
+    }
+}
+
+#[test]
+fn llama31_8b_reads_the_same_in_transformers_4_and_5_spelling() {
+    let v4_json = fixture_json("llama3.1-8b");
+    let v5_json = fixture_json("llama3.1-8b-v5");
+    // The fixtures really are the two spellings.
+    assert!(v4_json.get("torch_dtype").is_some() && v4_json.get("dtype").is_none());
+    assert!(v4_json.get("rope_scaling").is_some() && v4_json.get("rope_parameters").is_none());
+    assert!(v5_json.get("dtype").is_some() && v5_json.get("torch_dtype").is_none());
+    assert!(v5_json.get("rope_parameters").is_some());
+    assert!(v5_json.get("rope_scaling").is_none() && v5_json.get("rope_theta").is_none());
+
+    let v4 = load(&fixture("llama3.1-8b"));
+    let v5 = load(&fixture("llama3.1-8b-v5"));
+    let (mut a, mut b) = (family_of(&v4).clone(), family_of(&v5).clone());
+    a.name = None;
+    b.name = None;
+    assert_eq!(a, b);
+    assert_eq!(b.rope_theta, Some(500000.0));
+    assert_eq!(b.rope_scaling, llama31_rope());
+    assert_eq!(b.dtype, DType::Bf16);
+    for tp in [1, 2, 4, 8] {
+        let pa = plan_of(&v4, tp, "llama3.1-8b (4.x)");
+        let pb = plan_of(&v5, tp, "llama3.1-8b (5.x)");
+        assert_same_plan_but_name(&pa, &pb, &format!("llama3.1 8b 4.x vs 5.x tp={tp}"));
+    }
+}
+
+#[test]
+fn llama31_rope_scaling_reaches_every_rope_op() {
+    let plan = plan_of(&load(&fixture("llama3.1-405b")), 8, "llama3.1-405b");
+    let mut ropes = 0;
+    for i in &plan.ranks[0].instrs {
+        if let tpc::ir::Op::Rope(r) = &i.op {
+            ropes += 1;
+            assert_eq!(r.scaling, llama31_rope(), "{}", i.name);
+            assert_eq!(r.theta, F64(500000.0), "{}", i.name);
+            assert_eq!((r.head_dim, r.rotary_dim), (128, 128), "{}", i.name);
+        }
+    }
+    assert_eq!(ropes, 2 * 126, "q and k in every layer");
+}
+
+#[test]
+fn pythia_rotates_a_quarter_of_each_head() {
+    let plan = plan_of(&load(&fixture("pythia-1.4b")), 2, "pythia-1.4b");
+    let ropes: Vec<_> = plan.ranks[0]
+        .instrs
+        .iter()
+        .filter_map(|i| match &i.op {
+            tpc::ir::Op::Rope(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ropes.len(), 2 * 24);
+    for r in ropes {
+        assert_eq!((r.head_dim, r.rotary_dim), (128, 32));
+        assert_eq!(r.theta, F64(10000.0));
+        assert_eq!(r.scaling, None);
+    }
+}
+
+/// Transformers 5.x moved rope_theta and the GPT-NeoX rotary fields into `rope_parameters`.
+#[test]
+fn transformers_5_rope_parameters_match_4_x_fields() {
+    let scratch = Scratch::new("v5");
+    // Qwen3: plain rope, theta only.
+    let mut q = fixture_json("qwen3-32b");
+    let o = q.as_object_mut().unwrap();
+    o.remove("rope_theta");
+    o.remove("rope_scaling");
+    o.remove("torch_dtype");
+    o.insert("dtype".into(), json!("bfloat16"));
+    o.insert(
+        "rope_parameters".into(),
+        json!({"rope_theta": 1000000, "rope_type": "default"}),
+    );
+    let q5 = load(&scratch.model_json("qwen3", &q));
+    assert_eq!(family_of(&q5), &expected("qwen3-32b"));
+
+    // GPT-NeoX: rotary_emb_base and rotary_pct become rope_theta and partial_rotary_factor.
+    let mut n = fixture_json("pythia-1.4b");
+    let o = n.as_object_mut().unwrap();
+    o.remove("rotary_emb_base");
+    o.remove("rotary_pct");
+    o.remove("torch_dtype");
+    o.insert("dtype".into(), json!("float16"));
+    o.insert(
+        "rope_parameters".into(),
+        json!({"partial_rotary_factor": 0.25, "rope_theta": 10000, "rope_type": "default"}),
+    );
+    let n5 = load(&scratch.model_json("neox", &n));
+    assert_eq!(family_of(&n5), &expected("pythia-1.4b"));
+}
+
+/// Keys a config leaves out take the HF config class's default, which is not always the
+/// tpc family default.
+#[test]
+fn absent_keys_take_the_hf_class_defaults() {
+    let scratch = Scratch::new("defaults");
+    let without = |name: &str, key: &str| {
+        let mut j = fixture_json(name);
+        assert!(
+            j.as_object_mut().unwrap().remove(key).is_some(),
+            "{name} has {key}"
+        );
+        let def = load(&scratch.model_json(&format!("{name}-{key}"), &j));
+        family_of(&def).clone()
+    };
+    let with = |name: &str, key: &str, v: Value| {
+        let mut j = fixture_json(name);
+        j.as_object_mut().unwrap().insert(key.into(), v);
+        let def = load(&scratch.model_json(&format!("{name}-{key}-set"), &j));
+        family_of(&def).clone()
+    };
+    // GPTNeoXConfig: rotary_pct 0.25.
+    assert_eq!(without("pythia-1.4b", "rotary_pct").rotary_pct, Some(0.25));
+    // Qwen3Config: head_dim 128, not hidden_size / heads (5120 / 64 = 80).
+    assert_eq!(without("qwen3-32b", "head_dim").head_dim, Some(128));
+    // num_key_value_heads: Mistral 8, Qwen2/Qwen3 32, Llama one per query head.
+    assert_eq!(
+        without("mistral-7b", "num_key_value_heads").num_key_value_heads,
+        Some(8)
+    );
+    assert_eq!(
+        without("qwen3-32b", "num_key_value_heads").num_key_value_heads,
+        Some(32)
+    );
+    assert_eq!(
+        without("qwen2-7b", "num_key_value_heads").num_key_value_heads,
+        Some(32)
+    );
+    assert_eq!(
+        without("llama3-8b", "num_key_value_heads").num_key_value_heads,
+        None
+    );
+    // An explicit null means one kv head per query head in every HF class.
+    assert_eq!(
+        with("qwen3-32b", "num_key_value_heads", Value::Null).num_key_value_heads,
+        None
+    );
+    // Qwen3 32B without num_key_value_heads has 32 kv heads: k_proj is [32 * 128, 5120].
+    let mut j = fixture_json("qwen3-32b");
+    j.as_object_mut().unwrap().remove("num_key_value_heads");
+    let plan = plan_of(
+        &load(&scratch.model_json("qwen3-kv32", &j)),
+        1,
+        "qwen3 kv 32",
+    );
+    let k = plan.ranks[0]
+        .weights
+        .iter()
+        .find(|w| w.tensor == "model.layers.0.self_attn.k_proj.weight")
+        .unwrap();
+    assert_eq!(k.shape, vec![4096, 5120]);
+}
+
+#[test]
+fn import_writes_a_preset_that_compiles_to_the_same_plan() {
+    let scratch = Scratch::new("import");
+    for name in FIXTURES {
+        let dir = fixture(name);
+        for (i, input) in [dir.clone(), dir.join("config.json")].iter().enumerate() {
+            let out = scratch.0.join(format!("{name}-{i}.ron"));
+            let run = tpc([
+                "import".as_ref(),
+                input.as_os_str(),
+                "-o".as_ref(),
+                out.as_os_str(),
+            ]);
+            assert!(
+                run.status.success(),
+                "{name}: tpc import failed:\n{}",
+                String::from_utf8_lossy(&run.stderr)
+            );
+            let original = load(&dir);
+            let imported = load(&out);
+            assert_eq!(
+                imported, original,
+                "{name}: the RON reads back as the config"
+            );
+            for tp in [1, 2, 4] {
+                assert!(
+                    plan_of(&imported, tp, name) == plan_of(&original, tp, name),
+                    "{name} tp={tp}: the imported preset compiles to a different plan"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn import_to_stdout_prints_the_same_preset() {
+    let scratch = Scratch::new("import-stdout");
+    let run = tpc(["import".as_ref(), fixture("qwen3-32b").as_os_str()]);
+    assert!(run.status.success());
+    let path = scratch.0.join("qwen3.ron");
+    std::fs::write(&path, &run.stdout).unwrap();
+    assert_eq!(load(&path), load(&fixture("qwen3-32b")));
+}
+
+#[test]
+fn compile_json_from_the_binary_matches_the_library() {
+    for name in ["llama3-8b", "gpt2", "pythia-1.4b"] {
+        let dir = fixture(name);
+        let run = tpc([
+            "compile".as_ref(),
+            dir.as_os_str(),
+            "--tp".as_ref(),
+            "4".as_ref(),
+            "--json".as_ref(),
+        ]);
+        assert!(
+            run.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let from_cli: Summary = serde_json::from_slice(&run.stdout).unwrap();
+        let from_lib = summarize(&plan_of(&load(&dir), 4, name));
+        assert_eq!(from_cli, from_lib, "{name}");
+    }
+}
+
+#[test]
+fn an_impossible_tp_names_the_constraint() {
+    // Qwen2 7B: 28 query heads, 4 kv heads; 8 ranks cannot split 28 heads.
+    let err = compile(&load(&fixture("qwen2-7b")), 8).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("cannot be split 8 ways"), "{msg}");
+    assert!(msg.contains("Valid tp values"), "{msg}");
+    let stderr = tpc_fails([
+        "compile".as_ref(),
+        fixture("qwen2-7b").as_os_str(),
+        "--tp".as_ref(),
+        "8".as_ref(),
+    ]);
+    assert!(stderr.contains("cannot be split 8 ways"), "{stderr}");
+}
+
+// ---- bad inputs: exit code 1 and a message naming the problem ----
+
+/// The llama3-8b config with one change, written to a scratch model directory.
+fn edited(
+    scratch: &Scratch,
+    sub: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> PathBuf {
+    let mut j = fixture_json("llama3-8b");
+    edit(j.as_object_mut().unwrap());
+    scratch.model_json(sub, &j)
+}
+
+/// Both the library and the binary (`compile` and `import`) reject `path`; every message
+/// contains all of `needles`. Returns the binary's stderr.
+fn rejected(path: &Path, needles: &[&str]) -> String {
+    let lib = load_model(path).map(|_| ()).unwrap_err().to_string();
+    for n in needles {
+        assert!(lib.contains(n), "library message lacks {n:?}: {lib}");
+    }
+    let mut last = String::new();
+    for cmd in ["compile", "import"] {
+        let stderr = tpc_fails([cmd.as_ref(), path.as_os_str()]);
+        for n in needles {
+            assert!(
+                stderr.contains(n),
+                "`tpc {cmd}` message lacks {n:?}: {stderr}"
+            );
+        }
+        last = stderr;
+    }
+    last
+}
+
+#[test]
+fn unsupported_model_type_is_named() {
+    let scratch = Scratch::new("model-type");
+    let dir = edited(&scratch, "t5", |o| {
+        o.insert("model_type".into(), json!("t5"));
+    });
+    let cfg = dir.join("config.json");
+    let msg = rejected(
+        &dir,
+        &["model_type `t5` is not supported", "llama, mistral"],
+    );
+    assert!(msg.contains(&cfg.display().to_string()), "{msg}");
+}
+
+#[test]
+fn missing_model_type_is_named() {
+    let scratch = Scratch::new("no-model-type");
+    let dir = edited(&scratch, "m", |o| {
+        o.remove("model_type");
+    });
+    rejected(&dir, &["`model_type` is missing"]);
+}
+
+#[test]
+fn missing_hidden_size_is_named() {
+    let scratch = Scratch::new("no-hidden");
+    let dir = edited(&scratch, "m", |o| {
+        o.remove("hidden_size");
+    });
+    let cfg = dir.join("config.json");
+    rejected(
+        &dir,
+        &["`hidden_size` is missing", &cfg.display().to_string()],
+    );
+    // GPT-2 names its own key.
+    let mut g = fixture_json("gpt2");
+    g.as_object_mut().unwrap().remove("n_embd");
+    rejected(&scratch.model_json("gpt2", &g), &["`n_embd` is missing"]);
+}
+
+#[test]
+fn a_string_where_a_number_belongs_is_named() {
+    let scratch = Scratch::new("string-number");
+    let dir = edited(&scratch, "layers", |o| {
+        o.insert("num_hidden_layers".into(), json!("32"));
+    });
+    rejected(
+        &dir,
+        &[
+            "`num_hidden_layers` must be a non-negative integer",
+            "\"32\"",
+        ],
+    );
+    let dir = edited(&scratch, "eps", |o| {
+        o.insert("rms_norm_eps".into(), json!("1e-5"));
+    });
+    rejected(&dir, &["`rms_norm_eps` must be a number", "\"1e-5\""]);
+    let dir = edited(&scratch, "negative", |o| {
+        o.insert("vocab_size".into(), json!(-1));
+    });
+    rejected(&dir, &["`vocab_size` must be a non-negative integer", "-1"]);
+    let dir = edited(&scratch, "bool", |o| {
+        o.insert("tie_word_embeddings".into(), json!("no"));
+    });
+    rejected(&dir, &["`tie_word_embeddings` must be true or false"]);
+}
+
+#[test]
+fn unsupported_values_are_named() {
+    let scratch = Scratch::new("values");
+    let dir = edited(&scratch, "act", |o| {
+        o.insert("hidden_act".into(), json!("quick_gelu"));
+    });
+    rejected(&dir, &["activation `quick_gelu` is not supported"]);
+    let dir = edited(&scratch, "dtype", |o| {
+        o.insert("torch_dtype".into(), json!("float8_e4m3fn"));
+    });
+    rejected(&dir, &["dtype `float8_e4m3fn` is not supported"]);
+    let dir = edited(&scratch, "rope", |o| {
+        o.insert(
+            "rope_scaling".into(),
+            json!({"rope_type": "yarn", "factor": 4.0}),
+        );
+    });
+    rejected(&dir, &["rope type `yarn` is not supported"]);
+    let dir = edited(&scratch, "rope-factor", |o| {
+        o.insert("rope_scaling".into(), json!({"rope_type": "linear"}));
+    });
+    rejected(&dir, &["rope scaling `linear` needs `factor`"]);
+    let dir = edited(&scratch, "mlp-bias", |o| {
+        o.insert("mlp_bias".into(), json!(true));
+    });
+    rejected(&dir, &["`mlp_bias: true` is not supported"]);
+}
+
+#[test]
+fn inconsistent_shapes_fail_cleanly() {
+    let scratch = Scratch::new("shapes");
+    let dir = edited(&scratch, "kv", |o| {
+        o.insert("num_key_value_heads".into(), json!(7));
+    });
+    // Read fine; the preset lowering names the constraint.
+    load(&dir);
+    let stderr = tpc_fails(["compile".as_ref(), dir.as_os_str()]);
+    assert!(
+        stderr.contains("num_attention_heads 32 must be a multiple of num_key_value_heads 7"),
+        "{stderr}"
+    );
+    let stderr = tpc_fails(["import".as_ref(), dir.as_os_str()]);
+    assert!(stderr.contains("num_key_value_heads 7"), "{stderr}");
+
+    let mut g = fixture_json("gpt2");
+    g.as_object_mut()
+        .unwrap()
+        .insert("tie_word_embeddings".into(), json!(false));
+    let gdir = scratch.model_json("gpt2-untied", &g);
+    let stderr = tpc_fails(["compile".as_ref(), gdir.as_os_str()]);
+    assert!(stderr.contains("GPT-2 always ties its LM head"), "{stderr}");
+
+    let mut g = fixture_json("gpt2");
+    g.as_object_mut()
+        .unwrap()
+        .insert("n_embd".into(), json!(u64::MAX));
+    let gdir = scratch.model_json("gpt2-huge", &g);
+    let stderr = tpc_fails(["import".as_ref(), gdir.as_os_str()]);
+    assert!(stderr.contains("too large"), "{stderr}");
+}
+
+#[test]
+fn malformed_json_reports_line_and_column() {
+    let scratch = Scratch::new("malformed");
+    // A comma missing at the end of line 3: the error is at line 4, column 3.
+    let dir = scratch.model_dir(
+        "m",
+        "{\n  \"model_type\": \"llama\",\n  \"hidden_size\": 4096\n  \"vocab_size\": 128256\n}\n",
+    );
+    let cfg = dir.join("config.json");
+    let at = format!("{}:4:3:", cfg.display());
+    rejected(&dir, &[&at, "expected `,` or `}`", "JSON"]);
+    // Truncated file: the error is at the end.
+    let dir = scratch.model_dir("t", "{\n  \"model_type\": \"llama\",\n");
+    let at = format!("{}:3:0:", dir.join("config.json").display());
+    rejected(&dir, &[&at, "EOF"]);
+    // Valid JSON that is not an object.
+    let dir = scratch.model_dir("a", "[1, 2, 3]\n");
+    rejected(&dir, &["must hold a JSON object"]);
+}
+
+#[test]
+fn a_directory_without_config_json_is_named() {
+    let scratch = Scratch::new("empty-dir");
+    let dir = scratch.0.join("model");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("model.safetensors"), b"").unwrap();
+    rejected(&dir, &[&dir.display().to_string(), "has no config.json"]);
+}
+
+#[test]
+fn a_nonexistent_path_is_named() {
+    let scratch = Scratch::new("missing");
+    let path = scratch.0.join("no-such-model");
+    let shown = path.display().to_string();
+    let lib = load_model(&path).map(|_| ()).unwrap_err().to_string();
+    assert!(
+        lib.contains(&shown) && lib.contains("no such file or directory"),
+        "{lib}"
+    );
+    let stderr = tpc_fails(["compile".as_ref(), path.as_os_str()]);
+    assert!(
+        stderr.contains(&format!("cannot read `{shown}`")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("no such file or directory"), "{stderr}");
+    // `tpc import` refuses it before reading; it names the path.
+    let stderr = tpc_fails(["import".as_ref(), path.as_os_str()]);
+    assert!(stderr.contains(&shown), "{stderr}");
+}
+
+/// `tpc import` of a directory that does not exist says so.
+#[test]
+fn import_of_a_nonexistent_directory_says_it_is_missing() {
+    let scratch = Scratch::new("import-missing");
+    let path = scratch.0.join("no-such-model");
+    let stderr = tpc_fails(["import".as_ref(), path.as_os_str()]);
+    assert!(stderr.contains("no such file or directory"), "{stderr}");
+}
+
+/// A `.json` path that does not exist is a missing file, not a directory without config.json.
+#[test]
+fn a_nonexistent_config_json_path_is_reported_as_missing() {
+    let scratch = Scratch::new("missing-json");
+    for path in [
+        scratch.0.join("no-such-model/config.json"),
+        scratch.0.join("model.json"),
+    ] {
+        let msg = rejected(&path, &[&path.display().to_string()]);
+        assert!(!msg.contains("directory has no config.json"), "{msg}");
+        assert!(msg.contains("no such file"), "{msg}");
+    }
+}
+
+/// A read error names its io cause once, even through `main`'s `{e:#}` chain.
+#[test]
+fn a_read_error_says_its_cause_once() {
+    let scratch = Scratch::new("missing-once");
+    let path = scratch.0.join("no-such-model");
+    let stderr = tpc_fails(["compile".as_ref(), path.as_os_str()]);
+    assert_eq!(
+        stderr.matches("no such file or directory").count(),
+        1,
+        "{stderr}"
+    );
+}
