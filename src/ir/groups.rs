@@ -154,7 +154,12 @@ impl Groups {
                 } else {
                     return Err(SplitProblem::NotDivisible {
                         count: *count,
-                        unit: "attention heads",
+                        // Size-1 groups are plain features that a fused dim counts exactly.
+                        unit: if *size == 1 {
+                            "features"
+                        } else {
+                            "attention heads"
+                        },
                     });
                 }
                 Ok(0)

@@ -96,3 +96,78 @@ mod tests {
         ));
     }
 }
+
+#[cfg(test)]
+mod graph_tests {
+    use super::*;
+    use crate::ir::*;
+
+    fn node(name: &str, op: Op, fact: TensorFact, layout: Layout) -> Node {
+        Node {
+            name: name.into(),
+            op,
+            fact,
+            layer: None,
+            order: 0,
+            layout: Some(layout),
+        }
+    }
+
+    #[test]
+    fn a_partial_sum_fed_to_an_activation_is_rejected_with_its_place() {
+        let mut g = Graph::new("t", DType::F32);
+        let fact = TensorFact {
+            dtype: DType::F32,
+            shape: Shape::tokens(&[8]),
+        };
+        let ids = g.add(
+            node(
+                "ids",
+                Op::Input(InputOp {
+                    kind: InputKind::TokenIds,
+                }),
+                TensorFact {
+                    dtype: DType::I64,
+                    shape: Shape(vec![Dim::Batch, Dim::Seq]),
+                },
+                Layout::Replicated,
+            ),
+            &[],
+        );
+        let table_op = Op::Param(ParamOp {
+            tensor: "emb".into(),
+            shape: vec![16, 8],
+            dtype: None,
+            groups: Default::default(),
+        });
+        let table = g.add(
+            node(
+                "emb",
+                table_op,
+                TensorFact {
+                    dtype: DType::F32,
+                    shape: Shape::fixed(&[16, 8]),
+                },
+                Layout::Split { dim: 0 },
+            ),
+            &[],
+        );
+        let x = g.add(
+            node(
+                "x",
+                Op::Embedding(EmbeddingOp::default()),
+                fact.clone(),
+                Layout::Partial,
+            ),
+            &[ids, table],
+        );
+        let act = Op::Activation(ActivationOp {
+            kind: ActivationKind::Gelu,
+        });
+        g.add(node("act", act, fact, Layout::Partial), &[x]);
+        let err = check_partials(&mut g, &mut ShardCtx::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`act` (activation) input 0 from `x`"), "{err}");
+    }
+}
