@@ -11,7 +11,7 @@ fn slice<'a>(plan: &'a Plan, rank: usize, tensor: &str) -> &'a WeightSlice {
     plan.ranks[rank]
         .weights
         .iter()
-        .find(|w| w.tensor == tensor)
+        .find(|w| &*w.tensor == tensor)
         .unwrap_or_else(|| panic!("{tensor} on rank {rank}"))
 }
 
@@ -119,9 +119,9 @@ fn neox_qkv_keeps_whole_interleaved_heads() {
     assert!(plan.ranks[0]
         .weights
         .iter()
-        .any(|w| w.tensor == "gpt_neox.layers.5.attention.dense.bias"));
+        .any(|w| &*w.tensor == "gpt_neox.layers.5.attention.dense.bias"));
     assert!(plan.ranks[1]
         .weights
         .iter()
-        .all(|w| w.tensor != "gpt_neox.layers.5.attention.dense.bias"));
+        .all(|w| &*w.tensor != "gpt_neox.layers.5.attention.dense.bias"));
 }

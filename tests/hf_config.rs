@@ -595,7 +595,7 @@ fn absent_keys_take_the_hf_class_defaults() {
     let k = plan.ranks[0]
         .weights
         .iter()
-        .find(|w| w.tensor == "model.layers.0.self_attn.k_proj.weight")
+        .find(|w| &*w.tensor == "model.layers.0.self_attn.k_proj.weight")
         .unwrap();
     assert_eq!(k.shape, vec![4096, 5120]);
 }

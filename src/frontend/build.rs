@@ -93,7 +93,7 @@ impl Builder<'_> {
             Stmt::Weight(w) => {
                 let name = subst(&w.name, layer);
                 let op = Op::Param(ParamOp {
-                    tensor: name.clone(),
+                    tensor: name.as_str().into(),
                     shape: w.shape.clone(),
                     dtype: w.dtype,
                     groups: w.groups.clone(),
@@ -103,7 +103,7 @@ impl Builder<'_> {
             Stmt::Node(n) => {
                 let mut op = n.op.clone();
                 if let Op::Param(p) = &mut op {
-                    p.tensor = subst(&p.tensor, layer);
+                    p.tensor = subst(&p.tensor, layer).into();
                 }
                 if op.is_collective() || matches!(op, Op::LocalSlice(_)) {
                     return Err(self.err(
@@ -142,7 +142,7 @@ impl Builder<'_> {
         self.next_order += ORDER_STEP;
         let id = self.graph.add(
             Node {
-                name: name.clone(),
+                name: name.as_str().into(),
                 op,
                 fact,
                 layer,

@@ -226,7 +226,8 @@ fn rope_op(c: &FamilyConfig, d: &Dims) -> Result<Op> {
         1.0
     };
     let pct = c.rotary_pct.unwrap_or(default_pct);
-    let rotary = (d.head_dim as f64 * pct).round() as u64;
+    // transformers truncates: `int(head_size * rotary_pct)`.
+    let rotary = (d.head_dim as f64 * pct) as u64;
     if !(pct > 0.0 && pct <= 1.0) || rotary % 2 != 0 || rotary == 0 {
         return Err(TpcError::Model {
             model: model_name(c),

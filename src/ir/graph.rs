@@ -3,7 +3,7 @@
 
 use super::layout::Layout;
 use super::op::Op;
-use super::tensor::{DType, TensorFact};
+use super::tensor::{DType, Name, TensorFact};
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
@@ -15,7 +15,7 @@ pub type NodeId = NodeIndex<u32>;
 #[derive(Debug, Clone)]
 pub struct Node {
     /// Unique, human-readable name (checkpoint tensor name for params).
-    pub name: String,
+    pub name: Name,
     pub op: Op,
     /// Facts of the op's output.
     pub fact: TensorFact,
@@ -108,6 +108,26 @@ impl Graph {
     /// Nodes in dependency order, ties broken by `order` so output is deterministic and
     /// follows the source. Returns the nodes on a cycle as the error.
     pub fn topo_order(&self) -> Result<Vec<NodeId>, Vec<NodeId>> {
+        // Fast path: builders and passes give every node an `order` after its inputs', so
+        // sorting by it is usually already a topological order; checking that is linear.
+        let mut sorted: Vec<NodeId> = self.g.node_indices().collect();
+        sorted.sort_unstable_by_key(|&n| (self.g[n].order, n.index()));
+        let mut position = vec![0u32; self.g.node_bound()];
+        for (i, &n) in sorted.iter().enumerate() {
+            position[n.index()] = i as u32;
+        }
+        if self
+            .g
+            .edge_references()
+            .all(|e| position[e.source().index()] < position[e.target().index()])
+        {
+            return Ok(sorted);
+        }
+        self.kahn_order()
+    }
+
+    /// Kahn's algorithm with ties broken by `order`.
+    fn kahn_order(&self) -> Result<Vec<NodeId>, Vec<NodeId>> {
         let mut indegree: Vec<u32> = vec![0; self.g.node_bound()];
         for e in self.g.edge_references() {
             indegree[e.target().index()] += 1;
@@ -142,7 +162,7 @@ impl Graph {
     }
 
     pub fn find(&self, name: &str) -> Option<NodeId> {
-        self.g.node_indices().find(|&n| self.g[n].name == name)
+        self.g.node_indices().find(|&n| &*self.g[n].name == name)
     }
 
     pub fn layout(&self, id: NodeId) -> Layout {

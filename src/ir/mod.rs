@@ -12,4 +12,4 @@ pub use graph::{Edge, Graph, Node, NodeId, ORDER_STEP};
 pub use groups::{DimSlice, Groups, SliceRange, SplitProblem};
 pub use layout::Layout;
 pub use op::*;
-pub use tensor::{DType, Dim, Shape, TensorFact};
+pub use tensor::{DType, Dim, Name, Shape, TensorFact};

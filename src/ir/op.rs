@@ -1,7 +1,7 @@
 //! The closed set of operations. Each variant carries one small struct of attributes.
 
 use super::groups::Groups;
-use super::tensor::DType;
+use super::tensor::{DType, Name};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -41,7 +41,7 @@ pub struct InputOp {
 /// A checkpoint tensor, named as the checkpoint names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ParamOp {
-    pub tensor: String,
+    pub tensor: Name,
     pub shape: Vec<u64>,
     #[serde(default)]
     pub dtype: Option<DType>,
@@ -289,7 +289,7 @@ impl Op {
     pub fn attrs(&self) -> String {
         match self {
             Op::Input(i) => format!("{:?}", i.kind),
-            Op::Param(p) => p.tensor.clone(),
+            Op::Param(p) => p.tensor.to_string(),
             Op::Embedding(e) => match e.vocab_range {
                 Some((o, l)) => format!("rows {o}..{}", o + l),
                 None => String::new(),

@@ -18,7 +18,7 @@ pub fn infer(op: &Op, inputs: &[&TensorFact], model_dtype: DType) -> Result<Tens
     match op {
         Op::Input(_) => Ok(TensorFact {
             dtype: DType::I64,
-            shape: Shape(vec![Dim::Batch, Dim::Seq]),
+            shape: Shape::ids(),
         }),
         Op::Param(p) => {
             if p.shape.is_empty() || p.shape.contains(&0) {

@@ -1,7 +1,13 @@
 //! Tensor facts: element type and shape with symbolic batch and sequence dims.
 
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 use std::fmt;
+use std::sync::Arc;
+
+/// A shared, immutable name (node or checkpoint tensor): cloning it for every rank's
+/// program costs a reference count, not an allocation.
+pub type Name = Arc<str>;
 
 /// Element type of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
@@ -57,7 +63,7 @@ impl fmt::Display for Dim {
 
 /// A shape; the last dim is the feature dim for activations.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-pub struct Shape(pub Vec<Dim>);
+pub struct Shape(pub SmallVec<[Dim; 4]>);
 
 impl Shape {
     pub fn fixed(dims: &[u64]) -> Shape {
@@ -66,9 +72,14 @@ impl Shape {
 
     /// `[B, S, features...]`
     pub fn tokens(features: &[u64]) -> Shape {
-        let mut dims = vec![Dim::Batch, Dim::Seq];
+        let mut dims: SmallVec<[Dim; 4]> = SmallVec::from_slice(&[Dim::Batch, Dim::Seq]);
         dims.extend(features.iter().map(|&d| Dim::Fixed(d)));
         Shape(dims)
+    }
+
+    /// `[B, S]`: token ids and positions.
+    pub fn ids() -> Shape {
+        Shape(SmallVec::from_slice(&[Dim::Batch, Dim::Seq]))
     }
 
     pub fn rank(&self) -> usize {

@@ -32,7 +32,7 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<Problem>> {
         })
     };
     if let Err(cycle) = graph.topo_order() {
-        let names: Vec<_> = cycle.iter().map(|&n| graph.node(n).name.as_str()).collect();
+        let names: Vec<_> = cycle.iter().map(|&n| &*graph.node(n).name).collect();
         say(
             names[0],
             format!("nodes form a cycle: {}", names.join(", ")),
@@ -42,7 +42,7 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<Problem>> {
     let any_layout = graph.g.node_weights().any(|n| n.layout.is_some());
     for id in graph.g.node_indices() {
         let node = graph.node(id);
-        if !names.insert(node.name.as_str()) {
+        if !names.insert(&*node.name) {
             say(&node.name, "name is used by more than one node".into());
         }
         let inputs = graph.inputs(id);

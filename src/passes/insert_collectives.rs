@@ -34,7 +34,7 @@ pub fn insert_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
                     let k = inserted_after.entry(producer).or_insert(0);
                     *k += 1;
                     let node = Node {
-                        name: format!("{}.{}", src.name, step.kind()),
+                        name: format!("{}.{}", src.name, step.kind()).into(),
                         op: step,
                         fact: src.fact.clone(),
                         layer: src.layer,

@@ -128,7 +128,7 @@ mod graph_tests {
                 }),
                 TensorFact {
                     dtype: DType::I64,
-                    shape: Shape(vec![Dim::Batch, Dim::Seq]),
+                    shape: Shape::ids(),
                 },
                 Layout::Replicated,
             ),

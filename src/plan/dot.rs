@@ -51,7 +51,7 @@ fn node_label(
     let short = i
         .name
         .rsplit_once(".layers.")
-        .map_or(i.name.as_str(), |(_, rest)| rest);
+        .map_or(&*i.name, |(_, rest)| rest);
     let short = short.rsplit_once(".h.").map_or(short, |(_, rest)| rest);
     let mut label = format!("{short}\\n{}", i.op.kind());
     let attrs = i.op.attrs();
@@ -117,7 +117,7 @@ fn rank_body(
         }
         let (label, style) = node_label(plan, i, &weights);
         let line = format!("\"{prefix}{}\" [label=\"{label}\", {style}];", i.id);
-        let region = place.region_of.get(&i.name).copied();
+        let region = place.region_of.get(&*i.name).copied();
         tree.entry(i.layer)
             .or_default()
             .entry(region)

@@ -8,7 +8,7 @@ pub mod text;
 
 use crate::error::{Result, TpcError};
 use crate::frontend::load::{parse_json, parse_ron, read_text, ron_options};
-use crate::ir::{DType, Layout, Op, SliceRange, TensorFact};
+use crate::ir::{DType, Layout, Name, Op, SliceRange, TensorFact};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -66,7 +66,7 @@ pub struct RankProgram {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WeightSlice {
     /// The checkpoint's tensor name.
-    pub tensor: String,
+    pub tensor: Name,
     /// Shape in the checkpoint.
     pub shape: Vec<u64>,
     pub dtype: DType,
@@ -93,7 +93,7 @@ impl WeightSlice {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Instr {
     pub id: u32,
-    pub name: String,
+    pub name: Name,
     pub op: Op,
     pub inputs: Vec<u32>,
     /// The value on this rank.

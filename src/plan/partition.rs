@@ -119,7 +119,7 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
     }
     let order = walk.order;
     let collectives = collectives(graph, &order, &ranks[0], tp);
-    let name = |n: &NodeId| graph.node(*n).name.clone();
+    let name = |n: &NodeId| graph.node(*n).name.to_string();
     let regions = sharded
         .ctx
         .regions
@@ -293,12 +293,12 @@ fn drop_dead(instrs: &mut Vec<Instr>, weights: &mut Vec<WeightSlice>) {
         .iter()
         .filter(|i| !live[i.id as usize])
         .filter_map(|i| match &i.op {
-            Op::Param(p) => Some(p.tensor.as_str()),
+            Op::Param(p) => Some(&*p.tensor),
             _ => None,
         })
         .collect();
     if !dead.is_empty() {
-        weights.retain(|w| !dead.contains(w.tensor.as_str()));
+        weights.retain(|w| !dead.contains(&*w.tensor));
     }
     instrs.retain(|i| live[i.id as usize]);
 }
@@ -330,7 +330,7 @@ fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) ->
         let bytes = elements * instr.fact.dtype.size_bytes();
         out.push(Collective {
             id: id as u32,
-            name: node.name.clone(),
+            name: node.name.to_string(),
             kind: node.op.kind().to_string(),
             layer: node.layer,
             elements_per_token: elements,
