@@ -41,11 +41,19 @@ pub fn build_graph(def: &GraphDef) -> Result<Graph> {
     Ok(b.graph)
 }
 
+/// `s` with every `{i}` replaced by the layer index.
 fn subst(s: &str, layer: Option<u32>) -> String {
-    match layer {
-        Some(i) if s.contains("{i}") => s.replace("{i}", &i.to_string()),
-        _ => s.to_string(),
+    use std::fmt::Write;
+    let Some(i) = layer else { return s.to_string() };
+    let mut out = String::with_capacity(s.len() + 4);
+    let mut rest = s;
+    while let Some(pos) = rest.find("{i}") {
+        out.push_str(&rest[..pos]);
+        let _ = write!(out, "{i}");
+        rest = &rest[pos + 3..];
     }
+    out.push_str(rest);
+    out
 }
 
 impl Builder<'_> {

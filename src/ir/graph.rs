@@ -7,6 +7,7 @@ use super::tensor::{DType, Name, TensorFact};
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
+use smallvec::SmallVec;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
@@ -70,8 +71,8 @@ impl Graph {
     }
 
     /// Inputs ordered by slot.
-    pub fn inputs(&self, id: NodeId) -> Vec<NodeId> {
-        let mut v: Vec<(u32, NodeId)> = self
+    pub fn inputs(&self, id: NodeId) -> SmallVec<[NodeId; 4]> {
+        let mut v: SmallVec<[(u32, NodeId); 4]> = self
             .g
             .edges_directed(id, Direction::Incoming)
             .map(|e| (e.weight().slot, e.source()))

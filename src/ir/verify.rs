@@ -1,10 +1,14 @@
 //! The verifier: checks the whole graph and collects every problem with its node.
 
 use super::graph::Graph;
+use super::graph::NodeId;
 use super::layout::Layout;
 use super::op::Op;
 use super::shape::infer;
+use super::tensor::TensorFact;
+use petgraph::visit::EdgeRef;
 use rustc_hash::FxHashSet as HashSet;
+use smallvec::SmallVec;
 use std::fmt;
 
 /// One problem found by the verifier, at a named node.
@@ -38,25 +42,31 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<Problem>> {
             format!("nodes form a cycle: {}", names.join(", ")),
         );
     }
-    let mut names = HashSet::default();
+    let mut names = HashSet::with_capacity_and_hasher(graph.g.node_count(), Default::default());
     let any_layout = graph.g.node_weights().any(|n| n.layout.is_some());
     for id in graph.g.node_indices() {
         let node = graph.node(id);
         if !names.insert(&*node.name) {
             say(&node.name, "name is used by more than one node".into());
         }
-        let inputs = graph.inputs(id);
-        let mut slots: Vec<u32> = graph
+        let mut edges: SmallVec<[(u32, NodeId); 4]> = graph
             .g
             .edges_directed(id, petgraph::Direction::Incoming)
-            .map(|e| e.weight().slot)
+            .map(|e| (e.weight().slot, e.source()))
             .collect();
-        slots.sort_unstable();
-        if slots != (0..inputs.len() as u32).collect::<Vec<_>>() {
+        edges.sort_unstable();
+        if edges
+            .iter()
+            .enumerate()
+            .any(|(i, (slot, _))| *slot != i as u32)
+        {
+            let slots: Vec<u32> = edges.iter().map(|e| e.0).collect();
             say(&node.name, format!("input slots {slots:?} are not 0..n"));
             continue;
         }
-        let facts: Vec<_> = inputs.iter().map(|&i| &graph.node(i).fact).collect();
+        let inputs: SmallVec<[NodeId; 4]> = edges.iter().map(|e| e.1).collect();
+        let facts: SmallVec<[&TensorFact; 4]> =
+            inputs.iter().map(|&i| &graph.node(i).fact).collect();
         match infer(&node.op, &facts, graph.dtype) {
             Ok(f) if f != node.fact => say(
                 &node.name,

@@ -154,11 +154,12 @@ fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankPr
     let order = &walk.order;
     // `holder[id]` is the value id that holds value `id` on this rank (itself unless aliased).
     let mut holder: Vec<u32> = (0..order.len() as u32).collect();
-    let mut facts: Vec<Option<TensorFact>> = vec![None; order.len()];
+    // Where each value's instruction sits in `instrs` (its local fact lives there).
+    let mut at: Vec<u32> = vec![u32::MAX; order.len()];
     // Index into `weights` of each param value.
     let mut slice_of: Vec<Option<usize>> = vec![None; order.len()];
     let mut weights: Vec<WeightSlice> = Vec::new();
-    let mut instrs = Vec::with_capacity(order.len());
+    let mut instrs: Vec<Instr> = Vec::with_capacity(order.len());
     for (pos, &n) in order.iter().enumerate() {
         let node = graph.node(n);
         let id = pos as u32;
@@ -172,7 +173,7 @@ fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankPr
         }
         let local_in: Vec<&TensorFact> = inputs
             .iter()
-            .map(|&i| facts[i as usize].as_ref().expect("inputs come first"))
+            .map(|&i| &instrs[at[i as usize] as usize].fact)
             .collect();
         let layout = node.layout.unwrap_or(Layout::Replicated);
         let bad = |m: String| bug("partition", &node.name, m);
@@ -191,7 +192,7 @@ fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankPr
             });
             slice_of[pos] = Some(weights.len());
             weights.push(s);
-            facts[pos] = Some(fact.clone());
+            at[pos] = instrs.len() as u32;
             instrs.push(Instr {
                 id,
                 name: node.name.clone(),
@@ -255,7 +256,7 @@ fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankPr
             }
             _ => infer(&op, &local_in, graph.dtype).map_err(bad)?,
         };
-        facts[id as usize] = Some(fact.clone());
+        at[pos] = instrs.len() as u32;
         instrs.push(Instr {
             id,
             name: node.name.clone(),
