@@ -74,6 +74,37 @@ pub enum TpcError {
 
     #[error("cannot serialize the plan: {0}")]
     Serialize(String),
+
+    #[error("checkpoint `{path}`: {problem}")]
+    CheckpointFile { path: PathBuf, problem: String },
+
+    #[error("checkpoint tensor `{tensor}` ({path}): {problem}")]
+    CheckpointTensor {
+        path: PathBuf,
+        tensor: String,
+        problem: String,
+    },
+
+    #[error(
+        "prompt token id {id} at position {position} is outside the vocabulary of {vocab} tokens"
+    )]
+    TokenOutOfRange {
+        id: i64,
+        position: usize,
+        vocab: u64,
+    },
+
+    #[error("the prompt is empty; give at least one token id")]
+    EmptyPrompt,
+
+    #[error("{0}")]
+    Comm(#[from] crate::runtime::comm::CommError),
+
+    #[error("rank {rank} failed: {message}")]
+    RankPanicked { rank: usize, message: String },
+
+    #[error("plan instruction `{name}` cannot run: {problem}. This plan does not fit this runtime; recompile it with this tpc.")]
+    BadInstruction { name: String, problem: String },
 }
 
 fn fmt_list(v: &[u64]) -> String {

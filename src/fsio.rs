@@ -16,3 +16,10 @@ pub fn write_text(path: &Path, text: &str) -> Result<()> {
         io,
     })
 }
+
+pub fn write_bytes(path: &Path, bytes: &[u8]) -> Result<()> {
+    std::fs::write(path, bytes).map_err(|io| TpcError::Write {
+        path: path.to_path_buf(),
+        io,
+    })
+}

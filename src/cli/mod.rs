@@ -4,6 +4,8 @@ mod compile;
 mod dot;
 mod import;
 mod lower;
+mod run;
+mod verify;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +27,10 @@ enum Command {
     Import(import::Args),
     /// Write a preset out as the equivalent explicit graph.
     Lower(lower::Args),
+    /// Run a model on N CPU ranks and generate tokens.
+    Run(run::Args),
+    /// Check that tp=N reproduces tp=1 on the same inputs.
+    Verify(verify::Args),
 }
 
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -33,5 +39,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Dot(a) => dot::execute(a),
         Command::Import(a) => import::execute(a),
         Command::Lower(a) => lower::execute(a),
+        Command::Run(a) => run::execute(a),
+        Command::Verify(a) => verify::execute(a),
     }
 }

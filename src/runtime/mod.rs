@@ -1,1 +1,14 @@
-//! Runtime: executes per-rank plans. Not built yet; plans are its only input.
+//! Runtime: executes per-rank plans on CPU ranks (threads) with real collectives. Plans are
+//! its only input; it never re-derives sharding.
+
+pub mod backend;
+pub mod comm;
+pub mod cpu;
+pub mod executor;
+pub mod generate;
+pub mod random;
+pub mod rope;
+pub mod sampling;
+pub mod tensor;
+pub mod verify;
+pub mod weights;

@@ -28,7 +28,7 @@
 //! | 4 (oversubscribed)         | 15 µs        | 62 µs                |
 //! | 8 (oversubscribed)         | 34 µs        | 120 µs               |
 //!
-//! With more ranks than cores a rank spins only [`SPIN_OVERSUBSCRIBED`] rounds before it
+//! With more ranks than cores a rank backs off as [`OVERSUBSCRIBED`] says before it
 //! parks, so waiting ranks give their core to the ranks that still have work.
 
 use super::FailureCause;
@@ -39,14 +39,18 @@ use std::sync::{Condvar, Mutex, PoisonError};
 /// Largest group the state word can describe (arrival count and failed rank are 12 bits).
 pub(super) const MAX_WORLD: usize = 1024;
 
-/// Spin rounds (`spin_loop` + one load) before parking when every rank has its own core.
-/// About 20 µs here: long enough to cover the skew of balanced ranks, short enough that a
-/// rank waiting on a slow peer soon stops burning its core.
-pub(super) const SPIN: u32 = 4096;
+/// Back-off when every rank has its own core. TBD
+pub(super) const DEDICATED: Backoff = Backoff {
+    spin: 1024,
+    yields: 4,
+};
 
-/// Spin rounds before parking when there are more ranks than cores: a spinning rank would
-/// only delay the rank it waits for.
-pub(super) const SPIN_OVERSUBSCRIBED: u32 = 64;
+/// Back-off when there are more ranks than cores: a spinning rank would only delay the rank
+/// it waits for. TBD
+pub(super) const OVERSUBSCRIBED: Backoff = Backoff {
+    spin: 16,
+    yields: 4,
+};
 
 /// The first failure recorded in a group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,9 +66,17 @@ pub(super) enum Phase {
     Inner,
 }
 
+/// How a waiting rank backs off: `spin` rounds of `spin_loop` and a load, then `yields`
+/// rounds of `thread::yield_now` and a load, then it parks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    pub spin: u32,
+    pub yields: u32,
+}
+
 /// One value on its own cache lines (adjacent-line prefetch pairs lines, hence 128).
 #[repr(align(128))]
-struct CachePadded<T>(T);
+pub(super) struct CachePadded<T>(pub T);
 
 /// Bit layout of the state word.
 const ARRIVED_MASK: u64 = 0xfff;
@@ -142,14 +154,14 @@ pub(super) struct GroupBarrier {
     state: CachePadded<AtomicU64>,
     sleepers: CachePadded<AtomicUsize>,
     n: u64,
-    spin: u32,
+    backoff: Backoff,
     lock: Mutex<()>,
     cv: Condvar,
 }
 
 impl GroupBarrier {
-    /// A barrier for `n` ranks (1..=[`MAX_WORLD`]) that spins `spin` rounds before parking.
-    pub(super) fn new(n: usize, spin: u32) -> Self {
+    /// A barrier for `n` ranks (1..=[`MAX_WORLD`]).
+    pub(super) fn new(n: usize, backoff: Backoff) -> Self {
         assert!(
             (1..=MAX_WORLD).contains(&n),
             "a group has 1..={MAX_WORLD} ranks, got {n}"
@@ -158,7 +170,7 @@ impl GroupBarrier {
             state: CachePadded(AtomicU64::new(0)),
             sleepers: CachePadded(AtomicUsize::new(0)),
             n: n as u64,
-            spin,
+            backoff,
             lock: Mutex::new(()),
             cv: Condvar::new(),
         }
@@ -242,11 +254,17 @@ impl GroupBarrier {
 
     /// Spin, then park on the condition variable, until `decide` returns `Some`.
     fn block_until<T>(&self, mut decide: impl FnMut(State) -> Option<T>) -> T {
-        for _ in 0..self.spin {
+        for _ in 0..self.backoff.spin {
             if let Some(t) = decide(self.load()) {
                 return t;
             }
             spin_loop();
+        }
+        for _ in 0..self.backoff.yields {
+            if let Some(t) = decide(self.load()) {
+                return t;
+            }
+            std::thread::yield_now();
         }
         let mut guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
         // Dekker pair with `wake`: we announce ourselves, then look at the state; a waker
@@ -312,8 +330,15 @@ mod tests {
     /// immediate parking (spin 0), including more ranks than cores.
     #[test]
     fn orders_memory_between_rounds() {
-        for (n, spin) in [(1, SPIN), (2, SPIN), (3, 0), (5, SPIN_OVERSUBSCRIBED), (8, 0)] {
-            let b = Arc::new(GroupBarrier::new(n, spin));
+        let park_at_once = Backoff { spin: 0, yields: 0 };
+        for (n, backoff) in [
+            (1, DEDICATED),
+            (2, DEDICATED),
+            (3, park_at_once),
+            (5, OVERSUBSCRIBED),
+            (8, park_at_once),
+        ] {
+            let b = Arc::new(GroupBarrier::new(n, backoff));
             let counter = Arc::new(AtomicUsize::new(0));
             let rounds = 300;
             let handles: Vec<_> = (0..n)
@@ -338,7 +363,7 @@ mod tests {
 
     #[test]
     fn failure_releases_entry_waiters_and_first_failure_is_kept() {
-        let b = Arc::new(GroupBarrier::new(3, 0));
+        let b = Arc::new(GroupBarrier::new(3, Backoff { spin: 0, yields: 0 }));
         let waiters: Vec<_> = (0..2)
             .map(|_| {
                 let b = b.clone();
@@ -362,7 +387,7 @@ mod tests {
     /// An inner wait ignores a failure until every rank has arrived, then all see it.
     #[test]
     fn inner_wait_completes_before_reporting() {
-        let b = Arc::new(GroupBarrier::new(2, 0));
+        let b = Arc::new(GroupBarrier::new(2, Backoff { spin: 0, yields: 0 }));
         let f = b.fail(1, FailureCause::Panicked);
         let b2 = b.clone();
         let waiter = thread::spawn(move || b2.wait(Phase::Inner));

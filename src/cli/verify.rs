@@ -1,0 +1,79 @@
+//! `tpc verify MODEL --tp N`: tp=1 and tp=N on the same inputs, logits compared.
+
+use std::path::PathBuf;
+use tpc::frontend::load::load_model;
+use tpc::frontend::ModelDef;
+use tpc::runtime::verify::verify;
+use tpc::runtime::weights::{Checkpoint, WeightSource};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A model (.ron, HF directory, config.json). A directory with weights uses them;
+    /// otherwise weights are seeded random values.
+    model: PathBuf,
+    #[arg(long)]
+    tp: u64,
+    /// Seed for random weights and the prompt.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 8)]
+    prompt_len: usize,
+    /// Keep only the first N layers of a preset (big models in little memory).
+    #[arg(long)]
+    layers: Option<u64>,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn execute(a: Args) -> anyhow::Result<()> {
+    let mut def = load_model(&a.model)?;
+    if let (Some(n), ModelDef::Preset(p)) = (a.layers, &mut def) {
+        anyhow::ensure!(n >= 1, "--layers must be at least 1");
+        p.num_hidden_layers = p.num_hidden_layers.min(n);
+    }
+    let has_weights = a.model.is_dir()
+        && (a.model.join("model.safetensors").exists()
+            || a.model.join("model.safetensors.index.json").exists());
+    let ckpt = if has_weights && a.layers.is_none() {
+        Some(Checkpoint::open(&a.model)?)
+    } else {
+        None
+    };
+    let report = verify(
+        &def,
+        a.tp,
+        ckpt.as_ref().map(|c| c as &dyn WeightSource),
+        a.seed,
+        a.prompt_len,
+    )?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let source = if ckpt.is_some() {
+            "checkpoint weights"
+        } else {
+            "seeded random weights"
+        };
+        println!(
+            "tp=1 vs tp={} ({source}, {} prompt tokens): max abs error {:.3e}, relative error {:.3e} (tolerance {:.0e}), max elementwise relative error {:.3e}; greedy tokens {}",
+            a.tp,
+            report.prompt.len(),
+            report.max_abs_error,
+            report.rel_error,
+            report.tolerance,
+            report.max_elementwise_rel_error,
+            if report.tokens_tp1 == report.tokens_tpn { "equal" } else { "DIFFER" }
+        );
+    }
+    anyhow::ensure!(
+        report.passed,
+        "tp={} does not reproduce tp=1: relative error {:.3e} (tolerance {:.0e}), tokens {:?} vs {:?}",
+        a.tp,
+        report.rel_error,
+        report.tolerance,
+        report.tokens_tpn,
+        report.tokens_tp1
+    );
+    Ok(())
+}

@@ -1,0 +1,610 @@
+//! The in-process group: every rank is a thread, collectives read peers' memory directly.
+//!
+//! # Protocol of one collective call
+//!
+//! 1. *Publish.* The rank writes what it is about to do (collective, algorithm, length,
+//!    whether its own arguments were consistent) and a pointer to the memory peers should
+//!    read into its slot. Slots and one-shot staging buffers are double-buffered by the
+//!    parity of the call number, which is the same on every rank.
+//! 2. *Entry wait* ([`Phase::Entry`]). After it, every rank checks every slot; if anything
+//!    disagrees all ranks see the same slots and all return an error, so the group stays in
+//!    step. A recorded failure releases this wait at once.
+//! 3. *Data phases*, separated by *inner waits* ([`Phase::Inner`]): each rank reads only
+//!    memory that peers published for this call and that no rank writes in the same phase,
+//!    and writes only its own memory. The last inner wait guarantees no peer still reads a
+//!    rank's buffer when that rank returns. The one-shot all-reduce reads only staging
+//!    buffers owned by the group, so it needs no wait after its data phase.
+//!
+//! Why a slot or staging buffer of parity `p` is never written while a peer reads it: a peer
+//! reads it between the entry wait of call `k` and its own arrival at the entry wait of call
+//! `k + 1`; the owner writes it again in call `k + 2`, which it starts only after the entry
+//! wait of call `k + 1` completed cleanly — if that wait failed, the group has a recorded
+//! failure and every later call returns before publishing anything.
+
+use super::barrier::{
+    Backoff, CachePadded, Failure, GroupBarrier, Phase, DEDICATED, MAX_WORLD, OVERSUBSCRIBED,
+};
+use super::reduce::{accumulate_into_own, chunk_range, copy, sum_into, summation_order};
+use super::{Collective, CommError, Communicator, FailureCause};
+use std::fmt;
+use std::ops::Range;
+use std::ptr;
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// All-reduces of at most this many bytes use the one-shot algorithm, larger ones the ring.
+///
+/// Measured with `bench::bench_all_reduce` on this machine (2 vCPU AMD EPYC Zen 3, KVM),
+/// median latency in µs, one-shot / ring:
+///
+/// | bytes   | tp=2        | tp=4 (oversub.) | tp=8 (oversub.) |
+/// |---------|-------------|-----------------|-----------------|
+/// | TBD     |             |                 |                 |
+pub const ONE_SHOT_MAX_BYTES: usize = 32 * 1024;
+
+/// Which all-reduce algorithm to run; see [`LocalComm::all_reduce_sum_with`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AllReduceAlgorithm {
+    /// One-shot up to [`ONE_SHOT_MAX_BYTES`], ring above.
+    Auto,
+    /// Every rank copies its buffer to a group-owned staging buffer, one wait, then every
+    /// rank sums all staging buffers itself: 1 wait, `n × len` reads per rank.
+    OneShot,
+    /// Ring reduce-scatter then ring all-gather over `n` chunks, in place in the ranks'
+    /// buffers: `2(n − 1)` steps, each reading one chunk from the previous rank.
+    Ring,
+}
+
+impl fmt::Display for AllReduceAlgorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AllReduceAlgorithm::Auto => "auto",
+            AllReduceAlgorithm::OneShot => "one-shot",
+            AllReduceAlgorithm::Ring => "ring",
+        })
+    }
+}
+
+impl AllReduceAlgorithm {
+    fn resolve(self, len: usize) -> AllReduceAlgorithm {
+        match self {
+            AllReduceAlgorithm::Auto if len * size_of::<f32>() <= ONE_SHOT_MAX_BYTES => {
+                AllReduceAlgorithm::OneShot
+            }
+            AllReduceAlgorithm::Auto => AllReduceAlgorithm::Ring,
+            forced => forced,
+        }
+    }
+}
+
+/// One rank's communicator in an in-process group; move it into the rank's thread.
+///
+/// Dropping it leaves the group: ranks that still call collectives get
+/// [`CommError::PeerFailed`]. Leaking it (`mem::forget`) while peers wait for it hangs them,
+/// like any rank that never arrives.
+pub struct LocalComm {
+    rank: usize,
+    n: usize,
+    shared: Arc<Shared>,
+    /// Number of collective calls this rank has started; its parity selects the slot and
+    /// staging buffer, and it is the same on every rank.
+    calls: u64,
+    aborted: bool,
+    /// Test hook: panic inside the given ring step, after touching the data.
+    #[cfg(test)]
+    pub(super) panic_in_ring_step: Option<usize>,
+}
+
+/// What the ranks of one group share.
+struct Shared {
+    barrier: GroupBarrier,
+    /// `rank * 2 + parity`.
+    slots: Box<[Slot]>,
+    /// `rank * 2 + parity`: where a rank copies its buffer for a one-shot all-reduce. Owned
+    /// by the group so it outlives any rank that leaves while peers still read it. Only
+    /// its rank locks it (to resize and fill it); peers read it through the pointer
+    /// published in the slot, under the protocol described in the module documentation.
+    staging: Box<[CachePadded<Mutex<Vec<f32>>>]>,
+}
+
+/// What one rank publishes for one call.
+#[repr(align(128))]
+#[derive(Default)]
+struct Slot {
+    code: AtomicU32,
+    len: AtomicUsize,
+    ptr: AtomicPtr<f32>,
+}
+
+/// The call a rank publishes, encoded into `Slot::code`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Call {
+    during: Collective,
+    algorithm: Option<AllReduceAlgorithm>,
+    len: usize,
+}
+
+const BAD_ARGUMENTS: u32 = 1 << 8;
+
+impl Call {
+    fn code(self) -> u32 {
+        let during = match self.during {
+            Collective::AllReduceSum => 0,
+            Collective::AllGather => 1,
+            Collective::ReduceScatterSum => 2,
+            Collective::Barrier => 3,
+        };
+        let algorithm = match self.algorithm {
+            None | Some(AllReduceAlgorithm::Auto) => 0,
+            Some(AllReduceAlgorithm::OneShot) => 1,
+            Some(AllReduceAlgorithm::Ring) => 2,
+        };
+        during | algorithm << 4
+    }
+
+    fn decode(code: u32, len: usize) -> Call {
+        let during = match code & 0xf {
+            0 => Collective::AllReduceSum,
+            1 => Collective::AllGather,
+            2 => Collective::ReduceScatterSum,
+            _ => Collective::Barrier,
+        };
+        let algorithm = match (code >> 4) & 0xf {
+            0 => None,
+            1 => Some(AllReduceAlgorithm::OneShot),
+            _ => Some(AllReduceAlgorithm::Ring),
+        };
+        Call {
+            during,
+            algorithm,
+            len,
+        }
+    }
+}
+
+/// One communicator per rank (`0..world_size`, in order) of a new in-process group.
+///
+/// Ranks spin briefly before parking when `world_size` does not exceed the available cores,
+/// and park almost at once when it does.
+///
+/// # Panics
+///
+/// If `world_size` is 0 or above 1024.
+pub fn local_group(world_size: usize) -> Vec<LocalComm> {
+    group_with_backoff(world_size, backoff_for(world_size))
+}
+
+/// How the waiting ranks of a group of `world_size` back off on this machine.
+pub(super) fn backoff_for(world_size: usize) -> Backoff {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if world_size <= cores {
+        DEDICATED
+    } else {
+        OVERSUBSCRIBED
+    }
+}
+
+/// [`local_group`] with an explicit back-off (benchmarks).
+pub(super) fn group_with_backoff(world_size: usize, backoff: Backoff) -> Vec<LocalComm> {
+    assert!(
+        (1..=MAX_WORLD).contains(&world_size),
+        "a local group has 1..={MAX_WORLD} ranks, got {world_size}"
+    );
+    let shared = Arc::new(Shared {
+        barrier: GroupBarrier::new(world_size, backoff),
+        slots: (0..2 * world_size).map(|_| Slot::default()).collect(),
+        staging: (0..2 * world_size)
+            .map(|_| CachePadded(Mutex::new(Vec::new())))
+            .collect(),
+    });
+    (0..world_size)
+        .map(|rank| LocalComm {
+            rank,
+            n: world_size,
+            shared: shared.clone(),
+            calls: 0,
+            aborted: false,
+            #[cfg(test)]
+            panic_in_ring_step: None,
+        })
+        .collect()
+}
+
+impl fmt::Debug for LocalComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.n)
+            .field("calls", &self.calls)
+            .field("aborted", &self.aborted)
+            .finish_non_exhaustive()
+    }
+}
+
+/// On unwinding out of a data phase, records the panic and still makes the inner wait the
+/// peers are heading for, so no peer reads this rank's buffers after they are freed.
+struct UnwindGuard<'a> {
+    barrier: &'a GroupBarrier,
+    rank: usize,
+    was_panicking: bool,
+}
+
+impl<'a> UnwindGuard<'a> {
+    fn new(barrier: &'a GroupBarrier, rank: usize) -> Self {
+        UnwindGuard {
+            barrier,
+            rank,
+            was_panicking: std::thread::panicking(),
+        }
+    }
+}
+
+impl Drop for UnwindGuard<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() && !self.was_panicking {
+            self.barrier.fail(self.rank, FailureCause::Panicked);
+            // Every peer is inside this collective and arrives; the verdict is "failed".
+            let _ = self.barrier.wait(Phase::Inner);
+        }
+    }
+}
+
+/// `range` of the `f32`s at `base`.
+///
+/// # Safety
+///
+/// `base` points to at least `range.end` initialized `f32`s that stay allocated and that no
+/// thread writes while the returned slice is used.
+unsafe fn shared_slice<'a>(base: *const f32, range: Range<usize>) -> &'a [f32] {
+    // SAFETY: forwarded to the caller.
+    unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
+}
+
+impl LocalComm {
+    /// Leave the group on purpose: every rank blocked in or later entering a collective gets
+    /// [`CommError::PeerFailed`] with [`FailureCause::Aborted`], and this communicator
+    /// refuses further calls with [`CommError::Aborted`].
+    pub fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            self.shared.barrier.fail(self.rank, FailureCause::Aborted);
+        }
+    }
+
+    /// [`Communicator::all_reduce_sum`] with a chosen algorithm. Every rank must choose the
+    /// same one (after `Auto` is resolved by size), or all get
+    /// [`CommError::AlgorithmMismatch`]. The result is bit-identical for every algorithm.
+    pub fn all_reduce_sum_with(
+        &mut self,
+        buf: &mut [f32],
+        algorithm: AllReduceAlgorithm,
+    ) -> Result<(), CommError> {
+        let during = Collective::AllReduceSum;
+        let len = buf.len();
+        let algorithm = algorithm.resolve(len);
+        let call = Call {
+            during,
+            algorithm: Some(algorithm),
+            len,
+        };
+        self.check_usable(during)?;
+        if self.n == 1 || len == 0 {
+            self.begin(call, ptr::null(), None)?;
+            return Ok(());
+        }
+        if algorithm == AllReduceAlgorithm::OneShot {
+            let staged = self.stage(buf);
+            let parity = self.begin(call, staged, None)?;
+            self.one_shot(buf, parity);
+            Ok(())
+        } else {
+            // From here until `ring` returns, this rank touches `buf` only through `own`, the
+            // pointer its peers use too.
+            let own = buf.as_mut_ptr();
+            let parity = self.begin(call, own, None)?;
+            self.ring(own, len, parity)
+        }
+    }
+
+    fn parity(&self) -> usize {
+        (self.calls & 1) as usize
+    }
+
+    fn slot(&self, rank: usize, parity: usize) -> &Slot {
+        &self.shared.slots[rank * 2 + parity]
+    }
+
+    fn peer_failed(&self, f: Failure, during: Collective) -> CommError {
+        CommError::PeerFailed {
+            rank: self.rank,
+            peer: f.rank,
+            cause: f.cause,
+            during,
+        }
+    }
+
+    /// Refuses calls on an aborted communicator or a failed group, before anything is
+    /// published (see the module documentation for why this matters).
+    fn check_usable(&self, during: Collective) -> Result<(), CommError> {
+        if self.aborted {
+            return Err(CommError::Aborted {
+                rank: self.rank,
+                during,
+            });
+        }
+        match self.shared.barrier.failure() {
+            Some(f) => Err(self.peer_failed(f, during)),
+            None => Ok(()),
+        }
+    }
+
+    fn wait(&self, phase: Phase, during: Collective) -> Result<(), CommError> {
+        self.shared
+            .barrier
+            .wait(phase)
+            .map_err(|f| self.peer_failed(f, during))
+    }
+
+    /// Copies `buf` into this rank's staging buffer for the coming call; returns where.
+    fn stage(&self, buf: &[f32]) -> *const f32 {
+        let mut staging = self.shared.staging[self.rank * 2 + self.parity()]
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // No peer reads this buffer now: its last readers read it two calls ago, before the
+        // entry wait of the previous call, which completed cleanly (`check_usable`).
+        staging.resize(buf.len(), 0.0);
+        copy(&mut staging, buf);
+        staging.as_ptr()
+    }
+
+    /// Steps 1 and 2 of the protocol. Returns the parity of this call.
+    fn begin(
+        &mut self,
+        call: Call,
+        ptr: *const f32,
+        local_error: Option<CommError>,
+    ) -> Result<usize, CommError> {
+        self.check_usable(call.during)?;
+        let parity = self.parity();
+        self.calls += 1;
+        let slot = self.slot(self.rank, parity);
+        let bad = if local_error.is_some() {
+            BAD_ARGUMENTS
+        } else {
+            0
+        };
+        slot.code.store(call.code() | bad, Relaxed);
+        slot.len.store(call.len, Relaxed);
+        slot.ptr.store(ptr.cast_mut(), Relaxed);
+        // The entry wait orders these stores before every peer's loads below.
+        self.wait(Phase::Entry, call.during)?;
+        if let Some(e) = local_error {
+            return Err(e);
+        }
+        for peer in (0..self.n).filter(|&p| p != self.rank) {
+            let slot = self.slot(peer, parity);
+            let code = slot.code.load(Relaxed);
+            if code & BAD_ARGUMENTS != 0 {
+                return Err(CommError::PeerBadArguments {
+                    rank: self.rank,
+                    during: call.during,
+                    peer,
+                });
+            }
+            let theirs = Call::decode(code, slot.len.load(Relaxed));
+            if theirs.during != call.during || theirs.len != call.len {
+                return Err(CommError::PeerMismatch {
+                    rank: self.rank,
+                    during: call.during,
+                    len: call.len,
+                    peer,
+                    peer_during: theirs.during,
+                    peer_len: theirs.len,
+                });
+            }
+            if let (Some(mine), Some(their)) = (call.algorithm, theirs.algorithm) {
+                if mine != their {
+                    return Err(CommError::AlgorithmMismatch {
+                        rank: self.rank,
+                        peer,
+                        algorithm: mine,
+                        peer_algorithm: their,
+                    });
+                }
+            }
+        }
+        Ok(parity)
+    }
+
+    /// `range` of what `peer` published for the current call (which has `parity`).
+    ///
+    /// # Safety
+    ///
+    /// Call only between this call's entry wait (completed without error) and this rank's
+    /// next arrival at a wait, with `range.end` within what `peer` published (`peer`'s own
+    /// argument checks passed, so its buffer has the length the collective implies), and
+    /// only for elements `peer` does not write in the current data phase.
+    unsafe fn peer_data(&self, peer: usize, parity: usize, range: Range<usize>) -> &[f32] {
+        let base = self.slot(peer, parity).ptr.load(Relaxed).cast_const();
+        // SAFETY: `base` was published by `peer` before the entry wait that made it visible
+        // here; the memory stays allocated and unwritten as the caller guarantees: a peer
+        // frees or reuses it only after a later wait that this rank has not arrived at.
+        unsafe { shared_slice(base, range) }
+    }
+
+    /// One-shot data phase: every chunk summed from all staging buffers, in the fixed order.
+    fn one_shot(&self, buf: &mut [f32], parity: usize) {
+        let (n, len) = (self.n, buf.len());
+        for c in 0..n {
+            let range = chunk_range(len, n, c);
+            if range.is_empty() {
+                continue;
+            }
+            let sources = summation_order(n, c).map(|q| {
+                // SAFETY: rank `q` published its staging buffer of `len` elements for this
+                // call (lengths agreed in `begin`); staging buffers belong to the group,
+                // which `self.shared` keeps alive, and rank `q` writes this one again only
+                // after this rank has arrived at the entry wait of its next call.
+                unsafe { self.peer_data(q, parity, range.clone()) }
+            });
+            sum_into(&mut buf[range.clone()], sources);
+        }
+    }
+
+    /// Ring data phases, in place in every rank's buffer. Chunk `c` travels from rank `c + 1`
+    /// around the ring and ends, complete, at rank `c`; then each complete chunk travels
+    /// around once more as a copy.
+    ///
+    /// In reduce-scatter step `s` rank `r` reads chunk `r − s − 2` of rank `r − 1` (written
+    /// by it in step `s − 1`, or its own input when `s = 0`) and writes its own chunk
+    /// `r − s − 2`; in all-gather step `s` it reads chunk `r − s − 1` of rank `r − 1` and
+    /// writes its own chunk `r − s − 1`. In one step a rank's buffer is thus written at chunk
+    /// `r − s − k` by rank `r` and read at chunk `r − s − k + 1` by rank `r + 1`: disjoint
+    /// (chunks never share a cache line either, see [`chunk_range`]).
+    fn ring(&self, own: *mut f32, len: usize, parity: usize) -> Result<(), CommError> {
+        let (n, rank) = (self.n, self.rank);
+        let during = Collective::AllReduceSum;
+        let pred = (rank + n - 1) % n;
+        let _guard = UnwindGuard::new(&self.shared.barrier, rank);
+        for step in 0..n - 1 {
+            let range = chunk_range(len, n, (rank + 2 * n - step - 2) % n);
+            // SAFETY: `own` is this rank's `buf` (`len` elements, borrowed mutably for the
+            // whole call and only accessed through `own`); nobody else writes it, and in
+            // this step the successor reads a different chunk (see above). The
+            // predecessor's chunk is not written in this step, and its buffer stays
+            // borrowed until after its last inner wait, which needs this rank's arrival.
+            let (mine, theirs) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(own.add(range.start), range.len()),
+                    self.peer_data(pred, parity, range),
+                )
+            };
+            accumulate_into_own(mine, theirs);
+            #[cfg(test)]
+            if self.panic_in_ring_step == Some(step) {
+                panic!("injected panic in ring step {step} on rank {rank}");
+            }
+            self.wait(Phase::Inner, during)?;
+        }
+        for step in 0..n - 1 {
+            let range = chunk_range(len, n, (rank + n - step - 1) % n);
+            // SAFETY: as above.
+            let (mine, theirs) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(own.add(range.start), range.len()),
+                    self.peer_data(pred, parity, range),
+                )
+            };
+            copy(mine, theirs);
+            self.wait(Phase::Inner, during)?;
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.n
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        self.all_reduce_sum_with(buf, AllReduceAlgorithm::Auto)
+    }
+
+    fn all_gather(&mut self, local: &[f32], out: &mut [f32]) -> Result<(), CommError> {
+        let during = Collective::AllGather;
+        let (n, rank, m) = (self.n, self.rank, local.len());
+        let expected = m.saturating_mul(n);
+        let local_error = (out.len() != expected).then_some(CommError::SizeMismatch {
+            rank,
+            during,
+            what: "`out` (must hold world_size × local.len())",
+            expected,
+            got: out.len(),
+        });
+        let call = Call {
+            during,
+            algorithm: None,
+            len: m,
+        };
+        let parity = self.begin(call, local.as_ptr(), local_error)?;
+        if m == 0 {
+            return Ok(());
+        }
+        let _guard = UnwindGuard::new(&self.shared.barrier, rank);
+        for (q, dst) in out.chunks_exact_mut(m).enumerate() {
+            if q == rank {
+                copy(dst, local);
+            } else {
+                // SAFETY: rank `q` published its `local` of `m` elements (checked in
+                // `begin`); it is a shared borrow nobody writes, held until `q` passes the
+                // inner wait below, which needs this rank's arrival.
+                copy(dst, unsafe { self.peer_data(q, parity, 0..m) });
+            }
+        }
+        self.wait(Phase::Inner, during)
+    }
+
+    fn reduce_scatter_sum(&mut self, input: &[f32], out: &mut [f32]) -> Result<(), CommError> {
+        let during = Collective::ReduceScatterSum;
+        let (n, rank, m) = (self.n, self.rank, out.len());
+        let expected = m.saturating_mul(n);
+        let local_error = (input.len() != expected).then_some(CommError::SizeMismatch {
+            rank,
+            during,
+            what: "`input` (must hold world_size × out.len())",
+            expected,
+            got: input.len(),
+        });
+        let call = Call {
+            during,
+            algorithm: None,
+            len: m,
+        };
+        let parity = self.begin(call, input.as_ptr(), local_error)?;
+        if m == 0 {
+            return Ok(());
+        }
+        let piece = rank * m..(rank + 1) * m;
+        let _guard = UnwindGuard::new(&self.shared.barrier, rank);
+        let sources = summation_order(n, rank).map(|q| {
+            if q == rank {
+                &input[piece.clone()]
+            } else {
+                // SAFETY: rank `q` published its `input` of `n × m` elements (its own size
+                // check passed, and `m` agreed in `begin`); a shared borrow nobody writes,
+                // held until `q` passes the inner wait below.
+                unsafe { self.peer_data(q, parity, piece.clone()) }
+            }
+        });
+        sum_into(out, sources);
+        self.wait(Phase::Inner, during)
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let call = Call {
+            during: Collective::Barrier,
+            algorithm: None,
+            len: 0,
+        };
+        self.begin(call, ptr::null(), None).map(drop)
+    }
+}
+
+impl Drop for LocalComm {
+    fn drop(&mut self) {
+        if !self.aborted {
+            let cause = if std::thread::panicking() {
+                FailureCause::Panicked
+            } else {
+                FailureCause::Dropped
+            };
+            self.shared.barrier.fail(self.rank, cause);
+        }
+    }
+}

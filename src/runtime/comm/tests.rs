@@ -1,0 +1,650 @@
+//! Tests of the in-process group against straightforward sequential references.
+//!
+//! Every group runs on real threads. A rank that does not report back within
+//! [`WATCHDOG`] fails the test as a hang; no test measures speed.
+
+use super::reduce::{chunk_range, summation_order};
+use super::*;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::Duration;
+
+/// Hang detector: how long to wait for every rank to report. Only a hang gets near it.
+const WATCHDOG: Duration = Duration::from_secs(120);
+
+const ONE_SHOT_MAX_ELEMS: usize = ONE_SHOT_MAX_BYTES / 4;
+
+/// Runs `body(comm)` on one thread per rank of a new group and returns each rank's outcome
+/// (`Err` holds the panic message), in rank order.
+fn run_group<T, F>(n: usize, body: F) -> Vec<Result<T, String>>
+where
+    T: Send + 'static,
+    F: Fn(LocalComm) -> T + Send + Sync + 'static,
+{
+    run_comms(local_group(n), body)
+}
+
+fn run_comms<T, F>(comms: Vec<LocalComm>, body: F) -> Vec<Result<T, String>>
+where
+    T: Send + 'static,
+    F: Fn(LocalComm) -> T + Send + Sync + 'static,
+{
+    let n = comms.len();
+    let body = Arc::new(body);
+    let (tx, rx) = mpsc::channel();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let (body, tx) = (body.clone(), tx.clone());
+            thread::spawn(move || {
+                let rank = comm.rank();
+                let outcome = catch_unwind(AssertUnwindSafe(|| body(comm))).map_err(|p| {
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                });
+                let _ = tx.send((rank, outcome));
+            })
+        })
+        .collect();
+    drop(tx);
+    let mut outcomes: Vec<Option<Result<T, String>>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        match rx.recv_timeout(WATCHDOG) {
+            Ok((rank, outcome)) => outcomes[rank] = Some(outcome),
+            Err(_) => {
+                let missing: Vec<usize> = (0..n).filter(|&r| outcomes[r].is_none()).collect();
+                panic!("ranks {missing:?} of {n} did not finish within {WATCHDOG:?}: hang");
+            }
+        }
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    outcomes.into_iter().map(Option::unwrap).collect()
+}
+
+fn ok<T>(outcomes: Vec<Result<T, String>>) -> Vec<T> {
+    outcomes
+        .into_iter()
+        .enumerate()
+        .map(|(rank, o)| o.unwrap_or_else(|msg| panic!("rank {rank} panicked: {msg}")))
+        .collect()
+}
+
+/// Small integers: every summation order gives the exact same result.
+fn exact_input(rank: usize, len: usize, salt: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((rank * 31 + i * 7 + salt * 13) % 17) as f32 - 8.0)
+        .collect()
+}
+
+/// Values of very different magnitudes and both signs: the summation order changes bits.
+fn order_sensitive_input(rank: usize, len: usize) -> Vec<f32> {
+    let mut x = (rank as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let exponent = (x % 48) as i32 - 24;
+            let mantissa = 1.0 + ((x >> 8) % 1000) as f32 / 1000.0;
+            let sign = if (x >> 20) & 1 == 0 { 1.0 } else { -1.0 };
+            sign * mantissa * 2f32.powi(exponent)
+        })
+        .collect()
+}
+
+/// Sum over ranks, in rank order.
+fn reference_sum(inputs: &[Vec<f32>]) -> Vec<f32> {
+    let len = inputs[0].len();
+    (0..len)
+        .map(|i| inputs.iter().map(|x| x[i]).fold(0.0, |a, v| a + v))
+        .collect()
+}
+
+/// The documented order (`reduce` module): element `i` of chunk `c` is summed starting at
+/// rank `c + 1`, ending with rank `c`.
+fn canonical_all_reduce(inputs: &[Vec<f32>]) -> Vec<f32> {
+    let (n, len) = (inputs.len(), inputs[0].len());
+    (0..len)
+        .map(|i| {
+            let c = (0..n)
+                .find(|&c| chunk_range(len, n, c).contains(&i))
+                .unwrap();
+            let mut order = summation_order(n, c);
+            let first = inputs[order.next().unwrap()][i];
+            order.fold(first, |acc, q| acc + inputs[q][i])
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+const ALGORITHMS: [AllReduceAlgorithm; 3] = [
+    AllReduceAlgorithm::Auto,
+    AllReduceAlgorithm::OneShot,
+    AllReduceAlgorithm::Ring,
+];
+
+fn all_reduce_lengths() -> Vec<usize> {
+    vec![
+        0,
+        1,
+        2,
+        3,
+        7,
+        15,
+        16,
+        17,
+        33,
+        100,
+        1000,
+        4097,
+        ONE_SHOT_MAX_ELEMS,
+        ONE_SHOT_MAX_ELEMS + 1,
+        3 * ONE_SHOT_MAX_ELEMS + 5,
+    ]
+}
+
+#[test]
+fn all_reduce_matches_reference_for_every_size_and_algorithm() {
+    for n in 1..=8 {
+        // One group per world size, reused for every length and algorithm.
+        let results = ok(run_group(n, move |mut comm| {
+            let rank = comm.rank();
+            let mut out = Vec::new();
+            for (salt, len) in all_reduce_lengths().into_iter().enumerate() {
+                for algorithm in ALGORITHMS {
+                    let mut buf = exact_input(rank, len, salt);
+                    comm.all_reduce_sum_with(&mut buf, algorithm).unwrap();
+                    out.push((len, algorithm, buf));
+                }
+            }
+            out
+        }));
+        for (salt, len) in all_reduce_lengths().into_iter().enumerate() {
+            let inputs: Vec<_> = (0..n).map(|r| exact_input(r, len, salt)).collect();
+            let expected = reference_sum(&inputs);
+            for (rank, per_rank) in results.iter().enumerate() {
+                for (l, algorithm, got) in per_rank.iter().filter(|(l, ..)| *l == len) {
+                    assert_eq!(got, &expected, "n {n} rank {rank} len {l} {algorithm}");
+                }
+            }
+        }
+    }
+}
+
+/// Every collective and algorithm, small: the test to run under Miri, which checks the
+/// unsafe peer accesses for data races and aliasing violations:
+/// `cargo +nightly miri test --lib runtime::comm::tests::small_`.
+#[test]
+fn small_groups_run_every_collective() {
+    for n in 1..=4 {
+        ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            for len in [0, 1, 17, 100] {
+                for algorithm in ALGORITHMS {
+                    let mut buf = exact_input(rank, len, len);
+                    comm.all_reduce_sum_with(&mut buf, algorithm).unwrap();
+                    let inputs: Vec<_> = (0..n).map(|r| exact_input(r, len, len)).collect();
+                    assert_eq!(buf, reference_sum(&inputs), "{algorithm} len {len}");
+                }
+                let local = exact_input(rank, len, 1);
+                let mut gathered = vec![0.0; n * len];
+                comm.all_gather(&local, &mut gathered).unwrap();
+                let mut piece = vec![0.0; len];
+                comm.reduce_scatter_sum(&gathered, &mut piece).unwrap();
+                let expected: Vec<f32> = exact_input(rank, len, 1)
+                    .iter()
+                    .map(|x| x * n as f32)
+                    .collect();
+                assert_eq!(piece, expected);
+                comm.barrier().unwrap();
+            }
+        }));
+    }
+}
+
+/// The unwind guard and failure paths, small (also run under Miri).
+#[test]
+fn small_failures_release_everyone() {
+    let mut comms = local_group(3);
+    comms[1].panic_in_ring_step = Some(1);
+    let outcomes = run_comms(comms, |mut comm| {
+        let mut buf = exact_input(comm.rank(), 100, 0);
+        let first = comm.all_reduce_sum_with(&mut buf, AllReduceAlgorithm::Ring);
+        (first, comm.all_reduce_sum(&mut buf))
+    });
+    assert!(outcomes[1].as_ref().unwrap_err().contains("injected panic"));
+    for rank in [0, 2] {
+        let (first, second) = outcomes[rank].as_ref().unwrap();
+        assert!(matches!(first, Err(CommError::PeerFailed { peer: 1, .. })));
+        assert!(matches!(second, Err(CommError::PeerFailed { peer: 1, .. })));
+    }
+    let outcomes = run_group(3, |mut comm| {
+        let mut buf = exact_input(comm.rank(), 40, 0);
+        comm.all_reduce_sum(&mut buf).unwrap();
+        if comm.rank() == 0 {
+            comm.abort();
+        }
+        comm.all_reduce_sum_with(&mut buf, AllReduceAlgorithm::Ring)
+    });
+    for (rank, outcome) in ok(outcomes).into_iter().enumerate().skip(1) {
+        assert_eq!(
+            outcome,
+            Err(CommError::PeerFailed {
+                rank,
+                peer: 0,
+                cause: FailureCause::Aborted,
+                during: Collective::AllReduceSum
+            })
+        );
+    }
+}
+
+#[test]
+fn all_gather_matches_reference() {
+    let lengths = [0, 1, 3, 5, 16, 17, 100, 1001, 20_000];
+    for n in 1..=8 {
+        let results = ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            lengths
+                .iter()
+                .map(|&m| {
+                    let local = exact_input(rank, m, m);
+                    let mut out = vec![f32::NAN; n * m];
+                    comm.all_gather(&local, &mut out).unwrap();
+                    out
+                })
+                .collect::<Vec<_>>()
+        }));
+        for (k, &m) in lengths.iter().enumerate() {
+            let expected: Vec<f32> = (0..n).flat_map(|r| exact_input(r, m, m)).collect();
+            for (rank, per_rank) in results.iter().enumerate() {
+                assert_eq!(per_rank[k], expected, "n {n} rank {rank} m {m}");
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_matches_reference() {
+    let lengths = [0, 1, 3, 5, 16, 17, 100, 1001, 20_000];
+    for n in 1..=8 {
+        let results = ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            lengths
+                .iter()
+                .map(|&m| {
+                    let input = exact_input(rank, n * m, m);
+                    let mut out = vec![f32::NAN; m];
+                    comm.reduce_scatter_sum(&input, &mut out).unwrap();
+                    out
+                })
+                .collect::<Vec<_>>()
+        }));
+        for (k, &m) in lengths.iter().enumerate() {
+            let inputs: Vec<_> = (0..n).map(|r| exact_input(r, n * m, m)).collect();
+            let full = reference_sum(&inputs);
+            for (rank, per_rank) in results.iter().enumerate() {
+                let piece = &full[rank * m..(rank + 1) * m];
+                assert_eq!(per_rank[k], piece, "n {n} rank {rank} m {m}");
+            }
+        }
+    }
+}
+
+/// Same bits on every rank, in every run, for every algorithm, equal to the documented
+/// order — with data for which the order matters.
+#[test]
+fn sums_are_bit_identical_across_ranks_runs_and_algorithms() {
+    for n in [2, 3, 4, 5, 7, 8] {
+        for len in [1000, 2 * ONE_SHOT_MAX_ELEMS + 77] {
+            let inputs: Vec<_> = (0..n).map(|r| order_sensitive_input(r, len)).collect();
+            let canonical = bits(&canonical_all_reduce(&inputs));
+            if n >= 3 {
+                // The test means something only if another order gives other bits.
+                assert_ne!(canonical, bits(&reference_sum(&inputs)), "n {n} len {len}");
+            }
+            for run in 0..2 {
+                let results = ok(run_group(n, move |mut comm| {
+                    let rank = comm.rank();
+                    ALGORITHMS
+                        .iter()
+                        .map(|&algorithm| {
+                            let mut buf = order_sensitive_input(rank, len);
+                            comm.all_reduce_sum_with(&mut buf, algorithm).unwrap();
+                            bits(&buf)
+                        })
+                        .collect::<Vec<_>>()
+                }));
+                for (rank, per_rank) in results.iter().enumerate() {
+                    for (got, algorithm) in per_rank.iter().zip(ALGORITHMS) {
+                        assert!(
+                            *got == canonical,
+                            "n {n} len {len} run {run} rank {rank} {algorithm}: bits differ"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_sums_in_the_documented_order() {
+    for n in [3, 4, 8] {
+        let m = 999;
+        let results = ok(run_group(n, move |mut comm| {
+            let input = order_sensitive_input(comm.rank(), n * m);
+            let mut out = vec![0.0; m];
+            comm.reduce_scatter_sum(&input, &mut out).unwrap();
+            bits(&out)
+        }));
+        let inputs: Vec<_> = (0..n).map(|r| order_sensitive_input(r, n * m)).collect();
+        for (rank, got) in results.iter().enumerate() {
+            let expected: Vec<u32> = (rank * m..(rank + 1) * m)
+                .map(|i| {
+                    let mut order = summation_order(n, rank);
+                    let first = inputs[order.next().unwrap()][i];
+                    order.fold(first, |acc, q| acc + inputs[q][i]).to_bits()
+                })
+                .collect();
+            assert!(*got == expected, "n {n} rank {rank}: bits differ");
+        }
+    }
+}
+
+/// Rank 2 of 4 panics after the first collective; the others enter the second one (some
+/// may already be blocked in it, some enter later) and all get `PeerFailed` from rank 2.
+#[test]
+fn a_panicking_rank_fails_the_next_collective_everywhere() {
+    for (len, delay_ms) in [(100, 0), (100, 50), (3 * ONE_SHOT_MAX_ELEMS, 0), (5000, 50)] {
+        let outcomes = run_group(4, move |mut comm| {
+            let mut buf = exact_input(comm.rank(), len, 0);
+            comm.all_reduce_sum(&mut buf).unwrap();
+            if comm.rank() == 2 {
+                // Give the others time to block in the second all-reduce (either way the
+                // outcome must be the same).
+                thread::sleep(Duration::from_millis(delay_ms));
+                panic!("rank 2 fails");
+            }
+            let second = comm.all_reduce_sum(&mut buf);
+            let later = comm.all_gather(&buf[..1], &mut [0.0; 4]);
+            (second, later)
+        });
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            if rank == 2 {
+                assert!(outcome.unwrap_err().contains("rank 2 fails"));
+                continue;
+            }
+            let (second, later) = outcome.unwrap();
+            let expected = |during| CommError::PeerFailed {
+                rank,
+                peer: 2,
+                cause: FailureCause::Panicked,
+                during,
+            };
+            assert_eq!(second, Err(expected(Collective::AllReduceSum)), "len {len}");
+            assert_eq!(later, Err(expected(Collective::AllGather)), "len {len}");
+        }
+    }
+}
+
+#[test]
+fn every_collective_reports_the_failure() {
+    type Op = fn(&mut LocalComm) -> Result<(), CommError>;
+    let ops: [(Collective, Op); 4] = [
+        (Collective::AllReduceSum, |c| {
+            c.all_reduce_sum(&mut vec![1.0; 3 * ONE_SHOT_MAX_ELEMS])
+        }),
+        (Collective::AllGather, |c| {
+            let n = c.world_size();
+            c.all_gather(&[1.0; 7], &mut vec![0.0; 7 * n])
+        }),
+        (Collective::ReduceScatterSum, |c| {
+            let n = c.world_size();
+            c.reduce_scatter_sum(&vec![1.0; 7 * n], &mut [0.0; 7])
+        }),
+        (Collective::Barrier, |c| c.barrier()),
+    ];
+    for (during, op) in ops {
+        let outcomes = run_group(3, move |mut comm| {
+            op(&mut comm).unwrap();
+            if comm.rank() == 0 {
+                comm.abort();
+                return (op(&mut comm), op(&mut comm));
+            }
+            (op(&mut comm), op(&mut comm))
+        });
+        for (rank, outcome) in ok(outcomes).into_iter().enumerate() {
+            let expected = if rank == 0 {
+                CommError::Aborted { rank, during }
+            } else {
+                CommError::PeerFailed {
+                    rank,
+                    peer: 0,
+                    cause: FailureCause::Aborted,
+                    during,
+                }
+            };
+            assert_eq!(outcome, (Err(expected.clone()), Err(expected)), "{during}");
+        }
+    }
+}
+
+#[test]
+fn dropping_a_communicator_fails_the_others() {
+    let outcomes = run_group(3, |mut comm| {
+        comm.barrier().unwrap();
+        if comm.rank() == 1 {
+            drop(comm);
+            return Ok(());
+        }
+        comm.all_reduce_sum(&mut [1.0, 2.0])
+    });
+    for (rank, outcome) in ok(outcomes).into_iter().enumerate() {
+        if rank != 1 {
+            assert_eq!(
+                outcome,
+                Err(CommError::PeerFailed {
+                    rank,
+                    peer: 1,
+                    cause: FailureCause::Dropped,
+                    during: Collective::AllReduceSum,
+                })
+            );
+        }
+    }
+}
+
+/// A panic inside a ring step (between reading peers' data and the next wait): the
+/// panicking rank still makes that wait, the others get `PeerFailed` from it.
+#[test]
+fn a_panic_inside_a_ring_step_fails_the_collective_everywhere() {
+    for (n, bad, step) in [(2, 0, 0), (4, 3, 1), (8, 5, 6)] {
+        let mut comms = local_group(n);
+        comms[bad].panic_in_ring_step = Some(step);
+        let outcomes = run_comms(comms, move |mut comm| {
+            let mut buf = exact_input(comm.rank(), 3 * ONE_SHOT_MAX_ELEMS, 1);
+            let first = comm.all_reduce_sum_with(&mut buf, AllReduceAlgorithm::Ring);
+            let second = comm.barrier();
+            (first, second)
+        });
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            if rank == bad {
+                assert!(outcome.unwrap_err().contains("injected panic"));
+                continue;
+            }
+            let failed = |during| CommError::PeerFailed {
+                rank,
+                peer: bad,
+                cause: FailureCause::Panicked,
+                during,
+            };
+            assert_eq!(
+                outcome.unwrap(),
+                (
+                    Err(failed(Collective::AllReduceSum)),
+                    Err(failed(Collective::Barrier))
+                ),
+                "n {n}"
+            );
+        }
+    }
+}
+
+/// Disagreements are reported on every rank, and the group keeps working afterwards.
+#[test]
+fn mismatched_calls_fail_on_every_rank_and_the_group_recovers() {
+    let outcomes = ok(run_group(2, |mut comm| {
+        let rank = comm.rank();
+        let mut errors = Vec::new();
+        // Different lengths.
+        let mut buf = vec![1.0; 10 + rank];
+        errors.push(comm.all_reduce_sum(&mut buf).unwrap_err());
+        // Different collectives.
+        let e = if rank == 0 {
+            comm.all_reduce_sum(&mut [1.0; 4]).unwrap_err()
+        } else {
+            comm.all_gather(&[1.0; 2], &mut [0.0; 4]).unwrap_err()
+        };
+        errors.push(e);
+        // Inconsistent arguments on rank 1.
+        let mut out = vec![0.0; if rank == 1 { 5 } else { 6 }];
+        errors.push(comm.all_gather(&[1.0; 3], &mut out).unwrap_err());
+        // Different forced algorithms.
+        let algorithm = [AllReduceAlgorithm::OneShot, AllReduceAlgorithm::Ring][rank];
+        errors.push(
+            comm.all_reduce_sum_with(&mut [1.0; 4], algorithm)
+                .unwrap_err(),
+        );
+        // Still usable.
+        let mut buf = vec![rank as f32 + 1.0; 100];
+        comm.all_reduce_sum(&mut buf).unwrap();
+        assert_eq!(buf, vec![3.0; 100]);
+        comm.barrier().unwrap();
+        errors
+    }));
+    let ar = Collective::AllReduceSum;
+    assert_eq!(
+        outcomes[0],
+        [
+            CommError::PeerMismatch {
+                rank: 0,
+                during: ar,
+                len: 10,
+                peer: 1,
+                peer_during: ar,
+                peer_len: 11
+            },
+            CommError::PeerMismatch {
+                rank: 0,
+                during: ar,
+                len: 4,
+                peer: 1,
+                peer_during: Collective::AllGather,
+                peer_len: 2
+            },
+            CommError::PeerBadArguments {
+                rank: 0,
+                during: Collective::AllGather,
+                peer: 1
+            },
+            CommError::AlgorithmMismatch {
+                rank: 0,
+                peer: 1,
+                algorithm: AllReduceAlgorithm::OneShot,
+                peer_algorithm: AllReduceAlgorithm::Ring
+            },
+        ]
+    );
+    assert_eq!(
+        outcomes[1][2],
+        CommError::SizeMismatch {
+            rank: 1,
+            during: Collective::AllGather,
+            what: "`out` (must hold world_size × local.len())",
+            expected: 6,
+            got: 5
+        }
+    );
+    let message = outcomes[1][0].to_string();
+    assert!(
+        message.contains("rank 1") && message.contains("rank 0") && message.contains("11"),
+        "{message}"
+    );
+}
+
+/// Many rounds of mixed collectives and sizes on one group, every result checked.
+#[test]
+fn a_group_survives_many_rounds() {
+    for (n, rounds) in [(2, 3000), (3, 1000), (8, 300)] {
+        let ok_rounds = ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            let sizes = [0, 1, 17, 300, 5000, ONE_SHOT_MAX_ELEMS + 3];
+            for round in 0..rounds {
+                let len = sizes[round % sizes.len()];
+                let mut buf = exact_input(rank, len, round);
+                comm.all_reduce_sum(&mut buf).unwrap();
+                let inputs: Vec<_> = (0..n).map(|r| exact_input(r, len, round)).collect();
+                assert_eq!(buf, reference_sum(&inputs), "round {round}");
+                let m = len % 64;
+                let mut gathered = vec![0.0; n * m];
+                comm.all_gather(&buf[..m], &mut gathered).unwrap();
+                assert!(gathered.chunks(m.max(1)).all(|c| c == &buf[..m]));
+                let mut piece = vec![0.0; m];
+                comm.reduce_scatter_sum(&gathered, &mut piece).unwrap();
+                let expect: Vec<f32> = buf[..m].iter().map(|x| x * n as f32).collect();
+                assert_eq!(piece, expect, "round {round}");
+                if round % 7 == 0 {
+                    comm.barrier().unwrap();
+                }
+            }
+            rounds
+        }));
+        assert!(ok_rounds.iter().all(|&r| r == rounds));
+    }
+}
+
+/// `barrier()` orders what ranks did before it before what they do after it.
+#[test]
+fn barrier_orders_memory() {
+    let n = 5;
+    let marks: Arc<Vec<AtomicUsize>> = Arc::new((0..n).map(|_| AtomicUsize::new(0)).collect());
+    let m = marks.clone();
+    ok(run_group(n, move |mut comm| {
+        for round in 1..=200 {
+            m[comm.rank()].store(round, Relaxed);
+            comm.barrier().unwrap();
+            assert!(m.iter().all(|x| x.load(Relaxed) >= round), "round {round}");
+            comm.barrier().unwrap();
+        }
+    }));
+}
+
+#[test]
+fn errors_name_the_rank_the_peer_and_the_collective() {
+    let e = CommError::PeerFailed {
+        rank: 0,
+        peer: 2,
+        cause: FailureCause::Panicked,
+        during: Collective::AllReduceSum,
+    };
+    assert_eq!(
+        e.to_string(),
+        "rank 0: all_reduce_sum cannot complete because rank 2 panicked; the group is unusable, build a new one"
+    );
+}
+
+#[test]
+#[should_panic(expected = "1..=1024 ranks, got 0")]
+fn an_empty_group_is_refused() {
+    local_group(0);
+}

@@ -1,0 +1,257 @@
+//! The CPU kernel set: GEMM through the `gemm` crate, everything else straightforward f32
+//! loops with f64 where accumulated error would matter.
+
+use super::backend::{Backend, RopeTables};
+use super::tensor::Tensor;
+use crate::ir::{ActivationKind, WeightOrder};
+
+/// CPU kernels; `threads` is the intra-op parallelism of GEMMs (≈ cores / tp).
+#[derive(Debug, Clone)]
+pub struct CpuBackend {
+    pub threads: usize,
+}
+
+impl CpuBackend {
+    pub fn new(threads: usize) -> CpuBackend {
+        CpuBackend {
+            threads: threads.max(1),
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    fn linear(&self, x: &Tensor, w: &Tensor, order: WeightOrder) -> Tensor {
+        let (m, k) = x.rows_cols();
+        let (n, k_w, rhs_rs, rhs_cs) = match order {
+            // W [n, k]: element (kk, j) of the right-hand side is W[j·k + kk].
+            WeightOrder::OutIn => (w.shape[0], w.shape[1], 1isize, w.shape[1] as isize),
+            // W [k, n]: row-major already.
+            WeightOrder::InOut => (w.shape[1], w.shape[0], w.shape[1] as isize, 1isize),
+        };
+        assert_eq!(
+            k, k_w,
+            "linear: {k} input features against a weight of {:?}",
+            w.shape
+        );
+        let mut shape = x.shape.clone();
+        *shape.last_mut().expect("activations have a feature dim") = n;
+        let mut out = Tensor::zeros(shape);
+        if m == 0 || n == 0 {
+            return out;
+        }
+        if k == 0 {
+            return out;
+        }
+        let parallelism = if self.threads > 1 {
+            gemm::Parallelism::Rayon(self.threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        // SAFETY: the three buffers hold m·k, k·n and m·n elements laid out with exactly the
+        // strides given; `out` does not alias the inputs; read_dst is false so its zeros
+        // are overwritten.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.data.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                x.data.as_ptr(),
+                1,
+                k as isize,
+                w.data.as_ptr(),
+                rhs_cs,
+                rhs_rs,
+                0.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &[f32], group: usize, eps: f32) -> Tensor {
+        let mut out = x.clone();
+        for (chunk, o) in x.data.chunks(group).zip(out.data.chunks_mut(group)) {
+            let ms = chunk.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / group as f64;
+            let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+            for ((o, &v), &g) in o.iter_mut().zip(chunk).zip(w) {
+                *o = g * (v * inv);
+            }
+        }
+        out
+    }
+
+    fn layer_norm(&self, x: &Tensor, w: &[f32], b: &[f32], eps: f32) -> Tensor {
+        let cols = x.cols();
+        let mut out = x.clone();
+        for (row, o) in x.data.chunks(cols).zip(out.data.chunks_mut(cols)) {
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / cols as f64;
+            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / cols as f64;
+            let inv = 1.0 / (var + eps as f64).sqrt();
+            for (i, o) in o.iter_mut().enumerate() {
+                *o = ((row[i] as f64 - mean) * inv) as f32 * w[i] + b[i];
+            }
+        }
+        out
+    }
+
+    fn activation(&self, x: &mut Tensor, kind: ActivationKind) {
+        let f: fn(f32) -> f32 = match kind {
+            ActivationKind::Silu => |v| v / (1.0 + (-v).exp()),
+            ActivationKind::Relu => |v| v.max(0.0),
+            ActivationKind::Gelu => |v| {
+                let v = v as f64;
+                (0.5 * v * (1.0 + libm::erf(v / std::f64::consts::SQRT_2))) as f32
+            },
+            ActivationKind::GeluTanh => |v| {
+                let v = v as f64;
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                (0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh())) as f32
+            },
+        };
+        for v in &mut x.data {
+            *v = f(*v);
+        }
+    }
+
+    fn rope(&self, x: &mut Tensor, head_dim: usize, t: &RopeTables) {
+        let (rows, cols) = x.rows_cols();
+        let half = t.half;
+        for r in 0..rows {
+            let cos = &t.cos[r * half..(r + 1) * half];
+            let sin = &t.sin[r * half..(r + 1) * half];
+            let row = &mut x.data[r * cols..(r + 1) * cols];
+            for head in row.chunks_mut(head_dim) {
+                for i in 0..half {
+                    let (a, b) = (head[i], head[i + half]);
+                    head[i] = a * cos[i] - b * sin[i];
+                    head[i + half] = b * cos[i] + a * sin[i];
+                }
+            }
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &[f32],
+        v: &[f32],
+        d: usize,
+        kv_heads: usize,
+        scale: f32,
+    ) -> Tensor {
+        let (t, qcols) = q.rows_cols();
+        let heads = qcols / d;
+        let group = heads / kv_heads;
+        let kcols = kv_heads * d;
+        let n = k.len() / kcols;
+        let mut out = Tensor::zeros(q.shape.clone());
+        let mut scores = vec![0f32; n];
+        for i in 0..t {
+            let visible = n - t + i + 1; // causal: keys up to this query's position
+            for h in 0..heads {
+                let kh = h / group;
+                let qv = &q.data[i * qcols + h * d..i * qcols + (h + 1) * d];
+                let mut max = f32::NEG_INFINITY;
+                for (j, s) in scores[..visible].iter_mut().enumerate() {
+                    let kv = &k[j * kcols + kh * d..j * kcols + (kh + 1) * d];
+                    *s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    max = max.max(*s);
+                }
+                let mut sum = 0f32;
+                for s in &mut scores[..visible] {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let o = &mut out.data[i * qcols + h * d..i * qcols + (h + 1) * d];
+                for (j, &p) in scores[..visible].iter().enumerate() {
+                    let vv = &v[j * kcols + kh * d..j * kcols + (kh + 1) * d];
+                    let p = p / sum;
+                    for (o, &x) in o.iter_mut().zip(vv) {
+                        *o += p * x;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(x: &Tensor, w: &Tensor, order: WeightOrder) -> Vec<f32> {
+        let (m, k) = x.rows_cols();
+        let n = match order {
+            WeightOrder::OutIn => w.shape[0],
+            WeightOrder::InOut => w.shape[1],
+        };
+        let mut out = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k)
+                    .map(|kk| {
+                        let wv = match order {
+                            WeightOrder::OutIn => w.data[j * k + kk],
+                            WeightOrder::InOut => w.data[kk * n + j],
+                        };
+                        x.data[i * k + kk] * wv
+                    })
+                    .sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn linear_matches_a_naive_product_in_both_weight_orders() {
+        let x = Tensor::new(
+            vec![3, 5],
+            (0..15).map(|i| (i as f32 * 0.37).sin()).collect(),
+        );
+        let w = Tensor::new(
+            vec![4, 5],
+            (0..20).map(|i| (i as f32 * 0.11).cos()).collect(),
+        );
+        for threads in [1, 2] {
+            let cpu = CpuBackend::new(threads);
+            let y = cpu.linear(&x, &w, WeightOrder::OutIn);
+            assert_eq!(y.shape, vec![3, 4]);
+            for (a, b) in y.data.iter().zip(naive(&x, &w, WeightOrder::OutIn)) {
+                assert!((a - b).abs() < 1e-5);
+            }
+            let w2 = Tensor::new(vec![5, 4], w.data.clone());
+            let y = cpu.linear(&x, &w2, WeightOrder::InOut);
+            for (a, b) in y.data.iter().zip(naive(&x, &w2, WeightOrder::InOut)) {
+                assert!((a - b).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn attention_over_one_key_returns_its_value() {
+        let cpu = CpuBackend::new(1);
+        let q = Tensor::new(vec![1, 4], vec![1.0, 2.0, 3.0, 4.0]);
+        let out = cpu.attention(&q, &[0.5, 0.5], &[7.0, 8.0], 2, 1, 1.0);
+        assert_eq!(out.data, vec![7.0, 8.0, 7.0, 8.0]);
+    }
+
+    #[test]
+    fn group_rms_norm_normalizes_each_head() {
+        let cpu = CpuBackend::new(1);
+        let x = Tensor::new(vec![1, 4], vec![3.0, 4.0, 1.0, 1.0]);
+        let y = cpu.rms_norm(&x, &[1.0, 1.0], 2, 0.0);
+        let expect = [3.0 / 12.5f32.sqrt(), 4.0 / 12.5f32.sqrt(), 1.0, 1.0];
+        for (a, b) in y.data.iter().zip(expect) {
+            assert!((a - b).abs() < 1e-6);
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! One rank's executor: runs its program op by op on a backend, talking to the other
+//! ranks only through its communicator, with a KV cache per attention op.
+
+use super::backend::Backend;
+use super::comm::Communicator;
+use super::rope;
+use super::tensor::Tensor;
+use super::weights::{load_slice, WeightSource};
+use crate::error::{Result, TpcError};
+use crate::ir::{Groups, InputKind, Op, RopeOp};
+use crate::plan::{Instr, RankProgram};
+use std::collections::HashMap;
+
+enum Value {
+    Ids(Vec<i64>),
+    F(Tensor),
+}
+
+/// A rank with its weights loaded and its KV cache.
+pub struct RankExecutor<'a, B: Backend, C: Communicator> {
+    program: &'a RankProgram,
+    backend: &'a B,
+    pub comm: C,
+    tp: usize,
+    /// Weights by value id.
+    params: HashMap<u32, Tensor>,
+    /// Keys and values seen so far, per attention op.
+    cache: HashMap<u32, (Vec<f32>, Vec<f32>)>,
+    /// Tokens already in the cache.
+    pub position: usize,
+}
+
+fn bad(i: &Instr, problem: impl Into<String>) -> TpcError {
+    TpcError::BadInstruction {
+        name: i.name.to_string(),
+        problem: problem.into(),
+    }
+}
+
+impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
+    /// Loads this rank's weight slices.
+    pub fn new(
+        program: &'a RankProgram,
+        weights: &dyn WeightSource,
+        backend: &'a B,
+        comm: C,
+    ) -> Result<Self> {
+        let slices: HashMap<&str, &crate::plan::WeightSlice> =
+            program.weights.iter().map(|w| (&*w.tensor, w)).collect();
+        let mut params = HashMap::new();
+        for i in &program.instrs {
+            if let Op::Param(p) = &i.op {
+                let w = slices
+                    .get(&*p.tensor)
+                    .ok_or_else(|| bad(i, "its weight is not in the rank's manifest"))?;
+                params.insert(i.id, load_slice(weights, w)?);
+            }
+        }
+        let tp = comm.world_size();
+        Ok(RankExecutor {
+            program,
+            backend,
+            comm,
+            tp,
+            params,
+            cache: HashMap::new(),
+            position: 0,
+        })
+    }
+
+    /// Runs the program on `ids` (continuing after the tokens already cached) and returns
+    /// the model output (logits `[ids.len(), vocab]`).
+    pub fn forward(&mut self, ids: &[i64]) -> Result<Tensor> {
+        let start = self.position;
+        let positions: Vec<i64> = (start..start + ids.len()).map(|p| p as i64).collect();
+        let max_id = self.program.instrs.iter().map(|i| i.id).max().unwrap_or(0) as usize;
+        let mut values: Vec<Option<Value>> = (0..=max_id).map(|_| None).collect();
+        let mut ropes: HashMap<RopeOp, super::backend::RopeTables> = HashMap::new();
+        let mut output = None;
+        for i in &self.program.instrs {
+            let value = match &i.op {
+                Op::Param(_) => continue,
+                Op::Input(inp) => Value::Ids(match inp.kind {
+                    InputKind::TokenIds => ids.to_vec(),
+                    InputKind::Positions => positions.clone(),
+                }),
+                Op::Output(_) => {
+                    output = Some(self.tensor(&values, i, 0)?.clone());
+                    continue;
+                }
+                op => Value::F(self.run(op, i, &values, &positions, &mut ropes)?),
+            };
+            values[i.id as usize] = Some(value);
+        }
+        self.position += ids.len();
+        output.ok_or_else(|| TpcError::BadInstruction {
+            name: "program".into(),
+            problem: "it has no output".into(),
+        })
+    }
+
+    fn tensor<'v>(
+        &'v self,
+        values: &'v [Option<Value>],
+        i: &Instr,
+        slot: usize,
+    ) -> Result<&'v Tensor> {
+        input_tensor(&self.params, values, i, slot)
+    }
+
+    fn ids<'v>(&self, values: &'v [Option<Value>], i: &Instr, slot: usize) -> Result<&'v [i64]> {
+        let id = i.inputs[slot] as usize;
+        match values.get(id) {
+            Some(Some(Value::Ids(v))) => Ok(v),
+            _ => Err(bad(i, format!("input %{id} is not token ids"))),
+        }
+    }
+
+    fn run(
+        &mut self,
+        op: &Op,
+        i: &Instr,
+        values: &[Option<Value>],
+        positions: &[i64],
+        ropes: &mut HashMap<RopeOp, super::backend::RopeTables>,
+    ) -> Result<Tensor> {
+        let b = self.backend;
+        let params = &self.params;
+        let t = |slot| input_tensor(params, values, i, slot);
+        Ok(match op {
+            Op::Embedding(e) => {
+                let ids = self.ids(values, i, 0)?;
+                let table = t(1)?;
+                let (rows, cols) = table.rows_cols();
+                let (offset, len) = e
+                    .vocab_range
+                    .map(|(o, l)| (o as usize, l as usize))
+                    .unwrap_or((0, rows));
+                let mut out = Tensor::zeros(vec![ids.len(), cols]);
+                for (r, &id) in ids.iter().enumerate() {
+                    let id = id as usize;
+                    // Ids outside this rank's rows contribute zeros; the all-reduce adds the rest.
+                    if id >= offset && id < offset + len {
+                        let row = &table.data[(id - offset) * cols..(id - offset + 1) * cols];
+                        out.data[r * cols..(r + 1) * cols].copy_from_slice(row);
+                    }
+                }
+                out
+            }
+            Op::Linear(l) => b.linear(t(0)?, t(1)?, l.weight_order),
+            Op::BiasAdd(_) => {
+                let (x, bias) = (t(0)?, t(1)?);
+                let mut out = x.clone();
+                let n = bias.data.len();
+                for row in out.data.chunks_mut(n) {
+                    row.iter_mut().zip(&bias.data).for_each(|(o, b)| *o += b);
+                }
+                out
+            }
+            Op::Add(_) | Op::Mul(_) => {
+                let (x, y) = (t(0)?, t(1)?);
+                if x.data.len() != y.data.len() {
+                    return Err(bad(
+                        i,
+                        format!("operands of {} and {} elements", x.data.len(), y.data.len()),
+                    ));
+                }
+                let mut out = x.clone();
+                let add = matches!(op, Op::Add(_));
+                for (o, v) in out.data.iter_mut().zip(&y.data) {
+                    if add {
+                        *o += v
+                    } else {
+                        *o *= v
+                    }
+                }
+                out
+            }
+            Op::Activation(a) => {
+                let mut out = t(0)?.clone();
+                b.activation(&mut out, a.kind);
+                out
+            }
+            Op::RmsNorm(n) => {
+                let x = t(0)?;
+                let group = n.group.map(|g| g as usize).unwrap_or(x.cols());
+                b.rms_norm(x, &t(1)?.data, group, n.eps.0 as f32)
+            }
+            Op::LayerNorm(n) => b.layer_norm(t(0)?, &t(1)?.data, &t(2)?.data, n.eps.0 as f32),
+            Op::Rope(r) => {
+                let mut out = t(0)?.clone();
+                let tables = ropes
+                    .entry(r.clone())
+                    .or_insert_with(|| rope::tables(r, positions));
+                b.rope(&mut out, r.head_dim as usize, tables);
+                out
+            }
+            Op::Attention(a) => {
+                let d = a.head_dim as usize;
+                let (q, k, v) = (t(0)?, t(1)?, t(2)?);
+                let kv_heads = k.cols() / d;
+                let (kc, vc) = self.cache.entry(i.id).or_default();
+                kc.extend_from_slice(&k.data);
+                vc.extend_from_slice(&v.data);
+                let scale = a
+                    .scale
+                    .map(|s| s.0 as f32)
+                    .unwrap_or(1.0 / (d as f32).sqrt());
+                let (kc, vc) = &self.cache[&i.id];
+                b.attention(q, kc, vc, d, kv_heads, scale)
+            }
+            Op::Unfuse(u) => unfuse(t(0)?, &u.groups, u.part as usize)
+                .ok_or_else(|| bad(i, "its structure does not fit its input"))?,
+            Op::AllReduce(_) => {
+                let mut out = t(0)?.clone();
+                self.comm.all_reduce_sum(&mut out.data)?;
+                out
+            }
+            Op::AllGather(g) => {
+                let x = t(0)?.clone();
+                let (rows, n) = x.rows_cols();
+                let mut gathered = vec![0f32; x.data.len() * self.tp];
+                self.comm.all_gather(&x.data, &mut gathered)?;
+                // Rank-major pieces [tp][rows][n] → [rows][tp·n], then drop vocab padding.
+                let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
+                let mut out = Vec::with_capacity(rows * keep);
+                for r in 0..rows {
+                    let row_start = out.len();
+                    for k in 0..self.tp {
+                        out.extend_from_slice(
+                            &gathered[(k * rows + r) * n..(k * rows + r + 1) * n],
+                        );
+                    }
+                    out.truncate(row_start + keep);
+                }
+                let mut shape = x.shape.clone();
+                *shape.last_mut().unwrap_or(&mut 0) = keep;
+                Tensor::new(shape, out)
+            }
+            Op::ReduceScatter(_) => {
+                let x = t(0)?;
+                let (rows, n) = x.rows_cols();
+                let piece = n / self.tp;
+                let mut arranged = Vec::with_capacity(x.data.len());
+                for k in 0..self.tp {
+                    for r in 0..rows {
+                        arranged
+                            .extend_from_slice(&x.data[r * n + k * piece..r * n + (k + 1) * piece]);
+                    }
+                }
+                let mut out = vec![0f32; rows * piece];
+                self.comm.reduce_scatter_sum(&arranged, &mut out)?;
+                let mut shape = x.shape.clone();
+                *shape.last_mut().unwrap_or(&mut 0) = piece;
+                Tensor::new(shape, out)
+            }
+            Op::LocalSlice(_) => {
+                let x = t(0)?;
+                let (rows, n) = x.rows_cols();
+                let piece = n / self.tp;
+                let k = self.comm.rank();
+                let mut out = Vec::with_capacity(rows * piece);
+                for r in 0..rows {
+                    out.extend_from_slice(&x.data[r * n + k * piece..r * n + (k + 1) * piece]);
+                }
+                let mut shape = x.shape.clone();
+                *shape.last_mut().unwrap_or(&mut 0) = piece;
+                Tensor::new(shape, out)
+            }
+            Op::Param(_) | Op::Input(_) | Op::Output(_) => {
+                return Err(bad(i, "is not a compute op"))
+            }
+        })
+    }
+}
+
+fn input_tensor<'v>(
+    params: &'v HashMap<u32, Tensor>,
+    values: &'v [Option<Value>],
+    i: &Instr,
+    slot: usize,
+) -> Result<&'v Tensor> {
+    let id = *i
+        .inputs
+        .get(slot)
+        .ok_or_else(|| bad(i, format!("input {slot} is missing")))?;
+    if let Some(t) = params.get(&id) {
+        return Ok(t);
+    }
+    match values.get(id as usize) {
+        Some(Some(Value::F(t))) => Ok(t),
+        _ => Err(bad(i, format!("input %{id} is not a computed tensor"))),
+    }
+}
+
+/// Part `part` of a fused last dim.
+fn unfuse(x: &Tensor, groups: &Groups, part: usize) -> Option<Tensor> {
+    let (rows, n) = x.rows_cols();
+    // (offset, len) of the part inside each repeating block of `block` columns.
+    let (block, offset, len) = match groups {
+        Groups::Concat(parts) => {
+            let lens: Vec<u64> = parts
+                .iter()
+                .map(|p| p.covered_len())
+                .collect::<Option<_>>()?;
+            let offset: u64 = lens[..part].iter().sum();
+            (n, offset as usize, *lens.get(part)? as usize)
+        }
+        Groups::Interleaved { heads, parts } => {
+            let block: u64 = parts.iter().sum();
+            let offset: u64 = parts[..part].iter().sum();
+            if block * heads != n as u64 {
+                return None;
+            }
+            (block as usize, offset as usize, *parts.get(part)? as usize)
+        }
+        _ => return None,
+    };
+    if offset + len > block || n % block != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(rows * n / block * len);
+    for chunk in x.data.chunks(block) {
+        out.extend_from_slice(&chunk[offset..offset + len]);
+    }
+    let mut shape = x.shape.clone();
+    *shape.last_mut()? = n / block * len;
+    Some(Tensor::new(shape, out))
+}

@@ -1,0 +1,258 @@
+//! Generation on tp CPU ranks: one thread per rank, each with its own slice of the weights
+//! and its own KV cache, joined only by collectives. Every rank computes the same logits
+//! (bit-identical after the gather) and so picks the same tokens with the same seed.
+
+use super::comm::{local_group, Communicator, LocalComm};
+use super::cpu::CpuBackend;
+use super::executor::RankExecutor;
+use super::sampling::{pick, Rng, Sampling};
+use super::tensor::Tensor;
+use super::weights::WeightSource;
+use crate::error::{Result, TpcError};
+use crate::ir::Op;
+use crate::plan::Plan;
+use std::time::Instant;
+
+/// What rank 0 reports while it runs (for progress bars).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Loaded,
+    Prefilled,
+    Token(usize),
+}
+
+pub type Progress = std::sync::Arc<dyn Fn(Stage) + Send + Sync>;
+
+#[derive(Clone)]
+pub struct RunOptions {
+    pub max_new_tokens: usize,
+    pub sampling: Sampling,
+    /// Stop when one of these is generated.
+    pub eos: Vec<i64>,
+    /// GEMM threads per rank; 0 = cores / tp.
+    pub threads_per_rank: usize,
+    pub progress: Option<Progress>,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("max_new_tokens", &self.max_new_tokens)
+            .field("sampling", &self.sampling)
+            .field("eos", &self.eos)
+            .field("threads_per_rank", &self.threads_per_rank)
+            .finish()
+    }
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            max_new_tokens: 16,
+            sampling: Sampling::default(),
+            eos: vec![],
+            threads_per_rank: 0,
+            progress: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RunOutput {
+    pub generated: Vec<i64>,
+    /// Logits of the prompt, `[prompt_len, vocab]`, padding removed.
+    pub prompt_logits: Tensor,
+    pub load_seconds: f64,
+    pub prefill_seconds: f64,
+    /// Wall time of the decode steps after the first new token.
+    pub decode_seconds: f64,
+}
+
+impl RunOutput {
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_logits.shape[0] as f64 / self.prefill_seconds.max(1e-12)
+    }
+    /// Tokens after the first new one, over their wall time.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let n = self.generated.len().saturating_sub(1);
+        if n == 0 {
+            0.0
+        } else {
+            n as f64 / self.decode_seconds.max(1e-12)
+        }
+    }
+}
+
+/// The vocabulary size the plan's output has.
+pub fn output_vocab(plan: &Plan) -> Option<u64> {
+    plan.ranks
+        .first()?
+        .instrs
+        .iter()
+        .find(|i| matches!(i.op, Op::Output(_)))?
+        .fact
+        .shape
+        .fixed_at(2)
+}
+
+fn check_prompt(prompt: &[i64], vocab: u64) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(TpcError::EmptyPrompt);
+    }
+    for (position, &id) in prompt.iter().enumerate() {
+        if id < 0 || id as u64 >= vocab {
+            return Err(TpcError::TokenOutOfRange {
+                id,
+                position,
+                vocab,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn rank_main(
+    plan: &Plan,
+    rank: usize,
+    ckpt: &dyn WeightSource,
+    comm: LocalComm,
+    prompt: &[i64],
+    opts: &RunOptions,
+    threads: usize,
+) -> Result<RunOutput> {
+    let backend = CpuBackend::new(threads);
+    let load = Instant::now();
+    let mut exec = RankExecutor::new(&plan.ranks[rank], ckpt, &backend, comm)?;
+    let report = |stage| {
+        if let (0, Some(p)) = (rank, &opts.progress) {
+            p(stage)
+        }
+    };
+    let result = generate_on(&mut exec, prompt, opts, load, &report);
+    if result.is_err() {
+        // Peers blocked in a collective learn of the failure now instead of waiting.
+        exec.comm.abort();
+    }
+    result
+}
+
+fn generate_on<C: Communicator>(
+    exec: &mut RankExecutor<'_, CpuBackend, C>,
+    prompt: &[i64],
+    opts: &RunOptions,
+    load: Instant,
+    report: &dyn Fn(Stage),
+) -> Result<RunOutput> {
+    exec.comm.barrier()?;
+    let load_seconds = load.elapsed().as_secs_f64();
+    report(Stage::Loaded);
+    let mut rng = Rng::new(opts.sampling.seed);
+    let start = Instant::now();
+    let prompt_logits = exec.forward(prompt)?;
+    let prefill_seconds = start.elapsed().as_secs_f64();
+    report(Stage::Prefilled);
+    let (rows, vocab) = prompt_logits.rows_cols();
+    let mut generated = Vec::new();
+    let mut last = &prompt_logits.data[(rows - 1) * vocab..rows * vocab];
+    let mut step_logits;
+    let decode = Instant::now();
+    while generated.len() < opts.max_new_tokens {
+        let next = pick(last, &opts.sampling, &mut rng) as i64;
+        generated.push(next);
+        report(Stage::Token(generated.len()));
+        if opts.eos.contains(&next) || generated.len() == opts.max_new_tokens {
+            break;
+        }
+        step_logits = exec.forward(&[next])?;
+        last = &step_logits.data;
+    }
+    let decode_seconds = decode.elapsed().as_secs_f64();
+    Ok(RunOutput {
+        generated,
+        prompt_logits,
+        load_seconds,
+        prefill_seconds,
+        decode_seconds,
+    })
+}
+
+/// Runs `plan` on its ranks (threads) over the checkpoint and generates from `prompt`.
+pub fn run(
+    plan: &Plan,
+    ckpt: &dyn WeightSource,
+    prompt: &[i64],
+    opts: &RunOptions,
+) -> Result<RunOutput> {
+    ckpt.check(plan)?;
+    let vocab = output_vocab(plan).ok_or_else(|| TpcError::BadInstruction {
+        name: "output".into(),
+        problem: "the plan's output has no vocabulary dim".into(),
+    })?;
+    check_prompt(prompt, vocab)?;
+    let tp = plan.ranks.len();
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let threads = if opts.threads_per_rank > 0 {
+        opts.threads_per_rank
+    } else {
+        (cores / tp).max(1)
+    };
+    let comms = local_group(tp);
+    let results: Vec<std::thread::Result<Result<RunOutput>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                std::thread::Builder::new()
+                    .name(format!("tpc-rank-{rank}"))
+                    .spawn_scoped(s, move || {
+                        rank_main(plan, rank, ckpt, comm, prompt, opts, threads)
+                    })
+                    .expect("spawning a rank thread")
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    // Report the root cause: a panic or an error that is not a peer's failure.
+    let mut first_err: Option<TpcError> = None;
+    let mut output = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        let err = match r {
+            Ok(Ok(out)) => {
+                if rank == 0 {
+                    output = Some(out);
+                }
+                continue;
+            }
+            Ok(Err(e)) => e,
+            Err(panic) => TpcError::RankPanicked {
+                rank,
+                message: panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "panicked".into()),
+            },
+        };
+        let is_echo = matches!(
+            &err,
+            TpcError::Comm(super::comm::CommError::PeerFailed { .. })
+        );
+        match &first_err {
+            None => first_err = Some(err),
+            Some(TpcError::Comm(super::comm::CommError::PeerFailed { .. })) if !is_echo => {
+                first_err = Some(err)
+            }
+            _ => {}
+        }
+    }
+    match (first_err, output) {
+        (Some(e), _) => Err(e),
+        (None, Some(out)) => Ok(out),
+        (None, None) => Err(TpcError::RankPanicked {
+            rank: 0,
+            message: "rank 0 returned nothing".into(),
+        }),
+    }
+}

@@ -1,0 +1,140 @@
+//! Choosing the next token: greedy by default; temperature, top-k and top-p with a seed.
+
+/// How to pick tokens. `temperature == 0` means greedy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            seed: 0,
+        }
+    }
+}
+
+/// SplitMix64: small, seedable, and the same on every rank.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Index of the largest logit; the first one on ties, as `torch.argmax`.
+pub fn argmax(logits: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Picks the next token from one row of logits.
+pub fn pick(logits: &[f32], s: &Sampling, rng: &mut Rng) -> usize {
+    if s.temperature <= 0.0 {
+        return argmax(logits);
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if let Some(k) = s.top_k.filter(|&k| k > 0) {
+        order.truncate(k);
+    }
+    let max = logits[order[0]] as f64;
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - max) / s.temperature as f64).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if let Some(top_p) = s.top_p.filter(|&p| p < 1.0) {
+        // Keep the smallest prefix whose mass reaches top_p (at least one token).
+        let mut mass = 0.0;
+        let mut keep = 0;
+        for p in &probs {
+            keep += 1;
+            mass += p;
+            if mass >= top_p as f64 {
+                break;
+            }
+        }
+        order.truncate(keep);
+        probs.truncate(keep);
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+    }
+    let mut u = rng.next_f64();
+    for (i, p) in probs.iter().enumerate() {
+        if u < *p {
+            return order[i];
+        }
+        u -= p;
+    }
+    order[probs.len() - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(
+            pick(&[1.0, 3.0, 3.0], &Sampling::default(), &mut Rng::new(1)),
+            1
+        );
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_seeds_repeat() {
+        let logits = [0.1, 2.0, 1.9, -1.0];
+        let s = Sampling {
+            temperature: 1.0,
+            top_k: Some(1),
+            top_p: None,
+            seed: 3,
+        };
+        assert_eq!(pick(&logits, &s, &mut Rng::new(3)), 1);
+        let s = Sampling {
+            temperature: 1.0,
+            top_k: None,
+            top_p: Some(0.9),
+            seed: 3,
+        };
+        let a: Vec<usize> = {
+            let mut r = Rng::new(7);
+            (0..20).map(|_| pick(&logits, &s, &mut r)).collect()
+        };
+        let b: Vec<usize> = {
+            let mut r = Rng::new(7);
+            (0..20).map(|_| pick(&logits, &s, &mut r)).collect()
+        };
+        assert_eq!(a, b);
+        assert!(
+            a.iter().all(|&t| t == 1 || t == 2),
+            "top-p 0.9 keeps the two likely tokens: {a:?}"
+        );
+    }
+}

@@ -1,0 +1,87 @@
+//! `tpc verify`: the same inputs through tp=1 and tp=N, compared.
+
+use super::generate::{output_vocab, run, RunOptions};
+use super::random::RandomWeights;
+use super::sampling::Rng;
+use super::weights::WeightSource;
+use crate::error::{Result, TpcError};
+use crate::frontend::ModelDef;
+use crate::pipeline::compile;
+use serde::Serialize;
+
+/// The tolerance on the relative error ‖a − b‖ / ‖b‖ of the prompt logits (f32 compute).
+pub const VERIFY_TOLERANCE: f64 = 1e-4;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyReport {
+    pub tp: u64,
+    pub prompt: Vec<i64>,
+    pub max_abs_error: f64,
+    /// ‖a − b‖ / ‖b‖ over all prompt logits.
+    pub rel_error: f64,
+    /// Largest |a − b| / (|b| + 1e-6·max|b|), elementwise.
+    pub max_elementwise_rel_error: f64,
+    pub tolerance: f64,
+    pub tokens_tp1: Vec<i64>,
+    pub tokens_tpn: Vec<i64>,
+    pub passed: bool,
+}
+
+/// Compares tp=1 and tp=`tp` on a seeded prompt of `prompt_len` tokens, with the given
+/// weights or seeded random ones.
+pub fn verify(
+    def: &ModelDef,
+    tp: u64,
+    weights: Option<&dyn WeightSource>,
+    seed: u64,
+    prompt_len: usize,
+) -> Result<VerifyReport> {
+    let one = compile(def, 1)?.plan;
+    let many = compile(def, tp)?.plan;
+    let random;
+    let weights: &dyn WeightSource = match weights {
+        Some(w) => w,
+        None => {
+            random = RandomWeights::new(&one, seed);
+            &random
+        }
+    };
+    let vocab = output_vocab(&one).ok_or_else(|| TpcError::BadInstruction {
+        name: "output".into(),
+        problem: "the plan's output has no vocabulary dim".into(),
+    })?;
+    let mut rng = Rng::new(seed ^ 0x5EED);
+    let prompt: Vec<i64> = (0..prompt_len.max(1))
+        .map(|_| (rng.next_f64() * vocab as f64) as i64)
+        .collect();
+    let opts = RunOptions {
+        max_new_tokens: 4,
+        ..Default::default()
+    };
+    let a = run(&many, weights, &prompt, &opts)?;
+    let b = run(&one, weights, &prompt, &opts)?;
+    let (x, y) = (&a.prompt_logits.data, &b.prompt_logits.data);
+    let max_b = y.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+    let mut max_abs = 0f64;
+    let mut max_rel = 0f64;
+    let (mut diff2, mut norm2) = (0f64, 0f64);
+    for (&p, &q) in x.iter().zip(y) {
+        let d = (p as f64 - q as f64).abs();
+        max_abs = max_abs.max(d);
+        max_rel = max_rel.max(d / (q.abs() as f64 + 1e-6 * max_b));
+        diff2 += d * d;
+        norm2 += (q as f64) * (q as f64);
+    }
+    let rel = (diff2 / norm2.max(f64::MIN_POSITIVE)).sqrt();
+    Ok(VerifyReport {
+        tp,
+        prompt,
+        max_abs_error: max_abs,
+        rel_error: rel,
+        max_elementwise_rel_error: max_rel,
+        tolerance: VERIFY_TOLERANCE,
+        passed: rel <= VERIFY_TOLERANCE && a.generated == b.generated,
+        tokens_tp1: b.generated,
+        tokens_tpn: a.generated,
+    })
+}

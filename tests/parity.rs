@@ -1,0 +1,106 @@
+//! Parity with Hugging Face transformers: every tiny reference checkpoint, at every valid
+//! tp in {1, 2, 4, 8}, reproduces HF's prefill logits (relative error ≤ 1e-4) and greedy
+//! continuation exactly. References come from `scripts/make_fixtures.py`.
+
+use safetensors::SafeTensors;
+use std::path::{Path, PathBuf};
+use tpc::frontend::load::load_model;
+use tpc::pipeline::compile;
+use tpc::runtime::generate::{run, RunOptions};
+use tpc::runtime::weights::Checkpoint;
+
+/// The one tolerance for f32 parity: ‖a − b‖ / ‖b‖ over all prompt logits.
+const REL_TOL: f64 = 1e-4;
+
+struct Reference {
+    prompt: Vec<i64>,
+    logits: Vec<f32>,
+    greedy: Vec<i64>,
+}
+
+fn read_reference(dir: &Path) -> Reference {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let i64s = |name: &str| -> Vec<i64> {
+        st.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let logits = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    Reference {
+        prompt: i64s("prompt_ids"),
+        logits,
+        greedy: i64s("greedy_ids"),
+    }
+}
+
+fn fixtures() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("tests/fixtures/checkpoints")
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("config.json").exists())
+        .collect();
+    dirs.sort();
+    assert!(
+        dirs.len() >= 7,
+        "expected the seven reference checkpoints, found {dirs:?}"
+    );
+    dirs
+}
+
+fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+#[test]
+fn every_fixture_matches_hf_at_every_valid_tp() {
+    let mut report = Vec::new();
+    for dir in fixtures() {
+        let reference = read_reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let mut ran = 0;
+        for tp in [1u64, 2, 4, 8] {
+            let Ok(compiled) = compile(&def, tp) else {
+                continue;
+            };
+            ran += 1;
+            let opts = RunOptions {
+                max_new_tokens: reference.greedy.len(),
+                ..Default::default()
+            };
+            let out = run(&compiled.plan, &ckpt, &reference.prompt, &opts).unwrap();
+            let err = rel_error(&out.prompt_logits.data, &reference.logits);
+            report.push(format!("{} tp={tp}: rel err {err:.2e}", dir.display()));
+            assert!(
+                err <= REL_TOL,
+                "{} tp={tp}: relative error {err:.3e} > {REL_TOL}",
+                dir.display()
+            );
+            assert_eq!(
+                out.generated,
+                reference.greedy,
+                "{} tp={tp}: greedy tokens",
+                dir.display()
+            );
+        }
+        assert!(ran >= 3, "{}: only {ran} tp values ran", dir.display());
+    }
+    eprintln!("{}", report.join("\n"));
+}
