@@ -354,3 +354,89 @@ fn lower_writes_an_explicit_graph_with_the_same_plan() {
         .plan;
     assert_eq!(a, b);
 }
+
+#[test]
+fn run_prints_tokens_and_throughput_and_dumps_logits() {
+    let dir = scratch("run");
+    let logits = dir.join("logits.safetensors");
+    let o = tpc(&[
+        "run",
+        "tests/fixtures/checkpoints/neox-parallel",
+        "--tp",
+        "2",
+        "--prompt-ids",
+        "1,2,3,4",
+        "--max-new-tokens",
+        "5",
+        "--json",
+        "--dump-logits",
+        logits.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["generated"].as_array().unwrap().len(), 5);
+    assert!(v["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+    let bytes = std::fs::read(&logits).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("logits").unwrap();
+    assert_eq!(
+        (t.dtype(), t.shape()),
+        (safetensors::Dtype::F32, &[4usize, 250][..])
+    );
+
+    let o = tpc(&[
+        "run",
+        "tests/fixtures/checkpoints/neox-parallel",
+        "--tp",
+        "2",
+        "--prompt-ids",
+        "1,2,3,4",
+        "--max-new-tokens",
+        "5",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim().split(',').count(), 5, "{}", stdout(&o));
+    assert!(stderr(&o).contains("decode"), "{}", stderr(&o));
+
+    let e = fails_cleanly(&tpc(&[
+        "run",
+        "tests/fixtures/checkpoints/neox-parallel",
+        "--tp",
+        "3",
+        "--prompt-ids",
+        "1",
+    ]));
+    assert!(e.contains("Valid tp values"), "{e}");
+    let e = fails_cleanly(&tpc(&[
+        "run",
+        "tests/fixtures/checkpoints/neox-parallel",
+        "--prompt-ids",
+        "1,9999",
+    ]));
+    assert!(e.contains("9999"), "{e}");
+    let e = fails_cleanly(&tpc(&["run", "models/tiny-llama.ron", "--prompt-ids", "1"]));
+    assert!(e.contains("not a model directory"), "{e}");
+}
+
+#[test]
+fn verify_compares_tp_n_with_tp_1() {
+    let o = tpc(&["verify", "models/tiny-qwen3.ron", "--tp", "8"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("max abs error") && out.contains("relative error") && out.contains("equal"),
+        "{out}"
+    );
+    let o = tpc(&[
+        "verify",
+        "tests/fixtures/checkpoints/llama-bf16",
+        "--tp",
+        "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["passed"], true);
+    assert!(v["rel_error"].as_f64().unwrap() < 1e-4);
+}

@@ -260,12 +260,14 @@ pub fn load_slice(src: &dyn WeightSource, w: &WeightSlice) -> Result<Tensor> {
                 out.resize(out.len() + w.padding as usize, 0.0);
             }
         }
-        (Some(d), rank) => return Err(TpcError::BadInstruction {
-            name: w.tensor.to_string(),
-            problem: format!(
+        (Some(d), rank) => {
+            return Err(TpcError::BadInstruction {
+                name: w.tensor.to_string(),
+                problem: format!(
                 "the plan splits dim {d} of a rank-{rank} tensor, which the loader cannot slice"
             ),
-        }),
+            })
+        }
     }
     Ok(Tensor::new(local, out))
 }

@@ -1,0 +1,262 @@
+//! Runtime behaviour beyond HF parity: tp=N ≡ tp=1 on every tiny preset with random
+//! weights, repeatable bits, a failing rank that stops every rank, checkpoint problems
+//! reported before compute, sharded checkpoints.
+
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Duration;
+use tpc::frontend::load::load_model;
+use tpc::frontend::ModelDef;
+use tpc::ir::Op;
+use tpc::pipeline::compile;
+use tpc::runtime::generate::{run, RunOptions};
+use tpc::runtime::random::RandomWeights;
+use tpc::runtime::verify::verify;
+use tpc::runtime::weights::Checkpoint;
+use tpc::TpcError;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tpc-runtime-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn tp_n_reproduces_tp_1_on_every_tiny_preset() {
+    for model in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gpt2",
+        "tiny-neox",
+        "tiny-llama-explicit",
+    ] {
+        let def = load_model(Path::new(&format!("models/{model}.ron"))).unwrap();
+        for tp in [2, 4, 8] {
+            if compile(&def, tp).is_err() {
+                continue;
+            }
+            let r = verify(&def, tp, None, 7, 9).unwrap();
+            assert!(r.passed, "{model} tp={tp}: {r:?}");
+            assert!(r.rel_error < 1e-5, "{model} tp={tp}: {}", r.rel_error);
+        }
+    }
+}
+
+#[test]
+fn real_presets_cut_to_few_layers_verify() {
+    // Whole real models do not fit this machine's memory twice over; their first layers do.
+    for (model, layers, tp) in [
+        ("models/gpt2.ron", 2, 4),
+        ("models/gpt2.ron", 1, 3),
+        ("models/pythia-1.4b.ron", 1, 8),
+    ] {
+        let mut def = load_model(Path::new(model)).unwrap();
+        if let ModelDef::Preset(p) = &mut def {
+            p.num_hidden_layers = layers;
+        }
+        let r = verify(&def, tp, None, 1, 5).unwrap();
+        assert!(r.passed, "{model} tp={tp}: {r:?}");
+    }
+}
+
+#[test]
+fn repeated_runs_are_bit_identical() {
+    let dir = Path::new("tests/fixtures/checkpoints/qwen2-bias");
+    let plan = compile(&load_model(dir).unwrap(), 4).unwrap().plan;
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let opts = RunOptions {
+        max_new_tokens: 3,
+        ..Default::default()
+    };
+    let a = run(&plan, &ckpt, &[3, 1, 4, 1, 5], &opts).unwrap();
+    let b = run(&plan, &ckpt, &[3, 1, 4, 1, 5], &opts).unwrap();
+    let bits =
+        |t: &tpc::runtime::tensor::Tensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a.prompt_logits), bits(&b.prompt_logits));
+    assert_eq!(a.generated, b.generated);
+}
+
+#[test]
+fn a_rank_failing_mid_run_stops_every_rank_with_its_error() {
+    let def = load_model(Path::new("models/tiny-llama.ron")).unwrap();
+    let mut plan = compile(&def, 4).unwrap().plan;
+    // Rank 2 breaks in layer 1, after the collectives of layer 0: its peers are then
+    // waiting in the next all-reduce and must be released with an error.
+    let broken = plan.ranks[2]
+        .instrs
+        .iter_mut()
+        .find(|i| i.layer == Some(1) && matches!(i.op, Op::Rope(_)))
+        .unwrap();
+    broken.inputs[0] = 1_000_000;
+    let weights = RandomWeights::new(&plan, 3);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let r = run(&plan, &weights, &[1, 2, 3], &RunOptions::default());
+        let _ = tx.send(r.map(|o| o.generated));
+    });
+    // A hang detector, not a speed limit: the run takes milliseconds when it works.
+    let result = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("ranks hung after one failed");
+    match result {
+        Err(TpcError::BadInstruction { name, .. }) => assert!(name.contains("layers.1"), "{name}"),
+        other => panic!("expected rank 2's own error, got {other:?}"),
+    }
+}
+
+/// Writes a copy of the llama-gqa checkpoint with `edit` applied to its tensors.
+fn edited_checkpoint(
+    name: &str,
+    edit: impl Fn(&str, Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>,
+) -> PathBuf {
+    let src = Path::new("tests/fixtures/checkpoints/llama-gqa");
+    let dir = scratch(name);
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut kept: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (n, t) in st.tensors() {
+        if let Some((d, s, b)) = edit(&n, t.dtype(), t.shape().to_vec(), t.data().to_vec()) {
+            kept.push((n, d, s, b));
+        }
+    }
+    let views: Vec<(String, TensorView)> = kept
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let out = safetensors::serialize(views, &None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    dir
+}
+
+fn run_error(dir: &Path) -> String {
+    let plan = compile(&load_model(dir).unwrap(), 2).unwrap().plan;
+    let err = match Checkpoint::open(dir) {
+        Err(e) => e,
+        Ok(ckpt) => run(&plan, &ckpt, &[1, 2], &RunOptions::default()).unwrap_err(),
+    };
+    err.to_string()
+}
+
+#[test]
+fn checkpoint_problems_name_the_tensor_before_any_compute() {
+    let k = "model.layers.1.self_attn.k_proj.weight";
+    let missing = edited_checkpoint("missing", |n, d, s, b| (n != k).then_some((d, s, b)));
+    let e = run_error(&missing);
+    assert!(e.contains(k) && e.contains("missing"), "{e}");
+
+    let reshaped = edited_checkpoint("shape", |n, d, s, b| {
+        Some(if n == k {
+            (d, vec![s[1], s[0]], b)
+        } else {
+            (d, s, b)
+        })
+    });
+    let e = run_error(&reshaped);
+    assert!(
+        e.contains(k) && e.contains("has shape [64, 16], the model expects [16, 64]"),
+        "{e}"
+    );
+
+    let ints = edited_checkpoint("dtype", |n, d, s, b| {
+        Some(if n == k {
+            (Dtype::I32, s, b)
+        } else {
+            (d, s, b)
+        })
+    });
+    let e = run_error(&ints);
+    assert!(e.contains(k) && e.contains("dtype I32"), "{e}");
+
+    let truncated = scratch("truncated");
+    let src = Path::new("tests/fixtures/checkpoints/llama-gqa");
+    std::fs::copy(src.join("config.json"), truncated.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    std::fs::write(
+        truncated.join("model.safetensors"),
+        &bytes[..bytes.len() - 1000],
+    )
+    .unwrap();
+    let e = run_error(&truncated);
+    assert!(
+        e.contains("truncated") || e.contains("not a valid safetensors"),
+        "{e}"
+    );
+
+    let garbage = scratch("garbage");
+    std::fs::copy(src.join("config.json"), garbage.join("config.json")).unwrap();
+    std::fs::write(
+        garbage.join("model.safetensors"),
+        b"not a checkpoint at all",
+    )
+    .unwrap();
+    let e = run_error(&garbage);
+    assert!(e.contains("not a valid safetensors"), "{e}");
+}
+
+#[test]
+fn a_sharded_checkpoint_runs_like_a_single_file() {
+    let src = Path::new("tests/fixtures/checkpoints/llama-gqa");
+    let dir = scratch("sharded");
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+    names.sort();
+    let (first, second) = names.split_at(names.len() / 2);
+    let mut weight_map = serde_json::Map::new();
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ] {
+        let views: Vec<(String, TensorView)> = part
+            .iter()
+            .map(|n| {
+                let t = st.tensor(n).unwrap();
+                weight_map.insert(n.clone(), serde_json::Value::String(file.into()));
+                (
+                    n.clone(),
+                    TensorView::new(t.dtype(), t.shape().to_vec(), t.data()).unwrap(),
+                )
+            })
+            .collect();
+        std::fs::write(
+            dir.join(file),
+            safetensors::serialize(views, &None).unwrap(),
+        )
+        .unwrap();
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let plan = compile(&load_model(&dir).unwrap(), 2).unwrap().plan;
+    let opts = RunOptions {
+        max_new_tokens: 4,
+        ..Default::default()
+    };
+    let a = run(&plan, &Checkpoint::open(&dir).unwrap(), &[5, 6, 7], &opts).unwrap();
+    let b = run(&plan, &Checkpoint::open(src).unwrap(), &[5, 6, 7], &opts).unwrap();
+    assert_eq!(a.prompt_logits, b.prompt_logits);
+    assert_eq!(a.generated, b.generated);
+}
+
+#[test]
+fn bad_prompts_are_refused() {
+    let dir = Path::new("tests/fixtures/checkpoints/gpt2");
+    let plan = compile(&load_model(dir).unwrap(), 2).unwrap().plan;
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let e = run(&plan, &ckpt, &[1, 250], &RunOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("token id 250 at position 1") && e.contains("250 tokens"),
+        "{e}"
+    );
+    let e = run(&plan, &ckpt, &[], &RunOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("empty"), "{e}");
+}
