@@ -440,3 +440,59 @@ fn verify_compares_tp_n_with_tp_1() {
     assert_eq!(v["passed"], true);
     assert!(v["rel_error"].as_f64().unwrap() < 1e-4);
 }
+
+#[test]
+fn run_with_a_text_prompt_uses_the_tokenizer() {
+    let dir = "tests/fixtures/checkpoints/llama-gqa";
+    let o = tpc(&[
+        "run",
+        dir,
+        "--tp",
+        "2",
+        "--prompt",
+        "the quick cat sat on the red stone",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ids: Vec<u32> = v["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids.len(), 6);
+    // The text is the tokenizer's decoding of exactly the generated ids.
+    let tok = tokenizers::Tokenizer::from_file(format!("{dir}/tokenizer.json")).unwrap();
+    assert_eq!(v["text"], tok.decode(&ids, true).unwrap());
+    // Same tokens as the ids the tokenizer makes of the text.
+    let enc: Vec<String> = tok
+        .encode("the quick cat sat on the red stone", false)
+        .unwrap()
+        .get_ids()
+        .iter()
+        .map(|i| i.to_string())
+        .collect();
+    let o2 = tpc(&[
+        "run",
+        dir,
+        "--tp",
+        "2",
+        "--prompt-ids",
+        &enc.join(","),
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ]);
+    let v2: serde_json::Value = serde_json::from_slice(&o2.stdout).unwrap();
+    assert_eq!(v["generated"], v2["generated"]);
+    let e = fails_cleanly(&tpc(&[
+        "run",
+        "tests/fixtures/checkpoints/gpt2",
+        "--prompt",
+        "hi",
+    ]));
+    assert!(e.contains("tokenizer.json"), "{e}");
+}

@@ -18,8 +18,16 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     tp: u64,
     /// Prompt token ids, comma-separated.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        required_unless_present = "prompt",
+        conflicts_with = "prompt"
+    )]
     prompt_ids: Vec<i64>,
+    /// Prompt text, encoded with the model directory's tokenizer.json; the output is decoded.
+    #[arg(long)]
+    prompt: Option<String>,
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
     /// Write the prompt's logits ([prompt_len, vocab], f32) to this safetensors file.
@@ -57,6 +65,12 @@ fn eos_ids(dir: &std::path::Path) -> Vec<i64> {
     }
 }
 
+fn decode(t: &tokenizers::Tokenizer, ids: &[i64]) -> anyhow::Result<String> {
+    let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+    t.decode(&ids, true)
+        .map_err(|e| anyhow::anyhow!("cannot decode the output: {e}"))
+}
+
 pub fn execute(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.model.is_dir(),
@@ -64,6 +78,31 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         a.model.display()
     );
     anyhow::ensure!(a.temperature >= 0.0, "--temperature must be at least 0");
+    let tokenizer = match &a.prompt {
+        Some(_) => {
+            let path = a.model.join("tokenizer.json");
+            anyhow::ensure!(
+                path.exists(),
+                "--prompt needs {}; give --prompt-ids instead",
+                path.display()
+            );
+            Some(
+                tokenizers::Tokenizer::from_file(&path)
+                    .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?,
+            )
+        }
+        None => None,
+    };
+    let prompt_ids: Vec<i64> = match (&tokenizer, &a.prompt) {
+        (Some(t), Some(text)) => t
+            .encode(text.as_str(), false)
+            .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?
+            .get_ids()
+            .iter()
+            .map(|&i| i as i64)
+            .collect(),
+        _ => a.prompt_ids.clone(),
+    };
     let def = load_model(&a.model)?;
     let plan = compile(&def, a.tp)?.plan;
     let ckpt = Checkpoint::open(&a.model)?;
@@ -91,7 +130,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             Stage::Token(n) => progress_bar.set_position(n as u64),
         })),
     };
-    let out = run(&plan, &ckpt, &a.prompt_ids, &opts);
+    let out = run(&plan, &ckpt, &prompt_ids, &opts);
     bar.finish_and_clear();
     let out = out?;
     if let Some(path) = &a.dump_logits {
@@ -114,7 +153,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     if a.json {
         let json = serde_json::json!({
             "generated": out.generated,
-            "prompt_tokens": a.prompt_ids.len(),
+            "prompt_tokens": prompt_ids.len(),
             "tp": a.tp,
             "load_seconds": out.load_seconds,
             "prefill_seconds": out.prefill_seconds,
@@ -122,7 +161,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             "prefill_tokens_per_s": out.prefill_tokens_per_s(),
             "decode_tokens_per_s": out.decode_tokens_per_s(),
         });
+        let mut json = json;
+        if let Some(t) = &tokenizer {
+            json["text"] = serde_json::Value::String(decode(t, &out.generated)?);
+        }
         println!("{}", serde_json::to_string_pretty(&json)?);
+    } else if let Some(t) = &tokenizer {
+        println!("{}", decode(t, &out.generated)?);
     } else {
         let ids: Vec<String> = out.generated.iter().map(i64::to_string).collect();
         println!("{}", ids.join(","));
@@ -130,7 +175,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             "tp={}: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens after the first)",
             a.tp,
             out.prefill_tokens_per_s(),
-            a.prompt_ids.len(),
+            prompt_ids.len(),
             out.decode_tokens_per_s(),
             out.generated.len().saturating_sub(1)
         );
