@@ -104,3 +104,39 @@ fn every_fixture_matches_hf_at_every_valid_tp() {
     }
     eprintln!("{}", report.join("\n"));
 }
+
+/// The bf16 compute tolerance: linear weights rounded to bf16 (8 mantissa bits), f32
+/// activations and accumulation, against HF's f32 logits of the f32 checkpoint.
+const BF16_REL_TOL: f64 = 3e-2;
+
+#[test]
+fn bf16_compute_stays_within_its_tolerance() {
+    use tpc::runtime::generate::ComputeDtype;
+    let mut report = Vec::new();
+    for dir in fixtures() {
+        let reference = read_reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for tp in [1u64, 2] {
+            let plan = compile(&def, tp).unwrap().plan;
+            let opts = RunOptions {
+                dtype: ComputeDtype::Bf16,
+                max_new_tokens: 1,
+                ..Default::default()
+            };
+            let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();
+            let err = rel_error(&out.prompt_logits.data, &reference.logits);
+            report.push(format!("{} tp={tp} bf16: rel err {err:.2e}", dir.display()));
+            assert!(
+                err <= BF16_REL_TOL,
+                "{} tp={tp}: bf16 relative error {err:.3e} > {BF16_REL_TOL}",
+                dir.display()
+            );
+            if dir.ends_with("llama-bf16") {
+                // Its weights are bf16 already: keeping them bf16 loses nothing.
+                assert!(err <= REL_TOL, "{} tp={tp}: {err:.3e}", dir.display());
+            }
+        }
+    }
+    eprintln!("{}", report.join("\n"));
+}

@@ -1,5 +1,6 @@
 //! Subcommands. Each file holds its arguments and a thin `execute`.
 
+mod bench;
 mod compile;
 mod dot;
 mod import;
@@ -31,6 +32,8 @@ enum Command {
     Run(run::Args),
     /// Check that tp=N reproduces tp=1 on the same inputs.
     Verify(verify::Args),
+    /// Measure prefill and decode throughput (checkpoint or random weights).
+    Bench(bench::Args),
 }
 
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -41,5 +44,6 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Lower(a) => lower::execute(a),
         Command::Run(a) => run::execute(a),
         Command::Verify(a) => verify::execute(a),
+        Command::Bench(a) => bench::execute(a),
     }
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
-use tpc::runtime::generate::{run, RunOptions, Stage};
+use tpc::runtime::generate::{run, ComputeDtype, RunOptions, Stage};
 use tpc::runtime::sampling::Sampling;
 use tpc::runtime::weights::Checkpoint;
 
@@ -45,6 +45,9 @@ pub struct Args {
     top_p: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Compute type: auto (the checkpoint's), f32, or bf16 (bf16 weights, f32 accumulation).
+    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
+    dtype: DtypeArg,
     /// GEMM threads per rank (default: cores / tp).
     #[arg(long, default_value_t = 0)]
     threads_per_rank: usize,
@@ -69,6 +72,23 @@ fn decode(t: &tokenizers::Tokenizer, ids: &[i64]) -> anyhow::Result<String> {
     let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
     t.decode(&ids, true)
         .map_err(|e| anyhow::anyhow!("cannot decode the output: {e}"))
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum DtypeArg {
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl From<DtypeArg> for ComputeDtype {
+    fn from(d: DtypeArg) -> ComputeDtype {
+        match d {
+            DtypeArg::Auto => ComputeDtype::Auto,
+            DtypeArg::F32 => ComputeDtype::F32,
+            DtypeArg::Bf16 => ComputeDtype::Bf16,
+        }
+    }
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -115,6 +135,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let progress_bar = bar.clone();
     let opts = RunOptions {
+        dtype: a.dtype.into(),
         max_new_tokens: a.max_new_tokens,
         sampling: Sampling {
             temperature: a.temperature,

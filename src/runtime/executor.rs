@@ -2,12 +2,13 @@
 //! ranks only through its communicator, with a KV cache per attention op.
 
 use super::backend::Backend;
+use super::bf16::{linear_bf16, Bf16Matrix};
 use super::comm::Communicator;
 use super::rope;
 use super::tensor::Tensor;
 use super::weights::{load_slice, WeightSource};
 use crate::error::{Result, TpcError};
-use crate::ir::{Groups, InputKind, Op, RopeOp};
+use crate::ir::{Groups, InputKind, Op, RopeOp, WeightOrder};
 use crate::plan::{Instr, RankProgram};
 use std::collections::HashMap;
 
@@ -24,6 +25,9 @@ pub struct RankExecutor<'a, B: Backend, C: Communicator> {
     tp: usize,
     /// Weights by value id.
     params: HashMap<u32, Tensor>,
+    /// Linear weights kept as bf16 (compute dtype bf16), by value id.
+    bf16: HashMap<u32, Bf16Matrix>,
+    threads: usize,
     /// Keys and values seen so far, per attention op.
     cache: HashMap<u32, (Vec<f32>, Vec<f32>)>,
     /// Tokens already in the cache.
@@ -38,22 +42,51 @@ fn bad(i: &Instr, problem: impl Into<String>) -> TpcError {
 }
 
 impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
-    /// Loads this rank's weight slices.
+    /// Loads this rank's weight slices; with `bf16_linears`, linear weights stay bf16.
     pub fn new(
         program: &'a RankProgram,
         weights: &dyn WeightSource,
         backend: &'a B,
         comm: C,
+        bf16_linears: bool,
+        threads: usize,
     ) -> Result<Self> {
         let slices: HashMap<&str, &crate::plan::WeightSlice> =
             program.weights.iter().map(|w| (&*w.tensor, w)).collect();
+        // How each weight is used: as a linear weight (stored transposed or not) or otherwise.
+        let mut linear_use: HashMap<u32, bool> = HashMap::new();
+        let mut other_use: std::collections::HashSet<u32> = Default::default();
+        for i in &program.instrs {
+            for (slot, &id) in i.inputs.iter().enumerate() {
+                match (&i.op, slot) {
+                    (Op::Linear(l), 1) => {
+                        linear_use.insert(id, l.weight_order == WeightOrder::InOut);
+                    }
+                    _ => {
+                        other_use.insert(id);
+                    }
+                }
+            }
+        }
         let mut params = HashMap::new();
+        let mut bf16 = HashMap::new();
         for i in &program.instrs {
             if let Op::Param(p) = &i.op {
                 let w = slices
                     .get(&*p.tensor)
                     .ok_or_else(|| bad(i, "its weight is not in the rank's manifest"))?;
-                params.insert(i.id, load_slice(weights, w)?);
+                let t = load_slice(weights, w)?;
+                match linear_use.get(&i.id) {
+                    Some(&transposed) if bf16_linears && t.shape.len() == 2 => {
+                        bf16.insert(i.id, Bf16Matrix::from_f32(&t, transposed));
+                        if other_use.contains(&i.id) {
+                            params.insert(i.id, t);
+                        }
+                    }
+                    _ => {
+                        params.insert(i.id, t);
+                    }
+                }
             }
         }
         let tp = comm.world_size();
@@ -63,6 +96,8 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             comm,
             tp,
             params,
+            bf16,
+            threads,
             cache: HashMap::new(),
             position: 0,
         })
@@ -147,7 +182,10 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                 }
                 out
             }
-            Op::Linear(l) => b.linear(t(0)?, t(1)?, l.weight_order),
+            Op::Linear(l) => match self.bf16.get(&i.inputs[1]) {
+                Some(w) => linear_bf16(t(0)?, w, self.threads),
+                None => b.linear(t(0)?, t(1)?, l.weight_order),
+            },
             Op::BiasAdd(_) => {
                 let (x, bias) = (t(0)?, t(1)?);
                 let mut out = x.clone();

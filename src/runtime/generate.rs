@@ -23,8 +23,30 @@ pub enum Stage {
 
 pub type Progress = std::sync::Arc<dyn Fn(Stage) + Send + Sync>;
 
+/// The compute type: `Auto` follows the checkpoint (bf16 checkpoints keep bf16 weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeDtype {
+    #[default]
+    Auto,
+    /// Weights widened to f32 in memory.
+    F32,
+    /// Linear weights kept as bf16 in memory; f32 activations and accumulation.
+    Bf16,
+}
+
+impl ComputeDtype {
+    pub fn bf16_linears(self, plan: &Plan) -> bool {
+        match self {
+            ComputeDtype::Auto => plan.dtype == crate::ir::DType::Bf16,
+            ComputeDtype::F32 => false,
+            ComputeDtype::Bf16 => true,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct RunOptions {
+    pub dtype: ComputeDtype,
     pub max_new_tokens: usize,
     pub sampling: Sampling,
     /// Stop when one of these is generated.
@@ -37,6 +59,7 @@ pub struct RunOptions {
 impl std::fmt::Debug for RunOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RunOptions")
+            .field("dtype", &self.dtype)
             .field("max_new_tokens", &self.max_new_tokens)
             .field("sampling", &self.sampling)
             .field("eos", &self.eos)
@@ -48,6 +71,7 @@ impl std::fmt::Debug for RunOptions {
 impl Default for RunOptions {
     fn default() -> Self {
         RunOptions {
+            dtype: ComputeDtype::Auto,
             max_new_tokens: 16,
             sampling: Sampling::default(),
             eos: vec![],
@@ -122,7 +146,8 @@ fn rank_main(
 ) -> Result<RunOutput> {
     let backend = CpuBackend::new(threads);
     let load = Instant::now();
-    let mut exec = RankExecutor::new(&plan.ranks[rank], ckpt, &backend, comm)?;
+    let bf16 = opts.dtype.bf16_linears(plan);
+    let mut exec = RankExecutor::new(&plan.ranks[rank], ckpt, &backend, comm, bf16, threads)?;
     let report = |stage| {
         if let (0, Some(p)) = (rank, &opts.progress) {
             p(stage)

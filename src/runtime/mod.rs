@@ -2,6 +2,7 @@
 //! its only input; it never re-derives sharding.
 
 pub mod backend;
+pub mod bf16;
 pub mod comm;
 pub mod cpu;
 pub mod executor;

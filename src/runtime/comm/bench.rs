@@ -11,7 +11,7 @@
 
 pub use super::barrier::Backoff;
 use super::barrier::{GroupBarrier, Phase};
-use super::local::{backoff_for, group_with_backoff};
+use super::local::{group_with, Tuning};
 use super::reduce::copy;
 use super::{AllReduceAlgorithm, Communicator};
 use std::fmt::Write as _;
@@ -44,7 +44,7 @@ pub struct BenchRow {
 /// message size in bytes (rounded down to whole `f32`s), `iters` timed calls each after
 /// a warm-up.
 pub fn bench_all_reduce(world: usize, sizes_bytes: &[usize], iters: usize) -> Vec<BenchRow> {
-    bench_all_reduce_with(world, sizes_bytes, iters, backoff_for(world))
+    bench_all_reduce_with(world, sizes_bytes, iters, Tuning::for_world(world).backoff)
 }
 
 /// [`bench_all_reduce`] with an explicit back-off for the group's waits.
@@ -56,7 +56,11 @@ pub fn bench_all_reduce_with(
 ) -> Vec<BenchRow> {
     let iters = iters.max(1);
     let sizes: Vec<usize> = sizes_bytes.iter().map(|b| b / 4).collect();
-    let per_rank = run_ranks(group_with_backoff(world, backoff), move |mut comm| {
+    let tuning = Tuning {
+        backoff,
+        ..Tuning::for_world(world)
+    };
+    let per_rank = run_ranks(group_with(world, tuning), move |mut comm| {
         let mut times = Vec::new();
         for &len in &sizes {
             let mut buf = vec![0.0f32; len];
@@ -123,7 +127,7 @@ pub struct BarrierRow {
 /// iteration) for the group barrier with the spin budget `local_group` would choose, and
 /// for `std::sync::Barrier`.
 pub fn bench_barrier(world: usize, iters: usize) -> BarrierRow {
-    bench_barrier_with(world, iters, backoff_for(world))
+    bench_barrier_with(world, iters, Tuning::for_world(world).backoff)
 }
 
 /// [`bench_barrier`] with an explicit back-off.

@@ -32,20 +32,38 @@ use std::ptr;
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// All-reduces of at most this many bytes use the one-shot algorithm, larger ones the ring.
+/// With every rank on its own core, all-reduces of at most this many bytes use the one-shot
+/// algorithm, larger ones the ring.
 ///
-/// Measured with `bench::bench_all_reduce` on this machine (2 vCPU AMD EPYC Zen 3, KVM),
-/// median latency in µs, one-shot / ring:
+/// The two algorithms move the same bytes between cores; the one-shot saves `2(n − 1) − 1`
+/// waits and pays for one extra local copy (into its staging buffer). On this machine (2 vCPU
+/// AMD EPYC Zen 3 under KVM) a wait costs 0.15 µs with 2 ranks, so the copy wins from
+/// 2 KiB on. `bench::bench_all_reduce`, tp = 2, median µs of 2000 calls, one-shot / ring
+/// (three runs agreed within 0.05 µs):
 ///
-/// | bytes   | tp=2        | tp=4 (oversub.) | tp=8 (oversub.) |
-/// |---------|-------------|-----------------|-----------------|
-/// | TBD     |             |                 |                 |
-pub const ONE_SHOT_MAX_BYTES: usize = 32 * 1024;
+/// | bytes  | 64   | 256  | 1 Ki | 2 Ki | 4 Ki | 8 Ki | 16 Ki | 32 Ki |
+/// |--------|------|------|------|------|------|------|-------|-------|
+/// | one-sh | 0.32 | 0.39 | 0.52 | 0.75 | 1.20 | 1.63 | 2.69  | 5.09  |
+/// | ring   | 0.42 | 0.53 | 0.61 | 0.73 | 0.98 | 1.50 | 2.33  | 3.53  |
+pub const ONE_SHOT_MAX_BYTES: usize = 2 * 1024;
+
+/// [`ONE_SHOT_MAX_BYTES`] for a group with more ranks than cores, where a wait costs a
+/// context switch (5–15 µs here) and the ring's `2(n − 1)` waits dominate. Same benchmark,
+/// 400 calls, two runs (they vary by up to 2×; the crossover stayed between 32 and 64 KiB):
+///
+/// | bytes           | 4 Ki    | 8 Ki    | 16 Ki   | 32 Ki   | 48 Ki   | 64 Ki   | 128 Ki  |
+/// |-----------------|---------|---------|---------|---------|---------|---------|---------|
+/// | tp=4 one-shot   | 10–15   | 10–20   | 15–32   | 28–58   | 34–82   | 43–51   | 76–91   |
+/// | tp=4 ring       | 22–36   | 26–39   | 27–40   | 30–48   | 33–57   | 35–43   | 47–58   |
+/// | tp=8 one-shot   | 24–26   | 33–37   | 52–59   | 87–106  | 121–132 | 147–178 | 285–420 |
+/// | tp=8 ring       | 138–159 | 124–158 | 162–163 | 180–203 | 157–160 | 154–180 | 178–343 |
+pub const ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED: usize = 32 * 1024;
 
 /// Which all-reduce algorithm to run; see [`LocalComm::all_reduce_sum_with`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum AllReduceAlgorithm {
-    /// One-shot up to [`ONE_SHOT_MAX_BYTES`], ring above.
+    /// One-shot up to [`ONE_SHOT_MAX_BYTES`] (or [`ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED`] when the
+    /// group has more ranks than cores), ring above.
     Auto,
     /// Every rank copies its buffer to a group-owned staging buffer, one wait, then every
     /// rank sums all staging buffers itself: 1 wait, `n × len` reads per rank.
@@ -66,9 +84,10 @@ impl fmt::Display for AllReduceAlgorithm {
 }
 
 impl AllReduceAlgorithm {
-    fn resolve(self, len: usize) -> AllReduceAlgorithm {
+    /// The algorithm `self` means for `len` elements in a group with this threshold.
+    pub(super) fn resolve(self, len: usize, one_shot_max_bytes: usize) -> AllReduceAlgorithm {
         match self {
-            AllReduceAlgorithm::Auto if len * size_of::<f32>() <= ONE_SHOT_MAX_BYTES => {
+            AllReduceAlgorithm::Auto if len * size_of::<f32>() <= one_shot_max_bytes => {
                 AllReduceAlgorithm::OneShot
             }
             AllReduceAlgorithm::Auto => AllReduceAlgorithm::Ring,
@@ -98,6 +117,8 @@ pub struct LocalComm {
 /// What the ranks of one group share.
 struct Shared {
     barrier: GroupBarrier,
+    /// Where `Auto` switches from one-shot to ring.
+    one_shot_max_bytes: usize,
     /// `rank * 2 + parity`.
     slots: Box<[Slot]>,
     /// `rank * 2 + parity`: where a rank copies its buffer for a one-shot all-reduce. Owned
@@ -164,34 +185,52 @@ impl Call {
 
 /// One communicator per rank (`0..world_size`, in order) of a new in-process group.
 ///
-/// Ranks spin briefly before parking when `world_size` does not exceed the available cores,
-/// and park almost at once when it does.
+/// When `world_size` does not exceed the available cores, waiting ranks spin briefly before
+/// parking and small all-reduces go one-shot up to [`ONE_SHOT_MAX_BYTES`]; with more ranks
+/// than cores they park almost at once and the one-shot goes up to
+/// [`ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED`].
 ///
 /// # Panics
 ///
 /// If `world_size` is 0 or above 1024.
 pub fn local_group(world_size: usize) -> Vec<LocalComm> {
-    group_with_backoff(world_size, backoff_for(world_size))
+    group_with(world_size, Tuning::for_world(world_size))
 }
 
-/// How the waiting ranks of a group of `world_size` back off on this machine.
-pub(super) fn backoff_for(world_size: usize) -> Backoff {
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    if world_size <= cores {
-        DEDICATED
-    } else {
-        OVERSUBSCRIBED
+/// The machine-dependent choices of a group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Tuning {
+    pub backoff: Backoff,
+    pub one_shot_max_bytes: usize,
+}
+
+impl Tuning {
+    /// What [`local_group`] chooses for `world_size` ranks on this machine.
+    pub(super) fn for_world(world_size: usize) -> Tuning {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if world_size <= cores {
+            Tuning {
+                backoff: DEDICATED,
+                one_shot_max_bytes: ONE_SHOT_MAX_BYTES,
+            }
+        } else {
+            Tuning {
+                backoff: OVERSUBSCRIBED,
+                one_shot_max_bytes: ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED,
+            }
+        }
     }
 }
 
-/// [`local_group`] with an explicit back-off (benchmarks).
-pub(super) fn group_with_backoff(world_size: usize, backoff: Backoff) -> Vec<LocalComm> {
+/// [`local_group`] with explicit tuning (benchmarks).
+pub(super) fn group_with(world_size: usize, tuning: Tuning) -> Vec<LocalComm> {
     assert!(
         (1..=MAX_WORLD).contains(&world_size),
         "a local group has 1..={MAX_WORLD} ranks, got {world_size}"
     );
     let shared = Arc::new(Shared {
-        barrier: GroupBarrier::new(world_size, backoff),
+        barrier: GroupBarrier::new(world_size, tuning.backoff),
+        one_shot_max_bytes: tuning.one_shot_max_bytes,
         slots: (0..2 * world_size).map(|_| Slot::default()).collect(),
         staging: (0..2 * world_size)
             .map(|_| CachePadded(Mutex::new(Vec::new())))
@@ -271,6 +310,11 @@ impl LocalComm {
         }
     }
 
+    /// The largest all-reduce, in bytes, that `Auto` runs one-shot in this group.
+    pub fn one_shot_max_bytes(&self) -> usize {
+        self.shared.one_shot_max_bytes
+    }
+
     /// [`Communicator::all_reduce_sum`] with a chosen algorithm. Every rank must choose the
     /// same one (after `Auto` is resolved by size), or all get
     /// [`CommError::AlgorithmMismatch`]. The result is bit-identical for every algorithm.
@@ -281,7 +325,7 @@ impl LocalComm {
     ) -> Result<(), CommError> {
         let during = Collective::AllReduceSum;
         let len = buf.len();
-        let algorithm = algorithm.resolve(len);
+        let algorithm = algorithm.resolve(len, self.shared.one_shot_max_bytes);
         let call = Call {
             during,
             algorithm: Some(algorithm),

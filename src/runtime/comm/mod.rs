@@ -24,7 +24,10 @@ pub mod reduce;
 #[cfg(test)]
 mod tests;
 
-pub use local::{local_group, AllReduceAlgorithm, LocalComm, ONE_SHOT_MAX_BYTES};
+pub use local::{
+    local_group, AllReduceAlgorithm, LocalComm, ONE_SHOT_MAX_BYTES,
+    ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED,
+};
 
 use std::fmt;
 

@@ -14,7 +14,8 @@ use std::time::Duration;
 /// Hang detector: how long to wait for every rank to report. Only a hang gets near it.
 const WATCHDOG: Duration = Duration::from_secs(120);
 
-const ONE_SHOT_MAX_ELEMS: usize = ONE_SHOT_MAX_BYTES / 4;
+/// Larger than either one-shot threshold, so `Auto` runs the ring.
+const RING_ELEMS: usize = ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED / 4 + 1000;
 
 /// Runs `body(comm)` on one thread per rank of a new group and returns each rank's outcome
 /// (`Err` holds the panic message), in rank order.
@@ -132,6 +133,7 @@ const ALGORITHMS: [AllReduceAlgorithm; 3] = [
     AllReduceAlgorithm::Ring,
 ];
 
+/// Small, odd and aligned lengths, both sides of both one-shot thresholds, and a large one.
 fn all_reduce_lengths() -> Vec<usize> {
     vec![
         0,
@@ -144,11 +146,12 @@ fn all_reduce_lengths() -> Vec<usize> {
         17,
         33,
         100,
-        1000,
+        ONE_SHOT_MAX_BYTES / 4,
+        ONE_SHOT_MAX_BYTES / 4 + 1,
         4097,
-        ONE_SHOT_MAX_ELEMS,
-        ONE_SHOT_MAX_ELEMS + 1,
-        3 * ONE_SHOT_MAX_ELEMS + 5,
+        ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED / 4,
+        ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED / 4 + 1,
+        3 * RING_ELEMS + 5,
     ]
 }
 
@@ -305,7 +308,7 @@ fn reduce_scatter_matches_reference() {
 #[test]
 fn sums_are_bit_identical_across_ranks_runs_and_algorithms() {
     for n in [2, 3, 4, 5, 7, 8] {
-        for len in [1000, 2 * ONE_SHOT_MAX_ELEMS + 77] {
+        for len in [1000, 2 * RING_ELEMS + 77] {
             let inputs: Vec<_> = (0..n).map(|r| order_sensitive_input(r, len)).collect();
             let canonical = bits(&canonical_all_reduce(&inputs));
             if n >= 3 {
@@ -365,7 +368,7 @@ fn reduce_scatter_sums_in_the_documented_order() {
 /// may already be blocked in it, some enter later) and all get `PeerFailed` from rank 2.
 #[test]
 fn a_panicking_rank_fails_the_next_collective_everywhere() {
-    for (len, delay_ms) in [(100, 0), (100, 50), (3 * ONE_SHOT_MAX_ELEMS, 0), (5000, 50)] {
+    for (len, delay_ms) in [(100, 0), (100, 50), (RING_ELEMS, 0), (RING_ELEMS, 50)] {
         let outcomes = run_group(4, move |mut comm| {
             let mut buf = exact_input(comm.rank(), len, 0);
             comm.all_reduce_sum(&mut buf).unwrap();
@@ -402,7 +405,7 @@ fn every_collective_reports_the_failure() {
     type Op = fn(&mut LocalComm) -> Result<(), CommError>;
     let ops: [(Collective, Op); 4] = [
         (Collective::AllReduceSum, |c| {
-            c.all_reduce_sum(&mut vec![1.0; 3 * ONE_SHOT_MAX_ELEMS])
+            c.all_reduce_sum(&mut vec![1.0; 3 * RING_ELEMS])
         }),
         (Collective::AllGather, |c| {
             let n = c.world_size();
@@ -472,7 +475,7 @@ fn a_panic_inside_a_ring_step_fails_the_collective_everywhere() {
         let mut comms = local_group(n);
         comms[bad].panic_in_ring_step = Some(step);
         let outcomes = run_comms(comms, move |mut comm| {
-            let mut buf = exact_input(comm.rank(), 3 * ONE_SHOT_MAX_ELEMS, 1);
+            let mut buf = exact_input(comm.rank(), 3 * RING_ELEMS, 1);
             let first = comm.all_reduce_sum_with(&mut buf, AllReduceAlgorithm::Ring);
             let second = comm.barrier();
             (first, second)
@@ -588,7 +591,7 @@ fn a_group_survives_many_rounds() {
     for (n, rounds) in [(2, 3000), (3, 1000), (8, 300)] {
         let ok_rounds = ok(run_group(n, move |mut comm| {
             let (rank, n) = (comm.rank(), comm.world_size());
-            let sizes = [0, 1, 17, 300, 5000, ONE_SHOT_MAX_ELEMS + 3];
+            let sizes = [0, 1, 17, 300, 5000, RING_ELEMS + 3];
             for round in 0..rounds {
                 let len = sizes[round % sizes.len()];
                 let mut buf = exact_input(rank, len, round);
@@ -641,6 +644,26 @@ fn errors_name_the_rank_the_peer_and_the_collective() {
         e.to_string(),
         "rank 0: all_reduce_sum cannot complete because rank 2 panicked; the group is unusable, build a new one"
     );
+}
+
+#[test]
+fn auto_switches_at_the_threshold() {
+    let auto = AllReduceAlgorithm::Auto;
+    assert_eq!(auto.resolve(512, 2048), AllReduceAlgorithm::OneShot);
+    assert_eq!(auto.resolve(513, 2048), AllReduceAlgorithm::Ring);
+    assert_eq!(
+        AllReduceAlgorithm::Ring.resolve(1, 2048),
+        AllReduceAlgorithm::Ring
+    );
+    let cores = thread::available_parallelism().map_or(1, |c| c.get());
+    for n in [1, 2, 8] {
+        let expected = if n <= cores {
+            ONE_SHOT_MAX_BYTES
+        } else {
+            ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED
+        };
+        assert_eq!(local_group(n)[0].one_shot_max_bytes(), expected);
+    }
 }
 
 #[test]

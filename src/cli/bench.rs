@@ -1,0 +1,72 @@
+//! `tpc bench MODEL --tp N`: prefill and decode throughput of a model on N CPU ranks, with
+//! its checkpoint or with seeded random weights when it has none.
+
+use std::path::PathBuf;
+use tpc::frontend::load::load_model;
+use tpc::pipeline::compile;
+use tpc::runtime::generate::{run, ComputeDtype, RunOptions};
+use tpc::runtime::random::RandomWeights;
+use tpc::runtime::weights::{Checkpoint, WeightSource};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A model (.ron, HF directory, config.json); a directory with weights uses them.
+    model: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    tp: u64,
+    /// Prompt tokens (ids (i·7919) mod vocab).
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 16)]
+    max_new_tokens: usize,
+    /// Compute type: auto, f32 or bf16.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
+    /// GEMM threads per rank (default: cores / tp).
+    #[arg(long, default_value_t = 0)]
+    threads_per_rank: usize,
+}
+
+pub fn execute(a: Args) -> anyhow::Result<()> {
+    let dtype = match a.dtype.as_str() {
+        "auto" => ComputeDtype::Auto,
+        "f32" => ComputeDtype::F32,
+        "bf16" => ComputeDtype::Bf16,
+        other => anyhow::bail!("--dtype {other}: use auto, f32 or bf16"),
+    };
+    let def = load_model(&a.model)?;
+    let plan = compile(&def, a.tp)?.plan;
+    let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap_or(1) as usize;
+    let prompt: Vec<i64> = (0..a.prompt_len.max(1))
+        .map(|i| ((i * 7919) % vocab) as i64)
+        .collect();
+    let ckpt;
+    let random;
+    let weights: &dyn WeightSource =
+        if a.model.join("config.json").exists() && Checkpoint::open(&a.model).is_ok() {
+            ckpt = Checkpoint::open(&a.model)?;
+            &ckpt
+        } else {
+            random = RandomWeights::new(&compile(&def, 1)?.plan, 0);
+            &random
+        };
+    let opts = RunOptions {
+        dtype,
+        max_new_tokens: a.max_new_tokens,
+        threads_per_rank: a.threads_per_rank,
+        ..Default::default()
+    };
+    let out = run(&plan, weights, &prompt, &opts)?;
+    let json = serde_json::json!({
+        "model": plan.model,
+        "tp": a.tp,
+        "dtype": format!("{dtype:?}").to_lowercase(),
+        "prompt_tokens": prompt.len(),
+        "generated": out.generated.len(),
+        "load_seconds": out.load_seconds,
+        "prefill_tokens_per_s": out.prefill_tokens_per_s(),
+        "decode_tokens_per_s": out.decode_tokens_per_s(),
+    });
+    println!("{}", serde_json::to_string(&json)?);
+    Ok(())
+}
