@@ -177,35 +177,27 @@ fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankPr
             .collect();
         let layout = node.layout.unwrap_or(Layout::Replicated);
         let bad = |m: String| bug("partition", &node.name, m);
-        if let Op::Param(p) = &node.op {
+        let mut op = match &node.op {
             // The rank's weight: its local shape, without the split structure.
-            let s = weight_slice(p, layout, tp, rank, graph.dtype).map_err(bad)?;
-            let fact = TensorFact {
-                dtype: s.dtype,
-                shape: Shape::fixed(&s.local_shape),
-            };
-            let op = Op::Param(ParamOp {
-                tensor: p.tensor.clone(),
-                shape: s.local_shape.clone(),
-                dtype: p.dtype,
-                groups: Default::default(),
-            });
-            slice_of[pos] = Some(weights.len());
-            weights.push(s);
-            at[pos] = instrs.len() as u32;
-            instrs.push(Instr {
-                id,
-                name: node.name.clone(),
-                op,
-                inputs,
-                fact,
-                layout,
-                layer: node.layer,
-            });
-            continue;
-        }
-        let mut op = node.op.clone();
+            Op::Param(p) => {
+                let s = weight_slice(p, layout, tp, rank, graph.dtype).map_err(bad)?;
+                slice_of[pos] = Some(weights.len());
+                let op = Op::Param(ParamOp {
+                    tensor: p.tensor.clone(),
+                    shape: s.local_shape.clone(),
+                    dtype: p.dtype,
+                    groups: Default::default(),
+                });
+                weights.push(s);
+                op
+            }
+            other => other.clone(),
+        };
         let fact = match &mut op {
+            Op::Param(p) => TensorFact {
+                dtype: weights.last().map_or(graph.dtype, |w| w.dtype),
+                shape: Shape::fixed(&p.shape),
+            },
             Op::Embedding(e) => {
                 let table = walk.inputs[pos][1] as usize;
                 if let Some(s) = slice_of[table]

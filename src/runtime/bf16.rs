@@ -88,11 +88,6 @@ fn gemv(x: &Tensor, w: &Bf16Matrix, out: &mut [f32], threads: usize) {
 fn blocked_gemm(x: &Tensor, w: &Bf16Matrix, out: &mut [f32], threads: usize) {
     let (m, k) = x.rows_cols();
     let n = w.n;
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
     let mut scratch = vec![0f32; BLOCK_ROWS.min(n) * k];
     for start in (0..n).step_by(BLOCK_ROWS) {
         let rows = BLOCK_ROWS.min(n - start);
@@ -100,31 +95,15 @@ fn blocked_gemm(x: &Tensor, w: &Bf16Matrix, out: &mut [f32], threads: usize) {
         for (d, &b) in block.iter_mut().zip(&w.bits[start * k..(start + rows) * k]) {
             *d = f32::from_bits((b as u32) << 16);
         }
-        // SAFETY: `x` is m·k, `block` is rows·k, and the destination is the m×rows
-        // submatrix of `out` (row stride n) starting at column `start`; nothing aliases.
-        unsafe {
-            gemm::gemm(
-                m,
-                rows,
-                k,
-                out.as_mut_ptr().add(start),
-                1,
-                n as isize,
-                false,
-                x.data.as_ptr(),
-                1,
-                k as isize,
-                block.as_ptr(),
-                k as isize,
-                1,
-                0.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
+        // The block is [rows, k]: read as [k, rows] with row stride 1, column stride k.
+        crate::runtime::cpu::gemm_f32(
+            (m, rows, k),
+            &mut out[start..],
+            n,
+            &x.data,
+            (block, 1, k as isize),
+            threads,
+        );
     }
 }
 

@@ -19,6 +19,62 @@ impl CpuBackend {
     }
 }
 
+/// `dst[m, n] (row stride dst_rs) = lhs[m, k] · rhs[k, n]`, rhs given with its row and
+/// column strides; through the `gemm` crate with `threads` threads.
+pub fn gemm_f32(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    lhs: &[f32],
+    (rhs, rhs_rs, rhs_cs): (&[f32], isize, isize),
+    threads: usize,
+) {
+    assert!(
+        m == 0 || n == 0 || dst.len() >= (m - 1) * dst_rs + n,
+        "gemm destination too small"
+    );
+    assert!(lhs.len() >= m * k, "gemm lhs too small");
+    assert!(
+        k == 0
+            || n == 0
+            || rhs.len() as isize > (k as isize - 1) * rhs_rs + (n as isize - 1) * rhs_cs,
+        "gemm rhs too small"
+    );
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts above keep every access inside the three slices; `dst` is a
+    // unique borrow so it aliases neither input; read_dst is false so it is only written.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            false,
+            lhs.as_ptr(),
+            1,
+            k as isize,
+            rhs.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            0.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
 impl Backend for CpuBackend {
     fn linear(&self, x: &Tensor, w: &Tensor, order: WeightOrder) -> Tensor {
         let (m, k) = x.rows_cols();
@@ -36,43 +92,15 @@ impl Backend for CpuBackend {
         let mut shape = x.shape.clone();
         *shape.last_mut().expect("activations have a feature dim") = n;
         let mut out = Tensor::zeros(shape);
-        if m == 0 || n == 0 {
-            return out;
-        }
-        if k == 0 {
-            return out;
-        }
-        let parallelism = if self.threads > 1 {
-            gemm::Parallelism::Rayon(self.threads)
-        } else {
-            gemm::Parallelism::None
-        };
-        // SAFETY: the three buffers hold m·k, k·n and m·n elements laid out with exactly the
-        // strides given; `out` does not alias the inputs; read_dst is false so its zeros
-        // are overwritten.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.data.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                x.data.as_ptr(),
-                1,
-                k as isize,
-                w.data.as_ptr(),
-                rhs_cs,
-                rhs_rs,
-                0.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
+        // The right-hand side is W read as [k, n] through its strides.
+        gemm_f32(
+            (m, n, k),
+            &mut out.data,
+            n,
+            &x.data,
+            (&w.data, rhs_rs, rhs_cs),
+            self.threads,
+        );
         out
     }
 
