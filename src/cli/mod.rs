@@ -1,6 +1,7 @@
 //! Subcommands. Each file holds its arguments and a thin `execute`.
 
 mod bench;
+mod bench_comm;
 mod compile;
 mod dot;
 mod import;
@@ -34,6 +35,8 @@ enum Command {
     Verify(verify::Args),
     /// Measure prefill and decode throughput (checkpoint or random weights).
     Bench(bench::Args),
+    /// Measure the in-process communicator: barrier, all-reduce algorithms, memcpy bound.
+    BenchComm(bench_comm::Args),
 }
 
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -45,5 +48,6 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Run(a) => run::execute(a),
         Command::Verify(a) => verify::execute(a),
         Command::Bench(a) => bench::execute(a),
+        Command::BenchComm(a) => bench_comm::execute(a),
     }
 }

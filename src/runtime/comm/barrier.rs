@@ -21,13 +21,13 @@
 //!
 //! Measured on this machine (2 vCPU AMD EPYC Zen 3 under KVM, `--release`) with
 //! `bench::bench_barrier`: every rank waits back to back, the time of a wait is the slowest
-//! rank's, median of 20 000 waits; ranges are over four runs on an otherwise idle machine.
+//! rank's, median of 20 000 waits; ranges are over five runs on an otherwise idle machine.
 //!
 //! | ranks (threads on 2 cores) | this barrier         | `std::sync::Barrier` |
 //! |----------------------------|----------------------|----------------------|
-//! | 2                          | 0.15 µs (0.15–0.40)  | 53–73 µs             |
-//! | 4 (oversubscribed)         | 4.4–8.4 µs           | 49–59 µs             |
-//! | 8 (oversubscribed)         | 9–14 µs              | 64–93 µs             |
+//! | 2                          | 0.15 µs (0.15–0.40)  | 17–73 µs             |
+//! | 4 (oversubscribed)         | 4.4–8.4 µs           | 49–61 µs             |
+//! | 8 (oversubscribed)         | 9–14 µs              | 64–100 µs            |
 //!
 //! `std::sync::Barrier` parks every waiter on a mutex and condition variable, so each wait
 //! costs a futex wake-up. Ranks that wait long do not burn their core here either: 2 or 8

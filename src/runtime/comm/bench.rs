@@ -28,6 +28,7 @@ pub enum BenchKind {
     Memcpy,
 }
 
+/// One measured (world, size, kind).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BenchRow {
     pub world: usize,
@@ -239,20 +240,5 @@ mod tests {
         assert!(format_table(&rows).lines().count() == 7);
         let b = bench_barrier(2, 10);
         assert!(b.group_median_us > 0.0 && b.std_median_us > 0.0);
-    }
-
-    /// The figures quoted in the docs: `cargo test --release --lib runtime::comm::bench::tests::measure -- --ignored --nocapture`.
-    #[test]
-    #[ignore = "measurement, minutes; run by hand"]
-    fn measure() {
-        for world in [2, 4, 8] {
-            println!("{:?}", bench_barrier(world, 20_000));
-        }
-        let sizes: Vec<usize> = (12..=24).map(|p| 1usize << p).collect();
-        println!("{}", format_table(&bench_all_reduce(2, &sizes, 200)));
-        let small: Vec<usize> = (12..=20).map(|p| 1usize << p).collect();
-        for world in [4, 8] {
-            println!("{}", format_table(&bench_all_reduce(world, &small, 200)));
-        }
     }
 }

@@ -35,16 +35,17 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// With every rank on its own core, all-reduces of at most this many bytes use the one-shot
 /// algorithm, larger ones the ring.
 ///
-/// The two algorithms move the same bytes between cores; the one-shot saves `2(n − 1) − 1`
-/// waits and pays for one extra local copy (into its staging buffer). On this machine (2 vCPU
-/// AMD EPYC Zen 3 under KVM) a wait costs 0.15 µs with 2 ranks, so the copy wins from
-/// 2 KiB on. `bench::bench_all_reduce`, tp = 2, median µs of 2000 calls, one-shot / ring
-/// (three runs agreed within 0.05 µs):
+/// The ring makes `2n − 1` waits, the one-shot 1, but the one-shot copies the whole buffer
+/// into its staging buffer first and reads `n × len` elements where the ring reads about
+/// `2 len`. With 2 ranks on this machine (2 vCPU AMD EPYC Zen 3 under KVM) a wait costs
+/// 0.15 µs, so the one-shot wins only below 2 KiB; they tie at 2 KiB.
+/// `bench::bench_all_reduce`, tp = 2, median µs of 2000 calls (three runs agreed within
+/// 0.05 µs):
 ///
-/// | bytes  | 64   | 256  | 1 Ki | 2 Ki | 4 Ki | 8 Ki | 16 Ki | 32 Ki |
-/// |--------|------|------|------|------|------|------|-------|-------|
-/// | one-sh | 0.32 | 0.39 | 0.52 | 0.75 | 1.20 | 1.63 | 2.69  | 5.09  |
-/// | ring   | 0.42 | 0.53 | 0.61 | 0.73 | 0.98 | 1.50 | 2.33  | 3.53  |
+/// | bytes    | 64   | 256  | 1 Ki | 2 Ki | 4 Ki | 8 Ki | 16 Ki | 32 Ki |
+/// |----------|------|------|------|------|------|------|-------|-------|
+/// | one-shot | 0.32 | 0.39 | 0.52 | 0.75 | 1.20 | 1.63 | 2.69  | 5.09  |
+/// | ring     | 0.42 | 0.53 | 0.61 | 0.73 | 0.98 | 1.50 | 2.33  | 3.53  |
 pub const ONE_SHOT_MAX_BYTES: usize = 2 * 1024;
 
 /// [`ONE_SHOT_MAX_BYTES`] for a group with more ranks than cores, where a wait costs a
@@ -288,17 +289,6 @@ impl Drop for UnwindGuard<'_> {
     }
 }
 
-/// `range` of the `f32`s at `base`.
-///
-/// # Safety
-///
-/// `base` points to at least `range.end` initialized `f32`s that stay allocated and that no
-/// thread writes while the returned slice is used.
-unsafe fn shared_slice<'a>(base: *const f32, range: Range<usize>) -> &'a [f32] {
-    // SAFETY: forwarded to the caller.
-    unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
-}
-
 impl LocalComm {
     /// Leave the group on purpose: every rank blocked in or later entering a collective gets
     /// [`CommError::PeerFailed`] with [`FailureCause::Aborted`], and this communicator
@@ -472,9 +462,10 @@ impl LocalComm {
     unsafe fn peer_data(&self, peer: usize, parity: usize, range: Range<usize>) -> &[f32] {
         let base = self.slot(peer, parity).ptr.load(Relaxed).cast_const();
         // SAFETY: `base` was published by `peer` before the entry wait that made it visible
-        // here; the memory stays allocated and unwritten as the caller guarantees: a peer
-        // frees or reuses it only after a later wait that this rank has not arrived at.
-        unsafe { shared_slice(base, range) }
+        // here and points to at least `range.end` initialized elements, which stay allocated
+        // and unwritten while the slice is used, as the caller guarantees: a peer frees or
+        // reuses its memory only after a later wait that this rank has not arrived at.
+        unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
     }
 
     /// One-shot data phase: every chunk summed from all staging buffers, in the fixed order.

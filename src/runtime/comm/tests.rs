@@ -186,23 +186,34 @@ fn all_reduce_matches_reference_for_every_size_and_algorithm() {
 /// Every collective and algorithm, small: the test to run under Miri, which checks the
 /// unsafe peer accesses for data races and aliasing violations:
 /// `cargo +nightly miri test --lib runtime::comm::tests::small_`.
+///
+/// Every buffer is overwritten and then freed as soon as its collective returns, so a rank
+/// that returned while a peer still read its memory would be a data race or a
+/// use-after-free that Miri reports.
 #[test]
 fn small_groups_run_every_collective() {
     for n in 1..=4 {
         ok(run_group(n, move |mut comm| {
             let (rank, n) = (comm.rank(), comm.world_size());
             for len in [0, 1, 17, 100] {
+                let inputs: Vec<_> = (0..n).map(|r| exact_input(r, len, len)).collect();
                 for algorithm in ALGORITHMS {
                     let mut buf = exact_input(rank, len, len);
                     comm.all_reduce_sum_with(&mut buf, algorithm).unwrap();
-                    let inputs: Vec<_> = (0..n).map(|r| exact_input(r, len, len)).collect();
-                    assert_eq!(buf, reference_sum(&inputs), "{algorithm} len {len}");
+                    let sum = buf.clone();
+                    buf.fill(f32::NAN);
+                    drop(buf);
+                    assert_eq!(sum, reference_sum(&inputs), "{algorithm} len {len}");
                 }
-                let local = exact_input(rank, len, 1);
+                let mut local = exact_input(rank, len, 1);
                 let mut gathered = vec![0.0; n * len];
                 comm.all_gather(&local, &mut gathered).unwrap();
+                local.fill(f32::NAN);
+                drop(local);
                 let mut piece = vec![0.0; len];
                 comm.reduce_scatter_sum(&gathered, &mut piece).unwrap();
+                gathered.fill(f32::NAN);
+                drop(gathered);
                 let expected: Vec<f32> = exact_input(rank, len, 1)
                     .iter()
                     .map(|x| x * n as f32)
