@@ -10,6 +10,7 @@ use crate::error::{Result, TpcError};
 use crate::frontend::load::{parse_json, parse_ron, read_text, ron_options};
 use crate::ir::{DType, Layout, Name, Op, SliceRange, TensorFact};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 use std::path::Path;
 
 /// Bumped whenever the plan's meaning or fields change.
@@ -95,7 +96,7 @@ pub struct Instr {
     pub id: u32,
     pub name: Name,
     pub op: Op,
-    pub inputs: Vec<u32>,
+    pub inputs: SmallVec<[u32; 4]>,
     /// The value on this rank.
     pub fact: TensorFact,
     pub layout: Layout,

@@ -6,6 +6,7 @@ use crate::error::{Result, TpcError};
 use crate::ir::shape::infer;
 use crate::ir::{Dim, DimSlice, Graph, LocalSliceOp, NodeId, Op, ParamOp, ReduceScatterOp, Shape};
 use crate::passes::Sharded;
+use smallvec::SmallVec;
 use std::collections::HashMap;
 
 fn bug(pass: &'static str, node: &str, message: String) -> TpcError {
@@ -163,7 +164,7 @@ fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankPr
     for (pos, &n) in order.iter().enumerate() {
         let node = graph.node(n);
         let id = pos as u32;
-        let inputs: Vec<u32> = walk.inputs[pos]
+        let inputs: SmallVec<[u32; 4]> = walk.inputs[pos]
             .iter()
             .map(|&i| holder[i as usize])
             .collect();
