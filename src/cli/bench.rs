@@ -25,6 +25,9 @@ pub struct Args {
     /// GEMM threads per rank (default: cores / tp).
     #[arg(long, default_value_t = 0)]
     threads_per_rank: usize,
+    /// Print where rank 0's time goes, per op kind, on stderr.
+    #[arg(long)]
+    profile: bool,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -54,9 +57,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         dtype,
         max_new_tokens: a.max_new_tokens,
         threads_per_rank: a.threads_per_rank,
+        profile: a.profile,
         ..Default::default()
     };
     let out = run(&plan, weights, &prompt, &opts)?;
+    if a.profile {
+        eprint!("{}", tpc::runtime::generate::render_profile(&out));
+    }
     let json = serde_json::json!({
         "model": plan.model,
         "tp": a.tp,

@@ -51,6 +51,9 @@ pub struct Args {
     /// GEMM threads per rank (default: cores / tp).
     #[arg(long, default_value_t = 0)]
     threads_per_rank: usize,
+    /// Print where rank 0's time goes, per op kind, on stderr.
+    #[arg(long)]
+    profile: bool,
 }
 
 /// End-of-sequence ids from the model's config.json (an id or a list).
@@ -145,6 +148,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         },
         eos: eos_ids(&a.model),
         threads_per_rank: a.threads_per_rank,
+        profile: a.profile,
         progress: Some(Arc::new(move |stage| match stage {
             Stage::Loaded => progress_bar.set_message("prefill"),
             Stage::Prefilled => progress_bar.set_message("decode"),
@@ -154,6 +158,9 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let out = run(&plan, &ckpt, &prompt_ids, &opts);
     bar.finish_and_clear();
     let out = out?;
+    if a.profile {
+        eprint!("{}", tpc::runtime::generate::render_profile(&out));
+    }
     if let Some(path) = &a.dump_logits {
         let bytes: Vec<u8> = out
             .prompt_logits

@@ -41,8 +41,9 @@ impl Bf16Matrix {
 
 /// Rows of `x` at or below which the GEMV path is used.
 pub const GEMV_MAX_ROWS: usize = 4;
-/// Weight rows widened per block on the GEMM path.
-const BLOCK_ROWS: usize = 256;
+/// Elements widened per block on the GEMM path (16 MiB of f32): large blocks keep the GEMM
+/// efficient (measured: 256-row blocks cost ~30 % of prefill on a 2048-wide model).
+const BLOCK_ELEMENTS: usize = 1 << 22;
 
 /// `x [m, k] · Wᵀ` → `[m, n]` with f32 accumulation, using up to `threads` threads.
 pub fn linear_bf16(x: &Tensor, w: &Bf16Matrix, threads: usize) -> Tensor {
@@ -88,9 +89,10 @@ fn gemv(x: &Tensor, w: &Bf16Matrix, out: &mut [f32], threads: usize) {
 fn blocked_gemm(x: &Tensor, w: &Bf16Matrix, out: &mut [f32], threads: usize) {
     let (m, k) = x.rows_cols();
     let n = w.n;
-    let mut scratch = vec![0f32; BLOCK_ROWS.min(n) * k];
-    for start in (0..n).step_by(BLOCK_ROWS) {
-        let rows = BLOCK_ROWS.min(n - start);
+    let block_rows = (BLOCK_ELEMENTS / k.max(1)).max(64).min(n);
+    let mut scratch = vec![0f32; block_rows * k];
+    for start in (0..n).step_by(block_rows) {
+        let rows = block_rows.min(n - start);
         let block = &mut scratch[..rows * k];
         for (d, &b) in block.iter_mut().zip(&w.bits[start * k..(start + rows) * k]) {
             *d = f32::from_bits((b as u32) << 16);

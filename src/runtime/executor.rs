@@ -32,6 +32,8 @@ pub struct RankExecutor<'a, B: Backend, C: Communicator> {
     cache: HashMap<u32, (Vec<f32>, Vec<f32>)>,
     /// Tokens already in the cache.
     pub position: usize,
+    /// Time and calls per op kind, when profiling.
+    pub profile: Option<HashMap<&'static str, (std::time::Duration, u64)>>,
 }
 
 fn bad(i: &Instr, problem: impl Into<String>) -> TpcError {
@@ -99,6 +101,7 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             bf16,
             threads,
             cache: HashMap::new(),
+            profile: None,
             position: 0,
         })
     }
@@ -123,7 +126,16 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                     output = Some(self.tensor(&values, i, 0)?.clone());
                     continue;
                 }
-                op => Value::F(self.run(op, i, &values, &positions, &mut ropes)?),
+                op => {
+                    let started = self.profile.is_some().then(std::time::Instant::now);
+                    let v = self.run(op, i, &values, &positions, &mut ropes)?;
+                    if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
+                        let e = p.entry(op.kind()).or_default();
+                        e.0 += t.elapsed();
+                        e.1 += 1;
+                    }
+                    Value::F(v)
+                }
             };
             values[i.id as usize] = Some(value);
         }

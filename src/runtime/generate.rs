@@ -53,6 +53,8 @@ pub struct RunOptions {
     pub eos: Vec<i64>,
     /// GEMM threads per rank; 0 = cores / tp.
     pub threads_per_rank: usize,
+    /// Time every op kind on rank 0.
+    pub profile: bool,
     pub progress: Option<Progress>,
 }
 
@@ -76,6 +78,7 @@ impl Default for RunOptions {
             sampling: Sampling::default(),
             eos: vec![],
             threads_per_rank: 0,
+            profile: false,
             progress: None,
         }
     }
@@ -90,6 +93,8 @@ pub struct RunOutput {
     pub prefill_seconds: f64,
     /// Wall time of the decode steps after the first new token.
     pub decode_seconds: f64,
+    /// Rank 0's time per op kind (seconds, calls), largest first, when profiled.
+    pub profile: Vec<(String, f64, u64)>,
 }
 
 impl RunOutput {
@@ -148,6 +153,9 @@ fn rank_main(
     let load = Instant::now();
     let bf16 = opts.dtype.bf16_linears(plan);
     let mut exec = RankExecutor::new(&plan.ranks[rank], ckpt, &backend, comm, bf16, threads)?;
+    if opts.profile && rank == 0 {
+        exec.profile = Some(Default::default());
+    }
     let report = |stage| {
         if let (0, Some(p)) = (rank, &opts.progress) {
             p(stage)
@@ -192,12 +200,20 @@ fn generate_on<C: Communicator>(
         last = &step_logits.data;
     }
     let decode_seconds = decode.elapsed().as_secs_f64();
+    let mut profile: Vec<(String, f64, u64)> = exec
+        .profile
+        .iter()
+        .flatten()
+        .map(|(k, (t, n))| (k.to_string(), t.as_secs_f64(), *n))
+        .collect();
+    profile.sort_by(|a, b| b.1.total_cmp(&a.1));
     Ok(RunOutput {
         generated,
         prompt_logits,
         load_seconds,
         prefill_seconds,
         decode_seconds,
+        profile,
     })
 }
 
@@ -280,4 +296,27 @@ pub fn run(
             message: "rank 0 returned nothing".into(),
         }),
     }
+}
+
+/// Rank 0's profile as a table: op kind, seconds, share of the run, calls.
+pub fn render_profile(out: &RunOutput) -> String {
+    use std::fmt::Write;
+    let total: f64 = out.profile.iter().map(|p| p.1).sum();
+    let mut s = format!(
+        "{:<16} {:>10} {:>7} {:>8}\n",
+        "op (rank 0)", "seconds", "share", "calls"
+    );
+    for (kind, secs, calls) in &out.profile {
+        let _ = writeln!(
+            s,
+            "{kind:<16} {secs:>10.4} {:>6.1}% {calls:>8}",
+            100.0 * secs / total.max(1e-12)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "{:<16} {total:>10.4} (prefill {:.4} s + decode {:.4} s wall)",
+        "all ops", out.prefill_seconds, out.decode_seconds
+    );
+    s
 }
