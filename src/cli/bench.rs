@@ -1,6 +1,7 @@
 //! `tpc bench MODEL --tp N`: prefill and decode throughput of a model on N CPU ranks, with
 //! its checkpoint or with seeded random weights when it has none.
 
+use super::DtypeArg;
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
@@ -19,9 +20,9 @@ pub struct Args {
     prompt_len: usize,
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
-    /// Compute type: auto, f32 or bf16.
-    #[arg(long, default_value = "auto")]
-    dtype: String,
+    /// Compute type: auto (the checkpoint's), f32, or bf16 (bf16 weights, f32 accumulation).
+    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
+    dtype: DtypeArg,
     /// GEMM threads per rank (default: cores / tp).
     #[arg(long, default_value_t = 0)]
     threads_per_rank: usize,
@@ -31,28 +32,22 @@ pub struct Args {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    let dtype = match a.dtype.as_str() {
-        "auto" => ComputeDtype::Auto,
-        "f32" => ComputeDtype::F32,
-        "bf16" => ComputeDtype::Bf16,
-        other => anyhow::bail!("--dtype {other}: use auto, f32 or bf16"),
-    };
+    let dtype: ComputeDtype = a.dtype.into();
     let def = load_model(&a.model)?;
     let plan = compile(&def, a.tp)?.plan;
     let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap_or(1) as usize;
     let prompt: Vec<i64> = (0..a.prompt_len.max(1))
         .map(|i| ((i * 7919) % vocab) as i64)
         .collect();
-    let ckpt;
+    let ckpt = Checkpoint::find(&a.model)?;
     let random;
-    let weights: &dyn WeightSource =
-        if a.model.join("config.json").exists() && Checkpoint::open(&a.model).is_ok() {
-            ckpt = Checkpoint::open(&a.model)?;
-            &ckpt
-        } else {
+    let weights: &dyn WeightSource = match &ckpt {
+        Some(c) => c,
+        None => {
             random = RandomWeights::new(&compile(&def, 1)?.plan, 0);
             &random
-        };
+        }
+    };
     let opts = RunOptions {
         dtype,
         max_new_tokens: a.max_new_tokens,

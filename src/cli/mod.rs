@@ -51,3 +51,21 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::BenchComm(a) => bench_comm::execute(a),
     }
 }
+
+/// `--dtype` of `run` and `bench`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum DtypeArg {
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl From<DtypeArg> for tpc::runtime::generate::ComputeDtype {
+    fn from(d: DtypeArg) -> Self {
+        match d {
+            DtypeArg::Auto => tpc::runtime::generate::ComputeDtype::Auto,
+            DtypeArg::F32 => tpc::runtime::generate::ComputeDtype::F32,
+            DtypeArg::Bf16 => tpc::runtime::generate::ComputeDtype::Bf16,
+        }
+    }
+}

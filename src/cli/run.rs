@@ -1,12 +1,13 @@
 //! `tpc run MODEL_DIR --tp N --prompt-ids 1,2,3 [--max-new-tokens K] [--dump-logits F] [--json]`
 
+use super::DtypeArg;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::sync::Arc;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
-use tpc::runtime::generate::{run, ComputeDtype, RunOptions, Stage};
+use tpc::runtime::generate::{run, RunOptions, Stage};
 use tpc::runtime::sampling::Sampling;
 use tpc::runtime::weights::Checkpoint;
 
@@ -75,23 +76,6 @@ fn decode(t: &tokenizers::Tokenizer, ids: &[i64]) -> anyhow::Result<String> {
     let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
     t.decode(&ids, true)
         .map_err(|e| anyhow::anyhow!("cannot decode the output: {e}"))
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum DtypeArg {
-    Auto,
-    F32,
-    Bf16,
-}
-
-impl From<DtypeArg> for ComputeDtype {
-    fn from(d: DtypeArg) -> ComputeDtype {
-        match d {
-            DtypeArg::Auto => ComputeDtype::Auto,
-            DtypeArg::F32 => ComputeDtype::F32,
-            DtypeArg::Bf16 => ComputeDtype::Bf16,
-        }
-    }
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {

@@ -32,13 +32,10 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         anyhow::ensure!(n >= 1, "--layers must be at least 1");
         p.num_hidden_layers = p.num_hidden_layers.min(n);
     }
-    let has_weights = a.model.is_dir()
-        && (a.model.join("model.safetensors").exists()
-            || a.model.join("model.safetensors.index.json").exists());
-    let ckpt = if has_weights && a.layers.is_none() {
-        Some(Checkpoint::open(&a.model)?)
-    } else {
-        None
+    // A cut model no longer matches its checkpoint: it runs on random weights.
+    let ckpt = match a.layers {
+        None => Checkpoint::find(&a.model)?,
+        Some(_) => None,
     };
     let report = verify(
         &def,

@@ -123,7 +123,7 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                     InputKind::Positions => positions.clone(),
                 }),
                 Op::Output(_) => {
-                    output = Some(self.tensor(&values, i, 0)?.clone());
+                    output = Some(input_tensor(&self.params, &values, i, 0)?.clone());
                     continue;
                 }
                 op => {
@@ -144,15 +144,6 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             name: "program".into(),
             problem: "it has no output".into(),
         })
-    }
-
-    fn tensor<'v>(
-        &'v self,
-        values: &'v [Option<Value>],
-        i: &Instr,
-        slot: usize,
-    ) -> Result<&'v Tensor> {
-        input_tensor(&self.params, values, i, slot)
     }
 
     fn ids<'v>(&self, values: &'v [Option<Value>], i: &Instr, slot: usize) -> Result<&'v [i64]> {
@@ -283,39 +274,24 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                     }
                     out.truncate(row_start + keep);
                 }
-                let mut shape = x.shape.clone();
-                *shape.last_mut().unwrap_or(&mut 0) = keep;
-                Tensor::new(shape, out)
+                x.with_cols(keep, out)
             }
             Op::ReduceScatter(_) => {
+                // Rank-major pieces for the communicator: [tp][rows][n / tp].
                 let x = t(0)?;
-                let (rows, n) = x.rows_cols();
-                let piece = n / self.tp;
                 let mut arranged = Vec::with_capacity(x.data.len());
                 for k in 0..self.tp {
-                    for r in 0..rows {
-                        arranged
-                            .extend_from_slice(&x.data[r * n + k * piece..r * n + (k + 1) * piece]);
-                    }
+                    x.push_column_block(k, self.tp, &mut arranged);
                 }
-                let mut out = vec![0f32; rows * piece];
+                let mut out = vec![0f32; x.data.len() / self.tp];
                 self.comm.reduce_scatter_sum(&arranged, &mut out)?;
-                let mut shape = x.shape.clone();
-                *shape.last_mut().unwrap_or(&mut 0) = piece;
-                Tensor::new(shape, out)
+                x.with_cols(x.cols() / self.tp, out)
             }
             Op::LocalSlice(_) => {
                 let x = t(0)?;
-                let (rows, n) = x.rows_cols();
-                let piece = n / self.tp;
-                let k = self.comm.rank();
-                let mut out = Vec::with_capacity(rows * piece);
-                for r in 0..rows {
-                    out.extend_from_slice(&x.data[r * n + k * piece..r * n + (k + 1) * piece]);
-                }
-                let mut shape = x.shape.clone();
-                *shape.last_mut().unwrap_or(&mut 0) = piece;
-                Tensor::new(shape, out)
+                let mut out = Vec::with_capacity(x.data.len() / self.tp);
+                x.push_column_block(self.comm.rank(), self.tp, &mut out);
+                x.with_cols(x.cols() / self.tp, out)
             }
             Op::Param(_) | Op::Input(_) | Op::Output(_) => {
                 return Err(bad(i, "is not a compute op"))

@@ -31,4 +31,22 @@ impl Tensor {
     pub fn cols(&self) -> usize {
         self.rows_cols().1
     }
+
+    /// The same rows with `data` of `cols` columns each.
+    pub fn with_cols(&self, cols: usize, data: Vec<f32>) -> Tensor {
+        let mut shape = self.shape.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = cols;
+        }
+        Tensor::new(shape, data)
+    }
+
+    /// Column block `k` of `parts` equal blocks, every row, appended to `out`.
+    pub fn push_column_block(&self, k: usize, parts: usize, out: &mut Vec<f32>) {
+        let (rows, n) = self.rows_cols();
+        let piece = n / parts;
+        for r in 0..rows {
+            out.extend_from_slice(&self.data[r * n + k * piece..r * n + (k + 1) * piece]);
+        }
+    }
 }

@@ -119,6 +119,19 @@ impl Checkpoint {
         })
     }
 
+    /// The checkpoint in `dir` if it has one (`None` when `dir` is not a directory or holds
+    /// no safetensors weights); a checkpoint that is there but broken is an error.
+    pub fn find(dir: &Path) -> Result<Option<Checkpoint>> {
+        let has_weights = dir.is_dir()
+            && (dir.join("model.safetensors").exists()
+                || dir.join("model.safetensors.index.json").exists());
+        if has_weights {
+            Checkpoint::open(dir).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
