@@ -81,6 +81,43 @@ fn repeated_runs_are_bit_identical() {
 }
 
 #[test]
+fn the_last_position_alone_gives_the_same_logits_and_tokens() {
+    // Generation runs the LM head on the last prompt position only; it must not change it.
+    for name in [
+        "llama-gqa",
+        "qwen3-tied",
+        "gpt2",
+        "neox-parallel",
+        "qwen2-bias",
+    ] {
+        let dir = Path::new("tests/fixtures/checkpoints").join(name);
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for tp in [1, 2] {
+            let plan = compile(&load_model(&dir).unwrap(), tp).unwrap().plan;
+            let opts = |all| RunOptions {
+                max_new_tokens: 4,
+                all_prompt_logits: all,
+                ..Default::default()
+            };
+            let prompt = [3, 1, 4, 1, 5, 9, 2];
+            let full = run(&plan, &ckpt, &prompt, &opts(true)).unwrap();
+            let last = run(&plan, &ckpt, &prompt, &opts(false)).unwrap();
+            let (rows, vocab) = full.prompt_logits.rows_cols();
+            assert_eq!(
+                (rows, last.prompt_logits.shape.clone()),
+                (7, vec![1, vocab])
+            );
+            let want = &full.prompt_logits.data[(rows - 1) * vocab..];
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (a, b) in last.prompt_logits.data.iter().zip(want) {
+                assert!((a - b).abs() <= 1e-5 * scale, "{name} tp={tp}: {a} vs {b}");
+            }
+            assert_eq!(full.generated, last.generated, "{name} tp={tp}");
+        }
+    }
+}
+
+#[test]
 fn a_rank_failing_mid_run_stops_every_rank_with_its_error() {
     let def = load_model(Path::new("models/tiny-llama.ron")).unwrap();
     let mut plan = compile(&def, 4).unwrap().plan;

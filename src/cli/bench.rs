@@ -53,6 +53,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         max_new_tokens: a.max_new_tokens,
         threads_per_rank: a.threads_per_rank,
         profile: a.profile,
+        all_prompt_logits: false,
         ..Default::default()
     };
     let out = run(&plan, weights, &prompt, &opts)?;

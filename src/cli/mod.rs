@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_comm;
+mod bench_gemm;
 mod compile;
 mod dot;
 mod import;
@@ -37,6 +38,8 @@ enum Command {
     Bench(bench::Args),
     /// Measure the in-process communicator: barrier, all-reduce algorithms, memcpy bound.
     BenchComm(bench_comm::Args),
+    /// Measure the linear kernels (packed bf16 / f32) against the gemm crate and read bandwidth.
+    BenchGemm(bench_gemm::Args),
 }
 
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -49,6 +52,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Verify(a) => verify::execute(a),
         Command::Bench(a) => bench::execute(a),
         Command::BenchComm(a) => bench_comm::execute(a),
+        Command::BenchGemm(a) => bench_gemm::execute(a),
     }
 }
 

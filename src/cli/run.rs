@@ -133,6 +133,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         eos: eos_ids(&a.model),
         threads_per_rank: a.threads_per_rank,
         profile: a.profile,
+        all_prompt_logits: a.dump_logits.is_some(),
         progress: Some(Arc::new(move |stage| match stage {
             Stage::Loaded => progress_bar.set_message("prefill"),
             Stage::Prefilled => progress_bar.set_message("decode"),

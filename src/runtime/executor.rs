@@ -2,8 +2,8 @@
 //! ranks only through its communicator, with a KV cache per attention op.
 
 use super::backend::Backend;
-use super::bf16::{linear_bf16, Bf16Matrix};
 use super::comm::Communicator;
+use super::packed::PackedMatrix;
 use super::rope;
 use super::tensor::Tensor;
 use super::weights::{load_slice, WeightSource};
@@ -25,13 +25,17 @@ pub struct RankExecutor<'a, B: Backend, C: Communicator> {
     tp: usize,
     /// Weights by value id.
     params: HashMap<u32, Tensor>,
-    /// Linear weights kept as bf16 (compute dtype bf16), by value id.
-    bf16: HashMap<u32, Bf16Matrix>,
+    /// Linear weights packed for the GEMM (bf16 or f32 by compute dtype), by value id.
+    linears: HashMap<u32, PackedMatrix>,
     threads: usize,
     /// Keys and values seen so far, per attention op.
     cache: HashMap<u32, (Vec<f32>, Vec<f32>)>,
     /// Tokens already in the cache.
     pub position: usize,
+    /// The linears that compute the output (the LM head): only row-wise ops lie between
+    /// them and it, so they may run on the last row alone.
+    head_linears: Vec<u32>,
+    last_only: bool,
     /// Time and calls per op kind, when profiling.
     pub profile: Option<HashMap<&'static str, (std::time::Duration, u64)>>,
 }
@@ -55,14 +59,14 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
     ) -> Result<Self> {
         let slices: HashMap<&str, &crate::plan::WeightSlice> =
             program.weights.iter().map(|w| (&*w.tensor, w)).collect();
-        // How each weight is used: as a linear weight (stored transposed or not) or otherwise.
-        let mut linear_use: HashMap<u32, bool> = HashMap::new();
+        // How each weight is used: as a linear weight (in its stored order) or otherwise.
+        let mut linear_use: HashMap<u32, WeightOrder> = HashMap::new();
         let mut other_use: std::collections::HashSet<u32> = Default::default();
         for i in &program.instrs {
             for (slot, &id) in i.inputs.iter().enumerate() {
                 match (&i.op, slot) {
                     (Op::Linear(l), 1) => {
-                        linear_use.insert(id, l.weight_order == WeightOrder::InOut);
+                        linear_use.insert(id, l.weight_order);
                     }
                     _ => {
                         other_use.insert(id);
@@ -71,7 +75,7 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             }
         }
         let mut params = HashMap::new();
-        let mut bf16 = HashMap::new();
+        let mut linears = HashMap::new();
         for i in &program.instrs {
             if let Op::Param(p) = &i.op {
                 let w = slices
@@ -79,8 +83,8 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                     .ok_or_else(|| bad(i, "its weight is not in the rank's manifest"))?;
                 let t = load_slice(weights, w)?;
                 match linear_use.get(&i.id) {
-                    Some(&transposed) if bf16_linears && t.shape.len() == 2 => {
-                        bf16.insert(i.id, Bf16Matrix::from_f32(&t, transposed));
+                    Some(&order) if t.shape.len() == 2 => {
+                        linears.insert(i.id, PackedMatrix::pack(&t, order, bf16_linears));
                         if other_use.contains(&i.id) {
                             params.insert(i.id, t);
                         }
@@ -92,15 +96,18 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             }
         }
         let tp = comm.world_size();
+        let head_linears = head_linears(program);
         Ok(RankExecutor {
             program,
             backend,
             comm,
             tp,
             params,
-            bf16,
+            linears,
             threads,
             cache: HashMap::new(),
+            head_linears,
+            last_only: false,
             profile: None,
             position: 0,
         })
@@ -109,6 +116,13 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
     /// Runs the program on `ids` (continuing after the tokens already cached) and returns
     /// the model output (logits `[ids.len(), vocab]`).
     pub fn forward(&mut self, ids: &[i64]) -> Result<Tensor> {
+        self.forward_rows(ids, false)
+    }
+
+    /// As [`RankExecutor::forward`]; with `last_only` the output is the last row's alone
+    /// (`[1, vocab]`) and the LM head computes nothing else.
+    pub fn forward_rows(&mut self, ids: &[i64], last_only: bool) -> Result<Tensor> {
+        self.last_only = last_only;
         let start = self.position;
         let positions: Vec<i64> = (start..start + ids.len()).map(|p| p as i64).collect();
         let max_id = self.program.instrs.iter().map(|i| i.id).max().unwrap_or(0) as usize;
@@ -185,9 +199,34 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                 }
                 out
             }
-            Op::Linear(l) => match self.bf16.get(&i.inputs[1]) {
-                Some(w) => linear_bf16(t(0)?, w, self.threads),
-                None => b.linear(t(0)?, t(1)?, l.weight_order),
+            Op::Linear(l) => match self.linears.get(&i.inputs[1]) {
+                Some(w) => {
+                    let last;
+                    let mut x = t(0)?;
+                    if self.last_only && self.head_linears.contains(&i.id) {
+                        last = x.last_row();
+                        x = &last;
+                    }
+                    if x.cols() != w.k {
+                        return Err(bad(
+                            i,
+                            format!(
+                                "{} input features against a weight of {} inputs",
+                                x.cols(),
+                                w.k
+                            ),
+                        ));
+                    }
+                    w.matmul(x, self.threads)
+                }
+                None => {
+                    let x = t(0)?;
+                    if self.last_only && self.head_linears.contains(&i.id) {
+                        b.linear(&x.last_row(), t(1)?, l.weight_order)
+                    } else {
+                        b.linear(x, t(1)?, l.weight_order)
+                    }
+                }
             },
             Op::BiasAdd(_) => {
                 let (x, bias) = (t(0)?, t(1)?);
@@ -298,6 +337,33 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             }
         })
     }
+}
+
+/// The linears whose outputs reach the program's output through row-wise ops only.
+fn head_linears(program: &RankProgram) -> Vec<u32> {
+    let by_id: HashMap<u32, &Instr> = program.instrs.iter().map(|i| (i.id, i)).collect();
+    let mut heads = Vec::new();
+    let mut stack: Vec<u32> = program
+        .instrs
+        .iter()
+        .filter(|i| matches!(i.op, Op::Output(_)))
+        .flat_map(|i| i.inputs.first().copied())
+        .collect();
+    while let Some(id) = stack.pop() {
+        let Some(i) = by_id.get(&id) else { continue };
+        match &i.op {
+            Op::Linear(_) => heads.push(id),
+            // Row-wise: each output row depends on the same input row only (parameters
+            // aside), so slicing rows before them equals slicing after.
+            Op::BiasAdd(_) | Op::AllGather(_) | Op::AllReduce(_) | Op::Activation(_) => {
+                stack.push(i.inputs[0])
+            }
+            // Anything else (attention, norms of a residual stream reused elsewhere, ...)
+            // would need its other inputs sliced too: leave this path at full rows.
+            _ => return Vec::new(),
+        }
+    }
+    heads
 }
 
 fn input_tensor<'v>(

@@ -55,6 +55,9 @@ pub struct RunOptions {
     pub threads_per_rank: usize,
     /// Time every op kind on rank 0.
     pub profile: bool,
+    /// Keep the logits of every prompt position (`--dump-logits`, parity checks); otherwise
+    /// the LM head runs on the last position only, the one generation needs.
+    pub all_prompt_logits: bool,
     pub progress: Option<Progress>,
 }
 
@@ -66,6 +69,7 @@ impl std::fmt::Debug for RunOptions {
             .field("sampling", &self.sampling)
             .field("eos", &self.eos)
             .field("threads_per_rank", &self.threads_per_rank)
+            .field("all_prompt_logits", &self.all_prompt_logits)
             .finish()
     }
 }
@@ -79,6 +83,7 @@ impl Default for RunOptions {
             eos: vec![],
             threads_per_rank: 0,
             profile: false,
+            all_prompt_logits: true,
             progress: None,
         }
     }
@@ -87,8 +92,10 @@ impl Default for RunOptions {
 #[derive(Debug, Clone)]
 pub struct RunOutput {
     pub generated: Vec<i64>,
-    /// Logits of the prompt, `[prompt_len, vocab]`, padding removed.
+    /// Logits of the prompt, `[prompt_len, vocab]` (`[1, vocab]`, the last position, unless
+    /// `all_prompt_logits`), padding removed.
     pub prompt_logits: Tensor,
+    pub prompt_len: usize,
     pub load_seconds: f64,
     pub prefill_seconds: f64,
     /// Wall time of the decode steps after the first new token.
@@ -99,7 +106,7 @@ pub struct RunOutput {
 
 impl RunOutput {
     pub fn prefill_tokens_per_s(&self) -> f64 {
-        self.prompt_logits.shape[0] as f64 / self.prefill_seconds.max(1e-12)
+        self.prompt_len as f64 / self.prefill_seconds.max(1e-12)
     }
     /// Tokens after the first new one, over their wall time.
     pub fn decode_tokens_per_s(&self) -> f64 {
@@ -181,7 +188,7 @@ fn generate_on<C: Communicator>(
     report(Stage::Loaded);
     let mut rng = Rng::new(opts.sampling.seed);
     let start = Instant::now();
-    let prompt_logits = exec.forward(prompt)?;
+    let prompt_logits = exec.forward_rows(prompt, !opts.all_prompt_logits)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     report(Stage::Prefilled);
     let (rows, vocab) = prompt_logits.rows_cols();
@@ -196,7 +203,7 @@ fn generate_on<C: Communicator>(
         if opts.eos.contains(&next) || generated.len() == opts.max_new_tokens {
             break;
         }
-        step_logits = exec.forward(&[next])?;
+        step_logits = exec.forward_rows(&[next], true)?;
         last = &step_logits.data;
     }
     let decode_seconds = decode.elapsed().as_secs_f64();
@@ -210,6 +217,7 @@ fn generate_on<C: Communicator>(
     Ok(RunOutput {
         generated,
         prompt_logits,
+        prompt_len: prompt.len(),
         load_seconds,
         prefill_seconds,
         decode_seconds,

@@ -2,11 +2,12 @@
 //! its only input; it never re-derives sharding.
 
 pub mod backend;
-pub mod bf16;
 pub mod comm;
 pub mod cpu;
 pub mod executor;
 pub mod generate;
+pub mod microkernel;
+pub mod packed;
 pub mod random;
 pub mod rope;
 pub mod sampling;

@@ -41,6 +41,13 @@ impl Tensor {
         Tensor::new(shape, data)
     }
 
+    /// The last row alone, as `[1, cols]`.
+    pub fn last_row(&self) -> Tensor {
+        let (rows, cols) = self.rows_cols();
+        let start = rows.saturating_sub(1) * cols;
+        Tensor::new(vec![1, cols], self.data[start..start + cols].to_vec())
+    }
+
     /// Column block `k` of `parts` equal blocks, every row, appended to `out`.
     pub fn push_column_block(&self, k: usize, parts: usize, out: &mut Vec<f32>) {
         let (rows, n) = self.rows_cols();
