@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use tpc::ir::WeightOrder;
 use tpc::runtime::cpu::gemm_f32;
 use tpc::runtime::packed::PackedMatrix;
+use tpc::runtime::team::Team;
 use tpc::runtime::tensor::Tensor;
 
 #[derive(Debug, clap::Args)]
@@ -77,6 +78,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .all(|&(n, k)| n >= 1 && k >= 1 && n * k <= 1 << 28),
         "--shapes must be positive and at most 2^28 elements"
     );
+    let team = Team::new(a.threads);
     let bw = read_bandwidth(a.threads, a.seconds);
     println!(
         "read bandwidth, {} thread(s): {:.1} GB/s; {} thread(s) per product, best of {:.1} s each",
@@ -107,10 +109,10 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             );
             let flops = 2.0 * (m * n * k) as f64;
             let t_bf16 = best(a.seconds, || {
-                std::hint::black_box(bf16.matmul(&x, a.threads));
+                std::hint::black_box(bf16.matmul(&x, &team));
             });
             let t_f32 = best(a.seconds, || {
-                std::hint::black_box(f32w.matmul(&x, a.threads));
+                std::hint::black_box(f32w.matmul(&x, &team));
             });
             let mut out = vec![0f32; m * n];
             let t_ref = best(a.seconds, || {

@@ -1,6 +1,7 @@
 //! The kernel set the executor calls. One CPU implementation today; a faster CPU kernel
 //! set and a CUDA backend slot in behind the same trait.
 
+use super::packed::PackedMatrix;
 use super::tensor::Tensor;
 use crate::ir::{ActivationKind, WeightOrder};
 
@@ -14,6 +15,8 @@ pub struct RopeTables {
 pub trait Backend: Send + Sync {
     /// `x [m, k] · W` where `W` is `[n, k]` (`OutIn`) or `[k, n]` (`InOut`) → `[m, n]`.
     fn linear(&self, x: &Tensor, w: &Tensor, order: WeightOrder) -> Tensor;
+    /// `x [m, k] · Wᵀ` for a weight packed at load time → `[m, n]`.
+    fn packed_linear(&self, x: &Tensor, w: &PackedMatrix) -> Tensor;
     /// RMSNorm over each `group` columns (the whole row when `group` = cols).
     fn rms_norm(&self, x: &Tensor, w: &[f32], group: usize, eps: f32) -> Tensor;
     fn layer_norm(&self, x: &Tensor, w: &[f32], b: &[f32], eps: f32) -> Tensor;

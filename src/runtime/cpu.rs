@@ -2,19 +2,26 @@
 //! loops with f64 where accumulated error would matter.
 
 use super::backend::{Backend, RopeTables};
+use super::fastmath;
+use super::packed::PackedMatrix;
+use super::simd::with_avx2;
+use super::team::Team;
 use super::tensor::Tensor;
 use crate::ir::{ActivationKind, WeightOrder};
 
-/// CPU kernels; `threads` is the intra-op parallelism of GEMMs (≈ cores / tp).
-#[derive(Debug, Clone)]
+/// CPU kernels; `threads` is the intra-op parallelism (≈ cores / tp), served by the rank's
+/// own team of compute threads.
+#[derive(Debug)]
 pub struct CpuBackend {
     pub threads: usize,
+    pub team: Team,
 }
 
 impl CpuBackend {
     pub fn new(threads: usize) -> CpuBackend {
         CpuBackend {
             threads: threads.max(1),
+            team: Team::new(threads),
         }
     }
 }
@@ -104,6 +111,10 @@ impl Backend for CpuBackend {
         out
     }
 
+    fn packed_linear(&self, x: &Tensor, w: &PackedMatrix) -> Tensor {
+        w.matmul(x, &self.team)
+    }
+
     fn rms_norm(&self, x: &Tensor, w: &[f32], group: usize, eps: f32) -> Tensor {
         let mut out = x.clone();
         for (chunk, o) in x.data.chunks(group).zip(out.data.chunks_mut(group)) {
@@ -131,8 +142,11 @@ impl Backend for CpuBackend {
     }
 
     fn activation(&self, x: &mut Tensor, kind: ActivationKind) {
+        if kind == ActivationKind::Silu {
+            return with_avx2(|| x.data.iter_mut().for_each(|v| *v = fastmath::silu(*v)));
+        }
         let f: fn(f32) -> f32 = match kind {
-            ActivationKind::Silu => |v| v / (1.0 + (-v).exp()),
+            ActivationKind::Silu => fastmath::silu,
             ActivationKind::Relu => |v| v.max(0.0),
             ActivationKind::Gelu => |v| {
                 let v = v as f64;
@@ -175,40 +189,7 @@ impl Backend for CpuBackend {
         kv_heads: usize,
         scale: f32,
     ) -> Tensor {
-        let (t, qcols) = q.rows_cols();
-        let heads = qcols / d;
-        let group = heads / kv_heads;
-        let kcols = kv_heads * d;
-        let n = k.len() / kcols;
-        let mut out = Tensor::zeros(q.shape.clone());
-        let mut scores = vec![0f32; n];
-        for i in 0..t {
-            let visible = n - t + i + 1; // causal: keys up to this query's position
-            for h in 0..heads {
-                let kh = h / group;
-                let qv = &q.data[i * qcols + h * d..i * qcols + (h + 1) * d];
-                let mut max = f32::NEG_INFINITY;
-                for (j, s) in scores[..visible].iter_mut().enumerate() {
-                    let kv = &k[j * kcols + kh * d..j * kcols + (kh + 1) * d];
-                    *s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0f32;
-                for s in &mut scores[..visible] {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out.data[i * qcols + h * d..i * qcols + (h + 1) * d];
-                for (j, &p) in scores[..visible].iter().enumerate() {
-                    let vv = &v[j * kcols + kh * d..j * kcols + (kh + 1) * d];
-                    let p = p / sum;
-                    for (o, &x) in o.iter_mut().zip(vv) {
-                        *o += p * x;
-                    }
-                }
-            }
-        }
-        out
+        super::attention::causal_attention(&self.team, q, k, v, d, kv_heads, scale)
     }
 }
 

@@ -27,7 +27,6 @@ pub struct RankExecutor<'a, B: Backend, C: Communicator> {
     params: HashMap<u32, Tensor>,
     /// Linear weights packed for the GEMM (bf16 or f32 by compute dtype), by value id.
     linears: HashMap<u32, PackedMatrix>,
-    threads: usize,
     /// Keys and values seen so far, per attention op.
     cache: HashMap<u32, (Vec<f32>, Vec<f32>)>,
     /// Tokens already in the cache.
@@ -55,7 +54,6 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
         backend: &'a B,
         comm: C,
         bf16_linears: bool,
-        threads: usize,
     ) -> Result<Self> {
         let slices: HashMap<&str, &crate::plan::WeightSlice> =
             program.weights.iter().map(|w| (&*w.tensor, w)).collect();
@@ -104,7 +102,6 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             tp,
             params,
             linears,
-            threads,
             cache: HashMap::new(),
             head_linears,
             last_only: false,
@@ -217,7 +214,7 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                             ),
                         ));
                     }
-                    w.matmul(x, self.threads)
+                    b.packed_linear(x, w)
                 }
                 None => {
                     let x = t(0)?;

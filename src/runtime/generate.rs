@@ -159,7 +159,7 @@ fn rank_main(
     let backend = CpuBackend::new(threads);
     let load = Instant::now();
     let bf16 = opts.dtype.bf16_linears(plan);
-    let mut exec = RankExecutor::new(&plan.ranks[rank], ckpt, &backend, comm, bf16, threads)?;
+    let mut exec = RankExecutor::new(&plan.ranks[rank], ckpt, &backend, comm, bf16)?;
     if opts.profile && rank == 0 {
         exec.profile = Some(Default::default());
     }

@@ -10,6 +10,7 @@
 //! the 6×16 micro-kernel against every activation panel of the block (which stays in L2).
 
 use super::microkernel::{widen, Kernels, MR, NR};
+use super::team::{SyncPtr, Team};
 use super::tensor::Tensor;
 use crate::ir::WeightOrder;
 use rayon::prelude::*;
@@ -34,13 +35,6 @@ pub struct PackedMatrix {
     pub k: usize,
     panels: Panels,
 }
-
-/// The output pointer shared by threads that write disjoint column ranges.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each thread writes only the columns of its own panels (see `matmul`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 impl PackedMatrix {
     /// Packs `w`, stored `[n, k]` (`OutIn`) or `[k, n]` (`InOut`), as bf16 (rounded to
@@ -75,12 +69,14 @@ impl PackedMatrix {
         let len = n.div_ceil(NR) * k * NR;
         let panels = if bf16 {
             let mut bits = vec![0u16; len];
+            super::hugepages::advise(&mut bits);
             fill(&mut bits, n, k, |j, p| {
                 half::bf16::from_f32(at(j, p)).to_bits()
             });
             Panels::Bf16(bits)
         } else {
             let mut vals = vec![0f32; len];
+            super::hugepages::advise(&mut vals);
             fill(&mut vals, n, k, at);
             Panels::F32(vals)
         };
@@ -108,13 +104,13 @@ impl PackedMatrix {
         self.n.div_ceil(NR)
     }
 
-    /// `x [.., k] · Wᵀ` → `[.., n]`, f32 accumulation, on up to `threads` threads.
-    pub fn matmul(&self, x: &Tensor, threads: usize) -> Tensor {
-        self.matmul_with(Kernels::detect(), x, threads)
+    /// `x [.., k] · Wᵀ` → `[.., n]`, f32 accumulation, on the members of `team`.
+    pub fn matmul(&self, x: &Tensor, team: &Team) -> Tensor {
+        self.matmul_with(Kernels::detect(), x, team)
     }
 
     /// As [`PackedMatrix::matmul`] with a given kernel set.
-    pub fn matmul_with(&self, kernels: Kernels, x: &Tensor, threads: usize) -> Tensor {
+    pub fn matmul_with(&self, kernels: Kernels, x: &Tensor, team: &Team) -> Tensor {
         let (m, k) = x.rows_cols();
         assert_eq!(
             k, self.k,
@@ -136,9 +132,9 @@ impl PackedMatrix {
         let threads = if self.n * k * m.min(8) < 1 << 16 {
             1
         } else {
-            threads.clamp(1, panels)
+            team.size().min(panels)
         };
-        let dst = OutPtr(out.data.as_mut_ptr());
+        let dst = SyncPtr(out.data.as_mut_ptr());
         let work = |t: usize| {
             let range = t * panels / threads..(t + 1) * panels / threads;
             if m > GEMV_MAX_ROWS {
@@ -150,7 +146,11 @@ impl PackedMatrix {
         if threads == 1 {
             work(0);
         } else {
-            (0..threads).into_par_iter().for_each(work);
+            team.run(&|member| {
+                if member < threads {
+                    work(member)
+                }
+            });
         }
         PACKED_ROWS.set(packed_x);
         out
@@ -163,7 +163,7 @@ impl PackedMatrix {
         x: &[f32],
         m: usize,
         range: std::ops::Range<usize>,
-        dst: OutPtr,
+        dst: SyncPtr,
     ) {
         let k = self.k;
         for q in range {
@@ -211,7 +211,7 @@ impl PackedMatrix {
         a: &[f32],
         m: usize,
         range: std::ops::Range<usize>,
-        dst: OutPtr,
+        dst: SyncPtr,
     ) {
         let (n, k) = (self.n, self.k);
         let m_panels = m.div_ceil(MR);
@@ -333,7 +333,7 @@ mod tests {
         let want = reference(&x, &packed);
         for kernels in [Kernels::detect(), Kernels::portable()] {
             for threads in [1, 2, 3] {
-                let got = packed.matmul_with(kernels, &x, threads);
+                let got = packed.matmul_with(kernels, &x, &Team::new(threads));
                 assert_eq!(got.shape, vec![m, packed.n]);
                 for (i, (a, b)) in got.data.iter().zip(&want).enumerate() {
                     assert!(
