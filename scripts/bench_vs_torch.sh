@@ -18,8 +18,8 @@
 #  4. ROUNDS rounds, each running every engine once, alternating: torch bf16, torch f32, then
 #     `tpc run --tp T` for T in TPS (and, when `tpc run` has --dtype, for each of TPC_DTYPES).
 #     Torch (scripts/bench_torch.py): THREADS threads, sdpa attention, one warm-up generation
-#     then the best of REPS, loading not timed. tpc: one generation per process, as
-#     `tpc run --json` reports it (loading not timed, no warm-up), THREADS/T GEMM threads per
+#     then the best of REPS, loading not timed. tpc: the same, as `tpc run --warmup 1
+#     --repeat REPS --json` reports it (loading not timed), THREADS/T compute threads per
 #     rank. Every run is under `timeout` (TORCH_TIMEOUT, TPC_TIMEOUT seconds): a run that fails,
 #     runs out of memory or times out is recorded in the table, not fatal;
 #  5. a table: best over rounds of prefill and decode tokens/s per engine and config, the ratio
@@ -200,7 +200,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
             if [ "$dt" = default ]; then flag=(); label="tpc tp$tp"; else flag=(--dtype "$dt"); label="tpc $dt tp$tp"; fi
             run_one "$label" "$r" "$TPC_TIMEOUT" \
                 "$BIN" run "$MODEL" --tp "$tp" --threads-per-rank "$tpr" "${flag[@]}" \
-                --prompt-ids "$IDS" --max-new-tokens "$NEW_TOKENS" --json
+                --prompt-ids "$IDS" --max-new-tokens "$NEW_TOKENS" --warmup 1 --repeat "$REPS" --json
         done
     done
 done

@@ -118,6 +118,23 @@ fn the_last_position_alone_gives_the_same_logits_and_tokens() {
 }
 
 #[test]
+fn repeated_generations_in_one_run_match_a_single_one() {
+    // --warmup / --repeat reset the KV cache between generations.
+    let dir = Path::new("tests/fixtures/checkpoints/llama-gqa");
+    let plan = compile(&load_model(dir).unwrap(), 2).unwrap().plan;
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let once = run(&plan, &ckpt, &[3, 71, 249, 130], &RunOptions::default()).unwrap();
+    let opts = RunOptions {
+        warmup: 1,
+        repeat: 3,
+        ..Default::default()
+    };
+    let many = run(&plan, &ckpt, &[3, 71, 249, 130], &opts).unwrap();
+    assert_eq!(once.generated, many.generated);
+    assert_eq!(once.prompt_logits, many.prompt_logits);
+}
+
+#[test]
 fn a_rank_failing_mid_run_stops_every_rank_with_its_error() {
     let def = load_model(Path::new("models/tiny-llama.ron")).unwrap();
     let mut plan = compile(&def, 4).unwrap().plan;

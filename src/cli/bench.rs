@@ -29,6 +29,12 @@ pub struct Args {
     /// Print where rank 0's time goes, per op kind, on stderr.
     #[arg(long)]
     profile: bool,
+    /// Untimed generations first (loading is never timed).
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Timed generations; the best prefill and decode are reported.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    repeat: u64,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -53,6 +59,8 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         max_new_tokens: a.max_new_tokens,
         threads_per_rank: a.threads_per_rank,
         profile: a.profile,
+        warmup: a.warmup,
+        repeat: a.repeat as usize,
         all_prompt_logits: false,
         ..Default::default()
     };
@@ -67,6 +75,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "prompt_tokens": prompt.len(),
         "generated": out.generated.len(),
         "load_seconds": out.load_seconds,
+        "stat": format!("best of {} after {} warm-up", a.repeat, a.warmup),
         "prefill_tokens_per_s": out.prefill_tokens_per_s(),
         "decode_tokens_per_s": out.decode_tokens_per_s(),
     });

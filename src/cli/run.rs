@@ -55,6 +55,12 @@ pub struct Args {
     /// Print where rank 0's time goes, per op kind, on stderr.
     #[arg(long)]
     profile: bool,
+    /// Untimed generations first (loading is never timed).
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Timed generations; the best prefill and decode are reported.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    repeat: u64,
 }
 
 /// End-of-sequence ids from the model's config.json (an id or a list).
@@ -133,6 +139,8 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         eos: eos_ids(&a.model),
         threads_per_rank: a.threads_per_rank,
         profile: a.profile,
+        warmup: a.warmup,
+        repeat: a.repeat as usize,
         all_prompt_logits: a.dump_logits.is_some(),
         progress: Some(Arc::new(move |stage| match stage {
             Stage::Loaded => progress_bar.set_message("prefill"),
@@ -169,6 +177,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             "prompt_tokens": prompt_ids.len(),
             "tp": a.tp,
             "load_seconds": out.load_seconds,
+            "stat": format!("best of {} after {} warm-up", a.repeat, a.warmup),
             "prefill_seconds": out.prefill_seconds,
             "decode_seconds": out.decode_seconds,
             "prefill_tokens_per_s": out.prefill_tokens_per_s(),

@@ -110,6 +110,15 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
         })
     }
 
+    /// Forgets every cached token (keeping the cache's memory) to start a new sequence.
+    pub fn reset(&mut self) {
+        for (k, v) in self.cache.values_mut() {
+            k.clear();
+            v.clear();
+        }
+        self.position = 0;
+    }
+
     /// Runs the program on `ids` (continuing after the tokens already cached) and returns
     /// the model output (logits `[ids.len(), vocab]`).
     pub fn forward(&mut self, ids: &[i64]) -> Result<Tensor> {
