@@ -7,7 +7,7 @@
 use super::fastmath::exp;
 use super::simd::with_avx2;
 use super::team::{SyncPtr, Team};
-use super::tensor::Tensor;
+use super::tensor::{pool, Tensor};
 
 /// Keys or output columns summed in registers at once (four 8-wide vectors).
 const LANES: usize = 32;
@@ -42,7 +42,7 @@ pub fn causal_attention(
     let dst = SyncPtr(out.data.as_mut_ptr());
     // Transposed keys, each row padded with zeros to whole blocks of LANES keys.
     let np = n.next_multiple_of(LANES);
-    let mut kt = vec![0f32; kcols * np];
+    let mut kt = pool::take(kcols * np);
     for j in 0..n {
         for (c, &x) in k[j * kcols..(j + 1) * kcols].iter().enumerate() {
             kt[c * np + j] = x;
@@ -50,7 +50,7 @@ pub fn causal_attention(
     }
     let work = |member: usize| {
         with_avx2(|| {
-            let mut scores = vec![0f32; np];
+            let mut scores = pool::take(np);
             // Strided items: causal rows grow with i, so striding balances the members.
             for w in (member..items).step_by(members) {
                 let (i, h) = (w / heads, w % heads);
@@ -110,6 +110,7 @@ pub fn causal_attention(
                 let inv = 1.0 / sum;
                 o.iter_mut().for_each(|x| *x *= inv);
             }
+            pool::give(scores);
         })
     };
     if members == 1 {
@@ -121,6 +122,7 @@ pub fn causal_attention(
             }
         });
     }
+    pool::give(kt);
     out
 }
 

@@ -116,7 +116,7 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &Tensor, w: &[f32], group: usize, eps: f32) -> Tensor {
-        let mut out = x.clone();
+        let mut out = x.pooled_copy();
         for (chunk, o) in x.data.chunks(group).zip(out.data.chunks_mut(group)) {
             let ms = chunk.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / group as f64;
             let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
@@ -129,7 +129,7 @@ impl Backend for CpuBackend {
 
     fn layer_norm(&self, x: &Tensor, w: &[f32], b: &[f32], eps: f32) -> Tensor {
         let cols = x.cols();
-        let mut out = x.clone();
+        let mut out = x.pooled_copy();
         for (row, o) in x.data.chunks(cols).zip(out.data.chunks_mut(cols)) {
             let mean = row.iter().map(|&v| v as f64).sum::<f64>() / cols as f64;
             let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / cols as f64;

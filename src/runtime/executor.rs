@@ -5,7 +5,7 @@ use super::backend::Backend;
 use super::comm::Communicator;
 use super::packed::PackedMatrix;
 use super::rope;
-use super::tensor::Tensor;
+use super::tensor::{pool, Tensor};
 use super::weights::{load_slice, WeightSource};
 use crate::error::{Result, TpcError};
 use crate::ir::{Groups, InputKind, Op, RopeOp, WeightOrder};
@@ -35,6 +35,11 @@ pub struct RankExecutor<'a, B: Backend, C: Communicator> {
     /// them and it, so they may run on the last row alone.
     head_linears: Vec<u32>,
     last_only: bool,
+    /// Per value id, the index of the last instruction that reads it (`usize::MAX`: none):
+    /// a value is released there, and an elementwise op that is its last reader works in
+    /// place on it instead of on a copy.
+    last_use: Vec<usize>,
+    values: Vec<Option<Value>>,
     /// Time and calls per op kind, when profiling.
     pub profile: Option<HashMap<&'static str, (std::time::Duration, u64)>>,
 }
@@ -95,6 +100,15 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
         }
         let tp = comm.world_size();
         let head_linears = head_linears(program);
+        let max_id = program.instrs.iter().map(|i| i.id).max().unwrap_or(0) as usize;
+        let mut last_use = vec![usize::MAX; max_id + 1];
+        for (idx, i) in program.instrs.iter().enumerate() {
+            for &id in &i.inputs {
+                if let Some(l) = last_use.get_mut(id as usize) {
+                    *l = idx;
+                }
+            }
+        }
         Ok(RankExecutor {
             program,
             backend,
@@ -105,9 +119,32 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             cache: HashMap::new(),
             head_linears,
             last_only: false,
+            last_use,
+            values: Vec::new(),
             profile: None,
             position: 0,
         })
+    }
+
+    /// Reserves KV-cache room for `positions` tokens so that decoding never grows it.
+    pub fn reserve_positions(&mut self, positions: usize) {
+        for i in &self.program.instrs {
+            if let (Op::Attention(_), Some(&k)) = (&i.op, i.inputs.get(1)) {
+                let Some(width) = self
+                    .program
+                    .instrs
+                    .iter()
+                    .find(|x| x.id == k)
+                    .map(|x| x.fact.shape.fixed_elements())
+                else {
+                    continue;
+                };
+                let (kc, vc) = self.cache.entry(i.id).or_default();
+                let want = positions * width as usize;
+                kc.reserve(want.saturating_sub(kc.len()));
+                vc.reserve(want.saturating_sub(vc.len()));
+            }
+        }
     }
 
     /// Forgets every cached token (keeping the cache's memory) to start a new sequence.
@@ -131,11 +168,12 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
         self.last_only = last_only;
         let start = self.position;
         let positions: Vec<i64> = (start..start + ids.len()).map(|p| p as i64).collect();
-        let max_id = self.program.instrs.iter().map(|i| i.id).max().unwrap_or(0) as usize;
-        let mut values: Vec<Option<Value>> = (0..=max_id).map(|_| None).collect();
+        // The value table is kept between calls (its slots are all empty in between).
+        let mut values = std::mem::take(&mut self.values);
+        values.resize_with(self.last_use.len(), || None);
         let mut ropes: HashMap<RopeOp, super::backend::RopeTables> = HashMap::new();
         let mut output = None;
-        for i in &self.program.instrs {
+        for (idx, i) in self.program.instrs.iter().enumerate() {
             let value = match &i.op {
                 Op::Param(_) => continue,
                 Op::Input(inp) => Value::Ids(match inp.kind {
@@ -143,12 +181,12 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                     InputKind::Positions => positions.clone(),
                 }),
                 Op::Output(_) => {
-                    output = Some(input_tensor(&self.params, &values, i, 0)?.clone());
+                    output = Some(self.take_or_copy(&mut values, idx, i)?);
                     continue;
                 }
                 op => {
                     let started = self.profile.is_some().then(std::time::Instant::now);
-                    let v = self.run(op, i, &values, &positions, &mut ropes)?;
+                    let v = self.run(op, idx, i, &mut values, &positions, &mut ropes)?;
                     if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
                         let e = p.entry(op.kind()).or_default();
                         e.0 += t.elapsed();
@@ -158,7 +196,21 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                 }
             };
             values[i.id as usize] = Some(value);
+            // Inputs read for the last time go back to the pool.
+            for &id in &i.inputs {
+                if self.last_use.get(id as usize) == Some(&idx) {
+                    if let Some(Some(Value::F(t))) = values.get_mut(id as usize).map(Option::take) {
+                        t.release();
+                    }
+                }
+            }
         }
+        for v in values.iter_mut().filter_map(Option::take) {
+            if let Value::F(t) = v {
+                t.release();
+            }
+        }
+        self.values = values;
         self.position += ids.len();
         output.ok_or_else(|| TpcError::BadInstruction {
             name: "program".into(),
@@ -174,14 +226,56 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
         }
     }
 
+    /// Input 0 of instruction `idx` as an owned tensor: the value itself when this is its
+    /// last reader (and it is not read twice here), else a pooled copy.
+    fn take_or_copy(&self, values: &mut [Option<Value>], idx: usize, i: &Instr) -> Result<Tensor> {
+        let id = *i
+            .inputs
+            .first()
+            .ok_or_else(|| bad(i, "input 0 is missing"))?;
+        let last = self.last_use.get(id as usize) == Some(&idx)
+            && i.inputs.iter().filter(|&&x| x == id).count() == 1
+            && !self.params.contains_key(&id);
+        if last {
+            if let Some(slot) = values.get_mut(id as usize) {
+                if let Some(Value::F(t)) = slot.take() {
+                    return Ok(t);
+                }
+            }
+        }
+        Ok(input_tensor(&self.params, values, i, 0)?.pooled_copy())
+    }
+
     fn run(
         &mut self,
         op: &Op,
+        idx: usize,
         i: &Instr,
-        values: &[Option<Value>],
+        values: &mut [Option<Value>],
         positions: &[i64],
         ropes: &mut HashMap<RopeOp, super::backend::RopeTables>,
     ) -> Result<Tensor> {
+        // Elementwise ops write into their first input when nothing reads it later.
+        let in_place = matches!(
+            op,
+            Op::BiasAdd(_)
+                | Op::Add(_)
+                | Op::Mul(_)
+                | Op::Activation(_)
+                | Op::Rope(_)
+                | Op::AllReduce(_)
+        );
+        let mut first = if in_place {
+            Some(self.take_or_copy(values, idx, i)?)
+        } else {
+            None
+        };
+        let mut owned = || {
+            first
+                .take()
+                .ok_or_else(|| bad(i, "input 0 was already used"))
+        };
+        let values: &[Option<Value>] = values;
         let b = self.backend;
         let params = &self.params;
         let t = |slot| input_tensor(params, values, i, slot);
@@ -205,15 +299,15 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                 }
                 out
             }
-            Op::Linear(l) => match self.linears.get(&i.inputs[1]) {
-                Some(w) => {
-                    let last;
-                    let mut x = t(0)?;
-                    if self.last_only && self.head_linears.contains(&i.id) {
-                        last = x.last_row();
-                        x = &last;
-                    }
-                    if x.cols() != w.k {
+            Op::Linear(l) => {
+                let x = t(0)?;
+                // The LM head of a generation step needs the last row only.
+                let last =
+                    (self.last_only && x.rows_cols().0 > 1 && self.head_linears.contains(&i.id))
+                        .then(|| x.last_row());
+                let x = last.as_ref().unwrap_or(x);
+                let y = match self.linears.get(&i.inputs[1]) {
+                    Some(w) if x.cols() != w.k => {
                         return Err(bad(
                             i,
                             format!(
@@ -221,22 +315,18 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                                 x.cols(),
                                 w.k
                             ),
-                        ));
+                        ))
                     }
-                    b.packed_linear(x, w)
+                    Some(w) => b.packed_linear(x, w),
+                    None => b.linear(x, t(1)?, l.weight_order),
+                };
+                if let Some(last) = last {
+                    last.release();
                 }
-                None => {
-                    let x = t(0)?;
-                    if self.last_only && self.head_linears.contains(&i.id) {
-                        b.linear(&x.last_row(), t(1)?, l.weight_order)
-                    } else {
-                        b.linear(x, t(1)?, l.weight_order)
-                    }
-                }
-            },
+                y
+            }
             Op::BiasAdd(_) => {
-                let (x, bias) = (t(0)?, t(1)?);
-                let mut out = x.clone();
+                let (mut out, bias) = (owned()?, t(1)?);
                 let n = bias.data.len();
                 for row in out.data.chunks_mut(n) {
                     row.iter_mut().zip(&bias.data).for_each(|(o, b)| *o += b);
@@ -244,14 +334,17 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                 out
             }
             Op::Add(_) | Op::Mul(_) => {
-                let (x, y) = (t(0)?, t(1)?);
-                if x.data.len() != y.data.len() {
+                let (mut out, y) = (owned()?, t(1)?);
+                if out.data.len() != y.data.len() {
                     return Err(bad(
                         i,
-                        format!("operands of {} and {} elements", x.data.len(), y.data.len()),
+                        format!(
+                            "operands of {} and {} elements",
+                            out.data.len(),
+                            y.data.len()
+                        ),
                     ));
                 }
-                let mut out = x.clone();
                 let add = matches!(op, Op::Add(_));
                 for (o, v) in out.data.iter_mut().zip(&y.data) {
                     if add {
@@ -263,7 +356,7 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                 out
             }
             Op::Activation(a) => {
-                let mut out = t(0)?.clone();
+                let mut out = owned()?;
                 b.activation(&mut out, a.kind);
                 out
             }
@@ -274,7 +367,7 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             }
             Op::LayerNorm(n) => b.layer_norm(t(0)?, &t(1)?.data, &t(2)?.data, n.eps.0 as f32),
             Op::Rope(r) => {
-                let mut out = t(0)?.clone();
+                let mut out = owned()?;
                 let tables = ropes
                     .entry(r.clone())
                     .or_insert_with(|| rope::tables(r, positions));
@@ -298,18 +391,18 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
             Op::Unfuse(u) => unfuse(t(0)?, &u.groups, u.part as usize)
                 .ok_or_else(|| bad(i, "its structure does not fit its input"))?,
             Op::AllReduce(_) => {
-                let mut out = t(0)?.clone();
+                let mut out = owned()?;
                 self.comm.all_reduce_sum(&mut out.data)?;
                 out
             }
             Op::AllGather(g) => {
-                let x = t(0)?.clone();
+                let x = t(0)?;
                 let (rows, n) = x.rows_cols();
-                let mut gathered = vec![0f32; x.data.len() * self.tp];
+                let mut gathered = pool::take(x.data.len() * self.tp);
                 self.comm.all_gather(&x.data, &mut gathered)?;
                 // Rank-major pieces [tp][rows][n] → [rows][tp·n], then drop vocab padding.
                 let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
-                let mut out = Vec::with_capacity(rows * keep);
+                let mut out = pool::empty(rows * keep);
                 for r in 0..rows {
                     let row_start = out.len();
                     for k in 0..self.tp {
@@ -319,22 +412,24 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                     }
                     out.truncate(row_start + keep);
                 }
+                pool::give(gathered);
                 x.with_cols(keep, out)
             }
             Op::ReduceScatter(_) => {
                 // Rank-major pieces for the communicator: [tp][rows][n / tp].
                 let x = t(0)?;
-                let mut arranged = Vec::with_capacity(x.data.len());
+                let mut arranged = pool::empty(x.data.len());
                 for k in 0..self.tp {
                     x.push_column_block(k, self.tp, &mut arranged);
                 }
-                let mut out = vec![0f32; x.data.len() / self.tp];
+                let mut out = pool::take(x.data.len() / self.tp);
                 self.comm.reduce_scatter_sum(&arranged, &mut out)?;
+                pool::give(arranged);
                 x.with_cols(x.cols() / self.tp, out)
             }
             Op::LocalSlice(_) => {
                 let x = t(0)?;
-                let mut out = Vec::with_capacity(x.data.len() / self.tp);
+                let mut out = pool::empty(x.data.len() / self.tp);
                 x.push_column_block(self.comm.rank(), self.tp, &mut out);
                 x.with_cols(x.cols() / self.tp, out)
             }
@@ -417,7 +512,7 @@ fn unfuse(x: &Tensor, groups: &Groups, part: usize) -> Option<Tensor> {
     if offset + len > block || n % block != 0 {
         return None;
     }
-    let mut out = Vec::with_capacity(rows * n / block * len);
+    let mut out = pool::empty(rows * n / block * len);
     for chunk in x.data.chunks(block) {
         out.extend_from_slice(&chunk[offset..offset + len]);
     }

@@ -204,6 +204,7 @@ fn generate_on<C: Communicator>(
             }
         }
         exec.reset();
+        exec.reserve_positions(prompt.len() + opts.max_new_tokens);
         let out = generate_once(exec, prompt, opts, report)?;
         if run < opts.warmup {
             continue;
@@ -256,7 +257,7 @@ fn generate_once<C: Communicator>(
     let (rows, vocab) = prompt_logits.rows_cols();
     let mut generated = Vec::new();
     let mut last = &prompt_logits.data[(rows - 1) * vocab..rows * vocab];
-    let mut step_logits;
+    let mut step_logits: Option<Tensor> = None;
     let decode = Instant::now();
     while generated.len() < opts.max_new_tokens {
         let next = pick(last, &opts.sampling, &mut rng) as i64;
@@ -265,8 +266,11 @@ fn generate_once<C: Communicator>(
         if opts.eos.contains(&next) || generated.len() == opts.max_new_tokens {
             break;
         }
-        step_logits = exec.forward_rows(&[next], true)?;
-        last = &step_logits.data;
+        // The previous step's logits go back to the pool for this step's to reuse.
+        if let Some(old) = step_logits.take() {
+            old.release();
+        }
+        last = &step_logits.insert(exec.forward_rows(&[next], true)?).data;
     }
     let decode_seconds = decode.elapsed().as_secs_f64();
     Ok(RunOutput {
