@@ -315,8 +315,8 @@ for b in bws:
           f"mean {x['mean_gb_per_s']:.2f} GB/s  [{x['method']}]")
 print(f"decode bound = {bw:.2f} GB/s / weight bytes per token: bf16 {2 * per_token / 1e9:.2f} GB -> {bound['bf16']:.2f} tok/s, "
       f"f32 {4 * per_token / 1e9:.2f} GB -> {bound['f32']:.2f} tok/s")
-print(f"best of {meta.get('rounds')} rounds per row; torch rows: best of {meta.get('reps')} reps after a warm-up within each round; "
-      f"tpc rows: one generation per process (no warm-up)")
+print(f"best of {meta.get('rounds')} rounds per row; every row: best of {meta.get('reps')} generations after a warm-up "
+      f"within each round (loading not timed)")
 print()
 hdr = ("engine / config", "prefill tok/s", "x torch", "decode tok/s", "x torch", "% bound", "load s", "greedy tokens")
 rows = []

@@ -29,6 +29,9 @@ pub struct Args {
     /// Print where rank 0's time goes, per op kind, on stderr.
     #[arg(long)]
     profile: bool,
+    /// Pin compute threads to cores round robin (measured here: no gain beyond the noise).
+    #[arg(long)]
+    pin: bool,
     /// Untimed generations first (loading is never timed).
     #[arg(long, default_value_t = 0)]
     warmup: usize,
@@ -59,6 +62,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         max_new_tokens: a.max_new_tokens,
         threads_per_rank: a.threads_per_rank,
         profile: a.profile,
+        pin_threads: a.pin,
         warmup: a.warmup,
         repeat: a.repeat as usize,
         all_prompt_logits: false,

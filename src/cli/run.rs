@@ -55,6 +55,9 @@ pub struct Args {
     /// Print where rank 0's time goes, per op kind, on stderr.
     #[arg(long)]
     profile: bool,
+    /// Pin compute threads to cores round robin (measured here: no gain beyond the noise).
+    #[arg(long)]
+    pin: bool,
     /// Untimed generations first (loading is never timed).
     #[arg(long, default_value_t = 0)]
     warmup: usize,
@@ -139,6 +142,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         eos: eos_ids(&a.model),
         threads_per_rank: a.threads_per_rank,
         profile: a.profile,
+        pin_threads: a.pin,
         warmup: a.warmup,
         repeat: a.repeat as usize,
         all_prompt_logits: a.dump_logits.is_some(),

@@ -11,6 +11,26 @@ use super::tensor::{pool, Tensor};
 
 /// Keys or output columns summed in registers at once (four 8-wide vectors).
 const LANES: usize = 32;
+/// Query rows up to which keys are read in place rather than transposed first.
+const DIRECT_MAX_ROWS: usize = 4;
+
+/// Dot product with eight partial sums, so that it vectorises.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
+}
 
 /// `q [t, hq·d]` over `k, v [n, hk·d]`; query row `i` sits at position `n - t + i` and sees
 /// keys `0..=n - t + i`. Query head `h` reads key/value head `h / (hq / hk)`.
@@ -40,12 +60,16 @@ pub fn causal_attention(
         team.size()
     };
     let dst = SyncPtr(out.data.as_mut_ptr());
-    // Transposed keys, each row padded with zeros to whole blocks of LANES keys.
+    // Transposed keys, each row padded with zeros to whole blocks of LANES keys, pay off
+    // when many queries read them; a decode step's few queries read the cache as it is.
+    let transpose = t > DIRECT_MAX_ROWS;
     let np = n.next_multiple_of(LANES);
-    let mut kt = pool::take(kcols * np);
-    for j in 0..n {
-        for (c, &x) in k[j * kcols..(j + 1) * kcols].iter().enumerate() {
-            kt[c * np + j] = x;
+    let mut kt = pool::take(if transpose { kcols * np } else { 0 });
+    if transpose {
+        for j in 0..n {
+            for (c, &x) in k[j * kcols..(j + 1) * kcols].iter().enumerate() {
+                kt[c * np + j] = x;
+            }
         }
     }
     let work = |member: usize| {
@@ -57,12 +81,19 @@ pub fn causal_attention(
                 let visible = n - t + i + 1;
                 let kh = h / group;
                 let qv = &q.data[i * qcols + h * d..][..d];
+                if !transpose {
+                    for (j, s) in scores[..visible].iter_mut().enumerate() {
+                        *s = dot(qv, &k[j * kcols + kh * d..][..d]) * scale;
+                    }
+                }
                 // Scores LANES keys at a time (fixed-size, so the sums stay in registers
                 // across all d), padding keys included and then ignored.
-                for (jb, block) in scores[..visible.next_multiple_of(LANES)]
-                    .chunks_exact_mut(LANES)
-                    .enumerate()
-                {
+                let blocks = if transpose {
+                    visible.next_multiple_of(LANES)
+                } else {
+                    0
+                };
+                for (jb, block) in scores[..blocks].chunks_exact_mut(LANES).enumerate() {
                     let mut acc = [0f32; LANES];
                     for (c, &qc) in qv.iter().enumerate() {
                         let keys: &[f32; LANES] = kt[(kh * d + c) * np + jb * LANES..][..LANES]
@@ -180,6 +211,7 @@ mod tests {
             (1, 1, 4, 2, 1),
             (7, 7, 16, 4, 2),
             (1, 40, 64, 8, 2),
+            (3, 50, 64, 4, 2),
             (5, 33, 12, 6, 3),
             (64, 64, 64, 4, 4),
         ] {

@@ -12,6 +12,13 @@ pub struct RopeTables {
     pub sin: Vec<f32>,
 }
 
+/// Elementwise operations of two equal-length tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BinaryOp {
+    Add,
+    Mul,
+}
+
 pub trait Backend: Send + Sync {
     /// `x [m, k] · W` where `W` is `[n, k]` (`OutIn`) or `[k, n]` (`InOut`) → `[m, n]`.
     fn linear(&self, x: &Tensor, w: &Tensor, order: WeightOrder) -> Tensor;
@@ -19,6 +26,8 @@ pub trait Backend: Send + Sync {
     fn packed_linear(&self, x: &Tensor, w: &PackedMatrix) -> Tensor;
     /// RMSNorm over each `group` columns (the whole row when `group` = cols).
     fn rms_norm(&self, x: &Tensor, w: &[f32], group: usize, eps: f32) -> Tensor;
+    /// `x ⊙= y` elementwise (same length), in place.
+    fn binary(&self, x: &mut Tensor, y: &Tensor, op: BinaryOp);
     fn layer_norm(&self, x: &Tensor, w: &[f32], b: &[f32], eps: f32) -> Tensor;
     fn activation(&self, x: &mut Tensor, kind: ActivationKind);
     /// Rotate-half rotary embedding on the first `2·half` of each `head_dim` block, in place.

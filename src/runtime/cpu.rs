@@ -1,13 +1,18 @@
-//! The CPU kernel set: GEMM through the `gemm` crate, everything else straightforward f32
-//! loops with f64 where accumulated error would matter.
+//! The CPU kernel set: packed linears (`packed.rs`) and attention (`attention.rs`) on the
+//! rank's team, norms and activations as f32 loops (f64 where accumulated error would
+//! matter), and the `gemm` crate for a linear weight that was not packed.
 
-use super::backend::{Backend, RopeTables};
+use super::backend::{Backend, BinaryOp, RopeTables};
 use super::fastmath;
 use super::packed::PackedMatrix;
 use super::simd::with_avx2;
 use super::team::Team;
 use super::tensor::Tensor;
 use crate::ir::{ActivationKind, WeightOrder};
+
+/// Elementwise work at least this long (elements) is split over the team: a prompt's
+/// activations are, a decode step's are not (waking a helper would cost more than it saves).
+const PARALLEL_MIN: usize = 1 << 15;
 
 /// CPU kernels; `threads` is the intra-op parallelism (≈ cores / tp), served by the rank's
 /// own team of compute threads.
@@ -19,9 +24,15 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new(threads: usize) -> CpuBackend {
+        CpuBackend::pinned(threads, &[])
+    }
+
+    /// With member `m` of the team pinned to `cores[m]` (member 0 is the caller's thread,
+    /// which pins itself).
+    pub fn pinned(threads: usize, cores: &[Option<usize>]) -> CpuBackend {
         CpuBackend {
             threads: threads.max(1),
-            team: Team::new(threads),
+            team: Team::pinned(threads, cores),
         }
     }
 }
@@ -117,14 +128,29 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &Tensor, w: &[f32], group: usize, eps: f32) -> Tensor {
         let mut out = x.pooled_copy();
-        for (chunk, o) in x.data.chunks(group).zip(out.data.chunks_mut(group)) {
-            let ms = chunk.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / group as f64;
-            let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
-            for ((o, &v), &g) in o.iter_mut().zip(chunk).zip(w) {
-                *o = g * (v * inv);
-            }
-        }
+        let group = group.max(1);
+        self.team
+            .for_each_part(&mut out.data, group, PARALLEL_MIN, &|part, _| {
+                for o in part.chunks_mut(group) {
+                    let ms = o.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / group as f64;
+                    let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+                    for (o, &g) in o.iter_mut().zip(w) {
+                        *o = g * (*o * inv);
+                    }
+                }
+            });
         out
+    }
+
+    fn binary(&self, x: &mut Tensor, y: &Tensor, op: BinaryOp) {
+        self.team
+            .for_each_part(&mut x.data, 1, PARALLEL_MIN, &|part, offset| {
+                let y = &y.data[offset..offset + part.len()];
+                with_avx2(|| match op {
+                    BinaryOp::Add => part.iter_mut().zip(y).for_each(|(o, v)| *o += v),
+                    BinaryOp::Mul => part.iter_mut().zip(y).for_each(|(o, v)| *o *= v),
+                })
+            });
     }
 
     fn layer_norm(&self, x: &Tensor, w: &[f32], b: &[f32], eps: f32) -> Tensor {
@@ -143,7 +169,11 @@ impl Backend for CpuBackend {
 
     fn activation(&self, x: &mut Tensor, kind: ActivationKind) {
         if kind == ActivationKind::Silu {
-            return with_avx2(|| x.data.iter_mut().for_each(|v| *v = fastmath::silu(*v)));
+            return self
+                .team
+                .for_each_part(&mut x.data, 1, PARALLEL_MIN, &|part, _| {
+                    with_avx2(|| part.iter_mut().for_each(|v| *v = fastmath::silu(*v)))
+                });
         }
         let f: fn(f32) -> f32 = match kind {
             ActivationKind::Silu => fastmath::silu,
@@ -158,9 +188,10 @@ impl Backend for CpuBackend {
                 (0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh())) as f32
             },
         };
-        for v in &mut x.data {
-            *v = f(*v);
-        }
+        self.team
+            .for_each_part(&mut x.data, 1, PARALLEL_MIN, &|part, _| {
+                part.iter_mut().for_each(|v| *v = f(*v))
+            });
     }
 
     fn rope(&self, x: &mut Tensor, head_dim: usize, t: &RopeTables) {

@@ -1,7 +1,7 @@
 //! One rank's executor: runs its program op by op on a backend, talking to the other
 //! ranks only through its communicator, with a KV cache per attention op.
 
-use super::backend::Backend;
+use super::backend::{Backend, BinaryOp};
 use super::comm::Communicator;
 use super::packed::PackedMatrix;
 use super::rope;
@@ -345,14 +345,12 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                         ),
                     ));
                 }
-                let add = matches!(op, Op::Add(_));
-                for (o, v) in out.data.iter_mut().zip(&y.data) {
-                    if add {
-                        *o += v
-                    } else {
-                        *o *= v
-                    }
-                }
+                let kind = if matches!(op, Op::Add(_)) {
+                    BinaryOp::Add
+                } else {
+                    BinaryOp::Mul
+                };
+                b.binary(&mut out, y, kind);
                 out
             }
             Op::Activation(a) => {

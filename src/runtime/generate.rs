@@ -58,6 +58,9 @@ pub struct RunOptions {
     /// Keep the logits of every prompt position (`--dump-logits`, parity checks); otherwise
     /// the LM head runs on the last position only, the one generation needs.
     pub all_prompt_logits: bool,
+    /// Pin every rank's compute threads to cores, round robin (`affinity.rs`; `--pin`).
+    /// Off by default: on this project's 2-vCPU machine it measured no gain beyond noise.
+    pub pin_threads: bool,
     /// Untimed generations before the timed ones (same prompt, cache reset each time).
     pub warmup: usize,
     /// Timed generations (at least 1); the best prefill and decode times are reported.
@@ -74,6 +77,7 @@ impl std::fmt::Debug for RunOptions {
             .field("eos", &self.eos)
             .field("threads_per_rank", &self.threads_per_rank)
             .field("all_prompt_logits", &self.all_prompt_logits)
+            .field("pin_threads", &self.pin_threads)
             .field("warmup", &self.warmup)
             .field("repeat", &self.repeat)
             .finish()
@@ -90,6 +94,7 @@ impl Default for RunOptions {
             threads_per_rank: 0,
             profile: false,
             all_prompt_logits: true,
+            pin_threads: false,
             warmup: 0,
             repeat: 1,
             progress: None,
@@ -164,7 +169,18 @@ fn rank_main(
     opts: &RunOptions,
     threads: usize,
 ) -> Result<RunOutput> {
-    let backend = CpuBackend::new(threads);
+    let cores = super::affinity::allowed_cores();
+    let placement: Vec<Option<usize>> = (0..threads)
+        .map(|m| {
+            opts.pin_threads
+                .then(|| super::affinity::core_for(rank * threads + m, &cores))
+                .flatten()
+        })
+        .collect();
+    if let Some(Some(core)) = placement.first() {
+        super::affinity::pin_current_thread(*core);
+    }
+    let backend = CpuBackend::pinned(threads, &placement);
     let load = Instant::now();
     let bf16 = opts.dtype.bf16_linears(plan);
     let mut exec = RankExecutor::new(&plan.ranks[rank], ckpt, &backend, comm, bf16)?;

@@ -1,6 +1,7 @@
 //! Runtime: executes per-rank plans on CPU ranks (threads) with real collectives. Plans are
 //! its only input; it never re-derives sharding.
 
+pub mod affinity;
 pub mod attention;
 pub mod backend;
 pub mod comm;

@@ -76,6 +76,11 @@ impl std::fmt::Debug for Team {
 impl Team {
     /// A team of `size` members (at least 1): the caller and `size - 1` helper threads.
     pub fn new(size: usize) -> Team {
+        Team::pinned(size, &[])
+    }
+
+    /// As [`Team::new`], helper `m` pinned to `cores[m]` where given (best effort).
+    pub fn pinned(size: usize, cores: &[Option<usize>]) -> Team {
         let size = size.max(1);
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
@@ -90,9 +95,15 @@ impl Team {
         let helpers = (1..size)
             .map(|member| {
                 let shared = shared.clone();
+                let core = cores.get(member).copied().flatten();
                 std::thread::Builder::new()
                     .name(format!("tpc-team-{member}"))
-                    .spawn(move || helper(&shared, member))
+                    .spawn(move || {
+                        if let Some(core) = core {
+                            super::affinity::pin_current_thread(core);
+                        }
+                        helper(&shared, member)
+                    })
                     .expect("spawning a compute thread")
             })
             .collect();
@@ -149,6 +160,46 @@ impl Team {
         if s.panicked.swap(false, SeqCst) {
             panic!("a compute thread of this rank panicked");
         }
+    }
+}
+
+impl Team {
+    /// Runs `f(part, offset)` over `data` cut into one part per member, each part a whole
+    /// number of `align`-element units (rows) starting at element `offset`; data shorter
+    /// than `min_len` stays on the caller's thread.
+    pub fn for_each_part(
+        &self,
+        data: &mut [f32],
+        align: usize,
+        min_len: usize,
+        f: &(dyn Fn(&mut [f32], usize) + Sync),
+    ) {
+        let align = align.max(1);
+        let units = data.len() / align;
+        let members = if data.len() < min_len {
+            1
+        } else {
+            self.size.min(units.max(1))
+        };
+        if members == 1 {
+            return f(data, 0);
+        }
+        let (len, base) = (data.len(), SyncPtr(data.as_mut_ptr()));
+        self.run(&|m| {
+            if m >= members {
+                return;
+            }
+            let start = m * units / members * align;
+            let end = if m + 1 == members {
+                len
+            } else {
+                (m + 1) * units / members * align
+            };
+            // SAFETY: members get disjoint ranges [start, end) of `data`, which `run` keeps
+            // borrowed until every member is done.
+            let part = unsafe { std::slice::from_raw_parts_mut(base.at(start), end - start) };
+            f(part, start)
+        });
     }
 }
 
@@ -231,6 +282,24 @@ mod tests {
                 let part = data.len() / size;
                 assert_eq!(out.load(SeqCst), (round - 1) * part * size);
                 data.iter_mut().for_each(|v| *v += 1);
+            }
+        }
+    }
+
+    #[test]
+    fn parts_cover_the_data_once_in_whole_rows() {
+        for size in [1, 2, 3] {
+            let team = Team::new(size);
+            for (len, align) in [(0, 4), (7, 1), (12, 4), (30, 5), (1000, 10)] {
+                let mut data = vec![0f32; len];
+                team.for_each_part(&mut data, align, 0, &|part, offset| {
+                    assert_eq!(offset % align, 0);
+                    for (i, v) in part.iter_mut().enumerate() {
+                        *v += (offset + i) as f32;
+                    }
+                });
+                let want: Vec<f32> = (0..len).map(|i| i as f32).collect();
+                assert_eq!(data, want, "size {size} len {len}");
             }
         }
     }
