@@ -23,6 +23,10 @@ pub struct Args {
     /// Seconds spent on each measurement (the best call is reported).
     #[arg(long, default_value_t = 0.5)]
     seconds: f64,
+    /// MiB of distinct bf16 weights the cold one-row sweep reads (0: no sweep). Far more than
+    /// the last-level cache, as in decode, where every weight comes from memory.
+    #[arg(long, default_value_t = 512)]
+    sweep_mib: usize,
 }
 
 fn parse_shape(s: &str) -> anyhow::Result<(usize, usize)> {
@@ -47,18 +51,30 @@ fn best(budget: f64, mut f: impl FnMut()) -> Duration {
     best
 }
 
-/// Read bandwidth (bytes/s) of `threads` threads summing disjoint parts of a 256 MiB buffer.
+/// Read bandwidth (bytes/s) of `threads` threads summing disjoint parts of a 256 MiB f32
+/// buffer with 16 partial sums (vectorised, like the C sum in `scripts/bench_vs_torch.sh`).
 fn read_bandwidth(threads: usize, budget: f64) -> f64 {
-    let words = vec![1u64; 32 << 20];
-    let part = words.len() / threads;
+    let values = vec![1f32; 64 << 20];
+    let part = values.len().div_ceil(threads);
+    let sum = |chunk: &[f32]| {
+        tpc::runtime::simd::with_avx2(|| {
+            let mut acc = [0f32; 16];
+            for c in chunk.chunks_exact(16) {
+                for l in 0..16 {
+                    acc[l] += c[l];
+                }
+            }
+            acc.iter().sum::<f32>()
+        })
+    };
     let t = best(budget, || {
         std::thread::scope(|s| {
-            for chunk in words.chunks(part) {
-                s.spawn(move || std::hint::black_box(chunk.iter().fold(0u64, |a, &w| a ^ w)));
+            for chunk in values.chunks(part) {
+                s.spawn(move || std::hint::black_box(sum(chunk)));
             }
         })
     });
-    (words.len() * 8) as f64 / t.as_secs_f64()
+    (values.len() * 4) as f64 / t.as_secs_f64()
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -150,6 +166,34 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 t_ref.as_secs_f64() / t_f32.as_secs_f64(),
             );
         }
+    }
+    if a.sweep_mib > 0 {
+        let (n, k) = shapes[0];
+        let count = (a.sweep_mib << 20).div_ceil(n * k * 2).max(2);
+        let mats: Vec<PackedMatrix> = (0..count)
+            .map(|s| {
+                let w = Tensor::new(
+                    vec![n, k],
+                    (0..n * k)
+                        .map(|i| ((i * 53 + s) % 97) as f32 / 97.0)
+                        .collect(),
+                );
+                PackedMatrix::pack(&w, WeightOrder::OutIn, true)
+            })
+            .collect();
+        let bytes: usize = mats.iter().map(PackedMatrix::bytes).sum();
+        let x = Tensor::new(vec![1, k], vec![0.5; k]);
+        let t = best(a.seconds, || {
+            for m in &mats {
+                std::hint::black_box(m.matmul(&x, &team));
+            }
+        });
+        let gbs = bytes as f64 / t.as_secs_f64() / 1e9;
+        println!(
+            "cold sweep: one row through {count} distinct {n}x{k} bf16 weights ({} MiB): {gbs:.1} GB/s = {:.2}x the read bandwidth",
+            bytes >> 20,
+            gbs / (bw / 1e9)
+        );
     }
     Ok(())
 }

@@ -165,6 +165,11 @@ mod x86 {
     use super::{MR, NR};
     use std::arch::x86_64::*;
 
+    /// How far ahead of its reads the GEMV asks for weights. Measured on this machine (GEMV
+    /// over 40 cold 5632×2048 bf16 matrices, 2 threads): no prefetch 16–23 GB/s, 1–4 KiB
+    /// ahead 23–29 GB/s; TinyLlama decode 11.1–12.4 → 12.6–14.9 tok/s (3 alternations).
+    const PREFETCH_BYTES: usize = 2048;
+
     /// 12 accumulators (6 rows × 2 vectors of 8), two weight vectors and one broadcast:
     /// 15 of the 16 ymm registers.
     #[target_feature(enable = "avx2,fma")]
@@ -231,7 +236,7 @@ mod x86 {
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        gemv::<R>(x, ldx, k, out, |p| {
+        gemv::<R>(x, ldx, k, out, panel.as_ptr() as *const i8, NR * 2, |p| {
             let w = panel.as_ptr().add(p * NR);
             (widen8(w), widen8(w.add(8)))
         })
@@ -245,7 +250,7 @@ mod x86 {
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        gemv::<R>(x, ldx, k, out, |p| {
+        gemv::<R>(x, ldx, k, out, panel.as_ptr() as *const i8, NR * 4, |p| {
             let w = panel.as_ptr().add(p * NR);
             (_mm256_loadu_ps(w), _mm256_loadu_ps(w.add(8)))
         })
@@ -259,11 +264,19 @@ mod x86 {
         ldx: usize,
         k: usize,
         out: &mut [[f32; NR]; R],
+        base: *const i8,
+        step_bytes: usize,
         load: impl Fn(usize) -> (__m256, __m256),
     ) {
         let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
         let mut p = 0;
         while p + 2 <= k {
+            // Prefetches never fault, so running past the panel's end is harmless.
+            let ahead = base.wrapping_add(p * step_bytes + PREFETCH_BYTES);
+            _mm_prefetch::<_MM_HINT_T0>(ahead);
+            if step_bytes > 32 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+            }
             for step in 0..2 {
                 let s = if R <= 2 { step } else { 0 };
                 let (w0, w1) = load(p + step);
