@@ -19,6 +19,9 @@ use rayon::prelude::*;
 const KC: usize = 256;
 /// Activation rows per block: `MC·KC` f32 (144 KiB) stays in L2.
 const MC: usize = 144;
+/// Work chunks per team member: enough for late members to even out, few enough that each
+/// chunk still streams a long run of weights.
+const CHUNKS_PER_MEMBER: usize = 8;
 /// Rows at or below which the GEMV path (weights read once, no packing of `x`) is used.
 pub const GEMV_MAX_ROWS: usize = 4;
 
@@ -135,8 +138,17 @@ impl PackedMatrix {
             team.size().min(panels)
         };
         let dst = SyncPtr(out.data.as_mut_ptr());
-        let work = |t: usize| {
-            let range = t * panels / threads..(t + 1) * panels / threads;
+        // Members take chunks of panels as they come free rather than fixed halves, so a
+        // member that starts late or is preempted (this machine has noisy neighbours) does
+        // less instead of making the others wait for it.
+        let chunk = panels.div_ceil(threads * CHUNKS_PER_MEMBER).max(1);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let work = |_member: usize| loop {
+            let start = next.fetch_add(chunk, std::sync::atomic::Ordering::Relaxed);
+            if start >= panels {
+                break;
+            }
+            let range = start..(start + chunk).min(panels);
             if m > GEMV_MAX_ROWS {
                 self.gemm_panels(kernels, &packed_x, m, range, dst)
             } else {
