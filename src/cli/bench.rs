@@ -1,7 +1,7 @@
 //! `tpc bench MODEL --tp N`: prefill and decode throughput of a model on N CPU ranks, with
 //! its checkpoint or with seeded random weights when it has none.
 
-use super::DtypeArg;
+use super::ExecArgs;
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
@@ -20,28 +20,12 @@ pub struct Args {
     prompt_len: usize,
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
-    /// Compute type: auto (the checkpoint's), f32, or bf16 (bf16 weights, f32 accumulation).
-    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
-    dtype: DtypeArg,
-    /// GEMM threads per rank (default: cores / tp).
-    #[arg(long, default_value_t = 0)]
-    threads_per_rank: usize,
-    /// Print where rank 0's time goes, per op kind, on stderr.
-    #[arg(long)]
-    profile: bool,
-    /// Pin compute threads to cores round robin (measured here: no gain beyond the noise).
-    #[arg(long)]
-    pin: bool,
-    /// Untimed generations first (loading is never timed).
-    #[arg(long, default_value_t = 0)]
-    warmup: usize,
-    /// Timed generations; the best prefill and decode are reported.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
-    repeat: u64,
+    #[command(flatten)]
+    exec: ExecArgs,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    let dtype: ComputeDtype = a.dtype.into();
+    let dtype: ComputeDtype = a.exec.dtype.into();
     let def = load_model(&a.model)?;
     let plan = compile(&def, a.tp)?.plan;
     let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap_or(1) as usize;
@@ -58,18 +42,12 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         }
     };
     let opts = RunOptions {
-        dtype,
         max_new_tokens: a.max_new_tokens,
-        threads_per_rank: a.threads_per_rank,
-        profile: a.profile,
-        pin_threads: a.pin,
-        warmup: a.warmup,
-        repeat: a.repeat as usize,
         all_prompt_logits: false,
-        ..Default::default()
+        ..a.exec.options()
     };
     let out = run(&plan, weights, &prompt, &opts)?;
-    if a.profile {
+    if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }
     let json = serde_json::json!({
@@ -79,7 +57,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "prompt_tokens": prompt.len(),
         "generated": out.generated.len(),
         "load_seconds": out.load_seconds,
-        "stat": format!("best of {} after {} warm-up", a.repeat, a.warmup),
+        "stat": a.exec.stat(),
         "prefill_tokens_per_s": out.prefill_tokens_per_s(),
         "decode_tokens_per_s": out.decode_tokens_per_s(),
     });

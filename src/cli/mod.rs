@@ -56,6 +56,49 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// How `run` and `bench` execute a plan: compute type, threads, profiling, repetitions.
+#[derive(Debug, clap::Args)]
+pub struct ExecArgs {
+    /// Compute type: auto (the checkpoint's), f32, or bf16 (bf16 weights, f32 accumulation).
+    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
+    pub dtype: DtypeArg,
+    /// Compute threads per rank (default: cores / tp).
+    #[arg(long, default_value_t = 0)]
+    pub threads_per_rank: usize,
+    /// Print where rank 0's time goes, per op kind, on stderr.
+    #[arg(long)]
+    pub profile: bool,
+    /// Pin compute threads to cores round robin (measured here: no gain beyond the noise).
+    #[arg(long)]
+    pub pin: bool,
+    /// Untimed generations first (loading is never timed).
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
+    /// Timed generations; the best prefill and decode are reported.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub repeat: u64,
+}
+
+impl ExecArgs {
+    /// Run options with these settings and defaults for the rest.
+    pub fn options(&self) -> tpc::runtime::generate::RunOptions {
+        tpc::runtime::generate::RunOptions {
+            dtype: self.dtype.into(),
+            threads_per_rank: self.threads_per_rank,
+            profile: self.profile,
+            pin_threads: self.pin,
+            warmup: self.warmup,
+            repeat: self.repeat as usize,
+            ..Default::default()
+        }
+    }
+
+    /// How the reported times were taken, for JSON output.
+    pub fn stat(&self) -> String {
+        format!("best of {} after {} warm-up", self.repeat, self.warmup)
+    }
+}
+
 /// `--dtype` of `run` and `bench`.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum DtypeArg {

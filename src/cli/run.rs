@@ -1,6 +1,6 @@
 //! `tpc run MODEL_DIR --tp N --prompt-ids 1,2,3 [--max-new-tokens K] [--dump-logits F] [--json]`
 
-use super::DtypeArg;
+use super::ExecArgs;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -46,24 +46,8 @@ pub struct Args {
     top_p: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Compute type: auto (the checkpoint's), f32, or bf16 (bf16 weights, f32 accumulation).
-    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
-    dtype: DtypeArg,
-    /// GEMM threads per rank (default: cores / tp).
-    #[arg(long, default_value_t = 0)]
-    threads_per_rank: usize,
-    /// Print where rank 0's time goes, per op kind, on stderr.
-    #[arg(long)]
-    profile: bool,
-    /// Pin compute threads to cores round robin (measured here: no gain beyond the noise).
-    #[arg(long)]
-    pin: bool,
-    /// Untimed generations first (loading is never timed).
-    #[arg(long, default_value_t = 0)]
-    warmup: usize,
-    /// Timed generations; the best prefill and decode are reported.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
-    repeat: u64,
+    #[command(flatten)]
+    exec: ExecArgs,
 }
 
 /// End-of-sequence ids from the model's config.json (an id or a list).
@@ -131,7 +115,6 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let progress_bar = bar.clone();
     let opts = RunOptions {
-        dtype: a.dtype.into(),
         max_new_tokens: a.max_new_tokens,
         sampling: Sampling {
             temperature: a.temperature,
@@ -140,22 +123,18 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             seed: a.seed,
         },
         eos: eos_ids(&a.model),
-        threads_per_rank: a.threads_per_rank,
-        profile: a.profile,
-        pin_threads: a.pin,
-        warmup: a.warmup,
-        repeat: a.repeat as usize,
         all_prompt_logits: a.dump_logits.is_some(),
         progress: Some(Arc::new(move |stage| match stage {
             Stage::Loaded => progress_bar.set_message("prefill"),
             Stage::Prefilled => progress_bar.set_message("decode"),
             Stage::Token(n) => progress_bar.set_position(n as u64),
         })),
+        ..a.exec.options()
     };
     let out = run(&plan, &ckpt, &prompt_ids, &opts);
     bar.finish_and_clear();
     let out = out?;
-    if a.profile {
+    if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }
     if let Some(path) = &a.dump_logits {
@@ -181,7 +160,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             "prompt_tokens": prompt_ids.len(),
             "tp": a.tp,
             "load_seconds": out.load_seconds,
-            "stat": format!("best of {} after {} warm-up", a.repeat, a.warmup),
+            "stat": a.exec.stat(),
             "prefill_seconds": out.prefill_seconds,
             "decode_seconds": out.decode_seconds,
             "prefill_tokens_per_s": out.prefill_tokens_per_s(),

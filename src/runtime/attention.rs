@@ -144,15 +144,7 @@ pub fn causal_attention(
             pool::give(scores);
         })
     };
-    if members == 1 {
-        work(0);
-    } else {
-        team.run(&|m| {
-            if m < members {
-                work(m)
-            }
-        });
-    }
+    team.run_on(members, &work);
     pool::give(kt);
     out
 }

@@ -9,7 +9,6 @@ pub mod cpu;
 pub mod executor;
 pub mod fastmath;
 pub mod generate;
-pub mod hugepages;
 pub mod microkernel;
 pub mod packed;
 pub mod random;

@@ -72,14 +72,12 @@ impl PackedMatrix {
         let len = n.div_ceil(NR) * k * NR;
         let panels = if bf16 {
             let mut bits = vec![0u16; len];
-            super::hugepages::advise(&mut bits);
             fill(&mut bits, n, k, |j, p| {
                 half::bf16::from_f32(at(j, p)).to_bits()
             });
             Panels::Bf16(bits)
         } else {
             let mut vals = vec![0f32; len];
-            super::hugepages::advise(&mut vals);
             fill(&mut vals, n, k, at);
             Panels::F32(vals)
         };
@@ -155,15 +153,7 @@ impl PackedMatrix {
                 self.gemv_panels(kernels, &x.data, m, range, dst)
             }
         };
-        if threads == 1 {
-            work(0);
-        } else {
-            team.run(&|member| {
-                if member < threads {
-                    work(member)
-                }
-            });
-        }
+        team.run_on(threads, &work);
         PACKED_ROWS.set(packed_x);
         out
     }

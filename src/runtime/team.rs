@@ -164,6 +164,19 @@ impl Team {
 }
 
 impl Team {
+    /// Runs `f(member)` for the first `members` members only (all on the caller's thread
+    /// when that is one, without waking anybody).
+    pub fn run_on(&self, members: usize, f: &(dyn Fn(usize) + Sync)) {
+        if members <= 1 {
+            return f(0);
+        }
+        self.run(&|m| {
+            if m < members {
+                f(m)
+            }
+        })
+    }
+
     /// Runs `f(part, offset)` over `data` cut into one part per member, each part a whole
     /// number of `align`-element units (rows) starting at element `offset`; data shorter
     /// than `min_len` stays on the caller's thread.
@@ -185,10 +198,7 @@ impl Team {
             return f(data, 0);
         }
         let (len, base) = (data.len(), SyncPtr(data.as_mut_ptr()));
-        self.run(&|m| {
-            if m >= members {
-                return;
-            }
+        self.run_on(members, &|m| {
             let start = m * units / members * align;
             let end = if m + 1 == members {
                 len
