@@ -140,9 +140,11 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                     continue;
                 };
                 let (kc, vc) = self.cache.entry(i.id).or_default();
-                let want = positions * width as usize;
-                kc.reserve(want.saturating_sub(kc.len()));
-                vc.reserve(want.saturating_sub(vc.len()));
+                let want = positions.saturating_mul(width as usize);
+                // Only an optimisation: if the memory is not there (an absurd token limit),
+                // the cache grows as it goes and fails, if it must, with the first real need.
+                let _ = kc.try_reserve(want.saturating_sub(kc.len()));
+                let _ = vc.try_reserve(want.saturating_sub(vc.len()));
             }
         }
     }
