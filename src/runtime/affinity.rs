@@ -48,6 +48,15 @@ pub fn core_for(index: usize, cores: &[usize]) -> Option<usize> {
     (!cores.is_empty()).then(|| cores[index % cores.len()])
 }
 
+/// Where rank `rank`'s `threads` compute threads go: member `m` on the core of global
+/// thread `rank · threads + m`.
+pub fn placement(rank: usize, threads: usize) -> Vec<Option<usize>> {
+    let cores = allowed_cores();
+    (0..threads)
+        .map(|m| core_for(rank * threads + m, &cores))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

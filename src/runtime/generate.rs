@@ -169,14 +169,11 @@ fn rank_main(
     opts: &RunOptions,
     threads: usize,
 ) -> Result<RunOutput> {
-    let cores = super::affinity::allowed_cores();
-    let placement: Vec<Option<usize>> = (0..threads)
-        .map(|m| {
-            opts.pin_threads
-                .then(|| super::affinity::core_for(rank * threads + m, &cores))
-                .flatten()
-        })
-        .collect();
+    let placement = if opts.pin_threads {
+        super::affinity::placement(rank, threads)
+    } else {
+        Vec::new()
+    };
     if let Some(Some(core)) = placement.first() {
         super::affinity::pin_current_thread(*core);
     }

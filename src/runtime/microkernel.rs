@@ -68,12 +68,12 @@ impl Kernels {
     }
 
     /// `out[r][j] = Σ_p x[r][p] · panel[p][j]` for `R` rows of `x` (row stride `ldx`),
-    /// a bf16 weight panel of `k` steps; `out` rows are `NR` apart.
-    pub fn gemv_bf16<const R: usize>(
+    /// a weight panel (bf16 bits or f32) of `k` steps; `out` rows are `NR` apart.
+    pub fn gemv<const R: usize, T: PanelValue>(
         self,
         x: &[f32],
         ldx: usize,
-        panel: &[u16],
+        panel: &[T],
         out: &mut [[f32; NR]; R],
     ) {
         let k = panel.len() / NR;
@@ -82,27 +82,58 @@ impl Kernels {
         if self.avx2 {
             // SAFETY: AVX2 + FMA were detected; the assert keeps x reads in bounds and the
             // panel is read through k = len / NR steps.
-            return unsafe { x86::gemv_bf16::<R>(x, ldx, panel, k, out) };
+            return unsafe { T::gemv_avx2::<R>(x, ldx, panel, k, out) };
         }
-        gemv_portable::<R, u16>(x, ldx, panel, k, out, widen)
+        gemv_portable::<R, T>(x, ldx, panel, k, out)
     }
+}
 
-    /// As [`Kernels::gemv_bf16`] for an f32 weight panel.
-    pub fn gemv_f32<const R: usize>(
-        self,
+/// A stored weight value: bf16 bits (`u16`) or `f32`.
+pub trait PanelValue: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+    /// The AVX2 GEMV over panels of this type.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `x` holds `(R - 1)·ldx + k` values, `panel` `k·NR`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx2<const R: usize>(
+        x: &[f32],
+        ldx: usize,
+        panel: &[Self],
+        k: usize,
+        out: &mut [[f32; NR]; R],
+    );
+}
+
+impl PanelValue for u16 {
+    fn to_f32(self) -> f32 {
+        widen(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx2<const R: usize>(
+        x: &[f32],
+        ldx: usize,
+        panel: &[u16],
+        k: usize,
+        out: &mut [[f32; NR]; R],
+    ) {
+        x86::gemv_bf16::<R>(x, ldx, panel, k, out)
+    }
+}
+
+impl PanelValue for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx2<const R: usize>(
         x: &[f32],
         ldx: usize,
         panel: &[f32],
+        k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        let k = panel.len() / NR;
-        assert!(R == 0 || x.len() >= (R - 1) * ldx + k, "gemv: x too short");
-        #[cfg(target_arch = "x86_64")]
-        if self.avx2 {
-            // SAFETY: as for gemv_bf16.
-            return unsafe { x86::gemv_f32::<R>(x, ldx, panel, k, out) };
-        }
-        gemv_portable::<R, f32>(x, ldx, panel, k, out, |v| v)
+        x86::gemv_f32::<R>(x, ldx, panel, k, out)
     }
 }
 
@@ -140,13 +171,12 @@ unsafe fn tile_portable(
     }
 }
 
-fn gemv_portable<const R: usize, T: Copy>(
+fn gemv_portable<const R: usize, T: PanelValue>(
     x: &[f32],
     ldx: usize,
     panel: &[T],
     k: usize,
     out: &mut [[f32; NR]; R],
-    to_f32: impl Fn(T) -> f32,
 ) {
     *out = [[0f32; NR]; R];
     for p in 0..k {
@@ -154,7 +184,7 @@ fn gemv_portable<const R: usize, T: Copy>(
         for (r, row) in out.iter_mut().enumerate() {
             let xv = x[r * ldx + p];
             for (o, &wv) in row.iter_mut().zip(w) {
-                *o += xv * to_f32(wv);
+                *o += xv * wv.to_f32();
             }
         }
     }

@@ -180,10 +180,8 @@ impl PackedMatrix {
                     ($r:literal) => {{
                         let out: &mut [[f32; NR]; $r] = (&mut rows[..$r]).try_into().unwrap();
                         match &self.panels {
-                            Panels::Bf16(v) => {
-                                kernels.gemv_bf16::<$r>(xs, k, &v[panel.clone()], out)
-                            }
-                            Panels::F32(v) => kernels.gemv_f32::<$r>(xs, k, &v[panel.clone()], out),
+                            Panels::Bf16(v) => kernels.gemv::<$r, _>(xs, k, &v[panel.clone()], out),
+                            Panels::F32(v) => kernels.gemv::<$r, _>(xs, k, &v[panel.clone()], out),
                         }
                     }};
                 }

@@ -133,9 +133,4 @@ pub mod pool {
             }
         })
     }
-
-    /// Buffers kept on this thread and their total capacity in elements.
-    pub fn stats() -> (usize, usize) {
-        FREE.with_borrow(|free| (free.len(), free.iter().map(|b| b.capacity()).sum()))
-    }
 }
