@@ -103,6 +103,29 @@ pub enum TpcError {
     #[error("rank {rank} failed: {message}")]
     RankPanicked { rank: usize, message: String },
 
+    #[error("instruction `{name}`: {source}")]
+    Backend {
+        name: String,
+        source: crate::runtime::backend::BackendError,
+    },
+
+    #[error("{0}")]
+    Collective(crate::runtime::collectives::CollectiveError),
+
+    #[error("bad batch: {problem}")]
+    BadBatch { problem: String },
+
+    #[error("request {request}: a prompt of {prompt} tokens plus {new_tokens} new tokens needs more than the model's {max_positions} positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens")]
+    TooLong {
+        request: usize,
+        prompt: usize,
+        new_tokens: usize,
+        max_positions: u64,
+    },
+
+    #[error("repetition {repetition} generated other tokens than the first timed one: the runtime is not deterministic; this is a bug in tpc")]
+    NotDeterministic { repetition: usize },
+
     #[error("plan instruction `{name}` cannot run: {problem}. This plan does not fit this runtime; recompile it with this tpc.")]
     BadInstruction { name: String, problem: String },
 }

@@ -17,6 +17,7 @@ pub struct Compiled {
 pub fn compile(def: &ModelDef, tp: u64) -> Result<Compiled> {
     let graph = to_graph(def)?;
     let sharded = shard(graph, tp, def.tp_plan())?;
-    let plan = partition(&sharded)?;
+    let mut plan = partition(&sharded)?;
+    plan.max_positions = def.max_positions();
     Ok(Compiled { sharded, plan })
 }

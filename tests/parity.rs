@@ -6,7 +6,8 @@ use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
-use tpc::runtime::generate::{run, RunOptions};
+use tpc::runtime::generate::RunOptions;
+use tpc::runtime::launch::run;
 use tpc::runtime::weights::Checkpoint;
 
 /// The one tolerance for f32 parity: ‖a − b‖ / ‖b‖ over all prompt logits.

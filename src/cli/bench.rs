@@ -5,7 +5,8 @@ use super::ExecArgs;
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
-use tpc::runtime::generate::{run, ComputeDtype, RunOptions};
+use tpc::runtime::generate::{ComputeDtype, Request, RunOptions};
+use tpc::runtime::launch::run_batch;
 use tpc::runtime::random::RandomWeights;
 use tpc::runtime::weights::{Checkpoint, WeightSource};
 
@@ -13,11 +14,16 @@ use tpc::runtime::weights::{Checkpoint, WeightSource};
 pub struct Args {
     /// A model (.ron, HF directory, config.json); a directory with weights uses them.
     model: PathBuf,
+    /// Number of tensor-parallel ranks (threads).
     #[arg(long, default_value_t = 1)]
     tp: u64,
+    /// Sequences generated together (each with the same prompt length, different ids).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    batch: u64,
     /// Prompt tokens (ids (i·7919) mod vocab).
     #[arg(long, default_value_t = 128)]
     prompt_len: usize,
+    /// New tokens per sequence (generation stops early only at the token limit).
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
     #[command(flatten)]
@@ -29,8 +35,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let def = load_model(&a.model)?;
     let plan = compile(&def, a.tp)?.plan;
     let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap_or(1) as usize;
-    let prompt: Vec<i64> = (0..a.prompt_len.max(1))
-        .map(|i| ((i * 7919) % vocab) as i64)
+    let requests: Vec<Request> = (0..a.batch as usize)
+        .map(|b| Request {
+            prompt: (0..a.prompt_len.max(1))
+                .map(|i| ((i * 7919 + b * 104_729) % vocab) as i64)
+                .collect(),
+            max_new_tokens: None,
+        })
         .collect();
     let ckpt = Checkpoint::find(&a.model)?;
     let random;
@@ -46,7 +57,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         all_prompt_logits: false,
         ..a.exec.options()
     };
-    let out = run(&plan, weights, &prompt, &opts)?;
+    let out = run_batch(&plan, weights, &requests, &opts)?;
     if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }
@@ -54,12 +65,15 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "model": plan.model,
         "tp": a.tp,
         "dtype": format!("{dtype:?}").to_lowercase(),
-        "prompt_tokens": prompt.len(),
-        "generated": out.generated.len(),
+        "batch": a.batch,
+        "prompt_tokens": out.prompt_tokens,
+        "generated": out.generated_tokens(),
         "load_seconds": out.load_seconds,
         "stat": a.exec.stat(),
         "prefill_tokens_per_s": out.prefill_tokens_per_s(),
         "decode_tokens_per_s": out.decode_tokens_per_s(),
+        "weight_bytes_rank0": out.weight_bytes,
+        "collective_bytes_rank0": out.collective_bytes,
     });
     println!("{}", serde_json::to_string(&json)?);
     Ok(())

@@ -116,3 +116,12 @@ impl From<DtypeArg> for tpc::runtime::generate::ComputeDtype {
         }
     }
 }
+
+/// Writes `text` to stdout; a closed pipe or a full disk is an error, not a panic.
+pub fn print_stdout(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| anyhow::anyhow!("cannot write the result to stdout: {e}"))
+}

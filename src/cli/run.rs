@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
-use tpc::runtime::generate::{run, RunOptions, Stage};
+use tpc::plan::Plan;
+use tpc::runtime::generate::{BatchOutput, Request, RunOptions, Stage};
+use tpc::runtime::launch::run_batch;
 use tpc::runtime::sampling::Sampling;
 use tpc::runtime::weights::Checkpoint;
 
@@ -15,20 +17,29 @@ use tpc::runtime::weights::Checkpoint;
 pub struct Args {
     /// An HF model directory: config.json and model.safetensors (or a sharded index).
     model: PathBuf,
-    /// Number of tensor-parallel ranks (threads).
-    #[arg(long, default_value_t = 1)]
-    tp: u64,
+    /// Number of tensor-parallel ranks (threads); default 1, or the plan's with --plan.
+    #[arg(long)]
+    tp: Option<u64>,
+    /// Run this saved plan (`tpc compile MODEL -o plan.ron`) instead of compiling the model.
+    #[arg(long)]
+    plan: Option<PathBuf>,
     /// Prompt token ids, comma-separated.
     #[arg(
         long,
         value_delimiter = ',',
-        required_unless_present = "prompt",
-        conflicts_with = "prompt"
+        required_unless_present_any = ["prompt", "prompts"],
+        conflicts_with_all = ["prompt", "prompts"]
     )]
     prompt_ids: Vec<i64>,
     /// Prompt text, encoded with the model directory's tokenizer.json; the output is decoded.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prompts")]
     prompt: Option<String>,
+    /// JSONL file of prompts run as one batch: one object per line with `prompt_ids` (a list)
+    /// or `prompt` (text), and optionally `max_new_tokens`. One JSON result per line comes
+    /// out, in input order.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// New tokens to generate per prompt (fewer if the model emits its end-of-sequence id).
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
     /// Write the prompt's logits ([prompt_len, vocab], f32) to this safetensors file.
@@ -71,6 +82,131 @@ fn decode(t: &tokenizers::Tokenizer, ids: &[i64]) -> anyhow::Result<String> {
         .map_err(|e| anyhow::anyhow!("cannot decode the output: {e}"))
 }
 
+fn tokenizer_for(dir: &std::path::Path) -> anyhow::Result<tokenizers::Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    anyhow::ensure!(
+        path.exists(),
+        "a text prompt needs {}; give token ids instead",
+        path.display()
+    );
+    tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))
+}
+
+fn encode(t: &tokenizers::Tokenizer, text: &str) -> anyhow::Result<Vec<i64>> {
+    Ok(t.encode(text, false)
+        .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?
+        .get_ids()
+        .iter()
+        .map(|&i| i as i64)
+        .collect())
+}
+
+/// One line of a `--prompts` file.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PromptLine {
+    prompt_ids: Option<Vec<i64>>,
+    prompt: Option<String>,
+    max_new_tokens: Option<usize>,
+}
+
+/// The requests of a `--prompts` JSONL file (blank lines skipped).
+fn read_prompts(
+    path: &std::path::Path,
+    dir: &std::path::Path,
+    tokenizer: &mut Option<tokenizers::Tokenizer>,
+) -> anyhow::Result<Vec<Request>> {
+    let text = tpc::fsio::read_text(path)?;
+    let mut requests = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let place = format!("{}:{}", path.display(), n + 1);
+        let l: PromptLine = serde_json::from_str(line).with_context(|| {
+            format!("{place}: expected a JSON object with `prompt_ids` (a list of token ids) or `prompt` (text), and optionally `max_new_tokens`")
+        })?;
+        let prompt = match (l.prompt_ids, l.prompt) {
+            (Some(ids), None) => ids,
+            (None, Some(text)) => {
+                if tokenizer.is_none() {
+                    *tokenizer = Some(tokenizer_for(dir).with_context(|| place.clone())?);
+                }
+                let t = tokenizer.as_ref().context("tokenizer")?;
+                encode(t, &text).with_context(|| place.clone())?
+            }
+            _ => anyhow::bail!("{place}: give exactly one of `prompt_ids` and `prompt`"),
+        };
+        requests.push(Request {
+            prompt,
+            max_new_tokens: l.max_new_tokens,
+        });
+    }
+    anyhow::ensure!(
+        !requests.is_empty(),
+        "{} has no prompts; write one JSON object per line",
+        path.display()
+    );
+    Ok(requests)
+}
+
+/// The plan to run: the saved one (checked against `--tp`) or the model compiled now.
+pub fn plan_for(
+    model: &std::path::Path,
+    saved: Option<&PathBuf>,
+    tp: Option<u64>,
+) -> anyhow::Result<Plan> {
+    match saved {
+        Some(path) => {
+            let plan = Plan::load(path)?;
+            if let Some(tp) = tp {
+                anyhow::ensure!(
+                    tp == plan.tp,
+                    "--tp {tp} but the plan {} is for tp={}; drop --tp or recompile the plan",
+                    path.display(),
+                    plan.tp
+                );
+            }
+            Ok(plan)
+        }
+        None => Ok(compile(&load_model(model)?, tp.unwrap_or(1))?.plan),
+    }
+}
+
+fn write_logits(
+    path: &std::path::Path,
+    logits: &tpc::runtime::tensor::Tensor,
+) -> anyhow::Result<()> {
+    let bytes: Vec<u8> = logits.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, logits.shape.clone(), &bytes)
+            .context("building the logits tensor")?;
+    let file =
+        safetensors::serialize([("logits", view)], &None).context("serializing the logits")?;
+    tpc::fsio::write_bytes(path, &file)?;
+    Ok(())
+}
+
+/// Figures of a run for `--json`.
+fn figures(out: &BatchOutput, tp: u64, a: &Args) -> serde_json::Value {
+    serde_json::json!({
+        "tp": tp,
+        "sequences": out.sequences.len(),
+        "prompt_tokens": out.prompt_tokens,
+        "generated_tokens": out.generated_tokens(),
+        "load_seconds": out.load_seconds,
+        "stat": a.exec.stat(),
+        "prefill_seconds": out.prefill_seconds,
+        "decode_seconds": out.decode_seconds,
+        "prefill_tokens_per_s": out.prefill_tokens_per_s(),
+        "decode_tokens_per_s": out.decode_tokens_per_s(),
+        "weight_bytes_rank0": out.weight_bytes,
+        "collective_bytes_rank0": out.collective_bytes,
+        "collective_dtype": "f32",
+    })
+}
+
 pub fn execute(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.model.is_dir(),
@@ -78,40 +214,46 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         a.model.display()
     );
     anyhow::ensure!(a.temperature >= 0.0, "--temperature must be at least 0");
-    let tokenizer = match &a.prompt {
-        Some(_) => {
-            let path = a.model.join("tokenizer.json");
-            anyhow::ensure!(
-                path.exists(),
-                "--prompt needs {}; give --prompt-ids instead",
-                path.display()
-            );
-            Some(
-                tokenizers::Tokenizer::from_file(&path)
-                    .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?,
-            )
-        }
+    anyhow::ensure!(
+        a.prompts.is_none() || a.dump_logits.is_none(),
+        "--dump-logits writes one prompt's logits; use it with --prompt-ids or --prompt, not --prompts"
+    );
+    if let Some(path) = &a.dump_logits {
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+        anyhow::ensure!(
+            parent.is_none_or(|p| p.is_dir()),
+            "--dump-logits {}: the folder does not exist; create it first",
+            path.display()
+        );
+    }
+    let mut tokenizer = match &a.prompt {
+        Some(_) => Some(tokenizer_for(&a.model)?),
         None => None,
     };
-    let prompt_ids: Vec<i64> = match (&tokenizer, &a.prompt) {
-        (Some(t), Some(text)) => t
-            .encode(text.as_str(), false)
-            .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?
-            .get_ids()
-            .iter()
-            .map(|&i| i as i64)
-            .collect(),
-        _ => a.prompt_ids.clone(),
+    let requests: Vec<Request> = match (&a.prompts, &a.prompt) {
+        (Some(file), _) => read_prompts(file, &a.model, &mut tokenizer)?,
+        (None, Some(text)) => vec![Request {
+            prompt: encode(tokenizer.as_ref().context("tokenizer")?, text)?,
+            max_new_tokens: None,
+        }],
+        (None, None) => vec![Request {
+            prompt: a.prompt_ids.clone(),
+            max_new_tokens: None,
+        }],
     };
-    let def = load_model(&a.model)?;
-    let plan = compile(&def, a.tp)?.plan;
+    let plan = plan_for(&a.model, a.plan.as_ref(), a.tp)?;
+    let tp = plan.tp;
     let ckpt = Checkpoint::open(&a.model)?;
-    let bar = ProgressBar::new(a.max_new_tokens as u64);
+    let total_new: usize = requests
+        .iter()
+        .map(|r| r.max_new_tokens.unwrap_or(a.max_new_tokens))
+        .sum();
+    let bar = ProgressBar::new(total_new as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} tokens")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message(format!("loading {} ranks", a.tp));
+    bar.set_message(format!("loading {tp} ranks"));
     bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let progress_bar = bar.clone();
     let opts = RunOptions {
@@ -131,58 +273,67 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         })),
         ..a.exec.options()
     };
-    let out = run(&plan, &ckpt, &prompt_ids, &opts);
+    let out = run_batch(&plan, &ckpt, &requests, &opts);
     bar.finish_and_clear();
     let out = out?;
     if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }
-    if let Some(path) = &a.dump_logits {
-        let bytes: Vec<u8> = out
-            .prompt_logits
-            .data
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        let view = safetensors::tensor::TensorView::new(
-            safetensors::Dtype::F32,
-            out.prompt_logits.shape.clone(),
-            &bytes,
-        )
-        .context("building the logits tensor")?;
-        let file =
-            safetensors::serialize([("logits", view)], &None).context("serializing the logits")?;
-        tpc::fsio::write_bytes(path, &file)?;
+    if let (Some(path), Some(seq)) = (&a.dump_logits, out.sequences.first()) {
+        write_logits(path, &seq.prompt_logits)?;
     }
-    if a.json {
-        let json = serde_json::json!({
-            "generated": out.generated,
-            "prompt_tokens": prompt_ids.len(),
-            "tp": a.tp,
-            "load_seconds": out.load_seconds,
-            "stat": a.exec.stat(),
-            "prefill_seconds": out.prefill_seconds,
-            "decode_seconds": out.decode_seconds,
-            "prefill_tokens_per_s": out.prefill_tokens_per_s(),
-            "decode_tokens_per_s": out.decode_tokens_per_s(),
-        });
-        let mut json = json;
-        if let Some(t) = &tokenizer {
-            json["text"] = serde_json::Value::String(decode(t, &out.generated)?);
+    let text_of = |ids: &[i64]| -> anyhow::Result<Option<String>> {
+        tokenizer.as_ref().map(|t| decode(t, ids)).transpose()
+    };
+    if a.prompts.is_some() {
+        let mut lines = String::new();
+        for (index, seq) in out.sequences.iter().enumerate() {
+            let mut line = serde_json::json!({ "index": index, "generated": seq.generated });
+            if let Some(text) = text_of(&seq.generated)? {
+                line["text"] = serde_json::Value::String(text);
+            }
+            lines.push_str(&serde_json::to_string(&line)?);
+            lines.push('\n');
         }
-        println!("{}", serde_json::to_string_pretty(&json)?);
-    } else if let Some(t) = &tokenizer {
-        println!("{}", decode(t, &out.generated)?);
+        if a.json {
+            let summary = serde_json::json!({ "summary": figures(&out, tp, &a) });
+            lines.push_str(&serde_json::to_string(&summary)?);
+            lines.push('\n');
+        }
+        super::print_stdout(&lines)?;
+        if !a.json {
+            eprintln!(
+                "tp={tp}, {} sequences: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s over the batch",
+                out.sequences.len(),
+                out.prefill_tokens_per_s(),
+                out.prompt_tokens,
+                out.decode_tokens_per_s(),
+            );
+        }
+        return Ok(());
+    }
+    let seq = out
+        .sequences
+        .first()
+        .context("the run returned no sequence")?;
+    if a.json {
+        let mut json = figures(&out, tp, &a);
+        json["generated"] = serde_json::json!(seq.generated);
+        if let Some(text) = text_of(&seq.generated)? {
+            json["text"] = serde_json::Value::String(text);
+        }
+        super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&json)?))?;
+    } else if let Some(text) = text_of(&seq.generated)? {
+        super::print_stdout(&format!("{text}\n"))?;
     } else {
-        let ids: Vec<String> = out.generated.iter().map(i64::to_string).collect();
-        println!("{}", ids.join(","));
+        let ids: Vec<String> = seq.generated.iter().map(i64::to_string).collect();
+        super::print_stdout(&format!("{}\n", ids.join(",")))?;
         eprintln!(
-            "tp={}: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens after the first)",
-            a.tp,
+            "tp={tp}: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens after the first)",
             out.prefill_tokens_per_s(),
-            prompt_ids.len(),
+            out.prompt_tokens,
             out.decode_tokens_per_s(),
-            out.generated.len().saturating_sub(1)
+            seq.generated.len().saturating_sub(1)
         );
     }
     Ok(())

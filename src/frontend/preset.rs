@@ -283,6 +283,7 @@ pub fn lower_preset(c: &FamilyConfig) -> Result<GraphDef> {
         dtype: c.dtype,
         body,
         tp_plan: c.tp_plan.clone(),
+        max_position_embeddings: c.max_positions(),
     })
 }
 

@@ -18,6 +18,15 @@ impl ModelDef {
             ModelDef::Graph(g) => &g.tp_plan,
         }
     }
+
+    /// The longest sequence (prompt + generated tokens) the model is defined for, when the
+    /// definition says (GPT-2's learned positions end at `n_positions`, 1024 by default).
+    pub fn max_positions(&self) -> Option<u64> {
+        match self {
+            ModelDef::Preset(p) => p.max_positions(),
+            ModelDef::Graph(g) => g.max_position_embeddings,
+        }
+    }
 }
 
 /// The architectures tpc has presets for.
@@ -53,6 +62,15 @@ impl TpWord {
             TpWord::Vocab => "vocab",
             TpWord::Replicate => "replicate",
         }
+    }
+}
+
+impl FamilyConfig {
+    /// `max_position_embeddings`, or the family's default where it has a hard one (GPT-2's
+    /// learned positions: 1024).
+    pub fn max_positions(&self) -> Option<u64> {
+        self.max_position_embeddings
+            .or((self.family == Family::Gpt2).then_some(1024))
     }
 }
 
@@ -110,6 +128,9 @@ pub struct GraphDef {
     pub body: Vec<Stmt>,
     #[serde(default)]
     pub tp_plan: BTreeMap<String, TpWord>,
+    /// The longest sequence the model is defined for (prompt + generated tokens).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_position_embeddings: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -28,6 +28,9 @@ pub struct Plan {
     /// Column→row regions: the linears that open and close each.
     pub regions: Vec<RegionInfo>,
     pub ranks: Vec<RankProgram>,
+    /// The longest sequence (prompt + generated) the model allows, when it says.
+    #[serde(default)]
+    pub max_positions: Option<u64>,
 }
 
 /// One collective of the forward pass (the same on every rank).

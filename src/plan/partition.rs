@@ -141,6 +141,7 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
         collectives,
         regions,
         ranks,
+        max_positions: None,
     })
 }
 

@@ -1,46 +1,197 @@
-//! The kernel set the executor calls. One CPU implementation today; a faster CPU kernel
-//! set and a CUDA backend slot in behind the same trait.
+//! The device seam: everything a rank computes goes through a [`Backend`], which owns the
+//! memory (activation buffers, weights in its own layout and dtype, KV caches). The executor
+//! (`executor.rs`) only schedules: order, liveness, in-place reuse. The CPU backend
+//! (`cpu.rs`) is one implementation; a GPU backend is another, with the same executor.
 
-use super::packed::PackedMatrix;
-use super::tensor::Tensor;
-use crate::ir::{ActivationKind, WeightOrder};
+use super::weights::WeightSource;
+use crate::ir::{ActivationKind, DType, RopeOp, WeightOrder};
+use crate::plan::WeightSlice;
+use thiserror::Error;
 
-/// Rotary tables for a run of positions: `cos`/`sin` of `[positions, rotary_dim / 2]`.
-pub struct RopeTables {
-    pub half: usize,
-    pub cos: Vec<f32>,
-    pub sin: Vec<f32>,
+/// Why a backend could not do what the executor asked. The executor adds the instruction.
+#[derive(Debug, Error)]
+pub enum BackendError {
+    #[error("{0}")]
+    Shape(String),
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+    #[error(transparent)]
+    Weights(Box<crate::error::TpcError>),
 }
 
-/// Elementwise operations of two equal-length tensors.
+pub type BackendResult<T> = std::result::Result<T, BackendError>;
+
+/// A backend's activation buffer: a dense row-major tensor on the device.
+pub trait Activation: Send {
+    fn shape(&self) -> &[usize];
+    fn dtype(&self) -> DType;
+    /// Rows and columns when seen as a matrix over the last dim.
+    fn rows_cols(&self) -> (usize, usize) {
+        let shape = self.shape();
+        let cols = shape.last().copied().unwrap_or(1);
+        let elements: usize = shape.iter().product();
+        (elements.checked_div(cols).unwrap_or(0), cols)
+    }
+    fn elements(&self) -> usize {
+        self.shape().iter().product()
+    }
+}
+
+/// How the program reads a weight, so the backend can store it in the layout that use wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WeightUse {
+    /// Read as the weight of a linear op, stored in this order.
+    pub linear: Option<WeightOrder>,
+    /// Read by anything else (an embedding table, a norm's scale, a bias).
+    pub other: bool,
+}
+
+/// Elementwise operations of two equal-shape activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BinaryOp {
     Add,
     Mul,
 }
 
+/// One sequence's rows in a (possibly ragged) batch: rows `rows` of every activation belong
+/// to sequence `seq` (an index into the caches the executor passes), and its first row sits
+/// at absolute position `start`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    pub seq: usize,
+    pub rows: std::ops::Range<usize>,
+    pub start: usize,
+}
+
+/// A rank's device: kernels plus the memory they work on.
 pub trait Backend: Send + Sync {
-    /// `x [m, k] · W` where `W` is `[n, k]` (`OutIn`) or `[k, n]` (`InOut`) → `[m, n]`.
-    fn linear(&self, x: &Tensor, w: &Tensor, order: WeightOrder) -> Tensor;
-    /// `x [m, k] · Wᵀ` for a weight packed at load time → `[m, n]`.
-    fn packed_linear(&self, x: &Tensor, w: &PackedMatrix) -> Tensor;
+    type Act: Activation;
+    type Weight: Send + Sync;
+    /// One sequence's keys and values for one attention op.
+    type Kv: Send;
+    /// Rotary cos/sin for the positions of one forward call.
+    type RopeTables: Send;
+
+    /// Short name for reports (`cpu`, `cuda:0`).
+    fn name(&self) -> String;
+
+    /// Loads one rank's slice of a weight from `src` into the backend's layout and dtype.
+    fn upload(
+        &self,
+        src: &dyn WeightSource,
+        slice: &WeightSlice,
+        usage: WeightUse,
+    ) -> BackendResult<Self::Weight>;
+    /// Bytes the weight occupies on the device.
+    fn weight_bytes(&self, w: &Self::Weight) -> usize;
+
+    /// Rows of `table [rows, cols]` for `ids`; ids outside `vocab_offset .. + rows` give zero
+    /// rows (vocab-parallel lookup: the all-reduce adds the other ranks' rows).
+    fn embedding(
+        &self,
+        ids: &[i64],
+        table: &Self::Weight,
+        vocab_offset: usize,
+    ) -> BackendResult<Self::Act>;
+    /// `x [m, k] · Wᵀ → [m, n]`.
+    fn linear(&self, x: &Self::Act, w: &Self::Weight) -> BackendResult<Self::Act>;
+    /// Adds the bias vector to every row, in place.
+    fn bias_add(&self, x: &mut Self::Act, bias: &Self::Weight) -> BackendResult<()>;
+    /// `x ⊙= y` elementwise, in place.
+    fn binary(&self, x: &mut Self::Act, y: &Self::Act, op: BinaryOp) -> BackendResult<()>;
     /// RMSNorm over each `group` columns (the whole row when `group` = cols).
-    fn rms_norm(&self, x: &Tensor, w: &[f32], group: usize, eps: f32) -> Tensor;
-    /// `x ⊙= y` elementwise (same length), in place.
-    fn binary(&self, x: &mut Tensor, y: &Tensor, op: BinaryOp);
-    fn layer_norm(&self, x: &Tensor, w: &[f32], b: &[f32], eps: f32) -> Tensor;
-    fn activation(&self, x: &mut Tensor, kind: ActivationKind);
-    /// Rotate-half rotary embedding on the first `2·half` of each `head_dim` block, in place.
-    fn rope(&self, x: &mut Tensor, head_dim: usize, tables: &RopeTables);
-    /// Causal attention of `q [t, hq·d]` over the cache `k, v [n, hk·d]`, where query row
-    /// `i` sits at absolute position `n - t + i`.
+    fn rms_norm(
+        &self,
+        x: &Self::Act,
+        w: &Self::Weight,
+        group: usize,
+        eps: f32,
+    ) -> BackendResult<Self::Act>;
+    fn layer_norm(
+        &self,
+        x: &Self::Act,
+        w: &Self::Weight,
+        b: &Self::Weight,
+        eps: f32,
+    ) -> BackendResult<Self::Act>;
+    fn activation(&self, x: &mut Self::Act, kind: ActivationKind) -> BackendResult<()>;
+    fn rope_tables(&self, op: &RopeOp, positions: &[i64]) -> BackendResult<Self::RopeTables>;
+    /// Rotate-half rotary embedding on each `head_dim` block, in place; row `r` uses row `r`
+    /// of the tables.
+    fn rope(
+        &self,
+        x: &mut Self::Act,
+        head_dim: usize,
+        tables: &Self::RopeTables,
+    ) -> BackendResult<()>;
+
+    /// An empty cache for keys of `k_width` and values of `v_width` columns per token.
+    fn new_kv(&self, k_width: usize, v_width: usize) -> Self::Kv;
+    /// Makes room for `positions` tokens (best effort: an absurd size is not an error here).
+    fn reserve_kv(&self, kv: &mut Self::Kv, positions: usize);
+    /// Forgets every token, keeping the memory.
+    fn clear_kv(&self, kv: &mut Self::Kv);
+    /// Appends each segment's rows of `k`, `v` to its sequence's cache, then computes causal
+    /// attention of that segment's rows of `q` over the cache (GQA: query head `h` reads kv
+    /// head `h / (q_heads / kv_heads)`).
     fn attention(
         &self,
-        q: &Tensor,
-        k: &[f32],
-        v: &[f32],
+        qkv: [&Self::Act; 3],
+        caches: &mut [Self::Kv],
+        segments: &[Segment],
         head_dim: usize,
-        kv_heads: usize,
         scale: f32,
-    ) -> Tensor;
+    ) -> BackendResult<Self::Act>;
+
+    /// Columns `offset .. offset + len` of each block of `block` columns, concatenated.
+    fn unfuse(
+        &self,
+        x: &Self::Act,
+        block: usize,
+        offset: usize,
+        len: usize,
+    ) -> BackendResult<Self::Act>;
+    /// Column block `k` of `parts` equal blocks.
+    fn column_block(&self, x: &Self::Act, k: usize, parts: usize) -> BackendResult<Self::Act>;
+    /// `[rows, parts·n]` → rank-major `[parts][rows][n]` (what a reduce-scatter takes).
+    fn rows_to_rank_major(&self, x: &Self::Act, parts: usize) -> BackendResult<Self::Act>;
+    /// Rank-major `[parts][rows][n]` → `[rows, keep]`, keeping the first `keep` of the
+    /// `parts·n` columns (vocab padding dropped).
+    fn rank_major_to_rows(
+        &self,
+        x: &Self::Act,
+        parts: usize,
+        keep: usize,
+    ) -> BackendResult<Self::Act>;
+    /// The given rows, in order.
+    fn select_rows(&self, x: &Self::Act, rows: &[usize]) -> BackendResult<Self::Act>;
+
+    /// A buffer of this shape and dtype (contents unspecified).
+    fn alloc(&self, shape: &[usize], dtype: DType) -> BackendResult<Self::Act>;
+    /// A copy.
+    fn copy(&self, x: &Self::Act) -> BackendResult<Self::Act>;
+    /// Gives a buffer back for reuse.
+    fn release(&self, x: Self::Act);
+    /// The values on the host, as f32 (logits for sampling and the user).
+    fn to_host(&self, x: Self::Act) -> BackendResult<super::tensor::Tensor>;
+}
+
+/// A host buffer's elements, in its dtype.
+pub enum HostData<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [half::bf16]),
+}
+
+/// A host buffer's elements, read only.
+pub enum HostDataRef<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+}
+
+/// Buffers that live in host memory, so any host communicator can move them.
+pub trait HostBuffer {
+    fn host_data(&mut self) -> HostData<'_>;
+    fn host_data_ref(&self) -> HostDataRef<'_>;
 }

@@ -2,13 +2,19 @@
 //! rank's team, norms and activations as f32 loops (f64 where accumulated error would
 //! matter), and the `gemm` crate for a linear weight that was not packed.
 
-use super::backend::{Backend, BinaryOp, RopeTables};
+use super::backend::{
+    Activation, Backend, BackendError, BackendResult, BinaryOp, HostBuffer, HostData, HostDataRef,
+    Segment, WeightUse,
+};
 use super::fastmath;
 use super::packed::PackedMatrix;
+use super::rope::{self, RopeTables};
 use super::simd::with_avx2;
 use super::team::Team;
-use super::tensor::Tensor;
-use crate::ir::{ActivationKind, WeightOrder};
+use super::tensor::{pool, Tensor};
+use super::weights::{load_slice, WeightSource};
+use crate::ir::{ActivationKind, DType, RopeOp};
+use crate::plan::WeightSlice;
 
 /// Elementwise work at least this long (elements) is split over the team: a prompt's
 /// activations are, a decode step's are not (waking a helper would cost more than it saves).
@@ -20,6 +26,8 @@ const PARALLEL_MIN: usize = 1 << 15;
 pub struct CpuBackend {
     pub threads: usize,
     pub team: Team,
+    /// Linear weights kept as bf16 panels (half the bytes; f32 accumulation).
+    pub bf16_linears: bool,
 }
 
 impl CpuBackend {
@@ -33,7 +41,14 @@ impl CpuBackend {
         CpuBackend {
             threads: threads.max(1),
             team: Team::pinned(threads, cores),
+            bf16_linears: false,
         }
+    }
+
+    /// The same backend storing linear weights as bf16 (`true`) or f32.
+    pub fn with_bf16_linears(mut self, bf16: bool) -> CpuBackend {
+        self.bf16_linears = bf16;
+        self
     }
 }
 
@@ -104,42 +119,167 @@ impl CpuBackend {
     }
 }
 
+/// A weight on the CPU: packed panels for linear use, a plain f32 tensor for anything else.
+#[derive(Debug)]
+pub struct CpuWeight {
+    packed: Option<PackedMatrix>,
+    dense: Option<Tensor>,
+}
+
+impl CpuWeight {
+    fn dense(&self) -> BackendResult<&Tensor> {
+        self.dense.as_ref().ok_or_else(|| {
+            BackendError::Unsupported("a linear-only weight is read as a table or vector".into())
+        })
+    }
+}
+
+/// One sequence's cached keys and values, `[n, width]` each.
+#[derive(Debug, Default)]
+pub struct CpuKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k_width: usize,
+    v_width: usize,
+}
+
+fn shape_err(what: String) -> BackendError {
+    BackendError::Shape(what)
+}
+
+impl Activation for Tensor {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+}
+
+impl HostBuffer for Tensor {
+    fn host_data(&mut self) -> HostData<'_> {
+        HostData::F32(&mut self.data)
+    }
+    fn host_data_ref(&self) -> HostDataRef<'_> {
+        HostDataRef::F32(&self.data)
+    }
+}
+
 impl Backend for CpuBackend {
-    fn linear(&self, x: &Tensor, w: &Tensor, order: WeightOrder) -> Tensor {
-        let (m, k) = x.rows_cols();
-        let (n, k_w, rhs_rs, rhs_cs) = match order {
-            // W [n, k]: element (kk, j) of the right-hand side is W[j·k + kk].
-            WeightOrder::OutIn => (w.shape[0], w.shape[1], 1isize, w.shape[1] as isize),
-            // W [k, n]: row-major already.
-            WeightOrder::InOut => (w.shape[1], w.shape[0], w.shape[1] as isize, 1isize),
+    type Act = Tensor;
+    type Weight = CpuWeight;
+    type Kv = CpuKv;
+    type RopeTables = RopeTables;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", self.threads)
+    }
+
+    fn upload(
+        &self,
+        src: &dyn WeightSource,
+        slice: &WeightSlice,
+        usage: WeightUse,
+    ) -> BackendResult<CpuWeight> {
+        let t = load_slice(src, slice).map_err(|e| BackendError::Weights(Box::new(e)))?;
+        let packed = match usage.linear {
+            Some(order) if t.shape.len() == 2 => {
+                Some(PackedMatrix::pack(&t, order, self.bf16_linears))
+            }
+            Some(_) => {
+                return Err(shape_err(format!(
+                    "a linear weight of shape {:?}; linear weights are 2-D",
+                    t.shape
+                )))
+            }
+            None => None,
         };
-        assert_eq!(
-            k, k_w,
-            "linear: {k} input features against a weight of {:?}",
-            w.shape
-        );
-        let mut shape = x.shape.clone();
-        *shape.last_mut().expect("activations have a feature dim") = n;
-        let mut out = Tensor::zeros(shape);
-        // The right-hand side is W read as [k, n] through its strides.
-        gemm_f32(
-            (m, n, k),
-            &mut out.data,
-            n,
-            &x.data,
-            (&w.data, rhs_rs, rhs_cs),
-            self.threads,
-        );
-        out
+        let dense = (usage.other || packed.is_none()).then_some(t);
+        Ok(CpuWeight { packed, dense })
     }
 
-    fn packed_linear(&self, x: &Tensor, w: &PackedMatrix) -> Tensor {
-        w.matmul(x, &self.team)
+    fn weight_bytes(&self, w: &CpuWeight) -> usize {
+        w.packed.as_ref().map_or(0, PackedMatrix::bytes)
+            + w.dense.as_ref().map_or(0, |t| t.data.len() * 4)
     }
 
-    fn rms_norm(&self, x: &Tensor, w: &[f32], group: usize, eps: f32) -> Tensor {
-        let mut out = x.pooled_copy();
+    fn embedding(&self, ids: &[i64], table: &CpuWeight, offset: usize) -> BackendResult<Tensor> {
+        let table = table.dense()?;
+        let (rows, cols) = table.rows_cols();
+        let mut out = Tensor::zeros(vec![ids.len(), cols]);
+        for (r, &id) in ids.iter().enumerate() {
+            // Ids outside this rank's rows contribute zeros; the all-reduce adds the rest.
+            if let Some(local) = usize::try_from(id)
+                .ok()
+                .and_then(|id| id.checked_sub(offset))
+                .filter(|&l| l < rows)
+            {
+                out.data[r * cols..(r + 1) * cols]
+                    .copy_from_slice(&table.data[local * cols..(local + 1) * cols]);
+            }
+        }
+        Ok(out)
+    }
+
+    fn linear(&self, x: &Tensor, w: &CpuWeight) -> BackendResult<Tensor> {
+        let w = w.packed.as_ref().ok_or_else(|| {
+            BackendError::Unsupported("the weight was not uploaded for linear use".into())
+        })?;
+        if x.cols() != w.k {
+            return Err(shape_err(format!(
+                "{} input features against a weight of {} inputs",
+                x.cols(),
+                w.k
+            )));
+        }
+        Ok(w.matmul(x, &self.team))
+    }
+
+    fn bias_add(&self, x: &mut Tensor, bias: &CpuWeight) -> BackendResult<()> {
+        let bias = &bias.dense()?.data;
+        if bias.is_empty() || x.cols() != bias.len() {
+            return Err(shape_err(format!(
+                "a bias of {} values on rows of {}",
+                bias.len(),
+                x.cols()
+            )));
+        }
+        for row in x.data.chunks_mut(bias.len()) {
+            row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
+        }
+        Ok(())
+    }
+
+    fn binary(&self, x: &mut Tensor, y: &Tensor, op: BinaryOp) -> BackendResult<()> {
+        if x.data.len() != y.data.len() {
+            return Err(shape_err(format!(
+                "operands of {} and {} elements",
+                x.data.len(),
+                y.data.len()
+            )));
+        }
+        self.team
+            .for_each_part(&mut x.data, 1, PARALLEL_MIN, &|part, offset| {
+                let y = &y.data[offset..offset + part.len()];
+                with_avx2(|| match op {
+                    BinaryOp::Add => part.iter_mut().zip(y).for_each(|(o, v)| *o += v),
+                    BinaryOp::Mul => part.iter_mut().zip(y).for_each(|(o, v)| *o *= v),
+                })
+            });
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &CpuWeight, group: usize, eps: f32) -> BackendResult<Tensor> {
+        let w = &w.dense()?.data;
         let group = group.max(1);
+        if x.cols() % group != 0 || w.len() != group {
+            return Err(shape_err(format!(
+                "RMSNorm over groups of {group} with {} scales on rows of {}",
+                w.len(),
+                x.cols()
+            )));
+        }
+        let mut out = x.pooled_copy();
         self.team
             .for_each_part(&mut out.data, group, PARALLEL_MIN, &|part, _| {
                 for o in part.chunks_mut(group) {
@@ -150,22 +290,25 @@ impl Backend for CpuBackend {
                     }
                 }
             });
-        out
+        Ok(out)
     }
 
-    fn binary(&self, x: &mut Tensor, y: &Tensor, op: BinaryOp) {
-        self.team
-            .for_each_part(&mut x.data, 1, PARALLEL_MIN, &|part, offset| {
-                let y = &y.data[offset..offset + part.len()];
-                with_avx2(|| match op {
-                    BinaryOp::Add => part.iter_mut().zip(y).for_each(|(o, v)| *o += v),
-                    BinaryOp::Mul => part.iter_mut().zip(y).for_each(|(o, v)| *o *= v),
-                })
-            });
-    }
-
-    fn layer_norm(&self, x: &Tensor, w: &[f32], b: &[f32], eps: f32) -> Tensor {
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        w: &CpuWeight,
+        b: &CpuWeight,
+        eps: f32,
+    ) -> BackendResult<Tensor> {
+        let (w, b) = (&w.dense()?.data, &b.dense()?.data);
         let cols = x.cols();
+        if w.len() != cols || b.len() != cols {
+            return Err(shape_err(format!(
+                "LayerNorm with {} scales and {} shifts on rows of {cols}",
+                w.len(),
+                b.len()
+            )));
+        }
         let mut out = x.pooled_copy();
         for (row, o) in x.data.chunks(cols).zip(out.data.chunks_mut(cols)) {
             let mean = row.iter().map(|&v| v as f64).sum::<f64>() / cols as f64;
@@ -175,10 +318,10 @@ impl Backend for CpuBackend {
                 *o = ((row[i] as f64 - mean) * inv) as f32 * w[i] + b[i];
             }
         }
-        out
+        Ok(out)
     }
 
-    fn activation(&self, x: &mut Tensor, kind: ActivationKind) {
+    fn activation(&self, x: &mut Tensor, kind: ActivationKind) -> BackendResult<()> {
         match kind {
             ActivationKind::Silu => self.map_in_place(x, fastmath::silu),
             ActivationKind::Relu => self.map_in_place(x, |v| v.max(0.0)),
@@ -192,11 +335,22 @@ impl Backend for CpuBackend {
                 (0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh())) as f32
             }),
         }
+        Ok(())
     }
 
-    fn rope(&self, x: &mut Tensor, head_dim: usize, t: &RopeTables) {
+    fn rope_tables(&self, op: &RopeOp, positions: &[i64]) -> BackendResult<RopeTables> {
+        Ok(rope::tables(op, positions))
+    }
+
+    fn rope(&self, x: &mut Tensor, head_dim: usize, t: &RopeTables) -> BackendResult<()> {
         let (rows, cols) = x.rows_cols();
         let half = t.half;
+        if head_dim == 0 || cols % head_dim != 0 || 2 * half > head_dim || t.cos.len() < rows * half
+        {
+            return Err(shape_err(format!(
+                "rotary embedding of {half} pairs per head of {head_dim} on {rows} rows of {cols}"
+            )));
+        }
         for r in 0..rows {
             let cos = &t.cos[r * half..(r + 1) * half];
             let sin = &t.sin[r * half..(r + 1) * half];
@@ -209,24 +363,218 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        Ok(())
+    }
+
+    fn new_kv(&self, k_width: usize, v_width: usize) -> CpuKv {
+        CpuKv {
+            k_width,
+            v_width,
+            ..Default::default()
+        }
+    }
+
+    fn reserve_kv(&self, kv: &mut CpuKv, positions: usize) {
+        // Only an optimisation: if the memory is not there (an absurd token limit), the cache
+        // grows as it goes and fails, if it must, with the first real need.
+        let _ = kv.k.try_reserve(
+            positions
+                .saturating_mul(kv.k_width)
+                .saturating_sub(kv.k.len()),
+        );
+        let _ = kv.v.try_reserve(
+            positions
+                .saturating_mul(kv.v_width)
+                .saturating_sub(kv.v.len()),
+        );
+    }
+
+    fn clear_kv(&self, kv: &mut CpuKv) {
+        kv.k.clear();
+        kv.v.clear();
     }
 
     fn attention(
         &self,
-        q: &Tensor,
-        k: &[f32],
-        v: &[f32],
+        [q, k, v]: [&Tensor; 3],
+        caches: &mut [CpuKv],
+        segments: &[Segment],
         d: usize,
-        kv_heads: usize,
         scale: f32,
-    ) -> Tensor {
-        super::attention::causal_attention(&self.team, q, k, v, d, kv_heads, scale)
+    ) -> BackendResult<Tensor> {
+        let (rows, qcols) = q.rows_cols();
+        let (kcols, vcols) = (k.cols(), v.cols());
+        let ok = d > 0
+            && qcols % d == 0
+            && kcols % d == 0
+            && kcols == vcols
+            && kcols > 0
+            && (qcols / d) % (kcols / d) == 0
+            && k.rows_cols().0 == rows
+            && v.rows_cols().0 == rows;
+        if !ok {
+            return Err(shape_err(format!(
+                "attention of q [{rows}, {qcols}], k [{}, {kcols}], v [{}, {vcols}] with heads of {d}",
+                k.rows_cols().0,
+                v.rows_cols().0
+            )));
+        }
+        let kv_heads = kcols / d;
+        let single = matches!(segments, [s] if s.rows == (0..rows));
+        let mut out = if single {
+            None
+        } else {
+            Some(Tensor::zeros(q.shape.clone()))
+        };
+        for s in segments {
+            let cache = caches
+                .get_mut(s.seq)
+                .ok_or_else(|| shape_err(format!("no KV cache for sequence {}", s.seq)))?;
+            if s.rows.end > rows || s.rows.start >= s.rows.end || cache.k_width != kcols {
+                return Err(shape_err(format!(
+                    "segment rows {:?} of {rows} into a cache of width {}",
+                    s.rows, cache.k_width
+                )));
+            }
+            if cache.k.len() / kcols != s.start {
+                return Err(shape_err(format!(
+                    "sequence {} starts at position {} but its cache holds {} tokens",
+                    s.seq,
+                    s.start,
+                    cache.k.len() / kcols
+                )));
+            }
+            cache
+                .k
+                .extend_from_slice(&k.data[s.rows.start * kcols..s.rows.end * kcols]);
+            cache
+                .v
+                .extend_from_slice(&v.data[s.rows.start * vcols..s.rows.end * vcols]);
+            match &mut out {
+                None => {
+                    return Ok(super::attention::causal_attention(
+                        &self.team, q, &cache.k, &cache.v, d, kv_heads, scale,
+                    ))
+                }
+                Some(out) => {
+                    let part = Tensor::new(
+                        vec![s.rows.len(), qcols],
+                        q.data[s.rows.start * qcols..s.rows.end * qcols].to_vec(),
+                    );
+                    let y = super::attention::causal_attention(
+                        &self.team, &part, &cache.k, &cache.v, d, kv_heads, scale,
+                    );
+                    out.data[s.rows.start * qcols..s.rows.end * qcols].copy_from_slice(&y.data);
+                    y.release();
+                }
+            }
+        }
+        out.ok_or_else(|| shape_err("attention over no segments".into()))
+    }
+
+    fn unfuse(&self, x: &Tensor, block: usize, offset: usize, len: usize) -> BackendResult<Tensor> {
+        let n = x.cols();
+        if block == 0 || offset + len > block || n % block != 0 {
+            return Err(shape_err(format!(
+                "columns {offset}..{} of blocks of {block} from rows of {n}",
+                offset + len
+            )));
+        }
+        let mut out = pool::empty(x.data.len() / block * len);
+        for chunk in x.data.chunks(block) {
+            out.extend_from_slice(&chunk[offset..offset + len]);
+        }
+        Ok(x.with_cols(n / block * len, out))
+    }
+
+    fn column_block(&self, x: &Tensor, k: usize, parts: usize) -> BackendResult<Tensor> {
+        let n = x.cols();
+        if parts == 0 || n % parts != 0 || k >= parts {
+            return Err(shape_err(format!(
+                "column block {k} of {parts} from rows of {n}"
+            )));
+        }
+        let mut out = pool::empty(x.data.len() / parts);
+        x.push_column_block(k, parts, &mut out);
+        Ok(x.with_cols(n / parts, out))
+    }
+
+    fn rows_to_rank_major(&self, x: &Tensor, parts: usize) -> BackendResult<Tensor> {
+        let n = x.cols();
+        if parts == 0 || n % parts != 0 {
+            return Err(shape_err(format!("rows of {n} into {parts} parts")));
+        }
+        let mut out = pool::empty(x.data.len());
+        for k in 0..parts {
+            x.push_column_block(k, parts, &mut out);
+        }
+        Ok(Tensor::new(vec![x.rows_cols().0 * parts, n / parts], out))
+    }
+
+    fn rank_major_to_rows(&self, x: &Tensor, parts: usize, keep: usize) -> BackendResult<Tensor> {
+        let (all_rows, n) = x.rows_cols();
+        if parts == 0 || all_rows % parts != 0 || keep > n * parts {
+            return Err(shape_err(format!(
+                "{all_rows} rank-major rows of {n} from {parts} parts, keeping {keep} columns"
+            )));
+        }
+        let rows = all_rows / parts;
+        let mut out = pool::empty(rows * keep);
+        for r in 0..rows {
+            let row_start = out.len();
+            for k in 0..parts {
+                out.extend_from_slice(&x.data[(k * rows + r) * n..(k * rows + r + 1) * n]);
+            }
+            out.truncate(row_start + keep);
+        }
+        Ok(Tensor::new(vec![rows, keep], out))
+    }
+
+    fn select_rows(&self, x: &Tensor, rows: &[usize]) -> BackendResult<Tensor> {
+        let (all, cols) = x.rows_cols();
+        let mut out = pool::empty(rows.len() * cols);
+        for &r in rows {
+            if r >= all {
+                return Err(shape_err(format!("row {r} of {all}")));
+            }
+            out.extend_from_slice(&x.data[r * cols..(r + 1) * cols]);
+        }
+        Ok(Tensor::new(vec![rows.len(), cols], out))
+    }
+
+    fn alloc(&self, shape: &[usize], dtype: DType) -> BackendResult<Tensor> {
+        if dtype != DType::F32 {
+            return Err(BackendError::Unsupported(format!(
+                "{dtype:?} activations; the CPU backend computes activations in f32"
+            )));
+        }
+        let n = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| BackendError::OutOfMemory(format!("a tensor of shape {shape:?}")))?;
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            data: pool::take(n),
+        })
+    }
+
+    fn copy(&self, x: &Tensor) -> BackendResult<Tensor> {
+        Ok(x.pooled_copy())
+    }
+
+    fn release(&self, x: Tensor) {
+        x.release();
+    }
+
+    fn to_host(&self, x: Tensor) -> BackendResult<Tensor> {
+        Ok(x)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ir::WeightOrder;
 
     fn naive(x: &Tensor, w: &Tensor, order: WeightOrder) -> Vec<f32> {
         let (m, k) = x.rows_cols();
@@ -251,8 +599,15 @@ mod tests {
         out
     }
 
+    fn dense(t: Tensor) -> CpuWeight {
+        CpuWeight {
+            packed: None,
+            dense: Some(t),
+        }
+    }
+
     #[test]
-    fn linear_matches_a_naive_product_in_both_weight_orders() {
+    fn gemm_and_packed_linear_match_a_naive_product_in_both_weight_orders() {
         let x = Tensor::new(
             vec![3, 5],
             (0..15).map(|i| (i as f32 * 0.37).sin()).collect(),
@@ -261,37 +616,124 @@ mod tests {
             vec![4, 5],
             (0..20).map(|i| (i as f32 * 0.11).cos()).collect(),
         );
+        let w2 = Tensor::new(vec![5, 4], w.data.clone());
         for threads in [1, 2] {
             let cpu = CpuBackend::new(threads);
-            let y = cpu.linear(&x, &w, WeightOrder::OutIn);
-            assert_eq!(y.shape, vec![3, 4]);
-            for (a, b) in y.data.iter().zip(naive(&x, &w, WeightOrder::OutIn)) {
-                assert!((a - b).abs() < 1e-5);
+            for (w, order, rs, cs) in [
+                (&w, WeightOrder::OutIn, 1isize, 5isize),
+                (&w2, WeightOrder::InOut, 4, 1),
+            ] {
+                let want = naive(&x, w, order);
+                let mut y = vec![0f32; 12];
+                gemm_f32((3, 4, 5), &mut y, 4, &x.data, (&w.data, rs, cs), threads);
+                let weight = CpuWeight {
+                    packed: Some(PackedMatrix::pack(w, order, false)),
+                    dense: None,
+                };
+                let packed = cpu.linear(&x, &weight).unwrap();
+                assert_eq!(packed.shape, vec![3, 4]);
+                for ((a, p), b) in y.iter().zip(&packed.data).zip(&want) {
+                    assert!((a - b).abs() < 1e-5 && (p - b).abs() < 1e-5, "{order:?}");
+                }
             }
-            let w2 = Tensor::new(vec![5, 4], w.data.clone());
-            let y = cpu.linear(&x, &w2, WeightOrder::InOut);
-            for (a, b) in y.data.iter().zip(naive(&x, &w2, WeightOrder::InOut)) {
-                assert!((a - b).abs() < 1e-5);
-            }
+            // A weight uploaded for other uses only cannot be multiplied by.
+            assert!(cpu.linear(&x, &dense(w.clone())).is_err());
         }
+    }
+
+    fn seg(seq: usize, rows: std::ops::Range<usize>, start: usize) -> Segment {
+        Segment { seq, rows, start }
     }
 
     #[test]
     fn attention_over_one_key_returns_its_value() {
         let cpu = CpuBackend::new(1);
         let q = Tensor::new(vec![1, 4], vec![1.0, 2.0, 3.0, 4.0]);
-        let out = cpu.attention(&q, &[0.5, 0.5], &[7.0, 8.0], 2, 1, 1.0);
+        let k = Tensor::new(vec![1, 2], vec![0.5, 0.5]);
+        let v = Tensor::new(vec![1, 2], vec![7.0, 8.0]);
+        let mut caches = vec![cpu.new_kv(2, 2)];
+        let out = cpu
+            .attention([&q, &k, &v], &mut caches, &[seg(0, 0..1, 0)], 2, 1.0)
+            .unwrap();
         assert_eq!(out.data, vec![7.0, 8.0, 7.0, 8.0]);
+        // The cache must hold what it was given; a segment that claims another start fails.
+        assert!(cpu
+            .attention([&q, &k, &v], &mut caches, &[seg(0, 0..1, 0)], 2, 1.0)
+            .is_err());
+    }
+
+    #[test]
+    fn a_ragged_batch_attends_each_sequence_to_its_own_cache_only() {
+        let cpu = CpuBackend::new(2);
+        let (d, hq, hk) = (4, 2, 1);
+        let rows = |n: usize, cols: usize, salt: usize| {
+            Tensor::new(
+                vec![n, cols],
+                (0..n * cols)
+                    .map(|i| (((i * 7 + salt * 13) % 11) as f32 - 5.0) / 3.0)
+                    .collect(),
+            )
+        };
+        // Sequence 0: 3 prompt rows; sequence 1: 5 prompt rows.
+        let (q, k, v) = (rows(8, hq * d, 1), rows(8, hk * d, 2), rows(8, hk * d, 3));
+        let mut batch = vec![cpu.new_kv(hk * d, hk * d), cpu.new_kv(hk * d, hk * d)];
+        let both = cpu
+            .attention(
+                [&q, &k, &v],
+                &mut batch,
+                &[seg(0, 0..3, 0), seg(1, 3..8, 0)],
+                d,
+                0.5,
+            )
+            .unwrap();
+        for (range, seq) in [(0..3, 0), (3..8, 1)] {
+            let part = |t: &Tensor| cpu.select_rows(t, &range.clone().collect::<Vec<_>>());
+            let (q1, k1, v1) = (part(&q).unwrap(), part(&k).unwrap(), part(&v).unwrap());
+            let mut alone = vec![cpu.new_kv(hk * d, hk * d)];
+            let n = range.len();
+            let y = cpu
+                .attention([&q1, &k1, &v1], &mut alone, &[seg(0, 0..n, 0)], d, 0.5)
+                .unwrap();
+            let cols = hq * d;
+            assert_eq!(
+                &both.data[range.start * cols..range.end * cols],
+                &y.data[..],
+                "sequence {seq}"
+            );
+            assert_eq!(batch[seq].k, alone[0].k);
+        }
     }
 
     #[test]
     fn group_rms_norm_normalizes_each_head() {
         let cpu = CpuBackend::new(1);
         let x = Tensor::new(vec![1, 4], vec![3.0, 4.0, 1.0, 1.0]);
-        let y = cpu.rms_norm(&x, &[1.0, 1.0], 2, 0.0);
+        let w = dense(Tensor::new(vec![2], vec![1.0, 1.0]));
+        let y = cpu.rms_norm(&x, &w, 2, 0.0).unwrap();
         let expect = [3.0 / 12.5f32.sqrt(), 4.0 / 12.5f32.sqrt(), 1.0, 1.0];
         for (a, b) in y.data.iter().zip(expect) {
             assert!((a - b).abs() < 1e-6);
         }
+    }
+
+    #[test]
+    fn rank_major_round_trip_and_unpadding() {
+        let cpu = CpuBackend::new(1);
+        // Two rows of 6 columns split 3 ways.
+        let x = Tensor::new(vec![2, 6], (0..12).map(|i| i as f32).collect());
+        let rm = cpu.rows_to_rank_major(&x, 3).unwrap();
+        assert_eq!(
+            rm.data,
+            vec![0., 1., 6., 7., 2., 3., 8., 9., 4., 5., 10., 11.]
+        );
+        let back = cpu.rank_major_to_rows(&rm, 3, 5).unwrap();
+        assert_eq!(back.shape, vec![2, 5]);
+        assert_eq!(back.data, vec![0., 1., 2., 3., 4., 6., 7., 8., 9., 10.]);
+        assert!(cpu.rank_major_to_rows(&rm, 5, 5).is_err());
+        let block = cpu.column_block(&x, 1, 3).unwrap();
+        assert_eq!(block.data, vec![2., 3., 8., 9.]);
+        let part = cpu.unfuse(&x, 3, 1, 2).unwrap();
+        assert_eq!(part.data, vec![1., 2., 4., 5., 7., 8., 10., 11.]);
+        assert!(cpu.unfuse(&x, 4, 1, 2).is_err());
     }
 }

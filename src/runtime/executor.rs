@@ -1,47 +1,68 @@
-//! One rank's executor: runs its program op by op on a backend, talking to the other
-//! ranks only through its communicator, with a KV cache per attention op.
+//! One rank's executor: runs its program op by op on a [`Backend`], talking to the other
+//! ranks only through its [`Collectives`]. It schedules (program order, liveness, in-place
+//! reuse) and never touches values itself: every op, layout ops and KV-cache appends
+//! included, is a backend call, so the same executor drives every device.
+//!
+//! A forward call takes a batch of sequences (each with its own KV caches and position):
+//! one prompt, a ragged batch of prompts, or one new token per live sequence.
 
-use super::backend::{Backend, BinaryOp};
-use super::comm::Communicator;
-use super::packed::PackedMatrix;
-use super::rope;
-use super::tensor::{pool, Tensor};
-use super::weights::{load_slice, WeightSource};
+use super::backend::{Activation, Backend, BackendError, BinaryOp, Segment, WeightUse};
+use super::collectives::{CollectiveError, Collectives};
+use super::tensor::Tensor;
+use super::weights::WeightSource;
 use crate::error::{Result, TpcError};
-use crate::ir::{Groups, InputKind, Op, RopeOp, WeightOrder};
+use crate::ir::{Groups, InputKind, Op, RopeOp};
 use crate::plan::{Instr, RankProgram};
 use std::collections::HashMap;
 
-enum Value {
+enum Value<A> {
     Ids(Vec<i64>),
-    F(Tensor),
+    Act(A),
 }
 
-/// A rank with its weights loaded and its KV cache.
-pub struct RankExecutor<'a, B: Backend, C: Communicator> {
+/// Which rows of the model output a forward call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputRows {
+    /// Every row of every sequence (prompt logits).
+    All,
+    /// The last row of each sequence (what generation samples from); the LM head then
+    /// computes nothing else.
+    LastOfEach,
+}
+
+/// A rank with its weights loaded and its KV caches.
+pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     program: &'a RankProgram,
-    backend: &'a B,
+    backend: B,
     pub comm: C,
     tp: usize,
-    /// Weights by value id.
-    params: HashMap<u32, Tensor>,
-    /// Linear weights packed for the GEMM (bf16 or f32 by compute dtype), by value id.
-    linears: HashMap<u32, PackedMatrix>,
-    /// Keys and values seen so far, per attention op.
-    cache: HashMap<u32, (Vec<f32>, Vec<f32>)>,
-    /// Tokens already in the cache.
-    pub position: usize,
+    rank: usize,
+    /// Weights by value id, in the backend's layout.
+    weights: HashMap<u32, B::Weight>,
+    /// Per attention op, its caches.
+    caches: HashMap<u32, AttentionCaches<B::Kv>>,
+    /// Tokens already cached, per sequence.
+    positions: Vec<usize>,
     /// The linears that compute the output (the LM head): only row-wise ops lie between
-    /// them and it, so they may run on the last row alone.
+    /// them and it, so they may run on the rows the caller wants alone.
     head_linears: Vec<u32>,
-    last_only: bool,
     /// Per value id, the index of the last instruction that reads it (`usize::MAX`: none):
     /// a value is released there, and an elementwise op that is its last reader works in
     /// place on it instead of on a copy.
     last_use: Vec<usize>,
-    values: Vec<Option<Value>>,
+    values: Vec<Option<Value<B::Act>>>,
+    /// Bytes of every collective message so far (the whole value, in its dtype).
+    pub collective_bytes: u64,
+    /// Bytes the weights occupy on the device.
+    pub weight_bytes: u64,
     /// Time and calls per op kind, when profiling.
     pub profile: Option<HashMap<&'static str, (std::time::Duration, u64)>>,
+}
+
+/// One attention op's KV caches: key and value widths per token, one cache per sequence.
+struct AttentionCaches<K> {
+    widths: (usize, usize),
+    seqs: Vec<K>,
 }
 
 fn bad(i: &Instr, problem: impl Into<String>) -> TpcError {
@@ -51,55 +72,82 @@ fn bad(i: &Instr, problem: impl Into<String>) -> TpcError {
     }
 }
 
-impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
-    /// Loads this rank's weight slices; with `bf16_linears`, linear weights stay bf16.
+fn on(i: &Instr) -> impl Fn(BackendError) -> TpcError + '_ {
+    move |source| TpcError::Backend {
+        name: i.name.to_string(),
+        source,
+    }
+}
+
+fn comm_err(e: CollectiveError) -> TpcError {
+    match e {
+        CollectiveError::Comm(c) => TpcError::Comm(c),
+        other => TpcError::Collective(other),
+    }
+}
+
+/// How the program uses each weight value.
+fn weight_uses(program: &RankProgram) -> HashMap<u32, WeightUse> {
+    let mut uses: HashMap<u32, WeightUse> = HashMap::new();
+    for i in &program.instrs {
+        for (slot, &id) in i.inputs.iter().enumerate() {
+            let u = uses.entry(id).or_default();
+            match (&i.op, slot) {
+                (Op::Linear(l), 1) => u.linear = Some(l.weight_order),
+                _ => u.other = true,
+            }
+        }
+    }
+    uses
+}
+
+impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
+    /// Uploads this rank's weight slices to the backend, in the layout each use wants.
     pub fn new(
         program: &'a RankProgram,
         weights: &dyn WeightSource,
-        backend: &'a B,
+        backend: B,
         comm: C,
-        bf16_linears: bool,
     ) -> Result<Self> {
         let slices: HashMap<&str, &crate::plan::WeightSlice> =
             program.weights.iter().map(|w| (&*w.tensor, w)).collect();
-        // How each weight is used: as a linear weight (in its stored order) or otherwise.
-        let mut linear_use: HashMap<u32, WeightOrder> = HashMap::new();
-        let mut other_use: std::collections::HashSet<u32> = Default::default();
-        for i in &program.instrs {
-            for (slot, &id) in i.inputs.iter().enumerate() {
-                match (&i.op, slot) {
-                    (Op::Linear(l), 1) => {
-                        linear_use.insert(id, l.weight_order);
-                    }
-                    _ => {
-                        other_use.insert(id);
-                    }
-                }
-            }
-        }
-        let mut params = HashMap::new();
-        let mut linears = HashMap::new();
+        let uses = weight_uses(program);
+        let mut loaded = HashMap::new();
+        let mut weight_bytes = 0u64;
         for i in &program.instrs {
             if let Op::Param(p) = &i.op {
                 let w = slices
                     .get(&*p.tensor)
                     .ok_or_else(|| bad(i, "its weight is not in the rank's manifest"))?;
-                let t = load_slice(weights, w)?;
-                match linear_use.get(&i.id) {
-                    Some(&order) if t.shape.len() == 2 => {
-                        linears.insert(i.id, PackedMatrix::pack(&t, order, bf16_linears));
-                        if other_use.contains(&i.id) {
-                            params.insert(i.id, t);
-                        }
-                    }
-                    _ => {
-                        params.insert(i.id, t);
-                    }
-                }
+                let usage = uses.get(&i.id).copied().unwrap_or_default();
+                let weight = backend.upload(weights, w, usage).map_err(|e| match e {
+                    BackendError::Weights(e) => *e,
+                    e => on(i)(e),
+                })?;
+                weight_bytes += backend.weight_bytes(&weight) as u64;
+                loaded.insert(i.id, weight);
             }
         }
-        let tp = comm.world_size();
-        let head_linears = head_linears(program);
+        let mut caches = HashMap::new();
+        for i in &program.instrs {
+            if let Op::Attention(_) = &i.op {
+                let width = |slot: usize| {
+                    let id = *i.inputs.get(slot)?;
+                    let x = program.instrs.iter().find(|x| x.id == id)?;
+                    usize::try_from(x.fact.shape.fixed_elements()).ok()
+                };
+                let (Some(k), Some(v)) = (width(1), width(2)) else {
+                    return Err(bad(i, "its key or value width is not known"));
+                };
+                caches.insert(
+                    i.id,
+                    AttentionCaches {
+                        widths: (k, v),
+                        seqs: Vec::new(),
+                    },
+                );
+            }
+        }
         let max_id = program.instrs.iter().map(|i| i.id).max().unwrap_or(0) as usize;
         let mut last_use = vec![usize::MAX; max_id + 1];
         for (idx, i) in program.instrs.iter().enumerate() {
@@ -109,154 +157,285 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                 }
             }
         }
-        Ok(RankExecutor {
+        let mut exec = RankExecutor {
             program,
+            tp: comm.world_size(),
+            rank: comm.rank(),
             backend,
             comm,
-            tp,
-            params,
-            linears,
-            cache: HashMap::new(),
-            head_linears,
-            last_only: false,
+            weights: loaded,
+            caches,
+            positions: Vec::new(),
+            head_linears: head_linears(program),
             last_use,
             values: Vec::new(),
+            collective_bytes: 0,
+            weight_bytes,
             profile: None,
-            position: 0,
-        })
+        };
+        exec.set_sequences(1);
+        Ok(exec)
     }
 
-    /// Reserves KV-cache room for `positions` tokens so that decoding never grows it.
-    pub fn reserve_positions(&mut self, positions: usize) {
-        for i in &self.program.instrs {
-            if let (Op::Attention(_), Some(&k)) = (&i.op, i.inputs.get(1)) {
-                let Some(width) = self
-                    .program
-                    .instrs
-                    .iter()
-                    .find(|x| x.id == k)
-                    .map(|x| x.fact.shape.fixed_elements())
-                else {
-                    continue;
-                };
-                let (kc, vc) = self.cache.entry(i.id).or_default();
-                let want = positions.saturating_mul(width as usize);
-                // Only an optimisation: if the memory is not there (an absurd token limit),
-                // the cache grows as it goes and fails, if it must, with the first real need.
-                let _ = kc.try_reserve(want.saturating_sub(kc.len()));
-                let _ = vc.try_reserve(want.saturating_sub(vc.len()));
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Makes room for `n` sequences (caches of new ones are empty).
+    pub fn set_sequences(&mut self, n: usize) {
+        let b = &self.backend;
+        for c in self.caches.values_mut() {
+            while c.seqs.len() < n {
+                c.seqs.push(b.new_kv(c.widths.0, c.widths.1));
             }
         }
-    }
-
-    /// Forgets every cached token (keeping the cache's memory) to start a new sequence.
-    pub fn reset(&mut self) {
-        for (k, v) in self.cache.values_mut() {
-            k.clear();
-            v.clear();
+        if self.positions.len() < n {
+            self.positions.resize(n, 0);
         }
-        self.position = 0;
     }
 
-    /// Runs the program on `ids` (continuing after the tokens already cached) and returns
-    /// the model output (logits `[ids.len(), vocab]`).
-    pub fn forward(&mut self, ids: &[i64]) -> Result<Tensor> {
+    /// Tokens cached for sequence `seq`.
+    pub fn position(&self, seq: usize) -> usize {
+        self.positions.get(seq).copied().unwrap_or(0)
+    }
+
+    /// Reserves KV-cache room for `positions` tokens of sequence `seq`, so that decoding
+    /// never grows it.
+    pub fn reserve(&mut self, seq: usize, positions: usize) {
+        self.set_sequences(seq + 1);
+        let b = &self.backend;
+        for c in self.caches.values_mut() {
+            b.reserve_kv(&mut c.seqs[seq], positions);
+        }
+    }
+
+    /// Reserves room for `positions` tokens of sequence 0.
+    pub fn reserve_positions(&mut self, positions: usize) {
+        self.reserve(0, positions)
+    }
+
+    /// Forgets every cached token of every sequence (keeping the memory).
+    pub fn reset(&mut self) {
+        let b = &self.backend;
+        for c in self.caches.values_mut() {
+            c.seqs.iter_mut().for_each(|kv| b.clear_kv(kv));
+        }
+        self.positions.iter_mut().for_each(|p| *p = 0);
+    }
+
+    /// Runs the program on `ids` of sequence 0 (after the tokens it has cached) and returns
+    /// the model output: logits `[ids.len(), vocab]`, or `[1, vocab]` with `last_only`.
+    pub fn forward_rows(&mut self, ids: &[i64], last_only: bool) -> Result<Tensor> {
+        let rows = if last_only {
+            OutputRows::LastOfEach
+        } else {
+            OutputRows::All
+        };
+        self.forward(&[(0, ids)], rows)
+    }
+
+    /// As [`RankExecutor::forward_rows`] with every row.
+    pub fn forward_all(&mut self, ids: &[i64]) -> Result<Tensor> {
         self.forward_rows(ids, false)
     }
 
-    /// As [`RankExecutor::forward`]; with `last_only` the output is the last row's alone
-    /// (`[1, vocab]`) and the LM head computes nothing else.
-    pub fn forward_rows(&mut self, ids: &[i64], last_only: bool) -> Result<Tensor> {
-        self.last_only = last_only;
-        let start = self.position;
-        let positions: Vec<i64> = (start..start + ids.len()).map(|p| p as i64).collect();
+    /// Runs the program once over a batch: `(sequence, new token ids)` pairs, each sequence
+    /// continuing after its cached tokens. Returns the output rows `rows` asks for, in batch
+    /// order, on the host.
+    pub fn forward(&mut self, batch: &[(usize, &[i64])], rows: OutputRows) -> Result<Tensor> {
+        let mut segments = Vec::with_capacity(batch.len());
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        for &(seq, seq_ids) in batch {
+            if seq_ids.is_empty() {
+                return Err(TpcError::EmptyPrompt);
+            }
+            if segments.iter().any(|s: &Segment| s.seq == seq) {
+                return Err(TpcError::BadBatch {
+                    problem: format!("sequence {seq} appears twice in one batch"),
+                });
+            }
+            self.set_sequences(seq + 1);
+            let start = self.positions[seq];
+            segments.push(Segment {
+                seq,
+                rows: ids.len()..ids.len() + seq_ids.len(),
+                start,
+            });
+            ids.extend_from_slice(seq_ids);
+            positions.extend((start..start + seq_ids.len()).map(|p| p as i64));
+        }
+        let last_rows: Vec<usize> = segments.iter().map(|s| s.rows.end - 1).collect();
+        let select = (rows == OutputRows::LastOfEach && last_rows.len() < ids.len())
+            .then_some(last_rows.as_slice());
+        let out = self.run_program(&ids, &positions, &segments, select);
+        if out.is_ok() {
+            for s in &segments {
+                self.positions[s.seq] += s.rows.len();
+            }
+        }
+        out
+    }
+
+    fn run_program(
+        &mut self,
+        ids: &[i64],
+        positions: &[i64],
+        segments: &[Segment],
+        select: Option<&[usize]>,
+    ) -> Result<Tensor> {
         // The value table is kept between calls (its slots are all empty in between).
         let mut values = std::mem::take(&mut self.values);
         values.resize_with(self.last_use.len(), || None);
-        let mut ropes: HashMap<RopeOp, super::backend::RopeTables> = HashMap::new();
+        let mut ropes: HashMap<RopeOp, B::RopeTables> = HashMap::new();
         let mut output = None;
+        let mut result = Ok(());
         for (idx, i) in self.program.instrs.iter().enumerate() {
             let value = match &i.op {
                 Op::Param(_) => continue,
                 Op::Input(inp) => Value::Ids(match inp.kind {
                     InputKind::TokenIds => ids.to_vec(),
-                    InputKind::Positions => positions.clone(),
+                    InputKind::Positions => positions.to_vec(),
                 }),
                 Op::Output(_) => {
-                    output = Some(self.take_or_copy(&mut values, idx, i)?);
-                    continue;
+                    match self.take_or_copy(&mut values, idx, i) {
+                        Ok(v) => output = Some(v),
+                        Err(e) => result = Err(e),
+                    }
+                    break;
                 }
                 op => {
                     let started = self.profile.is_some().then(std::time::Instant::now);
-                    let v = self.run(op, idx, i, &mut values, &positions, &mut ropes)?;
+                    let step = self.run(
+                        op,
+                        idx,
+                        i,
+                        &mut values,
+                        positions,
+                        segments,
+                        select,
+                        &mut ropes,
+                    );
+                    let v = match step {
+                        Ok(v) => v,
+                        Err(e) => {
+                            result = Err(e);
+                            break;
+                        }
+                    };
                     if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
                         let e = p.entry(op.kind()).or_default();
                         e.0 += t.elapsed();
                         e.1 += 1;
                     }
-                    Value::F(v)
+                    Value::Act(v)
                 }
             };
             values[i.id as usize] = Some(value);
-            // Inputs read for the last time go back to the pool.
+            // Inputs read for the last time go back to the backend.
             for &id in &i.inputs {
                 if self.last_use.get(id as usize) == Some(&idx) {
-                    if let Some(Some(Value::F(t))) = values.get_mut(id as usize).map(Option::take) {
-                        t.release();
+                    if let Some(Some(Value::Act(t))) = values.get_mut(id as usize).map(Option::take)
+                    {
+                        self.backend.release(t);
                     }
                 }
             }
         }
         for v in values.iter_mut().filter_map(Option::take) {
-            if let Value::F(t) = v {
-                t.release();
+            if let Value::Act(t) = v {
+                self.backend.release(t);
             }
         }
         self.values = values;
-        self.position += ids.len();
-        output.ok_or_else(|| TpcError::BadInstruction {
+        result?;
+        let output = output.ok_or_else(|| TpcError::BadInstruction {
             name: "program".into(),
             problem: "it has no output".into(),
-        })
+        })?;
+        // When the LM head could not be narrowed (a non-row-wise op after it), narrow here.
+        let output = match select {
+            Some(rows) if output.rows_cols().0 != rows.len() => {
+                let narrowed = self.backend.select_rows(&output, rows);
+                self.backend.release(output);
+                narrowed.map_err(|source| TpcError::Backend {
+                    name: "output".into(),
+                    source,
+                })?
+            }
+            _ => output,
+        };
+        self.backend
+            .to_host(output)
+            .map_err(|source| TpcError::Backend {
+                name: "output".into(),
+                source,
+            })
     }
 
-    fn ids<'v>(&self, values: &'v [Option<Value>], i: &Instr, slot: usize) -> Result<&'v [i64]> {
-        let id = i.inputs[slot] as usize;
+    fn ids<'v>(
+        &self,
+        values: &'v [Option<Value<B::Act>>],
+        i: &Instr,
+        slot: usize,
+    ) -> Result<&'v [i64]> {
+        let id = *i
+            .inputs
+            .get(slot)
+            .ok_or_else(|| bad(i, format!("input {slot} is missing")))? as usize;
         match values.get(id) {
             Some(Some(Value::Ids(v))) => Ok(v),
             _ => Err(bad(i, format!("input %{id} is not token ids"))),
         }
     }
 
-    /// Input 0 of instruction `idx` as an owned tensor: the value itself when this is its
-    /// last reader (and it is not read twice here), else a pooled copy.
-    fn take_or_copy(&self, values: &mut [Option<Value>], idx: usize, i: &Instr) -> Result<Tensor> {
+    fn weight(&self, i: &Instr, slot: usize) -> Result<&B::Weight> {
+        let id = *i
+            .inputs
+            .get(slot)
+            .ok_or_else(|| bad(i, format!("input {slot} is missing")))?;
+        self.weights
+            .get(&id)
+            .ok_or_else(|| bad(i, format!("input {slot} (%{id}) is not a weight")))
+    }
+
+    /// Input 0 of instruction `idx` as an owned buffer: the value itself when this is its
+    /// last reader (and it is not read twice here), else a copy.
+    fn take_or_copy(
+        &self,
+        values: &mut [Option<Value<B::Act>>],
+        idx: usize,
+        i: &Instr,
+    ) -> Result<B::Act> {
         let id = *i
             .inputs
             .first()
             .ok_or_else(|| bad(i, "input 0 is missing"))?;
         let last = self.last_use.get(id as usize) == Some(&idx)
-            && i.inputs.iter().filter(|&&x| x == id).count() == 1
-            && !self.params.contains_key(&id);
+            && i.inputs.iter().filter(|&&x| x == id).count() == 1;
         if last {
             if let Some(slot) = values.get_mut(id as usize) {
-                if let Some(Value::F(t)) = slot.take() {
+                if let Some(Value::Act(t)) = slot.take() {
                     return Ok(t);
                 }
             }
         }
-        Ok(input_tensor(&self.params, values, i, 0)?.pooled_copy())
+        let x = act(values, i, 0)?;
+        self.backend.copy(x).map_err(on(i))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
         op: &Op,
         idx: usize,
         i: &Instr,
-        values: &mut [Option<Value>],
+        values: &mut [Option<Value<B::Act>>],
         positions: &[i64],
-        ropes: &mut HashMap<RopeOp, super::backend::RopeTables>,
-    ) -> Result<Tensor> {
+        segments: &[Segment],
+        select: Option<&[usize]>,
+        ropes: &mut HashMap<RopeOp, B::RopeTables>,
+    ) -> Result<B::Act> {
         // Elementwise ops write into their first input when nothing reads it later.
         let in_place = matches!(
             op,
@@ -277,167 +456,139 @@ impl<'a, B: Backend, C: Communicator> RankExecutor<'a, B, C> {
                 .take()
                 .ok_or_else(|| bad(i, "input 0 was already used"))
         };
-        let values: &[Option<Value>] = values;
-        let b = self.backend;
-        let params = &self.params;
-        let t = |slot| input_tensor(params, values, i, slot);
+        let values: &[Option<Value<B::Act>>] = values;
+        let b = &self.backend;
+        let err = on(i);
+        let x = |slot| act(values, i, slot);
         Ok(match op {
             Op::Embedding(e) => {
-                let ids = self.ids(values, i, 0)?;
-                let table = t(1)?;
-                let (rows, cols) = table.rows_cols();
-                let (offset, len) = e
-                    .vocab_range
-                    .map(|(o, l)| (o as usize, l as usize))
-                    .unwrap_or((0, rows));
-                let mut out = Tensor::zeros(vec![ids.len(), cols]);
-                for (r, &id) in ids.iter().enumerate() {
-                    let id = id as usize;
-                    // Ids outside this rank's rows contribute zeros; the all-reduce adds the rest.
-                    if id >= offset && id < offset + len {
-                        let row = &table.data[(id - offset) * cols..(id - offset + 1) * cols];
-                        out.data[r * cols..(r + 1) * cols].copy_from_slice(row);
-                    }
-                }
-                out
+                let offset = e.vocab_range.map(|(o, _)| o as usize).unwrap_or(0);
+                b.embedding(self.ids(values, i, 0)?, self.weight(i, 1)?, offset)
+                    .map_err(err)?
             }
-            Op::Linear(l) => {
-                let x = t(0)?;
-                // The LM head of a generation step needs the last row only.
-                let last =
-                    (self.last_only && x.rows_cols().0 > 1 && self.head_linears.contains(&i.id))
-                        .then(|| x.last_row());
-                let x = last.as_ref().unwrap_or(x);
-                let y = match self.linears.get(&i.inputs[1]) {
-                    Some(w) if x.cols() != w.k => {
-                        return Err(bad(
-                            i,
-                            format!(
-                                "{} input features against a weight of {} inputs",
-                                x.cols(),
-                                w.k
-                            ),
-                        ))
+            Op::Linear(_) => {
+                let x = x(0)?;
+                // The LM head of a generation step needs the selected rows only.
+                let narrowed = match select {
+                    Some(rows) if self.head_linears.contains(&i.id) => {
+                        Some(b.select_rows(x, rows).map_err(&err)?)
                     }
-                    Some(w) => b.packed_linear(x, w),
-                    None => b.linear(x, t(1)?, l.weight_order),
+                    _ => None,
                 };
-                if let Some(last) = last {
-                    last.release();
+                let y = b.linear(narrowed.as_ref().unwrap_or(x), self.weight(i, 1)?);
+                if let Some(n) = narrowed {
+                    b.release(n);
                 }
-                y
+                y.map_err(err)?
             }
             Op::BiasAdd(_) => {
-                let (mut out, bias) = (owned()?, t(1)?);
-                let n = bias.data.len();
-                for row in out.data.chunks_mut(n) {
-                    row.iter_mut().zip(&bias.data).for_each(|(o, b)| *o += b);
-                }
+                let mut out = owned()?;
+                b.bias_add(&mut out, self.weight(i, 1)?).map_err(err)?;
                 out
             }
             Op::Add(_) | Op::Mul(_) => {
-                let (mut out, y) = (owned()?, t(1)?);
-                if out.data.len() != y.data.len() {
-                    return Err(bad(
-                        i,
-                        format!(
-                            "operands of {} and {} elements",
-                            out.data.len(),
-                            y.data.len()
-                        ),
-                    ));
-                }
+                let mut out = owned()?;
                 let kind = if matches!(op, Op::Add(_)) {
                     BinaryOp::Add
                 } else {
                     BinaryOp::Mul
                 };
-                b.binary(&mut out, y, kind);
+                b.binary(&mut out, x(1)?, kind).map_err(err)?;
                 out
             }
             Op::Activation(a) => {
                 let mut out = owned()?;
-                b.activation(&mut out, a.kind);
+                b.activation(&mut out, a.kind).map_err(err)?;
                 out
             }
             Op::RmsNorm(n) => {
-                let x = t(0)?;
-                let group = n.group.map(|g| g as usize).unwrap_or(x.cols());
-                b.rms_norm(x, &t(1)?.data, group, n.eps.0 as f32)
+                let x = x(0)?;
+                let group = n.group.map(|g| g as usize).unwrap_or(x.rows_cols().1);
+                b.rms_norm(x, self.weight(i, 1)?, group, n.eps.0 as f32)
+                    .map_err(err)?
             }
-            Op::LayerNorm(n) => b.layer_norm(t(0)?, &t(1)?.data, &t(2)?.data, n.eps.0 as f32),
+            Op::LayerNorm(n) => b
+                .layer_norm(
+                    x(0)?,
+                    self.weight(i, 1)?,
+                    self.weight(i, 2)?,
+                    n.eps.0 as f32,
+                )
+                .map_err(err)?,
             Op::Rope(r) => {
                 let mut out = owned()?;
-                let tables = ropes
-                    .entry(r.clone())
-                    .or_insert_with(|| rope::tables(r, positions));
-                b.rope(&mut out, r.head_dim as usize, tables);
+                if !ropes.contains_key(r) {
+                    let t = b.rope_tables(r, positions).map_err(&err)?;
+                    ropes.insert(r.clone(), t);
+                }
+                b.rope(&mut out, r.head_dim as usize, &ropes[r])
+                    .map_err(err)?;
                 out
             }
             Op::Attention(a) => {
                 let d = a.head_dim as usize;
-                let (q, k, v) = (t(0)?, t(1)?, t(2)?);
-                let kv_heads = k.cols() / d;
-                let (kc, vc) = self.cache.entry(i.id).or_default();
-                kc.extend_from_slice(&k.data);
-                vc.extend_from_slice(&v.data);
                 let scale = a
                     .scale
                     .map(|s| s.0 as f32)
                     .unwrap_or(1.0 / (d as f32).sqrt());
-                let (kc, vc) = &self.cache[&i.id];
-                b.attention(q, kc, vc, d, kv_heads, scale)
+                let (q, k, v) = (x(0)?, x(1)?, x(2)?);
+                let caches = self
+                    .caches
+                    .get_mut(&i.id)
+                    .ok_or_else(|| bad(i, "it has no KV cache"))?;
+                b.attention([q, k, v], &mut caches.seqs, segments, d, scale)
+                    .map_err(err)?
             }
-            Op::Unfuse(u) => unfuse(t(0)?, &u.groups, u.part as usize)
-                .ok_or_else(|| bad(i, "its structure does not fit its input"))?,
+            Op::Unfuse(u) => {
+                let x = x(0)?;
+                let (block, offset, len) =
+                    unfuse_block(&u.groups, u.part as usize, x.rows_cols().1)
+                        .ok_or_else(|| bad(i, "its structure does not fit its input"))?;
+                b.unfuse(x, block, offset, len).map_err(err)?
+            }
             Op::AllReduce(_) => {
                 let mut out = owned()?;
-                self.comm.all_reduce_sum(&mut out.data)?;
+                self.collective_bytes += message_bytes(&out);
+                self.comm.all_reduce_sum(&mut out).map_err(comm_err)?;
                 out
             }
             Op::AllGather(g) => {
-                let x = t(0)?;
+                let x = x(0)?;
                 let (rows, n) = x.rows_cols();
-                let mut gathered = pool::take(x.data.len() * self.tp);
-                self.comm.all_gather(&x.data, &mut gathered)?;
+                let mut gathered = b.alloc(&[rows * self.tp, n], x.dtype()).map_err(&err)?;
+                self.collective_bytes += message_bytes(&gathered);
+                let sent = self.comm.all_gather(x, &mut gathered).map_err(comm_err);
                 // Rank-major pieces [tp][rows][n] → [rows][tp·n], then drop vocab padding.
                 let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
-                let mut out = pool::empty(rows * keep);
-                for r in 0..rows {
-                    let row_start = out.len();
-                    for k in 0..self.tp {
-                        out.extend_from_slice(
-                            &gathered[(k * rows + r) * n..(k * rows + r + 1) * n],
-                        );
-                    }
-                    out.truncate(row_start + keep);
-                }
-                pool::give(gathered);
-                x.with_cols(keep, out)
+                let out = sent
+                    .and_then(|()| b.rank_major_to_rows(&gathered, self.tp, keep).map_err(&err));
+                b.release(gathered);
+                out?
             }
             Op::ReduceScatter(_) => {
-                // Rank-major pieces for the communicator: [tp][rows][n / tp].
-                let x = t(0)?;
-                let mut arranged = pool::empty(x.data.len());
-                for k in 0..self.tp {
-                    x.push_column_block(k, self.tp, &mut arranged);
-                }
-                let mut out = pool::take(x.data.len() / self.tp);
-                self.comm.reduce_scatter_sum(&arranged, &mut out)?;
-                pool::give(arranged);
-                x.with_cols(x.cols() / self.tp, out)
+                let x = x(0)?;
+                let (rows, n) = x.rows_cols();
+                let arranged = b.rows_to_rank_major(x, self.tp).map_err(&err)?;
+                let mut out = b.alloc(&[rows, n / self.tp], x.dtype()).map_err(&err)?;
+                self.collective_bytes += message_bytes(&arranged);
+                let sent = self
+                    .comm
+                    .reduce_scatter_sum(&arranged, &mut out)
+                    .map_err(comm_err);
+                b.release(arranged);
+                sent?;
+                out
             }
-            Op::LocalSlice(_) => {
-                let x = t(0)?;
-                let mut out = pool::empty(x.data.len() / self.tp);
-                x.push_column_block(self.comm.rank(), self.tp, &mut out);
-                x.with_cols(x.cols() / self.tp, out)
-            }
+            Op::LocalSlice(_) => b.column_block(x(0)?, self.rank, self.tp).map_err(err)?,
             Op::Param(_) | Op::Input(_) | Op::Output(_) => {
                 return Err(bad(i, "is not a compute op"))
             }
         })
     }
+}
+
+fn message_bytes<A: Activation>(a: &A) -> u64 {
+    (a.elements() as u64).saturating_mul(a.dtype().size_bytes())
 }
 
 /// The linears whose outputs reach the program's output through row-wise ops only.
@@ -457,7 +608,9 @@ fn head_linears(program: &RankProgram) -> Vec<u32> {
             // Row-wise: each output row depends on the same input row only (parameters
             // aside), so slicing rows before them equals slicing after.
             Op::BiasAdd(_) | Op::AllGather(_) | Op::AllReduce(_) | Op::Activation(_) => {
-                stack.push(i.inputs[0])
+                if let Some(&first) = i.inputs.first() {
+                    stack.push(first)
+                }
             }
             // Anything else (attention, norms of a residual stream reused elsewhere, ...)
             // would need its other inputs sliced too: leave this path at full rows.
@@ -467,56 +620,44 @@ fn head_linears(program: &RankProgram) -> Vec<u32> {
     heads
 }
 
-fn input_tensor<'v>(
-    params: &'v HashMap<u32, Tensor>,
-    values: &'v [Option<Value>],
-    i: &Instr,
-    slot: usize,
-) -> Result<&'v Tensor> {
+fn act<'v, A>(values: &'v [Option<Value<A>>], i: &Instr, slot: usize) -> Result<&'v A> {
     let id = *i
         .inputs
         .get(slot)
         .ok_or_else(|| bad(i, format!("input {slot} is missing")))?;
-    if let Some(t) = params.get(&id) {
-        return Ok(t);
-    }
     match values.get(id as usize) {
-        Some(Some(Value::F(t))) => Ok(t),
-        _ => Err(bad(i, format!("input %{id} is not a computed tensor"))),
+        Some(Some(Value::Act(t))) => Ok(t),
+        _ => Err(bad(i, format!("input %{id} is not a computed activation"))),
     }
 }
 
-/// Part `part` of a fused last dim.
-fn unfuse(x: &Tensor, groups: &Groups, part: usize) -> Option<Tensor> {
-    let (rows, n) = x.rows_cols();
-    // (offset, len) of the part inside each repeating block of `block` columns.
+/// Where part `part` of a fused last dim of `n` columns lies: (block, offset, len) within
+/// each repeating block of `block` columns.
+fn unfuse_block(groups: &Groups, part: usize, n: usize) -> Option<(usize, usize, usize)> {
     let (block, offset, len) = match groups {
         Groups::Concat(parts) => {
             let lens: Vec<u64> = parts
                 .iter()
                 .map(|p| p.covered_len())
                 .collect::<Option<_>>()?;
-            let offset: u64 = lens[..part].iter().sum();
-            (n, offset as usize, *lens.get(part)? as usize)
+            let offset: u64 = lens.get(..part)?.iter().sum();
+            (n as u64, offset, *lens.get(part)?)
         }
         Groups::Interleaved { heads, parts } => {
             let block: u64 = parts.iter().sum();
-            let offset: u64 = parts[..part].iter().sum();
-            if block * heads != n as u64 {
+            let offset: u64 = parts.get(..part)?.iter().sum();
+            if block.checked_mul(*heads)? != n as u64 {
                 return None;
             }
-            (block as usize, offset as usize, *parts.get(part)? as usize)
+            (block, offset, *parts.get(part)?)
         }
         _ => return None,
     };
-    if offset + len > block || n % block != 0 {
-        return None;
-    }
-    let mut out = pool::empty(rows * n / block * len);
-    for chunk in x.data.chunks(block) {
-        out.extend_from_slice(&chunk[offset..offset + len]);
-    }
-    let mut shape = x.shape.clone();
-    *shape.last_mut()? = n / block * len;
-    Some(Tensor::new(shape, out))
+    let (block, offset, len) = (
+        usize::try_from(block).ok()?,
+        usize::try_from(offset).ok()?,
+        usize::try_from(len).ok()?,
+    );
+    (offset.checked_add(len)? <= block && block > 0 && n % block == 0)
+        .then_some((block, offset, len))
 }

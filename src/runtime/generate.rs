@@ -1,10 +1,11 @@
-//! Generation on tp CPU ranks: one thread per rank, each with its own slice of the weights
-//! and its own KV cache, joined only by collectives. Every rank computes the same logits
-//! (bit-identical after the gather) and so picks the same tokens with the same seed.
+//! Generation on one rank, for any backend and communicator: a batch of sequences is
+//! prefilled in one ragged forward call, then decoded one token per live sequence per step;
+//! finished sequences drop out. Every rank computes the same logits (bit-identical after
+//! the gather) and so picks the same tokens with the same seed, without a broadcast.
 
-use super::comm::{local_group, Communicator, LocalComm};
-use super::cpu::CpuBackend;
-use super::executor::RankExecutor;
+use super::backend::Backend;
+use super::collectives::Collectives;
+use super::executor::{OutputRows, RankExecutor};
 use super::sampling::{pick, Rng, Sampling};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
@@ -18,6 +19,7 @@ use std::time::Instant;
 pub enum Stage {
     Loaded,
     Prefilled,
+    /// Tokens generated so far over the batch.
     Token(usize),
 }
 
@@ -47,6 +49,7 @@ impl ComputeDtype {
 #[derive(Clone)]
 pub struct RunOptions {
     pub dtype: ComputeDtype,
+    /// New tokens per sequence unless its request says otherwise.
     pub max_new_tokens: usize,
     pub sampling: Sampling,
     /// Stop when one of these is generated.
@@ -61,7 +64,7 @@ pub struct RunOptions {
     /// Pin every rank's compute threads to cores, round robin (`affinity.rs`; `--pin`).
     /// Off by default: on this project's 2-vCPU machine it measured no gain beyond noise.
     pub pin_threads: bool,
-    /// Untimed generations before the timed ones (same prompt, cache reset each time).
+    /// Untimed generations before the timed ones (same prompts, caches reset each time).
     pub warmup: usize,
     /// Timed generations (at least 1); the best prefill and decode times are reported.
     pub repeat: usize,
@@ -102,6 +105,63 @@ impl Default for RunOptions {
     }
 }
 
+/// One sequence to generate from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub prompt: Vec<i64>,
+    /// New tokens for this sequence; `None`: the run's `max_new_tokens`.
+    pub max_new_tokens: Option<usize>,
+}
+
+/// What one sequence produced.
+#[derive(Debug, Clone)]
+pub struct SequenceOutput {
+    pub generated: Vec<i64>,
+    /// Logits of the prompt, `[prompt_len, vocab]` (`[1, vocab]`, the last position, unless
+    /// `all_prompt_logits`), padding removed.
+    pub prompt_logits: Tensor,
+}
+
+/// A batch's results, in request order, with rank 0's figures.
+#[derive(Debug, Clone)]
+pub struct BatchOutput {
+    pub sequences: Vec<SequenceOutput>,
+    pub prompt_tokens: usize,
+    pub load_seconds: f64,
+    pub prefill_seconds: f64,
+    /// Wall time of the decode steps after the first new tokens.
+    pub decode_seconds: f64,
+    /// Bytes of collective messages rank 0 sent in the (last timed) generation.
+    pub collective_bytes: u64,
+    /// Bytes rank 0's weights occupy in its backend.
+    pub weight_bytes: u64,
+    /// Rank 0's time per op kind (seconds, calls), largest first, when profiled.
+    pub profile: Vec<(String, f64, u64)>,
+}
+
+impl BatchOutput {
+    pub fn generated_tokens(&self) -> usize {
+        self.sequences.iter().map(|s| s.generated.len()).sum()
+    }
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_seconds.max(1e-12)
+    }
+    /// Tokens after each sequence's first new one, over the decode wall time.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let n: usize = self
+            .sequences
+            .iter()
+            .map(|s| s.generated.len().saturating_sub(1))
+            .sum();
+        if n == 0 {
+            0.0
+        } else {
+            n as f64 / self.decode_seconds.max(1e-12)
+        }
+    }
+}
+
+/// One sequence's run (the single-prompt view of a [`BatchOutput`]).
 #[derive(Debug, Clone)]
 pub struct RunOutput {
     pub generated: Vec<i64>,
@@ -113,6 +173,8 @@ pub struct RunOutput {
     pub prefill_seconds: f64,
     /// Wall time of the decode steps after the first new token.
     pub decode_seconds: f64,
+    pub collective_bytes: u64,
+    pub weight_bytes: u64,
     /// Rank 0's time per op kind (seconds, calls), largest first, when profiled.
     pub profile: Vec<(String, f64, u64)>,
 }
@@ -132,6 +194,28 @@ impl RunOutput {
     }
 }
 
+impl TryFrom<BatchOutput> for RunOutput {
+    type Error = TpcError;
+    fn try_from(b: BatchOutput) -> Result<RunOutput> {
+        let seq = b
+            .sequences
+            .into_iter()
+            .next()
+            .ok_or(TpcError::EmptyPrompt)?;
+        Ok(RunOutput {
+            generated: seq.generated,
+            prompt_logits: seq.prompt_logits,
+            prompt_len: b.prompt_tokens,
+            load_seconds: b.load_seconds,
+            prefill_seconds: b.prefill_seconds,
+            decode_seconds: b.decode_seconds,
+            collective_bytes: b.collective_bytes,
+            weight_bytes: b.weight_bytes,
+            profile: b.profile,
+        })
+    }
+}
+
 /// The vocabulary size the plan's output has.
 pub fn output_vocab(plan: &Plan) -> Option<u64> {
     plan.ranks
@@ -144,242 +228,274 @@ pub fn output_vocab(plan: &Plan) -> Option<u64> {
         .fixed_at(2)
 }
 
-fn check_prompt(prompt: &[i64], vocab: u64) -> Result<()> {
-    if prompt.is_empty() {
+/// Every request is runnable on `plan`: non-empty, ids inside the vocabulary, prompt plus
+/// new tokens within the model's positions. Checked before any weight is read.
+pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> Result<()> {
+    if requests.is_empty() {
         return Err(TpcError::EmptyPrompt);
     }
-    for (position, &id) in prompt.iter().enumerate() {
-        if id < 0 || id as u64 >= vocab {
-            return Err(TpcError::TokenOutOfRange {
-                id,
-                position,
-                vocab,
-            });
+    let vocab = output_vocab(plan).ok_or_else(|| TpcError::BadInstruction {
+        name: "output".into(),
+        problem: "the plan's output has no vocabulary dim".into(),
+    })?;
+    for (index, r) in requests.iter().enumerate() {
+        if r.prompt.is_empty() {
+            return Err(TpcError::EmptyPrompt);
+        }
+        for (position, &id) in r.prompt.iter().enumerate() {
+            if id < 0 || id as u64 >= vocab {
+                return Err(TpcError::TokenOutOfRange {
+                    id,
+                    position,
+                    vocab,
+                });
+            }
+        }
+        let new = r.max_new_tokens.unwrap_or(opts.max_new_tokens);
+        if let Some(max) = plan.max_positions {
+            // The last generated token is never fed back, so it needs no position.
+            let needed = (r.prompt.len() as u64).saturating_add(new.saturating_sub(1) as u64);
+            if needed > max {
+                return Err(TpcError::TooLong {
+                    request: index,
+                    prompt: r.prompt.len(),
+                    new_tokens: new,
+                    max_positions: max,
+                });
+            }
         }
     }
     Ok(())
 }
 
-fn rank_main(
-    plan: &Plan,
+/// One rank of a running plan: its program, backend, communicator and loaded weights.
+pub struct RankRuntime<'p, B: Backend, C: Collectives<B::Act>> {
+    pub exec: RankExecutor<'p, B, C>,
+    pub rank: usize,
+    pub load_seconds: f64,
+}
+
+/// The per-rank entry point: uploads rank `rank`'s weight slices of `plan` to `backend`.
+/// Every launcher (threads, processes, GPUs) builds its ranks through this.
+pub fn rank_runtime<'p, B: Backend, C: Collectives<B::Act>>(
+    plan: &'p Plan,
     rank: usize,
-    ckpt: &dyn WeightSource,
-    comm: LocalComm,
-    prompt: &[i64],
-    opts: &RunOptions,
-    threads: usize,
-) -> Result<RunOutput> {
-    let placement = if opts.pin_threads {
-        super::affinity::placement(rank, threads)
-    } else {
-        Vec::new()
-    };
-    if let Some(Some(core)) = placement.first() {
-        super::affinity::pin_current_thread(*core);
-    }
-    let backend = CpuBackend::pinned(threads, &placement);
+    backend: B,
+    comm: C,
+    weights: &dyn WeightSource,
+) -> Result<RankRuntime<'p, B, C>> {
+    let program = plan
+        .ranks
+        .get(rank)
+        .ok_or_else(|| TpcError::BadInstruction {
+            name: format!("rank {rank}"),
+            problem: format!("the plan has {} ranks", plan.ranks.len()),
+        })?;
     let load = Instant::now();
-    let bf16 = opts.dtype.bf16_linears(plan);
-    let mut exec = RankExecutor::new(&plan.ranks[rank], ckpt, &backend, comm, bf16)?;
-    if opts.profile && rank == 0 {
-        exec.profile = Some(Default::default());
-    }
-    let report = |stage| {
-        if let (0, Some(p)) = (rank, &opts.progress) {
-            p(stage)
-        }
-    };
-    let result = generate_on(&mut exec, prompt, opts, load, &report);
-    if result.is_err() {
-        // Peers blocked in a collective learn of the failure now instead of waiting.
-        exec.comm.abort();
-    }
-    result
+    let exec = RankExecutor::new(program, weights, backend, comm)?;
+    Ok(RankRuntime {
+        exec,
+        rank,
+        load_seconds: load.elapsed().as_secs_f64(),
+    })
 }
 
-fn generate_on<C: Communicator>(
-    exec: &mut RankExecutor<'_, CpuBackend, C>,
-    prompt: &[i64],
-    opts: &RunOptions,
-    load: Instant,
-    report: &dyn Fn(Stage),
-) -> Result<RunOutput> {
-    exec.comm.barrier()?;
-    let load_seconds = load.elapsed().as_secs_f64();
-    report(Stage::Loaded);
-    let mut best: Option<RunOutput> = None;
-    let runs = opts.warmup + opts.repeat.max(1);
-    for run in 0..runs {
-        if run == opts.warmup {
-            // Profile the timed generations only.
-            if let Some(p) = exec.profile.as_mut() {
-                p.clear();
+impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
+    /// Generates for every request (warm-ups and repetitions as `opts` says) and returns the
+    /// best timings of the timed runs.
+    pub fn generate(&mut self, requests: &[Request], opts: &RunOptions) -> Result<BatchOutput> {
+        let rank = self.rank;
+        let report = |stage| {
+            if let (0, Some(p)) = (rank, &opts.progress) {
+                p(stage)
             }
+        };
+        // Every rank has loaded before anything is timed.
+        self.exec.comm.barrier().map_err(|e| match e {
+            super::collectives::CollectiveError::Comm(c) => TpcError::Comm(c),
+            other => TpcError::Collective(other),
+        })?;
+        report(Stage::Loaded);
+        if opts.profile && rank == 0 {
+            self.exec.profile = Some(Default::default());
         }
-        exec.reset();
-        exec.reserve_positions(prompt.len() + opts.max_new_tokens);
-        let out = generate_once(exec, prompt, opts, report)?;
-        if run < opts.warmup {
-            continue;
-        }
-        best = Some(match best {
-            None => out,
-            Some(b) => {
-                if b.generated != out.generated {
-                    return Err(TpcError::BadInstruction {
-                        name: "generation".into(),
-                        problem: format!(
-                            "repetition {run} generated {:?} after {:?}: the runtime is not deterministic",
-                            out.generated, b.generated
-                        ),
-                    });
-                }
-                RunOutput {
-                    prefill_seconds: b.prefill_seconds.min(out.prefill_seconds),
-                    decode_seconds: b.decode_seconds.min(out.decode_seconds),
-                    ..out
+        let mut best: Option<BatchOutput> = None;
+        let runs = opts.warmup + opts.repeat.max(1);
+        for run in 0..runs {
+            if run == opts.warmup {
+                // Profile the timed generations only.
+                if let Some(p) = self.exec.profile.as_mut() {
+                    p.clear();
                 }
             }
-        });
+            let out = generate_batch(&mut self.exec, requests, opts, &report)?;
+            if run < opts.warmup {
+                continue;
+            }
+            best = Some(match best {
+                None => out,
+                Some(b) => {
+                    let same = b
+                        .sequences
+                        .iter()
+                        .zip(&out.sequences)
+                        .all(|(x, y)| x.generated == y.generated);
+                    if !same {
+                        return Err(TpcError::NotDeterministic { repetition: run });
+                    }
+                    BatchOutput {
+                        prefill_seconds: b.prefill_seconds.min(out.prefill_seconds),
+                        decode_seconds: b.decode_seconds.min(out.decode_seconds),
+                        ..out
+                    }
+                }
+            });
+        }
+        let mut out = best.ok_or(TpcError::EmptyPrompt)?;
+        out.load_seconds = self.load_seconds;
+        out.weight_bytes = self.exec.weight_bytes;
+        let mut profile: Vec<(String, f64, u64)> = self
+            .exec
+            .profile
+            .iter()
+            .flatten()
+            .map(|(k, (t, n))| (k.to_string(), t.as_secs_f64(), *n))
+            .collect();
+        profile.sort_by(|a, b| b.1.total_cmp(&a.1));
+        out.profile = profile;
+        Ok(out)
     }
-    let mut out = best.expect("at least one timed generation");
-    out.load_seconds = load_seconds;
-    let mut profile: Vec<(String, f64, u64)> = exec
-        .profile
+}
+
+/// One generation from empty caches: a ragged prefill of every prompt, then decode steps
+/// over the sequences still live until each meets EOS or its token limit.
+fn generate_batch<B: Backend, C: Collectives<B::Act>>(
+    exec: &mut RankExecutor<'_, B, C>,
+    requests: &[Request],
+    opts: &RunOptions,
+    report: &dyn Fn(Stage),
+) -> Result<BatchOutput> {
+    let n = requests.len();
+    exec.reset();
+    exec.set_sequences(n);
+    let limits: Vec<usize> = requests
         .iter()
-        .flatten()
-        .map(|(k, (t, n))| (k.to_string(), t.as_secs_f64(), *n))
+        .map(|r| r.max_new_tokens.unwrap_or(opts.max_new_tokens))
         .collect();
-    profile.sort_by(|a, b| b.1.total_cmp(&a.1));
-    out.profile = profile;
-    Ok(out)
-}
-
-/// One generation from an empty cache: prefill, then decode until EOS or the token limit.
-fn generate_once<C: Communicator>(
-    exec: &mut RankExecutor<'_, CpuBackend, C>,
-    prompt: &[i64],
-    opts: &RunOptions,
-    report: &dyn Fn(Stage),
-) -> Result<RunOutput> {
-    let mut rng = Rng::new(opts.sampling.seed);
+    for (s, r) in requests.iter().enumerate() {
+        exec.reserve(s, r.prompt.len().saturating_add(limits[s]));
+    }
+    let bytes_before = exec.collective_bytes;
+    let mut rngs: Vec<Rng> = (0..n).map(|_| Rng::new(opts.sampling.seed)).collect();
+    let rows = if opts.all_prompt_logits {
+        OutputRows::All
+    } else {
+        OutputRows::LastOfEach
+    };
+    let batch: Vec<(usize, &[i64])> = requests
+        .iter()
+        .enumerate()
+        .map(|(s, r)| (s, r.prompt.as_slice()))
+        .collect();
     let start = Instant::now();
-    let prompt_logits = exec.forward_rows(prompt, !opts.all_prompt_logits)?;
+    let logits = exec.forward(&batch, rows)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     report(Stage::Prefilled);
-    let (rows, vocab) = prompt_logits.rows_cols();
-    let mut generated = Vec::new();
-    let mut last = &prompt_logits.data[(rows - 1) * vocab..rows * vocab];
+    let vocab = logits.cols();
+    // Row of `logits` each sequence samples its first token from, and its prompt logits.
+    let mut row_of = Vec::with_capacity(n);
+    let mut prompt_logits = Vec::with_capacity(n);
+    let mut offset = 0;
+    for r in requests {
+        let len = if rows == OutputRows::All {
+            r.prompt.len()
+        } else {
+            1
+        };
+        row_of.push(offset + len - 1);
+        prompt_logits.push((offset, len));
+        offset += len;
+    }
+    let mut sequences: Vec<SequenceOutput> = if n == 1 {
+        // The common case keeps the (pooled) logits as they are.
+        vec![SequenceOutput {
+            generated: Vec::new(),
+            prompt_logits: Tensor::default(),
+        }]
+    } else {
+        prompt_logits
+            .iter()
+            .map(|&(o, len)| SequenceOutput {
+                generated: Vec::new(),
+                prompt_logits: Tensor::new(
+                    vec![len, vocab],
+                    logits.data[o * vocab..(o + len) * vocab].to_vec(),
+                ),
+            })
+            .collect()
+    };
+    let mut live: Vec<usize> = (0..n).filter(|&s| limits[s] > 0).collect();
     let mut step_logits: Option<Tensor> = None;
+    let mut next_ids: Vec<i64> = Vec::with_capacity(n);
+    let mut total = 0;
     let decode = Instant::now();
-    while generated.len() < opts.max_new_tokens {
-        let next = pick(last, &opts.sampling, &mut rng) as i64;
-        generated.push(next);
-        report(Stage::Token(generated.len()));
-        if opts.eos.contains(&next) || generated.len() == opts.max_new_tokens {
+    // Rows of the current logits, by position in `live`.
+    let mut rows_now: Vec<usize> = live.iter().map(|&s| row_of[s]).collect();
+    while !live.is_empty() {
+        let current = step_logits.as_ref().unwrap_or(&logits);
+        next_ids.clear();
+        let mut still = Vec::with_capacity(live.len());
+        for (k, &s) in live.iter().enumerate() {
+            let row = &current.data[rows_now[k] * vocab..(rows_now[k] + 1) * vocab];
+            let next = pick(row, &opts.sampling, &mut rngs[s]) as i64;
+            let seq = &mut sequences[s];
+            seq.generated.push(next);
+            total += 1;
+            if !(opts.eos.contains(&next) || seq.generated.len() >= limits[s]) {
+                still.push(s);
+                next_ids.push(next);
+            }
+        }
+        report(Stage::Token(total));
+        if still.is_empty() {
             break;
         }
-        // The previous step's logits go back to the pool for this step's to reuse.
-        if let Some(old) = step_logits.take() {
+        let batch: Vec<(usize, &[i64])> = still
+            .iter()
+            .zip(&next_ids)
+            .map(|(&s, id)| (s, std::slice::from_ref(id)))
+            .collect();
+        let fresh = exec.forward(&batch, OutputRows::LastOfEach)?;
+        // The previous step's logits go back to the pool for the next step's to reuse.
+        if let Some(old) = step_logits.replace(fresh) {
             old.release();
         }
-        last = &step_logits.insert(exec.forward_rows(&[next], true)?).data;
+        rows_now = (0..still.len()).collect();
+        live = still;
     }
     let decode_seconds = decode.elapsed().as_secs_f64();
-    Ok(RunOutput {
-        generated,
-        prompt_logits,
-        prompt_len: prompt.len(),
+    if let Some(old) = step_logits {
+        old.release();
+    }
+    if n == 1 {
+        sequences[0].prompt_logits = logits;
+    } else {
+        logits.release();
+    }
+    Ok(BatchOutput {
+        sequences,
+        prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
         load_seconds: 0.0,
         prefill_seconds,
         decode_seconds,
+        collective_bytes: exec.collective_bytes - bytes_before,
+        weight_bytes: 0,
         profile: Vec::new(),
     })
 }
 
-/// Runs `plan` on its ranks (threads) over the checkpoint and generates from `prompt`.
-pub fn run(
-    plan: &Plan,
-    ckpt: &dyn WeightSource,
-    prompt: &[i64],
-    opts: &RunOptions,
-) -> Result<RunOutput> {
-    ckpt.check(plan)?;
-    let vocab = output_vocab(plan).ok_or_else(|| TpcError::BadInstruction {
-        name: "output".into(),
-        problem: "the plan's output has no vocabulary dim".into(),
-    })?;
-    check_prompt(prompt, vocab)?;
-    let tp = plan.ranks.len();
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let threads = if opts.threads_per_rank > 0 {
-        opts.threads_per_rank
-    } else {
-        (cores / tp).max(1)
-    };
-    let comms = local_group(tp);
-    let results: Vec<std::thread::Result<Result<RunOutput>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                std::thread::Builder::new()
-                    .name(format!("tpc-rank-{rank}"))
-                    .spawn_scoped(s, move || {
-                        rank_main(plan, rank, ckpt, comm, prompt, opts, threads)
-                    })
-                    .expect("spawning a rank thread")
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join()).collect()
-    });
-    // Report the root cause: a panic or an error that is not a peer's failure.
-    let mut first_err: Option<TpcError> = None;
-    let mut output = None;
-    for (rank, r) in results.into_iter().enumerate() {
-        let err = match r {
-            Ok(Ok(out)) => {
-                if rank == 0 {
-                    output = Some(out);
-                }
-                continue;
-            }
-            Ok(Err(e)) => e,
-            Err(panic) => TpcError::RankPanicked {
-                rank,
-                message: panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "panicked".into()),
-            },
-        };
-        let is_echo = matches!(
-            &err,
-            TpcError::Comm(super::comm::CommError::PeerFailed { .. })
-        );
-        match &first_err {
-            None => first_err = Some(err),
-            Some(TpcError::Comm(super::comm::CommError::PeerFailed { .. })) if !is_echo => {
-                first_err = Some(err)
-            }
-            _ => {}
-        }
-    }
-    match (first_err, output) {
-        (Some(e), _) => Err(e),
-        (None, Some(out)) => Ok(out),
-        (None, None) => Err(TpcError::RankPanicked {
-            rank: 0,
-            message: "rank 0 returned nothing".into(),
-        }),
-    }
-}
-
 /// Rank 0's profile as a table: op kind, seconds, share of the run, calls.
-pub fn render_profile(out: &RunOutput) -> String {
+pub fn render_profile(out: &BatchOutput) -> String {
     use std::fmt::Write;
     let total: f64 = out.profile.iter().map(|p| p.1).sum();
     let mut s = format!(

@@ -4,11 +4,13 @@
 pub mod affinity;
 pub mod attention;
 pub mod backend;
+pub mod collectives;
 pub mod comm;
 pub mod cpu;
 pub mod executor;
 pub mod fastmath;
 pub mod generate;
+pub mod launch;
 pub mod microkernel;
 pub mod packed;
 pub mod random;

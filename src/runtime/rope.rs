@@ -1,7 +1,6 @@
 //! Rotary frequency tables, with the llama3 and linear scalings, computed the way
 //! transformers computes them (in f64 here, which only removes rounding).
 
-use super::backend::RopeTables;
 use crate::ir::{RopeOp, RopeScaling};
 
 /// Inverse frequencies for the rotary dims of `op`.
@@ -37,6 +36,14 @@ pub fn inv_freq(op: &RopeOp) -> Vec<f64> {
         }
     }
     f
+}
+
+/// Rotary tables for a run of positions: `cos`/`sin` of `[positions, rotary_dim / 2]`.
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
 }
 
 /// cos/sin for each of `positions`.

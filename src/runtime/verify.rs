@@ -1,6 +1,7 @@
 //! `tpc verify`: the same inputs through tp=1 and tp=N, compared.
 
-use super::generate::{output_vocab, run, RunOptions};
+use super::generate::{output_vocab, RunOptions};
+use super::launch::run;
 use super::random::RandomWeights;
 use super::sampling::Rng;
 use super::weights::WeightSource;

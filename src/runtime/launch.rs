@@ -1,0 +1,168 @@
+//! Launchers: where ranks live. [`launch_threads`] runs every rank of a plan as a thread of
+//! this process with any backend and communicator; [`run`] and [`run_batch`] are the CPU
+//! choice (CPU backend, in-process communicator) that `tpc run`, `bench` and `verify` use.
+//! A process launcher (MPI) and GPU backends are further choices of the same seam.
+
+use super::affinity;
+use super::backend::Backend;
+use super::collectives::Collectives;
+use super::comm::{local_group, CommError};
+use super::cpu::CpuBackend;
+use super::generate::{check_requests, rank_runtime, BatchOutput, Request, RunOptions, RunOutput};
+use super::weights::WeightSource;
+use crate::error::{Result, TpcError};
+use crate::plan::Plan;
+
+/// Runs `job` on every rank of `plan`, one thread per rank: rank `r` gets the backend
+/// `backend(r)` and communicator `comms[r]`. Returns rank 0's result, or the root cause
+/// of the first failure (a peer's echo of it is not the cause).
+pub fn launch_threads<B, C, T>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    comms: Vec<C>,
+    backend: &(dyn Fn(usize) -> Result<B> + Sync),
+    job: &(dyn Fn(&mut super::generate::RankRuntime<'_, B, C>) -> Result<T> + Sync),
+) -> Result<T>
+where
+    B: Backend,
+    C: Collectives<B::Act>,
+    T: Send,
+{
+    if comms.len() != plan.ranks.len() {
+        return Err(TpcError::BadInstruction {
+            name: "launch".into(),
+            problem: format!(
+                "{} communicators for a plan of {} ranks",
+                comms.len(),
+                plan.ranks.len()
+            ),
+        });
+    }
+    let results: Vec<std::thread::Result<Result<T>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                std::thread::Builder::new()
+                    .name(format!("tpc-rank-{rank}"))
+                    .spawn_scoped(s, move || {
+                        let mut rt = rank_runtime(plan, rank, backend(rank)?, comm, weights)?;
+                        let out = job(&mut rt);
+                        if out.is_err() {
+                            // Peers blocked in a collective learn of the failure now.
+                            rt.exec.comm.abort();
+                        }
+                        out
+                    })
+                    // A rank that cannot start drops its communicator, which releases the
+                    // ranks already started.
+                    .map_err(|e| TpcError::RankPanicked {
+                        rank,
+                        message: format!("cannot start its thread: {e}"),
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h {
+                Ok(h) => h.join(),
+                Err(e) => Ok(Err(e)),
+            })
+            .collect()
+    });
+    root_cause(results)
+}
+
+/// Rank 0's result, or the first failure that is not a peer's echo of another.
+fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>) -> Result<T> {
+    let mut first_err: Option<TpcError> = None;
+    let mut output = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        let err = match r {
+            Ok(Ok(out)) => {
+                if rank == 0 {
+                    output = Some(out);
+                }
+                continue;
+            }
+            Ok(Err(e)) => e,
+            Err(panic) => TpcError::RankPanicked {
+                rank,
+                message: panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "panicked".into()),
+            },
+        };
+        let is_echo = matches!(&err, TpcError::Comm(CommError::PeerFailed { .. }));
+        match &first_err {
+            None => first_err = Some(err),
+            Some(TpcError::Comm(CommError::PeerFailed { .. })) if !is_echo => first_err = Some(err),
+            _ => {}
+        }
+    }
+    match (first_err, output) {
+        (Some(e), _) => Err(e),
+        (None, Some(out)) => Ok(out),
+        (None, None) => Err(TpcError::RankPanicked {
+            rank: 0,
+            message: "rank 0 returned nothing".into(),
+        }),
+    }
+}
+
+/// Compute threads per rank: as asked, or the cores shared out over the ranks.
+pub fn threads_per_rank(opts: &RunOptions, tp: usize) -> usize {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    if opts.threads_per_rank > 0 {
+        opts.threads_per_rank
+    } else {
+        (cores / tp.max(1)).max(1)
+    }
+}
+
+/// Runs `plan` on CPU ranks (threads) over `weights` and generates for every request.
+pub fn run_batch(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    requests: &[Request],
+    opts: &RunOptions,
+) -> Result<BatchOutput> {
+    weights.check(plan)?;
+    check_requests(plan, requests, opts)?;
+    let tp = plan.ranks.len();
+    let threads = threads_per_rank(opts, tp);
+    let bf16 = opts.dtype.bf16_linears(plan);
+    let make = |rank: usize| -> Result<CpuBackend> {
+        let placement = if opts.pin_threads {
+            affinity::placement(rank, threads)
+        } else {
+            Vec::new()
+        };
+        if let Some(Some(core)) = placement.first() {
+            affinity::pin_current_thread(*core);
+        }
+        Ok(CpuBackend::pinned(threads, &placement).with_bf16_linears(bf16))
+    };
+    let comms = local_group(tp);
+    launch_threads(plan, weights, comms, &make, &|rt| {
+        rt.generate(requests, opts)
+    })
+}
+
+/// [`run_batch`] for one prompt.
+pub fn run(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    prompt: &[i64],
+    opts: &RunOptions,
+) -> Result<RunOutput> {
+    let request = Request {
+        prompt: prompt.to_vec(),
+        max_new_tokens: None,
+    };
+    run_batch(plan, weights, std::slice::from_ref(&request), opts)?.try_into()
+}
