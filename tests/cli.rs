@@ -496,3 +496,71 @@ fn run_with_a_text_prompt_uses_the_tokenizer() {
     ]));
     assert!(e.contains("tokenizer.json"), "{e}");
 }
+
+fn per_layer_json(path: &Path) -> (serde_json::Value, String) {
+    let p = path.to_str().unwrap();
+    let o = tpc(&["compile", p, "--tp", "2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let o = tpc(&["compile", p, "--tp", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = stdout(&o)
+        .lines()
+        .find(|l| l.starts_with("per layer"))
+        .expect("a per-layer line")
+        .to_string();
+    (v["collectives_per_layer"].clone(), line)
+}
+
+#[test]
+fn per_layer_line_counts_each_layer_when_layers_differ() {
+    let dir = scratch("per-layer");
+    // Layer 0's down projection whole on every rank: layer 0 gathers the MLP activation and
+    // all-reduces once (attention), layer 1 all-reduces twice. The old line divided the
+    // totals by the layer count and printed "0 all_gather, 1 all_reduce", true of no layer.
+    let p = with_overrides(&dir, r#""layers.0.mlp.down_proj": replicate"#);
+    let (json, line) = per_layer_json(&p);
+    assert_eq!(
+        json,
+        serde_json::json!({
+            "all_gather": {"min": 0, "max": 1},
+            "all_reduce": {"min": 1, "max": 2},
+        })
+    );
+    assert!(
+        line.starts_with("per layer (layers differ): 0–1 all_gather, 1–2 all_reduce;"),
+        "{line}"
+    );
+    // Row-split gate in layer 0 only: 3 all-reduces there, 2 in layer 1 (the old line: 2).
+    let p = with_overrides(&dir, r#""layers.0.mlp.gate_proj": rowwise"#);
+    let (json, line) = per_layer_json(&p);
+    assert_eq!(
+        json,
+        serde_json::json!({"all_reduce": {"min": 2, "max": 3}})
+    );
+    assert!(
+        line.starts_with("per layer (layers differ): 2–3 all_reduce;"),
+        "{line}"
+    );
+}
+
+#[test]
+fn per_layer_line_gives_one_count_when_layers_agree() {
+    let (json, line) = per_layer_json(Path::new("models/tiny-llama.ron"));
+    assert_eq!(json, serde_json::json!({"all_reduce": 2}));
+    assert!(line.starts_with("per layer: 2 all_reduce;"), "{line}");
+    // The summary reads back from its JSON.
+    let o = tpc(&[
+        "compile",
+        "models/tiny-llama-explicit.ron",
+        "--tp",
+        "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s: tpc::plan::report::Summary = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        s.collectives_per_layer.get("all_reduce"),
+        Some(&tpc::plan::report::LayerCount::Same(2))
+    );
+}
