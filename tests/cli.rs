@@ -564,3 +564,54 @@ fn per_layer_line_gives_one_count_when_layers_agree() {
         Some(&tpc::plan::report::LayerCount::Same(2))
     );
 }
+
+#[test]
+fn sampling_flags_are_never_silently_ignored() {
+    let model = "tests/fixtures/checkpoints/llama-gqa";
+    let base = [
+        "run",
+        model,
+        "--prompt-ids",
+        "3,71",
+        "--max-new-tokens",
+        "2",
+    ];
+    let run = |extra: &[&str]| tpc(&[&base[..], extra].concat());
+    for (extra, flag) in [
+        (&["--top-k", "5"][..], "--top-k"),
+        (&["--top-p", "0.9"][..], "--top-p"),
+        (
+            &["--top-k", "5", "--top-p", "0.9", "--temperature", "0"][..],
+            "--top-k and --top-p",
+        ),
+    ] {
+        let e = fails_cleanly(&run(extra));
+        assert!(
+            e.contains("add --temperature T") && e.contains(&format!("or drop {flag}")),
+            "{extra:?}: {e}"
+        );
+    }
+    for (extra, needle) in [
+        (&["--temperature", "1", "--top-k", "0"][..], "--top-k 0"),
+        (&["--temperature", "1", "--top-p", "1.5"][..], "--top-p 1.5"),
+        (&["--temperature", "1", "--top-p", "0"][..], "--top-p 0"),
+        (&["--temperature=-1"][..], "--temperature -1"),
+        (&["--temperature", "NaN"][..], "--temperature NaN"),
+    ] {
+        let e = fails_cleanly(&run(extra));
+        assert!(e.contains(needle), "{extra:?}: {e}");
+    }
+    // The same flags with a temperature sample.
+    let o = run(&[
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "5",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim().split(',').count(), 2, "{}", stdout(&o));
+}

@@ -77,7 +77,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "`{}` is not a model directory; `tpc run` needs config.json and model.safetensors",
         a.model.display()
     );
-    anyhow::ensure!(a.temperature >= 0.0, "--temperature must be at least 0");
+    Sampling {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    }
+    .validate()?;
     let tokenizer = match &a.prompt {
         Some(_) => {
             let path = a.model.join("tokenizer.json");
