@@ -110,6 +110,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         _ => a.prompt_ids.clone(),
     };
     let def = load_model(&a.model)?;
+    def.check_executable(prompt_ids.len().saturating_add(a.max_new_tokens) as u64)?;
     let plan = compile(&def, a.tp)?.plan;
     let ckpt = Checkpoint::open(&a.model)?;
     let bar = ProgressBar::new(a.max_new_tokens as u64);

@@ -1,6 +1,7 @@
 //! What a model file says: a family preset with HF-like hyper-parameters, or an explicit
 //! graph of named ops with a repeat over layers.
 
+use crate::error::{Result, TpcError};
 use crate::ir::{ActivationKind, DType, Groups, Op, RopeScaling};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -16,6 +17,25 @@ impl ModelDef {
         match self {
             ModelDef::Preset(p) => &p.tp_plan,
             ModelDef::Graph(g) => &g.tp_plan,
+        }
+    }
+
+    /// Refuses to execute a sequence of `tokens` positions (prompt + generated) that tpc's
+    /// runtime would compute differently from the model: with a sliding window, attention
+    /// past the window differs from the full causal attention the runtime has.
+    pub fn check_executable(&self, tokens: u64) -> Result<()> {
+        let ModelDef::Preset(p) = self else {
+            return Ok(());
+        };
+        match p.sliding_window {
+            Some(window) if tokens > window => Err(TpcError::Model {
+                model: p.name.clone().unwrap_or_else(|| format!("{:?}", p.family)),
+                place: "sliding_window".into(),
+                message: format!(
+                    "each token attends to the last {window} positions only, and tpc's runtime has full causal attention, which computes something else once a sequence is longer than {window} tokens; this one has {tokens} (prompt + new tokens). Keep the prompt plus --max-new-tokens at most {window} (compiling is not affected)"
+                ),
+            }),
+            _ => Ok(()),
         }
     }
 }
@@ -90,6 +110,12 @@ pub struct FamilyConfig {
     pub use_parallel_residual: Option<bool>,
     #[serde(default)]
     pub hidden_act: Option<ActivationKind>,
+    /// Sliding-window attention (Mistral): each token sees only the last `sliding_window`
+    /// positions. Kept only when smaller than the context. The split does not depend on it,
+    /// so compiling works; tpc's runtime has full causal attention only, which is the same
+    /// computation up to the window, so longer sequences are refused ([`ModelDef::check_executable`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
     #[serde(default = "default_dtype")]
     pub dtype: DType,
     /// Overrides: weight name pattern (`*` matches one dotted segment) → HF tp_plan word.
