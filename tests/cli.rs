@@ -615,3 +615,96 @@ fn sampling_flags_are_never_silently_ignored() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o).trim().split(',').count(), 2, "{}", stdout(&o));
 }
+
+/// Subcommand names from `tpc --help`.
+fn subcommands() -> Vec<String> {
+    let o = tpc(&["--help"]);
+    assert!(o.status.success());
+    let text = stdout(&o);
+    let mut names = Vec::new();
+    let mut in_commands = false;
+    for line in text.lines() {
+        if line.starts_with("Commands:") {
+            in_commands = true;
+        } else if in_commands {
+            match line.split_whitespace().next() {
+                Some(name) if line.starts_with("  ") => names.push(name.to_string()),
+                _ => break,
+            }
+        }
+    }
+    names.retain(|n| n != "help");
+    names
+}
+
+/// Arguments and options of one `--help` page whose text is empty or only clap's
+/// `[default: ..]` / `[possible values: ..]` notes. Handles both layouts: the description on
+/// the name's line (short help) or indented below it (long help).
+fn undescribed(help: &str) -> Vec<String> {
+    fn is_note(s: &str) -> bool {
+        s.is_empty() || (s.starts_with('[') && s.ends_with(']'))
+    }
+    let mut entries: Vec<(String, String)> = Vec::new();
+    let mut in_section = false;
+    for line in help.lines() {
+        if !line.starts_with(' ') {
+            in_section = line.starts_with("Arguments:") || line.starts_with("Options:");
+            continue;
+        }
+        if !in_section {
+            continue;
+        }
+        let indent = line.len() - line.trim_start().len();
+        let t = line.trim();
+        if indent < 10 && (t.starts_with('-') || t.starts_with('<') || t.starts_with('[')) {
+            // The name ends at the first run of two spaces.
+            let (name, rest) = t.split_once("  ").unwrap_or((t, ""));
+            entries.push((name.to_string(), rest.trim().to_string()));
+        } else if let Some(last) = entries.last_mut() {
+            last.1.push(' ');
+            last.1.push_str(t);
+        }
+    }
+    entries
+        .into_iter()
+        .filter(|(_, text)| {
+            // Notes can follow a description; what remains without them must be words.
+            let words: String = text
+                .split(']')
+                .map(|part| part.split('[').next().unwrap_or(""))
+                .collect();
+            is_note(text.trim()) || words.trim().is_empty()
+        })
+        .map(|(name, _)| name)
+        .collect()
+}
+
+#[test]
+fn every_option_of_every_subcommand_has_help() {
+    let commands = subcommands();
+    assert!(
+        commands.len() >= 9 && commands.iter().any(|c| c == "verify"),
+        "{commands:?}"
+    );
+    let mut missing = Vec::new();
+    for cmd in &commands {
+        let o = tpc(&[cmd, "--help"]);
+        assert!(o.status.success(), "{cmd}: {}", stderr(&o));
+        let help = stdout(&o);
+        assert!(help.contains("Options:"), "{cmd}: {help}");
+        for name in undescribed(&help) {
+            missing.push(format!("tpc {cmd}: {name}"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "options without a description:\n{}",
+        missing.join("\n")
+    );
+    // The parser itself catches a bare option line (so the check above can fail).
+    let bare =
+        "Options:\n      --seed <SEED>  [default: 0]\n      --tp <TP>\n  -h, --help  Print help\n";
+    assert_eq!(undescribed(bare), ["--seed <SEED>", "--tp <TP>"]);
+    let long = "Arguments:\n  <MODEL>\n          A model\n\nOptions:\n      --x <X>\n          [default: 1]\n\n      --y\n          Why\n";
+    assert_eq!(undescribed(long), ["--x <X>"]);
+}

@@ -13,11 +13,13 @@ use tpc::runtime::weights::{Checkpoint, WeightSource};
 pub struct Args {
     /// A model (.ron, HF directory, config.json); a directory with weights uses them.
     model: PathBuf,
+    /// Number of tensor-parallel ranks (threads).
     #[arg(long, default_value_t = 1)]
     tp: u64,
     /// Prompt tokens (ids (i·7919) mod vocab).
     #[arg(long, default_value_t = 128)]
     prompt_len: usize,
+    /// New tokens per sequence (generation stops early only at the token limit).
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
     #[command(flatten)]

@@ -29,6 +29,7 @@ pub struct Args {
     /// Prompt text, encoded with the model directory's tokenizer.json; the output is decoded.
     #[arg(long)]
     prompt: Option<String>,
+    /// New tokens to generate per prompt (fewer if the model emits its end-of-sequence id).
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
     /// Write the prompt's logits ([prompt_len, vocab], f32) to this safetensors file.
@@ -40,10 +41,14 @@ pub struct Args {
     /// Sampling temperature; 0 (the default) is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    /// Sample only among the K most likely tokens (needs --temperature above 0).
     #[arg(long)]
     top_k: Option<usize>,
+    /// Sample only among the most likely tokens whose probabilities add up to P, in (0, 1]
+    /// (needs --temperature above 0).
     #[arg(long)]
     top_p: Option<f32>,
+    /// Seed of the sampler; the same seed gives the same tokens.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     #[command(flatten)]

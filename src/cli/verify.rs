@@ -11,6 +11,7 @@ pub struct Args {
     /// A model (.ron, HF directory, config.json). A directory with weights uses them;
     /// otherwise weights are seeded random values.
     model: PathBuf,
+    /// Number of tensor-parallel ranks to compare against tp=1.
     #[arg(long)]
     tp: u64,
     /// Seed for random weights and the prompt.
@@ -22,6 +23,7 @@ pub struct Args {
     /// Keep only the first N layers of a preset (big models in little memory).
     #[arg(long)]
     layers: Option<u64>,
+    /// Print the comparison as JSON instead of one line.
     #[arg(long)]
     json: bool,
 }
