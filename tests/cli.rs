@@ -708,3 +708,83 @@ fn every_option_of_every_subcommand_has_help() {
     let long = "Arguments:\n  <MODEL>\n          A model\n\nOptions:\n      --x <X>\n          [default: 1]\n\n      --y\n          Why\n";
     assert_eq!(undescribed(long), ["--x <X>"]);
 }
+
+#[test]
+fn model_files_cannot_set_what_the_partitioner_sets() {
+    let dir = scratch("partitioner-only");
+    let path = dir.join("g.ron");
+    for (node, needles) in [
+        (
+            r#"Node(name: "emb", op: Embedding(vocab_range: Some((0, 5))), inputs: ["ids", "table"]),"#,
+            &["node `emb`", "`vocab_range`", "chosen by the partitioner"][..],
+        ),
+        (
+            r#"Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+               Node(name: "g", op: AllGather(dim: 2, unpad_to: Some(10)), inputs: ["emb"]),"#,
+            &[
+                "node `g`",
+                "`all_gather` is inserted by tpc",
+                "`unpad_to`",
+                "partitioner",
+            ][..],
+        ),
+        (
+            r#"Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+               Node(name: "r", op: AllReduce(), inputs: ["emb"]),"#,
+            &["node `r`", "`all_reduce` is inserted by tpc"][..],
+        ),
+        (
+            r#"Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+               Node(name: "s", op: ReduceScatter(dim: 2), inputs: ["emb"]),"#,
+            &["node `s`", "`reduce_scatter` is inserted by tpc"][..],
+        ),
+        (
+            r#"Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+               Node(name: "l", op: LocalSlice(dim: 2), inputs: ["emb"]),"#,
+            &["node `l`", "`local_slice` is inserted by tpc"][..],
+        ),
+    ] {
+        let text = format!(
+            r#"Graph(name: "g", dtype: F32, body: [
+                Node(name: "ids", op: Input(kind: TokenIds)),
+                Weight(name: "table", shape: [10, 8]),
+                {node}
+                Node(name: "out", op: Output(name: "logits"), inputs: ["emb"]),
+            ])"#
+        );
+        std::fs::write(&path, text).unwrap();
+        let e = fails_cleanly(&tpc(&["compile", path.to_str().unwrap(), "--tp", "2"]));
+        for n in needles {
+            assert!(e.contains(n), "missing {n:?} in: {e}");
+        }
+    }
+    // Inside a repeat the message names the layer's node.
+    std::fs::write(
+        &path,
+        r#"Graph(name: "g", dtype: F32, body: [
+            Node(name: "ids", op: Input(kind: TokenIds)),
+            Weight(name: "table", shape: [10, 8]),
+            Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+            Repeat(count: 2, carry: "h", init: "emb", result: "l{i}.r", body: [
+                Node(name: "l{i}.r", op: AllReduce(), inputs: ["h"]),
+            ]),
+            Node(name: "out", op: Output(name: "logits"), inputs: ["h"]),
+        ])"#,
+    )
+    .unwrap();
+    let e = fails_cleanly(&tpc(&["compile", path.to_str().unwrap()]));
+    assert!(e.contains("node `l0.r`"), "{e}");
+    // Without those the same graph compiles.
+    std::fs::write(
+        &path,
+        r#"Graph(name: "g", dtype: F32, body: [
+            Node(name: "ids", op: Input(kind: TokenIds)),
+            Weight(name: "table", shape: [10, 8]),
+            Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+            Node(name: "out", op: Output(name: "logits"), inputs: ["emb"]),
+        ])"#,
+    )
+    .unwrap();
+    let o = tpc(&["compile", path.to_str().unwrap(), "--tp", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
