@@ -788,3 +788,41 @@ fn model_files_cannot_set_what_the_partitioner_sets() {
     let o = tpc(&["compile", path.to_str().unwrap(), "--tp", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// The ```ron block between the README's tp_plan markers.
+fn readme_tp_plan_example() -> String {
+    let readme = std::fs::read_to_string("README.md").unwrap();
+    let start = readme
+        .find("<!-- tp_plan example -->")
+        .expect("README has the tp_plan example start marker");
+    let end = readme
+        .find("<!-- end tp_plan example -->")
+        .expect("README has the tp_plan example end marker");
+    let block = &readme[start..end];
+    let body = block
+        .split_once("```ron\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .expect("a ```ron block between the markers")
+        .0;
+    body.to_string()
+}
+
+#[test]
+fn readme_tp_plan_example_compiles_and_takes_effect() {
+    let dir = scratch("readme-tp-plan");
+    let path = dir.join("example.ron");
+    let example = readme_tp_plan_example();
+    assert!(example.contains("tp_plan"), "{example}");
+    std::fs::write(&path, &example).unwrap();
+    let def = tpc::frontend::load::load_model(&path).unwrap();
+    assert!(!def.tp_plan().is_empty());
+    let o = tpc(&["compile", path.to_str().unwrap(), "--tp", "2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // What the README says: 4 collectives, none outside the layers (6 without the plan).
+    assert_eq!(v["collective_count"], 4);
+    assert_eq!(v["collectives_outside_layers"], serde_json::json!({}));
+    let o = tpc(&["compile", "models/tiny-llama.ron", "--tp", "2", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["collective_count"], 6);
+}
