@@ -826,3 +826,52 @@ fn readme_tp_plan_example_compiles_and_takes_effect() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["collective_count"], 6);
 }
+
+/// A copy of a fixture checkpoint whose LM head is NaN: the comparison runs, and tp=N cannot
+/// be shown to reproduce tp=1 (NaN logits on both sides), which `verify` must report.
+fn nan_head_checkpoint(dir: &Path) -> PathBuf {
+    let src = Path::new("tests/fixtures/checkpoints/llama-gqa");
+    let model = dir.join("nan-head");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(src.join("config.json"), model.join("config.json")).unwrap();
+    let mut bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let head = &header["lm_head.weight"];
+    assert_eq!(head["dtype"], "F32");
+    let range = head["data_offsets"].as_array().unwrap();
+    let (a, b) = (
+        8 + n + range[0].as_u64().unwrap() as usize,
+        8 + n + range[1].as_u64().unwrap() as usize,
+    );
+    for chunk in bytes[a..b].chunks_exact_mut(4) {
+        chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(model.join("model.safetensors"), bytes).unwrap();
+    model
+}
+
+#[test]
+fn verify_exits_3_on_a_mismatch_and_1_on_an_error() {
+    let dir = scratch("verify-exit");
+    let model = nan_head_checkpoint(&dir);
+    let o = tpc(&["verify", model.to_str().unwrap(), "--tp", "2"]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{e}");
+    assert!(e.contains("tp=2 does not reproduce tp=1"), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+    // An error that stops the check is not a mismatch.
+    let e = fails_cleanly(&tpc(&["verify", "models/tiny-llama.ron", "--tp", "3"]));
+    assert!(e.contains("Valid tp values"), "{e}");
+    // A usage error is clap's 2.
+    let o = tpc(&["verify", "models/tiny-llama.ron"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    // And an agreeing comparison is 0.
+    let o = tpc(&[
+        "verify",
+        "tests/fixtures/checkpoints/llama-gqa",
+        "--tp",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}

@@ -65,14 +65,29 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             if report.tokens_tp1 == report.tokens_tpn { "equal" } else { "DIFFER" }
         );
     }
-    anyhow::ensure!(
-        report.passed,
-        "tp={} does not reproduce tp=1: relative error {:.3e} (tolerance {:.0e}), tokens {:?} vs {:?}",
-        a.tp,
-        report.rel_error,
-        report.tolerance,
-        report.tokens_tpn,
-        report.tokens_tp1
-    );
+    if !report.passed {
+        return Err(Mismatch(format!(
+            "tp={} does not reproduce tp=1: relative error {:.3e} (tolerance {:.0e}), tokens {:?} vs {:?}",
+            a.tp,
+            report.rel_error,
+            report.tolerance,
+            report.tokens_tpn,
+            report.tokens_tp1
+        ))
+        .into());
+    }
     Ok(())
 }
+
+/// The comparison ran and tp=N disagreed with tp=1: `tpc` exits 3 for this, so scripts can
+/// tell a numerical mismatch from an error that stopped the check (exit 1).
+#[derive(Debug)]
+pub struct Mismatch(String);
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Mismatch {}
