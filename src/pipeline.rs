@@ -19,5 +19,6 @@ pub fn compile(def: &ModelDef, tp: u64) -> Result<Compiled> {
     let sharded = shard(graph, tp, def.tp_plan())?;
     let mut plan = partition(&sharded)?;
     plan.max_positions = def.max_positions();
+    plan.attention_window = def.sliding_window();
     Ok(Compiled { sharded, plan })
 }

@@ -496,3 +496,382 @@ fn run_with_a_text_prompt_uses_the_tokenizer() {
     ]));
     assert!(e.contains("tokenizer.json"), "{e}");
 }
+
+fn per_layer_json(path: &Path) -> (serde_json::Value, String) {
+    let p = path.to_str().unwrap();
+    let o = tpc(&["compile", p, "--tp", "2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let o = tpc(&["compile", p, "--tp", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = stdout(&o)
+        .lines()
+        .find(|l| l.starts_with("per layer"))
+        .expect("a per-layer line")
+        .to_string();
+    (v["collectives_per_layer"].clone(), line)
+}
+
+#[test]
+fn per_layer_line_counts_each_layer_when_layers_differ() {
+    let dir = scratch("per-layer");
+    // Layer 0's down projection whole on every rank: layer 0 gathers the MLP activation and
+    // all-reduces once (attention), layer 1 all-reduces twice. The old line divided the
+    // totals by the layer count and printed "0 all_gather, 1 all_reduce", true of no layer.
+    let p = with_overrides(&dir, r#""layers.0.mlp.down_proj": replicate"#);
+    let (json, line) = per_layer_json(&p);
+    assert_eq!(
+        json,
+        serde_json::json!({
+            "all_gather": {"min": 0, "max": 1},
+            "all_reduce": {"min": 1, "max": 2},
+        })
+    );
+    assert!(
+        line.starts_with("per layer (layers differ): 0–1 all_gather, 1–2 all_reduce;"),
+        "{line}"
+    );
+    // Row-split gate in layer 0 only: 3 all-reduces there, 2 in layer 1 (the old line: 2).
+    let p = with_overrides(&dir, r#""layers.0.mlp.gate_proj": rowwise"#);
+    let (json, line) = per_layer_json(&p);
+    assert_eq!(
+        json,
+        serde_json::json!({"all_reduce": {"min": 2, "max": 3}})
+    );
+    assert!(
+        line.starts_with("per layer (layers differ): 2–3 all_reduce;"),
+        "{line}"
+    );
+}
+
+#[test]
+fn per_layer_line_gives_one_count_when_layers_agree() {
+    let (json, line) = per_layer_json(Path::new("models/tiny-llama.ron"));
+    assert_eq!(json, serde_json::json!({"all_reduce": 2}));
+    assert!(line.starts_with("per layer: 2 all_reduce;"), "{line}");
+    // The summary reads back from its JSON.
+    let o = tpc(&[
+        "compile",
+        "models/tiny-llama-explicit.ron",
+        "--tp",
+        "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s: tpc::plan::report::Summary = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        s.collectives_per_layer.get("all_reduce"),
+        Some(&tpc::plan::report::LayerCount::Same(2))
+    );
+}
+
+#[test]
+fn sampling_flags_are_never_silently_ignored() {
+    let model = "tests/fixtures/checkpoints/llama-gqa";
+    let base = [
+        "run",
+        model,
+        "--prompt-ids",
+        "3,71",
+        "--max-new-tokens",
+        "2",
+    ];
+    let run = |extra: &[&str]| tpc(&[&base[..], extra].concat());
+    for (extra, flag) in [
+        (&["--top-k", "5"][..], "--top-k"),
+        (&["--top-p", "0.9"][..], "--top-p"),
+        (
+            &["--top-k", "5", "--top-p", "0.9", "--temperature", "0"][..],
+            "--top-k and --top-p",
+        ),
+    ] {
+        let e = fails_cleanly(&run(extra));
+        assert!(
+            e.contains("add --temperature T") && e.contains(&format!("or drop {flag}")),
+            "{extra:?}: {e}"
+        );
+    }
+    for (extra, needle) in [
+        (&["--temperature", "1", "--top-k", "0"][..], "--top-k 0"),
+        (&["--temperature", "1", "--top-p", "1.5"][..], "--top-p 1.5"),
+        (&["--temperature", "1", "--top-p", "0"][..], "--top-p 0"),
+        (&["--temperature=-1"][..], "--temperature -1"),
+        (&["--temperature", "NaN"][..], "--temperature NaN"),
+    ] {
+        let e = fails_cleanly(&run(extra));
+        assert!(e.contains(needle), "{extra:?}: {e}");
+    }
+    // The same flags with a temperature sample.
+    let o = run(&[
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "5",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim().split(',').count(), 2, "{}", stdout(&o));
+}
+
+/// Subcommand names from `tpc --help`.
+fn subcommands() -> Vec<String> {
+    let o = tpc(&["--help"]);
+    assert!(o.status.success());
+    let text = stdout(&o);
+    let mut names = Vec::new();
+    let mut in_commands = false;
+    for line in text.lines() {
+        if line.starts_with("Commands:") {
+            in_commands = true;
+        } else if in_commands {
+            match line.split_whitespace().next() {
+                Some(name) if line.starts_with("  ") => names.push(name.to_string()),
+                _ => break,
+            }
+        }
+    }
+    names.retain(|n| n != "help");
+    names
+}
+
+/// Arguments and options of one `--help` page whose text is empty or only clap's
+/// `[default: ..]` / `[possible values: ..]` notes. Handles both layouts: the description on
+/// the name's line (short help) or indented below it (long help).
+fn undescribed(help: &str) -> Vec<String> {
+    fn is_note(s: &str) -> bool {
+        s.is_empty() || (s.starts_with('[') && s.ends_with(']'))
+    }
+    let mut entries: Vec<(String, String)> = Vec::new();
+    let mut in_section = false;
+    for line in help.lines() {
+        if !line.starts_with(' ') {
+            in_section = line.starts_with("Arguments:") || line.starts_with("Options:");
+            continue;
+        }
+        if !in_section {
+            continue;
+        }
+        let indent = line.len() - line.trim_start().len();
+        let t = line.trim();
+        if indent < 10 && (t.starts_with('-') || t.starts_with('<') || t.starts_with('[')) {
+            // The name ends at the first run of two spaces.
+            let (name, rest) = t.split_once("  ").unwrap_or((t, ""));
+            entries.push((name.to_string(), rest.trim().to_string()));
+        } else if let Some(last) = entries.last_mut() {
+            last.1.push(' ');
+            last.1.push_str(t);
+        }
+    }
+    entries
+        .into_iter()
+        .filter(|(_, text)| {
+            // Notes can follow a description; what remains without them must be words.
+            let words: String = text
+                .split(']')
+                .map(|part| part.split('[').next().unwrap_or(""))
+                .collect();
+            is_note(text.trim()) || words.trim().is_empty()
+        })
+        .map(|(name, _)| name)
+        .collect()
+}
+
+#[test]
+fn every_option_of_every_subcommand_has_help() {
+    let commands = subcommands();
+    assert!(
+        commands.len() >= 9 && commands.iter().any(|c| c == "verify"),
+        "{commands:?}"
+    );
+    let mut missing = Vec::new();
+    for cmd in &commands {
+        let o = tpc(&[cmd, "--help"]);
+        assert!(o.status.success(), "{cmd}: {}", stderr(&o));
+        let help = stdout(&o);
+        assert!(help.contains("Options:"), "{cmd}: {help}");
+        for name in undescribed(&help) {
+            missing.push(format!("tpc {cmd}: {name}"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "options without a description:\n{}",
+        missing.join("\n")
+    );
+    // The parser itself catches a bare option line (so the check above can fail).
+    let bare =
+        "Options:\n      --seed <SEED>  [default: 0]\n      --tp <TP>\n  -h, --help  Print help\n";
+    assert_eq!(undescribed(bare), ["--seed <SEED>", "--tp <TP>"]);
+    let long = "Arguments:\n  <MODEL>\n          A model\n\nOptions:\n      --x <X>\n          [default: 1]\n\n      --y\n          Why\n";
+    assert_eq!(undescribed(long), ["--x <X>"]);
+}
+
+#[test]
+fn model_files_cannot_set_what_the_partitioner_sets() {
+    let dir = scratch("partitioner-only");
+    let path = dir.join("g.ron");
+    for (node, needles) in [
+        (
+            r#"Node(name: "emb", op: Embedding(vocab_range: Some((0, 5))), inputs: ["ids", "table"]),"#,
+            &["node `emb`", "`vocab_range`", "chosen by the partitioner"][..],
+        ),
+        (
+            r#"Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+               Node(name: "g", op: AllGather(dim: 2, unpad_to: Some(10)), inputs: ["emb"]),"#,
+            &[
+                "node `g`",
+                "`all_gather` is inserted by tpc",
+                "`unpad_to`",
+                "partitioner",
+            ][..],
+        ),
+        (
+            r#"Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+               Node(name: "r", op: AllReduce(), inputs: ["emb"]),"#,
+            &["node `r`", "`all_reduce` is inserted by tpc"][..],
+        ),
+        (
+            r#"Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+               Node(name: "s", op: ReduceScatter(dim: 2), inputs: ["emb"]),"#,
+            &["node `s`", "`reduce_scatter` is inserted by tpc"][..],
+        ),
+        (
+            r#"Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+               Node(name: "l", op: LocalSlice(dim: 2), inputs: ["emb"]),"#,
+            &["node `l`", "`local_slice` is inserted by tpc"][..],
+        ),
+    ] {
+        let text = format!(
+            r#"Graph(name: "g", dtype: F32, body: [
+                Node(name: "ids", op: Input(kind: TokenIds)),
+                Weight(name: "table", shape: [10, 8]),
+                {node}
+                Node(name: "out", op: Output(name: "logits"), inputs: ["emb"]),
+            ])"#
+        );
+        std::fs::write(&path, text).unwrap();
+        let e = fails_cleanly(&tpc(&["compile", path.to_str().unwrap(), "--tp", "2"]));
+        for n in needles {
+            assert!(e.contains(n), "missing {n:?} in: {e}");
+        }
+    }
+    // Inside a repeat the message names the layer's node.
+    std::fs::write(
+        &path,
+        r#"Graph(name: "g", dtype: F32, body: [
+            Node(name: "ids", op: Input(kind: TokenIds)),
+            Weight(name: "table", shape: [10, 8]),
+            Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+            Repeat(count: 2, carry: "h", init: "emb", result: "l{i}.r", body: [
+                Node(name: "l{i}.r", op: AllReduce(), inputs: ["h"]),
+            ]),
+            Node(name: "out", op: Output(name: "logits"), inputs: ["h"]),
+        ])"#,
+    )
+    .unwrap();
+    let e = fails_cleanly(&tpc(&["compile", path.to_str().unwrap()]));
+    assert!(e.contains("node `l0.r`"), "{e}");
+    // Without those the same graph compiles.
+    std::fs::write(
+        &path,
+        r#"Graph(name: "g", dtype: F32, body: [
+            Node(name: "ids", op: Input(kind: TokenIds)),
+            Weight(name: "table", shape: [10, 8]),
+            Node(name: "emb", op: Embedding(), inputs: ["ids", "table"]),
+            Node(name: "out", op: Output(name: "logits"), inputs: ["emb"]),
+        ])"#,
+    )
+    .unwrap();
+    let o = tpc(&["compile", path.to_str().unwrap(), "--tp", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// The ```ron block between the README's tp_plan markers.
+fn readme_tp_plan_example() -> String {
+    let readme = std::fs::read_to_string("README.md").unwrap();
+    let start = readme
+        .find("<!-- tp_plan example -->")
+        .expect("README has the tp_plan example start marker");
+    let end = readme
+        .find("<!-- end tp_plan example -->")
+        .expect("README has the tp_plan example end marker");
+    let block = &readme[start..end];
+    let body = block
+        .split_once("```ron\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .expect("a ```ron block between the markers")
+        .0;
+    body.to_string()
+}
+
+#[test]
+fn readme_tp_plan_example_compiles_and_takes_effect() {
+    let dir = scratch("readme-tp-plan");
+    let path = dir.join("example.ron");
+    let example = readme_tp_plan_example();
+    assert!(example.contains("tp_plan"), "{example}");
+    std::fs::write(&path, &example).unwrap();
+    let def = tpc::frontend::load::load_model(&path).unwrap();
+    assert!(!def.tp_plan().is_empty());
+    let o = tpc(&["compile", path.to_str().unwrap(), "--tp", "2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // What the README says: 4 collectives, none outside the layers (6 without the plan).
+    assert_eq!(v["collective_count"], 4);
+    assert_eq!(v["collectives_outside_layers"], serde_json::json!({}));
+    let o = tpc(&["compile", "models/tiny-llama.ron", "--tp", "2", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["collective_count"], 6);
+}
+
+/// A copy of a fixture checkpoint whose LM head is NaN: the comparison runs, and tp=N cannot
+/// be shown to reproduce tp=1 (NaN logits on both sides), which `verify` must report.
+fn nan_head_checkpoint(dir: &Path) -> PathBuf {
+    let src = Path::new("tests/fixtures/checkpoints/llama-gqa");
+    let model = dir.join("nan-head");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(src.join("config.json"), model.join("config.json")).unwrap();
+    let mut bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let head = &header["lm_head.weight"];
+    assert_eq!(head["dtype"], "F32");
+    let range = head["data_offsets"].as_array().unwrap();
+    let (a, b) = (
+        8 + n + range[0].as_u64().unwrap() as usize,
+        8 + n + range[1].as_u64().unwrap() as usize,
+    );
+    for chunk in bytes[a..b].chunks_exact_mut(4) {
+        chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(model.join("model.safetensors"), bytes).unwrap();
+    model
+}
+
+#[test]
+fn verify_exits_3_on_a_mismatch_and_1_on_an_error() {
+    let dir = scratch("verify-exit");
+    let model = nan_head_checkpoint(&dir);
+    let o = tpc(&["verify", model.to_str().unwrap(), "--tp", "2"]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{e}");
+    assert!(e.contains("tp=2 does not reproduce tp=1"), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+    // An error that stops the check is not a mismatch.
+    let e = fails_cleanly(&tpc(&["verify", "models/tiny-llama.ron", "--tp", "3"]));
+    assert!(e.contains("Valid tp values"), "{e}");
+    // A usage error is clap's 2.
+    let o = tpc(&["verify", "models/tiny-llama.ron"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    // And an agreeing comparison is 0.
+    let o = tpc(&[
+        "verify",
+        "tests/fixtures/checkpoints/llama-gqa",
+        "--tp",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}

@@ -158,6 +158,7 @@ fn blank(family: Family, name: &str, dtype: DType) -> FamilyConfig {
         tie_word_embeddings: None,
         use_parallel_residual: None,
         hidden_act: None,
+        sliding_window: None,
         dtype,
         tp_plan: BTreeMap::new(),
     }
@@ -217,6 +218,8 @@ fn expected(name: &str) -> FamilyConfig {
             rope_theta: Some(10000.0),
             tie_word_embeddings: Some(false),
             hidden_act: Some(ActivationKind::Silu),
+            // 4096 < 32768 positions: kept, so runs longer than the window are refused.
+            sliding_window: Some(4096),
             ..blank(Family::Llama, "mistral", DType::Bf16)
         },
         "qwen2-7b" => FamilyConfig {
@@ -928,4 +931,170 @@ fn a_read_error_says_its_cause_once() {
         1,
         "{stderr}"
     );
+}
+
+// ---- sliding-window attention ----
+
+/// The `sliding_window` tpc keeps for `name`'s config with `edit` applied.
+fn window_of(
+    scratch: &Scratch,
+    name: &str,
+    sub: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> Option<u64> {
+    let mut j = fixture_json(name);
+    edit(j.as_object_mut().unwrap());
+    family_of(&load(&scratch.model_json(sub, &j))).sliding_window
+}
+
+#[test]
+fn sliding_window_is_kept_only_where_it_limits_the_context() {
+    let scratch = Scratch::new("window");
+    // Mistral 7B: 4096 of 32768 positions.
+    assert_eq!(
+        family_of(&load(&fixture("mistral-7b"))).sliding_window,
+        Some(4096)
+    );
+    assert_eq!(family_of(&preset("mistral-7b")).sliding_window, Some(4096));
+    let set = |v: Value| {
+        move |j: &mut serde_json::Map<String, Value>| {
+            j.insert("sliding_window".into(), v);
+        }
+    };
+    // Null, absent, or the whole context or more: nothing changes.
+    assert_eq!(
+        window_of(&scratch, "mistral-7b", "null", set(Value::Null)),
+        None
+    );
+    assert_eq!(
+        window_of(&scratch, "mistral-7b", "absent", |j| {
+            j.remove("sliding_window");
+        }),
+        None
+    );
+    assert_eq!(
+        window_of(&scratch, "mistral-7b", "all", set(json!(32768))),
+        None
+    );
+    assert_eq!(
+        window_of(&scratch, "mistral-7b", "more", set(json!(65536))),
+        None
+    );
+    assert_eq!(
+        window_of(&scratch, "mistral-7b", "less", set(json!(32767))),
+        Some(32767)
+    );
+    // Switched off (Qwen2 style), even in a Mistral config.
+    assert_eq!(
+        window_of(&scratch, "mistral-7b", "off", |j| {
+            j.insert("use_sliding_window".into(), json!(false));
+        }),
+        None
+    );
+    // Qwen2 7B says use_sliding_window: false; absent means false too (Qwen2Config's
+    // default); true makes a smaller window count.
+    assert_eq!(family_of(&load(&fixture("qwen2-7b"))).sliding_window, None);
+    assert_eq!(
+        window_of(&scratch, "qwen2-7b", "qwen-default", |j| {
+            j.remove("use_sliding_window");
+            j.insert("sliding_window".into(), json!(4096));
+        }),
+        None
+    );
+    assert_eq!(
+        window_of(&scratch, "qwen2-7b", "qwen-on", |j| {
+            j.insert("use_sliding_window".into(), json!(true));
+            j.insert("sliding_window".into(), json!(4096));
+        }),
+        Some(4096)
+    );
+    // LlamaConfig has no window: a stray key changes nothing.
+    assert_eq!(
+        window_of(&scratch, "llama3-8b", "llama", set(json!(1024))),
+        None
+    );
+    // A window of 0 is no attention at all.
+    let mut j = fixture_json("mistral-7b");
+    j["sliding_window"] = json!(0);
+    rejected(&scratch.model_json("zero", &j), &["`sliding_window` 0"]);
+}
+
+/// The tiny llama-gqa checkpoint as a Mistral with an attention window of `window` tokens.
+fn windowed_checkpoint(scratch: &Scratch, window: u64) -> PathBuf {
+    let src = root().join("tests/fixtures/checkpoints/llama-gqa");
+    let text = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let mut j: Value = serde_json::from_str(&text).unwrap();
+    let o = j.as_object_mut().unwrap();
+    o.insert("model_type".into(), json!("mistral"));
+    o.insert("sliding_window".into(), json!(window));
+    let dir = scratch.model_json(&format!("windowed-{window}"), &j);
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+#[test]
+fn a_windowed_model_compiles_but_runs_only_within_its_window() {
+    let scratch = Scratch::new("window-run");
+    let dir = windowed_checkpoint(&scratch, 8);
+    let def = load(&dir);
+    assert_eq!(family_of(&def).sliding_window, Some(8));
+    // The split does not depend on the window: the plan is llama-gqa's, plus the window
+    // it records for the runtime to enforce (a saved plan is checked too).
+    let plain = load(&root().join("tests/fixtures/checkpoints/llama-gqa"));
+    for tp in [1, 2] {
+        let mut a = plan_of(&def, tp, "windowed");
+        assert_eq!(a.attention_window, Some(8));
+        a.attention_window = None;
+        let b = plan_of(&plain, tp, "llama-gqa");
+        assert_same_plan_but_name(&a, &b, &format!("windowed tp={tp}"));
+    }
+    let d = dir.to_str().unwrap();
+    let o = tpc(["compile", d, "--tp", "2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Up to the window full causal attention is the window's computation: 7 + 1 = 8 runs and
+    // gives the first token transformers generates for this checkpoint.
+    let prompt = "3,71,249,130,12,188,64";
+    let o = tpc([
+        "run",
+        d,
+        "--tp",
+        "2",
+        "--prompt-ids",
+        prompt,
+        "--max-new-tokens",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "59");
+    // One token more would attend past the window.
+    let e = tpc_fails([
+        "run",
+        d,
+        "--tp",
+        "2",
+        "--prompt-ids",
+        prompt,
+        "--max-new-tokens",
+        "2",
+    ]);
+    for needle in [
+        "sliding_window",
+        "last 8 positions",
+        "this one has 9",
+        "--max-new-tokens",
+    ] {
+        assert!(e.contains(needle), "{needle:?} missing: {e}");
+    }
+    // verify runs prompt + 4 tokens: 8 prompt tokens do not fit, 4 do.
+    let e = tpc_fails(["verify", d, "--tp", "2", "--prompt-len", "8"]);
+    assert!(
+        e.contains("sliding_window") && e.contains("this one has 12"),
+        "{e}"
+    );
+    let o = tpc(["verify", d, "--tp", "2", "--prompt-len", "4"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The library says the same.
+    assert!(def.check_executable(8).is_ok());
+    assert!(def.check_executable(9).is_err());
+    assert!(plain.check_executable(1 << 20).is_ok());
 }

@@ -48,6 +48,7 @@ fn blank(family: Family) -> FamilyConfig {
         tie_word_embeddings: None,
         use_parallel_residual: None,
         hidden_act: None,
+        sliding_window: None,
         dtype: DType::Bf16,
         tp_plan: BTreeMap::new(),
     }

@@ -12,9 +12,10 @@ pub struct Args {
     /// Timed calls per size.
     #[arg(long, default_value_t = 200)]
     iters: usize,
-    /// Smallest and largest message, as powers of two of bytes (default 4 KiB..16 MiB).
+    /// Smallest message, as a power of two of bytes (12: 4 KiB).
     #[arg(long, default_value_t = 12)]
     from_log2: u32,
+    /// Largest message, as a power of two of bytes (24: 16 MiB).
     #[arg(long, default_value_t = 24)]
     to_log2: u32,
 }

@@ -12,6 +12,8 @@ mod verify;
 
 use clap::{Parser, Subcommand};
 
+pub use verify::Mismatch;
+
 /// tpc: tensor-parallel compiler and executor for transformer language models.
 #[derive(Debug, Parser)]
 #[command(name = "tpc", version, about)]

@@ -51,10 +51,14 @@ pub struct Args {
     /// Sampling temperature; 0 (the default) is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    /// Sample only among the K most likely tokens (needs --temperature above 0).
     #[arg(long)]
     top_k: Option<usize>,
+    /// Sample only among the most likely tokens whose probabilities add up to P, in (0, 1]
+    /// (needs --temperature above 0).
     #[arg(long)]
     top_p: Option<f32>,
+    /// Seed of the sampler; the same seed gives the same tokens.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     #[command(flatten)]
@@ -213,7 +217,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "`{}` is not a model directory; `tpc run` needs config.json and model.safetensors",
         a.model.display()
     );
-    anyhow::ensure!(a.temperature >= 0.0, "--temperature must be at least 0");
+    Sampling {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    }
+    .validate()?;
     anyhow::ensure!(
         a.prompts.is_none() || a.dump_logits.is_none(),
         "--dump-logits writes one prompt's logits; use it with --prompt-ids or --prompt, not --prompts"

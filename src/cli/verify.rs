@@ -11,6 +11,7 @@ pub struct Args {
     /// A model (.ron, HF directory, config.json). A directory with weights uses them;
     /// otherwise weights are seeded random values.
     model: PathBuf,
+    /// Number of tensor-parallel ranks to compare against tp=1.
     #[arg(long)]
     tp: u64,
     /// Seed for random weights and the prompt.
@@ -22,6 +23,7 @@ pub struct Args {
     /// Keep only the first N layers of a preset (big models in little memory).
     #[arg(long)]
     layers: Option<u64>,
+    /// Print the comparison as JSON instead of one line.
     #[arg(long)]
     json: bool,
 }
@@ -63,14 +65,29 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             if report.tokens_tp1 == report.tokens_tpn { "equal" } else { "DIFFER" }
         );
     }
-    anyhow::ensure!(
-        report.passed,
-        "tp={} does not reproduce tp=1: relative error {:.3e} (tolerance {:.0e}), tokens {:?} vs {:?}",
-        a.tp,
-        report.rel_error,
-        report.tolerance,
-        report.tokens_tpn,
-        report.tokens_tp1
-    );
+    if !report.passed {
+        return Err(Mismatch(format!(
+            "tp={} does not reproduce tp=1: relative error {:.3e} (tolerance {:.0e}), tokens {:?} vs {:?}",
+            a.tp,
+            report.rel_error,
+            report.tolerance,
+            report.tokens_tpn,
+            report.tokens_tp1
+        ))
+        .into());
+    }
     Ok(())
 }
+
+/// The comparison ran and tp=N disagreed with tp=1: `tpc` exits 3 for this, so scripts can
+/// tell a numerical mismatch from an error that stopped the check (exit 1).
+#[derive(Debug)]
+pub struct Mismatch(String);
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Mismatch {}

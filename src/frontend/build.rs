@@ -56,6 +56,25 @@ fn subst(s: &str, layer: Option<u32>) -> String {
     out
 }
 
+/// Refuses what only tpc's passes may choose: a model file describes the single-device
+/// model, and the partitioner decides collectives, slices and each rank's vocabulary rows.
+/// Trusting such input would let a model file contradict the plan tpc derives.
+fn partitioner_only(op: &Op) -> std::result::Result<(), String> {
+    match op {
+        Op::AllReduce(_) | Op::AllGather(_) | Op::ReduceScatter(_) | Op::LocalSlice(_) => {
+            Err(format!(
+                "`{}` is inserted by tpc's sharding passes, never written in a model (the partitioner chooses where collectives and slices go, and an all_gather's `unpad_to`); remove this node and use its input instead",
+                op.kind()
+            ))
+        }
+        Op::Embedding(e) if e.vocab_range.is_some() => Err(
+            "`vocab_range` of an embedding is chosen by the partitioner for each rank; remove it and write `Embedding()` with the whole table"
+                .into(),
+        ),
+        _ => Ok(()),
+    }
+}
+
 impl Builder<'_> {
     fn err(&self, place: &str, message: String) -> TpcError {
         TpcError::Model {
@@ -113,15 +132,8 @@ impl Builder<'_> {
                 if let Op::Param(p) = &mut op {
                     p.tensor = subst(&p.tensor, layer).into();
                 }
-                if op.is_collective() || matches!(op, Op::LocalSlice(_)) {
-                    return Err(self.err(
-                        &format!("node `{}`", n.name),
-                        format!(
-                            "{} is inserted by tpc's sharding passes; remove it from the model",
-                            op.kind()
-                        ),
-                    ));
-                }
+                partitioner_only(&op)
+                    .map_err(|m| self.err(&format!("node `{}`", subst(&n.name, layer)), m))?;
                 let inputs = n.inputs.iter().map(|s| subst(s, layer)).collect();
                 (subst(&n.name, layer), op, inputs)
             }

@@ -150,6 +150,32 @@ fn rope_theta(r: &Reader, legacy: &[&str]) -> Result<Option<f64>> {
     }
 }
 
+/// The attention window when it limits the model: Mistral's `sliding_window`, or Qwen2/Qwen3's
+/// when `use_sliding_window` is true (their classes default to false, as HF's do). `None` when
+/// the window is null, absent, switched off, or at least `max_position_embeddings` (then every
+/// sequence the model allows fits in it and nothing changes).
+fn sliding_window(r: &Reader, model_type: &str, context: Option<u64>) -> Result<Option<u64>> {
+    let active = r
+        .bool_opt(&["use_sliding_window"])?
+        .unwrap_or(model_type == "mistral");
+    if !active {
+        return Ok(None);
+    }
+    let Some(window) = r.u64_opt(&["sliding_window"])? else {
+        return Ok(None);
+    };
+    if window == 0 {
+        return Err(r.err(
+            "`sliding_window` 0 would let no token see any other; give the window in tokens, or null for full attention"
+                .into(),
+        ));
+    }
+    Ok(match context {
+        Some(c) if window >= c => None,
+        _ => Some(window),
+    })
+}
+
 /// `num_key_value_heads` when the key is absent: the HF config class's default. Llama's is
 /// `None` (one kv head per query head); Mistral's, Qwen2's and Qwen3's are fixed numbers.
 fn hf_default_kv_heads(model_type: &str) -> Option<u64> {
@@ -222,6 +248,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             tie_word_embeddings: r.bool_opt(&["tie_word_embeddings"])?,
             use_parallel_residual: None,
             hidden_act: activation(&r, &["activation_function"])?,
+            sliding_window: None,
             dtype: DType::F32,
             tp_plan: BTreeMap::new(),
         }
@@ -262,6 +289,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             tie_word_embeddings: r.bool_opt(&["tie_word_embeddings"])?,
             use_parallel_residual: r.bool_opt(&["use_parallel_residual"])?,
             hidden_act: activation(&r, &["hidden_act"])?,
+            sliding_window: None,
             dtype: DType::Bf16,
             tp_plan: BTreeMap::new(),
         }
@@ -275,6 +303,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
     } else {
         c.dtype = dtype(&r)?;
     }
+    c.sliding_window = sliding_window(&r, model_type, c.max_position_embeddings)?;
     if family == Family::Qwen2 {
         // Qwen2 always has q/k/v bias (not in its config).
         c.attention_bias = Some(true);

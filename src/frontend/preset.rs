@@ -284,6 +284,7 @@ pub fn lower_preset(c: &FamilyConfig) -> Result<GraphDef> {
         body,
         tp_plan: c.tp_plan.clone(),
         max_position_embeddings: c.max_positions(),
+        sliding_window: c.sliding_window,
     })
 }
 

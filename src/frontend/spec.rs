@@ -1,6 +1,7 @@
 //! What a model file says: a family preset with HF-like hyper-parameters, or an explicit
 //! graph of named ops with a repeat over layers.
 
+use crate::error::{Result, TpcError};
 use crate::ir::{ActivationKind, DType, Groups, Op, RopeScaling};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -26,6 +27,39 @@ impl ModelDef {
             ModelDef::Preset(p) => p.max_positions(),
             ModelDef::Graph(g) => g.max_position_embeddings,
         }
+    }
+
+    /// The attention window (Mistral's `sliding_window`) when it limits the context.
+    pub fn sliding_window(&self) -> Option<u64> {
+        match self {
+            ModelDef::Preset(p) => p.sliding_window,
+            ModelDef::Graph(g) => g.sliding_window,
+        }
+    }
+
+    /// Refuses to execute a sequence of `tokens` positions (prompt + generated) that tpc's
+    /// runtime would compute differently from the model: with a sliding window, attention
+    /// past the window differs from the full causal attention the runtime has.
+    pub fn check_executable(&self, tokens: u64) -> Result<()> {
+        let model = match self {
+            ModelDef::Preset(p) => p.name.clone().unwrap_or_else(|| format!("{:?}", p.family)),
+            ModelDef::Graph(g) => g.name.clone(),
+        };
+        match self.sliding_window() {
+            Some(window) if tokens > window => Err(window_error(model, window, tokens)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A sequence longer than the model's attention window.
+pub fn window_error(model: String, window: u64, tokens: u64) -> TpcError {
+    TpcError::Model {
+        model,
+        place: "sliding_window".into(),
+        message: format!(
+            "each token attends to the last {window} positions only, and tpc's runtime has full causal attention, which computes something else once a sequence is longer than {window} tokens; this one has {tokens} (prompt + new tokens). Keep the prompt plus --max-new-tokens at most {window} (compiling is not affected)"
+        ),
     }
 }
 
@@ -108,6 +142,12 @@ pub struct FamilyConfig {
     pub use_parallel_residual: Option<bool>,
     #[serde(default)]
     pub hidden_act: Option<ActivationKind>,
+    /// Sliding-window attention (Mistral): each token sees only the last `sliding_window`
+    /// positions. Kept only when smaller than the context. The split does not depend on it,
+    /// so compiling works; tpc's runtime has full causal attention only, which is the same
+    /// computation up to the window, so longer sequences are refused ([`ModelDef::check_executable`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
     #[serde(default = "default_dtype")]
     pub dtype: DType,
     /// Overrides: weight name pattern (`*` matches one dotted segment) → HF tp_plan word.
@@ -131,6 +171,9 @@ pub struct GraphDef {
     /// The longest sequence the model is defined for (prompt + generated tokens).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_position_embeddings: Option<u64>,
+    /// Each token attends to this many positions at most (Mistral's `sliding_window`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

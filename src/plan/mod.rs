@@ -31,6 +31,10 @@ pub struct Plan {
     /// The longest sequence (prompt + generated) the model allows, when it says.
     #[serde(default)]
     pub max_positions: Option<u64>,
+    /// Mistral's `sliding_window`: the runtime has full causal attention, so it runs only
+    /// sequences that fit in the window.
+    #[serde(default)]
+    pub attention_window: Option<u64>,
 }
 
 /// One collective of the forward pass (the same on every rank).

@@ -142,6 +142,7 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
         regions,
         ranks,
         max_positions: None,
+        attention_window: None,
     })
 }
 

@@ -18,14 +18,45 @@ pub struct Summary {
     pub model_param_bytes: u64,
     pub kv_cache_bytes_per_token_per_rank: Vec<u64>,
     pub collectives: Vec<CollectiveSummary>,
-    /// Collective counts by kind inside layers (per layer, equal for all layers) and outside.
-    pub collectives_per_layer: BTreeMap<String, u64>,
+    /// Collective counts by kind in one layer: one number when every layer has the same
+    /// count, the range when layers differ (overrides, mixed layer kinds).
+    pub collectives_per_layer: BTreeMap<String, LayerCount>,
+    /// Collective counts by kind outside every layer (embedding, LM head).
     pub collectives_outside_layers: BTreeMap<String, u64>,
     pub collective_count: u64,
     pub bytes_per_token_total: u64,
     pub ring_wire_bytes_per_token_total: u64,
     pub column_row_pairs: u64,
     pub notes: Vec<String>,
+}
+
+/// How many collectives of one kind a layer has. Serialized as a plain number when all layers
+/// agree, so uniform models keep the simple `"all_reduce": 2` form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LayerCount {
+    Same(u64),
+    Differ { min: u64, max: u64 },
+}
+
+impl LayerCount {
+    fn of(counts: impl Iterator<Item = u64>) -> LayerCount {
+        let (min, max) = counts.fold((u64::MAX, 0), |(lo, hi), c| (lo.min(c), hi.max(c)));
+        if min >= max {
+            LayerCount::Same(max)
+        } else {
+            LayerCount::Differ { min, max }
+        }
+    }
+}
+
+impl std::fmt::Display for LayerCount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LayerCount::Same(n) => write!(f, "{n}"),
+            LayerCount::Differ { min, max } => write!(f, "{min}–{max}"),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,25 +103,7 @@ pub fn summarize(plan: &Plan) -> Summary {
                 .sum()
         })
         .collect();
-    let layers: std::collections::BTreeSet<u32> =
-        plan.ranks.first().map_or_else(Default::default, |r| {
-            r.instrs.iter().filter_map(|i| i.layer).collect()
-        });
-    let mut per_layer: BTreeMap<String, u64> = BTreeMap::new();
-    let mut outside: BTreeMap<String, u64> = BTreeMap::new();
-    for c in &plan.collectives {
-        let m = if c.layer.is_some() {
-            &mut per_layer
-        } else {
-            &mut outside
-        };
-        *m.entry(c.kind.clone()).or_default() += 1;
-    }
-    if !layers.is_empty() {
-        for v in per_layer.values_mut() {
-            *v /= layers.len() as u64;
-        }
-    }
+    let (per_layer, outside) = count_collectives(plan);
     Summary {
         model: plan.model.clone(),
         tp: plan.tp,
@@ -124,6 +137,37 @@ pub fn summarize(plan: &Plan) -> Summary {
         column_row_pairs: plan.regions.len() as u64,
         notes: plan.notes.clone(),
     }
+}
+
+/// Collective counts by kind per layer (from each layer's own collectives: a layer without
+/// one of a kind counts 0) and outside layers.
+fn count_collectives(plan: &Plan) -> (BTreeMap<String, LayerCount>, BTreeMap<String, u64>) {
+    // Every layer of the program, also those without any collective.
+    let mut by_layer: BTreeMap<u32, BTreeMap<&str, u64>> = plan
+        .ranks
+        .first()
+        .map(|r| r.instrs.iter().filter_map(|i| i.layer))
+        .into_iter()
+        .flatten()
+        .map(|l| (l, BTreeMap::new()))
+        .collect();
+    let mut outside: BTreeMap<String, u64> = BTreeMap::new();
+    for c in &plan.collectives {
+        match c.layer {
+            Some(l) => *by_layer.entry(l).or_default().entry(&c.kind).or_default() += 1,
+            None => *outside.entry(c.kind.clone()).or_default() += 1,
+        }
+    }
+    let kinds: std::collections::BTreeSet<&str> =
+        by_layer.values().flat_map(|m| m.keys().copied()).collect();
+    let per_layer = kinds
+        .into_iter()
+        .map(|k| {
+            let counts = by_layer.values().map(|m| m.get(k).copied().unwrap_or(0));
+            (k.to_string(), LayerCount::of(counts))
+        })
+        .collect();
+    (per_layer, outside)
 }
 
 /// Bytes in binary units with one decimal.
@@ -207,9 +251,14 @@ pub fn render_table(s: &Summary) -> String {
         .iter()
         .map(|(k, v)| format!("{v} {k}"))
         .collect();
+    let differ = s
+        .collectives_per_layer
+        .values()
+        .any(|c| matches!(c, LayerCount::Differ { .. }));
     let _ = writeln!(
         out,
-        "per layer: {}; total: {} collectives, {} per token ({} on the wire per rank, ring)",
+        "per layer{}: {}; total: {} collectives, {} per token ({} on the wire per rank, ring)",
+        if differ { " (layers differ)" } else { "" },
         if per_layer.is_empty() {
             "none".to_string()
         } else {

@@ -252,6 +252,14 @@ pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> R
             }
         }
         let new = r.max_new_tokens.unwrap_or(opts.max_new_tokens);
+        let tokens = (r.prompt.len() as u64).saturating_add(new as u64);
+        if let Some(window) = plan.attention_window.filter(|&w| tokens > w) {
+            return Err(crate::frontend::spec::window_error(
+                plan.model.clone(),
+                window,
+                tokens,
+            ));
+        }
         if let Some(max) = plan.max_positions {
             // The last generated token is never fed back, so it needs no position.
             let needed = (r.prompt.len() as u64).saturating_add(new.saturating_sub(1) as u64);

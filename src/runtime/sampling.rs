@@ -9,6 +9,52 @@ pub struct Sampling {
     pub seed: u64,
 }
 
+/// Sampling settings that would be ignored or meaningless. The messages name the `tpc run`
+/// flags, the only place these settings come from user input.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    #[error("--temperature {0} is not a temperature; give 0 (greedy) or a finite number above 0")]
+    BadTemperature(f32),
+    #[error("--top-k 0 keeps no token; give at least 1 (1 is greedy), or drop --top-k")]
+    ZeroTopK,
+    #[error("--top-p {0} is outside (0, 1]; give a probability mass such as 0.9, or drop --top-p")]
+    TopPOutOfRange(f32),
+    #[error("{flags} would be ignored: temperature 0 (the default) means greedy decoding; add --temperature T (T > 0, e.g. 0.8) to sample, or drop {flags}")]
+    NeedsTemperature { flags: &'static str },
+}
+
+impl Sampling {
+    /// Refuses settings that the sampler would silently ignore (top-k/top-p with greedy
+    /// decoding) or could not honour (no token kept, a temperature that is not a number).
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let t = self.temperature;
+        if !t.is_finite() || t < 0.0 {
+            return Err(SamplingError::BadTemperature(t));
+        }
+        if self.top_k == Some(0) {
+            return Err(SamplingError::ZeroTopK);
+        }
+        if let Some(p) = self.top_p {
+            // Written so that NaN fails too.
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(SamplingError::TopPOutOfRange(p));
+            }
+        }
+        if t == 0.0 {
+            let flags = match (self.top_k.is_some(), self.top_p.is_some()) {
+                (true, true) => Some("--top-k and --top-p"),
+                (true, false) => Some("--top-k"),
+                (false, true) => Some("--top-p"),
+                (false, false) => None,
+            };
+            if let Some(flags) = flags {
+                return Err(SamplingError::NeedsTemperature { flags });
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for Sampling {
     fn default() -> Self {
         Sampling {
@@ -105,6 +151,56 @@ mod tests {
             pick(&[1.0, 3.0, 3.0], &Sampling::default(), &mut Rng::new(1)),
             1
         );
+    }
+
+    fn with(temperature: f32, top_k: Option<usize>, top_p: Option<f32>) -> Sampling {
+        Sampling {
+            temperature,
+            top_k,
+            top_p,
+            seed: 0,
+        }
+    }
+
+    #[test]
+    fn validate_accepts_greedy_and_real_sampling() {
+        assert_eq!(Sampling::default().validate(), Ok(()));
+        assert_eq!(with(0.8, Some(5), Some(0.9)).validate(), Ok(()));
+        assert_eq!(with(1.0, Some(1), Some(1.0)).validate(), Ok(()));
+        assert_eq!(with(0.5, None, None).validate(), Ok(()));
+    }
+
+    #[test]
+    fn validate_refuses_top_k_or_top_p_with_greedy_decoding() {
+        for (s, flags) in [
+            (with(0.0, Some(5), None), "--top-k"),
+            (with(0.0, None, Some(0.9)), "--top-p"),
+            (with(0.0, Some(5), Some(0.9)), "--top-k and --top-p"),
+        ] {
+            let e = s.validate().unwrap_err();
+            assert_eq!(e, SamplingError::NeedsTemperature { flags });
+            let m = e.to_string();
+            assert!(
+                m.contains("add --temperature T") && m.contains(&format!("or drop {flags}")),
+                "{m}"
+            );
+        }
+    }
+
+    #[test]
+    fn validate_refuses_values_that_keep_nothing_or_are_not_numbers() {
+        assert_eq!(
+            with(1.0, Some(0), None).validate(),
+            Err(SamplingError::ZeroTopK)
+        );
+        for p in [0.0, -0.1, 1.01, f32::NAN, f32::INFINITY] {
+            let e = with(1.0, None, Some(p)).validate().unwrap_err();
+            assert!(matches!(e, SamplingError::TopPOutOfRange(_)), "{p}: {e}");
+        }
+        for t in [-0.5, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let e = with(t, None, None).validate().unwrap_err();
+            assert!(matches!(e, SamplingError::BadTemperature(_)), "{t}: {e}");
+        }
     }
 
     #[test]

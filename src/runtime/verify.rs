@@ -59,6 +59,7 @@ pub fn verify(
         max_new_tokens: 4,
         ..Default::default()
     };
+    def.check_executable(prompt.len().saturating_add(opts.max_new_tokens) as u64)?;
     let a = run(&many, weights, &prompt, &opts)?;
     let b = run(&one, weights, &prompt, &opts)?;
     let (x, y) = (&a.prompt_logits.data, &b.prompt_logits.data);
