@@ -131,8 +131,8 @@ pub fn run_batch(
     requests: &[Request],
     opts: &RunOptions,
 ) -> Result<BatchOutput> {
-    weights.check(plan)?;
     check_requests(plan, requests, opts)?;
+    weights.check(plan)?;
     let tp = plan.ranks.len();
     let threads = threads_per_rank(opts, tp);
     let bf16 = opts.dtype.bf16_linears(plan);

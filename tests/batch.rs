@@ -1,0 +1,149 @@
+//! Batched generation: a ragged batch of prompts, prefilled together and decoded together
+//! with finished sequences dropping out, gives every sequence what running it alone gives,
+//! on every reference checkpoint at every valid tp.
+
+use std::path::PathBuf;
+use tpc::frontend::load::load_model;
+use tpc::pipeline::compile;
+use tpc::runtime::generate::{Request, RunOptions};
+use tpc::runtime::launch::{run, run_batch};
+use tpc::runtime::weights::Checkpoint;
+
+/// Batched rows go through the prompt GEMM where a lone decode step takes the GEMV, so sums
+/// may round differently; this bounds ‖a − b‖ / ‖b‖ of each sequence's prompt logits.
+const BATCH_REL_TOL: f64 = 1e-5;
+
+fn fixtures() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("tests/fixtures/checkpoints")
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("config.json").exists())
+        .collect();
+    dirs.sort();
+    assert!(
+        dirs.len() >= 7,
+        "expected the reference checkpoints: {dirs:?}"
+    );
+    dirs
+}
+
+fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let (mut d, mut n) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        d += (x as f64 - y as f64).powi(2);
+        n += (y as f64).powi(2);
+    }
+    (d / n.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Three prompts of different lengths and token limits, from the fixture's vocabulary.
+fn requests(vocab: i64) -> Vec<Request> {
+    let ids = |n: i64, salt: i64| (0..n).map(|i| (i * 37 + salt * 11 + 3) % vocab).collect();
+    vec![
+        Request {
+            prompt: ids(7, 0),
+            max_new_tokens: Some(6),
+        },
+        Request {
+            prompt: ids(2, 1),
+            max_new_tokens: Some(9),
+        },
+        Request {
+            prompt: ids(11, 2),
+            max_new_tokens: Some(1),
+        },
+    ]
+}
+
+#[test]
+fn a_ragged_batch_equals_each_sequence_alone_at_every_tp() {
+    let mut checked = 0;
+    for dir in fixtures() {
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for tp in [1, 2, 4, 8] {
+            let Ok(compiled) = compile(&def, tp) else {
+                continue;
+            };
+            let plan = compiled.plan;
+            let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap() as i64;
+            let reqs = requests(vocab);
+            let opts = RunOptions {
+                all_prompt_logits: true,
+                ..RunOptions::default()
+            };
+            // An EOS id that the first sequence meets early (its third token alone), so it
+            // drops out of the batch before the others.
+            let alone0 = run(
+                &plan,
+                &ckpt,
+                &reqs[0].prompt,
+                &RunOptions {
+                    max_new_tokens: 6,
+                    ..opts.clone()
+                },
+            )
+            .unwrap();
+            let opts = RunOptions {
+                eos: vec![alone0.generated[2]],
+                ..opts
+            };
+            let batch = run_batch(&plan, &ckpt, &reqs, &opts).unwrap();
+            assert_eq!(batch.sequences.len(), reqs.len());
+            for (s, r) in reqs.iter().enumerate() {
+                let alone = run(
+                    &plan,
+                    &ckpt,
+                    &r.prompt,
+                    &RunOptions {
+                        max_new_tokens: r.max_new_tokens.unwrap(),
+                        ..opts.clone()
+                    },
+                )
+                .unwrap();
+                let got = &batch.sequences[s];
+                let ctx = format!("{} tp={tp} sequence {s}", dir.display());
+                assert_eq!(got.generated, alone.generated, "{ctx}: tokens");
+                assert_eq!(got.prompt_logits.shape, alone.prompt_logits.shape, "{ctx}");
+                let e = rel_error(&got.prompt_logits.data, &alone.prompt_logits.data);
+                assert!(e <= BATCH_REL_TOL, "{ctx}: prompt logits differ by {e:.3e}");
+                checked += 1;
+            }
+            assert!(
+                batch.sequences[0].generated.len() <= 3,
+                "EOS ends sequence 0"
+            );
+            assert_eq!(batch.sequences[2].generated.len(), 1);
+        }
+    }
+    assert!(checked >= 7 * 3 * 2, "only {checked} sequences checked");
+}
+
+#[test]
+fn requests_are_refused_before_any_weight_is_read() {
+    let dir = PathBuf::from("tests/fixtures/checkpoints/gpt2");
+    let def = load_model(&dir).unwrap();
+    let plan = compile(&def, 2).unwrap().plan;
+    let max = plan.max_positions.expect("GPT-2 has n_positions");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let long = Request {
+        prompt: vec![1; 4],
+        max_new_tokens: Some(max as usize),
+    };
+    let e = run_batch(&plan, &ckpt, &[long], &RunOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("max_position_embeddings"), "{e}");
+    // Exactly the model's positions is fine: the last new token is never fed back.
+    let fits = Request {
+        prompt: vec![1; 4],
+        max_new_tokens: Some(max as usize - 3),
+    };
+    assert!(tpc::runtime::generate::check_requests(&plan, &[fits], &RunOptions::default()).is_ok());
+    let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap() as i64;
+    let bad_id = Request {
+        prompt: vec![1, vocab],
+        max_new_tokens: None,
+    };
+    let e = run_batch(&plan, &ckpt, &[bad_id], &RunOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+}

@@ -1,0 +1,221 @@
+//! `tpc run` as users drive it: saved plans, prompt files, refusals before loading.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const MODEL: &str = "tests/fixtures/checkpoints/llama-gqa";
+const PROMPT: &str = "3,71,249,130,12,188,64";
+
+fn tpc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tpc"))
+        .args(args)
+        .output()
+        .expect("tpc runs")
+}
+
+fn ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "exit {:?}: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn fails(o: &Output) -> String {
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let e = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!e.contains("panicked"), "{e}");
+    e
+}
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tpc-run-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn a_saved_plan_runs_bit_identically_to_compiling_on_the_fly() {
+    let dir = scratch("plan");
+    for ext in ["ron", "json"] {
+        let plan = dir.join(format!("plan.{ext}"));
+        let p = plan.to_str().unwrap();
+        ok(&tpc(&["compile", MODEL, "--tp", "2", "-o", p]));
+        let fly = dir.join(format!("fly-{ext}.safetensors"));
+        let saved = dir.join(format!("saved-{ext}.safetensors"));
+        let a = ok(&tpc(&[
+            "run",
+            MODEL,
+            "--tp",
+            "2",
+            "--prompt-ids",
+            PROMPT,
+            "--max-new-tokens",
+            "8",
+            "--dump-logits",
+            fly.to_str().unwrap(),
+        ]));
+        let b = ok(&tpc(&[
+            "run",
+            MODEL,
+            "--plan",
+            p,
+            "--prompt-ids",
+            PROMPT,
+            "--max-new-tokens",
+            "8",
+            "--dump-logits",
+            saved.to_str().unwrap(),
+        ]));
+        assert_eq!(a, b);
+        assert_eq!(
+            a.trim(),
+            "59,40,188,239,174,169,126,162",
+            "transformers' tokens"
+        );
+        assert_eq!(
+            std::fs::read(&fly).unwrap(),
+            std::fs::read(&saved).unwrap(),
+            "{ext}: logits must be bit-identical"
+        );
+        // A plan for another tp than asked is refused, not run.
+        let e = fails(&tpc(&[
+            "run",
+            MODEL,
+            "--plan",
+            p,
+            "--tp",
+            "4",
+            "--prompt-ids",
+            "1",
+        ]));
+        assert!(e.contains("tp=2"), "{e}");
+    }
+}
+
+#[test]
+fn a_prompts_file_gives_one_result_per_line_in_input_order() {
+    let dir = scratch("prompts");
+    let file = dir.join("p.jsonl");
+    std::fs::write(
+        &file,
+        format!(
+            "{{\"prompt_ids\": [{PROMPT}]}}\n\n{{\"prompt_ids\": [5, 6], \"max_new_tokens\": 3}}\n{{\"prompt\": \"hello world\", \"max_new_tokens\": 2}}\n"
+        ),
+    )
+    .unwrap();
+    let out = ok(&tpc(&[
+        "run",
+        MODEL,
+        "--tp",
+        "2",
+        "--prompts",
+        file.to_str().unwrap(),
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]));
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    let generated = |v: &serde_json::Value| -> Vec<i64> {
+        v["generated"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect()
+    };
+    assert_eq!(lines[0]["index"], 0);
+    assert_eq!(
+        generated(&lines[0]),
+        vec![59, 40, 188, 239, 174, 169, 126, 162]
+    );
+    assert_eq!(generated(&lines[1]).len(), 3);
+    assert_eq!(generated(&lines[2]).len(), 2);
+    assert!(lines[2]["text"].is_string(), "decoded with tokenizer.json");
+    // The second line alone gives the same tokens.
+    let alone = ok(&tpc(&[
+        "run",
+        MODEL,
+        "--tp",
+        "2",
+        "--prompt-ids",
+        "5,6",
+        "--max-new-tokens",
+        "3",
+    ]));
+    let alone: Vec<i64> = alone
+        .trim()
+        .split(',')
+        .map(|x| x.parse().unwrap())
+        .collect();
+    assert_eq!(generated(&lines[1]), alone);
+    let summary = &lines[3]["summary"];
+    assert_eq!(summary["sequences"], 3);
+    assert_eq!(summary["generated_tokens"], 13);
+    assert!(summary["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+
+    std::fs::write(&file, "{\"prompt_ids\": [1], \"prompt\": \"x\"}\n").unwrap();
+    let e = fails(&tpc(&["run", MODEL, "--prompts", file.to_str().unwrap()]));
+    assert!(e.contains("p.jsonl:1") && e.contains("exactly one"), "{e}");
+    std::fs::write(&file, "[1, 2]\n").unwrap();
+    let e = fails(&tpc(&["run", MODEL, "--prompts", file.to_str().unwrap()]));
+    assert!(e.contains("p.jsonl:1"), "{e}");
+}
+
+#[test]
+fn impossible_requests_are_refused_quickly() {
+    let e = fails(&tpc(&[
+        "run",
+        MODEL,
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "1000000000",
+    ]));
+    assert!(e.contains("max_position_embeddings"), "{e}");
+    let e = fails(&tpc(&["run", MODEL, "--prompt-ids", "1,100000"]));
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    let e = fails(&tpc(&[
+        "run",
+        MODEL,
+        "--prompt-ids",
+        "1",
+        "--dump-logits",
+        "/nonexistent-dir/l.safetensors",
+    ]));
+    assert!(e.contains("does not exist"), "{e}");
+}
+
+#[test]
+fn run_json_reports_load_time_and_bytes() {
+    let out = ok(&tpc(&[
+        "run",
+        MODEL,
+        "--tp",
+        "2",
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "2",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["load_seconds"].as_f64().unwrap() > 0.0);
+    assert!(v["weight_bytes_rank0"].as_u64().unwrap() > 0);
+    // Two layers, two all-reduces each, one embedding all-reduce and one logits gather per
+    // forward call; f32 messages.
+    assert!(v["collective_bytes_rank0"].as_u64().unwrap() > 0);
+    assert_eq!(v["collective_dtype"], "f32");
+}
