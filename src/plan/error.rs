@@ -77,6 +77,10 @@ pub enum Place {
         rank: usize,
         tensor: Name,
     },
+    /// A checkpoint tensor as all ranks together load it.
+    Tensor {
+        tensor: Name,
+    },
     /// Entry `index` of `plan.collectives`.
     Collective {
         index: usize,
@@ -92,6 +96,7 @@ impl fmt::Display for Place {
             Place::Rank { rank } => write!(f, "rank {rank}"),
             Place::Instr { rank, id, name } => write!(f, "rank {rank}, instruction %{id} `{name}`"),
             Place::Weight { rank, tensor } => write!(f, "rank {rank}, weight entry `{tensor}`"),
+            Place::Tensor { tensor } => write!(f, "weight `{tensor}` across ranks"),
             Place::Collective { index, id, name } => {
                 write!(f, "plan.collectives[{index}] (%{id} `{name}`)")
             }
@@ -113,6 +118,24 @@ impl fmt::Display for Issued {
         match self.elements {
             Some(n) => write!(f, "{} %{} of {n} elements per token", self.kind, self.id),
             None => write!(f, "{} %{} of an overflowing size", self.kind, self.id),
+        }
+    }
+}
+
+/// What every rank holding a tensor must agree on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightKey {
+    pub shape: Vec<u64>,
+    pub dtype: DType,
+    pub dim: Option<u32>,
+}
+
+impl fmt::Display for WeightKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{:?}", self.dtype, self.shape)?;
+        match self.dim {
+            Some(d) => write!(f, " split on dim {d}"),
+            None => f.write_str(" whole"),
         }
     }
 }
@@ -159,6 +182,14 @@ pub enum Problem {
         expected: usize,
         found: usize,
     },
+    #[error("id %{id} is not below {limit}, the number of values the plan names; partition numbers values densely from 0 and the runtime keeps them in a table indexed by id")]
+    IdBeyond { id: u32, limit: u64 },
+    #[error("runs {ours} here but {theirs} on rank {other} under the same id; every rank runs the same op (and name) on its own piece")]
+    OpDiffers {
+        other: usize,
+        ours: String,
+        theirs: String,
+    },
     #[error("has {found} output instructions; a rank program needs exactly one")]
     OutputCount { found: usize },
 
@@ -167,8 +198,8 @@ pub enum Problem {
     Inference { message: String },
     #[error("records {recorded}, but its op on its recorded inputs gives {inferred}")]
     Fact {
-        recorded: TensorFact,
-        inferred: TensorFact,
+        recorded: Box<TensorFact>,
+        inferred: Box<TensorFact>,
     },
     #[error("{what} overflows 64 bits; no tensor is that large")]
     Overflow { what: String },
@@ -176,7 +207,7 @@ pub enum Problem {
     CollectiveDim {
         kind: &'static str,
         dim: u32,
-        input: TensorFact,
+        input: Box<TensorFact>,
     },
     #[error("{kind} on dim {dim} of a rank-{rank} value: the runtime moves only the last dim (dim {})", rank.saturating_sub(1))]
     CollectiveNotLast {
@@ -257,6 +288,20 @@ pub enum Problem {
         dim: u32,
         shape: Vec<u64>,
         local: Vec<u64>,
+    },
+
+    #[error("is {ours} here but {theirs} on rank {other}; every rank must read the same checkpoint tensor the same way")]
+    WeightDisagrees {
+        other: usize,
+        ours: WeightKey,
+        theirs: WeightKey,
+    },
+    #[error("no rank loads {start}..{end} of dim {dim} (size {size}); the ranks' ranges together must cover 0..{size}")]
+    WeightCoverage {
+        dim: u32,
+        size: u64,
+        start: u64,
+        end: u64,
     },
 
     // Collectives.

@@ -1,13 +1,14 @@
 //! `Plan::verify`: a plan is a contract between the compiler and the runtime. A saved plan
 //! may be corrupted or edited by hand, so before anything runs it, every rank program is
 //! checked on its own (ids, inputs, arity, local facts, weight manifest) and the ranks
-//! against each other (the same collectives in the same order). Every problem is
-//! collected; nothing here trusts a size or an id from the plan to allocate or index.
+//! against each other (the same op under one id, the same reading of each checkpoint
+//! tensor, the same collectives in the same order). Every problem is collected; nothing
+//! here trusts a size or an id from the plan to allocate or index.
 
-use super::error::{Issued, Place, PlanError, PlanProblem, Problem, MAX_LISTED};
+use super::error::{Issued, Place, PlanError, PlanProblem, Problem, WeightKey, MAX_LISTED};
 use super::{Instr, Plan, RankProgram, WeightSlice, PLAN_VERSION};
 use crate::ir::shape::infer;
-use crate::ir::{Dim, Groups, LocalSliceOp, Op, ReduceScatterOp, Shape, TensorFact};
+use crate::ir::{Dim, Groups, LocalSliceOp, Op, ReduceScatterOp, Shape, SliceRange, TensorFact};
 use smallvec::SmallVec;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
@@ -41,12 +42,15 @@ impl Plan {
     pub fn verify(&self) -> Result<(), PlanError> {
         let mut found = Found::default();
         check_header(self, &mut found);
+        let limit = id_limit(self);
         let issued: Vec<Vec<Issue>> = self
             .ranks
             .iter()
             .enumerate()
-            .map(|(r, program)| check_rank(self, r, program, &mut found))
+            .map(|(r, program)| check_rank(self, r, program, limit, &mut found))
             .collect();
+        check_same_ops(self, &mut found);
+        check_tensors(self, &mut found);
         check_collective_order(&issued, &mut found);
         check_collective_list(self, issued.first().map_or(&[], Vec::as_slice), &mut found);
         if found.problems.is_empty() {
@@ -97,6 +101,17 @@ fn check_header(plan: &Plan, found: &mut Found) {
     }
 }
 
+/// How many distinct value ids the plan names. Partition numbers the model's values
+/// 0..n in program order and every value runs on some rank, so every id lies below this;
+/// the runtime relies on it, keeping values in a table indexed by id.
+fn id_limit(plan: &Plan) -> u64 {
+    let mut ids: HashSet<u32> = HashSet::new();
+    for program in &plan.ranks {
+        ids.extend(program.instrs.iter().map(|i| i.id));
+    }
+    ids.len() as u64
+}
+
 fn instr_place(rank: usize, i: &Instr) -> Place {
     Place::Instr {
         rank,
@@ -123,12 +138,16 @@ fn check_rank<'a>(
     plan: &Plan,
     rank: usize,
     program: &'a RankProgram,
+    limit: u64,
     found: &mut Found,
 ) -> Vec<Issue<'a>> {
     let instrs = &program.instrs;
     // Where each id is first defined; sized by the program, never by an id's value.
     let mut first: HashMap<u32, usize> = HashMap::with_capacity(instrs.len());
     for (index, i) in instrs.iter().enumerate() {
+        if u64::from(i.id) >= limit {
+            found.say(instr_place(rank, i), Problem::IdBeyond { id: i.id, limit });
+        }
         match first.entry(i.id) {
             Entry::Occupied(e) => found.say(
                 instr_place(rank, i),
@@ -198,8 +217,8 @@ fn check_rank<'a>(
                 Ok(f) if f != i.fact => found.say(
                     place(),
                     Problem::Fact {
-                        recorded: i.fact.clone(),
-                        inferred: f,
+                        recorded: Box::new(i.fact.clone()),
+                        inferred: Box::new(f),
                     },
                 ),
                 Ok(_) => {}
@@ -349,6 +368,138 @@ fn slice_problems(w: &WeightSlice) -> Vec<Problem> {
     out
 }
 
+/// Whether two ranks' instructions of one id run the same op: equal but for what
+/// partition sets per rank (a param's local shape, an embedding's rows).
+fn same_op(a: &Instr, b: &Instr) -> bool {
+    let ops = match (&a.op, &b.op) {
+        (Op::Param(x), Op::Param(y)) => x.tensor == y.tensor && x.dtype == y.dtype,
+        (Op::Embedding(_), Op::Embedding(_)) => true,
+        (x, y) => x == y,
+    };
+    ops && a.name == b.name
+}
+
+fn describe(i: &Instr) -> String {
+    format!("{} `{}` {{{}}}", i.op.kind(), i.name, i.op.attrs())
+}
+
+/// Ranks share value ids: an id names one op of the model, which every rank holding it
+/// runs on its own piece (a rank may lack ids that only rank 0 computes).
+fn check_same_ops(plan: &Plan, found: &mut Found) {
+    let Some(base) = plan.ranks.first() else {
+        return;
+    };
+    let by_id: HashMap<u32, &Instr> = base.instrs.iter().rev().map(|i| (i.id, i)).collect();
+    for (rank, program) in plan.ranks.iter().enumerate().skip(1) {
+        for i in &program.instrs {
+            let Some(theirs) = by_id.get(&i.id) else {
+                continue;
+            };
+            if !same_op(i, theirs) {
+                found.say(
+                    instr_place(rank, i),
+                    Problem::OpDiffers {
+                        other: 0,
+                        ours: describe(i),
+                        theirs: describe(theirs),
+                    },
+                );
+            }
+        }
+    }
+}
+
+fn weight_key(w: &WeightSlice) -> WeightKey {
+    WeightKey {
+        shape: w.shape.clone(),
+        dtype: w.dtype,
+        dim: w.dim,
+    }
+}
+
+/// Every rank that holds a checkpoint tensor must read it the same way (shape, dtype,
+/// split dim), and a split tensor's ranges on all ranks together must cover its split dim:
+/// the checkpoint is checked against one rank's entry only, and a piece no rank loads is
+/// a part of the model that never runs.
+fn check_tensors(plan: &Plan, found: &mut Found) {
+    struct Held<'a> {
+        first_rank: usize,
+        first: &'a WeightSlice,
+        agree: bool,
+        ranges: Vec<SliceRange>,
+    }
+    let mut index: HashMap<&str, usize> = HashMap::new();
+    let mut held: Vec<Held> = Vec::new();
+    for (rank, program) in plan.ranks.iter().enumerate() {
+        for w in &program.weights {
+            let Some(&k) = index.get(&*w.tensor) else {
+                index.insert(&w.tensor, held.len());
+                held.push(Held {
+                    first_rank: rank,
+                    first: w,
+                    agree: true,
+                    ranges: w.ranges.clone(),
+                });
+                continue;
+            };
+            let h = &mut held[k];
+            if weight_key(w) == weight_key(h.first) {
+                h.ranges.extend_from_slice(&w.ranges);
+            } else {
+                h.agree = false;
+                found.say(
+                    Place::Weight {
+                        rank,
+                        tensor: w.tensor.clone(),
+                    },
+                    Problem::WeightDisagrees {
+                        other: h.first_rank,
+                        ours: weight_key(w),
+                        theirs: weight_key(h.first),
+                    },
+                );
+            }
+        }
+    }
+    for mut h in held.into_iter().filter(|h| h.agree) {
+        let Some(dim) = h.first.dim else { continue };
+        let Some(&size) = h.first.shape.get(dim as usize) else {
+            continue; // reported on the entry
+        };
+        let ends: Option<Vec<u64>> = h
+            .ranges
+            .iter()
+            .map(|r| r.offset.checked_add(r.len))
+            .collect();
+        if ends.is_none_or(|e| e.iter().any(|&end| end > size)) {
+            continue; // reported on the entry
+        }
+        h.ranges.sort_unstable_by_key(|r| r.offset);
+        let mut covered = 0u64;
+        let mut gap = None;
+        for r in &h.ranges {
+            if r.offset > covered {
+                gap = Some((covered, r.offset));
+                break;
+            }
+            covered = covered.max(r.offset + r.len);
+        }
+        if let Some((start, end)) = gap.or((covered < size).then_some((covered, size))) {
+            found.say(
+                Place::Tensor {
+                    tensor: h.first.tensor.clone(),
+                },
+                Problem::WeightCoverage {
+                    dim,
+                    size,
+                    start,
+                    end,
+                },
+            );
+        }
+    }
+}
+
 /// A param must match its one manifest entry: local shape and dtype.
 fn check_param_weight(
     plan: &Plan,
@@ -434,10 +585,10 @@ fn moved_dim(kind: &'static str, dim: u32, x: &TensorFact) -> Result<u64, Proble
     let n = x
         .shape
         .fixed_at(dim as usize)
-        .ok_or(Problem::CollectiveDim {
+        .ok_or_else(|| Problem::CollectiveDim {
             kind,
             dim,
-            input: x.clone(),
+            input: Box::new(x.clone()),
         })?;
     if dim as usize + 1 != x.shape.rank() {
         return Err(Problem::CollectiveNotLast {

@@ -228,24 +228,28 @@ fn arity_is_checked_and_params_take_no_inputs() {
 
 #[test]
 fn exactly_one_output_per_rank() {
+    let output = |plan: &Plan, r: usize| {
+        plan.ranks[r]
+            .instrs
+            .iter()
+            .position(|i| matches!(i.op, Op::Output(_)))
+            .unwrap()
+    };
     let mut plan = llama2();
-    let out = plan.ranks[0]
-        .instrs
-        .iter()
-        .position(|i| matches!(i.op, Op::Output(_)))
-        .unwrap();
-    let extra = plan.ranks[0].instrs[out].clone();
+    let out = output(&plan, 0);
     plan.ranks[0].instrs.remove(out);
-    plan.ranks[1].instrs.push(Instr {
-        id: 50_000,
-        ..extra
-    });
     expect_exactly(
         &plan,
-        vec![
-            (Place::Rank { rank: 0 }, Problem::OutputCount { found: 0 }),
-            (Place::Rank { rank: 1 }, Problem::OutputCount { found: 2 }),
-        ],
+        vec![(Place::Rank { rank: 0 }, Problem::OutputCount { found: 0 })],
+    );
+    // A second output on rank 1, under a fresh id (which is itself beyond the plan's ids).
+    let mut plan = llama2();
+    let extra = plan.ranks[1].instrs[output(&plan, 1)].clone();
+    plan.ranks[1].instrs.push(Instr { id: 65, ..extra });
+    expect_has(
+        &plan,
+        Place::Rank { rank: 1 },
+        Problem::OutputCount { found: 2 },
     );
 }
 
@@ -265,8 +269,8 @@ fn recorded_facts_must_follow_from_the_inputs() {
         &plan,
         iplace(&plan, 1, down),
         Problem::Fact {
-            recorded: wrong,
-            inferred: right,
+            recorded: Box::new(wrong),
+            inferred: Box::new(right),
         },
     );
 }
@@ -292,8 +296,8 @@ fn collectives_change_the_split_dim_by_tp() {
         &plan,
         iplace(&plan, r, gather),
         Problem::Fact {
-            recorded: wrong,
-            inferred: right,
+            recorded: Box::new(wrong),
+            inferred: Box::new(right),
         },
     );
     // Reduce-scatter and local slice divide the dim by tp; it must divide.
@@ -331,7 +335,7 @@ fn collectives_change_the_split_dim_by_tp() {
         Err(Problem::CollectiveDim {
             kind: "local_slice",
             dim: 0,
-            input: x.clone()
+            input: Box::new(x.clone())
         })
     );
     let matrix = TensorFact {
@@ -343,7 +347,7 @@ fn collectives_change_the_split_dim_by_tp() {
         Err(Problem::CollectiveDim {
             kind: "reduce_scatter",
             dim: 2,
-            input: matrix.clone()
+            input: Box::new(matrix.clone())
         })
     );
     // All-reduce keeps the fact.
@@ -410,12 +414,26 @@ fn every_param_needs_its_manifest_entry() {
     plan.ranks[1].weights.remove(w);
     expect_exactly(
         &plan,
-        vec![(
-            iplace(&plan, 1, at(&plan, 1, DOWN_W)),
-            Problem::MissingWeight {
-                tensor: DOWN_W.into(),
-            },
-        )],
+        vec![
+            (
+                iplace(&plan, 1, at(&plan, 1, DOWN_W)),
+                Problem::MissingWeight {
+                    tensor: DOWN_W.into(),
+                },
+            ),
+            // Rank 1's columns are now loaded by nobody.
+            (
+                Place::Tensor {
+                    tensor: DOWN_W.into(),
+                },
+                Problem::WeightCoverage {
+                    dim: 1,
+                    size: 128,
+                    start: 64,
+                    end: 128,
+                },
+            ),
+        ],
     );
 }
 
@@ -427,6 +445,9 @@ fn unused_and_duplicate_entries_are_reported() {
     plan.ranks[1].weights.push(entry.clone());
     plan.ranks[1].weights.push(WeightSlice {
         tensor: "ghost.weight".into(),
+        dim: None,
+        ranges: Vec::new(),
+        local_shape: entry.shape.clone(),
         ..entry
     });
     expect_exactly(
@@ -470,16 +491,29 @@ fn entry_local_shape_must_equal_the_param() {
 fn entry_dtype_must_equal_the_param() {
     let mut plan = llama2();
     let w = weight(&plan, 1, DOWN_W);
+    let theirs = weight_key(&plan.ranks[1].weights[w]);
     plan.ranks[1].weights[w].dtype = DType::Bf16;
+    let ours = weight_key(&plan.ranks[1].weights[w]);
     expect_exactly(
         &plan,
-        vec![(
-            iplace(&plan, 1, at(&plan, 1, DOWN_W)),
-            Problem::WeightDtype {
-                param: DType::F32,
-                manifest: DType::Bf16,
-            },
-        )],
+        vec![
+            (
+                iplace(&plan, 1, at(&plan, 1, DOWN_W)),
+                Problem::WeightDtype {
+                    param: DType::F32,
+                    manifest: DType::Bf16,
+                },
+            ),
+            // Rank 0 still reads it as f32.
+            (
+                wplace(1, DOWN_W),
+                Problem::WeightDisagrees {
+                    other: 0,
+                    ours,
+                    theirs,
+                },
+            ),
+        ],
     );
 }
 
@@ -541,15 +575,18 @@ fn ranges_and_padding_must_make_the_local_dim() {
 #[test]
 fn split_dim_must_be_inside_and_loadable() {
     let mut plan = llama2();
-    let w = weight(&plan, 1, DOWN_W);
-    plan.ranks[1].weights[w].dim = Some(2);
-    expect_exactly(
-        &plan,
-        vec![(
-            wplace(1, DOWN_W),
+    for r in 0..2 {
+        let w = weight(&plan, r, DOWN_W);
+        plan.ranks[r].weights[w].dim = Some(2);
+    }
+    let outside = |r| {
+        (
+            wplace(r, DOWN_W),
             Problem::SplitDimOutside { dim: 2, rank: 2 },
-        )],
-    );
+        )
+    };
+    expect_exactly(&plan, vec![outside(0), outside(1)]);
+    let w = weight(&plan, 1, DOWN_W);
     // A rank-3 tensor split on dim 1: consistent, but the loader cannot slice it.
     let entry = &mut plan.ranks[1].weights[w];
     entry.dim = Some(1);
@@ -588,19 +625,22 @@ fn whole_entries_hold_the_whole_tensor() {
 #[test]
 fn only_the_split_dim_may_change() {
     let mut plan = llama2();
-    let w = weight(&plan, 1, DOWN_W);
-    plan.ranks[1].weights[w].shape = vec![65, 128];
-    expect_exactly(
-        &plan,
-        vec![(
-            wplace(1, DOWN_W),
+    // Both ranks (so that they still agree) claim 65 checkpoint rows but hold 64.
+    for r in 0..2 {
+        let w = weight(&plan, r, DOWN_W);
+        plan.ranks[r].weights[w].shape = vec![65, 128];
+    }
+    let other_dims = |r| {
+        (
+            wplace(r, DOWN_W),
             Problem::OtherDims {
                 dim: 1,
                 shape: vec![65, 128],
                 local: vec![64, 64],
             },
-        )],
-    );
+        )
+    };
+    expect_exactly(&plan, vec![other_dims(0), other_dims(1)]);
     let w = weight(&plan, 1, DOWN_W);
     plan.ranks[1].weights[w].local_shape = vec![64];
     let got = problems(&plan);
@@ -829,27 +869,28 @@ fn vocab_range_must_be_the_tables_rows() {
 #[test]
 fn unpad_to_must_fit_the_gathered_dim() {
     let mut plan = compiled("tiny-gpt2", 4);
-    let g = plan.ranks[3]
-        .instrs
-        .iter()
-        .position(|i| matches!(i.op, Op::AllGather(_)))
-        .unwrap();
-    let Op::AllGather(op) = &mut plan.ranks[3].instrs[g].op else {
-        unreachable!()
-    };
-    // 250 vocab rows over 4 ranks: 63 each, 252 gathered, 250 kept.
-    assert_eq!(op.unpad_to, Some(250));
-    op.unpad_to = Some(253);
-    expect_exactly(
-        &plan,
-        vec![(
-            iplace(&plan, 3, g),
+    let mut want = Vec::new();
+    for r in 0..4 {
+        let g = plan.ranks[r]
+            .instrs
+            .iter()
+            .position(|i| matches!(i.op, Op::AllGather(_)))
+            .unwrap();
+        let Op::AllGather(op) = &mut plan.ranks[r].instrs[g].op else {
+            unreachable!()
+        };
+        // 250 vocab rows over 4 ranks: 63 each, 252 gathered, 250 kept.
+        assert_eq!(op.unpad_to, Some(250));
+        op.unpad_to = Some(253);
+        want.push((
+            iplace(&plan, r, g),
             Problem::UnpadTooLarge {
                 unpad_to: 253,
                 gathered: 252,
             },
-        )],
-    );
+        ));
+    }
+    expect_exactly(&plan, want);
 }
 
 // Robustness: absurd plans fail fast and small.
@@ -931,4 +972,249 @@ fn display_names_rank_instruction_and_the_fix() {
     );
     assert!(text.starts_with("the plan for `"), "{text}");
     assert!(text.contains("1 problem(s)"), "{text}");
+}
+
+/// A tiny deterministic generator (xorshift), so failures reproduce.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    /// A size that stresses arithmetic: small, a boundary, or huge.
+    fn size(&mut self) -> u64 {
+        const EDGES: [u64; 10] = [
+            0,
+            1,
+            2,
+            3,
+            64,
+            u32::MAX as u64,
+            u32::MAX as u64 + 1,
+            u64::MAX / 2,
+            u64::MAX - 1,
+            u64::MAX,
+        ];
+        EDGES[self.below(EDGES.len())]
+    }
+}
+
+/// One random corruption of a number somewhere in the plan.
+fn corrupt(plan: &mut Plan, rng: &mut Rng) {
+    let size = rng.size();
+    let r = rng.below(plan.ranks.len());
+    if rng.below(8) == 0 {
+        match rng.below(3) {
+            0 => plan.tp = size,
+            1 => {
+                if let Some(c) = plan.collectives.get_mut(rng.below(9)) {
+                    c.elements_per_token = size;
+                }
+            }
+            _ => plan.ranks[r].rank = size,
+        }
+        return;
+    }
+    let program = &mut plan.ranks[r];
+    if rng.below(3) == 0 {
+        let k = rng.below(program.weights.len());
+        let Some(w) = program.weights.get_mut(k) else {
+            return;
+        };
+        let d = rng.below(3);
+        match rng.below(6) {
+            0 => w.dim = Some(size as u32),
+            1 => w.padding = size,
+            2 => {
+                if let Some(x) = w.shape.get_mut(d) {
+                    *x = size
+                }
+            }
+            3 => {
+                if let Some(x) = w.local_shape.get_mut(d) {
+                    *x = size
+                }
+            }
+            4 => w.ranges.push(SliceRange {
+                offset: size,
+                len: rng.size(),
+            }),
+            _ => w.local_shape.push(size),
+        }
+        return;
+    }
+    let k = rng.below(program.instrs.len());
+    let Some(i) = program.instrs.get_mut(k) else {
+        return;
+    };
+    match rng.below(6) {
+        0 => i.id = size as u32,
+        1 => {
+            let slot = rng.below(i.inputs.len());
+            if let Some(x) = i.inputs.get_mut(slot) {
+                *x = size as u32;
+            }
+        }
+        2 => {
+            let d = rng.below(i.fact.shape.rank());
+            if let Some(x) = i.fact.shape.0.get_mut(d) {
+                *x = Dim::Fixed(size);
+            }
+        }
+        3 => {
+            i.fact.shape.0.pop();
+        }
+        _ => match &mut i.op {
+            Op::Param(p) => {
+                let d = rng.below(p.shape.len());
+                if let Some(x) = p.shape.get_mut(d) {
+                    *x = size;
+                }
+            }
+            Op::Embedding(e) => e.vocab_range = Some((size, rng.size())),
+            Op::AllGather(g) => {
+                g.unpad_to = Some(size);
+                g.dim = rng.size() as u32;
+            }
+            Op::Unfuse(u) => {
+                u.groups = Groups::Interleaved {
+                    heads: size,
+                    parts: vec![rng.size(), rng.size()],
+                }
+            }
+            Op::Rope(x) => x.head_dim = size,
+            Op::Attention(a) => a.head_dim = size,
+            Op::RmsNorm(n) => n.group = Some(size),
+            _ => i.fact.dtype = DType::I64,
+        },
+    }
+}
+
+#[test]
+fn random_corruptions_are_reported_never_panics() {
+    let base = [compiled("tiny-gpt2", 4), compiled("tiny-neox", 2)];
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut failed = 0;
+    for round in 0..3000 {
+        let mut plan = base[round % base.len()].clone();
+        for _ in 0..1 + rng.below(3) {
+            corrupt(&mut plan, &mut rng);
+        }
+        let result = std::panic::catch_unwind(|| plan.verify());
+        match result {
+            Err(_) => panic!("verify panicked in round {round}"),
+            Ok(Err(e)) => {
+                failed += 1;
+                // Every problem renders with its place.
+                assert!(!e.to_string().is_empty());
+            }
+            Ok(Ok(())) => {}
+        }
+    }
+    eprintln!("{failed} of 3000 corrupted plans reported");
+    // Almost every corruption is caught (a few are harmless, e.g. a size set to its value).
+    assert!(
+        failed > 2700,
+        "only {failed} of 3000 corruptions were reported"
+    );
+}
+
+#[test]
+fn ids_must_number_the_values_densely() {
+    // The runtime keeps values in a table indexed by id: an id of 2^32 - 1 would make
+    // it allocate 32 GiB, though nothing else about the plan is wrong.
+    let mut plan = llama2();
+    let n = plan.ranks[0].instrs.len() as u64;
+    for r in 0..2 {
+        let out = plan.ranks[r].instrs.len() - 1;
+        assert!(matches!(plan.ranks[r].instrs[out].op, Op::Output(_)));
+        plan.ranks[r].instrs[out].id = u32::MAX;
+    }
+    let place = |plan: &Plan, r: usize| iplace(plan, r, plan.ranks[r].instrs.len() - 1);
+    let beyond = Problem::IdBeyond {
+        id: u32::MAX,
+        limit: n,
+    };
+    expect_exactly(
+        &plan,
+        vec![(place(&plan, 0), beyond.clone()), (place(&plan, 1), beyond)],
+    );
+}
+
+#[test]
+fn ranks_must_read_a_tensor_the_same_way() {
+    let mut plan = llama2();
+    let w = weight(&plan, 1, DOWN_W);
+    let theirs = weight_key(&plan.ranks[0].weights[weight(&plan, 0, DOWN_W)]);
+    // Rank 1 thinks the checkpoint tensor is twice as wide: its reads would land elsewhere.
+    plan.ranks[1].weights[w].shape = vec![64, 256];
+    let ours = weight_key(&plan.ranks[1].weights[w]);
+    expect_exactly(
+        &plan,
+        vec![(
+            wplace(1, DOWN_W),
+            Problem::WeightDisagrees {
+                other: 0,
+                ours,
+                theirs,
+            },
+        )],
+    );
+}
+
+#[test]
+fn split_tensors_are_loaded_whole_by_the_ranks_together() {
+    let mut plan = llama2();
+    let w = weight(&plan, 1, DOWN_W);
+    // Both ranks load columns 0..64; nobody loads 64..128.
+    plan.ranks[1].weights[w].ranges = vec![SliceRange { offset: 0, len: 64 }];
+    expect_exactly(
+        &plan,
+        vec![(
+            Place::Tensor {
+                tensor: DOWN_W.into(),
+            },
+            Problem::WeightCoverage {
+                dim: 1,
+                size: 128,
+                start: 64,
+                end: 128,
+            },
+        )],
+    );
+}
+
+#[test]
+fn ranks_run_the_same_op_under_one_id() {
+    // Rank 1 rotates with another head size: every shape still fits, the result is wrong.
+    let mut plan = llama2();
+    let rope = at(&plan, 1, "model.layers.0.self_attn.q_rope");
+    let Op::Rope(r) = &mut plan.ranks[1].instrs[rope].op else {
+        panic!("not a rope")
+    };
+    r.head_dim = 4;
+    r.rotary_dim = 4;
+    let ours = describe(&plan.ranks[1].instrs[rope]);
+    let theirs = describe(&plan.ranks[0].instrs[at(&plan, 0, "model.layers.0.self_attn.q_rope")]);
+    assert_eq!(
+        ours,
+        "rope `model.layers.0.self_attn.q_rope` {head_dim=4 rotary_dim=4 theta=10000 scaled}"
+    );
+    expect_exactly(
+        &plan,
+        vec![(
+            iplace(&plan, 1, rope),
+            Problem::OpDiffers {
+                other: 0,
+                ours,
+                theirs,
+            },
+        )],
+    );
 }
