@@ -72,6 +72,9 @@ pub enum TpcError {
         expected: u32,
     },
 
+    #[error("{0}")]
+    Plan(#[from] crate::plan::PlanError),
+
     #[error("cannot serialize the plan: {0}")]
     Serialize(String),
 

@@ -2,13 +2,16 @@
 //! every collective. The runtime consumes only plans.
 
 pub mod dot;
+pub mod error;
 pub mod partition;
 pub mod report;
 pub mod text;
+pub mod verify;
 
 use crate::error::{Result, TpcError};
 use crate::frontend::load::{parse_json, parse_ron, read_text, ron_options};
 use crate::ir::{DType, Layout, Name, Op, SliceRange, TensorFact};
+pub use error::PlanError;
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 use std::path::Path;
@@ -124,7 +127,8 @@ impl Plan {
         crate::fsio::write_text(path, &text)
     }
 
-    /// Reads a plan written by [`Plan::save`], checking its version.
+    /// Reads a plan written by [`Plan::save`], checking its version and then
+    /// [`Plan::verify`].
     pub fn load(path: &Path) -> Result<Plan> {
         let text = read_text(path)?;
         #[derive(Deserialize)]
@@ -144,11 +148,14 @@ impl Plan {
                 expected: PLAN_VERSION,
             });
         }
-        if json {
-            parse_json(path, &text)
+        let plan: Plan = if json {
+            parse_json(path, &text)?
         } else {
-            parse_ron(path, &text)
-        }
+            parse_ron(path, &text)?
+        };
+        // A corrupted or hand-edited plan never reaches the runtime.
+        plan.verify().map_err(|e| e.at(path))?;
+        Ok(plan)
     }
 
     /// If `path` holds a plan (not a model definition), reads it.
