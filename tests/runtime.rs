@@ -11,9 +11,14 @@ use tpc::frontend::load::load_model;
 use tpc::frontend::ModelDef;
 use tpc::ir::Op;
 use tpc::pipeline::compile;
+use tpc::runtime::collectives::{CollectiveError, Collectives};
+use tpc::runtime::comm::{local_group, Collective, CommError, LocalComm};
+use tpc::runtime::cpu::CpuBackend;
+use tpc::runtime::generate::Request;
 use tpc::runtime::generate::RunOptions;
-use tpc::runtime::launch::run;
+use tpc::runtime::launch::{launch_threads, run};
 use tpc::runtime::random::RandomWeights;
+use tpc::runtime::tensor::Tensor;
 use tpc::runtime::verify::verify;
 use tpc::runtime::weights::Checkpoint;
 use tpc::TpcError;
@@ -135,12 +140,95 @@ fn repeated_generations_in_one_run_match_a_single_one() {
     assert_eq!(once.prompt_logits, many.prompt_logits);
 }
 
+/// A communicator that fails on one rank at its `at`-th all-reduce (counting from 1).
+struct FailsAt {
+    inner: LocalComm,
+    rank: usize,
+    at: usize,
+    calls: usize,
+}
+
+impl Collectives<Tensor> for FailsAt {
+    fn rank(&self) -> usize {
+        Collectives::<Tensor>::rank(&self.inner)
+    }
+    fn world_size(&self) -> usize {
+        Collectives::<Tensor>::world_size(&self.inner)
+    }
+    fn all_reduce_sum(&mut self, buf: &mut Tensor) -> Result<(), CollectiveError> {
+        self.calls += 1;
+        if self.rank == Collectives::<Tensor>::rank(&self.inner) && self.calls == self.at {
+            return Err(CollectiveError::Comm(CommError::Aborted {
+                rank: self.rank,
+                during: Collective::AllReduceSum,
+            }));
+        }
+        self.inner.all_reduce_sum(buf)
+    }
+    fn all_gather(&mut self, l: &Tensor, o: &mut Tensor) -> Result<(), CollectiveError> {
+        self.inner.all_gather(l, o)
+    }
+    fn reduce_scatter_sum(&mut self, i: &Tensor, o: &mut Tensor) -> Result<(), CollectiveError> {
+        self.inner.reduce_scatter_sum(i, o)
+    }
+    fn broadcast(&mut self, b: &mut Tensor, root: usize) -> Result<(), CollectiveError> {
+        self.inner.broadcast(b, root)
+    }
+    fn send(&mut self, b: &Tensor, to: usize) -> Result<(), CollectiveError> {
+        self.inner.send(b, to)
+    }
+    fn recv(&mut self, b: &mut Tensor, from: usize) -> Result<(), CollectiveError> {
+        self.inner.recv(b, from)
+    }
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        Collectives::<Tensor>::barrier(&mut self.inner)
+    }
+    fn abort(&mut self) {
+        Collectives::<Tensor>::abort(&mut self.inner)
+    }
+}
+
 #[test]
 fn a_rank_failing_mid_run_stops_every_rank_with_its_error() {
     let def = load_model(Path::new("models/tiny-llama.ron")).unwrap();
+    let plan = compile(&def, 4).unwrap().plan;
+    let weights = RandomWeights::new(&plan, 3);
+    // Rank 2 fails at its 4th all-reduce (the first of layer 1: one for the embedding, two
+    // in layer 0): its peers are then waiting in that all-reduce and must be released.
+    let comms: Vec<FailsAt> = local_group(4)
+        .into_iter()
+        .map(|inner| FailsAt {
+            inner,
+            rank: 2,
+            at: 4,
+            calls: 0,
+        })
+        .collect();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let request = Request {
+            prompt: vec![1, 2, 3],
+            max_new_tokens: None,
+        };
+        let r = launch_threads(&plan, &weights, comms, &|_| Ok(CpuBackend::new(1)), &|rt| {
+            rt.generate(std::slice::from_ref(&request), &RunOptions::default())
+        });
+        let _ = tx.send(r.map(|o| o.generated_tokens()));
+    });
+    // A hang detector, not a speed limit: the run takes milliseconds when it works.
+    let result = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("ranks hung after one failed");
+    match result {
+        Err(TpcError::Comm(CommError::Aborted { rank: 2, .. })) => {}
+        other => panic!("expected rank 2's own error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_corrupted_plan_is_refused_before_any_rank_runs() {
+    let def = load_model(Path::new("models/tiny-llama.ron")).unwrap();
     let mut plan = compile(&def, 4).unwrap().plan;
-    // Rank 2 breaks in layer 1, after the collectives of layer 0: its peers are then
-    // waiting in the next all-reduce and must be released with an error.
     let broken = plan.ranks[2]
         .instrs
         .iter_mut()
@@ -148,18 +236,15 @@ fn a_rank_failing_mid_run_stops_every_rank_with_its_error() {
         .unwrap();
     broken.inputs[0] = 1_000_000;
     let weights = RandomWeights::new(&plan, 3);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let r = run(&plan, &weights, &[1, 2, 3], &RunOptions::default());
-        let _ = tx.send(r.map(|o| o.generated));
-    });
-    // A hang detector, not a speed limit: the run takes milliseconds when it works.
-    let result = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("ranks hung after one failed");
-    match result {
-        Err(TpcError::BadInstruction { name, .. }) => assert!(name.contains("layers.1"), "{name}"),
-        other => panic!("expected rank 2's own error, got {other:?}"),
+    match run(&plan, &weights, &[1, 2, 3], &RunOptions::default()) {
+        Err(TpcError::Plan(e)) => {
+            let text = e.to_string();
+            assert!(
+                text.contains("rank 2") && text.contains("layers.1"),
+                "{text}"
+            );
+        }
+        other => panic!("expected a plan error, got {other:?}"),
     }
 }
 

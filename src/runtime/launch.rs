@@ -28,6 +28,8 @@ where
     C: Collectives<B::Act>,
     T: Send,
 {
+    // The plan is a contract: checked before any rank starts.
+    plan.verify()?;
     if comms.len() != plan.ranks.len() {
         return Err(TpcError::BadInstruction {
             name: "launch".into(),
