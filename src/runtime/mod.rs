@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod executor;
 pub mod fastmath;
 pub mod generate;
+pub mod memory;
 pub mod microkernel;
 pub mod packed;
 pub mod random;
