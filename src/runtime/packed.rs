@@ -409,11 +409,16 @@ fn fill_panels<T: PanelElem>(
                         reader.row(q * NR + jj, 0, row, f32s)?;
                     }
                     for p0 in (0..k).step_by(NR) {
-                        let p1 = (p0 + NR).min(k);
+                        let w = NR.min(k - p0);
+                        let mut tile = [[T::default(); NR]; NR];
                         for (jj, row) in rows.chunks_exact(k).enumerate() {
-                            for p in p0..p1 {
-                                panel[p * NR + jj] = row[p];
+                            for (t, &v) in tile.iter_mut().zip(&row[p0..p0 + w]) {
+                                t[jj] = v;
                             }
+                        }
+                        let dst = &mut panel[p0 * NR..(p0 + w) * NR];
+                        for (d, t) in dst.as_chunks_mut::<NR>().0.iter_mut().zip(&tile) {
+                            *d = *t;
                         }
                     }
                 }

@@ -435,20 +435,21 @@ impl StoredTensor<'_> {
     /// Elements `[from, from + out.len())` as f32 (bf16 and f16 widen exactly).
     pub fn f32s(&self, from: usize, out: &mut [f32]) -> Result<()> {
         let bytes = self.run(from, out.len())?;
+        // Fixed-size chunks (not `chunks_exact`) so that these loops vectorise.
         match self.dtype {
             StoredDtype::F32 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<4>().0) {
+                    *o = f32::from_le_bytes(*b);
                 }
             }
             StoredDtype::Bf16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
+                    *o = f32::from_bits((u16::from_le_bytes(*b) as u32) << 16);
                 }
             }
             StoredDtype::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
+                    *o = half::f16::from_le_bytes(*b).to_f32();
                 }
             }
         }
@@ -462,22 +463,21 @@ impl StoredTensor<'_> {
         let bytes = self.run(from, out.len())?;
         match self.dtype {
             StoredDtype::Bf16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    let bits = u16::from_le_bytes([b[0], b[1]]);
+                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
+                    let bits = u16::from_le_bytes(*b);
                     // Branch-free so that the copy vectorises.
                     let nan = ((bits & 0x7FFF) > 0x7F80) as u16;
                     *o = bits | (nan << 6);
                 }
             }
             StoredDtype::F32 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                    let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    *o = half::bf16::from_f32(v).to_bits();
+                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<4>().0) {
+                    *o = half::bf16::from_f32(f32::from_le_bytes(*b)).to_bits();
                 }
             }
             StoredDtype::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    let v = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
+                    let v = half::f16::from_le_bytes(*b).to_f32();
                     *o = half::bf16::from_f32(v).to_bits();
                 }
             }
