@@ -76,8 +76,7 @@ fn linears(plan: &Plan, rank: usize) -> Vec<(&WeightSlice, WeightOrder)> {
             Op::Param(p2) if p.id == w => Some(p2),
             _ => None,
         });
-        let slice =
-            param.and_then(|p| program.weights.iter().find(|s| s.tensor == p.tensor));
+        let slice = param.and_then(|p| program.weights.iter().find(|s| s.tensor == p.tensor));
         if let Some(s) = slice {
             if s.local_shape.len() == 2 && !out.iter().any(|(o, _)| std::ptr::eq(*o, s)) {
                 out.push((s, l.weight_order));
@@ -116,7 +115,9 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    let cpu = cpu_seconds().zip(cpu_before).map(|(b, a)| (b.0 - a.0, b.1 - a.1));
+    let cpu = cpu_seconds()
+        .zip(cpu_before)
+        .map(|(b, a)| (b.0 - a.0, b.1 - a.1));
     let packed_bytes: usize = packed.iter().map(|p| p.bytes()).sum();
     let json = serde_json::json!({
         "method": format!("{method:?}"),
@@ -163,9 +164,10 @@ fn run_children(a: &Args) -> anyhow::Result<()> {
                 .arg("--tp")
                 .arg(a.tp.to_string())
                 .arg("--method")
-                .arg(clap::ValueEnum::to_possible_value(&m).map_or_else(String::new, |v| {
-                    v.get_name().to_string()
-                }));
+                .arg(
+                    clap::ValueEnum::to_possible_value(&m)
+                        .map_or_else(String::new, |v| v.get_name().to_string()),
+                );
             if let Some(r) = a.rank {
                 cmd.arg("--rank").arg(r.to_string());
             }

@@ -417,8 +417,11 @@ fn fill_panels<T: PanelElem>(
                             }
                         }
                         let dst = &mut panel[p0 * NR..(p0 + w) * NR];
-                        for (d, t) in dst.as_chunks_mut::<NR>().0.iter_mut().zip(&tile) {
-                            *d = *t;
+                        for (d, t) in dst.chunks_exact_mut(NR).zip(&tile) {
+                            // A fixed-size copy (no memcpy call): chunks are NR long.
+                            if let Ok(d) = <&mut [T; NR]>::try_from(d) {
+                                *d = *t;
+                            }
                         }
                     }
                 }

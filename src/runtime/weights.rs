@@ -435,20 +435,20 @@ impl StoredTensor<'_> {
     /// Elements `[from, from + out.len())` as f32 (bf16 and f16 widen exactly).
     pub fn f32s(&self, from: usize, out: &mut [f32]) -> Result<()> {
         let bytes = self.run(from, out.len())?;
-        // Fixed-size chunks (not `chunks_exact`) so that these loops vectorise.
+        // Byte arrays (not `chunks_exact`) so that these loops vectorise.
         match self.dtype {
             StoredDtype::F32 => {
-                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<4>().0) {
+                for (o, b) in out.iter_mut().zip(byte_arrays::<4>(bytes)) {
                     *o = f32::from_le_bytes(*b);
                 }
             }
             StoredDtype::Bf16 => {
-                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
+                for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
                     *o = f32::from_bits((u16::from_le_bytes(*b) as u32) << 16);
                 }
             }
             StoredDtype::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
+                for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
                     *o = half::f16::from_le_bytes(*b).to_f32();
                 }
             }
@@ -463,7 +463,7 @@ impl StoredTensor<'_> {
         let bytes = self.run(from, out.len())?;
         match self.dtype {
             StoredDtype::Bf16 => {
-                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
+                for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
                     let bits = u16::from_le_bytes(*b);
                     // Branch-free so that the copy vectorises.
                     let nan = ((bits & 0x7FFF) > 0x7F80) as u16;
@@ -471,12 +471,12 @@ impl StoredTensor<'_> {
                 }
             }
             StoredDtype::F32 => {
-                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<4>().0) {
+                for (o, b) in out.iter_mut().zip(byte_arrays::<4>(bytes)) {
                     *o = half::bf16::from_f32(f32::from_le_bytes(*b)).to_bits();
                 }
             }
             StoredDtype::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
+                for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
                     let v = half::f16::from_le_bytes(*b).to_f32();
                     *o = half::bf16::from_f32(v).to_bits();
                 }
@@ -484,6 +484,14 @@ impl StoredTensor<'_> {
         }
         Ok(())
     }
+}
+
+/// `bytes` as whole `N`-byte arrays, the tail dropped (what `slice::as_chunks` does, newer
+/// than this crate's minimum Rust).
+fn byte_arrays<const N: usize>(bytes: &[u8]) -> &[[u8; N]] {
+    // SAFETY: `[u8; N]` has size N and alignment 1, so `len / N` of them lie within `bytes`
+    // whatever its address, and any bytes are a valid `[u8; N]`.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / N) }
 }
 
 /// One rank's piece of a tensor, as f32, with padding of zeros; the tensor's pages are
@@ -578,14 +586,16 @@ pub(crate) struct SliceLayout {
     map: RowMap,
 }
 
+/// One range of a split dim: (local first index, stored first index, length).
+type Span = (usize, usize, usize);
+
 enum RowMap {
     /// Local row `r` is stored row `r`.
     Whole,
-    /// `(local first row, stored first row, rows)` per range; rows past them are zeros.
-    Rows(Vec<(usize, usize, usize)>),
-    /// `(local first column, stored first column, columns)` per range, in every row;
-    /// columns past them are zeros.
-    Cols(Vec<(usize, usize, usize)>),
+    /// A span of rows per range; rows past them are zeros.
+    Rows(Vec<Span>),
+    /// A span of columns per range, in every row; columns past them are zeros.
+    Cols(Vec<Span>),
 }
 
 /// A run of a local row: `len` elements from stored flat index `from`, or `len` zeros.
@@ -615,7 +625,7 @@ impl SliceLayout {
         };
         // (local start, stored start, len) per range, checked against the split dim's
         // length; then the local length the ranges and padding give.
-        let ranges = |dim_len: usize| -> Result<(Vec<(usize, usize, usize)>, usize)> {
+        let ranges = |dim_len: usize| -> Result<(Vec<Span>, usize)> {
             let mut out = Vec::with_capacity(w.ranges.len());
             let mut at = 0usize;
             for r in &w.ranges {
