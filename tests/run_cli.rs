@@ -218,4 +218,5 @@ fn run_json_reports_load_time_and_bytes() {
     // forward call; f32 messages.
     assert!(v["collective_bytes_rank0"].as_u64().unwrap() > 0);
     assert_eq!(v["collective_dtype"], "f32");
+    assert!(v["peak_resident_bytes"].as_u64().unwrap() > v["weight_bytes_rank0"].as_u64().unwrap());
 }

@@ -75,6 +75,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "decode_tokens_per_s": out.decode_tokens_per_s(),
         "weight_bytes_rank0": out.weight_bytes,
         "collective_bytes_rank0": out.collective_bytes,
+        "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
     });
     println!("{}", serde_json::to_string(&json)?);
     Ok(())

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_comm;
 mod bench_gemm;
+mod bench_load;
 mod compile;
 mod dot;
 mod import;
@@ -42,6 +43,8 @@ enum Command {
     BenchComm(bench_comm::Args),
     /// Measure the linear kernels (packed bf16 / f32) against the gemm crate and read bandwidth.
     BenchGemm(bench_gemm::Args),
+    /// Measure packing a checkpoint's linear weights: old f32 path against pack_slice.
+    BenchLoad(bench_load::Args),
 }
 
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -55,6 +58,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(a) => bench::execute(a),
         Command::BenchComm(a) => bench_comm::execute(a),
         Command::BenchGemm(a) => bench_gemm::execute(a),
+        Command::BenchLoad(a) => bench_load::execute(a),
     }
 }
 

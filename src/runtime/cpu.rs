@@ -181,20 +181,26 @@ impl Backend for CpuBackend {
         slice: &WeightSlice,
         usage: WeightUse,
     ) -> BackendResult<CpuWeight> {
-        let t = load_slice(src, slice).map_err(|e| BackendError::Weights(Box::new(e)))?;
+        let weights = |e| BackendError::Weights(Box::new(e));
+        // Linear weights go from the memory map straight into packed panels, in the compute
+        // dtype (no f32 copy of a bf16 weight); only other uses get a plain f32 tensor.
         let packed = match usage.linear {
-            Some(order) if t.shape.len() == 2 => {
-                Some(PackedMatrix::pack(&t, order, self.bf16_linears))
-            }
+            Some(order) if slice.local_shape.len() == 2 => Some(
+                PackedMatrix::pack_slice(src, slice, order, self.bf16_linears).map_err(weights)?,
+            ),
             Some(_) => {
                 return Err(shape_err(format!(
                     "a linear weight of shape {:?}; linear weights are 2-D",
-                    t.shape
+                    slice.local_shape
                 )))
             }
             None => None,
         };
-        let dense = (usage.other || packed.is_none()).then_some(t);
+        let dense = if usage.other || packed.is_none() {
+            Some(load_slice(src, slice).map_err(weights)?)
+        } else {
+            None
+        };
         Ok(CpuWeight { packed, dense })
     }
 

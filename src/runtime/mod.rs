@@ -1,5 +1,6 @@
-//! Runtime: executes per-rank plans on CPU ranks (threads) with real collectives. Plans are
-//! its only input; it never re-derives sharding.
+//! Runtime: executes per-rank plans on a backend (CPU today) with real collectives, ranks
+//! started by a launcher (threads today). Plans are its only input; it never re-derives
+//! sharding.
 
 pub mod affinity;
 pub mod attention;
@@ -11,6 +12,7 @@ pub mod executor;
 pub mod fastmath;
 pub mod generate;
 pub mod launch;
+pub mod memory;
 pub mod microkernel;
 pub mod packed;
 pub mod random;

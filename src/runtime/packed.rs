@@ -12,7 +12,10 @@
 use super::microkernel::{widen, Kernels, MR, NR};
 use super::team::{SyncPtr, Team};
 use super::tensor::Tensor;
+use super::weights::{Piece, SliceLayout, StoredTensor, WeightSource};
+use crate::error::{Result, TpcError};
 use crate::ir::WeightOrder;
+use crate::plan::WeightSlice;
 use rayon::prelude::*;
 
 /// Reduction steps per block: a widened weight block (`KC·NR` f32 = 16 KiB) stays in L1.
@@ -82,6 +85,46 @@ impl PackedMatrix {
             Panels::F32(vals)
         };
         PackedMatrix { n, k, panels }
+    }
+
+    /// Packs one rank's slice `w` of a linear weight straight from `src`, as
+    /// [`PackedMatrix::pack`] of [`load_slice`](super::weights::load_slice) would, bit for
+    /// bit, but without the f32 copy: each panel reads its 16 output columns (16 stored rows
+    /// for `OutIn`, a 16-wide window of every row for `InOut`) into at most a `16 × k`
+    /// scratch, from the stored bytes when the source has them (bf16 is copied). The
+    /// tensor's pages are released afterwards (see [`WeightSource::release`]).
+    pub fn pack_slice(
+        src: &dyn WeightSource,
+        w: &WeightSlice,
+        order: WeightOrder,
+        bf16: bool,
+    ) -> Result<PackedMatrix> {
+        let layout = SliceLayout::new(w)?;
+        let (n, k) = match order {
+            WeightOrder::OutIn => (layout.rows, layout.cols),
+            WeightOrder::InOut => (layout.cols, layout.rows),
+        };
+        let len = n
+            .div_ceil(NR)
+            .checked_mul(k)
+            .and_then(|v| v.checked_mul(NR))
+            .ok_or_else(|| TpcError::BadInstruction {
+                name: w.tensor.to_string(),
+                problem: format!("a {n}×{k} weight overflows the address space"),
+            })?;
+        let reader = Reader {
+            src,
+            tensor: &w.tensor,
+            stored: src.stored(&w.tensor)?,
+            layout: &layout,
+        };
+        let panels = if bf16 {
+            Panels::Bf16(fill_panels(&reader, order, n, k, len)?)
+        } else {
+            Panels::F32(fill_panels(&reader, order, n, k, len)?)
+        };
+        src.release(&w.tensor);
+        Ok(PackedMatrix { n, k, panels })
     }
 
     /// Bytes the packed weight occupies (padding included).
@@ -270,6 +313,131 @@ impl PackedMatrix {
     }
 }
 
+/// What a panel holds: bf16 bits or f32, made from stored bytes or from an f32 value
+/// exactly as [`PackedMatrix::pack`] makes it.
+trait PanelElem: Copy + Default + Send + Sync {
+    fn from_stored(s: &StoredTensor, from: usize, out: &mut [Self]) -> Result<()>;
+    fn from_f32(v: f32) -> Self;
+}
+
+impl PanelElem for u16 {
+    fn from_stored(s: &StoredTensor, from: usize, out: &mut [u16]) -> Result<()> {
+        s.bf16_bits(from, out)
+    }
+    fn from_f32(v: f32) -> u16 {
+        half::bf16::from_f32(v).to_bits()
+    }
+}
+
+impl PanelElem for f32 {
+    fn from_stored(s: &StoredTensor, from: usize, out: &mut [f32]) -> Result<()> {
+        s.f32s(from, out)
+    }
+    fn from_f32(v: f32) -> f32 {
+        v
+    }
+}
+
+/// Reads windows of a slice's local rows from a weight source.
+struct Reader<'a> {
+    src: &'a dyn WeightSource,
+    tensor: &'a str,
+    stored: Option<StoredTensor<'a>>,
+    layout: &'a SliceLayout,
+}
+
+impl Reader<'_> {
+    /// Local row `r`, columns `[c0, c0 + out.len())`, into `out`; `f32s` is scratch for a
+    /// source without stored bytes.
+    fn row<T: PanelElem>(
+        &self,
+        r: usize,
+        c0: usize,
+        out: &mut [T],
+        f32s: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.layout
+            .pieces(r, c0, out.len(), |at, piece| match piece {
+                Piece::Zeros { len } => {
+                    out[at..at + len].fill(T::default());
+                    Ok(())
+                }
+                Piece::Stored { from, len } => match &self.stored {
+                    Some(s) => T::from_stored(s, from, &mut out[at..at + len]),
+                    None => {
+                        f32s.clear();
+                        self.src.read(self.tensor, from, len, f32s)?;
+                        if f32s.len() != len {
+                            return Err(TpcError::CheckpointTensor {
+                                path: "weight source".into(),
+                                tensor: self.tensor.to_string(),
+                                problem: format!("gave {} elements for {len} asked", f32s.len()),
+                            });
+                        }
+                        for (o, &v) in out[at..at + len].iter_mut().zip(f32s.iter()) {
+                            *o = T::from_f32(v);
+                        }
+                        Ok(())
+                    }
+                },
+            })
+    }
+}
+
+/// The `[n/16][k][16]` panels of an `n × k` weight (`len` elements), one panel per task.
+fn fill_panels<T: PanelElem>(
+    reader: &Reader,
+    order: WeightOrder,
+    n: usize,
+    k: usize,
+    len: usize,
+) -> Result<Vec<T>> {
+    let mut out = vec![T::default(); len];
+    if len == 0 {
+        return Ok(out);
+    }
+    out.par_chunks_mut(k * NR).enumerate().try_for_each_init(
+        || (Vec::<T>::new(), Vec::<f32>::new()),
+        |(rows, f32s), (q, panel)| {
+            let cols = NR.min(n - q * NR);
+            match order {
+                // 16 stored rows of k, then transposed into the panel a 16 × 16 tile at a
+                // time (both sides of a tile stay in L1).
+                WeightOrder::OutIn => {
+                    rows.resize(cols * k, T::default());
+                    for (jj, row) in rows.chunks_exact_mut(k).enumerate() {
+                        reader.row(q * NR + jj, 0, row, f32s)?;
+                    }
+                    for p0 in (0..k).step_by(NR) {
+                        let w = NR.min(k - p0);
+                        let mut tile = [[T::default(); NR]; NR];
+                        for (jj, row) in rows.chunks_exact(k).enumerate() {
+                            for (t, &v) in tile.iter_mut().zip(&row[p0..p0 + w]) {
+                                t[jj] = v;
+                            }
+                        }
+                        let dst = &mut panel[p0 * NR..(p0 + w) * NR];
+                        for (d, t) in dst.chunks_exact_mut(NR).zip(&tile) {
+                            // A fixed-size copy (no memcpy call): chunks are NR long.
+                            if let Ok(d) = <&mut [T; NR]>::try_from(d) {
+                                *d = *t;
+                            }
+                        }
+                    }
+                }
+                // Stored `[k, n]`: each row's 16 columns are one run of the panel.
+                WeightOrder::InOut => {
+                    for p in 0..k {
+                        reader.row(p, q * NR, &mut panel[p * NR..p * NR + cols], f32s)?;
+                    }
+                }
+            }
+            Ok::<(), TpcError>(())
+        },
+    )?;
+    Ok(out)
+}
+
 thread_local! {
     /// The packed activations of the last GEMM on this thread, kept so that the next one
     /// reuses the memory instead of faulting in fresh pages (a prompt's rows are megabytes).
@@ -387,5 +555,341 @@ mod tests {
         assert_eq!(p.get(0, 0), 1.0);
         assert_eq!(p.get(0, 1), 1.0 + 4.0 / 256.0);
         assert_eq!(p.bytes(), 16 * 2 * 2);
+    }
+}
+
+/// `pack_slice` against `pack(load_slice(..))`, bit for bit, over every slicing a plan can
+/// express, every stored dtype, both weight orders and both panel types.
+#[cfg(test)]
+mod slice_tests {
+    use super::*;
+    use crate::ir::{DType, SliceRange};
+    use crate::plan::Plan;
+    use crate::runtime::random::RandomWeights;
+    use crate::runtime::weights::{load_slice, Checkpoint, StoredDtype};
+    use proptest::prelude::*;
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// The panels as bits (f32 NaNs compare by their bits too).
+    fn bits(m: &PackedMatrix) -> (usize, usize, bool, Vec<u32>) {
+        let v = match &m.panels {
+            Panels::Bf16(v) => v.iter().map(|&b| b as u32).collect(),
+            Panels::F32(v) => v.iter().map(|f| f.to_bits()).collect(),
+        };
+        (m.n, m.k, matches!(m.panels, Panels::Bf16(_)), v)
+    }
+
+    fn assert_same(src: &dyn WeightSource, w: &WeightSlice, what: &str) {
+        for order in [WeightOrder::OutIn, WeightOrder::InOut] {
+            for bf16 in [false, true] {
+                let old = PackedMatrix::pack(&load_slice(src, w).unwrap(), order, bf16);
+                let new = PackedMatrix::pack_slice(src, w, order, bf16).unwrap();
+                assert!(
+                    bits(&old) == bits(&new),
+                    "{what}: {w:?} {order:?} bf16={bf16}: panels differ"
+                );
+            }
+        }
+    }
+
+    /// A directory with `model.safetensors` holding `tensors` (name, dtype, shape, bytes).
+    fn write_checkpoint(tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) -> PathBuf {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "tpc-pack-slice-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(name, dtype, shape, bytes)| {
+                (
+                    name.clone(),
+                    TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, &None, &dir.join("model.safetensors")).unwrap();
+        dir
+    }
+
+    /// Little-endian bytes of `values` bit patterns in `dtype` (low 16 bits for 2-byte ones).
+    fn encode(dtype: StoredDtype, values: &[u32]) -> (Dtype, Vec<u8>) {
+        match dtype {
+            StoredDtype::F32 => (
+                Dtype::F32,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+            StoredDtype::Bf16 => (
+                Dtype::BF16,
+                values
+                    .iter()
+                    .flat_map(|&v| (v as u16).to_le_bytes())
+                    .collect(),
+            ),
+            StoredDtype::F16 => (
+                Dtype::F16,
+                values
+                    .iter()
+                    .flat_map(|&v| (v as u16).to_le_bytes())
+                    .collect(),
+            ),
+        }
+    }
+
+    /// A well-mixed 32-bit pattern for element `i` (splitmix64).
+    fn bits_at(seed: u64, i: u64) -> u32 {
+        let mut z = seed.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        (z ^ (z >> 31)) as u32
+    }
+
+    /// Values computed on demand: the path for sources without stored bytes.
+    struct Computed(Vec<f32>);
+
+    impl WeightSource for Computed {
+        fn check(&self, _: &Plan) -> Result<()> {
+            Ok(())
+        }
+        fn read(&self, _: &str, from: usize, count: usize, out: &mut Vec<f32>) -> Result<()> {
+            out.extend_from_slice(&self.0[from..from + count]);
+            Ok(())
+        }
+    }
+
+    fn slice_of(
+        shape: [usize; 2],
+        dim: Option<u32>,
+        ranges: &[(usize, usize)],
+        padding: usize,
+    ) -> WeightSlice {
+        let mut local = shape;
+        if let Some(d) = dim {
+            local[d as usize] = ranges.iter().map(|r| r.1).sum::<usize>() + padding;
+        }
+        WeightSlice {
+            tensor: "w".into(),
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            dtype: DType::F32,
+            dim,
+            ranges: ranges
+                .iter()
+                .map(|&(offset, len)| SliceRange {
+                    offset: offset as u64,
+                    len: len as u64,
+                })
+                .collect(),
+            padding: padding as u64,
+            local_shape: local.iter().map(|&d| d as u64).collect(),
+        }
+    }
+
+    /// A random slicing of a random `[rows, cols]` tensor: whole, or 1–3 ranges of dim 0
+    /// or 1 (within the dim, possibly overlapping, as fused pieces may be) plus padding.
+    fn slicing() -> impl Strategy<Value = WeightSlice> {
+        (
+            1usize..40,
+            1usize..40,
+            0u32..3,
+            prop::collection::vec((any::<usize>(), any::<usize>()), 1..4),
+            0usize..20,
+        )
+            .prop_map(|(rows, cols, dim, raw, padding)| {
+                let dim = [None, Some(0), Some(1)][dim as usize];
+                let len = match dim {
+                    Some(0) => rows,
+                    _ => cols,
+                };
+                let ranges: Vec<(usize, usize)> = raw
+                    .iter()
+                    .map(|&(a, b)| {
+                        let offset = a % len;
+                        (offset, b % (len - offset + 1))
+                    })
+                    .collect();
+                match dim {
+                    None => slice_of([rows, cols], None, &[], 0),
+                    d => slice_of([rows, cols], d, &ranges, padding),
+                }
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        #[test]
+        fn pack_slice_equals_pack_of_load_slice(
+            w in slicing(),
+            dtype in prop::sample::select(vec![StoredDtype::F32, StoredDtype::Bf16, StoredDtype::F16]),
+            seed in any::<u64>(),
+        ) {
+            let n = (w.shape[0] * w.shape[1]) as usize;
+            // Random bit patterns: NaNs (signalling too), infinities, subnormals included.
+            let values: Vec<u32> = (0..n as u64).map(|i| bits_at(seed, i)).collect();
+            let (st, bytes) = encode(dtype, &values);
+            let shape = vec![w.shape[0] as usize, w.shape[1] as usize];
+            let dir = write_checkpoint(&[("w".into(), st, shape, bytes)]);
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            assert_same(&ckpt, &w, "checkpoint");
+            let f32s = values.iter().map(|&v| f32::from_bits(v)).collect();
+            assert_same(&Computed(f32s), &w, "computed");
+            drop(ckpt);
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    fn plans() -> Vec<Plan> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models");
+        let mut plans = Vec::new();
+        for model in [
+            "tiny-gpt2.ron",
+            "tiny-llama.ron",
+            "tiny-neox.ron",
+            "tiny-qwen2.ron",
+            "tiny-qwen3.ron",
+        ] {
+            let def = crate::frontend::load::load_model(&dir.join(model)).unwrap();
+            for tp in [1, 2, 4] {
+                plans.push(crate::pipeline::compile(&def, tp).unwrap().plan);
+            }
+        }
+        plans
+    }
+
+    #[test]
+    fn every_plan_slice_packs_the_same_from_random_weights_and_checkpoints() {
+        let (mut row_split, mut col_split, mut multi) = (0, 0, 0);
+        for plan in plans() {
+            let random = RandomWeights::new(&plan, 11);
+            // Every tensor of the plan, from the random values, in each stored dtype.
+            let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+            for w in plan.ranks.iter().flat_map(|r| &r.weights) {
+                if tensors.iter().all(|t| t.0 != *w.tensor) {
+                    let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
+                    let mut v = Vec::new();
+                    random
+                        .read(&w.tensor, 0, shape.iter().product(), &mut v)
+                        .unwrap();
+                    tensors.push((w.tensor.to_string(), shape, v));
+                }
+            }
+            let ckpts: Vec<(PathBuf, Checkpoint)> =
+                [StoredDtype::F32, StoredDtype::Bf16, StoredDtype::F16]
+                    .into_iter()
+                    .map(|dtype| {
+                        let files: Vec<_> = tensors
+                            .iter()
+                            .map(|(name, shape, v)| {
+                                let bits: Vec<u32> = match dtype {
+                                    StoredDtype::F32 => v.iter().map(|f| f.to_bits()).collect(),
+                                    StoredDtype::Bf16 => v
+                                        .iter()
+                                        .map(|&f| half::bf16::from_f32(f).to_bits() as u32)
+                                        .collect(),
+                                    StoredDtype::F16 => v
+                                        .iter()
+                                        .map(|&f| half::f16::from_f32(f).to_bits() as u32)
+                                        .collect(),
+                                };
+                                let (st, bytes) = encode(dtype, &bits);
+                                (name.clone(), st, shape.clone(), bytes)
+                            })
+                            .collect();
+                        let dir = write_checkpoint(&files);
+                        let ckpt = Checkpoint::open(&dir).unwrap();
+                        ckpt.check(&plan).unwrap();
+                        (dir, ckpt)
+                    })
+                    .collect();
+            for w in plan.ranks.iter().flat_map(|r| &r.weights) {
+                if w.local_shape.len() != 2 {
+                    continue;
+                }
+                match w.dim {
+                    Some(0) => row_split += 1,
+                    Some(1) => col_split += 1,
+                    _ => {}
+                }
+                multi += (w.ranges.len() > 1) as usize;
+                assert_same(&random, w, &plan.model);
+                for (_, ckpt) in &ckpts {
+                    assert_same(ckpt, w, &plan.model);
+                }
+            }
+            for (dir, ckpt) in ckpts {
+                drop(ckpt);
+                std::fs::remove_dir_all(dir).unwrap();
+            }
+        }
+        // The plans did exercise each kind of slicing.
+        assert!(
+            row_split > 0 && col_split > 0 && multi > 0,
+            "{row_split} {col_split} {multi}"
+        );
+    }
+
+    #[test]
+    fn special_values_round_like_the_f32_path() {
+        // bf16 signalling NaN (quiet bit clear), quiet NaN, infinities, subnormals, -0;
+        // f32 values exactly halfway between bf16 neighbours.
+        let bf16: [u32; 8] = [
+            0x7F81, 0xFF81, 0x7FC0, 0x7F80, 0xFF80, 0x0001, 0x8000, 0x3F80,
+        ];
+        let f32: [u32; 8] = [
+            0x3F80_8000,
+            0x3F81_8000,
+            0x7F80_0001,
+            0xFF80_0000,
+            0x0000_0001,
+            0x7F7F_FFFF,
+            0x8000_0000,
+            0x3F80_7FFF,
+        ];
+        let w = slice_of([2, 4], None, &[], 0);
+        for (dtype, values) in [
+            (StoredDtype::Bf16, bf16),
+            (StoredDtype::F16, bf16),
+            (StoredDtype::F32, f32),
+        ] {
+            let (st, bytes) = encode(dtype, &values);
+            let dir = write_checkpoint(&[("w".into(), st, vec![2, 4], bytes)]);
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            assert_same(&ckpt, &w, "special values");
+            drop(ckpt);
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+        // And the copied bf16 NaN really is quieted, as bf16::from_f32 does.
+        let mut out = vec![];
+        let (st, bytes) = encode(StoredDtype::Bf16, &bf16);
+        let dir = write_checkpoint(&[("w".into(), st, vec![8], bytes)]);
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        ckpt.read_bf16("w", 0, 3, &mut out).unwrap();
+        let got: Vec<u16> = out.iter().map(|b| b.to_bits()).collect();
+        assert_eq!(got, vec![0x7FC1, 0xFFC1, 0x7FC0]);
+        drop(ckpt);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn bad_slices_are_errors() {
+        let values: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let src = Computed(values);
+        // A range past the dim, a local shape the ranges do not give, a 1-D weight.
+        let mut past = slice_of([3, 4], Some(0), &[(2, 1)], 0);
+        past.ranges[0].len = 2;
+        let mut wrong_local = slice_of([3, 4], Some(1), &[(0, 2)], 1);
+        wrong_local.local_shape = vec![3, 4];
+        let mut one_d = slice_of([3, 4], None, &[], 0);
+        one_d.shape = vec![12];
+        one_d.local_shape = vec![12];
+        for w in [past, wrong_local, one_d] {
+            let e = PackedMatrix::pack_slice(&src, &w, WeightOrder::OutIn, true).unwrap_err();
+            assert!(matches!(e, TpcError::BadInstruction { .. }), "{e}");
+        }
     }
 }

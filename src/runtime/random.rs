@@ -93,6 +93,16 @@ impl WeightSource for RandomWeights {
     fn read(&self, tensor: &str, from: usize, count: usize, out: &mut Vec<f32>) -> Result<()> {
         let kind = self.tensors.get(tensor).copied().unwrap_or(Kind::Bias);
         let base = mix(self.seed ^ name_hash(tensor));
+        let bad = |problem: String| TpcError::CheckpointTensor {
+            path: "random weights".into(),
+            tensor: tensor.to_string(),
+            problem,
+        };
+        if from.checked_add(count).is_none() {
+            return Err(bad(format!("elements {from}+{count} overflow")));
+        }
+        out.try_reserve(count)
+            .map_err(|_| bad(format!("no memory for {count} elements")))?;
         out.extend((from..from + count).map(|i| {
             let u = (mix(base.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))) >> 11)
                 as f64
