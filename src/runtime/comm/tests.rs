@@ -660,10 +660,10 @@ fn errors_name_the_rank_the_peer_and_the_collective() {
 #[test]
 fn auto_switches_at_the_threshold() {
     let auto = AllReduceAlgorithm::Auto;
-    assert_eq!(auto.resolve(512, 2048), AllReduceAlgorithm::OneShot);
-    assert_eq!(auto.resolve(513, 2048), AllReduceAlgorithm::Ring);
+    assert_eq!(auto.resolve::<f32>(512, 2048), AllReduceAlgorithm::OneShot);
+    assert_eq!(auto.resolve::<f32>(513, 2048), AllReduceAlgorithm::Ring);
     assert_eq!(
-        AllReduceAlgorithm::Ring.resolve(1, 2048),
+        AllReduceAlgorithm::Ring.resolve::<f32>(1, 2048),
         AllReduceAlgorithm::Ring
     );
     let cores = thread::available_parallelism().map_or(1, |c| c.get());
