@@ -852,8 +852,8 @@ impl Communicator for LocalComm {
 
     fn send<T: Element>(&mut self, buf: &[T], to: usize) -> Result<(), CommError> {
         let during = Collective::Send;
-        self.check_usable(during)?;
         self.check_peer(to, during)?;
+        self.check_usable(during)?;
         let mut message = self.shared.spares[self.rank].0.take::<T>();
         message.resize(buf.len(), T::default());
         copy(&mut message, buf);
@@ -865,8 +865,14 @@ impl Communicator for LocalComm {
 
     fn recv<T: Element>(&mut self, buf: &mut [T], from: usize) -> Result<(), CommError> {
         let during = Collective::Recv;
-        self.check_usable(during)?;
         self.check_peer(from, during)?;
+        if self.aborted {
+            return Err(CommError::Aborted {
+                rank: self.rank,
+                during,
+            });
+        }
+        // A group failure is checked by `take`, after the messages already sent.
         let barrier = &self.shared.barrier;
         let message = self.shared.mailboxes[self.rank]
             .0
@@ -914,9 +920,10 @@ impl Communicator for LocalComm {
             .map(drop)
     }
 
-    /// Leave the group on purpose: every rank blocked in or later entering a collective or
-    /// `recv` gets [`CommError::PeerFailed`] with [`FailureCause::Aborted`], and this
-    /// communicator refuses further calls with [`CommError::Aborted`].
+    /// Leave the group on purpose: every rank blocked in or later entering a collective,
+    /// `send` or `recv` (unless a message it asks for was sent already) gets
+    /// [`CommError::PeerFailed`] with [`FailureCause::Aborted`], and this communicator
+    /// refuses further calls with [`CommError::Aborted`].
     fn abort(&mut self) {
         if !self.aborted {
             self.aborted = true;

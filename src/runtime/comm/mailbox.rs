@@ -10,6 +10,10 @@
 //! variable. A failure anywhere in the group wakes it: the group records the failure first
 //! and then calls [`Mailbox::wake`] on every inbox; a receiver checks for a failure under
 //! its inbox's lock before it parks, so the wake-up cannot be lost.
+//!
+//! A message already delivered is taken even after a failure: what a rank sent before it
+//! failed (or finished and dropped its communicator) was complete when sent, and whether
+//! the receiver got it must not depend on how late the receiver asked.
 
 use super::barrier::{Backoff, Failure};
 use super::private::Owned;
@@ -64,7 +68,8 @@ impl Mailbox {
     }
 
     /// Removes and returns the oldest message from `from`, waiting for one while `failure()`
-    /// reports none. A recorded failure wins over a waiting message: the group is unusable.
+    /// reports none; `Err` with the failure once one is recorded and no message from `from`
+    /// is waiting.
     pub(super) fn take(
         &self,
         from: usize,
@@ -102,11 +107,10 @@ impl Mailbox {
         from: usize,
         failure: &impl Fn() -> Option<Failure>,
     ) -> Option<Result<Owned, Failure>> {
-        if let Some(f) = failure() {
-            return Some(Err(f));
+        match inbox.queue.iter().position(|(sender, _)| *sender == from) {
+            Some(at) => inbox.queue.remove(at).map(|(_, data)| Ok(data)),
+            None => failure().map(Err),
         }
-        let at = inbox.queue.iter().position(|(sender, _)| *sender == from)?;
-        inbox.queue.remove(at).map(|(_, data)| Ok(data))
     }
 
     /// Wakes a parked receiver so it sees a failure the group has just recorded.

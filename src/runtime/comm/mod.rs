@@ -18,7 +18,10 @@
 //! * A rank that fails — panics while owning its communicator, calls
 //!   [`Communicator::abort`], or drops its communicator while the others go on — makes every
 //!   rank that is blocked in, or later enters, a collective or `send`/`recv` return
-//!   [`CommError::PeerFailed`] promptly. The group cannot be used after that.
+//!   [`CommError::PeerFailed`] promptly. The group cannot be used after that, with one
+//!   exception: a message sent before the failure can still be received (so a pipeline
+//!   stage may send its last output and drop its communicator); a `recv` with no such
+//!   message waiting returns `PeerFailed`.
 //! * Sums are bit-reproducible: every element is summed in a fixed order (see
 //!   [`reduce`]), in `f32` whatever the element type, and rounded once to the element type,
 //!   so all ranks hold bit-identical results, repeated runs are bit-identical, and the
@@ -347,7 +350,7 @@ pub trait Communicator: Send {
     fn send<T: Element>(&mut self, buf: &[T], to: usize) -> Result<(), CommError>;
 
     /// Receives the oldest message from `from` not yet received. Waits for it, as long as no
-    /// rank of the group fails.
+    /// rank of the group fails; a message sent before a failure is still received.
     fn recv<T: Element>(&mut self, buf: &mut [T], from: usize) -> Result<(), CommError>;
 
     /// Returns once every rank has called it; what a rank did before happens-before what any
@@ -355,7 +358,8 @@ pub trait Communicator: Send {
     fn barrier(&mut self) -> Result<(), CommError>;
 
     /// Marks this rank failed: every peer blocked in or later entering any collective or
-    /// recv returns `CommError::PeerFailed` promptly, and this communicator refuses further
-    /// calls with [`CommError::Aborted`]. Idempotent.
+    /// recv returns `CommError::PeerFailed` promptly (a recv first takes a message sent to
+    /// it before the failure, if there is one), and this communicator refuses further calls
+    /// with [`CommError::Aborted`]. Idempotent.
     fn abort(&mut self);
 }
