@@ -27,6 +27,7 @@
 //! specified by Rust, so only non-NaN results are promised bit for bit.)
 
 use super::Element;
+use crate::runtime::simd::with_avx2;
 use std::ops::Range;
 
 /// Chunk boundaries are multiples of this many elements (one 64-byte cache line of `f32`, so
@@ -139,6 +140,14 @@ pub(super) fn sum_widened_into<'a, T: Element>(
     dst: &mut [T],
     sources: impl Iterator<Item = &'a [T]> + Clone,
 ) {
+    with_avx2(|| sum_widened_blocks(dst, sources));
+}
+
+#[inline(always)]
+fn sum_widened_blocks<'a, T: Element>(
+    dst: &mut [T],
+    sources: impl Iterator<Item = &'a [T]> + Clone,
+) {
     let mut acc = [0.0f32; BLOCK];
     for (b, d) in dst.chunks_mut(BLOCK).enumerate() {
         let range = b * BLOCK..b * BLOCK + d.len();
@@ -166,9 +175,11 @@ pub(super) fn sum_widened_into<'a, T: Element>(
 #[inline]
 pub(super) fn widen_add<P: Element, T: Element>(acc: &mut [f32], partial: &[P], own: &[T]) {
     debug_assert!(acc.len() == partial.len() && acc.len() == own.len());
-    for ((a, p), o) in acc.iter_mut().zip(partial).zip(own) {
-        *a = p.to_f32() + o.to_f32();
-    }
+    with_avx2(|| {
+        for ((a, p), o) in acc.iter_mut().zip(partial).zip(own) {
+            *a = p.to_f32() + o.to_f32();
+        }
+    })
 }
 
 /// `own[i] = round(partial[i] + own[i])`: the last ring step, at the chunk's owner, which
@@ -176,9 +187,11 @@ pub(super) fn widen_add<P: Element, T: Element>(acc: &mut [f32], partial: &[P], 
 #[inline]
 pub(super) fn add_round<P: Element, T: Element>(own: &mut [T], partial: &[P]) {
     debug_assert_eq!(own.len(), partial.len());
-    for (o, p) in own.iter_mut().zip(partial) {
-        *o = T::from_f32(p.to_f32() + o.to_f32());
-    }
+    with_avx2(|| {
+        for (o, p) in own.iter_mut().zip(partial) {
+            *o = T::from_f32(p.to_f32() + o.to_f32());
+        }
+    })
 }
 
 #[cfg(test)]

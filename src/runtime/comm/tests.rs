@@ -757,6 +757,27 @@ fn element_types_convert_as_documented() {
     assert_eq!(Element::to_f32(from(-3.5)), -3.5);
 }
 
+/// The branch-free conversions agree with `half`'s bit for bit: every upper half of an `f32`
+/// with the lower halves where rounding decides (zero, just below, at and just above one
+/// half, odd and even kept parts, all ones), NaNs and infinities included.
+#[test]
+fn bf16_conversions_match_half() {
+    for hi in 0..=u32::from(u16::MAX) {
+        for lo in [0, 1, 0x3fff, 0x7fff, 0x8000, 0x8001, 0xc000, 0xfffe, 0xffff] {
+            let v = f32::from_bits(hi << 16 | lo);
+            let ours = <bf16 as Element>::from_f32(v).to_bits();
+            assert_eq!(ours, bf16::from_f32(v).to_bits(), "{:#010x}", v.to_bits());
+        }
+        // Widening is exact, NaN payloads included (`half` sets the quiet bit).
+        let b = bf16::from_bits(hi as u16);
+        let wide = Element::to_f32(b);
+        assert_eq!(wide.to_bits(), hi << 16);
+        if !b.is_nan() {
+            assert_eq!(wide.to_bits(), b.to_f32().to_bits());
+        }
+    }
+}
+
 /// `bf16` all-reduce: every rank, every algorithm, bit-identical to the `f32`-accumulated
 /// canonical sum rounded once — with data for which rounding every step would differ.
 #[test]
