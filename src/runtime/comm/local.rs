@@ -406,13 +406,17 @@ impl LocalComm {
         // From here until `ring` returns, this rank touches `buf` only through `own` and
         // `acc`, the pointers its peers use too. `f32` partial sums travel in `buf` itself
         // (`acc` is `own`), narrower types' in the workspace, widened. The workspace is
-        // taken out of `self` so that `ring` borrows `self` without covering it.
+        // taken out of `self` so that `ring` borrows `self` without covering it. With two
+        // ranks the only reduce-scatter step is the last, which rounds straight into `buf`:
+        // no partial sum is stored, and the workspace is neither grown nor read.
         let mut workspace = std::mem::take(&mut self.workspace);
         let in_place = T::as_f32_mut(buf).map(|b| b.as_mut_ptr());
         let (own, acc) = match in_place {
             Some(acc) => (acc.cast::<T>(), acc),
             None => {
-                workspace.resize(len, 0.0);
+                if self.n > 2 {
+                    workspace.resize(len, 0.0);
+                }
                 (buf.as_mut_ptr(), workspace.as_mut_ptr())
             }
         };
@@ -611,7 +615,8 @@ impl LocalComm {
     unsafe fn peer_acc(&self, peer: usize, parity: usize, range: Range<usize>) -> &[f32] {
         let base = self.slot(peer, parity).acc.load(Relaxed).cast_const();
         // SAFETY: as in `peer_data`; `acc` points to `len` `f32`s (the peer's buffer itself
-        // for `f32`, else its workspace, resized to `len`).
+        // for `f32`, else its workspace, resized to `len` whenever `ring` reads it: with more
+        // than two ranks).
         unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
     }
 
@@ -663,8 +668,10 @@ impl LocalComm {
             let range = chunk_range(len, n, (rank + 2 * n - step - 2) % n);
             let last = step == n - 2;
             // SAFETY (the three blocks below): `own` is this rank's `buf` and `acc` its
-            // partial sums, `len` elements each (`buf` is borrowed mutably for the whole call
-            // and accessed only through `own` and `acc`; the workspace is out of `self`);
+            // partial sums, `len` elements each (`acc` is only used in steps before the last,
+            // so with more than two ranks, when it has been resized; `buf` is borrowed
+            // mutably for the whole call and accessed only through `own` and `acc`; the
+            // workspace is out of `self`);
             // nobody else writes them, and in this step the successor reads a different
             // chunk (see above). The predecessor's chunk is not written in this step, and its
             // memory stays allocated until after its last inner wait, which needs this rank's

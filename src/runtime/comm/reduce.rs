@@ -18,8 +18,8 @@
 //! Every sum is carried in `f32` whatever the element type, and a `bf16` result is rounded
 //! once, from the complete `f32` sum (so `bf16` results are bit-identical across ranks and
 //! algorithms too, and no partial sum loses precision on the way). The ring therefore
-//! carries `bf16` partial sums as `f32` ([`widen_add`]) and rounds at the owner
-//! ([`add_round`]); `f32` partial sums travel in place in the ranks' buffers.
+//! carries `bf16` partial sums as `f32` (`widen_add`) and rounds at the owner
+//! (`add_round`); `f32` partial sums travel in place in the ranks' buffers.
 //!
 //! Floating-point addition is commutative but not associative, so for two ranks every order
 //! gives the same bits; from three ranks on, the order above is what makes results
