@@ -1,8 +1,15 @@
-//! `tpc bench-comm [--tp N]`: barrier and all-reduce latency and bus bandwidth of the
-//! in-process communicator (ring and one-shot) against the memcpy bound, measured in one
-//! run; the numbers behind the one-shot threshold.
+//! `tpc bench-comm [--tp N] [--dtype f32|bf16]`: barrier and all-reduce latency and bus
+//! bandwidth of the in-process communicator (ring and one-shot) against the memcpy bound,
+//! measured in one run; the numbers behind the one-shot threshold.
 
 use tpc::runtime::comm::bench::{bench_all_reduce, bench_barrier, format_table};
+
+/// Element type of the measured all-reduces.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Dtype {
+    F32,
+    Bf16,
+}
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -18,6 +25,9 @@ pub struct Args {
     /// Largest message, as a power of two of bytes (24: 16 MiB).
     #[arg(long, default_value_t = 24)]
     to_log2: u32,
+    /// Element type of the all-reduces (message sizes stay in bytes).
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: Dtype,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -28,9 +38,11 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     );
     println!("{:?}", bench_barrier(a.tp, 20_000.min(a.iters * 100)));
     let sizes: Vec<usize> = (a.from_log2..=a.to_log2).map(|p| 1usize << p).collect();
-    print!(
-        "{}",
-        format_table(&bench_all_reduce(a.tp, &sizes, a.iters.max(1)))
-    );
+    let iters = a.iters.max(1);
+    let rows = match a.dtype {
+        Dtype::F32 => bench_all_reduce::<f32>(a.tp, &sizes, iters),
+        Dtype::Bf16 => bench_all_reduce::<half::bf16>(a.tp, &sizes, iters),
+    };
+    print!("{}", format_table(&rows));
     Ok(())
 }

@@ -13,7 +13,8 @@ pub use super::barrier::Backoff;
 use super::barrier::{GroupBarrier, Phase};
 use super::local::{group_with, Tuning};
 use super::reduce::copy;
-use super::{AllReduceAlgorithm, Communicator};
+use super::{AllReduceAlgorithm, Communicator, Element};
+use crate::ir::DType;
 use std::fmt::Write as _;
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -32,6 +33,7 @@ pub enum BenchKind {
 #[derive(Clone, Debug, PartialEq)]
 pub struct BenchRow {
     pub world: usize,
+    pub dtype: DType,
     pub bytes: usize,
     pub kind: BenchKind,
     pub iters: usize,
@@ -42,21 +44,26 @@ pub struct BenchRow {
 }
 
 /// All-reduce latency and bus bandwidth of both algorithms, and the memcpy bound, for each
-/// message size in bytes (rounded down to whole `f32`s), `iters` timed calls each after
-/// a warm-up.
-pub fn bench_all_reduce(world: usize, sizes_bytes: &[usize], iters: usize) -> Vec<BenchRow> {
-    bench_all_reduce_with(world, sizes_bytes, iters, Tuning::for_world(world).backoff)
+/// message size in bytes (rounded down to whole elements of `T`), `iters` timed calls each
+/// after a warm-up.
+pub fn bench_all_reduce<T: Element>(
+    world: usize,
+    sizes_bytes: &[usize],
+    iters: usize,
+) -> Vec<BenchRow> {
+    bench_all_reduce_with::<T>(world, sizes_bytes, iters, Tuning::for_world(world).backoff)
 }
 
 /// [`bench_all_reduce`] with an explicit back-off for the group's waits.
-pub fn bench_all_reduce_with(
+pub fn bench_all_reduce_with<T: Element>(
     world: usize,
     sizes_bytes: &[usize],
     iters: usize,
     backoff: Backoff,
 ) -> Vec<BenchRow> {
     let iters = iters.max(1);
-    let sizes: Vec<usize> = sizes_bytes.iter().map(|b| b / 4).collect();
+    let elem = size_of::<T>();
+    let sizes: Vec<usize> = sizes_bytes.iter().map(|b| b / elem).collect();
     let tuning = Tuning {
         backoff,
         ..Tuning::for_world(world)
@@ -64,7 +71,7 @@ pub fn bench_all_reduce_with(
     let per_rank = run_ranks(group_with(world, tuning), move |mut comm| {
         let mut times = Vec::new();
         for &len in &sizes {
-            let mut buf = vec![0.0f32; len];
+            let mut buf = vec![T::from_f32(0.0); len];
             for algorithm in [AllReduceAlgorithm::OneShot, AllReduceAlgorithm::Ring] {
                 let warmup = (iters / 10).clamp(2, 50);
                 for _ in 0..warmup {
@@ -77,8 +84,8 @@ pub fn bench_all_reduce_with(
                         .expect("benchmark all-reduce");
                 }));
             }
-            let src = vec![1.0f32; len];
-            let mut dst = vec![0.0f32; len];
+            let src = vec![T::from_f32(1.0); len];
+            let mut dst = vec![T::from_f32(0.0); len];
             copy(&mut dst, &src);
             comm.barrier().expect("benchmark barrier");
             times.push(time_each(iters, || {
@@ -95,13 +102,14 @@ pub fn bench_all_reduce_with(
             let series: Vec<&Vec<Duration>> =
                 per_rank.iter().map(|t| &t[s * kinds.len() + k]).collect();
             let (median, min) = slowest_rank_stats(&series);
-            let bytes = bytes / 4 * 4;
+            let bytes = bytes / elem * elem;
             let factor = match kind {
                 BenchKind::Memcpy => 1.0,
                 _ => 2.0 * (world as f64 - 1.0) / world as f64,
             };
             rows.push(BenchRow {
                 world,
+                dtype: T::DTYPE,
                 bytes,
                 kind,
                 iters,
@@ -163,12 +171,13 @@ pub fn bench_barrier_with(world: usize, iters: usize, backoff: Backoff) -> Barri
 
 /// A plain-text table of all-reduce rows.
 pub fn format_table(rows: &[BenchRow]) -> String {
-    let mut s = String::from("ranks  bytes      kind      median µs    min µs   bus GB/s\n");
+    let mut s = String::from("ranks  dtype  bytes      kind      median µs    min µs   bus GB/s\n");
     for r in rows {
         let _ = writeln!(
             s,
-            "{:<6} {:<10} {:<9} {:>9.2} {:>9.2} {:>10.2}",
+            "{:<6} {:<6} {:<10} {:<9} {:>9.2} {:>9.2} {:>10.2}",
             r.world,
+            r.dtype,
             r.bytes,
             format!("{:?}", r.kind),
             r.median_us,
@@ -234,8 +243,13 @@ mod tests {
     /// Smoke test: the benchmark runs and reports sane numbers.
     #[test]
     fn bench_runs() {
-        let rows = bench_all_reduce(2, &[4096, 100_000], 3);
+        let rows = bench_all_reduce::<f32>(2, &[4096, 100_000], 3);
         assert_eq!(rows.len(), 6);
+        let half = bench_all_reduce::<half::bf16>(2, &[4096], 3);
+        assert_eq!(half.len(), 3);
+        assert!(half
+            .iter()
+            .all(|r| r.dtype == DType::Bf16 && r.bus_gb_s > 0.0));
         assert!(rows.iter().all(|r| r.median_us > 0.0 && r.bus_gb_s > 0.0));
         assert!(format_table(&rows).lines().count() == 7);
         let b = bench_barrier(2, 10);

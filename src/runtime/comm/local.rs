@@ -20,12 +20,21 @@
 //! `k + 1`; the owner writes it again in call `k + 2`, which it starts only after the entry
 //! wait of call `k + 1` completed cleanly — if that wait failed, the group has a recorded
 //! failure and every later call returns before publishing anything.
+//!
+//! A call publishes its element type, so a peer's pointer is read as the type it was
+//! published with. Point-to-point messages do not take part in this protocol: they are
+//! copied into group-owned buffers ([`super::mailbox`]).
 
 use super::barrier::{
     Backoff, CachePadded, Failure, GroupBarrier, Phase, DEDICATED, MAX_WORLD, OVERSUBSCRIBED,
 };
-use super::reduce::{accumulate_into_own, chunk_range, copy, sum_into, summation_order};
-use super::{Collective, CommError, Communicator, FailureCause};
+use super::mailbox::{Mailbox, Spares};
+use super::private::PerType;
+use super::reduce::{
+    accumulate_into_own, add_round, chunk_range, copy, summation_order, widen_add,
+};
+use super::{Collective, CommError, Communicator, Element, FailureCause};
+use crate::ir::DType;
 use std::fmt;
 use std::ops::Range;
 use std::ptr;
@@ -33,7 +42,7 @@ use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// With every rank on its own core, all-reduces of at most this many bytes use the one-shot
-/// algorithm, larger ones the ring.
+/// algorithm, larger ones the ring (the same byte threshold for every element type).
 ///
 /// The ring makes `2n − 1` waits, the one-shot 1, but the one-shot copies the whole buffer
 /// into its staging buffer first and reads `n × len` elements where the ring reads about
@@ -85,10 +94,16 @@ impl fmt::Display for AllReduceAlgorithm {
 }
 
 impl AllReduceAlgorithm {
-    /// The algorithm `self` means for `len` elements in a group with this threshold.
-    pub(super) fn resolve(self, len: usize, one_shot_max_bytes: usize) -> AllReduceAlgorithm {
+    /// The algorithm `self` means for `len` elements of `T` in a group with this threshold.
+    pub(super) fn resolve<T: Element>(
+        self,
+        len: usize,
+        one_shot_max_bytes: usize,
+    ) -> AllReduceAlgorithm {
         match self {
-            AllReduceAlgorithm::Auto if len * size_of::<f32>() <= one_shot_max_bytes => {
+            AllReduceAlgorithm::Auto
+                if len.saturating_mul(size_of::<T>()) <= one_shot_max_bytes =>
+            {
                 AllReduceAlgorithm::OneShot
             }
             AllReduceAlgorithm::Auto => AllReduceAlgorithm::Ring,
@@ -110,6 +125,8 @@ pub struct LocalComm {
     /// staging buffer, and it is the same on every rank.
     calls: u64,
     aborted: bool,
+    /// Where a ring all-reduce of a type narrower than `f32` carries its `f32` partial sums.
+    workspace: Vec<f32>,
     /// Test hook: panic inside the given ring step, after touching the data.
     #[cfg(test)]
     pub(super) panic_in_ring_step: Option<usize>,
@@ -122,11 +139,27 @@ struct Shared {
     one_shot_max_bytes: usize,
     /// `rank * 2 + parity`.
     slots: Box<[Slot]>,
-    /// `rank * 2 + parity`: where a rank copies its buffer for a one-shot all-reduce. Owned
-    /// by the group so it outlives any rank that leaves while peers still read it. Only
-    /// its rank locks it (to resize and fill it); peers read it through the pointer
-    /// published in the slot, under the protocol described in the module documentation.
-    staging: Box<[CachePadded<Mutex<Vec<f32>>>]>,
+    /// `rank * 2 + parity`: where a rank copies its buffer for a one-shot all-reduce, one
+    /// buffer per element type. Owned by the group so it outlives any rank that leaves while
+    /// peers still read it. Only its rank locks it (to resize and fill it); peers read it
+    /// through the pointer published in the slot, under the protocol described in the
+    /// module documentation.
+    staging: Box<[CachePadded<Mutex<PerType>>]>,
+    /// Per receiving rank: its point-to-point messages.
+    mailboxes: Box<[CachePadded<Mailbox>]>,
+    /// Per sending rank: emptied message buffers to reuse.
+    spares: Box<[CachePadded<Spares>]>,
+}
+
+impl Shared {
+    /// Records that `rank` failed and wakes everybody who waits: in a collective's waits
+    /// and in `recv`.
+    fn fail(&self, rank: usize, cause: FailureCause) {
+        self.barrier.fail(rank, cause);
+        for mailbox in self.mailboxes.iter() {
+            mailbox.0.wake();
+        }
+    }
 }
 
 /// What one rank publishes for one call.
@@ -135,50 +168,92 @@ struct Shared {
 struct Slot {
     code: AtomicU32,
     len: AtomicUsize,
-    ptr: AtomicPtr<f32>,
+    root: AtomicUsize,
+    /// The rank's data for this call, elements of the published type.
+    ptr: AtomicPtr<()>,
+    /// Ring all-reduce: where the rank keeps its `f32` partial sums (`ptr` itself for `f32`).
+    acc: AtomicPtr<f32>,
 }
 
-/// The call a rank publishes, encoded into `Slot::code`.
+/// The call a rank publishes, encoded into `Slot::code` (and `len`, `root`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Call {
     during: Collective,
     algorithm: Option<AllReduceAlgorithm>,
+    /// `None` for the barrier, which moves no data.
+    dtype: Option<DType>,
+    /// Broadcast only; 0 otherwise.
+    root: usize,
     len: usize,
 }
 
 const BAD_ARGUMENTS: u32 = 1 << 8;
 
 impl Call {
+    /// A call that moves `len` elements of `T`.
+    fn of<T: Element>(during: Collective, len: usize) -> Call {
+        Call {
+            during,
+            algorithm: None,
+            dtype: Some(T::DTYPE),
+            root: 0,
+            len,
+        }
+    }
+
     fn code(self) -> u32 {
         let during = match self.during {
             Collective::AllReduceSum => 0,
             Collective::AllGather => 1,
             Collective::ReduceScatterSum => 2,
             Collective::Barrier => 3,
+            Collective::Broadcast => 4,
+            // Point to point: never published (kept distinct all the same).
+            Collective::Send => 5,
+            Collective::Recv => 6,
         };
         let algorithm = match self.algorithm {
             None | Some(AllReduceAlgorithm::Auto) => 0,
             Some(AllReduceAlgorithm::OneShot) => 1,
             Some(AllReduceAlgorithm::Ring) => 2,
         };
-        during | algorithm << 4
+        let dtype = match self.dtype {
+            None => 0,
+            Some(DType::F32) => 1,
+            Some(DType::F16) => 2,
+            Some(DType::Bf16) => 3,
+            Some(DType::I64) => 4,
+        };
+        during | algorithm << 4 | dtype << 12
     }
 
-    fn decode(code: u32, len: usize) -> Call {
+    fn decode(code: u32, len: usize, root: usize) -> Call {
         let during = match code & 0xf {
             0 => Collective::AllReduceSum,
             1 => Collective::AllGather,
             2 => Collective::ReduceScatterSum,
-            _ => Collective::Barrier,
+            3 => Collective::Barrier,
+            4 => Collective::Broadcast,
+            5 => Collective::Send,
+            _ => Collective::Recv,
         };
         let algorithm = match (code >> 4) & 0xf {
             0 => None,
             1 => Some(AllReduceAlgorithm::OneShot),
             _ => Some(AllReduceAlgorithm::Ring),
         };
+        let dtype = match (code >> 12) & 0xf {
+            0 => None,
+            1 => Some(DType::F32),
+            2 => Some(DType::F16),
+            3 => Some(DType::Bf16),
+            _ => Some(DType::I64),
+        };
         Call {
             during,
             algorithm,
+            dtype,
+            root,
             len,
         }
     }
@@ -234,7 +309,13 @@ pub(super) fn group_with(world_size: usize, tuning: Tuning) -> Vec<LocalComm> {
         one_shot_max_bytes: tuning.one_shot_max_bytes,
         slots: (0..2 * world_size).map(|_| Slot::default()).collect(),
         staging: (0..2 * world_size)
-            .map(|_| CachePadded(Mutex::new(Vec::new())))
+            .map(|_| CachePadded(Mutex::default()))
+            .collect(),
+        mailboxes: (0..world_size)
+            .map(|_| CachePadded(Mailbox::new(tuning.backoff)))
+            .collect(),
+        spares: (0..world_size)
+            .map(|_| CachePadded(Spares::default()))
             .collect(),
     });
     (0..world_size)
@@ -244,6 +325,7 @@ pub(super) fn group_with(world_size: usize, tuning: Tuning) -> Vec<LocalComm> {
             shared: shared.clone(),
             calls: 0,
             aborted: false,
+            workspace: Vec::new(),
             #[cfg(test)]
             panic_in_ring_step: None,
         })
@@ -264,15 +346,15 @@ impl fmt::Debug for LocalComm {
 /// On unwinding out of a data phase, records the panic and still makes the inner wait the
 /// peers are heading for, so no peer reads this rank's buffers after they are freed.
 struct UnwindGuard<'a> {
-    barrier: &'a GroupBarrier,
+    shared: &'a Shared,
     rank: usize,
     was_panicking: bool,
 }
 
 impl<'a> UnwindGuard<'a> {
-    fn new(barrier: &'a GroupBarrier, rank: usize) -> Self {
+    fn new(shared: &'a Shared, rank: usize) -> Self {
         UnwindGuard {
-            barrier,
+            shared,
             rank,
             was_panicking: std::thread::panicking(),
         }
@@ -282,62 +364,67 @@ impl<'a> UnwindGuard<'a> {
 impl Drop for UnwindGuard<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() && !self.was_panicking {
-            self.barrier.fail(self.rank, FailureCause::Panicked);
+            self.shared.fail(self.rank, FailureCause::Panicked);
             // Every peer is inside this collective and arrives; the verdict is "failed".
-            let _ = self.barrier.wait(Phase::Inner);
+            let _ = self.shared.barrier.wait(Phase::Inner);
         }
     }
 }
 
 impl LocalComm {
-    /// Leave the group on purpose: every rank blocked in or later entering a collective gets
-    /// [`CommError::PeerFailed`] with [`FailureCause::Aborted`], and this communicator
-    /// refuses further calls with [`CommError::Aborted`].
-    pub fn abort(&mut self) {
-        if !self.aborted {
-            self.aborted = true;
-            self.shared.barrier.fail(self.rank, FailureCause::Aborted);
-        }
-    }
-
     /// The largest all-reduce, in bytes, that `Auto` runs one-shot in this group.
     pub fn one_shot_max_bytes(&self) -> usize {
         self.shared.one_shot_max_bytes
     }
 
     /// [`Communicator::all_reduce_sum`] with a chosen algorithm. Every rank must choose the
-    /// same one (after `Auto` is resolved by size), or all get
+    /// same one (after `Auto` is resolved by size in bytes), or all get
     /// [`CommError::AlgorithmMismatch`]. The result is bit-identical for every algorithm.
-    pub fn all_reduce_sum_with(
+    pub fn all_reduce_sum_with<T: Element>(
         &mut self,
-        buf: &mut [f32],
+        buf: &mut [T],
         algorithm: AllReduceAlgorithm,
     ) -> Result<(), CommError> {
         let during = Collective::AllReduceSum;
         let len = buf.len();
-        let algorithm = algorithm.resolve(len, self.shared.one_shot_max_bytes);
+        let algorithm = algorithm.resolve::<T>(len, self.shared.one_shot_max_bytes);
         let call = Call {
-            during,
             algorithm: Some(algorithm),
-            len,
+            ..Call::of::<T>(during, len)
         };
         self.check_usable(during)?;
         if self.n == 1 || len == 0 {
-            self.begin(call, ptr::null(), None)?;
+            self.begin(call, ptr::null(), ptr::null_mut(), None)?;
             return Ok(());
         }
         if algorithm == AllReduceAlgorithm::OneShot {
             let staged = self.stage(buf);
-            let parity = self.begin(call, staged, None)?;
+            let parity = self.begin(call, staged.cast(), ptr::null_mut(), None)?;
             self.one_shot(buf, parity);
-            Ok(())
-        } else {
-            // From here until `ring` returns, this rank touches `buf` only through `own`, the
-            // pointer its peers use too.
-            let own = buf.as_mut_ptr();
-            let parity = self.begin(call, own, None)?;
-            self.ring(own, len, parity)
+            return Ok(());
         }
+        // From here until `ring` returns, this rank touches `buf` only through `own` and
+        // `acc`, the pointers its peers use too. `f32` partial sums travel in `buf` itself
+        // (`acc` is `own`), narrower types' in the workspace, widened. The workspace is
+        // taken out of `self` so that `ring` borrows `self` without covering it. With two
+        // ranks the only reduce-scatter step is the last, which rounds straight into `buf`:
+        // no partial sum is stored, and the workspace is neither grown nor read.
+        let mut workspace = std::mem::take(&mut self.workspace);
+        let in_place = T::as_f32_mut(buf).map(|b| b.as_mut_ptr());
+        let (own, acc) = match in_place {
+            Some(acc) => (acc.cast::<T>(), acc),
+            None => {
+                if self.n > 2 {
+                    workspace.resize(len, 0.0);
+                }
+                (buf.as_mut_ptr(), workspace.as_mut_ptr())
+            }
+        };
+        let result = self
+            .begin(call, own.cast_const().cast(), acc, None)
+            .and_then(|parity| self.ring(own, acc, in_place.is_some(), len, parity));
+        self.workspace = workspace;
+        result
     }
 
     fn parity(&self) -> usize {
@@ -372,6 +459,20 @@ impl LocalComm {
         }
     }
 
+    /// Refuses a point-to-point partner that is this rank or outside the group.
+    fn check_peer(&self, peer: usize, during: Collective) -> Result<(), CommError> {
+        if peer < self.n && peer != self.rank {
+            return Ok(());
+        }
+        Err(CommError::BadRank {
+            rank: self.rank,
+            during,
+            peer,
+            world_size: self.n,
+            what: "the peer must be another rank of the group",
+        })
+    }
+
     fn wait(&self, phase: Phase, during: Collective) -> Result<(), CommError> {
         self.shared
             .barrier
@@ -380,23 +481,27 @@ impl LocalComm {
     }
 
     /// Copies `buf` into this rank's staging buffer for the coming call; returns where.
-    fn stage(&self, buf: &[f32]) -> *const f32 {
+    fn stage<T: Element>(&self, buf: &[T]) -> *const T {
         let mut staging = self.shared.staging[self.rank * 2 + self.parity()]
             .0
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        let staging = T::of(&mut staging);
         // No peer reads this buffer now: its last readers read it two calls ago, before the
         // entry wait of the previous call, which completed cleanly (`check_usable`).
-        staging.resize(buf.len(), 0.0);
-        copy(&mut staging, buf);
+        staging.resize(buf.len(), T::default());
+        copy(staging, buf);
         staging.as_ptr()
     }
 
-    /// Steps 1 and 2 of the protocol. Returns the parity of this call.
+    /// Steps 1 and 2 of the protocol: publishes `call`, its data `ptr` (elements of
+    /// `call.dtype`) and, for a ring all-reduce, its partial sums `acc`. Returns the parity
+    /// of this call.
     fn begin(
         &mut self,
         call: Call,
-        ptr: *const f32,
+        ptr: *const (),
+        acc: *mut f32,
         local_error: Option<CommError>,
     ) -> Result<usize, CommError> {
         self.check_usable(call.during)?;
@@ -410,7 +515,9 @@ impl LocalComm {
         };
         slot.code.store(call.code() | bad, Relaxed);
         slot.len.store(call.len, Relaxed);
+        slot.root.store(call.root, Relaxed);
         slot.ptr.store(ptr.cast_mut(), Relaxed);
+        slot.acc.store(acc, Relaxed);
         // The entry wait orders these stores before every peer's loads below.
         self.wait(Phase::Entry, call.during)?;
         if let Some(e) = local_error {
@@ -426,7 +533,7 @@ impl LocalComm {
                     peer,
                 });
             }
-            let theirs = Call::decode(code, slot.len.load(Relaxed));
+            let theirs = Call::decode(code, slot.len.load(Relaxed), slot.root.load(Relaxed));
             if theirs.during != call.during || theirs.len != call.len {
                 return Err(CommError::PeerMismatch {
                     rank: self.rank,
@@ -435,6 +542,26 @@ impl LocalComm {
                     peer,
                     peer_during: theirs.during,
                     peer_len: theirs.len,
+                });
+            }
+            if let (Some(dtype), Some(peer_dtype)) = (call.dtype, theirs.dtype) {
+                if dtype != peer_dtype {
+                    return Err(CommError::DTypeMismatch {
+                        rank: self.rank,
+                        during: call.during,
+                        dtype,
+                        peer,
+                        peer_during: theirs.during,
+                        peer_dtype,
+                    });
+                }
+            }
+            if theirs.root != call.root {
+                return Err(CommError::RootMismatch {
+                    rank: self.rank,
+                    root: call.root,
+                    peer,
+                    peer_root: theirs.root,
                 });
             }
             if let (Some(mine), Some(their)) = (call.algorithm, theirs.algorithm) {
@@ -451,25 +578,50 @@ impl LocalComm {
         Ok(parity)
     }
 
-    /// `range` of what `peer` published for the current call (which has `parity`).
+    /// `range` of the data `peer` published for the current call (which has `parity`).
     ///
     /// # Safety
     ///
     /// Call only between this call's entry wait (completed without error) and this rank's
-    /// next arrival at a wait, with `range.end` within what `peer` published (`peer`'s own
-    /// argument checks passed, so its buffer has the length the collective implies), and
-    /// only for elements `peer` does not write in the current data phase.
-    unsafe fn peer_data(&self, peer: usize, parity: usize, range: Range<usize>) -> &[f32] {
-        let base = self.slot(peer, parity).ptr.load(Relaxed).cast_const();
-        // SAFETY: `base` was published by `peer` before the entry wait that made it visible
-        // here and points to at least `range.end` initialized elements, which stay allocated
-        // and unwritten while the slice is used, as the caller guarantees: a peer frees or
-        // reuses its memory only after a later wait that this rank has not arrived at.
+    /// next arrival at a wait, with `T` the element type of this call (`begin` checked that
+    /// every rank published the same one), with `range.end` within what `peer` published
+    /// (`peer`'s own argument checks passed, so its buffer has the length the collective
+    /// implies), and only for elements `peer` does not write in the current data phase.
+    unsafe fn peer_data<T: Element>(
+        &self,
+        peer: usize,
+        parity: usize,
+        range: Range<usize>,
+    ) -> &[T] {
+        let base = self
+            .slot(peer, parity)
+            .ptr
+            .load(Relaxed)
+            .cast_const()
+            .cast::<T>();
+        // SAFETY: `base` was published by `peer`, as a pointer to elements of `T`, before the
+        // entry wait that made it visible here and points to at least `range.end`
+        // initialized elements, which stay allocated and unwritten while the slice is used,
+        // as the caller guarantees: a peer frees or reuses its memory only after a later
+        // wait that this rank has not arrived at.
+        unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
+    }
+
+    /// `range` of the `f32` partial sums `peer` published for the current ring all-reduce.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Self::peer_data`], in a ring all-reduce, which publishes `len` partial sums.
+    unsafe fn peer_acc(&self, peer: usize, parity: usize, range: Range<usize>) -> &[f32] {
+        let base = self.slot(peer, parity).acc.load(Relaxed).cast_const();
+        // SAFETY: as in `peer_data`; `acc` points to `len` `f32`s (the peer's buffer itself
+        // for `f32`, else its workspace, resized to `len` whenever `ring` reads it: with more
+        // than two ranks).
         unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
     }
 
     /// One-shot data phase: every chunk summed from all staging buffers, in the fixed order.
-    fn one_shot(&self, buf: &mut [f32], parity: usize) {
+    fn one_shot<T: Element>(&self, buf: &mut [T], parity: usize) {
         let (n, len) = (self.n, buf.len());
         for c in 0..n {
             let range = chunk_range(len, n, c);
@@ -481,41 +633,66 @@ impl LocalComm {
                 // call (lengths agreed in `begin`); staging buffers belong to the group,
                 // which `self.shared` keeps alive, and rank `q` writes this one again only
                 // after this rank has arrived at the entry wait of its next call.
-                unsafe { self.peer_data(q, parity, range.clone()) }
+                unsafe { self.peer_data::<T>(q, parity, range.clone()) }
             });
-            sum_into(&mut buf[range.clone()], sources);
+            T::sum_into(&mut buf[range.clone()], sources);
         }
     }
 
-    /// Ring data phases, in place in every rank's buffer. Chunk `c` travels from rank `c + 1`
-    /// around the ring and ends, complete, at rank `c`; then each complete chunk travels
-    /// around once more as a copy.
+    /// Ring data phases, in place in every rank's buffer (`own`, `len` elements) and, for a
+    /// type narrower than `f32`, its workspace (`acc`, `len` `f32`s; for `f32`, `acc` is
+    /// `own` and `in_place` is true). Chunk `c` travels from rank `c + 1` around the ring and
+    /// ends, complete, at rank `c`; then each complete chunk travels around once more as a
+    /// copy.
     ///
-    /// In reduce-scatter step `s` rank `r` reads chunk `r − s − 2` of rank `r − 1` (written
-    /// by it in step `s − 1`, or its own input when `s = 0`) and writes its own chunk
-    /// `r − s − 2`; in all-gather step `s` it reads chunk `r − s − 1` of rank `r − 1` and
-    /// writes its own chunk `r − s − 1`. In one step a rank's buffer is thus written at chunk
-    /// `r − s − k` by rank `r` and read at chunk `r − s − k + 1` by rank `r + 1`: disjoint
-    /// (chunks never share a cache line either, see [`chunk_range`]).
-    fn ring(&self, own: *mut f32, len: usize, parity: usize) -> Result<(), CommError> {
+    /// In reduce-scatter step `s` rank `r` reads chunk `r − s − 2` of rank `r − 1` (its input
+    /// when `s = 0`, else the partial sum it wrote in step `s − 1`) and writes its own chunk
+    /// `r − s − 2` (a partial sum; the rounded result in the last step); in all-gather step
+    /// `s` it reads chunk `r − s − 1` of rank `r − 1` and writes its own chunk `r − s − 1`. In
+    /// one step a rank's memory is thus written at chunk `r − s − k` by rank `r` and read at
+    /// chunk `r − s − k + 1` by rank `r + 1`: disjoint (for `f32` chunks never share a cache
+    /// line either, see [`chunk_range`]).
+    fn ring<T: Element>(
+        &self,
+        own: *mut T,
+        acc: *mut f32,
+        in_place: bool,
+        len: usize,
+        parity: usize,
+    ) -> Result<(), CommError> {
         let (n, rank) = (self.n, self.rank);
         let during = Collective::AllReduceSum;
         let pred = (rank + n - 1) % n;
-        let _guard = UnwindGuard::new(&self.shared.barrier, rank);
+        let _guard = UnwindGuard::new(&self.shared, rank);
         for step in 0..n - 1 {
             let range = chunk_range(len, n, (rank + 2 * n - step - 2) % n);
-            // SAFETY: `own` is this rank's `buf` (`len` elements, borrowed mutably for the
-            // whole call and only accessed through `own`); nobody else writes it, and in
-            // this step the successor reads a different chunk (see above). The
-            // predecessor's chunk is not written in this step, and its buffer stays
-            // borrowed until after its last inner wait, which needs this rank's arrival.
-            let (mine, theirs) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(own.add(range.start), range.len()),
-                    self.peer_data(pred, parity, range),
-                )
-            };
-            accumulate_into_own(mine, theirs);
+            let last = step == n - 2;
+            // SAFETY (the three blocks below): `own` is this rank's `buf` and `acc` its
+            // partial sums, `len` elements each (`acc` is only used in steps before the last,
+            // so with more than two ranks, when it has been resized; `buf` is borrowed
+            // mutably for the whole call and accessed only through `own` and `acc`; the
+            // workspace is out of `self`);
+            // nobody else writes them, and in this step the successor reads a different
+            // chunk (see above). The predecessor's chunk is not written in this step, and its
+            // memory stays allocated until after its last inner wait, which needs this rank's
+            // arrival. It published its input as elements of `T` (the type agreed in `begin`)
+            // and its partial sums as `f32`s.
+            if in_place {
+                // `acc` is `own` (and the predecessor's `acc` its input): add in place.
+                let (mine, theirs) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(acc.add(range.start), range.len()),
+                        self.peer_acc(pred, parity, range),
+                    )
+                };
+                accumulate_into_own(mine, theirs);
+            } else if step == 0 {
+                let theirs = unsafe { self.peer_data::<T>(pred, parity, range.clone()) };
+                unsafe { carry(own, acc, range, theirs, last) };
+            } else {
+                let theirs = unsafe { self.peer_acc(pred, parity, range.clone()) };
+                unsafe { carry(own, acc, range, theirs, last) };
+            }
             #[cfg(test)]
             if self.panic_in_ring_step == Some(step) {
                 panic!("injected panic in ring step {step} on rank {rank}");
@@ -528,13 +705,44 @@ impl LocalComm {
             let (mine, theirs) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(own.add(range.start), range.len()),
-                    self.peer_data(pred, parity, range),
+                    self.peer_data::<T>(pred, parity, range),
                 )
             };
             copy(mine, theirs);
             self.wait(Phase::Inner, during)?;
         }
         Ok(())
+    }
+}
+
+/// One reduce-scatter step of a widened ring: this rank's chunk `range` of `own` is added to
+/// the predecessor's `partial` in `f32`; the sum goes to `acc` or, in the `last` step,
+/// rounded, to `own`.
+///
+/// # Safety
+///
+/// `own` and `acc` point to at least `range.end` elements each, which do not overlap each
+/// other or `partial` and which nobody else accesses during the call.
+unsafe fn carry<P: Element, T: Element>(
+    own: *mut T,
+    acc: *mut f32,
+    range: Range<usize>,
+    partial: &[P],
+    last: bool,
+) {
+    if last {
+        // SAFETY: as the caller guarantees.
+        let own = unsafe { std::slice::from_raw_parts_mut(own.add(range.start), range.len()) };
+        add_round(own, partial);
+    } else {
+        // SAFETY: as the caller guarantees.
+        let (own, acc) = unsafe {
+            (
+                std::slice::from_raw_parts(own.add(range.start), range.len()),
+                std::slice::from_raw_parts_mut(acc.add(range.start), range.len()),
+            )
+        };
+        widen_add(acc, partial, own);
     }
 }
 
@@ -547,11 +755,11 @@ impl Communicator for LocalComm {
         self.n
     }
 
-    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+    fn all_reduce_sum<T: Element>(&mut self, buf: &mut [T]) -> Result<(), CommError> {
         self.all_reduce_sum_with(buf, AllReduceAlgorithm::Auto)
     }
 
-    fn all_gather(&mut self, local: &[f32], out: &mut [f32]) -> Result<(), CommError> {
+    fn all_gather<T: Element>(&mut self, local: &[T], out: &mut [T]) -> Result<(), CommError> {
         let during = Collective::AllGather;
         let (n, rank, m) = (self.n, self.rank, local.len());
         let expected = m.saturating_mul(n);
@@ -562,30 +770,30 @@ impl Communicator for LocalComm {
             expected,
             got: out.len(),
         });
-        let call = Call {
-            during,
-            algorithm: None,
-            len: m,
-        };
-        let parity = self.begin(call, local.as_ptr(), local_error)?;
+        let call = Call::of::<T>(during, m);
+        let parity = self.begin(call, local.as_ptr().cast(), ptr::null_mut(), local_error)?;
         if m == 0 {
             return Ok(());
         }
-        let _guard = UnwindGuard::new(&self.shared.barrier, rank);
+        let _guard = UnwindGuard::new(&self.shared, rank);
         for (q, dst) in out.chunks_exact_mut(m).enumerate() {
             if q == rank {
                 copy(dst, local);
             } else {
-                // SAFETY: rank `q` published its `local` of `m` elements (checked in
+                // SAFETY: rank `q` published its `local` of `m` elements of `T` (checked in
                 // `begin`); it is a shared borrow nobody writes, held until `q` passes the
                 // inner wait below, which needs this rank's arrival.
-                copy(dst, unsafe { self.peer_data(q, parity, 0..m) });
+                copy(dst, unsafe { self.peer_data::<T>(q, parity, 0..m) });
             }
         }
         self.wait(Phase::Inner, during)
     }
 
-    fn reduce_scatter_sum(&mut self, input: &[f32], out: &mut [f32]) -> Result<(), CommError> {
+    fn reduce_scatter_sum<T: Element>(
+        &mut self,
+        input: &[T],
+        out: &mut [T],
+    ) -> Result<(), CommError> {
         let during = Collective::ReduceScatterSum;
         let (n, rank, m) = (self.n, self.rank, out.len());
         let expected = m.saturating_mul(n);
@@ -596,38 +804,138 @@ impl Communicator for LocalComm {
             expected,
             got: input.len(),
         });
-        let call = Call {
-            during,
-            algorithm: None,
-            len: m,
-        };
-        let parity = self.begin(call, input.as_ptr(), local_error)?;
+        let call = Call::of::<T>(during, m);
+        let parity = self.begin(call, input.as_ptr().cast(), ptr::null_mut(), local_error)?;
         if m == 0 {
             return Ok(());
         }
         let piece = rank * m..(rank + 1) * m;
-        let _guard = UnwindGuard::new(&self.shared.barrier, rank);
+        let _guard = UnwindGuard::new(&self.shared, rank);
         let sources = summation_order(n, rank).map(|q| {
             if q == rank {
                 &input[piece.clone()]
             } else {
-                // SAFETY: rank `q` published its `input` of `n × m` elements (its own size
-                // check passed, and `m` agreed in `begin`); a shared borrow nobody writes,
-                // held until `q` passes the inner wait below.
-                unsafe { self.peer_data(q, parity, piece.clone()) }
+                // SAFETY: rank `q` published its `input` of `n × m` elements of `T` (its own
+                // size check passed; `m` and the type agreed in `begin`); a shared borrow
+                // nobody writes, held until `q` passes the inner wait below.
+                unsafe { self.peer_data::<T>(q, parity, piece.clone()) }
             }
         });
-        sum_into(out, sources);
+        T::sum_into(out, sources);
         self.wait(Phase::Inner, during)
+    }
+
+    fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
+        let during = Collective::Broadcast;
+        let (n, rank, len) = (self.n, self.rank, buf.len());
+        let local_error = (root >= n).then_some(CommError::BadRank {
+            rank,
+            during,
+            peer: root,
+            world_size: n,
+            what: "the root must be a rank of the group",
+        });
+        let call = Call {
+            root,
+            ..Call::of::<T>(during, len)
+        };
+        // Peers read only the root's buffer, and the root leaves it alone until it returns.
+        let data = buf.as_mut_ptr();
+        let parity = self.begin(call, data.cast_const().cast(), ptr::null_mut(), local_error)?;
+        if n == 1 || len == 0 {
+            return Ok(());
+        }
+        if rank != root {
+            let _guard = UnwindGuard::new(&self.shared, rank);
+            // SAFETY: `root` published its `buf` of `len` elements of `T` (length, type and
+            // root agreed in `begin`); the root does not touch it until it passes the inner
+            // wait below, which needs this rank's arrival. This rank's own `buf` is not read
+            // by anybody.
+            let theirs = unsafe { self.peer_data::<T>(root, parity, 0..len) };
+            copy(buf, theirs);
+        }
+        self.wait(Phase::Inner, during)
+    }
+
+    fn send<T: Element>(&mut self, buf: &[T], to: usize) -> Result<(), CommError> {
+        let during = Collective::Send;
+        self.check_peer(to, during)?;
+        self.check_usable(during)?;
+        let mut message = self.shared.spares[self.rank].0.take::<T>();
+        message.resize(buf.len(), T::default());
+        copy(&mut message, buf);
+        self.shared.mailboxes[to]
+            .0
+            .deliver(self.rank, T::into_owned(message));
+        Ok(())
+    }
+
+    fn recv<T: Element>(&mut self, buf: &mut [T], from: usize) -> Result<(), CommError> {
+        let during = Collective::Recv;
+        self.check_peer(from, during)?;
+        if self.aborted {
+            return Err(CommError::Aborted {
+                rank: self.rank,
+                during,
+            });
+        }
+        // A group failure is checked by `take`, after the messages already sent.
+        let barrier = &self.shared.barrier;
+        let message = self.shared.mailboxes[self.rank]
+            .0
+            .take(from, || barrier.failure())
+            .map_err(|f| self.peer_failed(f, during))?;
+        let spares = &self.shared.spares[from].0;
+        let message = match T::from_owned(message) {
+            Ok(message) => message,
+            Err(other) => {
+                let peer_dtype = other.dtype();
+                spares.give(other);
+                return Err(CommError::DTypeMismatch {
+                    rank: self.rank,
+                    during,
+                    dtype: T::DTYPE,
+                    peer: from,
+                    peer_during: Collective::Send,
+                    peer_dtype,
+                });
+            }
+        };
+        let outcome = if message.len() == buf.len() {
+            copy(buf, &message);
+            Ok(())
+        } else {
+            Err(CommError::PeerMismatch {
+                rank: self.rank,
+                during,
+                len: buf.len(),
+                peer: from,
+                peer_during: Collective::Send,
+                peer_len: message.len(),
+            })
+        };
+        spares.give(T::into_owned(message));
+        outcome
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
         let call = Call {
-            during: Collective::Barrier,
-            algorithm: None,
-            len: 0,
+            dtype: None,
+            ..Call::of::<f32>(Collective::Barrier, 0)
         };
-        self.begin(call, ptr::null(), None).map(drop)
+        self.begin(call, ptr::null(), ptr::null_mut(), None)
+            .map(drop)
+    }
+
+    /// Leave the group on purpose: every rank blocked in or later entering a collective,
+    /// `send` or `recv` (unless a message it asks for was sent already) gets
+    /// [`CommError::PeerFailed`] with [`FailureCause::Aborted`], and this communicator
+    /// refuses further calls with [`CommError::Aborted`].
+    fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            self.shared.fail(self.rank, FailureCause::Aborted);
+        }
     }
 }
 
@@ -639,7 +947,7 @@ impl Drop for LocalComm {
             } else {
                 FailureCause::Dropped
             };
-            self.shared.barrier.fail(self.rank, cause);
+            self.shared.fail(self.rank, cause);
         }
     }
 }

@@ -1,24 +1,36 @@
-//! Collective communication between the ranks of a tensor-parallel group.
+//! Collective and point-to-point communication between the ranks of a tensor-parallel group.
 //!
 //! [`Communicator`] is what the executor calls; [`local_group`] builds an in-process group in
-//! which every rank is a thread and the collectives read peers' buffers directly.
+//! which every rank is a thread and the collectives read peers' buffers directly. Every
+//! operation moves [`Element`]s: `f32` or `half::bf16`.
 //!
 //! # Contract
 //!
-//! * Every rank makes the same collective calls, in the same order, with the same sizes.
-//!   A disagreement is detected at the call where it happens and every rank gets an error
-//!   ([`CommError::PeerMismatch`], [`CommError::PeerBadArguments`]); the group stays usable.
+//! * Every rank makes the same collective calls, in the same order, with the same sizes,
+//!   element type and (for broadcast) root. A disagreement is detected at the call where it
+//!   happens and every rank gets an error ([`CommError::PeerMismatch`],
+//!   [`CommError::DTypeMismatch`], [`CommError::RootMismatch`],
+//!   [`CommError::PeerBadArguments`]); the group stays usable.
+//! * Point-to-point messages ([`Communicator::send`], [`Communicator::recv`]) are a separate
+//!   stream per ordered pair of ranks: buffered, in order, not ordered against collectives. A
+//!   `recv` whose size or element type differs from the matching `send` consumes the message
+//!   and returns an error.
 //! * A rank that fails — panics while owning its communicator, calls
-//!   [`LocalComm::abort`], or drops its communicator while the others go on — makes every
-//!   rank that is blocked in, or later enters, a collective return
-//!   [`CommError::PeerFailed`] promptly. The group cannot be used after that.
+//!   [`Communicator::abort`], or drops its communicator while the others go on — makes every
+//!   rank that is blocked in, or later enters, a collective or `send`/`recv` return
+//!   [`CommError::PeerFailed`] promptly. The group cannot be used after that, with one
+//!   exception: a message sent before the failure can still be received (so a pipeline
+//!   stage may send its last output and drop its communicator); a `recv` with no such
+//!   message waiting returns `PeerFailed`.
 //! * Sums are bit-reproducible: every element is summed in a fixed order (see
-//!   [`reduce`]), so all ranks hold bit-identical results, repeated runs are bit-identical,
-//!   and the result does not depend on which all-reduce algorithm was chosen.
+//!   [`reduce`]), in `f32` whatever the element type, and rounded once to the element type,
+//!   so all ranks hold bit-identical results, repeated runs are bit-identical, and the
+//!   result does not depend on which all-reduce algorithm was chosen.
 
 mod barrier;
 pub mod bench;
 mod local;
+mod mailbox;
 pub mod reduce;
 
 #[cfg(test)]
@@ -29,7 +41,159 @@ pub use local::{
     ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED,
 };
 
+use crate::ir::DType;
+use half::bf16;
 use std::fmt;
+
+/// Element types a collective moves. Sealed: `f32` and `half::bf16`.
+///
+/// Reductions always accumulate in `f32` and round the final sum once with
+/// [`Element::from_f32`].
+pub trait Element:
+    Copy + Send + Sync + Default + PartialEq + fmt::Debug + 'static + private::Sealed
+{
+    /// The element type as the IR names it.
+    const DTYPE: DType;
+
+    /// Exact widening.
+    fn to_f32(self) -> f32;
+
+    /// Narrowing; rounds to nearest, ties to even, for `bf16` (NaN stays NaN).
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+/// The conversions are written out branch-free (same results as `half`'s, which branch on
+/// NaN) so that the reduction loops vectorize: with `half`'s, a `bf16` all-reduce of 1 MiB
+/// on 2 ranks took 3.1× the time of an `f32` one (ring, 347 vs 112 µs).
+impl Element for bf16 {
+    const DTYPE: DType = DType::Bf16;
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        let x = v.to_bits();
+        // Adding 0x7fff plus the lowest kept bit carries into the kept bits exactly when the
+        // dropped half is above one half, or equal to it with an odd kept part.
+        let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+        // NaN: keep the sign and the top of the payload, and make it quiet.
+        let nan = (x >> 16) | 0x40;
+        bf16::from_bits(if v.is_nan() { nan } else { rounded } as u16)
+    }
+}
+
+/// What seals [`Element`], and the per-type hooks that let generic code reach per-type
+/// storage and kernels without casting pointers between element types.
+mod private {
+    use super::reduce;
+    use half::bf16;
+
+    /// One buffer per element type (a rank's one-shot staging buffer).
+    #[derive(Default)]
+    pub struct PerType {
+        pub f32: Vec<f32>,
+        pub bf16: Vec<bf16>,
+    }
+
+    /// A buffer of either element type (a point-to-point message).
+    #[derive(Debug)]
+    pub enum Owned {
+        F32(Vec<f32>),
+        Bf16(Vec<bf16>),
+    }
+
+    pub trait Sealed: Sized + 'static {
+        /// This type's buffer in `p`.
+        fn of(p: &mut PerType) -> &mut Vec<Self>;
+
+        fn into_owned(v: Vec<Self>) -> Owned;
+
+        /// The vector if `o` holds this type, else `o` back.
+        fn from_owned(o: Owned) -> Result<Vec<Self>, Owned>;
+
+        /// `buf` itself when `Self` is `f32`: sums can then be carried in place.
+        fn as_f32_mut(buf: &mut [Self]) -> Option<&mut [f32]>;
+
+        /// `dst ← round(((s₀ + s₁) + s₂) + …)`, summed in `f32`; see [`reduce::sum_into`].
+        fn sum_into<'a>(dst: &mut [Self], sources: impl Iterator<Item = &'a [Self]> + Clone);
+    }
+
+    impl Sealed for f32 {
+        fn of(p: &mut PerType) -> &mut Vec<Self> {
+            &mut p.f32
+        }
+
+        fn into_owned(v: Vec<Self>) -> Owned {
+            Owned::F32(v)
+        }
+
+        fn from_owned(o: Owned) -> Result<Vec<Self>, Owned> {
+            match o {
+                Owned::F32(v) => Ok(v),
+                other => Err(other),
+            }
+        }
+
+        fn as_f32_mut(buf: &mut [Self]) -> Option<&mut [f32]> {
+            Some(buf)
+        }
+
+        fn sum_into<'a>(dst: &mut [Self], sources: impl Iterator<Item = &'a [Self]> + Clone) {
+            reduce::sum_into(dst, sources);
+        }
+    }
+
+    impl Sealed for bf16 {
+        fn of(p: &mut PerType) -> &mut Vec<Self> {
+            &mut p.bf16
+        }
+
+        fn into_owned(v: Vec<Self>) -> Owned {
+            Owned::Bf16(v)
+        }
+
+        fn from_owned(o: Owned) -> Result<Vec<Self>, Owned> {
+            match o {
+                Owned::Bf16(v) => Ok(v),
+                other => Err(other),
+            }
+        }
+
+        fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+            None
+        }
+
+        fn sum_into<'a>(dst: &mut [Self], sources: impl Iterator<Item = &'a [Self]> + Clone) {
+            reduce::sum_widened_into(dst, sources);
+        }
+    }
+
+    impl Owned {
+        pub fn dtype(&self) -> crate::ir::DType {
+            match self {
+                Owned::F32(_) => crate::ir::DType::F32,
+                Owned::Bf16(_) => crate::ir::DType::Bf16,
+            }
+        }
+    }
+}
 
 /// The collective operations, as named in errors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -38,6 +202,9 @@ pub enum Collective {
     AllGather,
     ReduceScatterSum,
     Barrier,
+    Broadcast,
+    Send,
+    Recv,
 }
 
 impl fmt::Display for Collective {
@@ -47,6 +214,9 @@ impl fmt::Display for Collective {
             Collective::AllGather => "all_gather",
             Collective::ReduceScatterSum => "reduce_scatter_sum",
             Collective::Barrier => "barrier",
+            Collective::Broadcast => "broadcast",
+            Collective::Send => "send",
+            Collective::Recv => "recv",
         })
     }
 }
@@ -57,7 +227,7 @@ pub enum FailureCause {
     /// Its thread panicked (its communicator was dropped while unwinding, or the panic
     /// happened inside a collective).
     Panicked,
-    /// It called [`LocalComm::abort`].
+    /// It called [`Communicator::abort`].
     Aborted,
     /// It dropped its communicator without panicking while the others went on.
     Dropped,
@@ -108,6 +278,36 @@ pub enum CommError {
         peer_len: usize,
     },
 
+    #[error("rank {rank}: {during} of {dtype} elements, but rank {peer} called {peer_during} with {peer_dtype} elements; every rank must pass the same element type")]
+    DTypeMismatch {
+        rank: usize,
+        during: Collective,
+        dtype: DType,
+        peer: usize,
+        peer_during: Collective,
+        peer_dtype: DType,
+    },
+
+    #[error("rank {rank}: broadcast from root {root}, but rank {peer} named root {peer_root}; every rank must name the same root")]
+    RootMismatch {
+        rank: usize,
+        root: usize,
+        peer: usize,
+        peer_root: usize,
+    },
+
+    #[error(
+        "rank {rank}: {during} names rank {peer}, but {what}; the group has ranks 0..{world_size}"
+    )]
+    BadRank {
+        rank: usize,
+        during: Collective,
+        peer: usize,
+        world_size: usize,
+        /// The rule it breaks.
+        what: &'static str,
+    },
+
     #[error("rank {rank}: {during} abandoned because rank {peer} passed buffers of inconsistent sizes to it")]
     PeerBadArguments {
         rank: usize,
@@ -124,11 +324,11 @@ pub enum CommError {
     },
 }
 
-/// Collective communication for one rank of a tensor-parallel group.
+/// Collective and point-to-point communication for one rank of a tensor-parallel group.
 ///
-/// Every method is a collective: all ranks of the group must call it, in the same order,
-/// with the same sizes. After `Err` the contents of the output buffer (`buf`, `out`) are
-/// unspecified; inputs are never modified.
+/// Every method but `send`, `recv` and `abort` is a collective: all ranks of the group must
+/// call it, in the same order, with the same sizes and element type. After `Err` the
+/// contents of the output buffer (`buf`, `out`) are unspecified; inputs are never modified.
 pub trait Communicator: Send {
     /// This rank, `0..world_size()`.
     fn rank(&self) -> usize;
@@ -137,17 +337,38 @@ pub trait Communicator: Send {
     fn world_size(&self) -> usize;
 
     /// `buf` ← elementwise sum of every rank's `buf` (all ranks pass the same length).
-    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError>;
+    fn all_reduce_sum<T: Element>(&mut self, buf: &mut [T]) -> Result<(), CommError>;
 
     /// `out` ← every rank's `local`, concatenated in rank order; `local` has the same length
     /// on every rank and `out.len() == world_size() * local.len()`.
-    fn all_gather(&mut self, local: &[f32], out: &mut [f32]) -> Result<(), CommError>;
+    fn all_gather<T: Element>(&mut self, local: &[T], out: &mut [T]) -> Result<(), CommError>;
 
     /// `input` is `world_size()` pieces of `out.len()` elements; rank `r` gets in `out` the
     /// elementwise sum over ranks of piece `r`.
-    fn reduce_scatter_sum(&mut self, input: &[f32], out: &mut [f32]) -> Result<(), CommError>;
+    fn reduce_scatter_sum<T: Element>(
+        &mut self,
+        input: &[T],
+        out: &mut [T],
+    ) -> Result<(), CommError>;
+
+    /// `buf` on every rank ← `buf` of `root` (every rank names the same root).
+    fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError>;
+
+    /// Point to point (pipeline stages). `send` may return before the matching `recv`
+    /// (buffered); messages between one pair arrive in order; sizes must match.
+    fn send<T: Element>(&mut self, buf: &[T], to: usize) -> Result<(), CommError>;
+
+    /// Receives the oldest message from `from` not yet received. Waits for it, as long as no
+    /// rank of the group fails; a message sent before a failure is still received.
+    fn recv<T: Element>(&mut self, buf: &mut [T], from: usize) -> Result<(), CommError>;
 
     /// Returns once every rank has called it; what a rank did before happens-before what any
     /// rank does after.
     fn barrier(&mut self) -> Result<(), CommError>;
+
+    /// Marks this rank failed: every peer blocked in or later entering any collective or
+    /// recv returns `CommError::PeerFailed` promptly (a recv first takes a message sent to
+    /// it before the failure, if there is one), and this communicator refuses further calls
+    /// with [`CommError::Aborted`]. Idempotent.
+    fn abort(&mut self);
 }

@@ -15,20 +15,33 @@
 //! same bits and the size threshold between them never changes a result. `reduce_scatter_sum`
 //! sums piece `r` in the order of owner `r`.
 //!
+//! Every sum is carried in `f32` whatever the element type, and a `bf16` result is rounded
+//! once, from the complete `f32` sum (so `bf16` results are bit-identical across ranks and
+//! algorithms too, and no partial sum loses precision on the way). The ring therefore
+//! carries `bf16` partial sums as `f32` (`widen_add`) and rounds at the owner
+//! (`add_round`); `f32` partial sums travel in place in the ranks' buffers.
+//!
 //! Floating-point addition is commutative but not associative, so for two ranks every order
 //! gives the same bits; from three ranks on, the order above is what makes results
 //! reproducible. (A NaN result is NaN everywhere, but which NaN payload it carries is not
 //! specified by Rust, so only non-NaN results are promised bit for bit.)
 
+use super::Element;
+use crate::runtime::simd::with_avx2;
 use std::ops::Range;
 
-/// Chunk boundaries are multiples of this many elements (one 64-byte cache line of `f32`),
-/// so two ranks never write the same cache line in one ring step.
+/// Chunk boundaries are multiples of this many elements (one 64-byte cache line of `f32`, so
+/// for `bf16` half a line: see [`chunk_range`]), so two ranks never write the same cache line
+/// in one ring step.
 pub const CHUNK_ALIGN: usize = 16;
 
 /// The elements of chunk `c` (of `n`) of a `len`-element all-reduce. Chunks are consecutive,
 /// equal-sized multiples of [`CHUNK_ALIGN`] except for the last non-empty one; trailing
 /// chunks may be empty.
+///
+/// Chunks depend on the element count only, not the type, so the summation order of an
+/// element is the same for `f32` and `bf16`. For `bf16` two chunks may share a cache line
+/// (false sharing costs time, never correctness: the chunks are disjoint elements).
 pub fn chunk_range(len: usize, n: usize, c: usize) -> Range<usize> {
     debug_assert!(c < n);
     let per = len.div_ceil(n).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
@@ -37,12 +50,12 @@ pub fn chunk_range(len: usize, n: usize, c: usize) -> Range<usize> {
 }
 
 /// The ranks, in the order their values are added, for chunk (or piece) `c` of `n`.
-pub fn summation_order(n: usize, c: usize) -> impl Iterator<Item = usize> {
+pub fn summation_order(n: usize, c: usize) -> impl Iterator<Item = usize> + Clone {
     (1..=n).map(move |j| (c + j) % n)
 }
 
 /// `dst ← ((s₀ + s₁) + s₂) + …` for the sources in the order given (a copy of `s₀` if it is
-/// the only one); nothing if there is none.
+/// the only one); nothing if there is none. The `f32` kernel: accumulates in `dst`.
 pub(super) fn sum_into<'a>(dst: &mut [f32], mut sources: impl Iterator<Item = &'a [f32]>) {
     let Some(first) = sources.next() else {
         return;
@@ -68,7 +81,7 @@ pub(super) fn sum_into<'a>(dst: &mut [f32], mut sources: impl Iterator<Item = &'
 /// copy in the collectives uses this loop. Its eight separate element stores per iteration
 /// keep LLVM from recognising it as `memcpy`; the SLP vectorizer turns them into vector
 /// moves.
-pub(super) fn copy(dst: &mut [f32], src: &[f32]) {
+pub(super) fn copy<T: Copy>(dst: &mut [T], src: &[T]) {
     debug_assert_eq!(dst.len(), src.len());
     let mut dst8 = dst.chunks_exact_mut(8);
     let mut src8 = src.chunks_exact(8);
@@ -117,6 +130,70 @@ pub(super) fn accumulate_into_own(own: &mut [f32], partial: &[f32]) {
     }
 }
 
+/// Elements per block of [`sum_widened_into`]: its `f32` accumulator (1 KiB) stays in L1.
+const BLOCK: usize = 256;
+
+/// [`sum_into`] for an element type narrower than `f32`: each block of `dst` is summed in an
+/// `f32` accumulator, in the order of the sources, and rounded once. `sources` is walked
+/// once per block (it is cheap to clone: it maps rank indices to slices).
+pub(super) fn sum_widened_into<'a, T: Element>(
+    dst: &mut [T],
+    sources: impl Iterator<Item = &'a [T]> + Clone,
+) {
+    with_avx2(|| sum_widened_blocks(dst, sources));
+}
+
+#[inline(always)]
+fn sum_widened_blocks<'a, T: Element>(
+    dst: &mut [T],
+    sources: impl Iterator<Item = &'a [T]> + Clone,
+) {
+    let mut acc = [0.0f32; BLOCK];
+    for (b, d) in dst.chunks_mut(BLOCK).enumerate() {
+        let range = b * BLOCK..b * BLOCK + d.len();
+        let acc = &mut acc[..d.len()];
+        let mut sources = sources.clone();
+        let Some(first) = sources.next() else {
+            return;
+        };
+        for (a, x) in acc.iter_mut().zip(&first[range.clone()]) {
+            *a = x.to_f32();
+        }
+        for src in sources {
+            for (a, x) in acc.iter_mut().zip(&src[range.clone()]) {
+                *a += x.to_f32();
+            }
+        }
+        for (d, a) in d.iter_mut().zip(acc.iter()) {
+            *d = T::from_f32(*a);
+        }
+    }
+}
+
+/// `acc[i] = partial[i] + own[i]` in `f32`: a ring step that carries a widened partial sum
+/// on. `partial` is the previous rank's input (first step) or its `f32` partial sum.
+#[inline]
+pub(super) fn widen_add<P: Element, T: Element>(acc: &mut [f32], partial: &[P], own: &[T]) {
+    debug_assert!(acc.len() == partial.len() && acc.len() == own.len());
+    with_avx2(|| {
+        for ((a, p), o) in acc.iter_mut().zip(partial).zip(own) {
+            *a = p.to_f32() + o.to_f32();
+        }
+    })
+}
+
+/// `own[i] = round(partial[i] + own[i])`: the last ring step, at the chunk's owner, which
+/// completes the `f32` sum and rounds it once.
+#[inline]
+pub(super) fn add_round<P: Element, T: Element>(own: &mut [T], partial: &[P]) {
+    debug_assert_eq!(own.len(), partial.len());
+    with_avx2(|| {
+        for (o, p) in own.iter_mut().zip(partial) {
+            *o = T::from_f32(p.to_f32() + o.to_f32());
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +230,38 @@ mod tests {
             assert_eq!(dst, twice);
             accumulate_into_own(&mut dst, &src);
             assert_eq!(dst, src.iter().map(|x| x * 3.0).collect::<Vec<_>>());
+        }
+    }
+
+    /// The widened kernels round once, from the exact `f32` sum in the given order.
+    #[test]
+    fn widened_kernels_sum_in_f32_and_round_once() {
+        use half::bf16;
+        // bf16 has 7 mantissa bits, so 1 + 2⁻⁸ is a tie and rounds to 1 (even): rounding
+        // after each addition of 1 + 2⁻⁸ + 2⁻⁸ would give 1; rounding the f32 sum gives
+        // 1 + 2⁻⁷, which bf16 holds exactly.
+        let one = bf16::from_f32(1.0);
+        let tiny = bf16::from_f32(2f32.powi(-8));
+        for len in [1, 255, 256, 257, 1000] {
+            let a = vec![one; len];
+            let b = vec![tiny; len];
+            let mut dst = vec![bf16::ZERO; len];
+            sum_widened_into(&mut dst, [&a[..], &b[..], &b[..]].into_iter());
+            assert!(
+                dst.iter().all(|x| x.to_f32() == 1.0 + 2f32.powi(-7)),
+                "len {len}"
+            );
+            sum_widened_into(&mut dst, [&b[..]].into_iter());
+            assert_eq!(dst, b);
+            let mut acc = vec![0.0f32; len];
+            widen_add(&mut acc, &a, &b);
+            assert!(acc.iter().all(|&x| x == 1.0 + 2f32.powi(-8)));
+            let mut own = b.clone();
+            add_round(&mut own, &acc);
+            assert!(own.iter().all(|x| x.to_f32() == 1.0 + 2f32.powi(-7)));
+            let mut own = b.clone();
+            add_round(&mut own, &a);
+            assert!(own.iter().all(|&x| x == one), "a tie rounds to even");
         }
     }
 

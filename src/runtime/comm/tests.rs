@@ -660,10 +660,10 @@ fn errors_name_the_rank_the_peer_and_the_collective() {
 #[test]
 fn auto_switches_at_the_threshold() {
     let auto = AllReduceAlgorithm::Auto;
-    assert_eq!(auto.resolve(512, 2048), AllReduceAlgorithm::OneShot);
-    assert_eq!(auto.resolve(513, 2048), AllReduceAlgorithm::Ring);
+    assert_eq!(auto.resolve::<f32>(512, 2048), AllReduceAlgorithm::OneShot);
+    assert_eq!(auto.resolve::<f32>(513, 2048), AllReduceAlgorithm::Ring);
     assert_eq!(
-        AllReduceAlgorithm::Ring.resolve(1, 2048),
+        AllReduceAlgorithm::Ring.resolve::<f32>(1, 2048),
         AllReduceAlgorithm::Ring
     );
     let cores = thread::available_parallelism().map_or(1, |c| c.get());
@@ -681,4 +681,654 @@ fn auto_switches_at_the_threshold() {
 #[should_panic(expected = "1..=1024 ranks, got 0")]
 fn an_empty_group_is_refused() {
     local_group(0);
+}
+
+// ---- Element types other than f32, broadcast, point to point ----
+
+use half::bf16;
+
+fn to_bf16(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// `bf16` values of very different magnitudes and both signs.
+fn bf16_input(rank: usize, len: usize) -> Vec<bf16> {
+    to_bf16(&order_sensitive_input(rank, len))
+}
+
+fn bf16_bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Element `i` summed in `f32` in the order of owner `c`, rounded once to `bf16`.
+fn widened_sum(inputs: &[Vec<bf16>], i: usize, c: usize) -> bf16 {
+    let n = inputs.len();
+    let mut order = summation_order(n, c);
+    let first = inputs[order.next().unwrap()][i].to_f32();
+    bf16::from_f32(order.fold(first, |acc, q| acc + inputs[q][i].to_f32()))
+}
+
+/// The documented result of a `bf16` all-reduce: the canonical order of the `f32` case,
+/// accumulated in `f32`, rounded once.
+fn canonical_bf16_all_reduce(inputs: &[Vec<bf16>]) -> Vec<bf16> {
+    let (n, len) = (inputs.len(), inputs[0].len());
+    (0..len)
+        .map(|i| {
+            let c = (0..n)
+                .find(|&c| chunk_range(len, n, c).contains(&i))
+                .unwrap();
+            widened_sum(inputs, i, c)
+        })
+        .collect()
+}
+
+/// What rounding every partial sum to `bf16` would give (what the result must not be).
+fn rounded_each_step(inputs: &[Vec<bf16>]) -> Vec<bf16> {
+    let len = inputs[0].len();
+    (0..len)
+        .map(|i| {
+            let mut acc = inputs[0][i];
+            for x in &inputs[1..] {
+                acc = bf16::from_f32(acc.to_f32() + x[i].to_f32());
+            }
+            acc
+        })
+        .collect()
+}
+
+#[test]
+fn element_types_convert_as_documented() {
+    assert_eq!(<f32 as Element>::DTYPE, crate::ir::DType::F32);
+    assert_eq!(<bf16 as Element>::DTYPE, crate::ir::DType::Bf16);
+    assert_eq!(<f32 as Element>::from_f32(0.1).to_bits(), 0.1f32.to_bits());
+    // 1 + 2⁻⁸ lies halfway between 1 and 1 + 2⁻⁷: ties go to the even mantissa (1); just
+    // above halfway goes up; 1 + 3·2⁻⁸ is a tie that goes up to the even 1 + 2⁻⁶.
+    let from = <bf16 as Element>::from_f32;
+    assert_eq!(from(1.0 + 2f32.powi(-8)).to_f32(), 1.0);
+    assert_eq!(
+        from(1.0 + 2f32.powi(-8) + 2f32.powi(-20)).to_f32(),
+        1.0 + 2f32.powi(-7)
+    );
+    assert_eq!(
+        from(1.0 + 3.0 * 2f32.powi(-8)).to_f32(),
+        1.0 + 2f32.powi(-6)
+    );
+    assert!(from(f32::NAN).is_nan());
+    assert_eq!(Element::to_f32(from(-3.5)), -3.5);
+}
+
+/// The branch-free conversions agree with `half`'s bit for bit: every upper half of an `f32`
+/// with the lower halves where rounding decides (zero, just below, at and just above one
+/// half, odd and even kept parts, all ones), NaNs and infinities included.
+#[test]
+fn bf16_conversions_match_half() {
+    for hi in 0..=u32::from(u16::MAX) {
+        for lo in [0, 1, 0x3fff, 0x7fff, 0x8000, 0x8001, 0xc000, 0xfffe, 0xffff] {
+            let v = f32::from_bits(hi << 16 | lo);
+            let ours = <bf16 as Element>::from_f32(v).to_bits();
+            assert_eq!(ours, bf16::from_f32(v).to_bits(), "{:#010x}", v.to_bits());
+        }
+        // Widening is exact, NaN payloads included (`half` sets the quiet bit).
+        let b = bf16::from_bits(hi as u16);
+        let wide = Element::to_f32(b);
+        assert_eq!(wide.to_bits(), hi << 16);
+        if !b.is_nan() {
+            assert_eq!(wide.to_bits(), b.to_f32().to_bits());
+        }
+    }
+}
+
+/// `bf16` all-reduce: every rank, every algorithm, bit-identical to the `f32`-accumulated
+/// canonical sum rounded once — with data for which rounding every step would differ.
+#[test]
+fn bf16_all_reduce_rounds_the_canonical_f32_sum_once() {
+    let lengths = [
+        1,
+        3,
+        17,
+        33,
+        999,
+        1025,
+        ONE_SHOT_MAX_BYTES / 2 + 1,
+        3 * RING_ELEMS + 5,
+    ];
+    for n in [1, 2, 3, 4, 8] {
+        let results = ok(run_group(n, move |mut comm| {
+            let rank = comm.rank();
+            let mut out = Vec::new();
+            for len in lengths {
+                for algorithm in ALGORITHMS {
+                    let mut buf = bf16_input(rank, len);
+                    comm.all_reduce_sum_with(&mut buf, algorithm).unwrap();
+                    out.push(bf16_bits(&buf));
+                }
+            }
+            out
+        }));
+        for (k, len) in lengths.into_iter().enumerate() {
+            let inputs: Vec<_> = (0..n).map(|r| bf16_input(r, len)).collect();
+            let expected = bf16_bits(&canonical_bf16_all_reduce(&inputs));
+            if n >= 3 && len > 100 {
+                assert_ne!(expected, bf16_bits(&rounded_each_step(&inputs)), "n {n}");
+            }
+            for (rank, per_rank) in results.iter().enumerate() {
+                for (a, algorithm) in ALGORITHMS.iter().enumerate() {
+                    assert!(
+                        per_rank[k * ALGORITHMS.len() + a] == expected,
+                        "n {n} rank {rank} len {len} {algorithm}: bits differ"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_all_gather_and_reduce_scatter_match_reference() {
+    let lengths = [0, 1, 3, 17, 257, 1001];
+    for n in [1, 2, 3, 4, 8] {
+        let results = ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            lengths
+                .iter()
+                .map(|&m| {
+                    let local = bf16_input(rank + 10, m);
+                    let mut gathered = vec![bf16::NAN; n * m];
+                    comm.all_gather(&local, &mut gathered).unwrap();
+                    let input = bf16_input(rank, n * m);
+                    let mut piece = vec![bf16::NAN; m];
+                    comm.reduce_scatter_sum(&input, &mut piece).unwrap();
+                    (bf16_bits(&gathered), bf16_bits(&piece))
+                })
+                .collect::<Vec<_>>()
+        }));
+        for (k, &m) in lengths.iter().enumerate() {
+            let gathered: Vec<bf16> = (0..n).flat_map(|r| bf16_input(r + 10, m)).collect();
+            let inputs: Vec<_> = (0..n).map(|r| bf16_input(r, n * m)).collect();
+            for (rank, per_rank) in results.iter().enumerate() {
+                assert_eq!(
+                    per_rank[k].0,
+                    bf16_bits(&gathered),
+                    "n {n} rank {rank} m {m}"
+                );
+                let piece: Vec<bf16> = (rank * m..(rank + 1) * m)
+                    .map(|i| widened_sum(&inputs, i, rank))
+                    .collect();
+                assert!(
+                    per_rank[k].1 == bf16_bits(&piece),
+                    "n {n} rank {rank} m {m}: reduce-scatter bits differ"
+                );
+            }
+        }
+    }
+}
+
+/// The unsafe paths of the widened ring, small (also for Miri), with `f32` and `bf16`
+/// calls interleaved on one group so the staging buffers and slots change type.
+#[test]
+fn small_groups_mix_element_types() {
+    for n in 1..=4 {
+        ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            for len in [1, 17, 100] {
+                let inputs: Vec<_> = (0..n).map(|r| bf16_input(r, len)).collect();
+                let expected = bf16_bits(&canonical_bf16_all_reduce(&inputs));
+                for algorithm in ALGORITHMS {
+                    let mut buf = bf16_input(rank, len);
+                    comm.all_reduce_sum_with(&mut buf, algorithm).unwrap();
+                    let got = bf16_bits(&buf);
+                    buf.fill(bf16::NAN);
+                    drop(buf);
+                    assert_eq!(got, expected, "{algorithm} len {len}");
+                    let mut f = exact_input(rank, len, 3);
+                    comm.all_reduce_sum_with(&mut f, algorithm).unwrap();
+                    let inputs: Vec<_> = (0..n).map(|r| exact_input(r, len, 3)).collect();
+                    assert_eq!(f, reference_sum(&inputs));
+                }
+                let mut b = to_bf16(&exact_input(rank, len, 4));
+                comm.broadcast(&mut b, n - 1).unwrap();
+                assert_eq!(b, to_bf16(&exact_input(n - 1, len, 4)));
+            }
+        }));
+    }
+}
+
+#[test]
+fn broadcast_from_every_root() {
+    for n in 1..=5 {
+        let results = ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            let mut out = Vec::new();
+            for len in [0, 1, 17, 1000, RING_ELEMS] {
+                for root in 0..n {
+                    let mut f = exact_input(rank, len, root);
+                    comm.broadcast(&mut f, root).unwrap();
+                    let mut b = bf16_input(rank, len);
+                    comm.broadcast(&mut b, root).unwrap();
+                    out.push((len, root, f, bf16_bits(&b)));
+                }
+            }
+            out
+        }));
+        for (rank, per_rank) in results.iter().enumerate() {
+            for (len, root, f, b) in per_rank {
+                assert_eq!(*f, exact_input(*root, *len, *root), "n {n} rank {rank}");
+                assert_eq!(*b, bf16_bits(&bf16_input(*root, *len)), "n {n} rank {rank}");
+            }
+        }
+    }
+}
+
+/// Message `k` from `from` to `to`: its length and contents identify it.
+fn message(from: usize, to: usize, k: usize) -> Vec<f32> {
+    let len = (k * 37 + from * 5 + to) % 300;
+    exact_input(from * 100 + to, len, k)
+}
+
+/// Every rank sends to its successor and receives from its predecessor, many messages of
+/// changing sizes and both types, sent ahead of the receives (buffered), checked in order.
+#[test]
+fn send_recv_around_a_ring_in_order() {
+    for n in [2, 3, 5] {
+        ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+            for round in 0..20 {
+                // Up to 50 messages in flight per pair.
+                for k in round * 50..(round + 1) * 50 {
+                    let m = message(rank, next, k);
+                    if k % 3 == 0 {
+                        comm.send(&to_bf16(&m), next).unwrap();
+                    } else {
+                        comm.send(&m, next).unwrap();
+                    }
+                }
+                for k in round * 50..(round + 1) * 50 {
+                    let expected = message(prev, rank, k);
+                    if k % 3 == 0 {
+                        let mut got = vec![bf16::NAN; expected.len()];
+                        comm.recv(&mut got, prev).unwrap();
+                        assert_eq!(got, to_bf16(&expected), "message {k}");
+                    } else {
+                        let mut got = vec![f32::NAN; expected.len()];
+                        comm.recv(&mut got, prev).unwrap();
+                        assert_eq!(got, expected, "message {k}");
+                    }
+                }
+            }
+            // Stay in the group until the successor has received everything.
+            comm.barrier().unwrap();
+        }));
+    }
+}
+
+/// Two ranks stream to each other at once (and a third rank's messages to rank 0 are
+/// interleaved with rank 1's), each receiving while the other sends.
+#[test]
+fn send_recv_both_directions_many_messages() {
+    let count = 3000;
+    ok(run_group(3, move |mut comm| {
+        let rank = comm.rank();
+        match rank {
+            0 | 1 => {
+                let peer = 1 - rank;
+                for k in 0..count {
+                    comm.send(&message(rank, peer, k), peer).unwrap();
+                    if k >= 10 {
+                        // Receive with a lag of 10 messages.
+                        let j = k - 10;
+                        let expected = message(peer, rank, j);
+                        let mut got = vec![0.0; expected.len()];
+                        comm.recv(&mut got, peer).unwrap();
+                        assert_eq!(got, expected, "rank {rank} message {j}");
+                    }
+                    if rank == 0 && k % 100 == 0 {
+                        let expected = message(2, 0, k / 100);
+                        let mut got = vec![0.0; expected.len()];
+                        comm.recv(&mut got, 2).unwrap();
+                        assert_eq!(got, expected, "from rank 2, message {}", k / 100);
+                    }
+                }
+                for j in count - 10..count {
+                    let expected = message(peer, rank, j);
+                    let mut got = vec![0.0; expected.len()];
+                    comm.recv(&mut got, peer).unwrap();
+                    assert_eq!(got, expected, "rank {rank} message {j}");
+                }
+            }
+            _ => {
+                for k in 0..count / 100 {
+                    comm.send(&message(2, 0, k), 0).unwrap();
+                }
+            }
+        }
+        // Point-to-point traffic leaves the collectives in step.
+        comm.barrier().unwrap();
+    }));
+}
+
+#[test]
+fn mismatched_dtype_root_and_size_fail_on_every_rank_and_the_group_recovers() {
+    for n in [2, 3] {
+        let outcomes = ok(run_group(n, |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            let mut errors = Vec::new();
+            // Rank 1 passes bf16, the others f32, to every data-moving collective.
+            let f = |len| vec![1.0f32; len];
+            let b = |len| vec![bf16::ONE; len];
+            errors.push(if rank == 1 {
+                comm.all_reduce_sum(&mut b(8)).unwrap_err()
+            } else {
+                comm.all_reduce_sum(&mut f(8)).unwrap_err()
+            });
+            errors.push(if rank == 1 {
+                comm.all_gather(&b(3), &mut b(3 * n)).unwrap_err()
+            } else {
+                comm.all_gather(&f(3), &mut f(3 * n)).unwrap_err()
+            });
+            errors.push(if rank == 1 {
+                comm.reduce_scatter_sum(&b(3 * n), &mut b(3)).unwrap_err()
+            } else {
+                comm.reduce_scatter_sum(&f(3 * n), &mut f(3)).unwrap_err()
+            });
+            errors.push(if rank == 1 {
+                comm.broadcast(&mut b(5), 0).unwrap_err()
+            } else {
+                comm.broadcast(&mut f(5), 0).unwrap_err()
+            });
+            // Different roots, then different sizes.
+            let root = usize::from(rank == 1);
+            errors.push(comm.broadcast(&mut f(5), root).unwrap_err());
+            errors.push(
+                comm.broadcast(&mut f(5 + usize::from(rank == 1)), 0)
+                    .unwrap_err(),
+            );
+            // A root outside the group on one rank.
+            let root = if rank == 1 { n } else { 0 };
+            errors.push(comm.broadcast(&mut f(5), root).unwrap_err());
+            // Still usable.
+            let mut buf = vec![bf16::from_f32(rank as f32); 5];
+            comm.broadcast(&mut buf, n - 1).unwrap();
+            assert_eq!(buf, vec![bf16::from_f32((n - 1) as f32); 5]);
+            comm.barrier().unwrap();
+            errors
+        }));
+        use crate::ir::DType::{Bf16, F32};
+        let ar = Collective::AllReduceSum;
+        for (rank, errors) in outcomes.iter().enumerate() {
+            assert_eq!(errors.len(), 7);
+            // Every rank is told, naming a peer that disagrees with it.
+            let (dtype, peer, peer_dtype) = if rank == 1 {
+                (Bf16, 0, F32)
+            } else {
+                (F32, 1, Bf16)
+            };
+            for (e, during) in errors[..4].iter().zip([
+                ar,
+                Collective::AllGather,
+                Collective::ReduceScatterSum,
+                Collective::Broadcast,
+            ]) {
+                assert_eq!(
+                    *e,
+                    CommError::DTypeMismatch {
+                        rank,
+                        during,
+                        dtype,
+                        peer,
+                        peer_during: during,
+                        peer_dtype
+                    },
+                    "n {n}"
+                );
+            }
+            let (root, peer_root) = if rank == 1 { (1, 0) } else { (0, 1) };
+            assert_eq!(
+                errors[4],
+                CommError::RootMismatch {
+                    rank,
+                    root,
+                    peer,
+                    peer_root
+                }
+            );
+            assert!(
+                matches!(errors[5], CommError::PeerMismatch { rank: r, during: Collective::Broadcast, peer: p, .. } if r == rank && p == peer),
+                "{:?}",
+                errors[5]
+            );
+            if rank == 1 {
+                assert_eq!(
+                    errors[6],
+                    CommError::BadRank {
+                        rank,
+                        during: Collective::Broadcast,
+                        peer: n,
+                        world_size: n,
+                        what: "the root must be a rank of the group"
+                    }
+                );
+            } else {
+                assert_eq!(
+                    errors[6],
+                    CommError::PeerBadArguments {
+                        rank,
+                        during: Collective::Broadcast,
+                        peer: 1
+                    }
+                );
+            }
+        }
+        let message = outcomes[0][0].to_string();
+        assert!(
+            message.contains("f32") && message.contains("bf16") && message.contains("rank 1"),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn point_to_point_refuses_bad_partners_and_mismatched_messages() {
+    let outcomes = ok(run_group(2, |mut comm| {
+        let rank = comm.rank();
+        let peer = 1 - rank;
+        let mut errors = Vec::new();
+        for bad in [rank, 2, usize::MAX] {
+            errors.push(comm.send(&[1.0f32], bad).unwrap_err());
+            errors.push(comm.recv(&mut [0.0f32], bad).unwrap_err());
+        }
+        if rank == 0 {
+            comm.send(&[1.0f32; 4], peer).unwrap();
+            comm.send(&[1.0f32; 4], peer).unwrap();
+            comm.send(&[2.0f32; 3], peer).unwrap();
+        } else {
+            // Wrong type, wrong size: each consumes its message, the next one is intact.
+            errors.push(comm.recv(&mut [bf16::ZERO; 4], peer).unwrap_err());
+            errors.push(comm.recv(&mut [0.0f32; 5], peer).unwrap_err());
+            let mut got = [0.0f32; 3];
+            comm.recv(&mut got, peer).unwrap();
+            assert_eq!(got, [2.0; 3]);
+        }
+        errors
+    }));
+    for (rank, errors) in outcomes.iter().enumerate() {
+        for (k, bad) in [rank, 2, usize::MAX].into_iter().enumerate() {
+            for (e, during) in errors[2 * k..2 * k + 2]
+                .iter()
+                .zip([Collective::Send, Collective::Recv])
+            {
+                assert_eq!(
+                    *e,
+                    CommError::BadRank {
+                        rank,
+                        during,
+                        peer: bad,
+                        world_size: 2,
+                        what: "the peer must be another rank of the group"
+                    }
+                );
+            }
+        }
+    }
+    assert_eq!(
+        outcomes[1][6..],
+        [
+            CommError::DTypeMismatch {
+                rank: 1,
+                during: Collective::Recv,
+                dtype: crate::ir::DType::Bf16,
+                peer: 0,
+                peer_during: Collective::Send,
+                peer_dtype: crate::ir::DType::F32
+            },
+            CommError::PeerMismatch {
+                rank: 1,
+                during: Collective::Recv,
+                len: 5,
+                peer: 0,
+                peer_during: Collective::Send,
+                peer_len: 4
+            }
+        ]
+    );
+}
+
+/// How a rank leaves the group in the release tests.
+#[derive(Clone, Copy, Debug)]
+enum Leave {
+    Abort,
+    Panic,
+    Drop,
+}
+
+/// One rank leaves after the others have blocked (in `recv` from it, in `recv` from a live
+/// rank that never sends, or in a broadcast); every one of them gets `PeerFailed` from it.
+#[test]
+fn a_failing_rank_releases_blocked_recv_and_broadcast() {
+    #[derive(Clone, Copy, Debug)]
+    enum Blocked {
+        RecvFromLeaver,
+        RecvFromLive,
+        Broadcast,
+    }
+    for leave in [Leave::Abort, Leave::Panic, Leave::Drop] {
+        for blocked in [
+            Blocked::RecvFromLeaver,
+            Blocked::RecvFromLive,
+            Blocked::Broadcast,
+        ] {
+            let outcomes = run_group(3, move |mut comm| {
+                let rank = comm.rank();
+                comm.barrier().unwrap();
+                if rank == 2 {
+                    // Let the others block first (the outcome must not depend on it).
+                    thread::sleep(Duration::from_millis(50));
+                    match leave {
+                        Leave::Abort => {
+                            comm.abort();
+                            comm.abort();
+                            let again = comm.recv(&mut [0.0f32], 0);
+                            assert!(matches!(again, Err(CommError::Aborted { rank: 2, .. })));
+                        }
+                        Leave::Panic => panic!("rank 2 fails"),
+                        Leave::Drop => drop(comm),
+                    }
+                    return None;
+                }
+                let mut buf = [0.0f32; 64];
+                Some(match blocked {
+                    Blocked::RecvFromLeaver => comm.recv(&mut buf, 2),
+                    // Ranks 0 and 1 wait for each other; neither ever sends.
+                    Blocked::RecvFromLive => comm.recv(&mut buf, 1 - rank),
+                    Blocked::Broadcast => comm.broadcast(&mut buf, 0),
+                })
+            });
+            let cause = match leave {
+                Leave::Abort => FailureCause::Aborted,
+                Leave::Panic => FailureCause::Panicked,
+                Leave::Drop => FailureCause::Dropped,
+            };
+            for (rank, outcome) in outcomes.into_iter().enumerate() {
+                if rank == 2 {
+                    match leave {
+                        Leave::Panic => assert!(outcome.unwrap_err().contains("rank 2 fails")),
+                        _ => assert_eq!(outcome, Ok(None)),
+                    }
+                    continue;
+                }
+                let during = match blocked {
+                    Blocked::Broadcast => Collective::Broadcast,
+                    _ => Collective::Recv,
+                };
+                assert_eq!(
+                    outcome.unwrap(),
+                    Some(Err(CommError::PeerFailed {
+                        rank,
+                        peer: 2,
+                        cause,
+                        during
+                    })),
+                    "{leave:?} {blocked:?}"
+                );
+            }
+        }
+    }
+}
+
+/// After a failure, sends are refused at once and a recv takes only messages sent before
+/// it: a rank that sends and then leaves (here: drops its communicator, or panics) is still
+/// heard, in order, and the next recv from it fails instead of waiting.
+#[test]
+fn messages_sent_before_a_failure_are_still_received() {
+    for leave in [Leave::Drop, Leave::Panic, Leave::Abort] {
+        let outcomes = run_group(3, move |mut comm| {
+            let rank = comm.rank();
+            match rank {
+                0 => {
+                    for k in 0..5 {
+                        comm.send(&message(0, 1, k), 1).unwrap();
+                    }
+                    match leave {
+                        Leave::Drop => drop(comm),
+                        Leave::Panic => panic!("rank 0 fails"),
+                        Leave::Abort => comm.abort(),
+                    }
+                    None
+                }
+                1 => {
+                    // Start receiving only once rank 0 has certainly left.
+                    thread::sleep(Duration::from_millis(50));
+                    let received: Vec<bool> = (0..5)
+                        .map(|k| {
+                            let expected = message(0, 1, k);
+                            let mut got = vec![0.0; expected.len()];
+                            comm.recv(&mut got, 0).is_ok_and(|()| got == expected)
+                        })
+                        .collect();
+                    assert_eq!(received, [true; 5], "{leave:?}");
+                    Some((comm.recv(&mut [0.0f32; 3], 0), comm.send(&[1.0f32], 2)))
+                }
+                _ => Some((comm.recv(&mut [0.0f32; 3], 1), comm.send(&[1.0f32], 1))),
+            }
+        });
+        let cause = match leave {
+            Leave::Abort => FailureCause::Aborted,
+            Leave::Panic => FailureCause::Panicked,
+            Leave::Drop => FailureCause::Dropped,
+        };
+        for (rank, outcome) in outcomes.into_iter().enumerate().skip(1) {
+            let failed = |during| CommError::PeerFailed {
+                rank,
+                peer: 0,
+                cause,
+                during,
+            };
+            let (recv, send) = outcome.unwrap().unwrap();
+            assert_eq!(recv, Err(failed(Collective::Recv)), "rank {rank} {leave:?}");
+            // Rank 2's send may come before rank 0 leaves; rank 1's cannot.
+            if rank == 1 {
+                assert_eq!(send, Err(failed(Collective::Send)), "{leave:?}");
+            }
+        }
+    }
 }
