@@ -46,16 +46,6 @@ fn mismatch(during: &'static str) -> CollectiveError {
     CollectiveError::Dtype { during }
 }
 
-// Interim: the host communicator moves f32 only and has no point-to-point calls yet.
-fn later(during: &'static str) -> CollectiveError {
-    CollectiveError::Buffers {
-        during,
-        dtype: "unsupported".into(),
-        got: 0,
-        expected: 0,
-    }
-}
-
 impl<A: Activation + HostBuffer, C: Communicator> Collectives<A> for C {
     fn rank(&self) -> usize {
         Communicator::rank(self)
@@ -66,13 +56,14 @@ impl<A: Activation + HostBuffer, C: Communicator> Collectives<A> for C {
     fn all_reduce_sum(&mut self, buf: &mut A) -> Result<(), CollectiveError> {
         match buf.host_data() {
             HostData::F32(b) => Communicator::all_reduce_sum(self, b)?,
-            HostData::Bf16(_) => return Err(later("all_reduce_sum")),
+            HostData::Bf16(b) => Communicator::all_reduce_sum(self, b)?,
         }
         Ok(())
     }
     fn all_gather(&mut self, local: &A, out: &mut A) -> Result<(), CollectiveError> {
         match (local.host_data_ref(), out.host_data()) {
             (HostDataRef::F32(l), HostData::F32(o)) => Communicator::all_gather(self, l, o)?,
+            (HostDataRef::Bf16(l), HostData::Bf16(o)) => Communicator::all_gather(self, l, o)?,
             _ => return Err(mismatch("all_gather")),
         }
         Ok(())
@@ -82,21 +73,97 @@ impl<A: Activation + HostBuffer, C: Communicator> Collectives<A> for C {
             (HostDataRef::F32(i), HostData::F32(o)) => {
                 Communicator::reduce_scatter_sum(self, i, o)?
             }
+            (HostDataRef::Bf16(i), HostData::Bf16(o)) => {
+                Communicator::reduce_scatter_sum(self, i, o)?
+            }
             _ => return Err(mismatch("reduce_scatter_sum")),
         }
         Ok(())
     }
-    fn broadcast(&mut self, _buf: &mut A, _root: usize) -> Result<(), CollectiveError> {
-        Err(later("broadcast"))
+    fn broadcast(&mut self, buf: &mut A, root: usize) -> Result<(), CollectiveError> {
+        match buf.host_data() {
+            HostData::F32(b) => Communicator::broadcast(self, b, root)?,
+            HostData::Bf16(b) => Communicator::broadcast(self, b, root)?,
+        }
+        Ok(())
     }
-    fn send(&mut self, _buf: &A, _to: usize) -> Result<(), CollectiveError> {
-        Err(later("send"))
+    fn send(&mut self, buf: &A, to: usize) -> Result<(), CollectiveError> {
+        match buf.host_data_ref() {
+            HostDataRef::F32(b) => Communicator::send(self, b, to)?,
+            HostDataRef::Bf16(b) => Communicator::send(self, b, to)?,
+        }
+        Ok(())
     }
-    fn recv(&mut self, _buf: &mut A, _from: usize) -> Result<(), CollectiveError> {
-        Err(later("recv"))
+    fn recv(&mut self, buf: &mut A, from: usize) -> Result<(), CollectiveError> {
+        match buf.host_data() {
+            HostData::F32(b) => Communicator::recv(self, b, from)?,
+            HostData::Bf16(b) => Communicator::recv(self, b, from)?,
+        }
+        Ok(())
     }
     fn barrier(&mut self) -> Result<(), CollectiveError> {
         Ok(Communicator::barrier(self)?)
     }
-    fn abort(&mut self) {}
+    fn abort(&mut self) {
+        Communicator::abort(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::DType;
+    use crate::runtime::comm::local_group;
+    use half::bf16;
+
+    /// A host buffer of bf16 values, as a device backend with bf16 activations would have.
+    struct Bf16Buf(Vec<bf16>, Vec<usize>);
+
+    impl Activation for Bf16Buf {
+        fn shape(&self) -> &[usize] {
+            &self.1
+        }
+        fn dtype(&self) -> DType {
+            DType::Bf16
+        }
+    }
+
+    impl HostBuffer for Bf16Buf {
+        fn host_data(&mut self) -> HostData<'_> {
+            HostData::Bf16(&mut self.0)
+        }
+        fn host_data_ref(&self) -> HostDataRef<'_> {
+            HostDataRef::Bf16(&self.0)
+        }
+    }
+
+    #[test]
+    fn host_communicators_move_backend_buffers_of_either_dtype() {
+        let comms = local_group(3);
+        std::thread::scope(|s| {
+            for mut c in comms {
+                s.spawn(move || {
+                    let r = Collectives::<Bf16Buf>::rank(&c);
+                    let mut x = Bf16Buf(vec![bf16::from_f32(r as f32 + 0.5); 4], vec![1, 4]);
+                    Collectives::all_reduce_sum(&mut c, &mut x).unwrap();
+                    assert!(x.0.iter().all(|v| v.to_f32() == 4.5));
+                    let mut all = Bf16Buf(vec![bf16::ZERO; 12], vec![3, 4]);
+                    Collectives::all_gather(&mut c, &x, &mut all).unwrap();
+                    assert_eq!(all.0.len(), 12);
+                    let mut b = Bf16Buf(vec![bf16::from_f32(r as f32); 2], vec![1, 2]);
+                    Collectives::broadcast(&mut c, &mut b, 2).unwrap();
+                    assert!(b.0.iter().all(|v| v.to_f32() == 2.0));
+                    // Point to point around the ring, in f32 host tensors.
+                    let n = Collectives::<Bf16Buf>::world_size(&c);
+                    let t = crate::runtime::tensor::Tensor::new(vec![1, 2], vec![r as f32; 2]);
+                    Collectives::send(&mut c, &t, (r + 1) % n).unwrap();
+                    let mut got = crate::runtime::tensor::Tensor::new(vec![1, 2], vec![0.0; 2]);
+                    Collectives::recv(&mut c, &mut got, (r + n - 1) % n).unwrap();
+                    assert_eq!(got.data, vec![((r + n - 1) % n) as f32; 2]);
+                    // Leaving the group early counts as a failure for ranks still in it.
+                    Collectives::<Bf16Buf>::barrier(&mut c).unwrap();
+                });
+            }
+        });
+    }
 }
