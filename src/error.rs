@@ -115,6 +115,11 @@ pub enum TpcError {
     #[error("{0}")]
     Collective(crate::runtime::collectives::CollectiveError),
 
+    #[error(
+        "tp={tp} ranks cannot run as threads of one process: at most {max}; choose a smaller tp"
+    )]
+    TooManyRanks { tp: usize, max: usize },
+
     #[error("bad batch: {problem}")]
     BadBatch { problem: String },
 

@@ -220,3 +220,11 @@ fn run_json_reports_load_time_and_bytes() {
     assert_eq!(v["collective_dtype"], "f32");
     assert!(v["peak_resident_bytes"].as_u64().unwrap() > v["weight_bytes_rank0"].as_u64().unwrap());
 }
+
+#[test]
+fn absurd_execution_flags_are_usage_errors() {
+    for flag in [["--threads-per-rank", "100000"], ["--warmup", "1000000000"]] {
+        let o = tpc(&["run", MODEL, "--prompt-ids", "1", flag[0], flag[1]]);
+        assert_eq!(o.status.code(), Some(2), "{flag:?}");
+    }
+}

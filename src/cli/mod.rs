@@ -69,8 +69,8 @@ pub struct ExecArgs {
     #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
     pub dtype: DtypeArg,
     /// Compute threads per rank (default: cores / tp).
-    #[arg(long, default_value_t = 0)]
-    pub threads_per_rank: usize,
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1024))]
+    pub threads_per_rank: u64,
     /// Print where rank 0's time goes, per op kind, on stderr.
     #[arg(long)]
     pub profile: bool,
@@ -78,8 +78,8 @@ pub struct ExecArgs {
     #[arg(long)]
     pub pin: bool,
     /// Untimed generations first (loading is never timed).
-    #[arg(long, default_value_t = 0)]
-    pub warmup: usize,
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub warmup: u64,
     /// Timed generations; the best prefill and decode are reported.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub repeat: u64,
@@ -90,10 +90,10 @@ impl ExecArgs {
     pub fn options(&self) -> tpc::runtime::generate::RunOptions {
         tpc::runtime::generate::RunOptions {
             dtype: self.dtype.into(),
-            threads_per_rank: self.threads_per_rank,
+            threads_per_rank: self.threads_per_rank as usize,
             profile: self.profile,
             pin_threads: self.pin,
-            warmup: self.warmup,
+            warmup: self.warmup as usize,
             repeat: self.repeat as usize,
             ..Default::default()
         }

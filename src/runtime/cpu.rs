@@ -12,7 +12,7 @@ use super::rope::{self, RopeTables};
 use super::simd::with_avx2;
 use super::team::Team;
 use super::tensor::{pool, Tensor};
-use super::weights::{load_slice, WeightSource};
+use super::weights::{load_slice, load_slice_bf16, WeightSource};
 use crate::ir::{ActivationKind, DType, RopeOp};
 use crate::plan::WeightSlice;
 
@@ -124,12 +124,17 @@ impl CpuBackend {
 pub struct CpuWeight {
     packed: Option<PackedMatrix>,
     dense: Option<Tensor>,
+    /// An embedding table kept in bf16 (bf16 compute): `[rows, cols]`, widened row by row
+    /// on lookup.
+    table_bf16: Option<(usize, Vec<half::bf16>)>,
 }
 
 impl CpuWeight {
     fn dense(&self) -> BackendResult<&Tensor> {
         self.dense.as_ref().ok_or_else(|| {
-            BackendError::Unsupported("a linear-only weight is read as a table or vector".into())
+            BackendError::Unsupported(
+                "a weight stored for linear or table use is read as a vector".into(),
+            )
         })
     }
 }
@@ -196,32 +201,62 @@ impl Backend for CpuBackend {
             }
             None => None,
         };
-        let dense = if usage.other || packed.is_none() {
+        // In bf16 compute a 2-D table (an embedding) stays bf16: half the bytes.
+        let table = usage.other && self.bf16_linears && slice.local_shape.len() == 2;
+        let table_bf16 = if table {
+            let (shape, data) = load_slice_bf16(src, slice).map_err(weights)?;
+            Some((shape[1], data))
+        } else {
+            None
+        };
+        let dense = if (usage.other || packed.is_none()) && !table {
             Some(load_slice(src, slice).map_err(weights)?)
         } else {
             None
         };
-        Ok(CpuWeight { packed, dense })
+        Ok(CpuWeight {
+            packed,
+            dense,
+            table_bf16,
+        })
     }
 
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
         w.packed.as_ref().map_or(0, PackedMatrix::bytes)
             + w.dense.as_ref().map_or(0, |t| t.data.len() * 4)
+            + w.table_bf16.as_ref().map_or(0, |(_, d)| d.len() * 2)
     }
 
     fn embedding(&self, ids: &[i64], table: &CpuWeight, offset: usize) -> BackendResult<Tensor> {
-        let table = table.dense()?;
-        let (rows, cols) = table.rows_cols();
+        // (rows, cols) and a row copier, from whichever form the table is kept in.
+        let (rows, cols) = match (&table.table_bf16, &table.dense) {
+            (Some((cols, data)), _) => (data.len().checked_div(*cols).unwrap_or(0), *cols),
+            (None, Some(t)) => t.rows_cols(),
+            (None, None) => {
+                return Err(BackendError::Unsupported(
+                    "a linear-only weight is read as an embedding table".into(),
+                ))
+            }
+        };
         let mut out = Tensor::zeros(vec![ids.len(), cols]);
         for (r, &id) in ids.iter().enumerate() {
             // Ids outside this rank's rows contribute zeros; the all-reduce adds the rest.
-            if let Some(local) = usize::try_from(id)
+            let Some(local) = usize::try_from(id)
                 .ok()
                 .and_then(|id| id.checked_sub(offset))
                 .filter(|&l| l < rows)
-            {
-                out.data[r * cols..(r + 1) * cols]
-                    .copy_from_slice(&table.data[local * cols..(local + 1) * cols]);
+            else {
+                continue;
+            };
+            let dst = &mut out.data[r * cols..(r + 1) * cols];
+            match (&table.table_bf16, &table.dense) {
+                (Some((_, data)), _) => {
+                    for (o, v) in dst.iter_mut().zip(&data[local * cols..(local + 1) * cols]) {
+                        *o = v.to_f32();
+                    }
+                }
+                (None, Some(t)) => dst.copy_from_slice(&t.data[local * cols..(local + 1) * cols]),
+                (None, None) => {}
             }
         }
         Ok(out)
@@ -609,6 +644,7 @@ mod tests {
         CpuWeight {
             packed: None,
             dense: Some(t),
+            table_bf16: None,
         }
     }
 
@@ -635,6 +671,7 @@ mod tests {
                 let weight = CpuWeight {
                     packed: Some(PackedMatrix::pack(w, order, false)),
                     dense: None,
+                    table_bf16: None,
                 };
                 let packed = cpu.linear(&x, &weight).unwrap();
                 assert_eq!(packed.shape, vec![3, 4]);
@@ -741,5 +778,61 @@ mod tests {
         let part = cpu.unfuse(&x, 3, 1, 2).unwrap();
         assert_eq!(part.data, vec![1., 2., 4., 5., 7., 8., 10., 11.]);
         assert!(cpu.unfuse(&x, 4, 1, 2).is_err());
+    }
+
+    /// A 4×3 table whose element `i` is `i + 1/3` (not representable in bf16).
+    struct Table;
+
+    impl WeightSource for Table {
+        fn check(&self, _: &crate::plan::Plan) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn read(
+            &self,
+            _: &str,
+            from: usize,
+            count: usize,
+            out: &mut Vec<f32>,
+        ) -> crate::error::Result<()> {
+            out.extend((from..from + count).map(|i| i as f32 + 1.0 / 3.0));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_vocab_split_table_looks_up_the_same_rows_in_f32_and_bf16() {
+        use crate::ir::SliceRange;
+        // Rows 1..3 of 4 plus one padding row, as a vocab-parallel rank holds them.
+        let slice = WeightSlice {
+            tensor: "embed".into(),
+            shape: vec![4, 3],
+            dtype: DType::F32,
+            dim: Some(0),
+            ranges: vec![SliceRange { offset: 1, len: 2 }],
+            padding: 1,
+            local_shape: vec![3, 3],
+        };
+        let usage = WeightUse {
+            linear: None,
+            other: true,
+        };
+        let ids = [0, 1, 2, 3, 4, -1];
+        let mut outs = Vec::new();
+        for bf16 in [false, true] {
+            let cpu = CpuBackend::new(1).with_bf16_linears(bf16);
+            let w = cpu.upload(&Table, &slice, usage).unwrap();
+            assert_eq!(cpu.weight_bytes(&w), if bf16 { 18 } else { 36 });
+            outs.push(cpu.embedding(&ids, &w, 1).unwrap());
+        }
+        let want: Vec<f32> = [None, Some(1), Some(2), None, None, None]
+            .iter()
+            .flat_map(|row| {
+                (0..3).map(move |c| row.map_or(0.0, |r| (r * 3 + c) as f32 + 1.0 / 3.0))
+            })
+            .collect();
+        assert_eq!(outs[0].data, want);
+        for (b, w) in outs[1].data.iter().zip(&want) {
+            assert_eq!(*b, half::bf16::from_f32(*w).to_f32());
+        }
     }
 }

@@ -6,7 +6,7 @@
 use super::affinity;
 use super::backend::Backend;
 use super::collectives::Collectives;
-use super::comm::{local_group, CommError};
+use super::comm::{local_group, CommError, MAX_LOCAL_RANKS};
 use super::cpu::CpuBackend;
 use super::generate::{check_requests, rank_runtime, BatchOutput, Request, RunOptions, RunOutput};
 use super::weights::WeightSource;
@@ -136,6 +136,12 @@ pub fn run_batch(
     check_requests(plan, requests, opts)?;
     weights.check(plan)?;
     let tp = plan.ranks.len();
+    if tp > MAX_LOCAL_RANKS {
+        return Err(TpcError::TooManyRanks {
+            tp,
+            max: MAX_LOCAL_RANKS,
+        });
+    }
     let threads = threads_per_rank(opts, tp);
     let bf16 = opts.dtype.bf16_linears(plan);
     let make = |rank: usize| -> Result<CpuBackend> {

@@ -497,13 +497,36 @@ fn byte_arrays<const N: usize>(bytes: &[u8]) -> &[[u8; N]] {
 /// One rank's piece of a tensor, as f32, with padding of zeros; the tensor's pages are
 /// released afterwards (see [`WeightSource::release`]).
 pub fn load_slice(src: &dyn WeightSource, w: &WeightSlice) -> Result<Tensor> {
+    let (local, data) = load_slice_as(src, w, |t, from, count, out: &mut Vec<f32>| {
+        src.read(t, from, count, out)
+    })?;
+    Ok(Tensor::new(local, data))
+}
+
+/// One rank's piece of a tensor as bf16 (bits copied from a bf16 checkpoint, others
+/// rounded), with its local shape: for tables kept in bf16.
+pub fn load_slice_bf16(
+    src: &dyn WeightSource,
+    w: &WeightSlice,
+) -> Result<(Vec<usize>, Vec<half::bf16>)> {
+    load_slice_as(src, w, |t, from, count, out: &mut Vec<half::bf16>| {
+        src.read_bf16(t, from, count, out)
+    })
+}
+
+/// The slicing of [`load_slice`] for any element type, reading runs with `read`.
+fn load_slice_as<T: Copy + Default>(
+    src: &dyn WeightSource,
+    w: &WeightSlice,
+    read: impl Fn(&str, usize, usize, &mut Vec<T>) -> Result<()>,
+) -> Result<(Vec<usize>, Vec<T>)> {
     let shape = dims(w, &w.shape)?;
     let local = dims(w, &w.local_shape)?;
     let local_n = checked_product(w, &local)?;
     let mut out = Vec::with_capacity(local_n);
     let too_big = || slice_err(w, "its ranges overflow the address space".into());
     match (w.dim, shape.len()) {
-        (None, _) => src.read(&w.tensor, 0, checked_product(w, &shape)?, &mut out)?,
+        (None, _) => read(&w.tensor, 0, checked_product(w, &shape)?, &mut out)?,
         (Some(0), _) => {
             // Row slices are contiguous runs of the stored tensor.
             let row = checked_product(w, &shape[1..])?;
@@ -511,12 +534,12 @@ pub fn load_slice(src: &dyn WeightSource, w: &WeightSlice) -> Result<Tensor> {
                 let (offset, len) = (to_usize(w, r.offset)?, to_usize(w, r.len)?);
                 let from = offset.checked_mul(row).ok_or_else(too_big)?;
                 let count = len.checked_mul(row).ok_or_else(too_big)?;
-                src.read(&w.tensor, from, count, &mut out)?;
+                read(&w.tensor, from, count, &mut out)?;
             }
             let pad = to_usize(w, w.padding)?
                 .checked_mul(row)
                 .ok_or_else(too_big)?;
-            out.resize(out.len().saturating_add(pad), 0.0);
+            out.resize(out.len().saturating_add(pad), T::default());
         }
         (Some(1), 2) => {
             for row in 0..shape[0] {
@@ -525,9 +548,12 @@ pub fn load_slice(src: &dyn WeightSource, w: &WeightSlice) -> Result<Tensor> {
                         .checked_mul(shape[1])
                         .and_then(|a| a.checked_add(to_usize(w, r.offset).ok()?))
                         .ok_or_else(too_big)?;
-                    src.read(&w.tensor, from, to_usize(w, r.len)?, &mut out)?;
+                    read(&w.tensor, from, to_usize(w, r.len)?, &mut out)?;
                 }
-                out.resize(out.len().saturating_add(to_usize(w, w.padding)?), 0.0);
+                out.resize(
+                    out.len().saturating_add(to_usize(w, w.padding)?),
+                    T::default(),
+                );
             }
         }
         (Some(d), rank) => {
@@ -550,7 +576,7 @@ pub fn load_slice(src: &dyn WeightSource, w: &WeightSlice) -> Result<Tensor> {
         ));
     }
     src.release(&w.tensor);
-    Ok(Tensor::new(local, out))
+    Ok((local, out))
 }
 
 fn slice_err(w: &WeightSlice, problem: String) -> TpcError {

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Condvar, Mutex, PoisonError};
 
 /// Largest group the state word can describe (arrival count and failed rank are 12 bits).
-pub(super) const MAX_WORLD: usize = 1024;
+pub const MAX_WORLD: usize = 1024;
 
 /// Back-off when every rank has its own core: spin about 30 µs (one spin round is ~30 ns
 /// here), long enough to cover the skew of balanced ranks, then give the core away.

@@ -28,6 +28,8 @@
 //!   result does not depend on which all-reduce algorithm was chosen.
 
 mod barrier;
+/// The most ranks an in-process group ([`local_group`]) can have.
+pub use barrier::MAX_WORLD as MAX_LOCAL_RANKS;
 pub mod bench;
 mod local;
 mod mailbox;
