@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import resource
 import os
 import sys
 import time
@@ -130,6 +131,8 @@ def main() -> int:
                 "prefill_all": prefill,
                 "decode_all": decode,
                 "load_seconds": load_s,
+                # Peak resident size of the whole process (ru_maxrss is KiB on Linux).
+                "peak_resident_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
             }

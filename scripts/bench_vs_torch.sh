@@ -6,6 +6,11 @@
 #   scripts/bench_vs_torch.sh                       # ROUNDS=2, REPS=3, THREADS=nproc
 #   ROUNDS=3 TPS="1 2" scripts/bench_vs_torch.sh
 #   TPC_DTYPES="bf16" TORCH_TIMEOUT=3600 TPC_TIMEOUT=1800 scripts/bench_vs_torch.sh
+#   BASELINE_BIN=/path/to/older/tpc scripts/bench_vs_torch.sh   # before/after in one run
+#
+# With BASELINE_BIN, every tpc row is followed by the same run of that binary (labelled
+# "base ..."), alternating within each round, so a change is measured against its parent
+# under the same conditions.
 #
 # Steps, all in one invocation:
 #  1. cargo build --release;
@@ -201,6 +206,11 @@ for ((r = 1; r <= ROUNDS; r++)); do
             run_one "$label" "$r" "$TPC_TIMEOUT" \
                 "$BIN" run "$MODEL" --tp "$tp" --threads-per-rank "$tpr" "${flag[@]}" \
                 --prompt-ids "$IDS" --max-new-tokens "$NEW_TOKENS" --warmup 1 --repeat "$REPS" --json
+            if [ -n "${BASELINE_BIN:-}" ]; then
+                run_one "base ${label#tpc }" "$r" "$TPC_TIMEOUT" \
+                    "$BASELINE_BIN" run "$MODEL" --tp "$tp" --threads-per-rank "$tpr" "${flag[@]}" \
+                    --prompt-ids "$IDS" --max-new-tokens "$NEW_TOKENS" --warmup 1 --repeat "$REPS" --json
+            fi
         done
     done
 done
@@ -262,6 +272,7 @@ for lab in labels:
         "prefill_all": [r["result"]["prefill_tokens_per_s"] for r in ok],
         "decode_all": [r["result"]["decode_tokens_per_s"] for r in ok],
         "load": min(r["result"].get("load_seconds", float("nan")) for r in ok),
+        "peak": max((r["result"].get("peak_resident_bytes") or float("nan")) for r in ok),
         "generated": gens[0],
         "stable": all(g == gens[0] for g in gens),
         "errors": errs,
@@ -318,12 +329,12 @@ print(f"decode bound = {bw:.2f} GB/s / weight bytes per token: bf16 {2 * per_tok
 print(f"best of {meta.get('rounds')} rounds per row; every row: best of {meta.get('reps')} generations after a warm-up "
       f"within each round (loading not timed)")
 print()
-hdr = ("engine / config", "prefill tok/s", "x torch", "decode tok/s", "x torch", "% bound", "load s", "greedy tokens")
+hdr = ("engine / config", "prefill tok/s", "x torch", "decode tok/s", "x torch", "% bound", "load s", "peak GB", "greedy tokens")
 rows = []
 for lab in labels:
     b = best[lab]
     if "error" in b:
-        rows.append((lab, "-", "-", "-", "-", "-", "-", b["error"]))
+        rows.append((lab, "-", "-", "-", "-", "-", "-", "-", b["error"]))
         continue
     wd = weight_dtype(lab)
     rows.append((
@@ -334,10 +345,11 @@ for lab in labels:
         f"{b['decode'] / bt_d:.2f}",
         f"{100 * b['decode'] / bound[wd]:.0f}% {wd}",
         f"{b['load']:.1f}",
+        f"{b['peak'] / 1e9:.2f}",
         tokens_note(lab) + (f" ({len(b['errors'])} failed rounds: {b['errors'][0]})" if b["errors"] else ""),
     ))
 w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(len(hdr))]
-fmt = lambda r: "  ".join(str(c).ljust(w[i]) if i in (0, 7) else str(c).rjust(w[i]) for i, c in enumerate(r))
+fmt = lambda r: "  ".join(str(c).ljust(w[i]) if i in (0, 8) else str(c).rjust(w[i]) for i, c in enumerate(r))
 print(fmt(hdr))
 print("  ".join("-" * x for x in w))
 for r in rows:

@@ -498,15 +498,15 @@ impl Backend for CpuBackend {
                     ))
                 }
                 Some(out) => {
-                    let part = Tensor::new(
-                        vec![s.rows.len(), qcols],
-                        q.data[s.rows.start * qcols..s.rows.end * qcols].to_vec(),
-                    );
+                    let mut rows_of_q = pool::empty(s.rows.len() * qcols);
+                    rows_of_q.extend_from_slice(&q.data[s.rows.start * qcols..s.rows.end * qcols]);
+                    let part = Tensor::new(vec![s.rows.len(), qcols], rows_of_q);
                     let y = super::attention::causal_attention(
                         &self.team, &part, &cache.k, &cache.v, d, kv_heads, scale,
                     );
                     out.data[s.rows.start * qcols..s.rows.end * qcols].copy_from_slice(&y.data);
                     y.release();
+                    part.release();
                 }
             }
         }
