@@ -1,4 +1,5 @@
-//! Typed library errors. Each message names the place and says what would be right.
+//! The compiler's errors (frontend, passes, plan files). Each message names the place and
+//! says what would be right. The runtime has its own type, `runtime::error::RunError`.
 
 use crate::ir::verify::Problem;
 use std::path::PathBuf;
@@ -77,65 +78,6 @@ pub enum TpcError {
 
     #[error("cannot serialize the plan: {0}")]
     Serialize(String),
-
-    #[error("checkpoint `{path}`: {problem}")]
-    CheckpointFile { path: PathBuf, problem: String },
-
-    #[error("checkpoint tensor `{tensor}` ({path}): {problem}")]
-    CheckpointTensor {
-        path: PathBuf,
-        tensor: String,
-        problem: String,
-    },
-
-    #[error(
-        "prompt token id {id} at position {position} is outside the vocabulary of {vocab} tokens"
-    )]
-    TokenOutOfRange {
-        id: i64,
-        position: usize,
-        vocab: u64,
-    },
-
-    #[error("the prompt is empty; give at least one token id")]
-    EmptyPrompt,
-
-    #[error("{0}")]
-    Comm(#[from] crate::runtime::comm::CommError),
-
-    #[error("rank {rank} failed: {message}")]
-    RankPanicked { rank: usize, message: String },
-
-    #[error("instruction `{name}`: {source}")]
-    Backend {
-        name: String,
-        source: crate::runtime::backend::BackendError,
-    },
-
-    #[error("{0}")]
-    Collective(crate::runtime::collectives::CollectiveError),
-
-    #[error(
-        "tp={tp} ranks cannot run as threads of one process: at most {max}; choose a smaller tp"
-    )]
-    TooManyRanks { tp: usize, max: usize },
-
-    #[error("bad batch: {problem}")]
-    BadBatch { problem: String },
-
-    #[error("request {request}: a prompt of {prompt} tokens plus {new_tokens} new tokens needs more than the model's {max_positions} positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens")]
-    TooLong {
-        request: usize,
-        prompt: usize,
-        new_tokens: usize,
-        max_positions: u64,
-    },
-
-    #[error("repetition {repetition} generated other tokens than the first timed one: the runtime is not deterministic; this is a bug in tpc")]
-    NotDeterministic { repetition: usize },
-
-    #[error("plan instruction `{name}` cannot run: {problem}. This plan does not fit this runtime; recompile it with this tpc.")]
-    BadInstruction { name: String, problem: String },
 }
 
 fn fmt_list(v: &[u64]) -> String {

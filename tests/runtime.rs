@@ -14,6 +14,7 @@ use tpc::pipeline::compile;
 use tpc::runtime::collectives::{CollectiveError, Collectives};
 use tpc::runtime::comm::{local_group, Collective, CommError, LocalComm};
 use tpc::runtime::cpu::CpuBackend;
+use tpc::runtime::error::RunError;
 use tpc::runtime::generate::Request;
 use tpc::runtime::generate::RunOptions;
 use tpc::runtime::launch::{launch_threads, run};
@@ -21,7 +22,6 @@ use tpc::runtime::random::RandomWeights;
 use tpc::runtime::tensor::Tensor;
 use tpc::runtime::verify::verify;
 use tpc::runtime::weights::Checkpoint;
-use tpc::TpcError;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tpc-runtime-{}-{name}", std::process::id()));
@@ -220,7 +220,7 @@ fn a_rank_failing_mid_run_stops_every_rank_with_its_error() {
         .recv_timeout(Duration::from_secs(120))
         .expect("ranks hung after one failed");
     match result {
-        Err(TpcError::Comm(CommError::Aborted { rank: 2, .. })) => {}
+        Err(RunError::Comm(CommError::Aborted { rank: 2, .. })) => {}
         other => panic!("expected rank 2's own error, got {other:?}"),
     }
 }
@@ -237,7 +237,7 @@ fn a_corrupted_plan_is_refused_before_any_rank_runs() {
     broken.inputs[0] = 1_000_000;
     let weights = RandomWeights::new(&plan, 3);
     match run(&plan, &weights, &[1, 2, 3], &RunOptions::default()) {
-        Err(TpcError::Plan(e)) => {
+        Err(RunError::Plan(e)) => {
             let text = e.to_string();
             assert!(
                 text.contains("rank 2") && text.contains("layers.1"),

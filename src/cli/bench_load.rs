@@ -49,7 +49,7 @@ enum Method {
 struct KeepMapped<'a>(&'a Checkpoint);
 
 impl WeightSource for KeepMapped<'_> {
-    fn check(&self, plan: &Plan) -> tpc::error::Result<()> {
+    fn check(&self, plan: &Plan) -> tpc::runtime::error::Result<()> {
         self.0.check(plan)
     }
     fn read(
@@ -58,10 +58,10 @@ impl WeightSource for KeepMapped<'_> {
         from: usize,
         count: usize,
         out: &mut Vec<f32>,
-    ) -> tpc::error::Result<()> {
+    ) -> tpc::runtime::error::Result<()> {
         self.0.read(tensor, from, count, out)
     }
-    fn stored(&self, tensor: &str) -> tpc::error::Result<Option<StoredTensor<'_>>> {
+    fn stored(&self, tensor: &str) -> tpc::runtime::error::Result<Option<StoredTensor<'_>>> {
         self.0.stored(tensor)
     }
 }

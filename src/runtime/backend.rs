@@ -18,7 +18,7 @@ pub enum BackendError {
     #[error("out of memory: {0}")]
     OutOfMemory(String),
     #[error(transparent)]
-    Weights(Box<crate::error::TpcError>),
+    Weights(Box<super::error::RunError>),
 }
 
 pub type BackendResult<T> = std::result::Result<T, BackendError>;

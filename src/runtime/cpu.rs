@@ -784,7 +784,7 @@ mod tests {
     struct Table;
 
     impl WeightSource for Table {
-        fn check(&self, _: &crate::plan::Plan) -> crate::error::Result<()> {
+        fn check(&self, _: &crate::plan::Plan) -> crate::runtime::error::Result<()> {
             Ok(())
         }
         fn read(
@@ -793,7 +793,7 @@ mod tests {
             from: usize,
             count: usize,
             out: &mut Vec<f32>,
-        ) -> crate::error::Result<()> {
+        ) -> crate::runtime::error::Result<()> {
             out.extend((from..from + count).map(|i| i as f32 + 1.0 / 3.0));
             Ok(())
         }

@@ -8,9 +8,9 @@
 
 use super::backend::{Activation, Backend, BackendError, BinaryOp, Segment, WeightUse};
 use super::collectives::{CollectiveError, Collectives};
+use super::error::{Result, RunError};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
-use crate::error::{Result, TpcError};
 use crate::ir::{Groups, InputKind, Op, RopeOp};
 use crate::plan::{Instr, RankProgram};
 use std::collections::HashMap;
@@ -65,24 +65,24 @@ struct AttentionCaches<K> {
     seqs: Vec<K>,
 }
 
-fn bad(i: &Instr, problem: impl Into<String>) -> TpcError {
-    TpcError::BadInstruction {
+fn bad(i: &Instr, problem: impl Into<String>) -> RunError {
+    RunError::BadInstruction {
         name: i.name.to_string(),
         problem: problem.into(),
     }
 }
 
-fn on(i: &Instr) -> impl Fn(BackendError) -> TpcError + '_ {
-    move |source| TpcError::Backend {
+fn on(i: &Instr) -> impl Fn(BackendError) -> RunError + '_ {
+    move |source| RunError::Backend {
         name: i.name.to_string(),
         source,
     }
 }
 
-fn comm_err(e: CollectiveError) -> TpcError {
+fn comm_err(e: CollectiveError) -> RunError {
     match e {
-        CollectiveError::Comm(c) => TpcError::Comm(c),
-        other => TpcError::Collective(other),
+        CollectiveError::Comm(c) => RunError::Comm(c),
+        other => RunError::Collective(other),
     }
 }
 
@@ -248,10 +248,10 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let mut positions = Vec::new();
         for &(seq, seq_ids) in batch {
             if seq_ids.is_empty() {
-                return Err(TpcError::EmptyPrompt);
+                return Err(RunError::EmptyPrompt);
             }
             if segments.iter().any(|s: &Segment| s.seq == seq) {
-                return Err(TpcError::BadBatch {
+                return Err(RunError::BadBatch {
                     problem: format!("sequence {seq} appears twice in one batch"),
                 });
             }
@@ -349,7 +349,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         }
         self.values = values;
         result?;
-        let output = output.ok_or_else(|| TpcError::BadInstruction {
+        let output = output.ok_or_else(|| RunError::BadInstruction {
             name: "program".into(),
             problem: "it has no output".into(),
         })?;
@@ -358,7 +358,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             Some(rows) if output.rows_cols().0 != rows.len() => {
                 let narrowed = self.backend.select_rows(&output, rows);
                 self.backend.release(output);
-                narrowed.map_err(|source| TpcError::Backend {
+                narrowed.map_err(|source| RunError::Backend {
                     name: "output".into(),
                     source,
                 })?
@@ -367,7 +367,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         };
         self.backend
             .to_host(output)
-            .map_err(|source| TpcError::Backend {
+            .map_err(|source| RunError::Backend {
                 name: "output".into(),
                 source,
             })

@@ -5,11 +5,11 @@
 
 use super::backend::Backend;
 use super::collectives::Collectives;
+use super::error::{Result, RunError};
 use super::executor::{OutputRows, RankExecutor};
 use super::sampling::{pick, Rng, Sampling};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
-use crate::error::{Result, TpcError};
 use crate::ir::Op;
 use crate::plan::Plan;
 use std::time::Instant;
@@ -195,13 +195,13 @@ impl RunOutput {
 }
 
 impl TryFrom<BatchOutput> for RunOutput {
-    type Error = TpcError;
+    type Error = RunError;
     fn try_from(b: BatchOutput) -> Result<RunOutput> {
         let seq = b
             .sequences
             .into_iter()
             .next()
-            .ok_or(TpcError::EmptyPrompt)?;
+            .ok_or(RunError::EmptyPrompt)?;
         Ok(RunOutput {
             generated: seq.generated,
             prompt_logits: seq.prompt_logits,
@@ -232,19 +232,19 @@ pub fn output_vocab(plan: &Plan) -> Option<u64> {
 /// new tokens within the model's positions. Checked before any weight is read.
 pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> Result<()> {
     if requests.is_empty() {
-        return Err(TpcError::EmptyPrompt);
+        return Err(RunError::EmptyPrompt);
     }
-    let vocab = output_vocab(plan).ok_or_else(|| TpcError::BadInstruction {
+    let vocab = output_vocab(plan).ok_or_else(|| RunError::BadInstruction {
         name: "output".into(),
         problem: "the plan's output has no vocabulary dim".into(),
     })?;
     for (index, r) in requests.iter().enumerate() {
         if r.prompt.is_empty() {
-            return Err(TpcError::EmptyPrompt);
+            return Err(RunError::EmptyPrompt);
         }
         for (position, &id) in r.prompt.iter().enumerate() {
             if id < 0 || id as u64 >= vocab {
-                return Err(TpcError::TokenOutOfRange {
+                return Err(RunError::TokenOutOfRange {
                     id,
                     position,
                     vocab,
@@ -254,17 +254,15 @@ pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> R
         let new = r.max_new_tokens.unwrap_or(opts.max_new_tokens);
         let tokens = (r.prompt.len() as u64).saturating_add(new as u64);
         if let Some(window) = plan.attention_window.filter(|&w| tokens > w) {
-            return Err(crate::frontend::spec::window_error(
-                plan.model.clone(),
-                window,
-                tokens,
-            ));
+            return Err(
+                crate::frontend::spec::window_error(plan.model.clone(), window, tokens).into(),
+            );
         }
         if let Some(max) = plan.max_positions {
             // The last generated token is never fed back, so it needs no position.
             let needed = (r.prompt.len() as u64).saturating_add(new.saturating_sub(1) as u64);
             if needed > max {
-                return Err(TpcError::TooLong {
+                return Err(RunError::TooLong {
                     request: index,
                     prompt: r.prompt.len(),
                     new_tokens: new,
@@ -295,7 +293,7 @@ pub fn rank_runtime<'p, B: Backend, C: Collectives<B::Act>>(
     let program = plan
         .ranks
         .get(rank)
-        .ok_or_else(|| TpcError::BadInstruction {
+        .ok_or_else(|| RunError::BadInstruction {
             name: format!("rank {rank}"),
             problem: format!("the plan has {} ranks", plan.ranks.len()),
         })?;
@@ -320,8 +318,8 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         };
         // Every rank has loaded before anything is timed.
         self.exec.comm.barrier().map_err(|e| match e {
-            super::collectives::CollectiveError::Comm(c) => TpcError::Comm(c),
-            other => TpcError::Collective(other),
+            super::collectives::CollectiveError::Comm(c) => RunError::Comm(c),
+            other => RunError::Collective(other),
         })?;
         report(Stage::Loaded);
         if opts.profile && rank == 0 {
@@ -349,7 +347,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
                         .zip(&out.sequences)
                         .all(|(x, y)| x.generated == y.generated);
                     if !same {
-                        return Err(TpcError::NotDeterministic { repetition: run });
+                        return Err(RunError::NotDeterministic { repetition: run });
                     }
                     BatchOutput {
                         prefill_seconds: b.prefill_seconds.min(out.prefill_seconds),
@@ -359,7 +357,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
                 }
             });
         }
-        let mut out = best.ok_or(TpcError::EmptyPrompt)?;
+        let mut out = best.ok_or(RunError::EmptyPrompt)?;
         out.load_seconds = self.load_seconds;
         out.weight_bytes = self.exec.weight_bytes;
         let mut profile: Vec<(String, f64, u64)> = self

@@ -8,9 +8,9 @@ use super::backend::Backend;
 use super::collectives::Collectives;
 use super::comm::{local_group, CommError, MAX_LOCAL_RANKS};
 use super::cpu::CpuBackend;
+use super::error::{Result, RunError};
 use super::generate::{check_requests, rank_runtime, BatchOutput, Request, RunOptions, RunOutput};
 use super::weights::WeightSource;
-use crate::error::{Result, TpcError};
 use crate::plan::Plan;
 
 /// Runs `job` on every rank of `plan`, one thread per rank: rank `r` gets the backend
@@ -31,7 +31,7 @@ where
     // The plan is a contract: checked before any rank starts.
     plan.verify()?;
     if comms.len() != plan.ranks.len() {
-        return Err(TpcError::BadInstruction {
+        return Err(RunError::BadInstruction {
             name: "launch".into(),
             problem: format!(
                 "{} communicators for a plan of {} ranks",
@@ -58,7 +58,7 @@ where
                     })
                     // A rank that cannot start drops its communicator, which releases the
                     // ranks already started.
-                    .map_err(|e| TpcError::RankPanicked {
+                    .map_err(|e| RunError::RankPanicked {
                         rank,
                         message: format!("cannot start its thread: {e}"),
                     })
@@ -77,7 +77,7 @@ where
 
 /// Rank 0's result, or the first failure that is not a peer's echo of another.
 fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>) -> Result<T> {
-    let mut first_err: Option<TpcError> = None;
+    let mut first_err: Option<RunError> = None;
     let mut output = None;
     for (rank, r) in results.into_iter().enumerate() {
         let err = match r {
@@ -88,7 +88,7 @@ fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>) -> Result<T> {
                 continue;
             }
             Ok(Err(e)) => e,
-            Err(panic) => TpcError::RankPanicked {
+            Err(panic) => RunError::RankPanicked {
                 rank,
                 message: panic
                     .downcast_ref::<String>()
@@ -97,17 +97,17 @@ fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>) -> Result<T> {
                     .unwrap_or_else(|| "panicked".into()),
             },
         };
-        let is_echo = matches!(&err, TpcError::Comm(CommError::PeerFailed { .. }));
+        let is_echo = matches!(&err, RunError::Comm(CommError::PeerFailed { .. }));
         match &first_err {
             None => first_err = Some(err),
-            Some(TpcError::Comm(CommError::PeerFailed { .. })) if !is_echo => first_err = Some(err),
+            Some(RunError::Comm(CommError::PeerFailed { .. })) if !is_echo => first_err = Some(err),
             _ => {}
         }
     }
     match (first_err, output) {
         (Some(e), _) => Err(e),
         (None, Some(out)) => Ok(out),
-        (None, None) => Err(TpcError::RankPanicked {
+        (None, None) => Err(RunError::RankPanicked {
             rank: 0,
             message: "rank 0 returned nothing".into(),
         }),
@@ -137,7 +137,7 @@ pub fn run_batch(
     weights.check(plan)?;
     let tp = plan.ranks.len();
     if tp > MAX_LOCAL_RANKS {
-        return Err(TpcError::TooManyRanks {
+        return Err(RunError::TooManyRanks {
             tp,
             max: MAX_LOCAL_RANKS,
         });

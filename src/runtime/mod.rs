@@ -8,6 +8,7 @@ pub mod backend;
 pub mod collectives;
 pub mod comm;
 pub mod cpu;
+pub mod error;
 pub mod executor;
 pub mod fastmath;
 pub mod generate;

@@ -9,11 +9,11 @@
 //! steps; each thread owns a range of weight panels, widens `KC × 16` of one into L1 and runs
 //! the 6×16 micro-kernel against every activation panel of the block (which stays in L2).
 
+use super::error::{Result, RunError};
 use super::microkernel::{widen, Kernels, MR, NR};
 use super::team::{SyncPtr, Team};
 use super::tensor::Tensor;
 use super::weights::{Piece, SliceLayout, StoredTensor, WeightSource};
-use crate::error::{Result, TpcError};
 use crate::ir::WeightOrder;
 use crate::plan::WeightSlice;
 use rayon::prelude::*;
@@ -108,7 +108,7 @@ impl PackedMatrix {
             .div_ceil(NR)
             .checked_mul(k)
             .and_then(|v| v.checked_mul(NR))
-            .ok_or_else(|| TpcError::BadInstruction {
+            .ok_or_else(|| RunError::BadInstruction {
                 name: w.tensor.to_string(),
                 problem: format!("a {n}×{k} weight overflows the address space"),
             })?;
@@ -368,7 +368,7 @@ impl Reader<'_> {
                         f32s.clear();
                         self.src.read(self.tensor, from, len, f32s)?;
                         if f32s.len() != len {
-                            return Err(TpcError::CheckpointTensor {
+                            return Err(RunError::CheckpointTensor {
                                 path: "weight source".into(),
                                 tensor: self.tensor.to_string(),
                                 problem: format!("gave {} elements for {len} asked", f32s.len()),
@@ -432,7 +432,7 @@ fn fill_panels<T: PanelElem>(
                     }
                 }
             }
-            Ok::<(), TpcError>(())
+            Ok::<(), RunError>(())
         },
     )?;
     Ok(out)
@@ -889,7 +889,7 @@ mod slice_tests {
         one_d.local_shape = vec![12];
         for w in [past, wrong_local, one_d] {
             let e = PackedMatrix::pack_slice(&src, &w, WeightOrder::OutIn, true).unwrap_err();
-            assert!(matches!(e, TpcError::BadInstruction { .. }), "{e}");
+            assert!(matches!(e, RunError::BadInstruction { .. }), "{e}");
         }
     }
 }

@@ -2,8 +2,8 @@
 //! element is a pure function of (seed, tensor name, flat index), so tp=1 and tp=N read
 //! the same model whatever slices they take.
 
+use super::error::{Result, RunError};
 use super::weights::WeightSource;
-use crate::error::{Result, TpcError};
 use crate::ir::Op;
 use crate::plan::Plan;
 use std::collections::HashMap;
@@ -80,7 +80,7 @@ impl WeightSource for RandomWeights {
     fn check(&self, plan: &Plan) -> Result<()> {
         for w in plan.ranks.iter().flat_map(|r| &r.weights) {
             if !self.tensors.contains_key(&*w.tensor) {
-                return Err(TpcError::CheckpointTensor {
+                return Err(RunError::CheckpointTensor {
                     path: "random weights".into(),
                     tensor: w.tensor.to_string(),
                     problem: "was not in the plan the random weights were made for".into(),
@@ -93,7 +93,7 @@ impl WeightSource for RandomWeights {
     fn read(&self, tensor: &str, from: usize, count: usize, out: &mut Vec<f32>) -> Result<()> {
         let kind = self.tensors.get(tensor).copied().unwrap_or(Kind::Bias);
         let base = mix(self.seed ^ name_hash(tensor));
-        let bad = |problem: String| TpcError::CheckpointTensor {
+        let bad = |problem: String| RunError::CheckpointTensor {
             path: "random weights".into(),
             tensor: tensor.to_string(),
             problem,

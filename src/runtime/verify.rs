@@ -1,11 +1,11 @@
 //! `tpc verify`: the same inputs through tp=1 and tp=N, compared.
 
+use super::error::{Result, RunError};
 use super::generate::{output_vocab, RunOptions};
 use super::launch::run;
 use super::random::RandomWeights;
 use super::sampling::Rng;
 use super::weights::WeightSource;
-use crate::error::{Result, TpcError};
 use crate::frontend::ModelDef;
 use crate::pipeline::compile;
 use serde::Serialize;
@@ -47,7 +47,7 @@ pub fn verify(
             &random
         }
     };
-    let vocab = output_vocab(&one).ok_or_else(|| TpcError::BadInstruction {
+    let vocab = output_vocab(&one).ok_or_else(|| RunError::BadInstruction {
         name: "output".into(),
         problem: "the plan's output has no vocabulary dim".into(),
     })?;

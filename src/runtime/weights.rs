@@ -3,8 +3,8 @@
 //! before any compute; each rank then reads only its slices, converting straight from the
 //! map (see [`StoredTensor`]) and letting each tensor's pages go once it is read.
 
+use super::error::{Result, RunError};
 use super::tensor::Tensor;
-use crate::error::{Result, TpcError};
 use crate::plan::{Plan, WeightSlice};
 use half::slice::HalfFloatSliceExt;
 use memmap2::Mmap;
@@ -29,21 +29,21 @@ pub struct Checkpoint {
     index: HashMap<String, usize>,
 }
 
-fn file_err(path: &Path, problem: impl Into<String>) -> TpcError {
-    TpcError::CheckpointFile {
+fn file_err(path: &Path, problem: impl Into<String>) -> RunError {
+    RunError::CheckpointFile {
         path: path.to_path_buf(),
         problem: problem.into(),
     }
 }
 
 fn open_file(path: &Path) -> Result<File> {
-    let f = std::fs::File::open(path).map_err(|io| TpcError::Read {
+    let f = std::fs::File::open(path).map_err(|io| crate::error::TpcError::Read {
         path: path.to_path_buf(),
         io,
     })?;
     // SAFETY: the file is opened read-only and tpc never writes it; a checkpoint changed by
     // another process while we run is outside what any loader can defend against.
-    let map = unsafe { Mmap::map(&f) }.map_err(|io| TpcError::Read {
+    let map = unsafe { Mmap::map(&f) }.map_err(|io| crate::error::TpcError::Read {
         path: path.to_path_buf(),
         io,
     })?;
@@ -65,7 +65,7 @@ fn open_file(path: &Path) -> Result<File> {
     for (name, info) in meta.tensors() {
         let (start, end) = info.data_offsets;
         if start > end || end > data_len {
-            return Err(TpcError::CheckpointTensor {
+            return Err(RunError::CheckpointTensor {
                 path: path.to_path_buf(),
                 tensor: name,
                 problem: format!(
@@ -160,7 +160,7 @@ impl Checkpoint {
     fn info(&self, tensor: &str) -> Result<(&File, &TensorInfo)> {
         let (name, f) = self
             .resolve(tensor)
-            .ok_or_else(|| TpcError::CheckpointTensor {
+            .ok_or_else(|| RunError::CheckpointTensor {
                 path: self.dir.clone(),
                 tensor: tensor.to_string(),
                 problem:
@@ -171,7 +171,7 @@ impl Checkpoint {
         let info = file
             .meta
             .info(name)
-            .ok_or_else(|| TpcError::CheckpointTensor {
+            .ok_or_else(|| RunError::CheckpointTensor {
                 path: file.path.clone(),
                 tensor: tensor.to_string(),
                 problem: "listed in the index but missing from its file".into(),
@@ -188,7 +188,7 @@ impl Checkpoint {
         info: &TensorInfo,
         dtype: StoredDtype,
     ) -> Result<&'a [u8]> {
-        let bad = |problem: String| TpcError::CheckpointTensor {
+        let bad = |problem: String| RunError::CheckpointTensor {
             path: file.path.clone(),
             tensor: tensor.to_string(),
             problem,
@@ -227,7 +227,7 @@ impl Checkpoint {
                 continue;
             }
             let (file, info) = self.info(&w.tensor)?;
-            let bad = |problem: String| TpcError::CheckpointTensor {
+            let bad = |problem: String| RunError::CheckpointTensor {
                 path: file.path.clone(),
                 tensor: w.tensor.to_string(),
                 problem,
@@ -290,7 +290,7 @@ impl WeightSource for Checkpoint {
 impl Checkpoint {
     fn stored_tensor(&self, tensor: &str) -> Result<StoredTensor<'_>> {
         let (file, info) = self.info(tensor)?;
-        let dtype = StoredDtype::of(info.dtype).ok_or_else(|| TpcError::CheckpointTensor {
+        let dtype = StoredDtype::of(info.dtype).ok_or_else(|| RunError::CheckpointTensor {
             path: file.path.clone(),
             tensor: tensor.to_string(),
             problem: format!("has dtype {:?}; tpc reads F32, BF16 and F16", info.dtype),
@@ -421,7 +421,7 @@ impl StoredTensor<'_> {
             .map(|end| from * size..end * size);
         range
             .map(|r| &self.bytes[r])
-            .ok_or_else(|| TpcError::CheckpointTensor {
+            .ok_or_else(|| RunError::CheckpointTensor {
                 path: self.path.to_path_buf(),
                 tensor: self.tensor.clone(),
                 problem: format!(
@@ -557,7 +557,7 @@ fn load_slice_as<T: Copy + Default>(
             }
         }
         (Some(d), rank) => {
-            return Err(TpcError::BadInstruction {
+            return Err(RunError::BadInstruction {
                 name: w.tensor.to_string(),
                 problem: format!(
                 "the plan splits dim {d} of a rank-{rank} tensor, which the loader cannot slice"
@@ -579,8 +579,8 @@ fn load_slice_as<T: Copy + Default>(
     Ok((local, out))
 }
 
-fn slice_err(w: &WeightSlice, problem: String) -> TpcError {
-    TpcError::BadInstruction {
+fn slice_err(w: &WeightSlice, problem: String) -> RunError {
+    RunError::BadInstruction {
         name: w.tensor.to_string(),
         problem,
     }

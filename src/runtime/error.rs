@@ -1,0 +1,74 @@
+//! The runtime's errors: everything that can go wrong running a plan. Compile-layer errors
+//! (a model file, a config, a saved plan's text) come through [`RunError::Input`].
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Input(#[from] crate::error::TpcError),
+
+    #[error("{0}")]
+    Plan(#[from] crate::plan::PlanError),
+
+    #[error("checkpoint `{path}`: {problem}")]
+    CheckpointFile { path: PathBuf, problem: String },
+
+    #[error("checkpoint tensor `{tensor}` ({path}): {problem}")]
+    CheckpointTensor {
+        path: PathBuf,
+        tensor: String,
+        problem: String,
+    },
+
+    #[error(
+        "prompt token id {id} at position {position} is outside the vocabulary of {vocab} tokens"
+    )]
+    TokenOutOfRange {
+        id: i64,
+        position: usize,
+        vocab: u64,
+    },
+
+    #[error("the prompt is empty; give at least one token id")]
+    EmptyPrompt,
+
+    #[error("{0}")]
+    Comm(#[from] super::comm::CommError),
+
+    #[error("rank {rank} failed: {message}")]
+    RankPanicked { rank: usize, message: String },
+
+    #[error("instruction `{name}`: {source}")]
+    Backend {
+        name: String,
+        source: super::backend::BackendError,
+    },
+
+    #[error("{0}")]
+    Collective(super::collectives::CollectiveError),
+
+    #[error(
+        "tp={tp} ranks cannot run as threads of one process: at most {max}; choose a smaller tp"
+    )]
+    TooManyRanks { tp: usize, max: usize },
+
+    #[error("bad batch: {problem}")]
+    BadBatch { problem: String },
+
+    #[error("request {request}: a prompt of {prompt} tokens plus {new_tokens} new tokens needs more than the model's {max_positions} positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens")]
+    TooLong {
+        request: usize,
+        prompt: usize,
+        new_tokens: usize,
+        max_positions: u64,
+    },
+
+    #[error("repetition {repetition} generated other tokens than the first timed one: the runtime is not deterministic; this is a bug in tpc")]
+    NotDeterministic { repetition: usize },
+
+    #[error("plan instruction `{name}` cannot run: {problem}. This plan does not fit this runtime; recompile it with this tpc.")]
+    BadInstruction { name: String, problem: String },
+}
+
+pub type Result<T, E = RunError> = std::result::Result<T, E>;
