@@ -4,6 +4,7 @@ pub mod graph;
 pub mod groups;
 pub mod layout;
 pub mod op;
+pub mod op_dims;
 pub mod shape;
 pub mod tensor;
 pub mod verify;

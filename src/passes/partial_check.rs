@@ -4,20 +4,13 @@
 use super::rules::rule;
 use super::ShardCtx;
 use crate::error::{Result, TpcError};
+use crate::ir::op_dims::dims;
 use crate::ir::{Graph, Layout, Op};
 
-/// Whether `op` is linear in input `slot` given the layouts of all its inputs.
+/// Whether `op` is linear in input `slot` given the layouts of all its inputs (the op's
+/// dims say; a replicated addend is applied on one rank only, see the partitioner).
 pub fn linear_in(op: &Op, slot: u32, layouts: &[Layout]) -> bool {
-    let other_whole = |i: usize| layouts.get(i) == Some(&Layout::Replicated);
-    match op {
-        Op::Linear(_) => slot == 0 && other_whole(1),
-        // The replicated addend is applied on one rank only (see the partitioner).
-        Op::Add(_) => true,
-        Op::BiasAdd(_) => slot == 0,
-        Op::Mul(_) => other_whole(1 - slot as usize),
-        Op::Unfuse(_) | Op::AllReduce(_) | Op::ReduceScatter(_) => true,
-        _ => false,
-    }
+    dims(op).linear_in(slot, layouts)
 }
 
 /// After collectives are in: every op receives exactly the layouts its rule needs, and no

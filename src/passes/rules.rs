@@ -1,9 +1,14 @@
 //! One sharding rule per op: given the layouts of its inputs (an undecided weight is
 //! `None`), which layouts the op needs on its inputs and which layout its output has.
 //! Where inputs differ from what is needed, the propagator records a reshard.
+//!
+//! What each op can do comes from its dims (`ir::op_dims`): which letter a split splits,
+//! what the output then is, which inputs may stay partial. This file only holds policy:
+//! where an undecided weight goes, and which admitted layout wins when inputs disagree.
 
 use crate::frontend::TpWord;
-use crate::ir::{Layout, Op, WeightOrder};
+use crate::ir::op_dims::{dims, Linearity, OpDims, Role};
+use crate::ir::{Layout, Op};
 
 /// What an op needs and yields.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -14,6 +19,7 @@ pub struct Choice {
 }
 
 const R: Layout = Layout::Replicated;
+#[cfg(test)]
 const P: Layout = Layout::Partial;
 
 fn split(dim: u32) -> Layout {
@@ -24,133 +30,86 @@ fn split(dim: u32) -> Layout {
 /// has placed; `ranks[i]` is input i's tensor rank; `word` is a tp_plan override for the
 /// op's weight.
 pub fn rule(op: &Op, given: &[Option<Layout>], ranks: &[usize], word: Option<TpWord>) -> Choice {
-    let out_rank = ranks.first().copied().unwrap_or(2).max(1);
-    let feat = |r: usize| split(r as u32 - 1);
-    let g = |i: usize| given.get(i).copied().flatten().unwrap_or(R);
-    let choice = |inputs: Vec<Layout>, output: Layout| Choice { inputs, output };
-    match op {
-        Op::Input(_) | Op::Param(_) => {
-            choice(vec![], given.first().copied().flatten().unwrap_or(R))
-        }
-        Op::Linear(l) => linear(l.weight_order, g(0), given[1], ranks[0], word),
-        Op::Embedding(_) => {
-            let table = given[1].unwrap_or(match word {
-                Some(TpWord::Replicate) => R,
-                Some(TpWord::Colwise) => split(1),
-                _ => split(0),
-            });
-            let out = match table {
-                Layout::Split { dim: 0 } => P,
-                Layout::Split { .. } => feat(ranks[0] + 1),
-                _ => R,
-            };
-            choice(vec![R, table], out)
-        }
-        Op::BiasAdd(_) => match g(0) {
-            Layout::Split { dim } => choice(vec![split(dim), split(0)], split(dim)),
-            // Added on one rank only, so the sum over ranks gains the bias once.
-            P => choice(vec![P, R], P),
-            R => choice(vec![R, R], R),
-        },
-        Op::Add(_) => {
-            let (a, b) = (g(0), g(1));
-            let out = match (a, b) {
-                _ if a == b => a,
-                (R, P) | (P, R) => P,
-                (Layout::Split { .. }, _) => a,
-                (_, Layout::Split { .. }) => b,
-                _ => R,
-            };
-            let need = |x: Layout| if x == R && out == P { R } else { out };
-            choice(vec![need(a), need(b)], out)
-        }
-        Op::Mul(_) => match (g(0), g(1)) {
-            // Linear in one factor only: the partial factor stays, the other is whole.
-            (P, _) => choice(vec![P, R], P),
-            (_, P) => choice(vec![R, P], P),
-            (a, b) => {
-                let out = if matches!(a, Layout::Split { .. }) || b == R {
-                    a
-                } else {
-                    b
-                };
-                choice(vec![out, out], out)
-            }
-        },
-        Op::Activation(_) | Op::Rope(_) => {
-            let x = match g(0) {
-                P => R,
-                other => other,
-            };
-            let mut inputs = vec![x];
-            if matches!(op, Op::Rope(_)) {
-                inputs.push(R);
-            }
-            choice(inputs, x)
-        }
-        Op::RmsNorm(n) => {
-            let x = match (g(0), n.group) {
-                (s @ Layout::Split { .. }, Some(_)) => s,
-                _ => R,
-            };
-            choice(vec![x, R], x)
-        }
-        Op::LayerNorm(_) => choice(vec![R, R, R], R),
-        Op::Attention(_) => {
-            let any_split = (0..3).any(|i| matches!(g(i), Layout::Split { .. }));
-            let x = if any_split { feat(out_rank) } else { R };
-            choice(vec![x, x, x], x)
-        }
-        Op::Unfuse(_) => choice(vec![g(0)], g(0)),
-        Op::Output(_) => choice(vec![R], R),
-        Op::AllReduce(_) => choice(vec![P], R),
-        Op::AllGather(a) => choice(vec![split(a.dim)], R),
-        Op::ReduceScatter(r) => choice(vec![P], split(r.dim)),
-        Op::LocalSlice(s) => choice(vec![R], split(s.dim)),
+    let d = dims(op);
+    if let Some((from, to)) = d.moves {
+        return Choice {
+            inputs: vec![from],
+            output: to,
+        };
     }
+    if d.inputs.is_empty() {
+        return Choice {
+            inputs: vec![],
+            output: given.first().copied().flatten().unwrap_or(R),
+        };
+    }
+    let mut g: Vec<Layout> = (0..d.inputs.len())
+        .map(|i| given.get(i).copied().flatten().unwrap_or(R))
+        .collect();
+    // A contraction's weight decides the split (placed first if no op has yet); elsewhere
+    // the activations' splits decide and weights follow.
+    let drivers: Vec<usize> = match summed_weight(&d) {
+        Some(w) => {
+            let placed = given.get(w).copied().flatten();
+            g[w] = placed.unwrap_or_else(|| place_weight(&d, w, g[0], ranks, word));
+            vec![w]
+        }
+        None => (0..g.len()).filter(|&i| d.inputs[i].ellipsis).collect(),
+    };
+    let split = drivers
+        .iter()
+        .find_map(|&s| match g[s] {
+            Layout::Split { dim } => d.split_letter(s, dim, ranks),
+            _ => None,
+        })
+        .and_then(|letter| d.split_along(letter, ranks));
+    let partial = d.keep_partial(&g);
+    // A product keeps its partial factor (the other factor is made whole); a sum or a
+    // single-input op keeps a split and reduces a partial addend into it.
+    let partial_first = matches!(d.linear, Linearity::Each(slots) if slots.len() > 1);
+    let picked = if partial_first {
+        partial.or(split)
+    } else {
+        split.or(partial)
+    };
+    let (inputs, output) = picked.unwrap_or_else(|| (vec![R; g.len()], R));
+    Choice { inputs, output }
 }
 
-/// `y = x · W`: column split keeps the output split by features, row split contracts a
-/// split dim and yields partial sums; replicated weights keep x's layout if x is partial.
-fn linear(
-    order: WeightOrder,
-    x: Layout,
-    w: Option<Layout>,
-    x_rank: usize,
-    word: Option<TpWord>,
-) -> Choice {
-    let feat = split(x_rank as u32 - 1);
-    let column = split(order.out_dim());
-    let row = split(order.in_dim());
-    let w = w.unwrap_or(match word {
-        Some(TpWord::Colwise | TpWord::Vocab) => column,
-        Some(TpWord::Rowwise) => row,
-        Some(TpWord::Replicate) => R,
-        None => match x {
-            Layout::Split { .. } => row,
-            _ => column,
-        },
-    });
-    if w == column {
-        Choice {
-            inputs: vec![R, w],
-            output: feat,
-        }
-    } else if w == row {
-        Choice {
-            inputs: vec![feat, w],
-            output: P,
-        }
-    } else if x == P {
-        Choice {
-            inputs: vec![P, R],
-            output: P,
-        }
+/// The weight input of a contraction: the operand without token dims that has a summed
+/// (contracted or looked-up) letter.
+fn summed_weight(d: &OpDims) -> Option<usize> {
+    d.inputs.iter().position(|o| {
+        !o.ellipsis
+            && o.dims.iter().any(|dim| {
+                dim.chars()
+                    .any(|l| matches!(d.role(l), Some(Role::Contracted | Role::Lookup)))
+            })
+    })
+}
+
+/// Where an undecided contraction weight goes. Its kept dim split is a column split (the
+/// output is split by features); its summed dim split is a row split (partial sums). A
+/// linear reading a split value is row-split, any other column-split; an embedding table
+/// is split by vocabulary (its looked-up dim) unless told otherwise.
+fn place_weight(d: &OpDims, w: usize, x: Layout, ranks: &[usize], word: Option<TpWord>) -> Layout {
+    let at = |role: Role| d.input_dim_with(w, role, ranks).map(split).unwrap_or(R);
+    let lookup = d.input_dim_with(w, Role::Lookup, ranks).is_some();
+    let column = at(Role::Kept);
+    let row = if lookup {
+        at(Role::Lookup)
     } else {
-        Choice {
-            inputs: vec![R, R],
-            output: R,
-        }
+        at(Role::Contracted)
+    };
+    match word {
+        Some(TpWord::Replicate) => R,
+        Some(TpWord::Colwise) => column,
+        Some(TpWord::Rowwise) => row,
+        // The vocabulary: an embedding's looked-up rows, an LM head's outputs.
+        Some(TpWord::Vocab) if lookup => row,
+        Some(TpWord::Vocab) => column,
+        None if lookup || matches!(x, Layout::Split { .. }) => row,
+        None => column,
     }
 }
 
@@ -317,5 +276,106 @@ mod tests {
         assert_eq!(rule(&att, &[s, s, s], &[3, 3, 3], None).output, split(2));
         let c = rule(&att, &[Some(P), Some(R), Some(R)], &[3, 3, 3], None);
         assert_eq!(c.inputs, vec![R, R, R]);
+    }
+
+    /// Every choice the rule makes, for any given layouts (weights undecided or placed,
+    /// splits on any dim) and any override, is one the op's dims admit.
+    #[test]
+    fn every_choice_is_admitted_by_the_table() {
+        use crate::ir::op_dims::tests::{ranks_of, samples};
+        let layouts = [
+            None,
+            Some(R),
+            Some(P),
+            Some(split(0)),
+            Some(split(1)),
+            Some(split(2)),
+            Some(split(3)),
+        ];
+        let words = [
+            None,
+            Some(TpWord::Colwise),
+            Some(TpWord::Rowwise),
+            Some(TpWord::Vocab),
+            Some(TpWord::Replicate),
+        ];
+        let mut checked = 0;
+        for op in samples() {
+            let d = dims(&op);
+            let ranks = ranks_of(&d);
+            let n = d.inputs.len();
+            for code in 0..layouts.len().pow(n as u32) {
+                let given: Vec<Option<Layout>> = (0..n)
+                    .map(|i| layouts[code / layouts.len().pow(i as u32) % layouts.len()])
+                    .collect();
+                for word in words {
+                    let c = rule(&op, &given, &ranks, word);
+                    if let Err(e) = d.admits(&c.inputs, &ranks, c.output) {
+                        panic!("{op:?} given {given:?} ({word:?}) → {c:?}: {e}");
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 3000, "{checked}");
+    }
+
+    /// For every op of the tiny models at tp 1, 2, 4: the layouts the compiler settled on
+    /// are what the rule asks for, and the op's dims admit them.
+    #[test]
+    fn tiny_models_agree_with_the_table() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
+        let mut models: Vec<_> = std::fs::read_dir(&dir)
+            .expect("models/")
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("tiny-") && n.ends_with(".ron"))
+            })
+            .collect();
+        models.sort();
+        assert!(models.len() >= 5, "{models:?}");
+        let (mut ops, mut splits, mut partials) = (0, 0, 0);
+        for path in &models {
+            let def = crate::frontend::load::load_model(path).expect("loads");
+            for tp in [1, 2, 4] {
+                let compiled = crate::pipeline::compile(&def, tp).expect("compiles");
+                let g = &compiled.sharded.graph;
+                for id in g.g.node_indices() {
+                    let node = g.node(id);
+                    let inputs = g.inputs(id);
+                    if inputs.is_empty() {
+                        continue;
+                    }
+                    let layouts: Vec<Layout> = inputs.iter().map(|&i| g.layout(i)).collect();
+                    let ranks: Vec<usize> = inputs
+                        .iter()
+                        .map(|&i| g.node(i).fact.shape.rank())
+                        .collect();
+                    let output = g.layout(id);
+                    let given: Vec<Option<Layout>> = layouts.iter().copied().map(Some).collect();
+                    let c = rule(&node.op, &given, &ranks, None);
+                    let at = format!(
+                        "{} tp {tp}: `{}` ({})",
+                        path.display(),
+                        node.name,
+                        node.op.kind()
+                    );
+                    assert_eq!((&c.inputs, c.output), (&layouts, output), "{at}");
+                    if let Err(e) = dims(&node.op).admits(&layouts, &ranks, output) {
+                        panic!("{at}: {e}");
+                    }
+                    ops += 1;
+                    splits += usize::from(matches!(output, Layout::Split { .. }));
+                    partials += usize::from(output == P);
+                }
+            }
+        }
+        // Split and partial layouts were really exercised, not only replicated ones.
+        assert!(
+            ops > 500 && splits > 50 && partials > 20,
+            "{ops} {splits} {partials}"
+        );
     }
 }

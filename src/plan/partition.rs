@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::error::{Result, TpcError};
+use crate::ir::op_dims::dims;
 use crate::ir::shape::infer;
 use crate::ir::{Dim, DimSlice, Graph, LocalSliceOp, NodeId, Op, ParamOp, ReduceScatterOp, Shape};
 use crate::passes::Sharded;
@@ -20,25 +21,13 @@ fn bug(pass: &'static str, node: &str, message: String) -> TpcError {
 }
 
 /// Whether `node` only runs on rank 0: adding a replicated term to partial sums must
-/// happen once, so other ranks pass their partial sum through.
+/// happen once, so other ranks pass their partial sum through (the op's dims say which
+/// ops add a term, and which input is passed through).
 fn rank0_only(graph: &Graph, id: NodeId) -> Option<usize> {
     let node = graph.node(id);
-    if node.layout != Some(Layout::Partial) {
-        return None;
-    }
-    let inputs = graph.inputs(id);
-    match node.op {
-        Op::BiasAdd(_) => Some(0),
-        Op::Add(_) => {
-            let l: Vec<_> = inputs.iter().map(|&i| graph.layout(i)).collect();
-            match (l[0], l[1]) {
-                (Layout::Replicated, Layout::Partial) => Some(1),
-                (Layout::Partial, Layout::Replicated) => Some(0),
-                _ => None,
-            }
-        }
-        _ => None,
-    }
+    let output = node.layout?;
+    let inputs: Vec<Layout> = graph.inputs(id).iter().map(|&i| graph.layout(i)).collect();
+    dims(&node.op).rank0_only(&inputs, output)
 }
 
 fn weight_slice(

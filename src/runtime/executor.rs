@@ -11,7 +11,7 @@ use super::collectives::{CollectiveError, Collectives};
 use super::error::{Result, RunError};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
-use crate::ir::{Groups, InputKind, Op, RopeOp};
+use crate::ir::{op_dims, Groups, InputKind, Op, RopeOp};
 use crate::plan::{Instr, RankProgram};
 use std::collections::HashMap;
 
@@ -437,15 +437,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         ropes: &mut HashMap<RopeOp, B::RopeTables>,
     ) -> Result<B::Act> {
         // Elementwise ops write into their first input when nothing reads it later.
-        let in_place = matches!(
-            op,
-            Op::BiasAdd(_)
-                | Op::Add(_)
-                | Op::Mul(_)
-                | Op::Activation(_)
-                | Op::Rope(_)
-                | Op::AllReduce(_)
-        );
+        let in_place = op_dims::dims(op).in_place;
         let mut first = if in_place {
             Some(self.take_or_copy(values, idx, i)?)
         } else {
@@ -607,7 +599,7 @@ fn head_linears(program: &RankProgram) -> Vec<u32> {
             Op::Linear(_) => heads.push(id),
             // Row-wise: each output row depends on the same input row only (parameters
             // aside), so slicing rows before them equals slicing after.
-            Op::BiasAdd(_) | Op::AllGather(_) | Op::AllReduce(_) | Op::Activation(_) => {
+            op if op_dims::dims(op).row_wise => {
                 if let Some(&first) = i.inputs.first() {
                     stack.push(first)
                 }
