@@ -62,6 +62,10 @@ impl PackedMatrix {
             k: usize,
             value: impl Fn(usize, usize) -> T + Sync,
         ) {
+            // A weight with no inputs has empty panels (and chunks of zero are not allowed).
+            if k == 0 {
+                return;
+            }
             out.par_chunks_mut(k * NR)
                 .enumerate()
                 .for_each(|(q, panel)| {
