@@ -18,6 +18,8 @@ pub struct Summary {
     pub model_param_bytes: u64,
     pub kv_cache_bytes_per_token_per_rank: Vec<u64>,
     pub collectives: Vec<CollectiveSummary>,
+    /// The element type the byte figures count (the plan's dtype).
+    pub collective_dtype: String,
     /// Collective counts by kind in one layer: one number when every layer has the same
     /// count, the range when layers differ (overrides, mixed layer kinds).
     pub collectives_per_layer: BTreeMap<String, LayerCount>,
@@ -113,6 +115,7 @@ pub fn summarize(plan: &Plan) -> Summary {
         model_param_count,
         model_param_bytes,
         kv_cache_bytes_per_token_per_rank,
+        collective_dtype: plan.dtype.to_string(),
         collectives: plan
             .collectives
             .iter()
@@ -221,7 +224,11 @@ pub fn render_table(s: &Summary) -> String {
             s.kv_cache_bytes_per_token_per_rank[r]
         );
     }
-    let _ = writeln!(out, "\ncollectives (batch 1, per token):");
+    let _ = writeln!(
+        out,
+        "\ncollectives (batch 1, per token; bytes of {} messages, the plan's dtype — `tpc run --json` reports what a run moved):",
+        s.collective_dtype
+    );
     let _ = writeln!(
         out,
         "{:<16} {:>10} {:>8} {:>16} {:>16}",
