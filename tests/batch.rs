@@ -2,6 +2,9 @@
 //! with finished sequences dropping out, gives every sequence what running it alone gives,
 //! on every reference checkpoint at every valid tp.
 
+mod common;
+use common::fixtures;
+
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
@@ -12,20 +15,6 @@ use tpc::runtime::weights::Checkpoint;
 /// Batched rows go through the prompt GEMM where a lone decode step takes the GEMV, so sums
 /// may round differently; this bounds ‖a − b‖ / ‖b‖ of each sequence's prompt logits.
 const BATCH_REL_TOL: f64 = 1e-5;
-
-fn fixtures() -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir("tests/fixtures/checkpoints")
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("config.json").exists())
-        .collect();
-    dirs.sort();
-    assert!(
-        dirs.len() >= 7,
-        "expected the reference checkpoints: {dirs:?}"
-    );
-    dirs
-}
 
 fn rel_error(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());

@@ -2,8 +2,11 @@
 //! tp in {1, 2, 4, 8}, reproduces HF's prefill logits (relative error ≤ 1e-4) and greedy
 //! continuation exactly. References come from `scripts/make_fixtures.py`.
 
+mod common;
+use common::fixtures;
+
 use safetensors::SafeTensors;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::runtime::generate::RunOptions;
@@ -42,20 +45,6 @@ fn read_reference(dir: &Path) -> Reference {
         logits,
         greedy: i64s("greedy_ids"),
     }
-}
-
-fn fixtures() -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir("tests/fixtures/checkpoints")
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("config.json").exists())
-        .collect();
-    dirs.sort();
-    assert!(
-        dirs.len() >= 7,
-        "expected the seven reference checkpoints, found {dirs:?}"
-    );
-    dirs
 }
 
 fn rel_error(a: &[f32], b: &[f32]) -> f64 {

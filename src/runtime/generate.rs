@@ -139,25 +139,30 @@ pub struct BatchOutput {
     pub profile: Vec<(String, f64, u64)>,
 }
 
+/// `tokens` over `seconds` (0 for no tokens).
+fn rate(tokens: usize, seconds: f64) -> f64 {
+    if tokens == 0 {
+        0.0
+    } else {
+        tokens as f64 / seconds.max(1e-12)
+    }
+}
+
 impl BatchOutput {
     pub fn generated_tokens(&self) -> usize {
         self.sequences.iter().map(|s| s.generated.len()).sum()
     }
     pub fn prefill_tokens_per_s(&self) -> f64 {
-        self.prompt_tokens as f64 / self.prefill_seconds.max(1e-12)
+        rate(self.prompt_tokens, self.prefill_seconds)
     }
     /// Tokens after each sequence's first new one, over the decode wall time.
     pub fn decode_tokens_per_s(&self) -> f64 {
-        let n: usize = self
+        let n = self
             .sequences
             .iter()
             .map(|s| s.generated.len().saturating_sub(1))
             .sum();
-        if n == 0 {
-            0.0
-        } else {
-            n as f64 / self.decode_seconds.max(1e-12)
-        }
+        rate(n, self.decode_seconds)
     }
 }
 
@@ -181,16 +186,11 @@ pub struct RunOutput {
 
 impl RunOutput {
     pub fn prefill_tokens_per_s(&self) -> f64 {
-        self.prompt_len as f64 / self.prefill_seconds.max(1e-12)
+        rate(self.prompt_len, self.prefill_seconds)
     }
     /// Tokens after the first new one, over their wall time.
     pub fn decode_tokens_per_s(&self) -> f64 {
-        let n = self.generated.len().saturating_sub(1);
-        if n == 0 {
-            0.0
-        } else {
-            n as f64 / self.decode_seconds.max(1e-12)
-        }
+        rate(self.generated.len().saturating_sub(1), self.decode_seconds)
     }
 }
 
