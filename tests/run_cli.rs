@@ -86,6 +86,11 @@ fn a_saved_plan_runs_bit_identically_to_compiling_on_the_fly() {
             std::fs::read(&saved).unwrap(),
             "{ext}: logits must be bit-identical"
         );
+        // tpc verify takes the saved plan as its tp=N side.
+        let v = ok(&tpc(&["verify", MODEL, "--plan", p, "--json"]));
+        let v: serde_json::Value = serde_json::from_str(&v).unwrap();
+        assert_eq!(v["tp"], 2);
+        assert_eq!(v["passed"], true);
         // A plan for another tp than asked is refused, not run.
         let e = fails(&tpc(&[
             "run",

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::frontend::ModelDef;
-use tpc::runtime::verify::verify;
+use tpc::runtime::verify::verify_plan;
 use tpc::runtime::weights::{Checkpoint, WeightSource};
 
 #[derive(Debug, clap::Args)]
@@ -11,9 +11,12 @@ pub struct Args {
     /// A model (.ron, HF directory, config.json). A directory with weights uses them;
     /// otherwise weights are seeded random values.
     model: PathBuf,
-    /// Number of tensor-parallel ranks to compare against tp=1.
-    #[arg(long)]
-    tp: u64,
+    /// Number of tensor-parallel ranks to compare against tp=1 (the plan's with --plan).
+    #[arg(long, required_unless_present = "plan")]
+    tp: Option<u64>,
+    /// Compare this saved plan (`tpc compile MODEL -o plan.ron`) against tp=1 of the model.
+    #[arg(long, conflicts_with = "layers")]
+    plan: Option<PathBuf>,
     /// Seed for random weights and the prompt.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -39,9 +42,25 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         None => Checkpoint::find(&a.model)?,
         Some(_) => None,
     };
-    let report = verify(
+    let many = match &a.plan {
+        Some(path) => {
+            let plan = tpc::plan::Plan::load(path)?;
+            if let Some(tp) = a.tp {
+                anyhow::ensure!(
+                    tp == plan.tp,
+                    "--tp {tp} but the plan {} is for tp={}; drop --tp or recompile the plan",
+                    path.display(),
+                    plan.tp
+                );
+            }
+            plan
+        }
+        None => tpc::pipeline::compile(&def, a.tp.unwrap_or(1))?.plan,
+    };
+    let tp = many.tp;
+    let report = verify_plan(
         &def,
-        a.tp,
+        &many,
         ckpt.as_ref().map(|c| c as &dyn WeightSource),
         a.seed,
         a.prompt_len,
@@ -56,7 +75,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         };
         println!(
             "tp=1 vs tp={} ({source}, {} prompt tokens): max abs error {:.3e}, relative error {:.3e} (tolerance {:.0e}), max elementwise relative error {:.3e}; greedy tokens {}",
-            a.tp,
+            tp,
             report.prompt.len(),
             report.max_abs_error,
             report.rel_error,
@@ -68,7 +87,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     if !report.passed {
         return Err(Mismatch(format!(
             "tp={} does not reproduce tp=1: relative error {:.3e} (tolerance {:.0e}), tokens {:?} vs {:?}",
-            a.tp,
+            tp,
             report.rel_error,
             report.tolerance,
             report.tokens_tpn,

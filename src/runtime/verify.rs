@@ -8,6 +8,7 @@ use super::sampling::Rng;
 use super::weights::WeightSource;
 use crate::frontend::ModelDef;
 use crate::pipeline::compile;
+use crate::plan::Plan;
 use serde::Serialize;
 
 /// The tolerance on the relative error ‖a − b‖ / ‖b‖ of the prompt logits (f32 compute).
@@ -37,8 +38,21 @@ pub fn verify(
     seed: u64,
     prompt_len: usize,
 ) -> Result<VerifyReport> {
-    let one = compile(def, 1)?.plan;
     let many = compile(def, tp)?.plan;
+    verify_plan(def, &many, weights, seed, prompt_len)
+}
+
+/// As [`verify`] with a given plan (a saved one) as the tp=N side; tp=1 is compiled from
+/// `def`.
+pub fn verify_plan(
+    def: &ModelDef,
+    many: &Plan,
+    weights: Option<&dyn WeightSource>,
+    seed: u64,
+    prompt_len: usize,
+) -> Result<VerifyReport> {
+    let tp = many.tp;
+    let one = compile(def, 1)?.plan;
     let random;
     let weights: &dyn WeightSource = match weights {
         Some(w) => w,
@@ -60,7 +74,7 @@ pub fn verify(
         ..Default::default()
     };
     def.check_executable(prompt.len().saturating_add(opts.max_new_tokens) as u64)?;
-    let a = run(&many, weights, &prompt, &opts)?;
+    let a = run(many, weights, &prompt, &opts)?;
     let b = run(&one, weights, &prompt, &opts)?;
     let (x, y) = (&a.prompt_logits.data, &b.prompt_logits.data);
     let max_b = y.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
