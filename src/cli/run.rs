@@ -192,6 +192,39 @@ fn write_logits(
     Ok(())
 }
 
+/// One `--prompts` result as a JSON line.
+fn result_line(index: usize, tokens: &[i64], tokenizer: Option<&tokenizers::Tokenizer>) -> String {
+    let mut line = serde_json::json!({ "index": index, "generated": tokens });
+    match tokenizer.map(|t| decode(t, tokens)) {
+        Some(Ok(text)) => line["text"] = serde_json::Value::String(text),
+        Some(Err(e)) => line["text_error"] = serde_json::Value::String(e.to_string()),
+        None => {}
+    }
+    format!("{line}\n")
+}
+
+/// Prints results in input order, each as soon as every earlier one is out.
+#[derive(Default)]
+struct InOrder {
+    next: usize,
+    waiting: std::collections::BTreeMap<usize, String>,
+    error: Option<String>,
+}
+
+impl InOrder {
+    fn push(&mut self, index: usize, line: String) {
+        self.waiting.insert(index, line);
+        while let Some(line) = self.waiting.remove(&self.next) {
+            if self.error.is_none() {
+                if let Err(e) = super::print_stdout(&line) {
+                    self.error = Some(e.to_string());
+                }
+            }
+            self.next += 1;
+        }
+    }
+}
+
 /// Figures of a run for `--json`.
 fn figures(out: &BatchOutput, tp: u64, a: &Args) -> serde_json::Value {
     serde_json::json!({
@@ -267,6 +300,17 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     bar.set_message(format!("loading {tp} ranks"));
     bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let progress_bar = bar.clone();
+    let tokenizer = Arc::new(tokenizer);
+    let streamed = Arc::new(std::sync::Mutex::new(InOrder::default()));
+    let on_finished: Option<tpc::runtime::generate::OnFinished> = a.prompts.as_ref().map(|_| {
+        let (streamed, tokenizer, bar) = (streamed.clone(), tokenizer.clone(), bar.clone());
+        Arc::new(move |index: usize, tokens: &[i64]| {
+            let line = result_line(index, tokens, tokenizer.as_ref().as_ref());
+            if let Ok(mut s) = streamed.lock() {
+                bar.suspend(|| s.push(index, line));
+            }
+        }) as tpc::runtime::generate::OnFinished
+    });
     let opts = RunOptions {
         max_new_tokens: a.max_new_tokens,
         sampling: Sampling {
@@ -282,6 +326,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             Stage::Prefilled => progress_bar.set_message("decode"),
             Stage::Token(n) => progress_bar.set_position(n as u64),
         })),
+        on_finished,
         ..a.exec.options()
     };
     let out = run_batch(&plan, &ckpt, &requests, &opts);
@@ -294,24 +339,30 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         write_logits(path, &seq.prompt_logits)?;
     }
     let text_of = |ids: &[i64]| -> anyhow::Result<Option<String>> {
-        tokenizer.as_ref().map(|t| decode(t, ids)).transpose()
+        tokenizer
+            .as_ref()
+            .as_ref()
+            .map(|t| decode(t, ids))
+            .transpose()
     };
     if a.prompts.is_some() {
-        let mut lines = String::new();
-        for (index, seq) in out.sequences.iter().enumerate() {
-            let mut line = serde_json::json!({ "index": index, "generated": seq.generated });
-            if let Some(text) = text_of(&seq.generated)? {
-                line["text"] = serde_json::Value::String(text);
-            }
-            lines.push_str(&serde_json::to_string(&line)?);
-            lines.push('\n');
+        let mut streamed = streamed
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the result printer failed"))?;
+        // Every sequence was printed as it finished; a closed pipe or a full disk is an error.
+        if let Some(e) = streamed.error.take() {
+            anyhow::bail!(e);
         }
+        anyhow::ensure!(
+            streamed.next == out.sequences.len(),
+            "{} of {} results were printed",
+            streamed.next,
+            out.sequences.len()
+        );
         if a.json {
             let summary = serde_json::json!({ "summary": figures(&out, tp, &a) });
-            lines.push_str(&serde_json::to_string(&summary)?);
-            lines.push('\n');
+            super::print_stdout(&format!("{}\n", serde_json::to_string(&summary)?))?;
         }
-        super::print_stdout(&lines)?;
         if !a.json {
             eprintln!(
                 "tp={tp}, {} sequences: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s over the batch",

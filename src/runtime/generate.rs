@@ -25,6 +25,10 @@ pub enum Stage {
 
 pub type Progress = std::sync::Arc<dyn Fn(Stage) + Send + Sync>;
 
+/// Called by rank 0 when a sequence of the (last timed) generation is finished: its index
+/// in the requests and its tokens, so results can stream out before the batch ends.
+pub type OnFinished = std::sync::Arc<dyn Fn(usize, &[i64]) + Send + Sync>;
+
 /// The compute type: `Auto` follows the checkpoint (bf16 checkpoints keep bf16 weights).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ComputeDtype {
@@ -69,6 +73,7 @@ pub struct RunOptions {
     /// Timed generations (at least 1); the best prefill and decode times are reported.
     pub repeat: usize,
     pub progress: Option<Progress>,
+    pub on_finished: Option<OnFinished>,
 }
 
 impl std::fmt::Debug for RunOptions {
@@ -101,6 +106,7 @@ impl Default for RunOptions {
             warmup: 0,
             repeat: 1,
             progress: None,
+            on_finished: None,
         }
     }
 }
@@ -334,7 +340,12 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
                     p.clear();
                 }
             }
-            let out = generate_batch(&mut self.exec, requests, opts, &report)?;
+            let finished = |index: usize, tokens: &[i64]| {
+                if let (0, true, Some(f)) = (rank, run + 1 == runs, &opts.on_finished) {
+                    f(index, tokens)
+                }
+            };
+            let out = generate_batch(&mut self.exec, requests, opts, &report, &finished)?;
             if run < opts.warmup {
                 continue;
             }
@@ -380,6 +391,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     requests: &[Request],
     opts: &RunOptions,
     report: &dyn Fn(Stage),
+    finished: &dyn Fn(usize, &[i64]),
 ) -> Result<BatchOutput> {
     let n = requests.len();
     exec.reset();
@@ -441,6 +453,9 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
             .collect()
     };
     let mut live: Vec<usize> = (0..n).filter(|&s| limits[s] > 0).collect();
+    for s in (0..n).filter(|&s| limits[s] == 0) {
+        finished(s, &[]);
+    }
     let mut step_logits: Option<Tensor> = None;
     let mut next_ids: Vec<i64> = Vec::with_capacity(n);
     let mut total = 0;
@@ -460,6 +475,8 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
             if !(opts.eos.contains(&next) || seq.generated.len() >= limits[s]) {
                 still.push(s);
                 next_ids.push(next);
+            } else {
+                finished(s, &seq.generated);
             }
         }
         report(Stage::Token(total));
