@@ -141,7 +141,10 @@ fn a_prompts_file_gives_one_result_per_line_in_input_order() {
             .map(|x| x.as_i64().unwrap())
             .collect()
     };
-    assert_eq!(lines[0]["index"], 0);
+    // Sequence 0 finishes last (8 tokens against 3 and 2) yet comes out first.
+    for (i, line) in lines.iter().take(3).enumerate() {
+        assert_eq!(line["index"], i);
+    }
     assert_eq!(
         generated(&lines[0]),
         vec![59, 40, 188, 239, 174, 169, 126, 162]
