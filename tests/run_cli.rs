@@ -204,6 +204,22 @@ fn impossible_requests_are_refused_quickly() {
         "/nonexistent-dir/l.safetensors",
     ]));
     assert!(e.contains("does not exist"), "{e}");
+    // The logits never replace the weights they were computed from.
+    let weights = format!("{MODEL}/model.safetensors");
+    let before = std::fs::read(&weights).unwrap();
+    let e = fails(&tpc(&[
+        "run",
+        MODEL,
+        "--prompt-ids",
+        "1",
+        "--dump-logits",
+        &weights,
+    ]));
+    assert!(
+        e.contains("would replace a file of the model directory"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&weights).unwrap(), before);
 }
 
 #[test]

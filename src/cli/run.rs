@@ -192,6 +192,18 @@ fn write_logits(
     Ok(())
 }
 
+/// Whether writing `out` would replace one of the model directory's own files (weights,
+/// index, config, tokenizer): outputs never go over an input.
+fn overwrites_model_file(out: &std::path::Path, model: &std::path::Path) -> bool {
+    let (Ok(file), Ok(dir)) = (out.canonicalize(), model.canonicalize()) else {
+        return false; // a file that does not exist yet replaces nothing
+    };
+    let is_input = file
+        .extension()
+        .is_some_and(|e| e == "safetensors" || e == "json");
+    is_input && file.parent() == Some(dir.as_path())
+}
+
 /// One `--prompts` result as a JSON line.
 fn result_line(index: usize, tokens: &[i64], tokenizer: Option<&tokenizers::Tokenizer>) -> String {
     let mut line = serde_json::json!({ "index": index, "generated": tokens });
@@ -268,6 +280,12 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             parent.is_none_or(|p| p.is_dir()),
             "--dump-logits {}: the folder does not exist; create it first",
             path.display()
+        );
+        anyhow::ensure!(
+            !overwrites_model_file(path, &a.model),
+            "--dump-logits {} would replace a file of the model directory {}; write the logits elsewhere",
+            path.display(),
+            a.model.display()
         );
     }
     let mut tokenizer = match &a.prompt {
