@@ -252,3 +252,29 @@ fn absurd_execution_flags_are_usage_errors() {
         assert_eq!(o.status.code(), Some(2), "{flag:?}");
     }
 }
+
+#[test]
+fn a_closed_or_full_stdout_is_an_error_not_a_panic() {
+    use std::process::Stdio;
+    // /dev/full: every write fails with ENOSPC.
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        return; // not on this system
+    };
+    for args in [
+        &["compile", "models/tiny-llama.ron", "--tp", "2"][..],
+        &["dot", "models/tiny-llama.ron", "--tp", "2"],
+        &["run", MODEL, "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_tpc"))
+            .args(args)
+            .stdout(Stdio::from(full.try_clone().unwrap()))
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {e}");
+        assert!(
+            e.contains("cannot write the result to stdout"),
+            "{args:?}: {e}"
+        );
+    }
+}

@@ -77,6 +77,6 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "collective_bytes_rank0": out.collective_bytes,
         "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
     });
-    println!("{}", serde_json::to_string(&json)?);
+    super::print_stdout(&format!("{}\n", serde_json::to_string(&json)?))?;
     Ok(())
 }

@@ -136,7 +136,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "rss_after_bytes": resident_bytes(),
         "peak_rss_bytes": peak_resident_bytes(),
     });
-    println!("{}", serde_json::to_string(&json)?);
+    super::print_stdout(&format!("{}\n", serde_json::to_string(&json)?))?;
     Ok(())
 }
 

@@ -38,14 +38,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         tpc::fsio::write_text(path, &text)?;
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
     } else {
-        print!("{}", render_table(&summary));
+        super::print_stdout(&render_table(&summary))?;
         if let Some(out) = &a.output {
-            println!("plan written to {}", out.display());
+            super::print_stdout(&format!("plan written to {}\n", out.display()))?;
         }
         if a.text {
-            print!("{}", tpc::plan::text::render_plan(&compiled.plan));
+            super::print_stdout(&tpc::plan::text::render_plan(&compiled.plan))?;
         }
     }
     // The process ends here; freeing tens of thousands of small allocations one by one

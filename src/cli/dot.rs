@@ -75,7 +75,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let text = render(&plan, &options);
     match &a.output {
         Some(p) => tpc::fsio::write_text(p, &text)?,
-        None => print!("{text}"),
+        None => super::print_stdout(&text)?,
     }
     Ok(())
 }

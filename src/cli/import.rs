@@ -37,7 +37,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let text = ron_options().to_string_pretty(&def, cfg)?;
     match &a.output {
         Some(path) => tpc::fsio::write_text(path, &(text + "\n"))?,
-        None => println!("{text}"),
+        None => super::print_stdout(&format!("{text}\n"))?,
     }
     Ok(())
 }

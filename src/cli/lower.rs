@@ -28,7 +28,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let text = ron_options().to_string_pretty(&ModelDef::Graph(graph), cfg)?;
     match &a.output {
         Some(p) => tpc::fsio::write_text(p, &(text + "\n"))?,
-        None => println!("{text}"),
+        None => super::print_stdout(&format!("{text}\n"))?,
     }
     Ok(())
 }

@@ -66,15 +66,15 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         a.prompt_len,
     )?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
     } else {
         let source = if ckpt.is_some() {
             "checkpoint weights"
         } else {
             "seeded random weights"
         };
-        println!(
-            "tp=1 vs tp={} ({source}, {} prompt tokens): max abs error {:.3e}, relative error {:.3e} (tolerance {:.0e}), max elementwise relative error {:.3e}; greedy tokens {}",
+        super::print_stdout(&format!(
+            "tp=1 vs tp={} ({source}, {} prompt tokens): max abs error {:.3e}, relative error {:.3e} (tolerance {:.0e}), max elementwise relative error {:.3e}; greedy tokens {}\n",
             tp,
             report.prompt.len(),
             report.max_abs_error,
@@ -82,7 +82,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             report.tolerance,
             report.max_elementwise_rel_error,
             if report.tokens_tp1 == report.tokens_tpn { "equal" } else { "DIFFER" }
-        );
+        ))?;
     }
     if !report.passed {
         return Err(Mismatch(format!(
