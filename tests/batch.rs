@@ -135,4 +135,13 @@ fn requests_are_refused_before_any_weight_is_read() {
     };
     let e = run_batch(&plan, &ckpt, &[bad_id], &RunOptions::default()).unwrap_err();
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+    let many = vec![
+        Request {
+            prompt: vec![1],
+            max_new_tokens: Some(1),
+        };
+        tpc::runtime::generate::MAX_BATCH + 1
+    ];
+    let e = run_batch(&plan, &ckpt, &many, &RunOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("split the prompts"), "{e}");
 }

@@ -234,11 +234,22 @@ pub fn output_vocab(plan: &Plan) -> Option<u64> {
         .fixed_at(2)
 }
 
+/// The most sequences one batch may hold (each has its own KV caches).
+pub const MAX_BATCH: usize = 4096;
+
 /// Every request is runnable on `plan`: non-empty, ids inside the vocabulary, prompt plus
 /// new tokens within the model's positions. Checked before any weight is read.
 pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> Result<()> {
     if requests.is_empty() {
         return Err(RunError::EmptyPrompt);
+    }
+    if requests.len() > MAX_BATCH {
+        return Err(RunError::BadBatch {
+            problem: format!(
+                "{} sequences; one batch takes at most {MAX_BATCH}: split the prompts into several runs",
+                requests.len()
+            ),
+        });
     }
     let vocab = output_vocab(plan).ok_or_else(|| RunError::BadInstruction {
         name: "output".into(),
