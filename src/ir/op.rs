@@ -279,10 +279,7 @@ impl Op {
     }
 
     pub fn is_collective(&self) -> bool {
-        matches!(
-            self,
-            Op::AllReduce(_) | Op::AllGather(_) | Op::ReduceScatter(_)
-        )
+        super::op_dims::dims(self).collective
     }
 
     /// A one-line attribute summary for printers.

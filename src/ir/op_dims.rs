@@ -924,7 +924,16 @@ pub(crate) mod tests {
         for op in samples() {
             let d = dims(&op);
             assert_eq!(d.inputs.len(), op.arity(), "{op:?}");
-            assert_eq!(d.collective, op.is_collective(), "{op:?}");
+            // Exactly the three communicating ops (a local slice moves no data).
+            let communicates = matches!(
+                op,
+                Op::AllReduce(_) | Op::AllGather(_) | Op::ReduceScatter(_)
+            );
+            assert_eq!(d.collective, communicates, "{op:?}");
+            assert_eq!(
+                d.moves.is_some(),
+                communicates || matches!(op, Op::LocalSlice(_))
+            );
             let operands: Vec<&Operand> = d.inputs.iter().chain([&d.output]).collect();
             let used: Vec<char> = operands
                 .iter()

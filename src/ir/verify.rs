@@ -3,7 +3,6 @@
 use super::graph::Graph;
 use super::graph::NodeId;
 use super::layout::Layout;
-use super::op::Op;
 use super::shape::infer;
 use super::tensor::TensorFact;
 use petgraph::visit::EdgeRef;
@@ -91,14 +90,8 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<Problem>> {
             }
         }
         let input_layout = inputs.first().map(|&i| graph.layout(i));
-        let expect = match &node.op {
-            Op::AllReduce(_) => Some((Layout::Partial, Layout::Replicated)),
-            Op::AllGather(g) => Some((Layout::Split { dim: g.dim }, Layout::Replicated)),
-            Op::ReduceScatter(r) => Some((Layout::Partial, Layout::Split { dim: r.dim })),
-            Op::LocalSlice(s) => Some((Layout::Replicated, Layout::Split { dim: s.dim })),
-            _ => None,
-        };
-        if let Some((from, to)) = expect {
+        // Collectives and local slices turn the layout the op table says into another.
+        if let Some((from, to)) = super::op_dims::dims(&node.op).moves {
             if input_layout != Some(from) || layout != to {
                 say(
                     &node.name,

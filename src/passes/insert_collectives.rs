@@ -5,7 +5,7 @@
 use super::reshard::reshard;
 use super::ShardCtx;
 use crate::error::{Result, TpcError};
-use crate::ir::{Graph, Layout, Node, NodeId, Op};
+use crate::ir::{op_dims, Graph, Layout, Node, NodeId};
 use rustc_hash::FxHashMap as HashMap;
 
 pub fn insert_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
@@ -26,7 +26,16 @@ pub fn insert_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         })?;
         let mut current = producer;
         for step in steps {
-            let to = step_output(&step);
+            // What the step makes of its input, from the op table.
+            let Some((_, to)) = op_dims::dims(&step).moves else {
+                return Err(TpcError::PartialMisuse {
+                    places: vec![format!(
+                        "the reshard table gave `{}` for `{}`, which moves no layout; this is a bug in tpc",
+                        step.kind(),
+                        graph.node(producer).name
+                    )],
+                });
+            };
             current = match cache.get(&(current, to)) {
                 Some(&done) => done,
                 None => {
@@ -53,13 +62,4 @@ pub fn insert_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     }
     ctx.required.clear();
     Ok(())
-}
-
-fn step_output(op: &Op) -> Layout {
-    match op {
-        Op::AllReduce(_) | Op::AllGather(_) => Layout::Replicated,
-        Op::ReduceScatter(r) => Layout::Split { dim: r.dim },
-        Op::LocalSlice(s) => Layout::Split { dim: s.dim },
-        _ => unreachable!("the reshard table only yields collectives and local slices"),
-    }
 }
