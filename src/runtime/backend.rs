@@ -165,6 +165,9 @@ pub trait Backend: Send + Sync {
         parts: usize,
         keep: usize,
     ) -> BackendResult<Self::Act>;
+    /// The index of the largest value of each row (the first on ties, as `torch.argmax`):
+    /// greedy sampling without bringing the logits to the host.
+    fn argmax_rows(&self, x: &Self::Act) -> BackendResult<Vec<usize>>;
     /// The given rows, in order.
     fn select_rows(&self, x: &Self::Act, rows: &[usize]) -> BackendResult<Self::Act>;
 

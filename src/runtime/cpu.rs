@@ -571,6 +571,14 @@ impl Backend for CpuBackend {
         Ok(Tensor::new(vec![rows, keep], out))
     }
 
+    fn argmax_rows(&self, x: &Tensor) -> BackendResult<Vec<usize>> {
+        let cols = x.cols();
+        if cols == 0 {
+            return Err(shape_err("argmax of rows with no columns".into()));
+        }
+        Ok(x.data.chunks(cols).map(super::sampling::argmax).collect())
+    }
+
     fn select_rows(&self, x: &Tensor, rows: &[usize]) -> BackendResult<Tensor> {
         let (all, cols) = x.rows_cols();
         let mut out = pool::empty(rows.len() * cols);
@@ -834,5 +842,16 @@ mod tests {
         for (b, w) in outs[1].data.iter().zip(&want) {
             assert_eq!(*b, half::bf16::from_f32(*w).to_f32());
         }
+    }
+
+    #[test]
+    fn argmax_rows_picks_the_first_largest_of_each_row() {
+        let cpu = CpuBackend::new(1);
+        let x = Tensor::new(
+            vec![3, 3],
+            vec![1., 5., 5., -1., -2., -3., 0., f32::NAN, 2.],
+        );
+        assert_eq!(cpu.argmax_rows(&x).unwrap(), vec![1, 0, 2]);
+        assert!(cpu.argmax_rows(&Tensor::new(vec![1, 0], vec![])).is_err());
     }
 }

@@ -243,6 +243,37 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// continuing after its cached tokens. Returns the output rows `rows` asks for, in batch
     /// order, on the host.
     pub fn forward(&mut self, batch: &[(usize, &[i64])], rows: OutputRows) -> Result<Tensor> {
+        let out = self.forward_on_device(batch, rows)?;
+        self.backend
+            .to_host(out)
+            .map_err(|source| RunError::Backend {
+                name: "output".into(),
+                source,
+            })
+    }
+
+    /// The greedy next token of each returned row, picked on the device: only the ids come
+    /// back to the host, not the logits.
+    pub fn forward_argmax(
+        &mut self,
+        batch: &[(usize, &[i64])],
+        rows: OutputRows,
+    ) -> Result<Vec<usize>> {
+        let out = self.forward_on_device(batch, rows)?;
+        let ids = self.backend.argmax_rows(&out);
+        self.backend.release(out);
+        ids.map_err(|source| RunError::Backend {
+            name: "output".into(),
+            source,
+        })
+    }
+
+    /// As [`RankExecutor::forward`], the output left in the backend's memory.
+    pub fn forward_on_device(
+        &mut self,
+        batch: &[(usize, &[i64])],
+        rows: OutputRows,
+    ) -> Result<B::Act> {
         let mut segments = Vec::with_capacity(batch.len());
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -283,7 +314,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         positions: &[i64],
         segments: &[Segment],
         select: Option<&[usize]>,
-    ) -> Result<Tensor> {
+    ) -> Result<B::Act> {
         // The value table is kept between calls (its slots are all empty in between).
         let mut values = std::mem::take(&mut self.values);
         values.resize_with(self.last_use.len(), || None);
@@ -365,12 +396,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             }
             _ => output,
         };
-        self.backend
-            .to_host(output)
-            .map_err(|source| RunError::Backend {
-                name: "output".into(),
-                source,
-            })
+        Ok(output)
     }
 
     fn ids<'v>(

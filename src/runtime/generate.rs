@@ -468,6 +468,9 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         finished(s, &[]);
     }
     let mut step_logits: Option<Tensor> = None;
+    // Greedy decode picks on the device: only token ids come back from a decode step.
+    let greedy = opts.sampling.temperature <= 0.0;
+    let mut step_picks: Option<Vec<usize>> = None;
     let mut next_ids: Vec<i64> = Vec::with_capacity(n);
     let mut total = 0;
     let decode = Instant::now();
@@ -478,8 +481,13 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         next_ids.clear();
         let mut still = Vec::with_capacity(live.len());
         for (k, &s) in live.iter().enumerate() {
-            let row = &current.data[rows_now[k] * vocab..(rows_now[k] + 1) * vocab];
-            let next = pick(row, &opts.sampling, &mut rngs[s]) as i64;
+            let next = match &step_picks {
+                Some(picks) => picks[k] as i64,
+                None => {
+                    let row = &current.data[rows_now[k] * vocab..(rows_now[k] + 1) * vocab];
+                    pick(row, &opts.sampling, &mut rngs[s]) as i64
+                }
+            };
             let seq = &mut sequences[s];
             seq.generated.push(next);
             total += 1;
@@ -499,10 +507,14 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
             .zip(&next_ids)
             .map(|(&s, id)| (s, std::slice::from_ref(id)))
             .collect();
-        let fresh = exec.forward(&batch, OutputRows::LastOfEach)?;
-        // The previous step's logits go back to the pool for the next step's to reuse.
-        if let Some(old) = step_logits.replace(fresh) {
-            old.release();
+        if greedy {
+            step_picks = Some(exec.forward_argmax(&batch, OutputRows::LastOfEach)?);
+        } else {
+            let fresh = exec.forward(&batch, OutputRows::LastOfEach)?;
+            // The previous step's logits go back to the pool for the next step's to reuse.
+            if let Some(old) = step_logits.replace(fresh) {
+                old.release();
+            }
         }
         rows_now = (0..still.len()).collect();
         live = still;
