@@ -8,6 +8,7 @@ mod compile;
 mod dot;
 mod import;
 mod lower;
+mod ranks;
 mod run;
 mod verify;
 
@@ -35,6 +36,8 @@ enum Command {
     Lower(lower::Args),
     /// Run a model on N CPU ranks and generate tokens.
     Run(run::Args),
+    /// Lay out global ranks as [ExternalDP, DP, PP, TP] and list the TP/PP/DP/EP groups.
+    Ranks(ranks::Args),
     /// Check that tp=N reproduces tp=1 on the same inputs.
     Verify(verify::Args),
     /// Measure prefill and decode throughput (checkpoint or random weights).
@@ -54,6 +57,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Import(a) => import::execute(a),
         Command::Lower(a) => lower::execute(a),
         Command::Run(a) => run::execute(a),
+        Command::Ranks(a) => ranks::execute(a),
         Command::Verify(a) => verify::execute(a),
         Command::Bench(a) => bench::execute(a),
         Command::BenchComm(a) => bench_comm::execute(a),

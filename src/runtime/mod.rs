@@ -17,6 +17,7 @@ pub mod memory;
 pub mod microkernel;
 pub mod packed;
 pub mod random;
+pub mod rank_groups;
 pub mod rope;
 pub mod sampling;
 pub mod simd;
