@@ -9,6 +9,7 @@ use tpc::frontend::load::load_model;
 use tpc::ir::{Op, WeightOrder};
 use tpc::pipeline::compile;
 use tpc::plan::{Plan, WeightSlice};
+use tpc::runtime::executor::weight_uses;
 use tpc::runtime::memory::{peak_resident_bytes, resident_bytes};
 use tpc::runtime::packed::PackedMatrix;
 use tpc::runtime::weights::{load_slice, Checkpoint, StoredTensor, WeightSource};
@@ -69,22 +70,17 @@ impl WeightSource for KeepMapped<'_> {
 /// The linear weights of a rank: slice and stored order, as the executor packs them.
 fn linears(plan: &Plan, rank: usize) -> Vec<(&WeightSlice, WeightOrder)> {
     let program = &plan.ranks[rank];
-    let mut out: Vec<(&WeightSlice, WeightOrder)> = Vec::new();
-    for i in &program.instrs {
-        let Op::Linear(l) = &i.op else { continue };
-        let Some(&w) = i.inputs.get(1) else { continue };
-        let param = program.instrs.iter().find_map(|p| match &p.op {
-            Op::Param(p2) if p.id == w => Some(p2),
-            _ => None,
-        });
-        let slice = param.and_then(|p| program.weights.iter().find(|s| s.tensor == p.tensor));
-        if let Some(s) = slice {
-            if s.local_shape.len() == 2 && !out.iter().any(|(o, _)| std::ptr::eq(*o, s)) {
-                out.push((s, l.weight_order));
-            }
-        }
-    }
-    out
+    let uses = weight_uses(program);
+    program
+        .instrs
+        .iter()
+        .filter_map(|i| {
+            let Op::Param(p) = &i.op else { return None };
+            let order = uses.get(&i.id)?.linear?;
+            let slice = program.weights.iter().find(|s| s.tensor == p.tensor)?;
+            (slice.local_shape.len() == 2).then_some((slice, order))
+        })
+        .collect()
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {

@@ -71,4 +71,15 @@ pub enum RunError {
     BadInstruction { name: String, problem: String },
 }
 
+/// A communicator's failure keeps its own variant, so a peer's echo of another rank's
+/// failure (`CommError::PeerFailed`) can be told from the root cause.
+impl From<super::collectives::CollectiveError> for RunError {
+    fn from(e: super::collectives::CollectiveError) -> RunError {
+        match e {
+            super::collectives::CollectiveError::Comm(c) => RunError::Comm(c),
+            other => RunError::Collective(other),
+        }
+    }
+}
+
 pub type Result<T, E = RunError> = std::result::Result<T, E>;

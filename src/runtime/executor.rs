@@ -7,7 +7,7 @@
 //! one prompt, a ragged batch of prompts, or one new token per live sequence.
 
 use super::backend::{Activation, Backend, BackendError, BinaryOp, Segment, WeightUse};
-use super::collectives::{CollectiveError, Collectives};
+use super::collectives::Collectives;
 use super::error::{Result, RunError};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
@@ -59,6 +59,15 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     pub profile: Option<HashMap<&'static str, (std::time::Duration, u64)>>,
 }
 
+/// One forward call's inputs: every row's token id and position, the sequences' rows, and
+/// the output rows wanted when the LM head may compute those alone.
+struct Call<'c> {
+    ids: &'c [i64],
+    positions: &'c [i64],
+    segments: &'c [Segment],
+    select: Option<&'c [usize]>,
+}
+
 /// One attention op's KV caches: key and value widths per token, one cache per sequence.
 struct AttentionCaches<K> {
     widths: (usize, usize),
@@ -79,15 +88,16 @@ fn on(i: &Instr) -> impl Fn(BackendError) -> RunError + '_ {
     }
 }
 
-fn comm_err(e: CollectiveError) -> RunError {
-    match e {
-        CollectiveError::Comm(c) => RunError::Comm(c),
-        other => RunError::Collective(other),
+/// A backend failure on the program's output.
+fn at_output(source: BackendError) -> RunError {
+    RunError::Backend {
+        name: "output".into(),
+        source,
     }
 }
 
-/// How the program uses each weight value.
-fn weight_uses(program: &RankProgram) -> HashMap<u32, WeightUse> {
+/// How the program uses each weight value (by value id).
+pub fn weight_uses(program: &RankProgram) -> HashMap<u32, WeightUse> {
     let mut uses: HashMap<u32, WeightUse> = HashMap::new();
     for i in &program.instrs {
         for (slot, &id) in i.inputs.iter().enumerate() {
@@ -177,12 +187,8 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         Ok(exec)
     }
 
-    pub fn backend(&self) -> &B {
-        &self.backend
-    }
-
     /// Makes room for `n` sequences (caches of new ones are empty).
-    pub fn set_sequences(&mut self, n: usize) {
+    fn set_sequences(&mut self, n: usize) {
         let b = &self.backend;
         for c in self.caches.values_mut() {
             while c.seqs.len() < n {
@@ -192,11 +198,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         if self.positions.len() < n {
             self.positions.resize(n, 0);
         }
-    }
-
-    /// Tokens cached for sequence `seq`.
-    pub fn position(&self, seq: usize) -> usize {
-        self.positions.get(seq).copied().unwrap_or(0)
     }
 
     /// Reserves KV-cache room for `positions` tokens of sequence `seq`, so that decoding
@@ -234,22 +235,12 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.forward(&[(0, ids)], rows)
     }
 
-    /// As [`RankExecutor::forward_rows`] with every row.
-    pub fn forward_all(&mut self, ids: &[i64]) -> Result<Tensor> {
-        self.forward_rows(ids, false)
-    }
-
     /// Runs the program once over a batch: `(sequence, new token ids)` pairs, each sequence
     /// continuing after its cached tokens. Returns the output rows `rows` asks for, in batch
     /// order, on the host.
     pub fn forward(&mut self, batch: &[(usize, &[i64])], rows: OutputRows) -> Result<Tensor> {
         let out = self.forward_on_device(batch, rows)?;
-        self.backend
-            .to_host(out)
-            .map_err(|source| RunError::Backend {
-                name: "output".into(),
-                source,
-            })
+        self.backend.to_host(out).map_err(at_output)
     }
 
     /// The greedy next token of each returned row, picked on the device: only the ids come
@@ -262,10 +253,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let out = self.forward_on_device(batch, rows)?;
         let ids = self.backend.argmax_rows(&out);
         self.backend.release(out);
-        ids.map_err(|source| RunError::Backend {
-            name: "output".into(),
-            source,
-        })
+        ids.map_err(at_output)
     }
 
     /// As [`RankExecutor::forward`], the output left in the backend's memory.
@@ -297,9 +285,14 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             positions.extend((start..start + seq_ids.len()).map(|p| p as i64));
         }
         let last_rows: Vec<usize> = segments.iter().map(|s| s.rows.end - 1).collect();
-        let select = (rows == OutputRows::LastOfEach && last_rows.len() < ids.len())
-            .then_some(last_rows.as_slice());
-        let out = self.run_program(&ids, &positions, &segments, select);
+        let call = Call {
+            select: (rows == OutputRows::LastOfEach && last_rows.len() < ids.len())
+                .then_some(last_rows.as_slice()),
+            ids: &ids,
+            positions: &positions,
+            segments: &segments,
+        };
+        let out = self.run_program(&call);
         if out.is_ok() {
             for s in &segments {
                 self.positions[s.seq] += s.rows.len();
@@ -308,13 +301,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         out
     }
 
-    fn run_program(
-        &mut self,
-        ids: &[i64],
-        positions: &[i64],
-        segments: &[Segment],
-        select: Option<&[usize]>,
-    ) -> Result<B::Act> {
+    fn run_program(&mut self, call: &Call<'_>) -> Result<B::Act> {
         // The value table is kept between calls (its slots are all empty in between).
         let mut values = std::mem::take(&mut self.values);
         values.resize_with(self.last_use.len(), || None);
@@ -325,8 +312,8 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             let value = match &i.op {
                 Op::Param(_) => continue,
                 Op::Input(inp) => Value::Ids(match inp.kind {
-                    InputKind::TokenIds => ids.to_vec(),
-                    InputKind::Positions => positions.to_vec(),
+                    InputKind::TokenIds => call.ids.to_vec(),
+                    InputKind::Positions => call.positions.to_vec(),
                 }),
                 Op::Output(_) => {
                     match self.take_or_copy(&mut values, idx, i) {
@@ -337,16 +324,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 }
                 op => {
                     let started = self.profile.is_some().then(std::time::Instant::now);
-                    let step = self.run(
-                        op,
-                        idx,
-                        i,
-                        &mut values,
-                        positions,
-                        segments,
-                        select,
-                        &mut ropes,
-                    );
+                    let step = self.run(op, idx, i, &mut values, call, &mut ropes);
                     let v = match step {
                         Ok(v) => v,
                         Err(e) => {
@@ -385,14 +363,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             problem: "it has no output".into(),
         })?;
         // When the LM head could not be narrowed (a non-row-wise op after it), narrow here.
-        let output = match select {
+        let output = match call.select {
             Some(rows) if output.rows_cols().0 != rows.len() => {
                 let narrowed = self.backend.select_rows(&output, rows);
                 self.backend.release(output);
-                narrowed.map_err(|source| RunError::Backend {
-                    name: "output".into(),
-                    source,
-                })?
+                narrowed.map_err(at_output)?
             }
             _ => output,
         };
@@ -450,16 +425,13 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.backend.copy(x).map_err(on(i))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
         op: &Op,
         idx: usize,
         i: &Instr,
         values: &mut [Option<Value<B::Act>>],
-        positions: &[i64],
-        segments: &[Segment],
-        select: Option<&[usize]>,
+        call: &Call<'_>,
         ropes: &mut HashMap<RopeOp, B::RopeTables>,
     ) -> Result<B::Act> {
         // Elementwise ops write into their first input when nothing reads it later.
@@ -487,7 +459,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             Op::Linear(_) => {
                 let x = x(0)?;
                 // The LM head of a generation step needs the selected rows only.
-                let narrowed = match select {
+                let narrowed = match call.select {
                     Some(rows) if self.head_linears.contains(&i.id) => {
                         Some(b.select_rows(x, rows).map_err(&err)?)
                     }
@@ -536,7 +508,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             Op::Rope(r) => {
                 let mut out = owned()?;
                 if !ropes.contains_key(r) {
-                    let t = b.rope_tables(r, positions).map_err(&err)?;
+                    let t = b.rope_tables(r, call.positions).map_err(&err)?;
                     ropes.insert(r.clone(), t);
                 }
                 b.rope(&mut out, r.head_dim as usize, &ropes[r])
@@ -554,7 +526,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     .caches
                     .get_mut(&i.id)
                     .ok_or_else(|| bad(i, "it has no KV cache"))?;
-                b.attention([q, k, v], &mut caches.seqs, segments, d, scale)
+                b.attention([q, k, v], &mut caches.seqs, call.segments, d, scale)
                     .map_err(err)?
             }
             Op::Unfuse(u) => {
@@ -567,7 +539,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             Op::AllReduce(_) => {
                 let mut out = owned()?;
                 self.collective_bytes += message_bytes(&out);
-                self.comm.all_reduce_sum(&mut out).map_err(comm_err)?;
+                self.comm.all_reduce_sum(&mut out).map_err(RunError::from)?;
                 out
             }
             Op::AllGather(g) => {
@@ -575,7 +547,10 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let (rows, n) = x.rows_cols();
                 let mut gathered = b.alloc(&[rows * self.tp, n], x.dtype()).map_err(&err)?;
                 self.collective_bytes += message_bytes(&gathered);
-                let sent = self.comm.all_gather(x, &mut gathered).map_err(comm_err);
+                let sent = self
+                    .comm
+                    .all_gather(x, &mut gathered)
+                    .map_err(RunError::from);
                 // Rank-major pieces [tp][rows][n] → [rows][tp·n], then drop vocab padding.
                 let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
                 let out = sent
@@ -592,7 +567,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let sent = self
                     .comm
                     .reduce_scatter_sum(&arranged, &mut out)
-                    .map_err(comm_err);
+                    .map_err(RunError::from);
                 b.release(arranged);
                 sent?;
                 out

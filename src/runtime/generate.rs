@@ -172,56 +172,6 @@ impl BatchOutput {
     }
 }
 
-/// One sequence's run (the single-prompt view of a [`BatchOutput`]).
-#[derive(Debug, Clone)]
-pub struct RunOutput {
-    pub generated: Vec<i64>,
-    /// Logits of the prompt, `[prompt_len, vocab]` (`[1, vocab]`, the last position, unless
-    /// `all_prompt_logits`), padding removed.
-    pub prompt_logits: Tensor,
-    pub prompt_len: usize,
-    pub load_seconds: f64,
-    pub prefill_seconds: f64,
-    /// Wall time of the decode steps after the first new token.
-    pub decode_seconds: f64,
-    pub collective_bytes: u64,
-    pub weight_bytes: u64,
-    /// Rank 0's time per op kind (seconds, calls), largest first, when profiled.
-    pub profile: Vec<(String, f64, u64)>,
-}
-
-impl RunOutput {
-    pub fn prefill_tokens_per_s(&self) -> f64 {
-        rate(self.prompt_len, self.prefill_seconds)
-    }
-    /// Tokens after the first new one, over their wall time.
-    pub fn decode_tokens_per_s(&self) -> f64 {
-        rate(self.generated.len().saturating_sub(1), self.decode_seconds)
-    }
-}
-
-impl TryFrom<BatchOutput> for RunOutput {
-    type Error = RunError;
-    fn try_from(b: BatchOutput) -> Result<RunOutput> {
-        let seq = b
-            .sequences
-            .into_iter()
-            .next()
-            .ok_or(RunError::EmptyPrompt)?;
-        Ok(RunOutput {
-            generated: seq.generated,
-            prompt_logits: seq.prompt_logits,
-            prompt_len: b.prompt_tokens,
-            load_seconds: b.load_seconds,
-            prefill_seconds: b.prefill_seconds,
-            decode_seconds: b.decode_seconds,
-            collective_bytes: b.collective_bytes,
-            weight_bytes: b.weight_bytes,
-            profile: b.profile,
-        })
-    }
-}
-
 /// The vocabulary size the plan's output has.
 pub fn output_vocab(plan: &Plan) -> Option<u64> {
     plan.ranks
@@ -237,6 +187,14 @@ pub fn output_vocab(plan: &Plan) -> Option<u64> {
 /// The most sequences one batch may hold (each has its own KV caches).
 pub const MAX_BATCH: usize = 4096;
 
+/// [`output_vocab`], or the error a plan without one is.
+pub fn plan_vocab(plan: &Plan) -> Result<u64> {
+    output_vocab(plan).ok_or_else(|| RunError::BadInstruction {
+        name: "output".into(),
+        problem: "the plan's output has no vocabulary dim".into(),
+    })
+}
+
 /// Every request is runnable on `plan`: non-empty, ids inside the vocabulary, prompt plus
 /// new tokens within the model's positions. Checked before any weight is read.
 pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> Result<()> {
@@ -251,10 +209,7 @@ pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> R
             ),
         });
     }
-    let vocab = output_vocab(plan).ok_or_else(|| RunError::BadInstruction {
-        name: "output".into(),
-        problem: "the plan's output has no vocabulary dim".into(),
-    })?;
+    let vocab = plan_vocab(plan)?;
     for (index, r) in requests.iter().enumerate() {
         if r.prompt.is_empty() {
             return Err(RunError::EmptyPrompt);
@@ -334,10 +289,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
             }
         };
         // Every rank has loaded before anything is timed.
-        self.exec.comm.barrier().map_err(|e| match e {
-            super::collectives::CollectiveError::Comm(c) => RunError::Comm(c),
-            other => RunError::Collective(other),
-        })?;
+        self.exec.comm.barrier()?;
         report(Stage::Loaded);
         if opts.profile && rank == 0 {
             self.exec.profile = Some(Default::default());
@@ -406,7 +358,6 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
 ) -> Result<BatchOutput> {
     let n = requests.len();
     exec.reset();
-    exec.set_sequences(n);
     let limits: Vec<usize> = requests
         .iter()
         .map(|r| r.max_new_tokens.unwrap_or(opts.max_new_tokens))

@@ -9,7 +9,9 @@ use super::collectives::Collectives;
 use super::comm::{local_group, CommError, MAX_LOCAL_RANKS};
 use super::cpu::CpuBackend;
 use super::error::{Result, RunError};
-use super::generate::{check_requests, rank_runtime, BatchOutput, Request, RunOptions, RunOutput};
+use super::generate::{
+    check_requests, rank_runtime, BatchOutput, Request, RunOptions, SequenceOutput,
+};
 use super::weights::WeightSource;
 use crate::plan::Plan;
 
@@ -161,16 +163,19 @@ pub fn run_batch(
     })
 }
 
-/// [`run_batch`] for one prompt.
+/// [`run_batch`] for one prompt: its tokens and prompt logits.
 pub fn run(
     plan: &Plan,
     weights: &dyn WeightSource,
     prompt: &[i64],
     opts: &RunOptions,
-) -> Result<RunOutput> {
+) -> Result<SequenceOutput> {
     let request = Request {
         prompt: prompt.to_vec(),
         max_new_tokens: None,
     };
-    run_batch(plan, weights, std::slice::from_ref(&request), opts)?.try_into()
+    run_batch(plan, weights, std::slice::from_ref(&request), opts)?
+        .sequences
+        .pop()
+        .ok_or(RunError::EmptyPrompt)
 }

@@ -57,15 +57,6 @@ impl Tensor {
         Tensor::new(shape, data)
     }
 
-    /// The last row alone, as `[1, cols]`.
-    pub fn last_row(&self) -> Tensor {
-        let (rows, cols) = self.rows_cols();
-        let start = rows.saturating_sub(1) * cols;
-        let mut data = pool::empty(cols);
-        data.extend_from_slice(&self.data[start..start + cols]);
-        Tensor::new(vec![1, cols], data)
-    }
-
     /// Column block `k` of `parts` equal blocks, every row, appended to `out`.
     pub fn push_column_block(&self, k: usize, parts: usize, out: &mut Vec<f32>) {
         let (rows, n) = self.rows_cols();

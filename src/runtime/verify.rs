@@ -1,7 +1,7 @@
 //! `tpc verify`: the same inputs through tp=1 and tp=N, compared.
 
-use super::error::{Result, RunError};
-use super::generate::{output_vocab, RunOptions};
+use super::error::Result;
+use super::generate::{plan_vocab, RunOptions};
 use super::launch::run;
 use super::random::RandomWeights;
 use super::sampling::Rng;
@@ -61,10 +61,7 @@ pub fn verify_plan(
             &random
         }
     };
-    let vocab = output_vocab(&one).ok_or_else(|| RunError::BadInstruction {
-        name: "output".into(),
-        problem: "the plan's output has no vocabulary dim".into(),
-    })?;
+    let vocab = plan_vocab(&one)?;
     let mut rng = Rng::new(seed ^ 0x5EED);
     let prompt: Vec<i64> = (0..prompt_len.max(1))
         .map(|_| (rng.next_f64() * vocab as f64) as i64)
