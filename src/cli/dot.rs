@@ -59,17 +59,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         layers,
     };
     let plan = match tpc::plan::Plan::looks_like_plan(&a.input) {
-        Some(plan) => {
-            let plan = plan?;
-            if let Some(tp) = a.tp {
-                anyhow::ensure!(
-                    tp == plan.tp,
-                    "the plan is for tp={}, not --tp {tp}; omit --tp for a plan",
-                    plan.tp
-                );
-            }
-            plan
-        }
+        Some(plan) => super::plan_for_tp(plan?, &a.input, a.tp)?,
         None => compile(&load_model(&a.input)?, a.tp.unwrap_or(1))?.plan,
     };
     let text = render(&plan, &options);

@@ -127,6 +127,23 @@ impl From<DtypeArg> for tpc::runtime::generate::ComputeDtype {
     }
 }
 
+/// A saved plan, refused when `--tp` asks for another tp than it was compiled for.
+pub fn plan_for_tp(
+    plan: tpc::plan::Plan,
+    path: &std::path::Path,
+    tp: Option<u64>,
+) -> anyhow::Result<tpc::plan::Plan> {
+    if let Some(tp) = tp {
+        anyhow::ensure!(
+            tp == plan.tp,
+            "the plan {} is for tp={}, not --tp {tp}; drop --tp or recompile the plan",
+            path.display(),
+            plan.tp
+        );
+    }
+    Ok(plan)
+}
+
 /// Writes `text` to stdout; a closed pipe or a full disk is an error, not a panic.
 pub fn print_stdout(text: &str) -> anyhow::Result<()> {
     use std::io::Write;

@@ -156,24 +156,13 @@ fn read_prompts(
 }
 
 /// The plan to run: the saved one (checked against `--tp`) or the model compiled now.
-pub fn plan_for(
+fn plan_for(
     model: &std::path::Path,
     saved: Option<&PathBuf>,
     tp: Option<u64>,
 ) -> anyhow::Result<Plan> {
     match saved {
-        Some(path) => {
-            let plan = Plan::load(path)?;
-            if let Some(tp) = tp {
-                anyhow::ensure!(
-                    tp == plan.tp,
-                    "--tp {tp} but the plan {} is for tp={}; drop --tp or recompile the plan",
-                    path.display(),
-                    plan.tp
-                );
-            }
-            Ok(plan)
-        }
+        Some(path) => super::plan_for_tp(Plan::load(path)?, path, tp),
         None => Ok(compile(&load_model(model)?, tp.unwrap_or(1))?.plan),
     }
 }

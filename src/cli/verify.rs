@@ -43,18 +43,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         Some(_) => None,
     };
     let many = match &a.plan {
-        Some(path) => {
-            let plan = tpc::plan::Plan::load(path)?;
-            if let Some(tp) = a.tp {
-                anyhow::ensure!(
-                    tp == plan.tp,
-                    "--tp {tp} but the plan {} is for tp={}; drop --tp or recompile the plan",
-                    path.display(),
-                    plan.tp
-                );
-            }
-            plan
-        }
+        Some(path) => super::plan_for_tp(tpc::plan::Plan::load(path)?, path, a.tp)?,
         None => tpc::pipeline::compile(&def, a.tp.unwrap_or(1))?.plan,
     };
     let tp = many.tp;
