@@ -425,8 +425,6 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     let mut next_ids: Vec<i64> = Vec::with_capacity(n);
     let mut total = 0;
     let decode = Instant::now();
-    // Rows of the current logits, by position in `live`.
-    let mut rows_now: Vec<usize> = live.iter().map(|&s| row_of[s]).collect();
     while !live.is_empty() {
         let current = step_logits.as_ref().unwrap_or(&logits);
         next_ids.clear();
@@ -435,7 +433,9 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
             let next = match &step_picks {
                 Some(picks) => picks[k] as i64,
                 None => {
-                    let row = &current.data[rows_now[k] * vocab..(rows_now[k] + 1) * vocab];
+                    // A decode step's logits have one row per live sequence, in order.
+                    let r = if step_logits.is_some() { k } else { row_of[s] };
+                    let row = &current.data[r * vocab..(r + 1) * vocab];
                     pick(row, &opts.sampling, &mut rngs[s]) as i64
                 }
             };
@@ -467,7 +467,6 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
                 old.release();
             }
         }
-        rows_now = (0..still.len()).collect();
         live = still;
     }
     let decode_seconds = decode.elapsed().as_secs_f64();
