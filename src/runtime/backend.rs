@@ -74,9 +74,6 @@ pub trait Backend: Send + Sync {
     /// Rotary cos/sin for the positions of one forward call.
     type RopeTables: Send;
 
-    /// Short name for reports (`cpu`, `cuda:0`).
-    fn name(&self) -> String;
-
     /// Loads one rank's slice of a weight from `src` into the backend's layout and dtype.
     fn upload(
         &self,

@@ -176,10 +176,6 @@ impl Backend for CpuBackend {
     type Kv = CpuKv;
     type RopeTables = RopeTables;
 
-    fn name(&self) -> String {
-        format!("cpu ({} threads)", self.threads)
-    }
-
     fn upload(
         &self,
         src: &dyn WeightSource,
@@ -228,16 +224,21 @@ impl Backend for CpuBackend {
     }
 
     fn embedding(&self, ids: &[i64], table: &CpuWeight, offset: usize) -> BackendResult<Tensor> {
-        // (rows, cols) and a row copier, from whichever form the table is kept in.
-        let (rows, cols) = match (&table.table_bf16, &table.dense) {
-            (Some((cols, data)), _) => (data.len().checked_div(*cols).unwrap_or(0), *cols),
-            (None, Some(t)) => t.rows_cols(),
+        // The table's values and row length, in whichever form it is kept.
+        let (data, cols) = match (&table.table_bf16, &table.dense) {
+            (Some((cols, data)), _) => (HostDataRef::Bf16(data), *cols),
+            (None, Some(t)) => (HostDataRef::F32(&t.data), t.cols()),
             (None, None) => {
                 return Err(BackendError::Unsupported(
                     "a linear-only weight is read as an embedding table".into(),
                 ))
             }
         };
+        let len = match data {
+            HostDataRef::F32(d) => d.len(),
+            HostDataRef::Bf16(d) => d.len(),
+        };
+        let rows = len.checked_div(cols).unwrap_or(0);
         let mut out = Tensor::zeros(vec![ids.len(), cols]);
         for (r, &id) in ids.iter().enumerate() {
             // Ids outside this rank's rows contribute zeros; the all-reduce adds the rest.
@@ -249,14 +250,13 @@ impl Backend for CpuBackend {
                 continue;
             };
             let dst = &mut out.data[r * cols..(r + 1) * cols];
-            match (&table.table_bf16, &table.dense) {
-                (Some((_, data)), _) => {
-                    for (o, v) in dst.iter_mut().zip(&data[local * cols..(local + 1) * cols]) {
-                        *o = v.to_f32();
-                    }
-                }
-                (None, Some(t)) => dst.copy_from_slice(&t.data[local * cols..(local + 1) * cols]),
-                (None, None) => {}
+            let row = local * cols..(local + 1) * cols;
+            match data {
+                HostDataRef::F32(d) => dst.copy_from_slice(&d[row]),
+                HostDataRef::Bf16(d) => dst
+                    .iter_mut()
+                    .zip(&d[row])
+                    .for_each(|(o, v)| *o = v.to_f32()),
             }
         }
         Ok(out)
