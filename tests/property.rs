@@ -441,7 +441,9 @@ fn hand_param_count(d: &Dims) -> u64 {
 
 /// Whole heads per rank, kv heads shared or replicated, an exactly divided MLP.
 fn feasible(d: &Dims, tp: u64) -> bool {
-    d.heads % tp == 0 && d.ffn % tp == 0 && (d.kv % tp == 0 || tp % d.kv == 0)
+    d.heads.is_multiple_of(tp)
+        && d.ffn.is_multiple_of(tp)
+        && (d.kv.is_multiple_of(tp) || tp.is_multiple_of(d.kv))
 }
 
 /// Parameter bytes each rank holds.

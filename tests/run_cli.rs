@@ -246,6 +246,45 @@ fn run_json_reports_load_time_and_bytes() {
 }
 
 #[test]
+fn isa_forces_a_kernel_variant_or_says_why_it_cannot() {
+    use tpc::runtime::kernels::Isa;
+    for isa in Isa::ALL {
+        let o = tpc(&[
+            "run",
+            MODEL,
+            "--dtype",
+            "bf16",
+            "--prompt-ids",
+            PROMPT,
+            "--max-new-tokens",
+            "2",
+            "--isa",
+            isa.name(),
+            "--json",
+        ]);
+        match isa.host_support() {
+            Ok(()) => {
+                let v: serde_json::Value = serde_json::from_str(&ok(&o)).unwrap();
+                let k = &v["linear_kernels"];
+                assert_eq!(k["isa"], isa.name(), "{v}");
+                // bf16 weights: amx runs prompts on tiles and decode rows on vdpbf16ps.
+                let gemv = if isa == Isa::Amx { "avx512bf16" } else { isa.name() };
+                assert_eq!(k["prompt_gemm"], isa.name(), "{v}");
+                assert_eq!(k["decode_gemv"], gemv, "{v}");
+            }
+            Err(_) => {
+                let e = fails(&o);
+                assert!(e.contains(&format!("--isa {isa}")) && e.contains("runs"), "{e}");
+                eprintln!("NOT RUN on this host: --isa {isa}");
+            }
+        }
+    }
+    let o = tpc(&["run", MODEL, "--prompt-ids", "1", "--isa", "sse9"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("amx"));
+}
+
+#[test]
 fn absurd_execution_flags_are_usage_errors() {
     for flag in [["--threads-per-rank", "100000"], ["--warmup", "1000000000"]] {
         let o = tpc(&["run", MODEL, "--prompt-ids", "1", flag[0], flag[1]]);

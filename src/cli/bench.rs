@@ -75,6 +75,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "weight_bytes_rank0": out.weight_bytes,
         "collective_bytes_rank0": out.collective_bytes,
         "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
+        "linear_kernels": super::kernels_json(&out),
     });
     super::print_stdout(&format!("{}\n", serde_json::to_string(&json)?))?;
     Ok(())

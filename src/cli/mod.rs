@@ -87,6 +87,27 @@ pub struct ExecArgs {
     /// Timed generations; the best prefill and decode are reported.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub repeat: u64,
+    /// Linear kernels to use: portable, avx2, avx512, avx512bf16 or amx (default: the best this
+    /// CPU runs whose start-up self-check passes); one the CPU lacks is an error.
+    #[arg(long, value_parser = parse_isa)]
+    pub isa: Option<tpc::runtime::kernels::Isa>,
+}
+
+fn parse_isa(s: &str) -> Result<tpc::runtime::kernels::Isa, String> {
+    s.parse()
+        .map_err(|e: tpc::runtime::kernels::KernelError| e.to_string())
+}
+
+/// `--json`'s description of the linear kernels a run used.
+pub fn kernels_json(out: &tpc::runtime::generate::BatchOutput) -> serde_json::Value {
+    match out.linear_kernels {
+        Some(k) => serde_json::json!({
+            "isa": k.isa.name(),
+            "prompt_gemm": k.prompt_gemm.name(),
+            "decode_gemv": k.decode_gemv.name(),
+        }),
+        None => serde_json::Value::Null,
+    }
 }
 
 impl ExecArgs {
@@ -99,6 +120,7 @@ impl ExecArgs {
             pin_threads: self.pin,
             warmup: self.warmup as usize,
             repeat: self.repeat as usize,
+            isa: self.isa,
             ..Default::default()
         }
     }

@@ -243,6 +243,7 @@ fn figures(out: &BatchOutput, tp: u64, a: &Args) -> serde_json::Value {
         "collective_bytes_rank0": out.collective_bytes,
         "collective_dtype": "f32",
         "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
+        "linear_kernels": super::kernels_json(out),
     })
 }
 

@@ -168,7 +168,7 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
     }
     let heads = c.num_attention_heads;
     let kv = c.num_key_value_heads.unwrap_or(heads);
-    if kv == 0 || heads % kv != 0 {
+    if kv == 0 || !heads.is_multiple_of(kv) {
         return Err(bad(format!(
             "num_attention_heads {heads} must be a multiple of num_key_value_heads {kv}"
         )));
@@ -178,7 +178,7 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
         Some(_) => return Err(bad("head_dim must be positive".into())),
         // transformers' Qwen3Config default, independent of hidden_size.
         None if c.family == Family::Qwen3 => 128,
-        None if c.hidden_size % heads == 0 => c.hidden_size / heads,
+        None if c.hidden_size.is_multiple_of(heads) => c.hidden_size / heads,
         None => {
             return Err(bad(format!(
                 "hidden_size {} is not a multiple of num_attention_heads {heads}; set head_dim",
@@ -228,7 +228,7 @@ fn rope_op(c: &FamilyConfig, d: &Dims) -> Result<Op> {
     let pct = c.rotary_pct.unwrap_or(default_pct);
     // transformers truncates: `int(head_size * rotary_pct)`.
     let rotary = (d.head_dim as f64 * pct) as u64;
-    if !(pct > 0.0 && pct <= 1.0) || rotary % 2 != 0 || rotary == 0 {
+    if !(pct > 0.0 && pct <= 1.0 && rotary.is_multiple_of(2)) || rotary == 0 {
         return Err(TpcError::Model {
             model: model_name(c),
             place: "preset".into(),

@@ -121,7 +121,7 @@ impl Groups {
     ) -> Result<u64, SplitProblem> {
         match self {
             Groups::Plain { padded: false } => {
-                if total % tp != 0 {
+                if !total.is_multiple_of(tp) {
                     return Err(SplitProblem::NotDivisible {
                         count: total,
                         unit: "elements",
@@ -146,7 +146,7 @@ impl Groups {
                 if count % tp == 0 {
                     let per = count / tp;
                     push_range(out, base + rank * per * size, per * size);
-                } else if *replicable && tp % count == 0 {
+                } else if *replicable && tp.is_multiple_of(*count) {
                     let head = rank / (tp / count);
                     push_range(out, base + head * size, *size);
                 } else if *replicable {

@@ -87,7 +87,7 @@ fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
         }
     };
     match groups {
-        Groups::Plain { padded: true } if len % tp != 0 => {
+        Groups::Plain { padded: true } if !len.is_multiple_of(tp) => {
             let padded = len.div_ceil(tp) * tp;
             add(format!(
                 "vocabulary of {len} rows padded to {padded} for tp={tp} ({} padding rows at the end); padded rows are masked and padded logits are dropped",
@@ -98,7 +98,7 @@ fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
             count,
             replicable: true,
             ..
-        } if tp > *count && tp % count == 0 => {
+        } if tp > *count && tp.is_multiple_of(*count) => {
             add(format!(
                 "{count} key/value heads for tp={tp}: each kv head is replicated on {} ranks",
                 tp / count

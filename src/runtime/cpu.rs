@@ -7,6 +7,7 @@ use super::backend::{
     Segment, WeightUse,
 };
 use super::fastmath;
+use super::kernels::Kernels;
 use super::packed::PackedMatrix;
 use super::rope::{self, RopeTables};
 use super::simd::with_avx2;
@@ -28,6 +29,8 @@ pub struct CpuBackend {
     pub team: Team,
     /// Linear weights kept as bf16 panels (half the bytes; f32 accumulation).
     pub bf16_linears: bool,
+    /// The linear kernels' instruction-set variant.
+    pub kernels: Kernels,
 }
 
 impl CpuBackend {
@@ -42,7 +45,14 @@ impl CpuBackend {
             threads: threads.max(1),
             team: Team::pinned(threads, cores),
             bf16_linears: false,
+            kernels: Kernels::detect(),
         }
+    }
+
+    /// The same backend running its linears with `kernels`.
+    pub fn with_kernels(mut self, kernels: Kernels) -> CpuBackend {
+        self.kernels = kernels;
+        self
     }
 
     /// The same backend storing linear weights as bf16 (`true`) or f32.
@@ -273,7 +283,7 @@ impl Backend for CpuBackend {
                 w.k
             )));
         }
-        Ok(w.matmul(x, &self.team))
+        Ok(w.matmul_with(self.kernels, x, &self.team))
     }
 
     fn bias_add(&self, x: &mut Tensor, bias: &CpuWeight) -> BackendResult<()> {
@@ -313,7 +323,7 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &Tensor, w: &CpuWeight, group: usize, eps: f32) -> BackendResult<Tensor> {
         let w = &w.dense()?.data;
         let group = group.max(1);
-        if x.cols() % group != 0 || w.len() != group {
+        if !x.cols().is_multiple_of(group) || w.len() != group {
             return Err(shape_err(format!(
                 "RMSNorm over groups of {group} with {} scales on rows of {}",
                 w.len(),
@@ -450,7 +460,7 @@ impl Backend for CpuBackend {
             && kcols % d == 0
             && kcols == vcols
             && kcols > 0
-            && (qcols / d) % (kcols / d) == 0
+            && (qcols / d).is_multiple_of(kcols / d)
             && k.rows_cols().0 == rows
             && v.rows_cols().0 == rows;
         if !ok {
@@ -515,7 +525,7 @@ impl Backend for CpuBackend {
 
     fn unfuse(&self, x: &Tensor, block: usize, offset: usize, len: usize) -> BackendResult<Tensor> {
         let n = x.cols();
-        if block == 0 || offset + len > block || n % block != 0 {
+        if block == 0 || offset + len > block || !n.is_multiple_of(block) {
             return Err(shape_err(format!(
                 "columns {offset}..{} of blocks of {block} from rows of {n}",
                 offset + len
@@ -530,7 +540,7 @@ impl Backend for CpuBackend {
 
     fn column_block(&self, x: &Tensor, k: usize, parts: usize) -> BackendResult<Tensor> {
         let n = x.cols();
-        if parts == 0 || n % parts != 0 || k >= parts {
+        if parts == 0 || !n.is_multiple_of(parts) || k >= parts {
             return Err(shape_err(format!(
                 "column block {k} of {parts} from rows of {n}"
             )));
@@ -542,7 +552,7 @@ impl Backend for CpuBackend {
 
     fn rows_to_rank_major(&self, x: &Tensor, parts: usize) -> BackendResult<Tensor> {
         let n = x.cols();
-        if parts == 0 || n % parts != 0 {
+        if parts == 0 || !n.is_multiple_of(parts) {
             return Err(shape_err(format!("rows of {n} into {parts} parts")));
         }
         let mut out = pool::empty(x.data.len());

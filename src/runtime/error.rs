@@ -11,6 +11,9 @@ pub enum RunError {
     #[error("{0}")]
     Plan(#[from] crate::plan::PlanError),
 
+    #[error(transparent)]
+    Kernel(#[from] crate::runtime::kernels::KernelError),
+
     #[error("checkpoint `{path}`: {problem}")]
     CheckpointFile { path: PathBuf, problem: String },
 

@@ -651,6 +651,6 @@ fn unfuse_block(groups: &Groups, part: usize, n: usize) -> Option<(usize, usize,
         usize::try_from(offset).ok()?,
         usize::try_from(len).ok()?,
     );
-    (offset.checked_add(len)? <= block && block > 0 && n % block == 0)
+    (offset.checked_add(len)? <= block && block > 0 && n.is_multiple_of(block))
         .then_some((block, offset, len))
 }

@@ -7,6 +7,7 @@ use super::backend::Backend;
 use super::collectives::Collectives;
 use super::error::{Result, RunError};
 use super::executor::{OutputRows, RankExecutor};
+use super::kernels::{Isa, LinearKernels};
 use super::sampling::{pick, Rng, Sampling};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
@@ -53,6 +54,8 @@ impl ComputeDtype {
 #[derive(Clone)]
 pub struct RunOptions {
     pub dtype: ComputeDtype,
+    /// The linear kernels' variant (`--isa`); `None`: the best this host runs.
+    pub isa: Option<Isa>,
     /// New tokens per sequence unless its request says otherwise.
     pub max_new_tokens: usize,
     pub sampling: Sampling,
@@ -80,6 +83,7 @@ impl std::fmt::Debug for RunOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RunOptions")
             .field("dtype", &self.dtype)
+            .field("isa", &self.isa)
             .field("max_new_tokens", &self.max_new_tokens)
             .field("sampling", &self.sampling)
             .field("eos", &self.eos)
@@ -101,6 +105,7 @@ impl Default for RunOptions {
             eos: vec![],
             threads_per_rank: 0,
             profile: false,
+            isa: None,
             all_prompt_logits: true,
             pin_threads: false,
             warmup: 0,
@@ -143,6 +148,8 @@ pub struct BatchOutput {
     pub weight_bytes: u64,
     /// Rank 0's time per op kind (seconds, calls), largest first, when profiled.
     pub profile: Vec<(String, f64, u64)>,
+    /// The linear kernels the CPU ranks ran (set by the CPU launcher).
+    pub linear_kernels: Option<LinearKernels>,
 }
 
 /// `tokens` over `seconds` (0 for no tokens).
@@ -487,6 +494,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         collective_bytes: exec.collective_bytes - bytes_before,
         weight_bytes: 0,
         profile: Vec::new(),
+        linear_kernels: None,
     })
 }
 
@@ -510,5 +518,8 @@ pub fn render_profile(out: &BatchOutput) -> String {
         "{:<16} {total:>10.4} (prefill {:.4} s + decode {:.4} s wall)",
         "all ops", out.prefill_seconds, out.decode_seconds
     );
+    if let Some(k) = out.linear_kernels {
+        let _ = writeln!(s, "linear kernels: {k}");
+    }
     s
 }

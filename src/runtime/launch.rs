@@ -12,6 +12,7 @@ use super::error::{Result, RunError};
 use super::generate::{
     check_requests, rank_runtime, BatchOutput, Request, RunOptions, SequenceOutput,
 };
+use super::kernels::Kernels;
 use super::weights::WeightSource;
 use crate::plan::Plan;
 
@@ -146,6 +147,7 @@ pub fn run_batch(
     }
     let threads = threads_per_rank(opts, tp);
     let bf16 = opts.dtype.bf16_linears(plan);
+    let kernels = Kernels::select(opts.isa)?;
     let make = |rank: usize| -> Result<CpuBackend> {
         let placement = if opts.pin_threads {
             affinity::placement(rank, threads)
@@ -155,12 +157,16 @@ pub fn run_batch(
         if let Some(Some(core)) = placement.first() {
             affinity::pin_current_thread(*core);
         }
-        Ok(CpuBackend::pinned(threads, &placement).with_bf16_linears(bf16))
+        Ok(CpuBackend::pinned(threads, &placement)
+            .with_bf16_linears(bf16)
+            .with_kernels(kernels))
     };
     let comms = local_group(tp);
-    launch_threads(plan, weights, comms, &make, &|rt| {
+    let mut out = launch_threads(plan, weights, comms, &make, &|rt| {
         rt.generate(requests, opts)
-    })
+    })?;
+    out.linear_kernels = Some(kernels.linear_kernels(bf16));
+    Ok(out)
 }
 
 /// [`run_batch`] for one prompt: its tokens and prompt logits.

@@ -1,16 +1,22 @@
-//! Linear weights packed once at load time into panels of 16 output columns, `[n/16][k][16]`,
-//! kept as bf16 bits or f32, and the GEMM / GEMV that multiply activations by them.
+//! Linear weights packed once at load time into panels of 16 output columns, kept as bf16
+//! bits or f32 (layouts in `kernels/mod.rs`), and the GEMM / GEMV that multiply activations
+//! by them with the kernel variant chosen at run time.
 //!
 //! Why packed: every kernel then reads a weight panel front to back, contiguous, which is what
 //! both the memory-bound decode GEMV and the cache-blocked prefill GEMM want; and a bf16 panel
 //! is widened to f32 one cache-sized block at a time instead of the whole matrix.
 //!
-//! Prefill GEMM (BLIS order): activations are packed into 6-row panels per block of `KC`
-//! steps; each thread owns a range of weight panels, widens `KC × 16` of one into L1 and runs
-//! the 6×16 micro-kernel against every activation panel of the block (which stays in L2).
+//! Prompt GEMM, f32 products (`portable`, `avx2`, `avx512`, and f32 weights everywhere), in
+//! BLIS order: activations are packed into 6-row panels per block of `KC` steps; each thread
+//! takes a range of weight panels, widens `KC × 16` of one into L1 and runs the tile kernel
+//! against every activation panel of the block (which stays in L2).
+//!
+//! Prompt GEMM, bf16 products (`avx512bf16`, `amx`, bf16 weights): activations are rounded
+//! once to bf16 rows; each thread takes pairs of weight panels (kept in L2) and runs the tile
+//! kernel over the whole depth for every block of rows.
 
 use super::error::{Result, RunError};
-use super::microkernel::{widen, Kernels, MR, NR};
+use super::kernels::{widen, Isa, Kernels, PanelValue, BF16_K_ALIGN, MR, NR};
 use super::team::{SyncPtr, Team};
 use super::tensor::Tensor;
 use super::weights::{Piece, SliceLayout, StoredTensor, WeightSource};
@@ -22,11 +28,15 @@ use rayon::prelude::*;
 const KC: usize = 256;
 /// Activation rows per block: `MC·KC` f32 (144 KiB) stays in L2.
 const MC: usize = 144;
+/// Rows per block of the bf16 products: `MC_BF16 · k` bf16 activations stay in L2.
+const MC_BF16: usize = 192;
 /// Work chunks per team member: enough for late members to even out, few enough that each
 /// chunk still streams a long run of weights.
 const CHUNKS_PER_MEMBER: usize = 8;
 /// Rows at or below which the GEMV path (weights read once, no packing of `x`) is used.
 pub const GEMV_MAX_ROWS: usize = 4;
+/// The largest edge tile of the f32 GEMM (`Kernels::f32_tile_rows`).
+const MAX_TILE_ROWS: usize = 2 * MR;
 
 #[derive(Debug, Clone, PartialEq)]
 enum Panels {
@@ -56,37 +66,31 @@ impl PackedMatrix {
             WeightOrder::InOut => w.data[p * n + j],
         };
         // One panel per task: a 1B-parameter model packs in parallel at load time.
-        fn fill<T: Send>(
-            out: &mut [T],
+        fn fill<T: PanelValue + Default>(
             n: usize,
             k: usize,
             value: impl Fn(usize, usize) -> T + Sync,
-        ) {
+        ) -> Vec<T> {
+            let mut out = vec![T::default(); n.div_ceil(NR) * T::panel_len(k)];
             // A weight with no inputs has empty panels (and chunks of zero are not allowed).
             if k == 0 {
-                return;
+                return out;
             }
-            out.par_chunks_mut(k * NR)
+            out.par_chunks_mut(T::panel_len(k))
                 .enumerate()
                 .for_each(|(q, panel)| {
                     for j in q * NR..n.min(q * NR + NR) {
                         for p in 0..k {
-                            panel[p * NR + j % NR] = value(j, p);
+                            panel[T::slot(p, j % NR)] = value(j, p);
                         }
                     }
                 });
+            out
         }
-        let len = n.div_ceil(NR) * k * NR;
         let panels = if bf16 {
-            let mut bits = vec![0u16; len];
-            fill(&mut bits, n, k, |j, p| {
-                half::bf16::from_f32(at(j, p)).to_bits()
-            });
-            Panels::Bf16(bits)
+            Panels::Bf16(fill(n, k, |j, p| half::bf16::from_f32(at(j, p)).to_bits()))
         } else {
-            let mut vals = vec![0f32; len];
-            fill(&mut vals, n, k, at);
-            Panels::F32(vals)
+            Panels::F32(fill(n, k, at))
         };
         PackedMatrix { n, k, panels }
     }
@@ -110,7 +114,10 @@ impl PackedMatrix {
         };
         let len = n
             .div_ceil(NR)
-            .checked_mul(k)
+            .checked_mul(
+                k.checked_next_multiple_of(BF16_K_ALIGN)
+                    .unwrap_or(usize::MAX),
+            )
             .and_then(|v| v.checked_mul(NR))
             .ok_or_else(|| RunError::BadInstruction {
                 name: w.tensor.to_string(),
@@ -122,10 +129,12 @@ impl PackedMatrix {
             stored: src.stored(&w.tensor)?,
             layout: &layout,
         };
+        // `len` bounds both layouts (bf16 pads the steps, f32 does not).
+        let _ = len;
         let panels = if bf16 {
-            Panels::Bf16(fill_panels(&reader, order, n, k, len)?)
+            Panels::Bf16(fill_panels(&reader, order, n, k)?)
         } else {
-            Panels::F32(fill_panels(&reader, order, n, k, len)?)
+            Panels::F32(fill_panels(&reader, order, n, k)?)
         };
         src.release(&w.tensor);
         Ok(PackedMatrix { n, k, panels })
@@ -139,12 +148,17 @@ impl PackedMatrix {
         }
     }
 
+    /// Whether the panels hold bf16.
+    pub fn is_bf16(&self) -> bool {
+        matches!(self.panels, Panels::Bf16(_))
+    }
+
     /// Element `(j, p)`: output column `j`, input `p`, as f32.
     pub fn get(&self, j: usize, p: usize) -> f32 {
-        let i = (j / NR) * self.k * NR + p * NR + j % NR;
+        let (q, jj) = (j / NR, j % NR);
         match &self.panels {
-            Panels::Bf16(v) => widen(v[i]),
-            Panels::F32(v) => v[i],
+            Panels::Bf16(v) => widen(v[q * u16::panel_len(self.k) + u16::slot(p, jj)]),
+            Panels::F32(v) => v[q * f32::panel_len(self.k) + f32::slot(p, jj)],
         }
     }
 
@@ -152,7 +166,8 @@ impl PackedMatrix {
         self.n.div_ceil(NR)
     }
 
-    /// `x [.., k] · Wᵀ` → `[.., n]`, f32 accumulation, on the members of `team`.
+    /// `x [.., k] · Wᵀ` → `[.., n]`, f32 accumulation, on the members of `team`, with the
+    /// best kernels of this host.
     pub fn matmul(&self, x: &Tensor, team: &Team) -> Tensor {
         self.matmul_with(Kernels::detect(), x, team)
     }
@@ -171,10 +186,6 @@ impl PackedMatrix {
         if m == 0 || self.n == 0 {
             return out;
         }
-        let mut packed_x = PACKED_ROWS.take();
-        if m > GEMV_MAX_ROWS {
-            pack_rows(&x.data, m, k, &mut packed_x);
-        }
         let panels = self.panel_count();
         // Small products are not worth waking a second thread.
         let threads = if self.n * k * m.min(8) < 1 << 16 {
@@ -183,25 +194,59 @@ impl PackedMatrix {
             team.size().min(panels)
         };
         let dst = SyncPtr(out.data.as_mut_ptr());
-        // Members take chunks of panels as they come free rather than fixed halves, so a
-        // member that starts late or is preempted (this machine has noisy neighbours) does
-        // less instead of making the others wait for it.
-        let chunk = panels.div_ceil(threads * CHUNKS_PER_MEMBER).max(1);
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let work = |_member: usize| loop {
-            let start = next.fetch_add(chunk, std::sync::atomic::Ordering::Relaxed);
-            if start >= panels {
-                break;
-            }
-            let range = start..(start + chunk).min(panels);
-            if m > GEMV_MAX_ROWS {
-                self.gemm_panels(kernels, &packed_x, m, range, dst)
-            } else {
-                self.gemv_panels(kernels, &x.data, m, range, dst)
-            }
+        let gemv = m <= GEMV_MAX_ROWS;
+        let variant = if gemv {
+            kernels.gemv_variant(self.is_bf16())
+        } else {
+            kernels.gemm_variant(self.is_bf16())
         };
-        team.run_on(threads, &work);
-        PACKED_ROWS.set(packed_x);
+        if let (Panels::Bf16(w), true) = (&self.panels, variant.bf16_activations()) {
+            let mut xb = BF16_ROWS.take();
+            let lda = self.k.next_multiple_of(BF16_K_ALIGN);
+            // AMX reads whole 16-row tiles: the rows past m are zeros.
+            let rows = if variant == Isa::Amx {
+                m.next_multiple_of(16)
+            } else {
+                m
+            };
+            xb.clear();
+            xb.resize(rows * lda, 0);
+            for (src, dst) in x.data.chunks_exact(k).zip(xb.chunks_exact_mut(lda)) {
+                kernels.round_to_bf16(src, &mut dst[..k]);
+            }
+            let bf16 = Bf16Product {
+                w,
+                n: self.n,
+                k,
+                a: &xb,
+                lda,
+                m,
+                dst,
+            };
+            if gemv {
+                run_chunks(team, threads, panels, 1, &|range| bf16.gemv(kernels, range));
+            } else {
+                let blocks = m.div_ceil(MC_BF16);
+                run_chunks(team, threads, panels, blocks, &|range| {
+                    bf16.gemm(kernels, variant, range)
+                });
+            }
+            BF16_ROWS.set(xb);
+            return out;
+        }
+        if gemv {
+            run_chunks(team, threads, panels, 1, &|range| {
+                self.gemv_panels(kernels, &x.data, m, range.panels, dst)
+            });
+        } else {
+            let mut packed_x = PACKED_ROWS.take();
+            let group = kernels.f32_tile_rows();
+            pack_rows(&x.data, m, k, group, &mut packed_x);
+            run_chunks(team, threads, panels, 1, &|range| {
+                self.gemm_panels(kernels, &packed_x, m, range.panels, dst)
+            });
+            PACKED_ROWS.set(packed_x);
+        }
         out
     }
 
@@ -217,7 +262,6 @@ impl PackedMatrix {
         let k = self.k;
         for q in range {
             let cols = NR.min(self.n - q * NR);
-            let panel = q * k * NR..(q + 1) * k * NR;
             let mut rows = [[0f32; NR]; GEMV_MAX_ROWS];
             let mut done = 0;
             while done < m {
@@ -227,8 +271,14 @@ impl PackedMatrix {
                     ($r:literal) => {{
                         let out: &mut [[f32; NR]; $r] = (&mut rows[..$r]).try_into().unwrap();
                         match &self.panels {
-                            Panels::Bf16(v) => kernels.gemv::<$r, _>(xs, k, &v[panel.clone()], out),
-                            Panels::F32(v) => kernels.gemv::<$r, _>(xs, k, &v[panel.clone()], out),
+                            Panels::Bf16(v) => {
+                                let len = u16::panel_len(k);
+                                kernels.gemv::<$r, _>(xs, k, &v[q * len..(q + 1) * len], k, out)
+                            }
+                            Panels::F32(v) => {
+                                let len = f32::panel_len(k);
+                                kernels.gemv::<$r, _>(xs, k, &v[q * len..(q + 1) * len], k, out)
+                            }
                         }
                     }};
                 }
@@ -261,36 +311,44 @@ impl PackedMatrix {
         dst: SyncPtr,
     ) {
         let (n, k) = (self.n, self.k);
-        let m_panels = m.div_ceil(MR);
-        let mut widened = vec![0f32; KC * NR];
-        let mut edge = [0f32; MR * NR];
+        let group = kernels.f32_tile_rows();
+        let m_panels = m.div_ceil(group) * (group / MR);
+        let mut widened = vec![0f32; (KC + 1) * NR];
+        let mut edge = [0f32; MAX_TILE_ROWS * NR];
         for mb in (0..m_panels).step_by(MC / MR) {
             let mb_end = (mb + MC / MR).min(m_panels);
             for k0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - k0);
                 let a_block = &a[k0 * m_panels * MR..(k0 + kc) * m_panels * MR];
                 for q in range.clone() {
-                    let start = q * k * NR + k0 * NR;
                     let b: &[f32] = match &self.panels {
-                        Panels::F32(v) => &v[start..start + kc * NR],
+                        Panels::F32(v) => {
+                            let start = q * f32::panel_len(k) + k0 * NR;
+                            &v[start..start + kc * NR]
+                        }
                         Panels::Bf16(v) => {
-                            kernels.widen_bf16(&v[start..start + kc * NR], &mut widened);
+                            // k0 is even, so the block starts on a pair row; an odd kc
+                            // widens the zero step after it too.
+                            let start = q * u16::panel_len(k) + k0 * NR;
+                            let len = kc.next_multiple_of(2) * NR;
+                            kernels.widen_pairs(&v[start..start + len], &mut widened);
                             &widened[..kc * NR]
                         }
                     };
                     let cols = NR.min(n - q * NR);
-                    for mp in mb..mb_end {
-                        let rows = MR.min(m - mp * MR);
-                        let ap = &a_block[mp * MR * kc..(mp + 1) * MR * kc];
+                    for mp in (mb..mb_end).step_by(group / MR) {
+                        let rows = group.min(m - mp * MR);
+                        let ap = &a_block[mp * MR * kc..(mp * MR + group) * kc];
                         let accumulate = k0 > 0;
-                        // SAFETY: `ap` holds kc·MR and `b` kc·NR values. A full tile writes
-                        // rows mp·MR.. +MR and columns q·NR.. +NR of the m×n output, inside
-                        // it and owned by this thread (panel q); a partial tile goes through
-                        // `edge` and copies back only the rows and columns that exist.
+                        // SAFETY: `ap` holds kc·group and `b` kc·NR values. A full tile
+                        // writes rows mp·MR.. +group and columns q·NR.. +NR of the m×n
+                        // output, inside it and owned by this thread (panel q); a partial
+                        // tile goes through `edge` and copies back only the rows and
+                        // columns that exist.
                         unsafe {
                             let o = dst.0.add(mp * MR * n + q * NR);
-                            if rows == MR && cols == NR {
-                                kernels.tile_6x16(kc, ap.as_ptr(), b.as_ptr(), o, n, accumulate);
+                            if rows == group && cols == NR {
+                                kernels.tile_f32(kc, ap.as_ptr(), b.as_ptr(), o, n, accumulate);
                             } else {
                                 for r in 0..rows {
                                     std::ptr::copy_nonoverlapping(
@@ -300,7 +358,7 @@ impl PackedMatrix {
                                     );
                                 }
                                 let e = edge.as_mut_ptr();
-                                kernels.tile_6x16(kc, ap.as_ptr(), b.as_ptr(), e, NR, accumulate);
+                                kernels.tile_f32(kc, ap.as_ptr(), b.as_ptr(), e, NR, accumulate);
                                 for r in 0..rows {
                                     std::ptr::copy_nonoverlapping(
                                         e.add(r * NR),
@@ -317,9 +375,223 @@ impl PackedMatrix {
     }
 }
 
+/// One work item: weight panels `panels` for row block `block` (of `MC_BF16` rows).
+struct Chunk {
+    panels: std::ops::Range<usize>,
+    block: usize,
+}
+
+/// Runs `work` over `blocks` row blocks × chunks of `panels` (an even number each, so the
+/// bf16 tiles get panel pairs) on `threads` members, block-major: members take chunks as
+/// they come free rather than fixed halves, so a member that starts late or is preempted
+/// (this machine has noisy neighbours) does less instead of making the others wait for it.
+fn run_chunks(
+    team: &Team,
+    threads: usize,
+    panels: usize,
+    blocks: usize,
+    work: &(dyn Fn(Chunk) + Sync),
+) {
+    let chunk = panels
+        .div_ceil(threads * CHUNKS_PER_MEMBER)
+        .max(1)
+        .next_multiple_of(2);
+    let per_block = panels.div_ceil(chunk);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    team.run_on(threads, &|_member| loop {
+        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if i >= per_block * blocks {
+            break;
+        }
+        let start = (i % per_block) * chunk;
+        work(Chunk {
+            panels: start..(start + chunk).min(panels),
+            block: i / per_block,
+        });
+    });
+}
+
+/// A product of bf16 activation rows by bf16 panels (the `avx512bf16` and `amx` variants).
+struct Bf16Product<'a> {
+    w: &'a [u16],
+    n: usize,
+    k: usize,
+    /// Rounded activations, `[rows][lda]`, zero past `k` (and past `m` for AMX).
+    a: &'a [u16],
+    lda: usize,
+    m: usize,
+    dst: SyncPtr,
+}
+
+impl Bf16Product<'_> {
+    fn panel(&self, q: usize) -> &[u16] {
+        let len = u16::panel_len(self.k);
+        &self.w[q * len..(q + 1) * len]
+    }
+
+    /// Decode rows through `vdpbf16ps`, one panel at a time.
+    fn gemv(&self, kernels: Kernels, chunk: Chunk) {
+        let (m, k, lda) = (self.m, self.k, self.lda);
+        for q in chunk.panels {
+            let cols = NR.min(self.n - q * NR);
+            let mut rows = [[0f32; NR]; GEMV_MAX_ROWS];
+            let panel = self.panel(q);
+            let mut done = 0;
+            while done < m {
+                let r = (m - done).min(GEMV_MAX_ROWS);
+                let xs = &self.a[done * lda..];
+                macro_rules! run {
+                    ($r:literal) => {{
+                        let out: &mut [[f32; NR]; $r] = (&mut rows[..$r]).try_into().unwrap();
+                        kernels.gemv_bf16x::<$r>(xs, lda, panel, k, out)
+                    }};
+                }
+                match r {
+                    1 => run!(1),
+                    2 => run!(2),
+                    3 => run!(3),
+                    _ => run!(4),
+                }
+                for (i, row) in rows[..r].iter().enumerate() {
+                    // SAFETY: row `done + i` < m, columns q·NR .. + cols ≤ n: inside the
+                    // output, and only this thread writes panel q's columns.
+                    unsafe {
+                        let o = self.dst.at((done + i) * self.n + q * NR);
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), o, cols);
+                    }
+                }
+                done += r;
+            }
+        }
+    }
+
+    /// Rows of block `chunk.block` × panels `chunk.panels` (taken in pairs).
+    fn gemm(&self, kernels: Kernels, variant: Isa, chunk: Chunk) {
+        let rows = chunk.block * MC_BF16..((chunk.block + 1) * MC_BF16).min(self.m);
+        #[cfg(target_arch = "x86_64")]
+        if variant == Isa::Amx {
+            return self.gemm_amx(rows, chunk.panels);
+        }
+        let _ = variant;
+        let pairs = self.k.div_ceil(2);
+        for q in chunk.panels.clone().step_by(2) {
+            let two = q + 1 < chunk.panels.end;
+            let last_cols = NR.min(self.n - (q + two as usize) * NR);
+            let b0 = self.panel(q).as_ptr();
+            let b1 = if two { self.panel(q + 1).as_ptr() } else { b0 };
+            let mut r0 = rows.start;
+            while r0 < rows.end {
+                let r = (rows.end - r0).min(12);
+                // SAFETY: rows r0.. r0 + r < m of `a` hold 2·pairs ≤ lda values; the panels
+                // hold `pairs` pair rows; the tile writes rows r0.. + r and the columns of
+                // panels q (and q + 1) that exist, owned by this thread.
+                unsafe {
+                    let a = self.a.as_ptr().add(r0 * self.lda);
+                    let c = self.dst.at(r0 * self.n + q * NR);
+                    macro_rules! tile {
+                        ($r:literal) => {
+                            if two {
+                                kernels.tile_bf16::<$r, 2>(
+                                    a,
+                                    self.lda,
+                                    [b0, b1],
+                                    pairs,
+                                    c,
+                                    self.n,
+                                    last_cols,
+                                )
+                            } else {
+                                kernels.tile_bf16::<$r, 1>(
+                                    a,
+                                    self.lda,
+                                    [b0],
+                                    pairs,
+                                    c,
+                                    self.n,
+                                    last_cols,
+                                )
+                            }
+                        };
+                    }
+                    match r {
+                        1 => tile!(1),
+                        2 => tile!(2),
+                        3 => tile!(3),
+                        4 => tile!(4),
+                        5 => tile!(5),
+                        6 => tile!(6),
+                        7 => tile!(7),
+                        8 => tile!(8),
+                        9 => tile!(9),
+                        10 => tile!(10),
+                        11 => tile!(11),
+                        _ => tile!(12),
+                    }
+                }
+                r0 += r;
+            }
+        }
+    }
+
+    /// AMX: 32 × 32 blocks (16-row and 16-column ones at the edges); a block that reaches
+    /// past the output is stored into a scratch block and copied back in part.
+    #[cfg(target_arch = "x86_64")]
+    fn gemm_amx(&self, rows: std::ops::Range<usize>, panels: std::ops::Range<usize>) {
+        use super::kernels::AmxTiles;
+        let kblocks = self.lda / BF16_K_ALIGN;
+        let mut scratch = [0f32; 32 * 32];
+        // SAFETY: `Kernels` holds `Isa::Amx` only where the host supports it.
+        let tiles = unsafe { AmxTiles::configure() };
+        for q in panels.clone().step_by(2) {
+            let two = q + 1 < panels.end;
+            let cols = (self.n - q * NR).min(if two { 2 * NR } else { NR });
+            let b0 = self.panel(q).as_ptr();
+            let b1 = if two { self.panel(q + 1).as_ptr() } else { b0 };
+            for r0 in rows.clone().step_by(32) {
+                // `a` has whole 16-row tiles of zeros past m.
+                let r16 = if self.m.next_multiple_of(16) - r0 >= 32 {
+                    2
+                } else {
+                    1
+                };
+                let valid = (self.m - r0).min(16 * r16);
+                let direct = valid == 16 * r16 && cols == if two { 2 * NR } else { NR };
+                // SAFETY: `a` holds r0 + 16·r16 rows (rows rounded up to 16) of lda =
+                // 32·kblocks values; each panel kblocks tiles of 1 KiB; the block is stored
+                // into the output only where it lies inside it (rows r0.. + valid, this
+                // thread's panels), else into `scratch` (32 × 32).
+                unsafe {
+                    let a = self.a.as_ptr().add(r0 * self.lda);
+                    let (c, ldc) = if direct {
+                        (self.dst.at(r0 * self.n + q * NR), self.n)
+                    } else {
+                        (scratch.as_mut_ptr(), 32)
+                    };
+                    match (r16, two) {
+                        (2, true) => tiles.block::<2, 2>(a, self.lda, [b0, b1], kblocks, c, ldc),
+                        (2, false) => tiles.block::<2, 1>(a, self.lda, [b0], kblocks, c, ldc),
+                        (_, true) => tiles.block::<1, 2>(a, self.lda, [b0, b1], kblocks, c, ldc),
+                        (_, false) => tiles.block::<1, 1>(a, self.lda, [b0], kblocks, c, ldc),
+                    }
+                    if !direct {
+                        for r in 0..valid {
+                            std::ptr::copy_nonoverlapping(
+                                scratch.as_ptr().add(r * 32),
+                                self.dst.at((r0 + r) * self.n + q * NR),
+                                cols,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        drop(tiles);
+    }
+}
+
 /// What a panel holds: bf16 bits or f32, made from stored bytes or from an f32 value
 /// exactly as [`PackedMatrix::pack`] makes it.
-trait PanelElem: Copy + Default + Send + Sync {
+trait PanelElem: PanelValue + Default {
     fn from_stored(s: &StoredTensor, from: usize, out: &mut [Self]) -> Result<()>;
     fn from_f32(v: f32) -> Self;
 }
@@ -388,57 +660,55 @@ impl Reader<'_> {
     }
 }
 
-/// The `[n/16][k][16]` panels of an `n × k` weight (`len` elements), one panel per task.
+/// The panels of an `n × k` weight (layout of `T`), one panel per task.
 fn fill_panels<T: PanelElem>(
     reader: &Reader,
     order: WeightOrder,
     n: usize,
     k: usize,
-    len: usize,
 ) -> Result<Vec<T>> {
+    let len = n.div_ceil(NR) * T::panel_len(k);
     let mut out = vec![T::default(); len];
     if len == 0 {
         return Ok(out);
     }
-    out.par_chunks_mut(k * NR).enumerate().try_for_each_init(
-        || (Vec::<T>::new(), Vec::<f32>::new()),
-        |(rows, f32s), (q, panel)| {
-            let cols = NR.min(n - q * NR);
-            match order {
-                // 16 stored rows of k, then transposed into the panel a 16 × 16 tile at a
-                // time (both sides of a tile stay in L1).
-                WeightOrder::OutIn => {
-                    rows.resize(cols * k, T::default());
-                    for (jj, row) in rows.chunks_exact_mut(k).enumerate() {
-                        reader.row(q * NR + jj, 0, row, f32s)?;
-                    }
-                    for p0 in (0..k).step_by(NR) {
-                        let w = NR.min(k - p0);
-                        let mut tile = [[T::default(); NR]; NR];
-                        for (jj, row) in rows.chunks_exact(k).enumerate() {
-                            for (t, &v) in tile.iter_mut().zip(&row[p0..p0 + w]) {
-                                t[jj] = v;
+    out.par_chunks_mut(T::panel_len(k))
+        .enumerate()
+        .try_for_each_init(
+            || (Vec::<T>::new(), Vec::<f32>::new()),
+            |(rows, f32s), (q, panel)| {
+                let cols = NR.min(n - q * NR);
+                match order {
+                    // 16 stored rows of k, then transposed into the panel a 16 × 16 tile at
+                    // a time (both sides of a tile stay in L1).
+                    WeightOrder::OutIn => {
+                        rows.resize(cols * k, T::default());
+                        for (jj, row) in rows.chunks_exact_mut(k).enumerate() {
+                            reader.row(q * NR + jj, 0, row, f32s)?;
+                        }
+                        for p0 in (0..k).step_by(NR) {
+                            let w = NR.min(k - p0);
+                            for (jj, row) in rows.chunks_exact(k).enumerate() {
+                                for (pp, &v) in row[p0..p0 + w].iter().enumerate() {
+                                    panel[T::slot(p0 + pp, jj)] = v;
+                                }
                             }
                         }
-                        let dst = &mut panel[p0 * NR..(p0 + w) * NR];
-                        for (d, t) in dst.chunks_exact_mut(NR).zip(&tile) {
-                            // A fixed-size copy (no memcpy call): chunks are NR long.
-                            if let Ok(d) = <&mut [T; NR]>::try_from(d) {
-                                *d = *t;
+                    }
+                    // Stored `[k, n]`: each row's 16 columns are one run.
+                    WeightOrder::InOut => {
+                        rows.resize(cols, T::default());
+                        for p in 0..k {
+                            reader.row(p, q * NR, rows, f32s)?;
+                            for (jj, &v) in rows.iter().enumerate() {
+                                panel[T::slot(p, jj)] = v;
                             }
                         }
                     }
                 }
-                // Stored `[k, n]`: each row's 16 columns are one run of the panel.
-                WeightOrder::InOut => {
-                    for p in 0..k {
-                        reader.row(p, q * NR, &mut panel[p * NR..p * NR + cols], f32s)?;
-                    }
-                }
-            }
-            Ok::<(), RunError>(())
-        },
-    )?;
+                Ok::<(), RunError>(())
+            },
+        )?;
     Ok(out)
 }
 
@@ -446,19 +716,21 @@ thread_local! {
     /// The packed activations of the last GEMM on this thread, kept so that the next one
     /// reuses the memory instead of faulting in fresh pages (a prompt's rows are megabytes).
     static PACKED_ROWS: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// The same for the bf16 activation rows of the bf16 products.
+    static BF16_ROWS: std::cell::Cell<Vec<u16>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// `x [m, k]` → for each block of `KC` steps, `m/MR` panels `[kc][MR]` (rows past `m` zero),
-/// into `out` (resized).
-fn pack_rows(x: &[f32], m: usize, k: usize, out: &mut Vec<f32>) {
-    let m_panels = m.div_ceil(MR);
+/// `x [m, k]` → for each block of `KC` steps, panels `[kc][MR]` for `m` rounded up to
+/// `group` rows (rows past `m` zero), into `out` (resized).
+fn pack_rows(x: &[f32], m: usize, k: usize, group: usize, out: &mut Vec<f32>) {
+    let m_panels = m.div_ceil(group) * (group / MR);
     out.clear();
     out.resize(m_panels * MR * k, 0.0);
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
         let block = &mut out[k0 * m_panels * MR..(k0 + kc) * m_panels * MR];
         for (mp, panel) in block.chunks_exact_mut(MR * kc).enumerate() {
-            for r in 0..MR.min(m - mp * MR) {
+            for r in 0..MR.min(m.saturating_sub(mp * MR)) {
                 let row = &x[(mp * MR + r) * k + k0..(mp * MR + r) * k + k0 + kc];
                 for (p, &v) in row.iter().enumerate() {
                     panel[p * MR + r] = v;
@@ -472,14 +744,37 @@ fn pack_rows(x: &[f32], m: usize, k: usize, out: &mut Vec<f32>) {
 mod tests {
     use super::*;
 
-    fn reference(x: &Tensor, w: &PackedMatrix) -> Vec<f64> {
+    /// The f64 product, with `x` rounded to bf16 first when `round`.
+    fn reference(x: &Tensor, w: &PackedMatrix, round: bool) -> Vec<f64> {
         let (m, k) = x.rows_cols();
+        let xv = |i: usize| {
+            let v = x.data[i];
+            if round {
+                crate::runtime::kernels::widen(crate::runtime::kernels::round_bf16(v))
+            } else {
+                v
+            }
+        };
         (0..m * w.n)
             .map(|i| {
                 let (r, j) = (i / w.n, i % w.n);
                 (0..k)
-                    .map(|p| x.data[r * k + p] as f64 * w.get(j, p) as f64)
+                    .map(|p| xv(r * k + p) as f64 * w.get(j, p) as f64)
                     .sum()
+            })
+            .collect()
+    }
+
+    /// Every variant this host runs; the others are printed, not counted.
+    fn host_variants() -> Vec<Kernels> {
+        Isa::ALL
+            .into_iter()
+            .filter_map(|isa| match Kernels::unchecked(isa) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    eprintln!("NOT RUN on this host: kernel variant {isa}: {e}");
+                    None
+                }
             })
             .collect()
     }
@@ -502,15 +797,17 @@ mod tests {
                 .collect(),
         );
         let packed = PackedMatrix::pack(&w, order, bf16);
-        let want = reference(&x, &packed);
-        for kernels in [Kernels::detect(), Kernels::portable()] {
+        for kernels in host_variants() {
+            let round = bf16 && kernels.isa().bf16_activations();
+            let want = reference(&x, &packed, round);
             for threads in [1, 2, 3] {
                 let got = packed.matmul_with(kernels, &x, &Team::new(threads));
                 assert_eq!(got.shape, vec![m, packed.n]);
                 for (i, (a, b)) in got.data.iter().zip(&want).enumerate() {
+                    let isa = kernels.isa();
                     assert!(
                         (*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()) * (k as f64).sqrt(),
-                        "m={m} n={n} k={k} bf16={bf16} threads={threads} at {i}: {a} vs {b}"
+                        "{isa}: m={m} n={n} k={k} bf16={bf16} threads={threads} at {i}: {a} vs {b}"
                     );
                 }
             }
@@ -532,6 +829,13 @@ mod tests {
             (7, 513, 96),
             (13, 48, 257),
             (150, 40, 300),
+            // The bf16 tiles: 12-row dpbf16 tiles, 16/32-row AMX blocks with partial rows
+            // and panels, odd panel counts, depths across 32-step blocks, row blocks of 192.
+            (12, 16, 31),
+            (16, 32, 64),
+            (25, 100, 33),
+            (33, 47, 70),
+            (200, 80, 96),
         ] {
             for bf16 in [false, true] {
                 check(m, n, k, bf16, WeightOrder::OutIn);
@@ -558,7 +862,8 @@ mod tests {
         // 1 + 2⁻⁸ is halfway between bf16 neighbours 1 and 1 + 2⁻⁷: ties go to even (1).
         assert_eq!(p.get(0, 0), 1.0);
         assert_eq!(p.get(0, 1), 1.0 + 4.0 / 256.0);
-        assert_eq!(p.bytes(), 16 * 2 * 2);
+        // One panel of 16 columns, the 2 steps padded to one 32-step block, 2 bytes each.
+        assert_eq!(p.bytes(), 16 * 32 * 2);
     }
 }
 

@@ -66,7 +66,7 @@ pub fn rank_groups(world: u64, tp: u64, pp: u64, dp: u64) -> Result<RankGroups, 
         return Err(RankGroupsError::TooLarge { world });
     }
     let per_replica = tp.checked_mul(pp).and_then(|x| x.checked_mul(dp));
-    let Some(per_replica) = per_replica.filter(|&n| world % n == 0) else {
+    let Some(per_replica) = per_replica.filter(|&n| world.is_multiple_of(n)) else {
         let per_replica = per_replica.unwrap_or(u64::MAX);
         return Err(RankGroupsError::NotDivisible {
             world,

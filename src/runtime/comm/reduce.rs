@@ -206,7 +206,7 @@ mod tests {
                 for c in 0..n {
                     let r = chunk_range(len, n, c);
                     assert_eq!(r.start, next, "len {len} n {n} chunk {c}");
-                    assert!(r.start % CHUNK_ALIGN == 0 || r.is_empty());
+                    assert!(r.start.is_multiple_of(CHUNK_ALIGN) || r.is_empty());
                     next = r.end;
                 }
                 assert_eq!(next, len, "len {len} n {n}");

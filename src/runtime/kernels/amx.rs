@@ -1,0 +1,127 @@
+//! AMX-BF16 prompt GEMM tiles, through `asm!` (the AMX intrinsics are unstable).
+//!
+//! One block is up to 32 rows × 32 columns: C in tmm0..3 (rows 0/16 × panels 0/1), A rows in
+//! tmm4/5, weight panels in tmm6/7; every tile is 16 rows × 64 bytes (one configuration for
+//! all). A k-block is 32 steps: A tile = 16 rows × 32 bf16 activations, B tile = 16 pair
+//! rows × 16 columns × 2 of a weight panel — the panel's own layout, 1 KiB contiguous.
+
+use super::{BF16_K_ALIGN, NR};
+use std::arch::asm;
+use std::marker::PhantomData;
+
+/// The 64-byte tile configuration (palette 1).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// This thread's tiles, configured for [`AmxTiles::block`]; released when dropped. Not
+/// `Send`: the configuration belongs to the thread that loaded it.
+pub struct AmxTiles {
+    _thread: PhantomData<*const ()>,
+}
+
+impl AmxTiles {
+    /// # Safety
+    /// The host has AMX-BF16 and the process was granted the tile state
+    /// ([`super::Isa::Amx`] is supported).
+    pub unsafe fn configure() -> AmxTiles {
+        let mut cfg = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for t in 0..8 {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = 16;
+        }
+        asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly, preserves_flags));
+        AmxTiles {
+            _thread: PhantomData,
+        }
+    }
+
+    /// `c[16·R16 rows][16·P cols] = a · w` over `kblocks` blocks of 32 steps: `a` rows are
+    /// `lda` bf16 apart (zero past the depth), `b` are weight panels, `c` rows `ldc` f32
+    /// apart.
+    ///
+    /// # Safety
+    /// `a` holds `16·R16` rows of `32·kblocks` values; each `b` `kblocks` tiles of 1 KiB;
+    /// `c` is valid for `16·R16` rows of `16·P` values.
+    pub unsafe fn block<const R16: usize, const P: usize>(
+        &self,
+        a: *const u16,
+        lda: usize,
+        b: [*const u16; P],
+        kblocks: usize,
+        c: *mut f32,
+        ldc: usize,
+    ) {
+        let (sa, sb, sc) = (lda * 2, 64usize, ldc * 4);
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nomem, nostack, preserves_flags)
+        );
+        let a1 = a.add(16 * lda);
+        for t in 0..kblocks {
+            let (ka, kb) = (t * BF16_K_ALIGN, t * BF16_K_ALIGN * NR);
+            asm!("tileloadd tmm4, [{p} + {s}*1]", p = in(reg) a.add(ka), s = in(reg) sa, options(nostack, readonly, preserves_flags));
+            if R16 == 2 {
+                asm!("tileloadd tmm5, [{p} + {s}*1]", p = in(reg) a1.add(ka), s = in(reg) sa, options(nostack, readonly, preserves_flags));
+            }
+            asm!("tileloadd tmm6, [{p} + {s}*1]", p = in(reg) b[0].add(kb), s = in(reg) sb, options(nostack, readonly, preserves_flags));
+            if P == 2 {
+                asm!("tileloadd tmm7, [{p} + {s}*1]", p = in(reg) b[P - 1].add(kb), s = in(reg) sb, options(nostack, readonly, preserves_flags));
+            }
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                options(nomem, nostack, preserves_flags)
+            );
+            if P == 2 {
+                asm!(
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    options(nomem, nostack, preserves_flags)
+                );
+            }
+            if R16 == 2 {
+                asm!(
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    options(nomem, nostack, preserves_flags)
+                );
+                if P == 2 {
+                    asm!(
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        options(nomem, nostack, preserves_flags)
+                    );
+                }
+            }
+        }
+        asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) c, s = in(reg) sc, options(nostack, preserves_flags));
+        if P == 2 {
+            asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) c.add(NR), s = in(reg) sc, options(nostack, preserves_flags));
+        }
+        if R16 == 2 {
+            let c1 = c.add(16 * ldc);
+            asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) c1, s = in(reg) sc, options(nostack, preserves_flags));
+            if P == 2 {
+                asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) c1.add(NR), s = in(reg) sc, options(nostack, preserves_flags));
+            }
+        }
+    }
+}
+
+impl Drop for AmxTiles {
+    fn drop(&mut self) {
+        // SAFETY: the tiles were configured by this thread (`configure`), so AMX exists.
+        unsafe { asm!("tilerelease", options(nomem, nostack, preserves_flags)) };
+    }
+}

@@ -1,0 +1,88 @@
+//! AVX512-BF16 kernels: `vdpbf16ps` multiplies 16 column pairs of a weight pair row by one
+//! broadcast pair of bf16 activations and adds both products to 16 f32 sums.
+
+use super::NR;
+use std::arch::x86_64::*;
+
+#[inline(always)]
+unsafe fn weights(p: *const u16) -> __m512bh {
+    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const __m512i))
+}
+
+/// The bf16 pair at `p` in every 32-bit lane.
+#[inline(always)]
+unsafe fn pair(p: *const u16) -> __m512bh {
+    std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32((p as *const i32).read_unaligned()))
+}
+
+/// `R` rows × `P` panels of 16 columns over the whole depth; at most 12 × 2 = 24 of the 32
+/// zmm registers accumulate.
+///
+/// # Safety
+/// As [`super::Kernels::tile_bf16`], on a CPU with AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub unsafe fn tile<const R: usize, const P: usize>(
+    a: *const u16,
+    lda: usize,
+    b: [*const u16; P],
+    pairs: usize,
+    c: *mut f32,
+    ldc: usize,
+    last_cols: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    for i in 0..pairs {
+        let w: [__m512bh; P] = std::array::from_fn(|q| weights(b[q].add(i * 2 * NR)));
+        for (r, row) in acc.iter_mut().enumerate() {
+            let x = pair(a.add(r * lda + 2 * i));
+            for (s, &wq) in row.iter_mut().zip(&w) {
+                *s = _mm512_dpbf16_ps(*s, x, wq);
+            }
+        }
+    }
+    let mask: __mmask16 = if last_cols >= NR {
+        0xFFFF
+    } else {
+        (1u16 << last_cols) - 1
+    };
+    for (r, row) in acc.iter().enumerate() {
+        for (q, &v) in row.iter().enumerate() {
+            let dst = c.add(r * ldc + q * NR);
+            if q + 1 == P {
+                _mm512_mask_storeu_ps(dst, mask, v);
+            } else {
+                _mm512_storeu_ps(dst, v);
+            }
+        }
+    }
+}
+
+/// Decode rows: `R` bf16 rows against one panel; two sums per row (even and odd pair rows)
+/// so one row still has two chains in flight.
+///
+/// # Safety
+/// AVX512-BF16; `x` holds `R` rows of `2·pairs` values `ldx` apart; `panel` `pairs` pair
+/// rows.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub unsafe fn gemv<const R: usize>(
+    x: &[u16],
+    ldx: usize,
+    panel: &[u16],
+    pairs: usize,
+    out: &mut [[f32; NR]; R],
+) {
+    let (xp, w) = (x.as_ptr(), panel.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    for i in 0..pairs {
+        let ahead = (w as *const i8).wrapping_add(i * 4 * NR + super::avx2::PREFETCH_BYTES);
+        _mm_prefetch::<_MM_HINT_T0>(ahead);
+        let wv = weights(w.add(i * 2 * NR));
+        for (r, a) in acc.iter_mut().enumerate() {
+            let s = &mut a[i & 1];
+            *s = _mm512_dpbf16_ps(*s, pair(xp.add(r * ldx + 2 * i)), wv);
+        }
+    }
+    for (a, o) in acc.iter().zip(out.iter_mut()) {
+        _mm512_storeu_ps(o.as_mut_ptr(), _mm512_add_ps(a[0], a[1]));
+    }
+}

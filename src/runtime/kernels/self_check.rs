@@ -1,0 +1,99 @@
+//! The start-up self-check a variant passes before it is used: small products through its
+//! prompt GEMM and decode GEMV, for both weight types, against an f64 reference of the same
+//! (rounded, where the variant rounds) operands. A wrong result here means a kernel bug or a
+//! CPU/OS that misreports a feature: the variant is then not used.
+
+use super::{round_bf16, widen, Kernels};
+use crate::ir::WeightOrder;
+use crate::runtime::packed::PackedMatrix;
+use crate::runtime::team::Team;
+use crate::runtime::tensor::Tensor;
+use std::cmp::Ordering::{Equal, Less};
+
+/// Shapes across the GEMV limit and every tile edge: 37 rows (12-, 16- and 32-row tiles all
+/// partial), 40 columns (a partial panel), 70 steps (a partial 32-step block, odd pairs).
+const SHAPES: [(usize, usize, usize); 3] = [(37, 40, 70), (3, 40, 71), (1, 16, 64)];
+
+pub fn passed(kernels: Kernels) -> Result<(), String> {
+    let team = Team::new(1);
+    compare(kernels, |w, x| w.matmul_with(kernels, x, &team))
+}
+
+/// `product` against the reference of `kernels`' rounding, on every shape and weight type.
+fn compare(
+    kernels: Kernels,
+    product: impl Fn(&PackedMatrix, &Tensor) -> Tensor,
+) -> Result<(), String> {
+    for (m, n, k) in SHAPES {
+        let x = Tensor::new(
+            vec![m, k],
+            (0..m * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                .collect(),
+        );
+        let w = Tensor::new(
+            vec![n, k],
+            (0..n * k)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 97.0)
+                .collect(),
+        );
+        for bf16 in [false, true] {
+            let packed = PackedMatrix::pack(&w, WeightOrder::OutIn, bf16);
+            let got = product(&packed, &x);
+            let round = bf16 && kernels.isa().bf16_activations();
+            for (i, &g) in got.data.iter().enumerate() {
+                let (r, j) = (i / n, i % n);
+                let want: f64 = (0..k)
+                    .map(|p| {
+                        let xv = x.data[r * k + p];
+                        let xv = if round { widen(round_bf16(xv)) } else { xv };
+                        xv as f64 * packed.get(j, p) as f64
+                    })
+                    .sum();
+                let bound = 1e-5 * (1.0 + want.abs()) * (k as f64).sqrt();
+                // A NaN result compares as None: it fails too.
+                let err = (g as f64 - want).abs();
+                if !matches!(err.partial_cmp(&bound), Some(Less | Equal)) {
+                    return Err(format!(
+                        "{m}×{n}×{k} product with {} weights: element ({r}, {j}) is {g}, \
+                         expected {want}",
+                        if bf16 { "bf16" } else { "f32" }
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::kernels::Isa;
+
+    #[test]
+    fn every_host_variant_passes_and_a_wrong_product_fails() {
+        for isa in Isa::ALL {
+            match Kernels::unchecked(isa) {
+                Ok(k) => assert_eq!(passed(k), Ok(()), "{isa}"),
+                Err(e) => eprintln!("NOT RUN on this host: {isa}: {e}"),
+            }
+        }
+        let k = Kernels::portable();
+        let team = Team::new(1);
+        // One element off by less than a bf16 ulp of the result (~5), and a NaN: both fail.
+        let nudged = compare(k, |w, x| {
+            let mut y = w.matmul_with(k, x, &team);
+            y.data[5] += 1e-2;
+            y
+        });
+        assert!(nudged.unwrap_err().contains("element (0, 5)"));
+        let nan = compare(k, |w, x| {
+            let mut y = w.matmul_with(k, x, &team);
+            let last = y.data.len() - 1;
+            y.data[last] = f32::NAN;
+            y
+        });
+        assert!(nan.unwrap_err().contains("is NaN"));
+    }
+}
