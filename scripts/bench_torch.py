@@ -2,11 +2,12 @@
 """Prefill and decode speed of Hugging Face transformers (torch, CPU) on one checkpoint.
 
 The workload is the one `scripts/bench_vs_torch.sh` gives `tpc run`: batch 1, a fixed
-prompt of PROMPT_LEN token ids, ``(i * 7919) % 32000`` for i in 0..128, then NEW_TOKENS greedy
+prompt of --prompt-len token ids (default 128), ``(i * 7919) % 32000``, then NEW_TOKENS greedy
 new tokens (argmax, no eos).
 
-* prefill tokens/s = 128 / wall time of one forward of the prompt with ``use_cache=True``
-  (logits for every prompt position, as `tpc run` computes them);
+* prefill tokens/s = prompt length / wall time of one forward of the prompt with
+  ``use_cache=True`` and ``logits_to_keep=1`` (the last position's logits only, as HF's
+  ``generate`` and `tpc run` compute them);
 * decode tokens/s = 15 / wall time of the 15 single-token forwards (each with
   the KV cache, followed by the argmax) after the first new token, which is picked
   from the prefill logits. `tpc run` times exactly these steps.
@@ -69,7 +70,7 @@ def generate(model, ids: list[int], n_new: int) -> tuple[list[int], float, float
     """Greedy generation; returns (tokens, prefill seconds, decode seconds)."""
     x = torch.tensor([ids], dtype=torch.long)
     t0 = time.perf_counter()
-    out = model(input_ids=x, use_cache=True)
+    out = model(input_ids=x, use_cache=True, logits_to_keep=1)
     t1 = time.perf_counter()
     past = cache_of(out)
     tok = out.logits[0, -1].argmax()
@@ -87,12 +88,15 @@ def generate(model, ids: list[int], n_new: int) -> tuple[list[int], float, float
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="HF checkpoint directory")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt ids (default 128)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     a = ap.parse_args()
+    global PROMPT_LEN
+    PROMPT_LEN = a.prompt_len
 
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)

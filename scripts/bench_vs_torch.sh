@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Side-by-side CPU benchmark: `tpc run` against Hugging Face transformers (torch) on the same
 # checkpoint (random weights, TinyLlama-1.1B's shape, bf16, sharded; scripts/make_bench_model.py),
-# the same prompt (128 ids, (i * 7919) % 32000) and 16 greedy new tokens at batch 1.
+# the same prompt (PROMPT_LEN ids, default 128, (i * 7919) % 32000) and 16 greedy new tokens at
+# batch 1.
 #
 #   scripts/bench_vs_torch.sh                       # ROUNDS=2, REPS=3, THREADS=nproc
 #   ROUNDS=3 TPS="1 2" scripts/bench_vs_torch.sh
+#   PROMPT_LEN=512 scripts/bench_vs_torch.sh
 #   TPC_DTYPES="bf16" TORCH_TIMEOUT=3600 TPC_TIMEOUT=1800 scripts/bench_vs_torch.sh
 #   BASELINE_BIN=/path/to/older/tpc scripts/bench_vs_torch.sh   # before/after in one run
 #
@@ -44,6 +46,7 @@ TORCH_DTYPES=${TORCH_DTYPES:-"bfloat16 float32"}
 DEFAULT_MODEL=target/bench-model/tinyllama-1.1b-random
 MODEL=${MODEL:-$DEFAULT_MODEL} # another checkpoint: used as it is, never (re)written
 NEW_TOKENS=16
+PROMPT_LEN=${PROMPT_LEN:-128}
 TORCH_TIMEOUT=${TORCH_TIMEOUT:-1800}
 TPC_TIMEOUT=${TPC_TIMEOUT:-900}
 BIN=target/release/tpc
@@ -69,7 +72,7 @@ elif [ ! -f "$MODEL/config.json" ]; then
     exit 1
 fi
 
-IDS=$(python3 -c "print(','.join(str((i * 7919) % 32000) for i in range(128)))")
+IDS=$(python3 -c "print(','.join(str((i * 7919) % 32000) for i in range($PROMPT_LEN)))")
 
 if [ -z "${TPC_DTYPES+x}" ]; then
     if "$BIN" run --help 2>/dev/null | grep -q -- '--dtype'; then TPC_DTYPES="f32 bf16"; else TPC_DTYPES=""; fi
@@ -196,7 +199,7 @@ run_one() { # LABEL ROUND TIMEOUT CMD...
 for ((r = 1; r <= ROUNDS; r++)); do
     for dt in $TORCH_DTYPES; do
         run_one "torch $dt" "$r" "$TORCH_TIMEOUT" \
-            python3 scripts/bench_torch.py "$MODEL" --dtype "$dt" --threads "$THREADS" --reps "$REPS" --new-tokens "$NEW_TOKENS"
+            python3 scripts/bench_torch.py "$MODEL" --dtype "$dt" --threads "$THREADS" --reps "$REPS" --new-tokens "$NEW_TOKENS" --prompt-len "$PROMPT_LEN"
     done
     for tp in $TPS; do
         tpr=$((THREADS / tp))
@@ -220,8 +223,8 @@ printf '{"kind":"meta","end":"%s","uptime_end":"%s"}\n' "$(date -u +%FT%TZ)" "$(
 rm -f "$OUT/last.out" "$OUT/last.err"
 
 # 5. the table
-python3 - "$RAW" "$MODEL" "$NEW_TOKENS" <<'PY' | tee "$OUT/table.txt"
-import json, struct, sys
+PROMPT_LEN=$PROMPT_LEN python3 - "$RAW" "$MODEL" "$NEW_TOKENS" <<'PY' | tee "$OUT/table.txt"
+import json, os, struct, sys
 from pathlib import Path
 
 raw, model, n_new = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
@@ -319,7 +322,7 @@ if loads:
     print(f"      1-min load average at the start of each run: min {min(loads):.2f}, max {max(loads):.2f} "
           f"({meta.get('nproc')} cores; our own runs count for up to {meta.get('threads')})")
 print(f"model: {model} ({total:,} parameters; {per_token:,} read per decoded token = all but the embedding table)")
-print("workload: batch 1, 128 prompt ids (i*7919)%32000, 16 greedy new tokens; decode tok/s = 15 / time of the 15 steps after the first token")
+print(f"workload: batch 1, {os.environ.get('PROMPT_LEN', '128')} prompt ids (i*7919)%32000, 16 greedy new tokens; decode tok/s = 15 / time of the 15 steps after the first token")
 for b in bws:
     x = b["result"]
     print(f"read bandwidth ({b['when']}, {x['threads']} thr, load {b['load1']}): best {x['best_gb_per_s']:.2f} GB/s, "

@@ -268,13 +268,20 @@ fn isa_forces_a_kernel_variant_or_says_why_it_cannot() {
                 let k = &v["linear_kernels"];
                 assert_eq!(k["isa"], isa.name(), "{v}");
                 // bf16 weights: amx runs prompts on tiles and decode rows on vdpbf16ps.
-                let gemv = if isa == Isa::Amx { "avx512bf16" } else { isa.name() };
+                let gemv = if isa == Isa::Amx {
+                    "avx512bf16"
+                } else {
+                    isa.name()
+                };
                 assert_eq!(k["prompt_gemm"], isa.name(), "{v}");
                 assert_eq!(k["decode_gemv"], gemv, "{v}");
             }
             Err(_) => {
                 let e = fails(&o);
-                assert!(e.contains(&format!("--isa {isa}")) && e.contains("runs"), "{e}");
+                assert!(
+                    e.contains(&format!("--isa {isa}")) && e.contains("runs"),
+                    "{e}"
+                );
                 eprintln!("NOT RUN on this host: --isa {isa}");
             }
         }

@@ -1,10 +1,12 @@
-//! `tpc bench-gemm`: the linear kernels on a model's shapes, side by side in one run —
-//! packed bf16 and packed f32 (ours) against the `gemm` crate on f32 — with the machine's
-//! read bandwidth measured in the same run (the bound of the one-row case).
+//! `tpc bench-gemm`: the linear kernels on a model's shapes, side by side in one run — every
+//! kernel variant this host runs, packed bf16 and packed f32, against the `gemm` crate on
+//! f32 — with the bounds measured in the same run: each variant's arithmetic peak (a loop of
+//! its multiply-add instruction) for prompt rows, the read bandwidth for decode rows.
 
 use std::time::{Duration, Instant};
 use tpc::ir::WeightOrder;
 use tpc::runtime::cpu::gemm_f32;
+use tpc::runtime::kernels::{peak_flops, Isa, Kernels};
 use tpc::runtime::packed::PackedMatrix;
 use tpc::runtime::team::Team;
 use tpc::runtime::tensor::Tensor;
@@ -27,6 +29,9 @@ pub struct Args {
     /// the last-level cache, as in decode, where every weight comes from memory.
     #[arg(long, default_value_t = 512)]
     sweep_mib: usize,
+    /// Kernel variants to measure (default: every one this host runs).
+    #[arg(long, value_delimiter = ',', value_parser = super::parse_isa)]
+    isa: Vec<Isa>,
 }
 
 fn parse_shape(s: &str) -> anyhow::Result<(usize, usize)> {
@@ -77,11 +82,42 @@ fn read_bandwidth(threads: usize, budget: f64) -> f64 {
     (values.len() * 4) as f64 / t.as_secs_f64()
 }
 
+/// The CPU's model name and the flags of the instruction sets the kernels use.
+fn host_line() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    let flags = field("flags");
+    let wanted = [
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512_bf16",
+        "amx_tile",
+        "amx_bf16",
+    ];
+    let have: Vec<&str> = wanted
+        .into_iter()
+        .filter(|w| flags.split_whitespace().any(|f| f == *w))
+        .collect();
+    format!("host: {}; flags: {}", field("model name"), have.join(" "))
+}
+
 pub fn execute(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(a.threads >= 1, "--threads must be at least 1");
     anyhow::ensure!(
         a.rows.iter().all(|&m| (1..=1 << 16).contains(&m)),
         "--rows must be 1..=65536"
+    );
+    anyhow::ensure!(
+        a.seconds.is_finite() && (0.0..=60.0).contains(&a.seconds),
+        "--seconds must be 0..=60"
     );
     let shapes: Vec<(usize, usize)> = a
         .shapes
@@ -91,10 +127,46 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         shapes
             .iter()
-            .all(|&(n, k)| n >= 1 && k >= 1 && n * k <= 1 << 28),
+            .all(|&(n, k)| n >= 1 && k >= 1 && n.checked_mul(k).is_some_and(|e| e <= 1 << 28)),
         "--shapes must be positive and at most 2^28 elements"
     );
+    let isas = if a.isa.is_empty() {
+        Isa::ALL
+            .into_iter()
+            .filter(|i| i.host_support().is_ok())
+            .collect()
+    } else {
+        a.isa.clone()
+    };
+    let kernels: Vec<Kernels> = isas
+        .iter()
+        .map(|&i| Kernels::select(Some(i)))
+        .collect::<Result<_, _>>()?;
     let team = Team::new(a.threads);
+    println!("{}", host_line());
+    let not_run: Vec<&str> = Isa::ALL
+        .into_iter()
+        .filter(|i| i.host_support().is_err())
+        .map(Isa::name)
+        .collect();
+    if !not_run.is_empty() {
+        println!("variants this host cannot run: {}", not_run.join(", "));
+    }
+    let peaks: Vec<(Isa, Option<f64>)> = Isa::ALL
+        .into_iter()
+        .filter(|i| isas.contains(i) || kernels.iter().any(|k| k.gemm_variant(false) == *i))
+        .map(|i| (i, peak_flops(i, a.threads, a.seconds.min(0.3))))
+        .collect();
+    let peak_of = |isa: Isa| peaks.iter().find(|p| p.0 == isa).and_then(|p| p.1);
+    println!(
+        "peak, {} thread(s), a loop of each variant's multiply-add: {}",
+        a.threads,
+        peaks
+            .iter()
+            .filter_map(|(i, p)| p.map(|p| format!("{i} {:.0} GF/s", p / 1e9)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let bw = read_bandwidth(a.threads, a.seconds);
     println!(
         "read bandwidth, {} thread(s): {:.1} GB/s; {} thread(s) per product, best of {:.1} s each",
@@ -104,8 +176,8 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         a.seconds
     );
     println!(
-        "{:>5} {:>11} | {:>20} | {:>20} | {:>14} | {:>8} {:>8}",
-        "rows", "out x in", "packed bf16", "packed f32", "gemm crate f32", "bf16/ref", "f32/ref"
+        "{:>5} {:>11} {:>10} | {:>33} | {:>33} | {:>10}",
+        "rows", "out x in", "--isa", "packed bf16 (kernel)", "packed f32 (kernel)", "gemm crate"
     );
     for &(n, k) in &shapes {
         let w = Tensor::new(
@@ -124,12 +196,6 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                     .collect(),
             );
             let flops = 2.0 * (m * n * k) as f64;
-            let t_bf16 = best(a.seconds, || {
-                std::hint::black_box(bf16.matmul(&x, &team));
-            });
-            let t_f32 = best(a.seconds, || {
-                std::hint::black_box(f32w.matmul(&x, &team));
-            });
             let mut out = vec![0f32; m * n];
             let t_ref = best(a.seconds, || {
                 gemm_f32(
@@ -142,29 +208,53 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 );
                 std::hint::black_box(&out);
             });
-            // Decode reads every weight once: report GB/s; prefill computes: GFLOP/s.
-            let cell = |t: Duration, bytes: usize| {
+            // Decode reads every weight once: GB/s against the read bandwidth; a prompt
+            // computes: GFLOP/s against the peak of the variant that ran.
+            let cell = |t: Duration, bytes: usize, ran: Isa| {
                 let s = t.as_secs_f64();
-                if m <= 4 {
-                    format!("{:>7.1} µs {:>5.1} GB/s", s * 1e6, bytes as f64 / s / 1e9)
+                if m <= tpc::runtime::packed::GEMV_MAX_ROWS {
+                    let gbs = bytes as f64 / s;
+                    format!(
+                        "{:>7.1} µs {:>5.1} GB/s {:>3.0}% bw {:<6}",
+                        s * 1e6,
+                        gbs / 1e9,
+                        100.0 * gbs / bw,
+                        short(ran)
+                    )
                 } else {
-                    format!("{:>7.2} ms {:>4.0} GF/s", s * 1e3, flops / s / 1e9)
+                    let pct = peak_of(ran).map_or("   -".into(), |p| {
+                        format!("{:>3.0}%", 100.0 * flops / s / p)
+                    });
+                    format!(
+                        "{:>7.2} ms {:>5.0} GF/s {pct} pk {:<6}",
+                        s * 1e3,
+                        flops / s / 1e9,
+                        short(ran)
+                    )
                 }
             };
-            println!(
-                "{:>5} {:>11} | {:>20} | {:>20} | {:>14} | {:>7.2}× {:>7.2}×",
-                m,
-                format!("{n}x{k}"),
-                cell(t_bf16, n * k * 2),
-                cell(t_f32, n * k * 4),
-                cell(t_ref, n * k * 4)
-                    .split_whitespace()
-                    .take(2)
-                    .collect::<Vec<_>>()
-                    .join(" "),
-                t_ref.as_secs_f64() / t_bf16.as_secs_f64(),
-                t_ref.as_secs_f64() / t_f32.as_secs_f64(),
-            );
+            for &kern in &kernels {
+                let t_bf16 = best(a.seconds, || {
+                    std::hint::black_box(bf16.matmul_with(kern, &x, &team));
+                });
+                let t_f32 = best(a.seconds, || {
+                    std::hint::black_box(f32w.matmul_with(kern, &x, &team));
+                });
+                let (ran_bf16, ran_f32) = if m <= tpc::runtime::packed::GEMV_MAX_ROWS {
+                    (kern.gemv_variant(true), kern.gemv_variant(false))
+                } else {
+                    (kern.gemm_variant(true), kern.gemm_variant(false))
+                };
+                println!(
+                    "{:>5} {:>11} {:>10} | {} | {} | {:>7.2} ms",
+                    m,
+                    format!("{n}x{k}"),
+                    kern.isa().name(),
+                    cell(t_bf16, n * k * 2, ran_bf16),
+                    cell(t_f32, n * k * 4, ran_f32),
+                    t_ref.as_secs_f64() * 1e3,
+                );
+            }
         }
     }
     if a.sweep_mib > 0 {
@@ -183,17 +273,28 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .collect();
         let bytes: usize = mats.iter().map(PackedMatrix::bytes).sum();
         let x = Tensor::new(vec![1, k], vec![0.5; k]);
-        let t = best(a.seconds, || {
-            for m in &mats {
-                std::hint::black_box(m.matmul(&x, &team));
-            }
-        });
-        let gbs = bytes as f64 / t.as_secs_f64() / 1e9;
-        println!(
-            "cold sweep: one row through {count} distinct {n}x{k} bf16 weights ({} MiB): {gbs:.1} GB/s = {:.2}x the read bandwidth",
-            bytes >> 20,
-            gbs / (bw / 1e9)
-        );
+        for &kern in &kernels {
+            let t = best(a.seconds, || {
+                for m in &mats {
+                    std::hint::black_box(m.matmul_with(kern, &x, &team));
+                }
+            });
+            let gbs = bytes as f64 / t.as_secs_f64() / 1e9;
+            println!(
+                "cold sweep, --isa {}: one row through {count} distinct {n}x{k} bf16 weights ({} MiB): {gbs:.1} GB/s = {:.2}x the read bandwidth",
+                kern.isa(),
+                bytes >> 20,
+                gbs / (bw / 1e9)
+            );
+        }
     }
     Ok(())
+}
+
+/// A variant's name in a table cell.
+fn short(isa: Isa) -> &'static str {
+    match isa {
+        Isa::Avx512Bf16 => "bf16dp",
+        i => i.name(),
+    }
 }

@@ -93,7 +93,7 @@ pub struct ExecArgs {
     pub isa: Option<tpc::runtime::kernels::Isa>,
 }
 
-fn parse_isa(s: &str) -> Result<tpc::runtime::kernels::Isa, String> {
+pub fn parse_isa(s: &str) -> Result<tpc::runtime::kernels::Isa, String> {
     s.parse()
         .map_err(|e: tpc::runtime::kernels::KernelError| e.to_string())
 }

@@ -211,8 +211,18 @@ impl PackedMatrix {
             };
             xb.clear();
             xb.resize(rows * lda, 0);
-            for (src, dst) in x.data.chunks_exact(k).zip(xb.chunks_exact_mut(lda)) {
-                kernels.round_to_bf16(src, &mut dst[..k]);
+            for (r, src) in x.data.chunks_exact(k).enumerate() {
+                if variant == Isa::Amx {
+                    // Tile (r / 16, t) holds row r's steps t·32.. at row r % 16.
+                    let kblocks = lda / BF16_K_ALIGN;
+                    for (t, part) in src.chunks(BF16_K_ALIGN).enumerate() {
+                        let at =
+                            ((r / 16) * kblocks + t) * 16 * BF16_K_ALIGN + (r % 16) * BF16_K_ALIGN;
+                        kernels.round_to_bf16(part, &mut xb[at..at + part.len()]);
+                    }
+                } else {
+                    kernels.round_to_bf16(src, &mut xb[r * lda..r * lda + k]);
+                }
             }
             let bf16 = Bf16Product {
                 w,
@@ -416,7 +426,8 @@ struct Bf16Product<'a> {
     w: &'a [u16],
     n: usize,
     k: usize,
-    /// Rounded activations, `[rows][lda]`, zero past `k` (and past `m` for AMX).
+    /// Rounded activations, zero past `k`: `[m][lda]`, or for AMX 16-row × 32-step tiles
+    /// (`[rows/16][lda/32][16][32]`, rows rounded up to 16, zero past `m`).
     a: &'a [u16],
     lda: usize,
     m: usize,
@@ -537,7 +548,7 @@ impl Bf16Product<'_> {
     /// past the output is stored into a scratch block and copied back in part.
     #[cfg(target_arch = "x86_64")]
     fn gemm_amx(&self, rows: std::ops::Range<usize>, panels: std::ops::Range<usize>) {
-        use super::kernels::AmxTiles;
+        use super::kernels::{AmxTiles, AMX_TILE};
         let kblocks = self.lda / BF16_K_ALIGN;
         let mut scratch = [0f32; 32 * 32];
         // SAFETY: `Kernels` holds `Isa::Amx` only where the host supports it.
@@ -556,22 +567,22 @@ impl Bf16Product<'_> {
                 };
                 let valid = (self.m - r0).min(16 * r16);
                 let direct = valid == 16 * r16 && cols == if two { 2 * NR } else { NR };
-                // SAFETY: `a` holds r0 + 16·r16 rows (rows rounded up to 16) of lda =
-                // 32·kblocks values; each panel kblocks tiles of 1 KiB; the block is stored
+                // SAFETY: `a` holds the row tiles of rows r0.. + 16·r16 (rows rounded up
+                // to 16), kblocks tiles each; each panel kblocks tiles of 1 KiB; the block is stored
                 // into the output only where it lies inside it (rows r0.. + valid, this
                 // thread's panels), else into `scratch` (32 × 32).
                 unsafe {
-                    let a = self.a.as_ptr().add(r0 * self.lda);
+                    let a = self.a.as_ptr().add((r0 / 16) * kblocks * AMX_TILE);
                     let (c, ldc) = if direct {
                         (self.dst.at(r0 * self.n + q * NR), self.n)
                     } else {
                         (scratch.as_mut_ptr(), 32)
                     };
                     match (r16, two) {
-                        (2, true) => tiles.block::<2, 2>(a, self.lda, [b0, b1], kblocks, c, ldc),
-                        (2, false) => tiles.block::<2, 1>(a, self.lda, [b0], kblocks, c, ldc),
-                        (_, true) => tiles.block::<1, 2>(a, self.lda, [b0, b1], kblocks, c, ldc),
-                        (_, false) => tiles.block::<1, 1>(a, self.lda, [b0], kblocks, c, ldc),
+                        (2, true) => tiles.block::<2, 2>(a, [b0, b1], kblocks, c, ldc),
+                        (2, false) => tiles.block::<2, 1>(a, [b0], kblocks, c, ldc),
+                        (_, true) => tiles.block::<1, 2>(a, [b0, b1], kblocks, c, ldc),
+                        (_, false) => tiles.block::<1, 1>(a, [b0], kblocks, c, ldc),
                     }
                     if !direct {
                         for r in 0..valid {

@@ -25,8 +25,11 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
 mod detect;
+mod peak;
 mod portable;
 mod self_check;
+
+pub use peak::peak_flops;
 
 pub use detect::{host, HostFeatures};
 
@@ -347,7 +350,7 @@ impl Kernels {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub use amx::AmxTiles;
+pub use amx::{AmxTiles, TILE as AMX_TILE};
 
 /// The variants a run's linears used: the one chosen, and what ran prompt products and
 /// decode products for the weights' type.
