@@ -88,7 +88,7 @@ def generate(model, ids: list[int], n_new: int) -> tuple[list[int], float, float
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="HF checkpoint directory")
-    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt ids (default 128)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt ids (default 128)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (default 3)")

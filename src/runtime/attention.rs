@@ -1,11 +1,14 @@
-//! Causal attention of a block of queries over a KV cache, one (query row, head) pair per
-//! work item, spread over the rank's team. Each item keeps one row of scores (the keys it
-//! may see), never a `[t, n]` matrix per head. Keys are first transposed to `[hk][d][n]`
-//! so that a row of scores is `d` contiguous multiply-adds over the keys (8 wide, no
-//! horizontal sums); values are read as they are, one contiguous row per key.
+//! Causal attention of a block of queries over a KV cache, spread over the rank's team.
+//!
+//! A prompt (more than `DIRECT_MAX_ROWS` queries): keys are first transposed to
+//! `[hk][d][n]`; a work item is a block of `QB` query rows of one head, which keeps `QB` rows
+//! of scores and computes them `LANES` keys at a time with `QB × LANES` sums in registers
+//! (each key vector loaded once for `QB` rows), then the outputs `LANES` columns at a time
+//! the same way (each value row loaded once for `QB` rows). A decode step (a few queries):
+//! one (query row, head) per item, reading the cache as it is.
 
 use super::fastmath::exp;
-use super::simd::with_avx2;
+use super::simd::{with_avx2, with_widest};
 use super::team::{SyncPtr, Team};
 use super::tensor::{pool, Tensor};
 
@@ -13,6 +16,8 @@ use super::tensor::{pool, Tensor};
 const LANES: usize = 32;
 /// Query rows up to which keys are read in place rather than transposed first.
 const DIRECT_MAX_ROWS: usize = 4;
+/// Query rows per work item of a prompt: `QB × LANES` sums stay in 16 zmm registers.
+const QB: usize = 8;
 
 /// Dot product with eight partial sums, so that it vectorises.
 #[inline(always)]
@@ -71,6 +76,30 @@ pub fn causal_attention(
                 kt[c * np + j] = x;
             }
         }
+    }
+    if transpose {
+        let blocked = Blocked {
+            q,
+            kt: &kt,
+            v,
+            d,
+            group,
+            n,
+            np,
+            scale,
+        };
+        let blocks = t.div_ceil(QB) * heads;
+        team.run_on(members, &|member| {
+            with_widest(|| {
+                let mut scores = pool::take(QB * np);
+                for w in (member..blocks).step_by(members) {
+                    blocked.item(w / heads, w % heads, &mut scores, dst);
+                }
+                pool::give(scores);
+            })
+        });
+        pool::give(kt);
+        return out;
     }
     let work = |member: usize| {
         with_avx2(|| {
@@ -149,6 +178,217 @@ pub fn causal_attention(
     out
 }
 
+/// The operands of a prompt's attention (see the module doc).
+struct Blocked<'a> {
+    q: &'a Tensor,
+    /// Keys transposed, `[hk·d][np]`, zero past `n`.
+    kt: &'a [f32],
+    v: &'a [f32],
+    d: usize,
+    group: usize,
+    n: usize,
+    np: usize,
+    scale: f32,
+}
+
+impl Blocked<'_> {
+    /// Query rows `qb·QB..` of head `h`, into `dst`; `scores` holds `QB × np`.
+    #[inline(always)]
+    fn item(&self, qb: usize, h: usize, scores: &mut [f32], dst: SyncPtr) {
+        let (t, qcols) = self.q.rows_cols();
+        let (d, np) = (self.d, self.np);
+        let kh = h / self.group;
+        let kcols = self.kt.len() / np;
+        let rows = QB.min(t - qb * QB);
+        let first = qb * QB;
+        // Row r sees keys 0..visible(r); the block computes up to the last row's.
+        let visible = |r: usize| self.n - t + first + r + 1;
+        let last = visible(rows - 1);
+        let mut qv = [[0f32; QB]; 256];
+        // Queries as [c][r] so one step of the sum broadcasts QB values in a row (rows past
+        // the block are zero). Head dims beyond 256 take the general path below.
+        let small = d <= qv.len();
+        if small {
+            for r in 0..rows {
+                for c in 0..d {
+                    qv[c][r] = self.q.data[(first + r) * qcols + h * d + c];
+                }
+            }
+        }
+        let fast = small && d % LANES == 0 && super::kernels::host().avx512f;
+        for jb in (0..last).step_by(LANES) {
+            #[cfg(target_arch = "x86_64")]
+            if fast {
+                // SAFETY: AVX-512F was detected; kt rows hold np ≥ jb + LANES values
+                // (np is n rounded up to LANES, jb < last ≤ n), scores QB rows of np.
+                unsafe {
+                    avx512::scores(
+                        qv.as_ptr(),
+                        d,
+                        self.kt.as_ptr().add(kh * d * np + jb),
+                        np,
+                        self.scale,
+                        scores.as_mut_ptr().add(jb),
+                        np,
+                    )
+                };
+                continue;
+            }
+            let mut acc = [[0f32; LANES]; QB];
+            for c in 0..d {
+                let keys: &[f32; LANES] = self.kt[(kh * d + c) * np + jb..][..LANES]
+                    .try_into()
+                    .expect("LANES values");
+                let qc = if small {
+                    qv[c]
+                } else {
+                    std::array::from_fn(|r| {
+                        if r < rows {
+                            self.q.data[(first + r) * qcols + h * d + c]
+                        } else {
+                            0.0
+                        }
+                    })
+                };
+                for (a, &x) in acc.iter_mut().zip(&qc) {
+                    for l in 0..LANES {
+                        a[l] += x * keys[l];
+                    }
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                for l in 0..LANES {
+                    scores[r * np + jb + l] = a[l] * self.scale;
+                }
+            }
+        }
+        let mut inv = [0f32; QB];
+        for (r, iv) in inv.iter_mut().enumerate().take(rows) {
+            let row = &mut scores[r * np..r * np + last];
+            let (seen, hidden) = row.split_at_mut(visible(r));
+            let max = seen.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            for s in seen.iter_mut() {
+                *s = exp(*s - max);
+            }
+            hidden.fill(0.0);
+            *iv = 1.0 / seen.iter().sum::<f32>();
+        }
+        for r in rows..QB {
+            scores[r * np..r * np + last].fill(0.0);
+        }
+        for c0 in (0..d).step_by(LANES) {
+            let cols = LANES.min(d - c0);
+            let mut acc = [[0f32; LANES]; QB];
+            #[cfg(target_arch = "x86_64")]
+            if fast {
+                // SAFETY: AVX-512F was detected; value rows j < last ≤ n hold the LANES
+                // columns c0.. of head kh (d is a multiple of LANES); scores hold QB rows.
+                unsafe {
+                    avx512::weighted_values(
+                        scores.as_ptr(),
+                        np,
+                        self.v.as_ptr().add(kh * d + c0),
+                        kcols,
+                        last,
+                        &mut acc,
+                    )
+                };
+            }
+            for j in 0..if fast { 0 } else { last } {
+                let base = j * kcols + kh * d + c0;
+                let mut vals = [0f32; LANES];
+                vals[..cols].copy_from_slice(&self.v[base..base + cols]);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let p = scores[r * np + j];
+                    for l in 0..LANES {
+                        a[l] += p * vals[l];
+                    }
+                }
+            }
+            for (r, a) in acc.iter().enumerate().take(rows) {
+                // SAFETY: item (qb, h) owns columns h·d .. h·d + d of rows first.. first +
+                // rows of `out`, and every item goes to exactly one member.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(dst.at((first + r) * qcols + h * d + c0), cols)
+                };
+                for (o, &x) in o.iter_mut().zip(a) {
+                    *o = x * inv[r];
+                }
+            }
+        }
+    }
+}
+
+/// The two block products of [`Blocked::item`] with QB × 32 sums in 16 zmm registers.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{LANES, QB};
+    use std::arch::x86_64::*;
+
+    /// `out[r·ldo + l] = scale · Σ_c qv[c][r] · kt[c·np + l]` for `r < QB`, `l < LANES`.
+    ///
+    /// # Safety
+    /// AVX-512F; `qv` holds `d` rows, `kt` `d` rows `np` apart of `LANES` values, `out` `QB`
+    /// rows `ldo` apart of `LANES` values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores(
+        qv: *const [f32; QB],
+        d: usize,
+        kt: *const f32,
+        np: usize,
+        scale: f32,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; QB];
+        for c in 0..d {
+            let k0 = _mm512_loadu_ps(kt.add(c * np));
+            let k1 = _mm512_loadu_ps(kt.add(c * np + 16));
+            let q = &*qv.add(c);
+            for (a, &x) in acc.iter_mut().zip(q) {
+                let x = _mm512_set1_ps(x);
+                a[0] = _mm512_fmadd_ps(x, k0, a[0]);
+                a[1] = _mm512_fmadd_ps(x, k1, a[1]);
+            }
+        }
+        let s = _mm512_set1_ps(scale);
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.add(r * ldo), _mm512_mul_ps(a[0], s));
+            _mm512_storeu_ps(out.add(r * ldo + 16), _mm512_mul_ps(a[1], s));
+        }
+    }
+
+    /// `out[r][l] = Σ_{j < last} p[r·np + j] · v[j·ldv + l]` for `r < QB`, `l < LANES`.
+    ///
+    /// # Safety
+    /// AVX-512F; `p` holds `QB` rows `np` apart of `last` values, `v` `last` rows `ldv`
+    /// apart of `LANES` values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn weighted_values(
+        p: *const f32,
+        np: usize,
+        v: *const f32,
+        ldv: usize,
+        last: usize,
+        out: &mut [[f32; LANES]; QB],
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; QB];
+        for j in 0..last {
+            let v0 = _mm512_loadu_ps(v.add(j * ldv));
+            let v1 = _mm512_loadu_ps(v.add(j * ldv + 16));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*p.add(r * np + j));
+                a[0] = _mm512_fmadd_ps(x, v0, a[0]);
+                a[1] = _mm512_fmadd_ps(x, v1, a[1]);
+            }
+        }
+        for (a, o) in acc.iter().zip(out.iter_mut()) {
+            _mm512_storeu_ps(o.as_mut_ptr(), a[0]);
+            _mm512_storeu_ps(o.as_mut_ptr().add(16), a[1]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,6 +446,11 @@ mod tests {
             (3, 50, 64, 4, 2),
             (5, 33, 12, 6, 3),
             (64, 64, 64, 4, 4),
+            // Prompt blocks: partial last block over a longer cache, head dims not a
+            // multiple of LANES, more than 8 rows per head.
+            (20, 50, 64, 4, 2),
+            (17, 17, 80, 2, 1),
+            (9, 9, 8, 3, 3),
         ] {
             let q = Tensor::new(
                 vec![t, hq * d],

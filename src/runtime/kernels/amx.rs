@@ -77,27 +77,26 @@ impl AmxTiles {
             options(nomem, nostack, preserves_flags)
         );
         let a1 = a.add(kblocks * TILE);
+        // Each load is issued right before the first product that needs it, so a load
+        // overlaps the products already in flight (tile registers are not renamed: the next
+        // A0 load waits only for the second product that reads tmm4).
         for t in 0..kblocks {
             let (ka, kb) = (t * TILE, t * BF16_K_ALIGN * NR);
             asm!("tileloadd tmm4, [{p} + {s}*1]", p = in(reg) a.add(ka), s = in(reg) sa, options(nostack, readonly, preserves_flags));
-            if R16 == 2 {
-                asm!("tileloadd tmm5, [{p} + {s}*1]", p = in(reg) a1.add(ka), s = in(reg) sa, options(nostack, readonly, preserves_flags));
-            }
             asm!("tileloadd tmm6, [{p} + {s}*1]", p = in(reg) b[0].add(kb), s = in(reg) sb, options(nostack, readonly, preserves_flags));
-            if P == 2 {
-                asm!("tileloadd tmm7, [{p} + {s}*1]", p = in(reg) b[P - 1].add(kb), s = in(reg) sb, options(nostack, readonly, preserves_flags));
-            }
             asm!(
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 options(nomem, nostack, preserves_flags)
             );
             if P == 2 {
+                asm!("tileloadd tmm7, [{p} + {s}*1]", p = in(reg) b[P - 1].add(kb), s = in(reg) sb, options(nostack, readonly, preserves_flags));
                 asm!(
                     "tdpbf16ps tmm1, tmm4, tmm7",
                     options(nomem, nostack, preserves_flags)
                 );
             }
             if R16 == 2 {
+                asm!("tileloadd tmm5, [{p} + {s}*1]", p = in(reg) a1.add(ka), s = in(reg) sa, options(nostack, readonly, preserves_flags));
                 asm!(
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     options(nomem, nostack, preserves_flags)
