@@ -209,13 +209,16 @@ impl Blocked<'_> {
         // the block are zero). Head dims beyond 256 take the general path below.
         let small = d <= qv.len();
         if small {
-            for r in 0..rows {
-                for c in 0..d {
-                    qv[c][r] = self.q.data[(first + r) * qcols + h * d + c];
+            for (c, col) in qv.iter_mut().enumerate().take(d) {
+                for (r, x) in col.iter_mut().enumerate().take(rows) {
+                    *x = self.q.data[(first + r) * qcols + h * d + c];
                 }
             }
         }
-        let fast = small && d % LANES == 0 && super::kernels::host().avx512f;
+        let fast = cfg!(target_arch = "x86_64")
+            && small
+            && d.is_multiple_of(LANES)
+            && super::kernels::host().avx512f;
         for jb in (0..last).step_by(LANES) {
             #[cfg(target_arch = "x86_64")]
             if fast {
@@ -239,9 +242,7 @@ impl Blocked<'_> {
                 let keys: &[f32; LANES] = self.kt[(kh * d + c) * np + jb..][..LANES]
                     .try_into()
                     .expect("LANES values");
-                let qc = if small {
-                    qv[c]
-                } else {
+                let qc = qv.get(c).copied().filter(|_| small).unwrap_or_else(|| {
                     std::array::from_fn(|r| {
                         if r < rows {
                             self.q.data[(first + r) * qcols + h * d + c]
@@ -249,7 +250,7 @@ impl Blocked<'_> {
                             0.0
                         }
                     })
-                };
+                });
                 for (a, &x) in acc.iter_mut().zip(&qc) {
                     for l in 0..LANES {
                         a[l] += x * keys[l];
