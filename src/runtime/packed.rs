@@ -28,8 +28,11 @@ use rayon::prelude::*;
 const KC: usize = 256;
 /// Activation rows per block: `MC·KC` f32 (144 KiB) stays in L2.
 const MC: usize = 144;
-/// Rows per block of the bf16 products: `MC_BF16 · k` bf16 activations stay in L2.
-const MC_BF16: usize = 192;
+/// Rows per block of the bf16 products: each weight panel streams from memory once per block
+/// and meets all of the block's rows (whose bf16 activations, `MC_BF16 · k · 2` bytes, come
+/// from L2/L3). Measured on TinyLlama at 512 rows: 192-row blocks (three reads of every
+/// weight) spent 2.8 s in prefill linears, one block 1.7 s.
+const MC_BF16: usize = 1536;
 /// Work chunks per team member: enough for late members to even out, few enough that each
 /// chunk still streams a long run of weights.
 const CHUNKS_PER_MEMBER: usize = 8;
@@ -211,17 +214,11 @@ impl PackedMatrix {
             };
             xb.clear();
             xb.resize(rows * lda, 0);
-            for (r, src) in x.data.chunks_exact(k).enumerate() {
-                if variant == Isa::Amx {
-                    // Tile (r / 16, t) holds row r's steps t·32.. at row r % 16.
-                    let kblocks = lda / BF16_K_ALIGN;
-                    for (t, part) in src.chunks(BF16_K_ALIGN).enumerate() {
-                        let at =
-                            ((r / 16) * kblocks + t) * 16 * BF16_K_ALIGN + (r % 16) * BF16_K_ALIGN;
-                        kernels.round_to_bf16(part, &mut xb[at..at + part.len()]);
-                    }
-                } else {
-                    kernels.round_to_bf16(src, &mut xb[r * lda..r * lda + k]);
+            if variant == Isa::Amx {
+                kernels.round_to_tiles(&x.data, k, lda / BF16_K_ALIGN, &mut xb);
+            } else {
+                for (src, dst) in x.data.chunks_exact(k).zip(xb.chunks_exact_mut(lda)) {
+                    kernels.round_to_bf16(src, &mut dst[..k]);
                 }
             }
             let bf16 = Bf16Product {

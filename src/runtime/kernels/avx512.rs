@@ -145,6 +145,13 @@ unsafe fn gemv<const R: usize>(
 /// # Safety
 /// AVX-512F.
 #[target_feature(enable = "avx512f")]
+pub unsafe fn round_to_tiles(x: &[f32], k: usize, kblocks: usize, dst: &mut [u16]) {
+    super::portable::round_to_tiles(x, k, kblocks, dst)
+}
+
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f")]
 pub unsafe fn round_to_bf16(src: &[f32], dst: &mut [u16]) {
     // The portable loop, compiled 16 wide.
     super::portable::round_to_bf16(src, dst)

@@ -338,6 +338,19 @@ impl Kernels {
         portable::tile_bf16::<R, P>(a, lda, b, pairs, c, ldc, last_cols)
     }
 
+    /// f32 rows of `k` values → bf16 AMX A tiles (`kblocks` per 16 rows; see `amx.rs`),
+    /// rounded as [`Kernels::round_to_bf16`]; `dst` must be zero where nothing lands.
+    pub fn round_to_tiles(self, x: &[f32], k: usize, kblocks: usize, dst: &mut [u16]) {
+        assert!(kblocks * BF16_K_ALIGN >= k && k > 0 && x.len().is_multiple_of(k));
+        assert!(dst.len() >= (x.len() / k).div_ceil(16) * kblocks * 16 * BF16_K_ALIGN);
+        #[cfg(target_arch = "x86_64")]
+        if self.isa >= Isa::Avx512 {
+            // SAFETY: AVX-512F was checked against the host; sizes were asserted.
+            return unsafe { avx512::round_to_tiles(x, k, kblocks, dst) };
+        }
+        portable::round_to_tiles(x, k, kblocks, dst)
+    }
+
     /// f32 rows → bf16 (round to nearest even, NaN quieted, as `half::bf16::from_f32`).
     pub fn round_to_bf16(self, src: &[f32], dst: &mut [u16]) {
         #[cfg(target_arch = "x86_64")]

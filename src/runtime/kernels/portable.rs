@@ -100,6 +100,19 @@ pub unsafe fn tile_bf16<const R: usize, const P: usize>(
     }
 }
 
+/// Rows of `x` (`k` values each) rounded into AMX A tiles: tile `(r / 16, t)` holds row
+/// `r`'s steps `t·32..` at row `r % 16` (see `amx.rs`); `dst` is zero where nothing lands.
+#[inline(always)]
+pub fn round_to_tiles(x: &[f32], k: usize, kblocks: usize, dst: &mut [u16]) {
+    const T: usize = super::BF16_K_ALIGN;
+    for (r, row) in x.chunks_exact(k).enumerate() {
+        for (t, part) in row.chunks(T).enumerate() {
+            let at = ((r / 16) * kblocks + t) * 16 * T + (r % 16) * T;
+            round_to_bf16(part, &mut dst[at..at + part.len()]);
+        }
+    }
+}
+
 #[inline(always)]
 pub fn round_to_bf16(src: &[f32], dst: &mut [u16]) {
     for (d, &s) in dst.iter_mut().zip(src) {
