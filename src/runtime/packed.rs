@@ -555,7 +555,14 @@ impl Bf16Product<'_> {
             let cols = (self.n - q * NR).min(if two { 2 * NR } else { NR });
             let b0 = self.panel(q).as_ptr();
             let b1 = if two { self.panel(q + 1).as_ptr() } else { b0 };
-            for r0 in rows.clone().step_by(32) {
+            // The next pair's panels follow this pair's in memory: each 32-row block asks for
+            // its share of them, spread over its steps.
+            let pair_bytes = 2 * 2 * u16::panel_len(self.k);
+            let blocks = rows.len().div_ceil(32);
+            let lines = (pair_bytes / 64).div_ceil(blocks * kblocks);
+            let next = (b0 as *const u8).wrapping_add(pair_bytes);
+            for (i, r0) in rows.clone().step_by(32).enumerate() {
+                let ahead = (next.wrapping_add(i * kblocks * lines * 64), lines);
                 // `a` has whole 16-row tiles of zeros past m.
                 let r16 = if self.m.next_multiple_of(16) - r0 >= 32 {
                     2
@@ -576,10 +583,10 @@ impl Bf16Product<'_> {
                         (scratch.as_mut_ptr(), 32)
                     };
                     match (r16, two) {
-                        (2, true) => tiles.block::<2, 2>(a, [b0, b1], kblocks, c, ldc),
-                        (2, false) => tiles.block::<2, 1>(a, [b0], kblocks, c, ldc),
-                        (_, true) => tiles.block::<1, 2>(a, [b0, b1], kblocks, c, ldc),
-                        (_, false) => tiles.block::<1, 1>(a, [b0], kblocks, c, ldc),
+                        (2, true) => tiles.block::<2, 2>(a, [b0, b1], kblocks, (c, ldc), ahead),
+                        (2, false) => tiles.block::<2, 1>(a, [b0], kblocks, (c, ldc), ahead),
+                        (_, true) => tiles.block::<1, 2>(a, [b0, b1], kblocks, (c, ldc), ahead),
+                        (_, false) => tiles.block::<1, 1>(a, [b0], kblocks, (c, ldc), ahead),
                     }
                     if !direct {
                         for r in 0..valid {

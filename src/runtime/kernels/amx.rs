@@ -57,16 +57,20 @@ impl AmxTiles {
     /// `R16` row tiles of `kblocks` packed A tiles each (zero past the depth), `b` are weight
     /// panels, `c` rows `ldc` f32 apart.
     ///
+    /// Meanwhile asks for `ahead.1` cache lines per step from `ahead.0` on into L2 (the
+    /// weights the next blocks read, so memory streams while the tiles compute).
+    ///
     /// # Safety
     /// `a` holds `R16·kblocks` tiles of [`TILE`] values; each `b` `kblocks` tiles; `c` is
-    /// valid for `16·R16` rows of `16·P` values.
+    /// valid for `16·R16` rows of `16·P` values. (`ahead` may point anywhere: prefetches
+    /// never fault.)
     pub unsafe fn block<const R16: usize, const P: usize>(
         &self,
         a: *const u16,
         b: [*const u16; P],
         kblocks: usize,
-        c: *mut f32,
-        ldc: usize,
+        (c, ldc): (*mut f32, usize),
+        ahead: (*const u8, usize),
     ) {
         let (sa, sb, sc) = (64usize, 64usize, ldc * 4);
         asm!(
@@ -82,6 +86,10 @@ impl AmxTiles {
         // A0 load waits only for the second product that reads tmm4).
         for t in 0..kblocks {
             let (ka, kb) = (t * TILE, t * BF16_K_ALIGN * NR);
+            for l in 0..ahead.1 {
+                let line = ahead.0.wrapping_add((t * ahead.1 + l) * 64) as *const i8;
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line);
+            }
             asm!("tileloadd tmm4, [{p} + {s}*1]", p = in(reg) a.add(ka), s = in(reg) sa, options(nostack, readonly, preserves_flags));
             asm!("tileloadd tmm6, [{p} + {s}*1]", p = in(reg) b[0].add(kb), s = in(reg) sb, options(nostack, readonly, preserves_flags));
             asm!(
