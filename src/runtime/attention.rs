@@ -8,7 +8,7 @@
 //! one (query row, head) per item, reading the cache as it is.
 
 use super::fastmath::exp;
-use super::simd::{with_avx2, with_widest};
+use super::simd::with_avx2;
 use super::team::{SyncPtr, Team};
 use super::tensor::{pool, Tensor};
 
@@ -18,6 +18,42 @@ const LANES: usize = 32;
 const DIRECT_MAX_ROWS: usize = 4;
 /// Query rows per work item of a prompt: `QB × LANES` sums stay in 16 zmm registers.
 const QB: usize = 8;
+
+/// The largest value, over 16 running maxima so that it vectorises (one running maximum,
+/// or `f32::max` with its NaN rule, stays a scalar chain: seen in a profile).
+#[inline(always)]
+fn max_of(x: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for l in 0..16 {
+            m[l] = if c[l] > m[l] { c[l] } else { m[l] };
+        }
+    }
+    rest.iter()
+        .chain(&m)
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
+}
+
+/// `x[i] = e^(x[i] - max)`, returning their sum over 16 partial sums (see [`max_of`]).
+#[inline(always)]
+fn exp_sum(x: &mut [f32], max: f32) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact_mut(16);
+    for c in &mut chunks {
+        for l in 0..16 {
+            c[l] = exp(c[l] - max);
+            acc[l] += c[l];
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    for v in chunks.into_remainder() {
+        *v = exp(*v - max);
+        s += *v;
+    }
+    s
+}
 
 /// Dot product with eight partial sums, so that it vectorises.
 #[inline(always)]
@@ -68,7 +104,9 @@ pub fn causal_attention(
     // Transposed keys, each row padded with zeros to whole blocks of LANES keys, pay off
     // when many queries read them; a decode step's few queries read the cache as it is.
     let transpose = t > DIRECT_MAX_ROWS;
-    let np = n.next_multiple_of(LANES);
+    // One spare block per row: rows a power of two apart (n = 512 → 2 KiB) would map the
+    // d rows a score block reads to the same two L1 sets and evict each other.
+    let np = n.next_multiple_of(LANES) + LANES;
     let mut kt = pool::take(if transpose { kcols * np } else { 0 });
     if transpose {
         for j in 0..n {
@@ -88,15 +126,8 @@ pub fn causal_attention(
             np,
             scale,
         };
-        let blocks = t.div_ceil(QB) * heads;
         team.run_on(members, &|member| {
-            with_widest(|| {
-                let mut scores = pool::take(QB * np);
-                for w in (member..blocks).step_by(members) {
-                    blocked.item(w / heads, w % heads, &mut scores, dst);
-                }
-                pool::give(scores);
-            })
+            blocked.run(member, members, t, heads, dst)
         });
         pool::give(kt);
         return out;
@@ -137,11 +168,7 @@ pub fn causal_attention(
                     }
                 }
                 let row = &mut scores[..visible];
-                let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                for s in row.iter_mut() {
-                    *s = exp(*s - max);
-                }
-                let sum: f32 = row.iter().sum();
+                let sum = exp_sum(row, max_of(row));
                 // SAFETY: item (i, h) owns columns h·d .. h·d + d of row i of `out`, and
                 // every item goes to exactly one member.
                 let o = unsafe { std::slice::from_raw_parts_mut(dst.at(i * qcols + h * d), d) };
@@ -192,6 +219,42 @@ struct Blocked<'a> {
 }
 
 impl Blocked<'_> {
+    /// Member `member`'s items (every `members`-th block of `t` rows × `heads`), compiled for
+    /// the widest SIMD this host has. Not through `simd::with_*`: a closure that big is not
+    /// inlined into the function with the target features and stays baseline SSE2 (seen in
+    /// a profile of this loop: `mulps` on xmm registers).
+    fn run(&self, member: usize, members: usize, t: usize, heads: usize, dst: SyncPtr) {
+        #[inline(always)]
+        fn body(b: &Blocked, member: usize, members: usize, t: usize, heads: usize, dst: SyncPtr) {
+            let mut scores = pool::take(QB * b.np);
+            for w in (member..t.div_ceil(QB) * heads).step_by(members) {
+                b.item(w / heads, w % heads, &mut scores, dst);
+            }
+            pool::give(scores);
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            unsafe fn wide(b: &Blocked, m: usize, ms: usize, t: usize, h: usize, dst: SyncPtr) {
+                body(b, m, ms, t, h, dst)
+            }
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn narrow(b: &Blocked, m: usize, ms: usize, t: usize, h: usize, dst: SyncPtr) {
+                body(b, m, ms, t, h, dst)
+            }
+            let host = super::kernels::host();
+            if host.avx512f {
+                // SAFETY: AVX-512F (with AVX2 and FMA) was detected.
+                return unsafe { wide(self, member, members, t, heads, dst) };
+            }
+            if host.avx2_fma {
+                // SAFETY: AVX2 and FMA were detected.
+                return unsafe { narrow(self, member, members, t, heads, dst) };
+            }
+        }
+        body(self, member, members, t, heads, dst)
+    }
+
     /// Query rows `qb·QB..` of head `h`, into `dst`; `scores` holds `QB × np`.
     #[inline(always)]
     fn item(&self, qb: usize, h: usize, scores: &mut [f32], dst: SyncPtr) {
@@ -267,12 +330,9 @@ impl Blocked<'_> {
         for (r, iv) in inv.iter_mut().enumerate().take(rows) {
             let row = &mut scores[r * np..r * np + last];
             let (seen, hidden) = row.split_at_mut(visible(r));
-            let max = seen.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            for s in seen.iter_mut() {
-                *s = exp(*s - max);
-            }
+            let sum = exp_sum(seen, max_of(seen));
             hidden.fill(0.0);
-            *iv = 1.0 / seen.iter().sum::<f32>();
+            *iv = 1.0 / sum;
         }
         for r in rows..QB {
             scores[r * np..r * np + last].fill(0.0);

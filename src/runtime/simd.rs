@@ -18,21 +18,3 @@ pub fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
     }
     f()
 }
-
-/// As [`with_avx2`], with AVX-512F (16-wide) when this CPU has it. The loops compute the
-/// same sums in the same order either way (no reassociation), only in wider registers.
-#[inline(always)]
-pub fn with_widest<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        unsafe fn go<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        if crate::runtime::kernels::host().avx512f {
-            // SAFETY: AVX-512F (and with it AVX2 and FMA) was detected.
-            return unsafe { go(f) };
-        }
-    }
-    with_avx2(f)
-}
