@@ -155,11 +155,11 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let peaks: Vec<(Isa, Option<f64>)> = Isa::ALL
         .into_iter()
         .filter(|i| isas.contains(i) || kernels.iter().any(|k| k.gemm_variant(false) == *i))
-        .map(|i| (i, peak_flops(i, a.threads, a.seconds.min(0.3))))
+        .map(|i| (i, peak_flops(i, a.threads, a.seconds.max(1.0))))
         .collect();
     let peak_of = |isa: Isa| peaks.iter().find(|p| p.0 == isa).and_then(|p| p.1);
     println!(
-        "peak, {} thread(s), a loop of each variant's multiply-add: {}",
+        "peak, {} thread(s), best over at least 1 s of a loop of each variant's multiply-add: {}",
         a.threads,
         peaks
             .iter()
