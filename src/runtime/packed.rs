@@ -115,8 +115,8 @@ impl PackedMatrix {
             WeightOrder::OutIn => (layout.rows, layout.cols),
             WeightOrder::InOut => (layout.cols, layout.rows),
         };
-        let len = n
-            .div_ceil(NR)
+        // Both layouts fit in the bf16 one's size (it pads the steps; f32 does not).
+        n.div_ceil(NR)
             .checked_mul(
                 k.checked_next_multiple_of(BF16_K_ALIGN)
                     .unwrap_or(usize::MAX),
@@ -132,8 +132,6 @@ impl PackedMatrix {
             stored: src.stored(&w.tensor)?,
             layout: &layout,
         };
-        // `len` bounds both layouts (bf16 pads the steps, f32 does not).
-        let _ = len;
         let panels = if bf16 {
             Panels::Bf16(fill_panels(&reader, order, n, k)?)
         } else {
@@ -186,7 +184,8 @@ impl PackedMatrix {
         let mut shape = x.shape.clone();
         *shape.last_mut().expect("activations have a feature dim") = self.n;
         let mut out = Tensor::zeros(shape);
-        if m == 0 || self.n == 0 {
+        // No rows, no columns, or no inputs (an empty sum): zeros.
+        if m == 0 || self.n == 0 || k == 0 {
             return out;
         }
         let panels = self.panel_count();
@@ -854,6 +853,19 @@ mod tests {
         ] {
             for bf16 in [false, true] {
                 check(m, n, k, bf16, WeightOrder::OutIn);
+            }
+        }
+    }
+
+    #[test]
+    fn a_weight_with_no_inputs_gives_zeros_on_every_variant() {
+        for bf16 in [false, true] {
+            let w = PackedMatrix::pack(&Tensor::new(vec![3, 0], vec![]), WeightOrder::OutIn, bf16);
+            for kernels in host_variants() {
+                for m in [1, 9] {
+                    let y = w.matmul_with(kernels, &Tensor::new(vec![m, 0], vec![]), &Team::new(2));
+                    assert_eq!((y.shape.clone(), y.data), (vec![m, 3], vec![0.0; m * 3]));
+                }
             }
         }
     }
