@@ -211,13 +211,31 @@ impl PackedMatrix {
             } else {
                 m
             };
-            xb.clear();
+            // Every value is written below (padding included): no zeroing first.
             xb.resize(rows * lda, 0);
+            xb.truncate(rows * lda);
             if variant == Isa::Amx {
-                kernels.round_to_tiles(&x.data, k, lda / BF16_K_ALIGN, &mut xb);
+                // One share of 16-row groups per member: a prompt's rows are megabytes.
+                let kblocks = lda / BF16_K_ALIGN;
+                let group = 16 * lda;
+                let groups = rows / 16;
+                let members = if m * k < 1 << 16 { 1 } else { threads };
+                let per = groups.div_ceil(members);
+                let shares: Vec<std::sync::Mutex<&mut [u16]>> = xb
+                    .chunks_mut(per * group)
+                    .map(std::sync::Mutex::new)
+                    .collect();
+                team.run_on(shares.len(), &|member| {
+                    let mut dst = shares[member].lock().unwrap_or_else(|e| e.into_inner());
+                    let first = member * per * 16;
+                    let x_rows = &x.data[(first * k).min(x.data.len())..]
+                        [..((per * 16).min(m.saturating_sub(first)) * k)];
+                    kernels.round_to_tiles(x_rows, k, kblocks, &mut dst);
+                });
             } else {
                 for (src, dst) in x.data.chunks_exact(k).zip(xb.chunks_exact_mut(lda)) {
                     kernels.round_to_bf16(src, &mut dst[..k]);
+                    dst[k..].fill(0);
                 }
             }
             let bf16 = Bf16Product {

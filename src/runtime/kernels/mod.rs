@@ -339,10 +339,12 @@ impl Kernels {
     }
 
     /// f32 rows of `k` values → bf16 AMX A tiles (`kblocks` per 16 rows; see `amx.rs`),
-    /// rounded as [`Kernels::round_to_bf16`]; `dst` must be zero where nothing lands.
+    /// rounded as [`Kernels::round_to_bf16`]; all of `dst` (whole row tiles) is written,
+    /// zero past `k` and past the rows of `x`.
     pub fn round_to_tiles(self, x: &[f32], k: usize, kblocks: usize, dst: &mut [u16]) {
+        let tiles_len = 16 * BF16_K_ALIGN * kblocks;
         assert!(kblocks * BF16_K_ALIGN >= k && k > 0 && x.len().is_multiple_of(k));
-        assert!(dst.len() >= (x.len() / k).div_ceil(16) * kblocks * 16 * BF16_K_ALIGN);
+        assert!(dst.len().is_multiple_of(tiles_len) && dst.len() / tiles_len * 16 * k >= x.len());
         #[cfg(target_arch = "x86_64")]
         if self.isa >= Isa::Avx512 {
             // SAFETY: AVX-512F was checked against the host; sizes were asserted.

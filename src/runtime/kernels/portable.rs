@@ -101,14 +101,21 @@ pub unsafe fn tile_bf16<const R: usize, const P: usize>(
 }
 
 /// Rows of `x` (`k` values each) rounded into AMX A tiles: tile `(r / 16, t)` holds row
-/// `r`'s steps `t·32..` at row `r % 16` (see `amx.rs`); `dst` is zero where nothing lands.
+/// `r`'s steps `t·32..` at row `r % 16` (see `amx.rs`). Every value of the `dst.len() /
+/// (16·32·kblocks)` row tiles is written: zero past `k` and past the rows of `x`.
 #[inline(always)]
 pub fn round_to_tiles(x: &[f32], k: usize, kblocks: usize, dst: &mut [u16]) {
     const T: usize = super::BF16_K_ALIGN;
-    for (r, row) in x.chunks_exact(k).enumerate() {
-        for (t, part) in row.chunks(T).enumerate() {
-            let at = ((r / 16) * kblocks + t) * 16 * T + (r % 16) * T;
-            round_to_bf16(part, &mut dst[at..at + part.len()]);
+    for (g, group) in dst.chunks_exact_mut(16 * T * kblocks).enumerate() {
+        for r in 0..16 {
+            let row = x.get((g * 16 + r) * k..(g * 16 + r + 1) * k).unwrap_or(&[]);
+            for t in 0..kblocks {
+                let out = &mut group[t * 16 * T + r * T..][..T];
+                let part = row.get(t * T..).unwrap_or(&[]);
+                let n = part.len().min(T);
+                round_to_bf16(&part[..n], &mut out[..n]);
+                out[n..].fill(0);
+            }
         }
     }
 }
