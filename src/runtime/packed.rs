@@ -183,11 +183,23 @@ impl PackedMatrix {
         );
         let mut shape = x.shape.clone();
         *shape.last_mut().expect("activations have a feature dim") = self.n;
-        let mut out = Tensor::zeros(shape);
         // No rows, no columns, or no inputs (an empty sum): zeros.
         if m == 0 || self.n == 0 || k == 0 {
-            return out;
+            return Tensor::zeros(shape);
         }
+        let len = m * self.n;
+        let mut data = super::tensor::pool::empty(len);
+        // Not zeroed first (a prompt's outputs are tens of MB per product): every path below
+        // writes every output value and none reads one before writing it.
+        self.write_product(kernels, x, team, SyncPtr(data.as_mut_ptr()));
+        // SAFETY: `empty` gave room for `len` values and `write_product` wrote all of them.
+        unsafe { data.set_len(len) };
+        Tensor::new(shape, data)
+    }
+
+    /// The product of `x` (`m` rows of `k`) into the `m × n` values at `dst`, all written.
+    fn write_product(&self, kernels: Kernels, x: &Tensor, team: &Team, dst: SyncPtr) {
+        let (m, k) = x.rows_cols();
         let panels = self.panel_count();
         // Small products are not worth waking a second thread.
         let threads = if self.n * k * m.min(8) < 1 << 16 {
@@ -195,7 +207,6 @@ impl PackedMatrix {
         } else {
             team.size().min(panels)
         };
-        let dst = SyncPtr(out.data.as_mut_ptr());
         let gemv = m <= GEMV_MAX_ROWS;
         let variant = if gemv {
             kernels.gemv_variant(self.is_bf16())
@@ -256,7 +267,7 @@ impl PackedMatrix {
                 });
             }
             BF16_ROWS.set(xb);
-            return out;
+            return;
         }
         if gemv {
             run_chunks(team, threads, panels, 1, &|range| {
@@ -271,7 +282,6 @@ impl PackedMatrix {
             });
             PACKED_ROWS.set(packed_x);
         }
-        out
     }
 
     /// Output columns `[q·NR, q·NR + NR)` of every row, for panels `q` in `range`.
@@ -374,7 +384,8 @@ impl PackedMatrix {
                             if rows == group && cols == NR {
                                 kernels.tile_f32(kc, ap.as_ptr(), b.as_ptr(), o, n, accumulate);
                             } else {
-                                for r in 0..rows {
+                                // The first depth block overwrites: nothing to read.
+                                for r in (0..rows).filter(|_| accumulate) {
                                     std::ptr::copy_nonoverlapping(
                                         o.add(r * n),
                                         edge.as_mut_ptr().add(r * NR),
@@ -833,6 +844,9 @@ mod tests {
             let round = bf16 && kernels.isa().bf16_activations();
             let want = reference(&x, &packed, round);
             for threads in [1, 2, 3] {
+                // The output is not zeroed first: leave NaNs where it will be taken from, so
+                // a value no kernel writes shows.
+                crate::runtime::tensor::pool::give(vec![f32::NAN; m * packed.n]);
                 let got = packed.matmul_with(kernels, &x, &Team::new(threads));
                 assert_eq!(got.shape, vec![m, packed.n]);
                 for (i, (a, b)) in got.data.iter().zip(&want).enumerate() {
