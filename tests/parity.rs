@@ -54,11 +54,7 @@ fn read_reference(dir: &Path) -> Reference {
 /// property of those. (`avx512bf16` and `amx` round a bf16 product's activations to bf16, as
 /// torch's bf16 does, and are held to the bf16 tolerance.)
 fn exact_isa() -> Isa {
-    Isa::ALL
-        .into_iter()
-        .rev()
-        .find(|i| !i.bf16_activations() && i.host_support().is_ok())
-        .unwrap_or(Isa::Portable)
+    tpc::runtime::kernels::Kernels::exact().isa()
 }
 
 /// Every variant this host runs; the others are printed as not run, never counted.

@@ -17,6 +17,8 @@ pub const VERIFY_TOLERANCE: f64 = 1e-4;
 #[derive(Debug, Clone, Serialize)]
 pub struct VerifyReport {
     pub tp: u64,
+    /// The linear kernels both sides ran (ones that keep activations f32).
+    pub isa: String,
     pub prompt: Vec<i64>,
     pub max_abs_error: f64,
     /// ‖a − b‖ / ‖b‖ over all prompt logits.
@@ -66,8 +68,11 @@ pub fn verify_plan(
     let prompt: Vec<i64> = (0..prompt_len.max(1))
         .map(|_| (rng.next_f64() * vocab as f64) as i64)
         .collect();
+    // The sharding is what is checked: kernels that keep activations f32 (see
+    // `Kernels::exact`), so that only the order of f32 sums differs between the sides.
     let opts = RunOptions {
         max_new_tokens: 4,
+        isa: Some(crate::runtime::kernels::Kernels::exact().isa()),
         ..Default::default()
     };
     // tp=1 first: a request the model cannot run (its window, its positions) is refused by
@@ -89,6 +94,7 @@ pub fn verify_plan(
     let rel = (diff2 / norm2.max(f64::MIN_POSITIVE)).sqrt();
     Ok(VerifyReport {
         tp,
+        isa: opts.isa.map_or_else(String::new, |i| i.name().to_string()),
         prompt,
         max_abs_error: max_abs,
         rel_error: rel,
