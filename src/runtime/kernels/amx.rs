@@ -81,9 +81,9 @@ impl AmxTiles {
             options(nomem, nostack, preserves_flags)
         );
         let a1 = a.add(kblocks * TILE);
-        // Each load is issued right before the first product that needs it (tile registers
-        // are not renamed). Measured against all four loads first: no difference beyond the
-        // noise (bench-gemm, AMX, 128/512 rows, two alternations).
+        // Each load is issued right before the first product that needs it. Measured against
+        // all four loads first: no difference beyond the noise (bench-gemm, AMX, 128/512
+        // rows, two alternations).
         for t in 0..kblocks {
             let (ka, kb) = (t * TILE, t * BF16_K_ALIGN * NR);
             for l in 0..ahead.1 {
