@@ -297,6 +297,19 @@ fn absurd_execution_flags_are_usage_errors() {
         let o = tpc(&["run", MODEL, "--prompt-ids", "1", flag[0], flag[1]]);
         assert_eq!(o.status.code(), Some(2), "{flag:?}");
     }
+    // 100000 threads per product aborted the process (no memory for their stack guards).
+    for threads in ["0", "100000"] {
+        let o = tpc(&[
+            "bench-gemm",
+            "--threads",
+            threads,
+            "--rows",
+            "1",
+            "--sweep-mib",
+            "0",
+        ]);
+        assert_eq!(o.status.code(), Some(2), "bench-gemm --threads {threads}");
+    }
 }
 
 #[test]

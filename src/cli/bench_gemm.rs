@@ -19,9 +19,9 @@ pub struct Args {
     /// Weight shapes as OUTxIN (default: TinyLlama-1.1B's q, k, gate and down projections).
     #[arg(long, value_delimiter = ',', default_values_t = ["2048x2048".to_string(), "256x2048".to_string(), "5632x2048".to_string(), "2048x5632".to_string()])]
     shapes: Vec<String>,
-    /// Threads per product.
-    #[arg(long, default_value_t = std::thread::available_parallelism().map_or(1, |n| n.get()))]
-    threads: usize,
+    /// Threads per product (1..=1024).
+    #[arg(long, default_value_t = std::thread::available_parallelism().map_or(1, |n| n.get() as u64), value_parser = clap::value_parser!(u64).range(1..=1024))]
+    threads: u64,
     /// Seconds spent on each measurement (the best call is reported).
     #[arg(long, default_value_t = 0.5)]
     seconds: f64,
@@ -110,7 +110,8 @@ fn host_line() -> String {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(a.threads >= 1, "--threads must be at least 1");
+    // clap bounds --threads to 1..=1024.
+    let threads = a.threads as usize;
     anyhow::ensure!(
         a.rows.iter().all(|&m| (1..=1 << 16).contains(&m)),
         "--rows must be 1..=65536"
@@ -142,7 +143,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         .iter()
         .map(|&i| Kernels::select(Some(i)))
         .collect::<Result<_, _>>()?;
-    let team = Team::new(a.threads);
+    let team = Team::new(threads);
     println!("{}", host_line());
     let not_run: Vec<&str> = Isa::ALL
         .into_iter()
@@ -155,24 +156,24 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let peaks: Vec<(Isa, Option<f64>)> = Isa::ALL
         .into_iter()
         .filter(|i| isas.contains(i) || kernels.iter().any(|k| k.gemm_variant(false) == *i))
-        .map(|i| (i, peak_flops(i, a.threads, a.seconds.max(1.0))))
+        .map(|i| (i, peak_flops(i, threads, a.seconds.max(1.0))))
         .collect();
     let peak_of = |isa: Isa| peaks.iter().find(|p| p.0 == isa).and_then(|p| p.1);
     println!(
         "peak, {} thread(s), best over at least 1 s of a loop of each variant's multiply-add: {}",
-        a.threads,
+        threads,
         peaks
             .iter()
             .filter_map(|(i, p)| p.map(|p| format!("{i} {:.0} GF/s", p / 1e9)))
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let bw = read_bandwidth(a.threads, a.seconds);
+    let bw = read_bandwidth(threads, a.seconds);
     println!(
         "read bandwidth, {} thread(s): {:.1} GB/s; {} thread(s) per product, best of {:.1} s each",
-        a.threads,
+        threads,
         bw / 1e9,
-        a.threads,
+        threads,
         a.seconds
     );
     println!(
@@ -204,7 +205,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                     n,
                     &x.data,
                     (&w.data, 1, k as isize),
-                    a.threads,
+                    threads,
                 );
                 std::hint::black_box(&out);
             });
