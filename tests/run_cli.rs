@@ -310,6 +310,11 @@ fn absurd_execution_flags_are_usage_errors() {
         ]);
         assert_eq!(o.status.code(), Some(2), "bench-gemm --threads {threads}");
     }
+    let o = tpc(&["bench-gemm", "--sweep-mib", "100000000"]);
+    assert_eq!(o.status.code(), Some(2), "bench-gemm --sweep-mib");
+    // Sizes whose activations would not fit: refused before anything is allocated.
+    let o = tpc(&["bench-gemm", "--rows", "65536", "--shapes", "16384x16384"]);
+    assert_eq!(o.status.code(), Some(1), "bench-gemm --rows 65536");
 }
 
 #[test]

@@ -26,9 +26,9 @@ pub struct Args {
     #[arg(long, default_value_t = 0.5)]
     seconds: f64,
     /// MiB of distinct bf16 weights the cold one-row sweep reads (0: no sweep). Far more than
-    /// the last-level cache, as in decode, where every weight comes from memory.
-    #[arg(long, default_value_t = 512)]
-    sweep_mib: usize,
+    /// the last-level cache, as in decode, where every weight comes from memory (at most 8192).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(0..=8192))]
+    sweep_mib: u64,
     /// Kernel variants to measure (default: every one this host runs).
     #[arg(long, value_delimiter = ',', value_parser = super::parse_isa)]
     isa: Vec<Isa>,
@@ -130,6 +130,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .iter()
             .all(|&(n, k)| n >= 1 && k >= 1 && n.checked_mul(k).is_some_and(|e| e <= 1 << 28)),
         "--shapes must be positive and at most 2^28 elements"
+    );
+    // The activations (rows × in) and outputs (rows × out) are allocated too.
+    anyhow::ensure!(
+        shapes
+            .iter()
+            .all(|&(n, k)| a.rows.iter().all(|&m| m * n.max(k) <= 1 << 28)),
+        "--rows × the largest side of a --shapes entry must be at most 2^28 elements"
     );
     let isas = if a.isa.is_empty() {
         Isa::ALL
@@ -260,7 +267,8 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     }
     if a.sweep_mib > 0 {
         let (n, k) = shapes[0];
-        let count = (a.sweep_mib << 20).div_ceil(n * k * 2).max(2);
+        // clap bounds --sweep-mib to 8 GiB.
+        let count = ((a.sweep_mib as usize) << 20).div_ceil(n * k * 2).max(2);
         let mats: Vec<PackedMatrix> = (0..count)
             .map(|s| {
                 let w = Tensor::new(
