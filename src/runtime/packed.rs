@@ -259,7 +259,10 @@ impl PackedMatrix {
                 dst,
             };
             if gemv {
-                run_chunks(team, threads, panels, 1, &|range| bf16.gemv(kernels, range));
+                let rows = Bf16Rows(&bf16, kernels);
+                run_chunks(team, threads, panels, 1, &|range| {
+                    gemv_panels(&rows, m, self.n, range.panels, dst)
+                });
             } else {
                 let blocks = m.div_ceil(MC_BF16);
                 run_chunks(team, threads, panels, blocks, &|range| {
@@ -270,8 +273,9 @@ impl PackedMatrix {
             return;
         }
         if gemv {
+            let rows = F32Rows(self, kernels, &x.data);
             run_chunks(team, threads, panels, 1, &|range| {
-                self.gemv_panels(kernels, &x.data, m, range.panels, dst)
+                gemv_panels(&rows, m, self.n, range.panels, dst)
             });
         } else {
             let mut packed_x = PACKED_ROWS.take();
@@ -281,57 +285,6 @@ impl PackedMatrix {
                 self.gemm_panels(kernels, &packed_x, m, range.panels, dst)
             });
             PACKED_ROWS.set(packed_x);
-        }
-    }
-
-    /// Output columns `[q·NR, q·NR + NR)` of every row, for panels `q` in `range`.
-    fn gemv_panels(
-        &self,
-        kernels: Kernels,
-        x: &[f32],
-        m: usize,
-        range: std::ops::Range<usize>,
-        dst: SyncPtr,
-    ) {
-        let k = self.k;
-        for q in range {
-            let cols = NR.min(self.n - q * NR);
-            let mut rows = [[0f32; NR]; GEMV_MAX_ROWS];
-            let mut done = 0;
-            while done < m {
-                let r = (m - done).min(GEMV_MAX_ROWS);
-                let xs = &x[done * k..];
-                macro_rules! run {
-                    ($r:literal) => {{
-                        let out: &mut [[f32; NR]; $r] = (&mut rows[..$r]).try_into().unwrap();
-                        match &self.panels {
-                            Panels::Bf16(v) => {
-                                let len = u16::panel_len(k);
-                                kernels.gemv::<$r, _>(xs, k, &v[q * len..(q + 1) * len], k, out)
-                            }
-                            Panels::F32(v) => {
-                                let len = f32::panel_len(k);
-                                kernels.gemv::<$r, _>(xs, k, &v[q * len..(q + 1) * len], k, out)
-                            }
-                        }
-                    }};
-                }
-                match r {
-                    1 => run!(1),
-                    2 => run!(2),
-                    3 => run!(3),
-                    _ => run!(4),
-                }
-                for (i, row) in rows[..r].iter().enumerate() {
-                    // SAFETY: row `done + i` < m and columns q·NR .. q·NR + cols ≤ n lie in
-                    // the output; only this thread writes panel q's columns.
-                    unsafe {
-                        let o = dst.0.add((done + i) * self.n + q * NR);
-                        std::ptr::copy_nonoverlapping(row.as_ptr(), o, cols);
-                    }
-                }
-                done += r;
-            }
         }
     }
 
@@ -410,6 +363,79 @@ impl PackedMatrix {
     }
 }
 
+/// A decode product's source of output rows: `R` rows from row `first` on, of panel `q`.
+trait PanelRows: Sync {
+    fn rows<const R: usize>(&self, q: usize, first: usize, out: &mut [[f32; NR]; R]);
+}
+
+/// f32 activations against either panel type.
+struct F32Rows<'a>(&'a PackedMatrix, Kernels, &'a [f32]);
+
+impl PanelRows for F32Rows<'_> {
+    fn rows<const R: usize>(&self, q: usize, first: usize, out: &mut [[f32; NR]; R]) {
+        let (w, kernels, k) = (self.0, self.1, self.0.k);
+        let xs = &self.2[first * k..];
+        match &w.panels {
+            Panels::Bf16(v) => {
+                let len = u16::panel_len(k);
+                kernels.gemv::<R, _>(xs, k, &v[q * len..(q + 1) * len], k, out)
+            }
+            Panels::F32(v) => {
+                let len = f32::panel_len(k);
+                kernels.gemv::<R, _>(xs, k, &v[q * len..(q + 1) * len], k, out)
+            }
+        }
+    }
+}
+
+/// Rounded bf16 activations against bf16 panels (`vdpbf16ps`).
+struct Bf16Rows<'a>(&'a Bf16Product<'a>, Kernels);
+
+impl PanelRows for Bf16Rows<'_> {
+    fn rows<const R: usize>(&self, q: usize, first: usize, out: &mut [[f32; NR]; R]) {
+        let p = self.0;
+        let xs = &p.a[first * p.lda..];
+        self.1.gemv_bf16x::<R>(xs, p.lda, p.panel(q), p.k, out)
+    }
+}
+
+/// Output columns `[q·NR, q·NR + NR)` of all `m` rows of an `n`-column output, for panels
+/// `q` in `range`, up to `GEMV_MAX_ROWS` rows per kernel call.
+fn gemv_panels(
+    src: &impl PanelRows,
+    m: usize,
+    n: usize,
+    range: std::ops::Range<usize>,
+    dst: SyncPtr,
+) {
+    fn head<const R: usize>(rows: &mut [[f32; NR]; GEMV_MAX_ROWS]) -> &mut [[f32; NR]; R] {
+        (&mut rows[..R]).try_into().expect("R ≤ GEMV_MAX_ROWS")
+    }
+    for q in range {
+        let cols = NR.min(n - q * NR);
+        let mut rows = [[0f32; NR]; GEMV_MAX_ROWS];
+        let mut done = 0;
+        while done < m {
+            let r = (m - done).min(GEMV_MAX_ROWS);
+            match r {
+                1 => src.rows::<1>(q, done, head(&mut rows)),
+                2 => src.rows::<2>(q, done, head(&mut rows)),
+                3 => src.rows::<3>(q, done, head(&mut rows)),
+                _ => src.rows::<4>(q, done, head(&mut rows)),
+            }
+            for (i, row) in rows[..r].iter().enumerate() {
+                // SAFETY: row `done + i` < m and columns q·NR .. q·NR + cols ≤ n lie in the
+                // output; only this thread writes panel q's columns.
+                unsafe {
+                    let o = dst.at((done + i) * n + q * NR);
+                    std::ptr::copy_nonoverlapping(row.as_ptr(), o, cols);
+                }
+            }
+            done += r;
+        }
+    }
+}
+
 /// One work item: weight panels `panels` for row block `block` (of `MC_BF16` rows).
 struct Chunk {
     panels: std::ops::Range<usize>,
@@ -463,42 +489,6 @@ impl Bf16Product<'_> {
     fn panel(&self, q: usize) -> &[u16] {
         let len = u16::panel_len(self.k);
         &self.w[q * len..(q + 1) * len]
-    }
-
-    /// Decode rows through `vdpbf16ps`, one panel at a time.
-    fn gemv(&self, kernels: Kernels, chunk: Chunk) {
-        let (m, k, lda) = (self.m, self.k, self.lda);
-        for q in chunk.panels {
-            let cols = NR.min(self.n - q * NR);
-            let mut rows = [[0f32; NR]; GEMV_MAX_ROWS];
-            let panel = self.panel(q);
-            let mut done = 0;
-            while done < m {
-                let r = (m - done).min(GEMV_MAX_ROWS);
-                let xs = &self.a[done * lda..];
-                macro_rules! run {
-                    ($r:literal) => {{
-                        let out: &mut [[f32; NR]; $r] = (&mut rows[..$r]).try_into().unwrap();
-                        kernels.gemv_bf16x::<$r>(xs, lda, panel, k, out)
-                    }};
-                }
-                match r {
-                    1 => run!(1),
-                    2 => run!(2),
-                    3 => run!(3),
-                    _ => run!(4),
-                }
-                for (i, row) in rows[..r].iter().enumerate() {
-                    // SAFETY: row `done + i` < m, columns q·NR .. + cols ≤ n: inside the
-                    // output, and only this thread writes panel q's columns.
-                    unsafe {
-                        let o = self.dst.at((done + i) * self.n + q * NR);
-                        std::ptr::copy_nonoverlapping(row.as_ptr(), o, cols);
-                    }
-                }
-                done += r;
-            }
-        }
     }
 
     /// Rows of block `chunk.block` × panels `chunk.panels` (taken in pairs).
@@ -786,27 +776,7 @@ fn pack_rows(x: &[f32], m: usize, k: usize, group: usize, out: &mut Vec<f32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The f64 product, with `x` rounded to bf16 first when `round`.
-    fn reference(x: &Tensor, w: &PackedMatrix, round: bool) -> Vec<f64> {
-        let (m, k) = x.rows_cols();
-        let xv = |i: usize| {
-            let v = x.data[i];
-            if round {
-                crate::runtime::kernels::widen(crate::runtime::kernels::round_bf16(v))
-            } else {
-                v
-            }
-        };
-        (0..m * w.n)
-            .map(|i| {
-                let (r, j) = (i / w.n, i % w.n);
-                (0..k)
-                    .map(|p| xv(r * k + p) as f64 * w.get(j, p) as f64)
-                    .sum()
-            })
-            .collect()
-    }
+    use crate::runtime::kernels::self_check::{operands, reference};
 
     /// Every variant this host runs; the others are printed, not counted.
     fn host_variants() -> Vec<Kernels> {
@@ -823,22 +793,12 @@ mod tests {
     }
 
     fn check(m: usize, n: usize, k: usize, bf16: bool, order: WeightOrder) {
-        let x = Tensor::new(
-            vec![m, k],
-            (0..m * k)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-                .collect(),
-        );
+        let (x, w) = operands(m, n, k);
         let shape = match order {
             WeightOrder::OutIn => vec![n, k],
             WeightOrder::InOut => vec![k, n],
         };
-        let w = Tensor::new(
-            shape,
-            (0..n * k)
-                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 97.0)
-                .collect(),
-        );
+        let w = Tensor::new(shape, w);
         let packed = PackedMatrix::pack(&w, order, bf16);
         for kernels in host_variants() {
             let round = bf16 && kernels.isa().bf16_activations();

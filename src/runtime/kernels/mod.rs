@@ -27,7 +27,7 @@ mod avx512bf16;
 mod detect;
 mod peak;
 mod portable;
-mod self_check;
+pub(crate) mod self_check;
 
 pub use peak::peak_flops;
 
@@ -141,13 +141,7 @@ impl Kernels {
     /// The best variant this host supports whose self-check passed (chosen once).
     pub fn detect() -> Kernels {
         static BEST: OnceLock<Kernels> = OnceLock::new();
-        *BEST.get_or_init(|| {
-            Isa::ALL
-                .into_iter()
-                .rev()
-                .find_map(|isa| Kernels::select(Some(isa)).ok())
-                .unwrap_or(Kernels { isa: Isa::Portable })
-        })
+        *BEST.get_or_init(|| Kernels::best_where(|_| true))
     }
 
     /// The best variant whose self-check passes among those that keep a product's
@@ -157,14 +151,17 @@ impl Kernels {
     /// rounding downstream: 7.8e-3 between tp=1 and tp=2 on a TinyLlama-size bf16 model.)
     pub fn exact() -> Kernels {
         static EXACT: OnceLock<Kernels> = OnceLock::new();
-        *EXACT.get_or_init(|| {
-            Isa::ALL
-                .into_iter()
-                .rev()
-                .filter(|isa| !isa.bf16_activations())
-                .find_map(|isa| Kernels::select(Some(isa)).ok())
-                .unwrap_or(Kernels { isa: Isa::Portable })
-        })
+        *EXACT.get_or_init(|| Kernels::best_where(|isa| !isa.bf16_activations()))
+    }
+
+    /// The most preferred variant `keep` accepts whose self-check passes (portable at worst).
+    fn best_where(keep: impl Fn(Isa) -> bool) -> Kernels {
+        Isa::ALL
+            .into_iter()
+            .rev()
+            .filter(|&isa| keep(isa))
+            .find_map(|isa| Kernels::select(Some(isa)).ok())
+            .unwrap_or(Kernels { isa: Isa::Portable })
     }
 
     /// `isa` (after its self-check), or the best when `None`.

@@ -19,37 +19,54 @@ pub fn passed(kernels: Kernels) -> Result<(), String> {
     compare(kernels, |w, x| w.matmul_with(kernels, x, &team))
 }
 
+/// Operands of a check: `m × k` activations and `n · k` weight values, in [-1, 1].
+pub(crate) fn operands(m: usize, n: usize, k: usize) -> (Tensor, Vec<f32>) {
+    let x = (0..m * k)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+        .collect();
+    let w = (0..n * k)
+        .map(|i| ((i * 53 % 97) as f32 - 48.0) / 97.0)
+        .collect();
+    (Tensor::new(vec![m, k], x), w)
+}
+
+/// `x · wᵀ` in f64, with `x` rounded to bf16 first when `round` (as the bf16-product
+/// variants do).
+pub(crate) fn reference(x: &Tensor, w: &PackedMatrix, round: bool) -> Vec<f64> {
+    let (m, k) = x.rows_cols();
+    let xv = |i: usize| {
+        let v = x.data[i];
+        if round {
+            widen(round_bf16(v))
+        } else {
+            v
+        }
+    };
+    (0..m * w.n)
+        .map(|i| {
+            let (r, j) = (i / w.n, i % w.n);
+            (0..k)
+                .map(|p| xv(r * k + p) as f64 * w.get(j, p) as f64)
+                .sum()
+        })
+        .collect()
+}
+
 /// `product` against the reference of `kernels`' rounding, on every shape and weight type.
 fn compare(
     kernels: Kernels,
     product: impl Fn(&PackedMatrix, &Tensor) -> Tensor,
 ) -> Result<(), String> {
     for (m, n, k) in SHAPES {
-        let x = Tensor::new(
-            vec![m, k],
-            (0..m * k)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-                .collect(),
-        );
-        let w = Tensor::new(
-            vec![n, k],
-            (0..n * k)
-                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 97.0)
-                .collect(),
-        );
+        let (x, w) = operands(m, n, k);
+        let w = Tensor::new(vec![n, k], w);
         for bf16 in [false, true] {
             let packed = PackedMatrix::pack(&w, WeightOrder::OutIn, bf16);
             let got = product(&packed, &x);
             let round = bf16 && kernels.isa().bf16_activations();
-            for (i, &g) in got.data.iter().enumerate() {
+            let reference = reference(&x, &packed, round);
+            for (i, (&g, &want)) in got.data.iter().zip(&reference).enumerate() {
                 let (r, j) = (i / n, i % n);
-                let want: f64 = (0..k)
-                    .map(|p| {
-                        let xv = x.data[r * k + p];
-                        let xv = if round { widen(round_bf16(xv)) } else { xv };
-                        xv as f64 * packed.get(j, p) as f64
-                    })
-                    .sum();
                 let bound = 1e-5 * (1.0 + want.abs()) * (k as f64).sqrt();
                 // A NaN result compares as None: it fails too.
                 let err = (g as f64 - want).abs();
