@@ -8,7 +8,7 @@
 //! one (query row, head) per item, reading the cache as it is.
 
 use super::fastmath::exp;
-use super::simd::with_avx2;
+use super::simd::widest_simd_fn;
 use super::team::{SyncPtr, Team};
 use super::tensor::{pool, Tensor};
 
@@ -103,19 +103,16 @@ pub fn causal_attention(
     let dst = SyncPtr(out.data.as_mut_ptr());
     // Transposed keys, each row padded with zeros to whole blocks of LANES keys, pay off
     // when many queries read them; a decode step's few queries read the cache as it is.
-    let transpose = t > DIRECT_MAX_ROWS;
-    // One spare block per row: rows a power of two apart (n = 512 → 2 KiB) would map the
-    // d rows a score block reads to the same two L1 sets and evict each other.
-    let np = n.next_multiple_of(LANES) + LANES;
-    let mut kt = pool::take(if transpose { kcols * np } else { 0 });
-    if transpose {
+    if t > DIRECT_MAX_ROWS {
+        // One spare block per row: rows a power of two apart (n = 512 → 2 KiB) would map
+        // the d rows a score block reads to the same two L1 sets and evict each other.
+        let np = n.next_multiple_of(LANES) + LANES;
+        let mut kt = pool::take(kcols * np);
         for j in 0..n {
             for (c, &x) in k[j * kcols..(j + 1) * kcols].iter().enumerate() {
                 kt[c * np + j] = x;
             }
         }
-    }
-    if transpose {
         let blocked = Blocked {
             q,
             kt: &kt,
@@ -127,82 +124,105 @@ pub fn causal_attention(
             scale,
         };
         team.run_on(members, &|member| {
-            blocked.run(member, members, t, heads, dst)
+            run_blocked(&blocked, member, members, t, heads, dst)
         });
         pool::give(kt);
         return out;
     }
-    let work = |member: usize| {
-        with_avx2(|| {
-            let mut scores = pool::take(np);
-            // Strided items: causal rows grow with i, so striding balances the members.
-            for w in (member..items).step_by(members) {
-                let (i, h) = (w / heads, w % heads);
-                let visible = n - t + i + 1;
-                let kh = h / group;
-                let qv = &q.data[i * qcols + h * d..][..d];
-                if !transpose {
-                    for (j, s) in scores[..visible].iter_mut().enumerate() {
-                        *s = dot(qv, &k[j * kcols + kh * d..][..d]) * scale;
-                    }
-                }
-                // Scores LANES keys at a time (fixed-size, so the sums stay in registers
-                // across all d), padding keys included and then ignored.
-                let blocks = if transpose {
-                    visible.next_multiple_of(LANES)
-                } else {
-                    0
-                };
-                for (jb, block) in scores[..blocks].chunks_exact_mut(LANES).enumerate() {
-                    let mut acc = [0f32; LANES];
-                    for (c, &qc) in qv.iter().enumerate() {
-                        let keys: &[f32; LANES] = kt[(kh * d + c) * np + jb * LANES..][..LANES]
-                            .try_into()
-                            .expect("LANES values");
-                        for l in 0..LANES {
-                            acc[l] += qc * keys[l];
-                        }
-                    }
-                    for l in 0..LANES {
-                        block[l] = acc[l] * scale;
-                    }
-                }
-                let row = &mut scores[..visible];
-                let sum = exp_sum(row, max_of(row));
-                // SAFETY: item (i, h) owns columns h·d .. h·d + d of row i of `out`, and
-                // every item goes to exactly one member.
-                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(i * qcols + h * d), d) };
-                // Output 32 columns at a time, summed over the visible keys in registers.
-                for (cb, chunk) in o.chunks_mut(LANES).enumerate() {
-                    let base = kh * d + cb * LANES;
-                    if chunk.len() == LANES {
-                        let mut acc = [0f32; LANES];
-                        for (j, &p) in row.iter().enumerate() {
-                            let vals: &[f32; LANES] = v[j * kcols + base..][..LANES]
-                                .try_into()
-                                .expect("LANES values");
-                            for l in 0..LANES {
-                                acc[l] += p * vals[l];
-                            }
-                        }
-                        chunk.copy_from_slice(&acc);
-                    } else {
-                        for (j, &p) in row.iter().enumerate() {
-                            for (o, &x) in chunk.iter_mut().zip(&v[j * kcols + base..]) {
-                                *o += p * x;
-                            }
-                        }
-                    }
-                }
-                let inv = 1.0 / sum;
-                o.iter_mut().for_each(|x| *x *= inv);
-            }
-            pool::give(scores);
-        })
+    let direct = Direct {
+        q,
+        k,
+        v,
+        d,
+        group,
+        kcols,
+        n,
+        scale,
     };
-    team.run_on(members, &work);
-    pool::give(kt);
+    team.run_on(members, &|member| run_direct(&direct, member, members, dst));
     out
+}
+
+/// The operands of a decode step's attention (see the module doc).
+struct Direct<'a> {
+    q: &'a Tensor,
+    k: &'a [f32],
+    v: &'a [f32],
+    d: usize,
+    group: usize,
+    kcols: usize,
+    n: usize,
+    scale: f32,
+}
+
+widest_simd_fn!(fn run_direct(a: &Direct, member: usize, members: usize, dst: SyncPtr) => direct_items);
+
+/// Member `member`'s (query row, head) items: every `members`-th, strided because causal
+/// rows grow with the row, so striding balances the members.
+#[inline(always)]
+fn direct_items(a: &Direct, member: usize, members: usize, dst: SyncPtr) {
+    let (t, qcols) = a.q.rows_cols();
+    let (d, kcols) = (a.d, a.kcols);
+    let heads = qcols / d;
+    let mut scores = pool::take(a.n);
+    for w in (member..t * heads).step_by(members) {
+        let (i, h) = (w / heads, w % heads);
+        let visible = a.n - t + i + 1;
+        let kh = h / a.group;
+        let qv = &a.q.data[i * qcols + h * d..][..d];
+        let row = &mut scores[..visible];
+        for (j, s) in row.iter_mut().enumerate() {
+            *s = dot(qv, &a.k[j * kcols + kh * d..][..d]) * a.scale;
+        }
+        let sum = exp_sum(row, max_of(row));
+        // SAFETY: item (i, h) owns columns h·d .. h·d + d of row i of `out`, and every item
+        // goes to exactly one member.
+        let o = unsafe { std::slice::from_raw_parts_mut(dst.at(i * qcols + h * d), d) };
+        // Output 32 columns at a time, summed over the visible keys in registers.
+        for (cb, chunk) in o.chunks_mut(LANES).enumerate() {
+            let base = kh * d + cb * LANES;
+            if chunk.len() == LANES {
+                let mut acc = [0f32; LANES];
+                for (j, &p) in row.iter().enumerate() {
+                    let vals: &[f32; LANES] = a.v[j * kcols + base..][..LANES]
+                        .try_into()
+                        .expect("LANES values");
+                    for l in 0..LANES {
+                        acc[l] += p * vals[l];
+                    }
+                }
+                chunk.copy_from_slice(&acc);
+            } else {
+                for (j, &p) in row.iter().enumerate() {
+                    for (o, &x) in chunk.iter_mut().zip(&a.v[j * kcols + base..]) {
+                        *o += p * x;
+                    }
+                }
+            }
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+    pool::give(scores);
+}
+
+widest_simd_fn!(fn run_blocked(
+    b: &Blocked,
+    member: usize,
+    members: usize,
+    t: usize,
+    heads: usize,
+    dst: SyncPtr,
+) => blocked_items);
+
+/// Member `member`'s items: every `members`-th block of `t` rows × `heads`.
+#[inline(always)]
+fn blocked_items(b: &Blocked, member: usize, members: usize, t: usize, heads: usize, dst: SyncPtr) {
+    let mut scores = pool::take(QB * b.np);
+    for w in (member..t.div_ceil(QB) * heads).step_by(members) {
+        b.item(w / heads, w % heads, &mut scores, dst);
+    }
+    pool::give(scores);
 }
 
 /// The operands of a prompt's attention (see the module doc).
@@ -219,42 +239,6 @@ struct Blocked<'a> {
 }
 
 impl Blocked<'_> {
-    /// Member `member`'s items (every `members`-th block of `t` rows × `heads`), compiled for
-    /// the widest SIMD this host has. Not through `simd::with_*`: a closure that big is not
-    /// inlined into the function with the target features and stays baseline SSE2 (seen in
-    /// a profile of this loop: `mulps` on xmm registers).
-    fn run(&self, member: usize, members: usize, t: usize, heads: usize, dst: SyncPtr) {
-        #[inline(always)]
-        fn body(b: &Blocked, member: usize, members: usize, t: usize, heads: usize, dst: SyncPtr) {
-            let mut scores = pool::take(QB * b.np);
-            for w in (member..t.div_ceil(QB) * heads).step_by(members) {
-                b.item(w / heads, w % heads, &mut scores, dst);
-            }
-            pool::give(scores);
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            #[target_feature(enable = "avx512f,avx2,fma")]
-            unsafe fn wide(b: &Blocked, m: usize, ms: usize, t: usize, h: usize, dst: SyncPtr) {
-                body(b, m, ms, t, h, dst)
-            }
-            #[target_feature(enable = "avx2,fma")]
-            unsafe fn narrow(b: &Blocked, m: usize, ms: usize, t: usize, h: usize, dst: SyncPtr) {
-                body(b, m, ms, t, h, dst)
-            }
-            let host = super::kernels::host();
-            if host.avx512f {
-                // SAFETY: AVX-512F (with AVX2 and FMA) was detected.
-                return unsafe { wide(self, member, members, t, heads, dst) };
-            }
-            if host.avx2_fma {
-                // SAFETY: AVX2 and FMA were detected.
-                return unsafe { narrow(self, member, members, t, heads, dst) };
-            }
-        }
-        body(self, member, members, t, heads, dst)
-    }
-
     /// Query rows `qb·QB..` of head `h`, into `dst`; `scores` holds `QB × np`.
     #[inline(always)]
     fn item(&self, qb: usize, h: usize, scores: &mut [f32], dst: SyncPtr) {

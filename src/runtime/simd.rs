@@ -18,3 +18,38 @@ pub fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
     }
     f()
 }
+
+/// Defines `$vis fn $name(args)` that runs `$body(args)` — an `#[inline(always)]` function —
+/// compiled for AVX-512F, else AVX2 + FMA, else the baseline, as the host allows. Unlike
+/// [`with_avx2`], whose closure gets the features only if LLVM inlines it (a large closure is
+/// not inlined and runs as baseline SSE2: `mulps` on xmm registers, seen in both attention
+/// loops), the body is inlined into each wrapper by its `#[inline(always)]`. Loops compute
+/// the same sums in the same order whichever runs.
+macro_rules! widest_simd_fn {
+    ($vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) => $body:path) => {
+        $vis fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn wide($($arg: $ty),*) {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn narrow($($arg: $ty),*) {
+                    $body($($arg),*)
+                }
+                let host = $crate::runtime::kernels::host();
+                if host.avx512f {
+                    // SAFETY: AVX-512F (and with it AVX2 and FMA) was detected.
+                    return unsafe { wide($($arg),*) };
+                }
+                if host.avx2_fma {
+                    // SAFETY: AVX2 and FMA were detected.
+                    return unsafe { narrow($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+pub(crate) use widest_simd_fn;
