@@ -2,7 +2,8 @@
 //! so that they vectorise 8 wide instead of the 4 of the baseline x86-64 target.
 
 /// Calls `f` from a function compiled with AVX2 + FMA enabled when this CPU has both; `f`
-/// and what it inlines are then compiled for them too.
+/// and what it inlines are then compiled for them too — if LLVM inlines `f`, which it does
+/// for small closures only: large loops belong in [`widest_simd_fn`].
 #[inline(always)]
 pub fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
