@@ -14,6 +14,13 @@ pub enum TpcError {
     #[error("cannot write `{path}`: {io}. Check that the directory exists and is writable.")]
     Write { path: PathBuf, io: std::io::Error },
 
+    #[error("{what} `{path}`: refused, {reason}.")]
+    Output {
+        what: String,
+        path: PathBuf,
+        reason: String,
+    },
+
     #[error("{path}:{line}:{column}: {message}. Fix the {format} syntax at that position.")]
     Syntax {
         path: PathBuf,
@@ -55,6 +62,9 @@ pub enum TpcError {
 
     #[error("tp must be at least 1, got {tp}.")]
     ZeroTp { tp: u64 },
+
+    #[error("tp={tp} is more than tpc plans for: at most {max} ranks share one tensor-parallel group (each rank gets its own program, and no interconnect makes a wider group pay off). Use a tp of {max} or less.")]
+    TpTooLarge { tp: u64, max: u64 },
 
     #[error("tp_plan override `{pattern}: {word}` is wrong: {reason}")]
     BadOverride {

@@ -19,6 +19,7 @@ fn main() -> ExitCode {
     let args = cli::Cli::parse();
     match cli::execute(args) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<cli::ClosedPipe>().is_some() => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(failure_code(&e))

@@ -1,7 +1,8 @@
 //! The whole compiler: model definition → sharded graph → plan.
 
-use crate::error::Result;
+use crate::error::{Result, TpcError};
 use crate::frontend::{to_graph, ModelDef};
+use crate::passes::feasibility::MAX_TP;
 use crate::passes::{shard, Sharded};
 use crate::plan::partition::partition;
 use crate::plan::Plan;
@@ -15,6 +16,13 @@ pub struct Compiled {
 
 /// Compiles a model definition for `tp` ranks.
 pub fn compile(def: &ModelDef, tp: u64) -> Result<Compiled> {
+    // Decided before the graph is built: a hostile tp must not cost memory or time.
+    if tp == 0 {
+        return Err(TpcError::ZeroTp { tp });
+    }
+    if tp > MAX_TP {
+        return Err(TpcError::TpTooLarge { tp, max: MAX_TP });
+    }
     let graph = to_graph(def)?;
     let sharded = shard(graph, tp, def.tp_plan())?;
     let mut plan = partition(&sharded)?;

@@ -36,13 +36,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         a.from_log2 <= a.to_log2 && a.to_log2 <= 30,
         "--from-log2 must not exceed --to-log2 (at most 30)"
     );
-    println!("{:?}", bench_barrier(a.tp, 20_000.min(a.iters * 100)));
+    super::outln!("{:?}", bench_barrier(a.tp, 20_000.min(a.iters * 100)));
     let sizes: Vec<usize> = (a.from_log2..=a.to_log2).map(|p| 1usize << p).collect();
     let iters = a.iters.max(1);
     let rows = match a.dtype {
         Dtype::F32 => bench_all_reduce::<f32>(a.tp, &sizes, iters),
         Dtype::Bf16 => bench_all_reduce::<half::bf16>(a.tp, &sizes, iters),
     };
-    print!("{}", format_table(&rows));
+    super::print_stdout(&format_table(&rows))?;
     Ok(())
 }

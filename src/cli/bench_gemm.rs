@@ -151,14 +151,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         .map(|&i| Kernels::select(Some(i)))
         .collect::<Result<_, _>>()?;
     let team = Team::new(threads);
-    println!("{}", host_line());
+    super::outln!("{}", host_line());
     let not_run: Vec<&str> = Isa::ALL
         .into_iter()
         .filter(|i| i.host_support().is_err())
         .map(Isa::name)
         .collect();
     if !not_run.is_empty() {
-        println!("variants this host cannot run: {}", not_run.join(", "));
+        super::outln!("variants this host cannot run: {}", not_run.join(", "));
     }
     let peaks: Vec<(Isa, Option<f64>)> = Isa::ALL
         .into_iter()
@@ -166,7 +166,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         .map(|i| (i, peak_flops(i, threads, a.seconds.max(1.0))))
         .collect();
     let peak_of = |isa: Isa| peaks.iter().find(|p| p.0 == isa).and_then(|p| p.1);
-    println!(
+    super::outln!(
         "peak, {} thread(s), best over at least 1 s of a loop of each variant's multiply-add: {}",
         threads,
         peaks
@@ -176,16 +176,21 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .join(", ")
     );
     let bw = read_bandwidth(threads, a.seconds);
-    println!(
+    super::outln!(
         "read bandwidth, {} thread(s): {:.1} GB/s; {} thread(s) per product, best of {:.1} s each",
         threads,
         bw / 1e9,
         threads,
         a.seconds
     );
-    println!(
+    super::outln!(
         "{:>5} {:>11} {:>10} | {:>33} | {:>33} | {:>10}",
-        "rows", "out x in", "--isa", "packed bf16 (kernel)", "packed f32 (kernel)", "gemm crate"
+        "rows",
+        "out x in",
+        "--isa",
+        "packed bf16 (kernel)",
+        "packed f32 (kernel)",
+        "gemm crate"
     );
     for &(n, k) in &shapes {
         let w = Tensor::new(
@@ -253,7 +258,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 } else {
                     (kern.gemm_variant(true), kern.gemm_variant(false))
                 };
-                println!(
+                super::outln!(
                     "{:>5} {:>11} {:>10} | {} | {} | {:>7.2} ms",
                     m,
                     format!("{n}x{k}"),
@@ -289,7 +294,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 }
             });
             let gbs = bytes as f64 / t.as_secs_f64() / 1e9;
-            println!(
+            super::outln!(
                 "cold sweep, --isa {}: one row through {count} distinct {n}x{k} bf16 weights ({} MiB): {gbs:.1} GB/s = {:.2}x the read bandwidth",
                 kern.isa(),
                 bytes >> 20,

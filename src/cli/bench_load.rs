@@ -179,7 +179,7 @@ fn run_children(a: &Args) -> anyhow::Result<()> {
                 );
             }
             let line = String::from_utf8_lossy(&out.stdout).trim().to_string();
-            println!("{line}");
+            super::outln!("{line}");
             let v: serde_json::Value = serde_json::from_str(&line)?;
             let num = |k: &str| v[k].as_u64().unwrap_or(0);
             results.push((

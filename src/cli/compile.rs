@@ -27,6 +27,15 @@ pub struct Args {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
+    if let Some(out) = &a.output {
+        tpc::fsio::check_output("-o", out, &[&a.model])?;
+    }
+    if let Some(dot) = &a.dot {
+        tpc::fsio::check_output("--dot", dot, &[&a.model])?;
+        if let Some(out) = &a.output {
+            tpc::fsio::check_distinct_outputs(("-o", out), ("--dot", dot))?;
+        }
+    }
     let def = load_model(&a.model)?;
     let compiled = compile(&def, a.tp)?;
     let summary = summarize(&compiled.plan);

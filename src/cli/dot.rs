@@ -48,6 +48,9 @@ fn parse_layers(s: &str) -> anyhow::Result<(u32, u32)> {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
+    if let Some(out) = &a.output {
+        tpc::fsio::check_output("-o", out, &[&a.input])?;
+    }
     let layers = a
         .layers
         .as_deref()

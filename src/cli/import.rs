@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 use tpc::frontend::load::{hf_config_path, load_model, ron_options};
-use tpc::frontend::ModelDef;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -26,11 +25,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             a.config.display()
         );
     }
-    let def = load_model(&a.config)?;
-    if let ModelDef::Preset(p) = &def {
-        // Fail here, not later, if the config does not make a valid model.
-        tpc::frontend::preset::lower_preset(p)?;
+    if let Some(out) = &a.output {
+        let config = hf_config_path(&a.config).unwrap_or_else(|| a.config.clone());
+        tpc::fsio::check_output("-o", out, &[&a.config, &config])?;
     }
+    let def = load_model(&a.config)?;
+    // Fail here, not later, if the config does not make a valid model.
+    tpc::frontend::to_graph(&def)?;
     let cfg = ron::ser::PrettyConfig::new()
         .extensions(ron::extensions::Extensions::IMPLICIT_SOME)
         .struct_names(false);

@@ -15,7 +15,13 @@ pub struct Args {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    let graph = match load_model(&a.model)? {
+    if let Some(out) = &a.output {
+        tpc::fsio::check_output("-o", out, &[&a.model])?;
+    }
+    let def = load_model(&a.model)?;
+    // A lowered file must load back: refuse what tpc would refuse to build.
+    tpc::frontend::to_graph(&def)?;
+    let graph = match def {
         ModelDef::Preset(p) => lower_preset(&p)?,
         ModelDef::Graph(g) => g,
     };

@@ -166,11 +166,28 @@ pub fn plan_for_tp(
     Ok(plan)
 }
 
-/// Writes `text` to stdout; a closed pipe or a full disk is an error, not a panic.
+/// Writes `text` to stdout; a full disk is an error, not a panic, and a reader that went
+/// away (`tpc compile … | head`) is [`ClosedPipe`], which ends the process quietly.
 pub fn print_stdout(text: &str) -> anyhow::Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     out.write_all(text.as_bytes())
         .and_then(|()| out.flush())
-        .map_err(|e| anyhow::anyhow!("cannot write the result to stdout: {e}"))
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::BrokenPipe => anyhow::Error::new(ClosedPipe),
+            _ => anyhow::anyhow!("cannot write the result to stdout: {e}"),
+        })
 }
+
+/// `println!` through [`print_stdout`]: for commands that print line by line.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cli::print_stdout(&format!("{}\n", format_args!($($arg)*)))?
+    };
+}
+pub(crate) use outln;
+
+/// Stdout's reader closed it: nobody wants the rest, which is not a failure.
+#[derive(Debug, thiserror::Error)]
+#[error("stdout was closed by its reader")]
+pub struct ClosedPipe;

@@ -181,18 +181,6 @@ fn write_logits(
     Ok(())
 }
 
-/// Whether writing `out` would replace one of the model directory's own files (weights,
-/// index, config, tokenizer): outputs never go over an input.
-fn overwrites_model_file(out: &std::path::Path, model: &std::path::Path) -> bool {
-    let (Ok(file), Ok(dir)) = (out.canonicalize(), model.canonicalize()) else {
-        return false; // a file that does not exist yet replaces nothing
-    };
-    let is_input = file
-        .extension()
-        .is_some_and(|e| e == "safetensors" || e == "json");
-    is_input && file.parent() == Some(dir.as_path())
-}
-
 /// One `--prompts` result as a JSON line.
 fn result_line(index: usize, tokens: &[i64], tokenizer: Option<&tokenizers::Tokenizer>) -> String {
     let mut line = serde_json::json!({ "index": index, "generated": tokens });
@@ -265,18 +253,10 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "--dump-logits writes one prompt's logits; use it with --prompt-ids or --prompt, not --prompts"
     );
     if let Some(path) = &a.dump_logits {
-        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
-        anyhow::ensure!(
-            parent.is_none_or(|p| p.is_dir()),
-            "--dump-logits {}: the folder does not exist; create it first",
-            path.display()
-        );
-        anyhow::ensure!(
-            !overwrites_model_file(path, &a.model),
-            "--dump-logits {} would replace a file of the model directory {}; write the logits elsewhere",
-            path.display(),
-            a.model.display()
-        );
+        let mut inputs = vec![a.model.as_path()];
+        inputs.extend(a.plan.as_deref());
+        inputs.extend(a.prompts.as_deref());
+        tpc::fsio::check_output("--dump-logits", path, &inputs)?;
     }
     let mut tokenizer = match &a.prompt {
         Some(_) => Some(tokenizer_for(&a.model)?),

@@ -5,6 +5,7 @@ pub mod hf_config;
 pub mod load;
 pub mod preset;
 pub mod spec;
+pub mod validate;
 
 use crate::error::Result;
 use crate::ir::Graph;
@@ -12,8 +13,14 @@ pub use spec::*;
 
 /// Lowers any model definition to the IR.
 pub fn to_graph(def: &ModelDef) -> Result<Graph> {
-    match def {
-        ModelDef::Preset(p) => build::build_graph(&preset::lower_preset(p)?),
-        ModelDef::Graph(g) => build::build_graph(g),
-    }
+    let lowered;
+    let graph_def = match def {
+        ModelDef::Preset(p) => {
+            lowered = preset::lower_preset(p)?;
+            &lowered
+        }
+        ModelDef::Graph(g) => g,
+    };
+    validate::validate_graph_def(graph_def)?;
+    build::build_graph(graph_def)
 }

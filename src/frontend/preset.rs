@@ -2,6 +2,7 @@
 //! Every preset goes through the same graph builder as hand-written graphs.
 
 use super::spec::*;
+use super::validate::{MAX_DIM, MAX_LAYERS};
 use crate::error::{Result, TpcError};
 use crate::ir::*;
 use std::collections::BTreeMap;
@@ -165,6 +166,35 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
         if v == 0 {
             return Err(bad(format!("{field} must be positive")));
         }
+        let limit = if field == "num_hidden_layers" {
+            MAX_LAYERS
+        } else {
+            MAX_DIM
+        };
+        if v > limit {
+            return Err(bad(format!(
+                "{field} is {v}; tpc's limit is {limit} (checked before anything is built)"
+            )));
+        }
+    }
+    for (field, v) in [
+        ("num_key_value_heads", c.num_key_value_heads),
+        ("head_dim", c.head_dim),
+    ] {
+        if v.is_some_and(|v| v > MAX_DIM) {
+            return Err(bad(format!("{field} is {v:?}; tpc's limit is {MAX_DIM}")));
+        }
+    }
+    for (field, v) in [("norm_eps", c.norm_eps), ("rope_theta", c.rope_theta)] {
+        if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+            return Err(bad(format!(
+                "{field} is {v}; it must be a finite number above 0"
+            )));
+        }
+    }
+    if let Some(scaling) = &c.rope_scaling {
+        super::validate::check_rope_scaling(scaling)
+            .map_err(|m| bad(format!("rope_scaling: {m}")))?;
     }
     let heads = c.num_attention_heads;
     let kv = c.num_key_value_heads.unwrap_or(heads);

@@ -76,7 +76,7 @@ pub struct SliceRange {
 impl DimSlice {
     /// Local length including padding.
     pub fn local_len(&self) -> u64 {
-        self.ranges.iter().map(|r| r.len).sum::<u64>() + self.padding
+        super::saturating::sum(self.ranges.iter().map(|r| r.len)).saturating_add(self.padding)
     }
 }
 
@@ -85,9 +85,14 @@ impl Groups {
     pub fn covered_len(&self) -> Option<u64> {
         match self {
             Groups::Plain { .. } => None,
-            Groups::Heads { count, size, .. } => Some(count * size),
-            Groups::Concat(parts) => parts.iter().map(Groups::covered_len).sum(),
-            Groups::Interleaved { heads, parts } => Some(heads * parts.iter().sum::<u64>()),
+            Groups::Heads { count, size, .. } => Some(count.saturating_mul(*size)),
+            Groups::Concat(parts) => parts
+                .iter()
+                .map(Groups::covered_len)
+                .try_fold(0u64, |total, len| Some(total.saturating_add(len?))),
+            Groups::Interleaved { heads, parts } => {
+                Some(heads.saturating_mul(super::saturating::sum(parts.iter().copied())))
+            }
         }
     }
 

@@ -5,6 +5,7 @@ pub mod groups;
 pub mod layout;
 pub mod op;
 pub mod op_dims;
+pub mod saturating;
 pub mod shape;
 pub mod tensor;
 pub mod verify;

@@ -106,7 +106,7 @@ impl Shape {
                 Dim::Fixed(n) => *n,
                 _ => 1,
             })
-            .product()
+            .fold(1u64, u64::saturating_mul)
     }
 
     pub fn with_last(&self, n: u64) -> Shape {

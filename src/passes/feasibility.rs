@@ -7,7 +7,8 @@ use crate::error::{Result, TpcError};
 use crate::ir::{Graph, Groups, Layout, Op};
 use std::collections::BTreeSet;
 
-/// Largest tp the error message searches when it lists valid values.
+/// Largest tp tpc plans for (checked before the graph is built); also the range the
+/// infeasibility message searches for valid values.
 pub const MAX_TP: u64 = 1024;
 
 /// One split dimension: its structure and length.

@@ -93,10 +93,11 @@ pub struct WeightSlice {
 
 impl WeightSlice {
     pub fn local_elements(&self) -> u64 {
-        self.local_shape.iter().product()
+        crate::ir::saturating::product(self.local_shape.iter().copied())
     }
     pub fn local_bytes(&self) -> u64 {
-        self.local_elements() * self.dtype.size_bytes()
+        self.local_elements()
+            .saturating_mul(self.dtype.size_bytes())
     }
 }
 

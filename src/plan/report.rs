@@ -1,6 +1,7 @@
 //! The summary of a plan: memory per rank, communication per token, KV cache per rank.
 
 use super::Plan;
+use crate::ir::saturating::{product, sum};
 use crate::ir::Op;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -75,17 +76,20 @@ pub fn summarize(plan: &Plan) -> Summary {
     let param_count_per_rank = plan
         .ranks
         .iter()
-        .map(|r| r.weights.iter().map(|w| w.local_elements()).sum())
+        .map(|r| sum(r.weights.iter().map(|w| w.local_elements())))
         .collect();
     let param_bytes_per_rank = plan
         .ranks
         .iter()
-        .map(|r| r.weights.iter().map(|w| w.local_bytes()).sum())
+        .map(|r| sum(r.weights.iter().map(|w| w.local_bytes())))
         .collect();
     let (model_param_count, model_param_bytes) = plan.ranks.first().map_or((0, 0), |r| {
-        r.weights.iter().fold((0, 0), |(c, b), w| {
-            let n: u64 = w.shape.iter().product();
-            (c + n, b + n * w.dtype.size_bytes())
+        r.weights.iter().fold((0u64, 0u64), |(c, b), w| {
+            let n = product(w.shape.iter().copied());
+            (
+                c.saturating_add(n),
+                b.saturating_add(n.saturating_mul(w.dtype.size_bytes())),
+            )
         })
     });
     let kv_cache_bytes_per_token_per_rank = plan
@@ -93,16 +97,21 @@ pub fn summarize(plan: &Plan) -> Summary {
         .iter()
         .map(|r| {
             let facts: BTreeMap<u32, _> = r.instrs.iter().map(|i| (i.id, &i.fact)).collect();
-            r.instrs
+            sum(r
+                .instrs
                 .iter()
                 .filter(|i| matches!(i.op, Op::Attention(_)))
                 .map(|i| {
-                    let k = facts[&i.inputs[1]];
-                    let v = facts[&i.inputs[2]];
-                    k.shape.fixed_elements() * k.dtype.size_bytes()
-                        + v.shape.fixed_elements() * v.dtype.size_bytes()
-                })
-                .sum()
+                    let bytes = |id| {
+                        facts.get(id).map_or(0, |f: &&crate::ir::TensorFact| {
+                            f.shape
+                                .fixed_elements()
+                                .saturating_mul(f.dtype.size_bytes())
+                        })
+                    };
+                    let (k, v) = (i.inputs.get(1), i.inputs.get(2));
+                    k.map_or(0, bytes).saturating_add(v.map_or(0, bytes))
+                }))
         })
         .collect();
     let (per_layer, outside) = count_collectives(plan);
@@ -131,12 +140,11 @@ pub fn summarize(plan: &Plan) -> Summary {
         collectives_per_layer: per_layer,
         collectives_outside_layers: outside,
         collective_count: plan.collectives.len() as u64,
-        bytes_per_token_total: plan.collectives.iter().map(|c| c.bytes_per_token).sum(),
-        ring_wire_bytes_per_token_total: plan
+        bytes_per_token_total: sum(plan.collectives.iter().map(|c| c.bytes_per_token)),
+        ring_wire_bytes_per_token_total: sum(plan
             .collectives
             .iter()
-            .map(|c| c.ring_wire_bytes_per_token)
-            .sum(),
+            .map(|c| c.ring_wire_bytes_per_token)),
         column_row_pairs: plan.regions.len() as u64,
         notes: plan.notes.clone(),
     }
