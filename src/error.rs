@@ -83,7 +83,7 @@ pub enum TpcError {
         expected: u32,
     },
 
-    #[error("{0}")]
+    #[error(transparent)]
     Plan(#[from] crate::plan::PlanError),
 
     #[error("cannot serialize the plan: {0}")]

@@ -827,8 +827,7 @@ fn readme_tp_plan_example_compiles_and_takes_effect() {
     assert_eq!(v["collective_count"], 6);
 }
 
-/// A copy of a fixture checkpoint whose LM head is NaN: the comparison runs, and tp=N cannot
-/// be shown to reproduce tp=1 (NaN logits on both sides), which `verify` must report.
+/// A copy of a fixture checkpoint whose LM head is NaN.
 fn nan_head_checkpoint(dir: &Path) -> PathBuf {
     let src = Path::new("tests/fixtures/checkpoints/llama-gqa");
     let model = dir.join("nan-head");
@@ -851,15 +850,56 @@ fn nan_head_checkpoint(dir: &Path) -> PathBuf {
     model
 }
 
+/// A tp=2 plan of the llama-gqa fixture whose two ranks read each other's key heads of
+/// layer 0: consistent as a plan (every row read once), but not the model — a real mismatch.
+fn swapped_heads_plan(dir: &Path) -> PathBuf {
+    let plan = dir.join("swapped.json");
+    let o = tpc(&[
+        "compile",
+        "tests/fixtures/checkpoints/llama-gqa",
+        "--tp",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let name = "model.layers.0.self_attn.k_proj.weight";
+    let ranges = |v: &mut serde_json::Value, rank: usize| -> serde_json::Value {
+        let weights = v["ranks"][rank]["weights"].as_array_mut().unwrap();
+        let w = weights.iter_mut().find(|w| w["tensor"] == name).unwrap();
+        w["ranges"].take()
+    };
+    let (r0, r1) = (ranges(&mut v, 0), ranges(&mut v, 1));
+    assert_ne!(r0, r1);
+    for (rank, r) in [(0, r1), (1, r0)] {
+        let weights = v["ranks"][rank]["weights"].as_array_mut().unwrap();
+        weights.iter_mut().find(|w| w["tensor"] == name).unwrap()["ranges"] = r;
+    }
+    std::fs::write(&plan, serde_json::to_string(&v).unwrap()).unwrap();
+    plan
+}
+
 #[test]
 fn verify_exits_3_on_a_mismatch_and_1_on_an_error() {
     let dir = scratch("verify-exit");
-    let model = nan_head_checkpoint(&dir);
-    let o = tpc(&["verify", model.to_str().unwrap(), "--tp", "2"]);
+    let plan = swapped_heads_plan(&dir);
+    let o = tpc(&[
+        "verify",
+        "tests/fixtures/checkpoints/llama-gqa",
+        "--plan",
+        plan.to_str().unwrap(),
+    ]);
     let e = stderr(&o);
     assert_eq!(o.status.code(), Some(3), "{e}");
     assert!(e.contains("tp=2 does not reproduce tp=1"), "{e}");
     assert!(!e.contains("panicked"), "{e}");
+    // NaN weights are not blamed on the sharding: the run stops and names the op.
+    let model = nan_head_checkpoint(&dir);
+    let e = fails_cleanly(&tpc(&["verify", model.to_str().unwrap(), "--tp", "2"]));
+    assert!(e.contains("not finite"), "{e}");
+    assert!(e.contains("`lm_head`"), "{e}");
     // An error that stops the check is not a mismatch.
     let e = fails_cleanly(&tpc(&["verify", "models/tiny-llama.ron", "--tp", "3"]));
     assert!(e.contains("Valid tp values"), "{e}");

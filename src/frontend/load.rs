@@ -16,6 +16,10 @@ pub fn ron_options() -> ron::Options {
 
 pub use crate::fsio::read_text;
 
+/// ron's default recursion limit, which tpc keeps (deeper input is refused, not a stack
+/// overflow).
+const RON_DEPTH_LIMIT: usize = 128;
+
 /// Parses RON text, turning errors into `file:line:column` messages.
 pub fn parse_ron<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
     ron_options().from_str(text).map_err(|e| TpcError::Syntax {
@@ -23,7 +27,13 @@ pub fn parse_ron<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Res
         line: e.position.line,
         column: e.position.col,
         format: "RON",
-        message: e.code.to_string(),
+        message: match e.code {
+            // ron's own text advises a crate; the user can only simplify the file.
+            ron::Error::ExceededRecursionLimit => format!(
+                "nested deeper than tpc reads ({RON_DEPTH_LIMIT} levels); a model never needs that, flatten the structure"
+            ),
+            other => other.to_string(),
+        },
     })
 }
 

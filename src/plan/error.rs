@@ -196,6 +196,8 @@ pub enum Problem {
     // Local facts.
     #[error("its op does not accept its recorded inputs: {message}")]
     Inference { message: String },
+    #[error("its op's attributes are invalid: {message}")]
+    Attribute { message: String },
     #[error("records {recorded}, but its op on its recorded inputs gives {inferred}")]
     Fact {
         recorded: Box<TensorFact>,

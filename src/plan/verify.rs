@@ -575,7 +575,11 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
         Op::Unfuse(u) if checked_len(&u.groups).is_none() => Err(Problem::Overflow {
             what: "the length of its unfuse structure".into(),
         }),
-        _ => infer(op, inputs, plan.dtype).map_err(|message| Problem::Inference { message }),
+        _ => {
+            crate::frontend::validate::check_op(op)
+                .map_err(|message| Problem::Attribute { message })?;
+            infer(op, inputs, plan.dtype).map_err(|message| Problem::Inference { message })
+        }
     }
 }
 

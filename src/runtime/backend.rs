@@ -165,6 +165,8 @@ pub trait Backend: Send + Sync {
     /// The index of the largest value of each row (the first on ties, as `torch.argmax`):
     /// greedy sampling without bringing the logits to the host.
     fn argmax_rows(&self, x: &Self::Act) -> BackendResult<Vec<usize>>;
+    /// The first row of `x` holding a NaN or an infinity, if any.
+    fn first_non_finite_row(&self, x: &Self::Act) -> BackendResult<Option<usize>>;
     /// The given rows, in order.
     fn select_rows(&self, x: &Self::Act, rows: &[usize]) -> BackendResult<Self::Act>;
 

@@ -589,6 +589,13 @@ impl Backend for CpuBackend {
         Ok(x.data.chunks(cols).map(super::sampling::argmax).collect())
     }
 
+    fn first_non_finite_row(&self, x: &Tensor) -> BackendResult<Option<usize>> {
+        let cols = x.cols().max(1);
+        Ok(x.data
+            .chunks(cols)
+            .position(|row| row.iter().any(|v| !v.is_finite())))
+    }
+
     fn select_rows(&self, x: &Tensor, rows: &[usize]) -> BackendResult<Tensor> {
         let (all, cols) = x.rows_cols();
         let mut out = pool::empty(rows.len() * cols);

@@ -8,7 +8,7 @@ pub enum RunError {
     #[error(transparent)]
     Input(#[from] crate::error::TpcError),
 
-    #[error("{0}")]
+    #[error(transparent)]
     Plan(#[from] crate::plan::PlanError),
 
     #[error(transparent)]
@@ -36,7 +36,7 @@ pub enum RunError {
     #[error("the prompt is empty; give at least one token id")]
     EmptyPrompt,
 
-    #[error("{0}")]
+    #[error(transparent)]
     Comm(#[from] super::comm::CommError),
 
     #[error("rank {rank} failed: {message}")]
@@ -55,6 +55,15 @@ pub enum RunError {
         "tp={tp} ranks cannot run as threads of one process: at most {max}; choose a smaller tp"
     )]
     TooManyRanks { tp: usize, max: usize },
+
+    #[error("{}", non_finite_message(*sequence, step, origin.as_ref()))]
+    NonFiniteLogits {
+        sequence: usize,
+        /// "the prompt" or "decode step N".
+        step: String,
+        /// The first op whose output was not finite when the tokens were recomputed.
+        origin: Option<NonFiniteOp>,
+    },
 
     #[error("bad batch: {problem}")]
     BadBatch { problem: String },
@@ -86,3 +95,32 @@ impl From<super::collectives::CollectiveError> for RunError {
 }
 
 pub type Result<T, E = RunError> = std::result::Result<T, E>;
+
+/// Where non-finite values first appear in a rank's program.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NonFiniteOp {
+    pub rank: usize,
+    /// Position in the rank's program (equal across ranks for the same op).
+    pub index: usize,
+    pub name: String,
+    pub kind: &'static str,
+    pub layer: Option<u32>,
+}
+
+fn non_finite_message(sequence: usize, step: &str, origin: Option<&NonFiniteOp>) -> String {
+    let head = format!(
+        "the logits of sequence {sequence} at {step} are not finite (NaN or infinite), so no token can be chosen; generation stopped"
+    );
+    match origin {
+        Some(o) => format!(
+            "{head}. The first op producing non-finite values is `{}` ({}{}) on rank {}: check the checkpoint's weights feeding it and the model's eps",
+            o.name,
+            o.kind,
+            o.layer.map_or_else(String::new, |l| format!(", layer {l}")),
+            o.rank
+        ),
+        None => format!(
+            "{head}. Recomputing the tokens op by op found no non-finite value, so the origin is not known"
+        ),
+    }
+}

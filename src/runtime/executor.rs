@@ -8,7 +8,7 @@
 
 use super::backend::{Activation, Backend, BackendError, BinaryOp, Segment, WeightUse};
 use super::collectives::Collectives;
-use super::error::{Result, RunError};
+use super::error::{NonFiniteOp, Result, RunError};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
 use crate::ir::{op_dims, Groups, InputKind, Op, RopeOp};
@@ -57,6 +57,8 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     pub weight_bytes: u64,
     /// Time and calls per op kind, when profiling.
     pub profile: Option<HashMap<&'static str, (std::time::Duration, u64)>>,
+    /// While locating non-finite values: the first op whose output has one.
+    non_finite: Option<Option<NonFiniteOp>>,
 }
 
 /// One forward call's inputs: every row's token id and position, the sequences' rows, and
@@ -182,6 +184,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             collective_bytes: 0,
             weight_bytes,
             profile: None,
+            non_finite: None,
         };
         exec.set_sequences(1);
         Ok(exec)
@@ -244,16 +247,35 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     }
 
     /// The greedy next token of each returned row, picked on the device: only the ids come
-    /// back to the host, not the logits.
+    /// back to the host, not the logits. A row with a NaN or an infinity is
+    /// `Err(row)`, since no token can be chosen from it.
     pub fn forward_argmax(
         &mut self,
         batch: &[(usize, &[i64])],
         rows: OutputRows,
-    ) -> Result<Vec<usize>> {
+    ) -> Result<std::result::Result<Vec<usize>, usize>> {
         let out = self.forward_on_device(batch, rows)?;
-        let ids = self.backend.argmax_rows(&out);
+        let picked = match self.backend.first_non_finite_row(&out) {
+            Ok(Some(row)) => Ok(Err(row)),
+            Ok(None) => self.backend.argmax_rows(&out).map(Ok),
+            Err(e) => Err(e),
+        };
         self.backend.release(out);
-        ids.map_err(at_output)
+        picked.map_err(at_output)
+    }
+
+    /// Recomputes `tokens` as one fresh sequence, checking every op's output, and returns
+    /// the first op on this rank whose output holds a NaN or an infinity. Forgets every
+    /// cached token (generation is over when this is called). Every rank of the group must
+    /// call it together: the program's collectives run as usual.
+    pub fn locate_non_finite(&mut self, tokens: &[i64]) -> Result<Option<NonFiniteOp>> {
+        self.reset();
+        self.non_finite = Some(None);
+        let out = self.forward_on_device(&[(0, tokens)], OutputRows::LastOfEach);
+        let found = self.non_finite.take().flatten();
+        self.reset();
+        self.backend.release(out?);
+        Ok(found)
     }
 
     /// As [`RankExecutor::forward`], the output left in the backend's memory.
@@ -336,6 +358,21 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                         let e = p.entry(op.kind()).or_default();
                         e.0 += t.elapsed();
                         e.1 += 1;
+                    }
+                    if matches!(self.non_finite, Some(None))
+                        && self
+                            .backend
+                            .first_non_finite_row(&v)
+                            .map_err(on(i))?
+                            .is_some()
+                    {
+                        self.non_finite = Some(Some(NonFiniteOp {
+                            rank: self.rank,
+                            index: idx,
+                            name: i.name.to_string(),
+                            kind: op.kind(),
+                            layer: i.layer,
+                        }));
                     }
                     Value::Act(v)
                 }

@@ -387,8 +387,30 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     let start = Instant::now();
     let logits = exec.forward(&batch, rows)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
-    report(Stage::Prefilled);
     let vocab = logits.cols();
+    if let Some(row) = first_non_finite_row(&logits) {
+        // Rows are each sequence's prompt rows (or its last row), in batch order.
+        let mut end = 0;
+        let s = requests
+            .iter()
+            .position(|r| {
+                end += if rows == OutputRows::All {
+                    r.prompt.len()
+                } else {
+                    1
+                };
+                row < end
+            })
+            .unwrap_or(0);
+        logits.release();
+        return Err(non_finite(
+            exec,
+            s,
+            "the prompt".into(),
+            &requests[s].prompt,
+        ));
+    }
+    report(Stage::Prefilled);
     // Row of `logits` each sequence samples its first token from, and its prompt logits.
     let mut row_of = Vec::with_capacity(n);
     let mut prompt_logits = Vec::with_capacity(n);
@@ -465,10 +487,25 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
             .zip(&next_ids)
             .map(|(&s, id)| (s, std::slice::from_ref(id)))
             .collect();
+        // A row that is not finite stops generation with the op it comes from.
+        let stop = |exec: &mut RankExecutor<'_, B, C>, k: usize| {
+            let s = still[k];
+            let seq = &sequences[s];
+            let tokens = [requests[s].prompt.as_slice(), &seq.generated].concat();
+            let step = format!("decode step {}", seq.generated.len());
+            non_finite(exec, s, step, &tokens)
+        };
         if greedy {
-            step_picks = Some(exec.forward_argmax(&batch, OutputRows::LastOfEach)?);
+            match exec.forward_argmax(&batch, OutputRows::LastOfEach)? {
+                Ok(picks) => step_picks = Some(picks),
+                Err(k) => return Err(stop(exec, k)),
+            }
         } else {
             let fresh = exec.forward(&batch, OutputRows::LastOfEach)?;
+            if let Some(k) = first_non_finite_row(&fresh) {
+                fresh.release();
+                return Err(stop(exec, k));
+            }
             // The previous step's logits go back to the pool for the next step's to reuse.
             if let Some(old) = step_logits.replace(fresh) {
                 old.release();
@@ -499,6 +536,31 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
 }
 
 /// Rank 0's profile as a table: op kind, seconds, share of the run, calls.
+/// The first row of a host tensor with a NaN or an infinity.
+fn first_non_finite_row(t: &Tensor) -> Option<usize> {
+    t.data
+        .chunks(t.cols().max(1))
+        .position(|row| row.iter().any(|v| !v.is_finite()))
+}
+
+/// The error for non-finite logits of `sequence`, with the first op producing them found by
+/// recomputing its `tokens` (every rank does this together, as it saw the same logits).
+fn non_finite<B: Backend, C: Collectives<B::Act>>(
+    exec: &mut RankExecutor<'_, B, C>,
+    sequence: usize,
+    step: String,
+    tokens: &[i64],
+) -> RunError {
+    match exec.locate_non_finite(tokens) {
+        Ok(origin) => RunError::NonFiniteLogits {
+            sequence,
+            step,
+            origin,
+        },
+        Err(e) => e,
+    }
+}
+
 pub fn render_profile(out: &BatchOutput) -> String {
     use std::fmt::Write;
     let total: f64 = out.profile.iter().map(|p| p.1).sum();

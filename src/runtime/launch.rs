@@ -104,6 +104,17 @@ fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>) -> Result<T> {
         match &first_err {
             None => first_err = Some(err),
             Some(RunError::Comm(CommError::PeerFailed { .. })) if !is_echo => first_err = Some(err),
+            // Every rank reports non-finite logits; the op earliest in the program is the origin.
+            Some(RunError::NonFiniteLogits { origin: seen, .. }) => {
+                if let RunError::NonFiniteLogits {
+                    origin: Some(o), ..
+                } = &err
+                {
+                    if seen.as_ref().is_none_or(|s| o.index < s.index) {
+                        first_err = Some(err);
+                    }
+                }
+            }
             _ => {}
         }
     }

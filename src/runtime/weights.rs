@@ -37,6 +37,12 @@ fn file_err(path: &Path, problem: impl Into<String>) -> RunError {
 }
 
 fn open_file(path: &Path) -> Result<File> {
+    if path.is_dir() {
+        return Err(file_err(
+            path,
+            "is a folder, not a safetensors file; the checkpoint's weights must be files",
+        ));
+    }
     let f = std::fs::File::open(path).map_err(|io| crate::error::TpcError::Read {
         path: path.to_path_buf(),
         io,
@@ -47,12 +53,8 @@ fn open_file(path: &Path) -> Result<File> {
         path: path.to_path_buf(),
         io,
     })?;
-    let (header, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
-        file_err(
-            path,
-            format!("not a valid safetensors file ({e:?}); re-download or re-save it"),
-        )
-    })?;
+    let (header, meta) =
+        SafeTensors::read_metadata(&map).map_err(|e| file_err(path, header_problem(&map, &e)))?;
     // read_metadata checks that the header fits and that the offsets tile the data exactly;
     // the checks here are kept anyway so that nothing below relies on that.
     let data_start = 8usize.saturating_add(header);
@@ -82,6 +84,54 @@ fn open_file(path: &Path) -> Result<File> {
     })
 }
 
+/// tpc's own words for why a safetensors header does not read.
+fn header_problem(bytes: &[u8], e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    let size = bytes.len();
+    let declared = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
+    let why = match (e, declared) {
+        (E::HeaderTooSmall, _) => {
+            format!("the file has {size} bytes, fewer than the 8-byte header length; it is truncated")
+        }
+        (E::MetadataIncompleteBuffer | E::InvalidHeaderLength, Some(n)) if n.saturating_add(8) > size as u64 => {
+            format!("its header length says {n} bytes follow, the file has {size} in all; it is truncated")
+        }
+        (E::MetadataIncompleteBuffer, _) => format!(
+            "the tensors' data does not fill the file exactly ({size} bytes); it is truncated or has bytes appended"
+        ),
+        (E::HeaderTooLarge | E::InvalidHeaderLength, _) => {
+            "the header length is impossible; the file is corrupt or not safetensors".into()
+        }
+        (E::InvalidHeader | E::InvalidHeaderStart | E::InvalidHeaderDeserialization | E::JsonError(_), _) => {
+            "the header is not the JSON safetensors expects; the file is corrupt or not safetensors".into()
+        }
+        (E::TensorInvalidInfo | E::InvalidOffset(_) | E::ValidationOverflow, _) => {
+            "a tensor's shape, type and byte offsets disagree; the file is corrupt".into()
+        }
+        (other, _) => format!("its header does not read ({other:?})"),
+    };
+    format!("not a valid safetensors file: {why}; re-download or re-save it")
+}
+
+/// Resolves an index's file name inside the checkpoint folder; names that would leave it
+/// (absolute paths, `..`) are refused, so a downloaded index cannot make tpc read elsewhere.
+fn shard_path(dir: &Path, index_path: &Path, name: &str) -> Result<std::path::PathBuf> {
+    let relative = Path::new(name);
+    let stays_inside = !name.is_empty()
+        && relative
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if !stays_inside {
+        return Err(file_err(
+            index_path,
+            format!("`weight_map` names the file `{name}`, which is not inside the model folder; an index may name only files beside it"),
+        ));
+    }
+    Ok(dir.join(relative))
+}
+
 impl Checkpoint {
     /// Opens `dir/model.safetensors`, or every file named by `dir/model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
@@ -102,7 +152,7 @@ impl Checkpoint {
             let mut file_of = HashMap::new();
             for name in names {
                 file_of.insert(name.to_string(), files.len());
-                files.push(open_file(&dir.join(name))?);
+                files.push(open_file(&shard_path(dir, &index_path, name)?)?);
             }
             for (tensor, file) in map {
                 let file = file.as_str().ok_or_else(|| {
