@@ -204,7 +204,29 @@ fn plans_round_trip_through_ron_and_json() {
     assert!(e.contains("version 99") && e.contains("Recompile"), "{e}");
 }
 
+/// Whether Graphviz's `dot` runs here. Where it does not, the rendering check prints a skip
+/// line; `.ci/run` installs Graphviz and sets `TPC_REQUIRE_GRAPHVIZ=1`, so there a missing
+/// `dot` fails instead of skipping.
+fn graphviz_available() -> bool {
+    let found = Command::new("dot")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var_os("TPC_REQUIRE_GRAPHVIZ").is_none(),
+            "TPC_REQUIRE_GRAPHVIZ is set but Graphviz `dot` does not run"
+        );
+        println!("SKIPPED: Graphviz `dot` is not installed (apt-get install graphviz); the DOT files are written but not rendered");
+    }
+    found
+}
+
+/// Renders with Graphviz where it is installed ([`graphviz_available`]).
 fn graphviz_renders(dot_file: &Path) {
+    if !graphviz_available() {
+        return;
+    }
     let out = dot_file.with_extension("svg");
     let status = Command::new("dot")
         .args([
@@ -214,7 +236,7 @@ fn graphviz_renders(dot_file: &Path) {
             out.to_str().unwrap(),
         ])
         .status()
-        .expect("Graphviz `dot` must be installed (apt-get install graphviz; .ci/run does this)");
+        .expect("dot runs");
     assert!(status.success(), "dot failed on {}", dot_file.display());
     let svg = std::fs::read_to_string(&out).unwrap();
     assert!(svg.contains("<svg"), "no svg from {}", dot_file.display());

@@ -390,3 +390,23 @@ fn nan_weights_stop_generation_and_name_the_first_op() {
         );
     }
 }
+
+#[test]
+fn a_run_that_cannot_fit_in_memory_is_refused_before_allocating() {
+    // Llama 3.1 405B in bf16 needs about 756 GiB for the weights alone.
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let available_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    if available_kib == 0 || available_kib > 700 << 20 {
+        println!("NOT RUN: this host has no MemAvailable or more than 700 GiB of it");
+        return;
+    }
+    let e = refused(&tpc(&["bench", "models/llama3.1-405b.ron", "--tp", "8"]));
+    assert!(
+        e.contains("needs at least") && e.contains("available"),
+        "{e}"
+    );
+}

@@ -20,11 +20,11 @@ pub struct Args {
     /// Sequences generated together (each with the same prompt length, different ids).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
     batch: u64,
-    /// Prompt tokens (ids (i·7919) mod vocab).
-    #[arg(long, default_value_t = 128)]
+    /// Prompt tokens (ids (i·7919) mod vocab), 1 to 2^20.
+    #[arg(long, default_value_t = 128, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     prompt_len: usize,
-    /// New tokens per sequence (generation stops early only at the token limit).
-    #[arg(long, default_value_t = 16)]
+    /// New tokens per sequence, 0 to 2^20 (generation stops early only at the token limit).
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 20))]
     max_new_tokens: usize,
     #[command(flatten)]
     exec: ExecArgs,

@@ -16,8 +16,8 @@ pub struct Args {
     /// Ranks (threads).
     #[arg(long, default_value_t = 2)]
     tp: usize,
-    /// Timed calls per size.
-    #[arg(long, default_value_t = 200)]
+    /// Timed calls per size, 1 to 10^6.
+    #[arg(long, default_value_t = 200, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     iters: usize,
     /// Smallest message, as a power of two of bytes (12: 4 KiB).
     #[arg(long, default_value_t = 12)]

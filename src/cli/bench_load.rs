@@ -30,8 +30,8 @@ pub struct Args {
     /// One method in this process; without it each method runs in a child process.
     #[arg(long, value_enum)]
     method: Option<Method>,
-    /// Child runs per method (alternating methods), when no --method is given.
-    #[arg(long, default_value_t = 2)]
+    /// Child runs per method (alternating methods), when no --method is given; 1 to 100.
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100))]
     repeat: usize,
 }
 

@@ -39,8 +39,9 @@ pub struct Args {
     /// out, in input order.
     #[arg(long)]
     prompts: Option<PathBuf>,
-    /// New tokens to generate per prompt (fewer if the model emits its end-of-sequence id).
-    #[arg(long, default_value_t = 16)]
+    /// New tokens to generate per prompt, 0 to 2^24 (fewer if the model emits its
+    /// end-of-sequence id).
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 24))]
     max_new_tokens: usize,
     /// Write the prompt's logits ([prompt_len, vocab], f32) to this safetensors file.
     #[arg(long)]

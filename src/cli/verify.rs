@@ -20,8 +20,8 @@ pub struct Args {
     /// Seed for random weights and the prompt.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Prompt length in tokens.
-    #[arg(long, default_value_t = 8)]
+    /// Prompt length in tokens, 1 to 2^20.
+    #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     prompt_len: usize,
     /// Keep only the first N layers of a preset (big models in little memory).
     #[arg(long)]

@@ -65,6 +65,14 @@ pub enum RunError {
         origin: Option<NonFiniteOp>,
     },
 
+    #[error("the run needs at least {} (weights on all ranks {}, KV cache {}), and this host has {} available; use a smaller model, --dtype bf16 (half the bytes of f32 weights), or shorter or fewer prompts", gib(*needed), gib(*weights), gib(*kv), gib(*available))]
+    OutOfMemory {
+        needed: u64,
+        weights: u64,
+        kv: u64,
+        available: u64,
+    },
+
     #[error("bad batch: {problem}")]
     BadBatch { problem: String },
 
@@ -123,4 +131,8 @@ fn non_finite_message(sequence: usize, step: &str, origin: Option<&NonFiniteOp>)
             "{head}. Recomputing the tokens op by op found no non-finite value, so the origin is not known"
         ),
     }
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }

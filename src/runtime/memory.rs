@@ -14,6 +14,55 @@ pub fn resident_bytes() -> Option<u64> {
     status_field("VmRSS:")
 }
 
+/// Memory the kernel says can be given to a new allocation without swapping
+/// (`MemAvailable` in `/proc/meminfo`), `None` where unavailable.
+pub fn available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_kib(&text, "MemAvailable:")
+}
+
+/// The least memory a run of `plan` allocates in this process: every rank's weights (2 bytes
+/// an element in bf16, else 4; the checkpoint itself is only mapped) and the KV caches for
+/// `tokens` positions over all sequences (f32). Saturates instead of wrapping.
+pub fn least_run_bytes(plan: &crate::plan::Plan, bf16: bool, tokens: u64) -> (u64, u64) {
+    use crate::ir::saturating::sum;
+    let per_element = if bf16 { 2 } else { 4 };
+    let weights = sum(plan.ranks.iter().flat_map(|r| {
+        r.weights
+            .iter()
+            .map(|w| w.local_elements().saturating_mul(per_element))
+    }));
+    let summary = crate::plan::report::summarize(plan);
+    let kv_per_token = sum(summary
+        .kv_cache_bytes_per_token_per_rank
+        .iter()
+        .map(|&b| b.saturating_mul(4) / plan.dtype.size_bytes().max(1)));
+    (weights, kv_per_token.saturating_mul(tokens))
+}
+
+/// Refuses a run that cannot fit in the memory this host has available, before anything is
+/// allocated (an allocation that fails later aborts the process).
+pub fn check_fits(
+    plan: &crate::plan::Plan,
+    bf16: bool,
+    tokens: u64,
+) -> Result<(), crate::runtime::error::RunError> {
+    let Some(available) = available_bytes() else {
+        return Ok(());
+    };
+    let (weights, kv) = least_run_bytes(plan, bf16, tokens);
+    let needed = weights.saturating_add(kv);
+    if needed > available {
+        return Err(crate::runtime::error::RunError::OutOfMemory {
+            needed,
+            weights,
+            kv,
+            available,
+        });
+    }
+    Ok(())
+}
+
 fn status_field(key: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/status").ok()?;
     parse_kib(&text, key)
@@ -39,6 +88,10 @@ mod tests {
         let s = "Name:\ttpc\nVmHWM:\t  123456 kB\nVmRSS:\t    2048 kB\n";
         assert_eq!(parse_kib(s, "VmHWM:"), Some(123456 * 1024));
         assert_eq!(parse_kib(s, "VmRSS:"), Some(2048 * 1024));
+        assert_eq!(
+            parse_kib("MemTotal: 10 kB\nMemAvailable:   7 kB\n", "MemAvailable:"),
+            Some(7 * 1024)
+        );
         assert_eq!(parse_kib(s, "VmSwap:"), None);
         assert_eq!(parse_kib("VmRSS: 12 pages\n", "VmRSS:"), None);
     }
