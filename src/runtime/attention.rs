@@ -100,7 +100,7 @@ pub fn causal_attention(
     } else {
         team.size()
     };
-    let dst = SyncPtr(out.data.as_mut_ptr());
+    let dst = SyncPtr::new(&mut out.data);
     // Transposed keys, each row padded with zeros to whole blocks of LANES keys, pay off
     // when many queries read them; a decode step's few queries read the cache as it is.
     if t > DIRECT_MAX_ROWS {
@@ -175,9 +175,9 @@ fn direct_items(a: &Direct, member: usize, members: usize, dst: SyncPtr) {
             *s = dot(qv, &a.k[j * kcols + kh * d..][..d]) * a.scale;
         }
         let sum = exp_sum(row, max_of(row));
-        // SAFETY: item (i, h) owns columns h·d .. h·d + d of row i of `out`, and every item
-        // goes to exactly one member.
-        let o = unsafe { std::slice::from_raw_parts_mut(dst.at(i * qcols + h * d), d) };
+        // SAFETY: item (i, h) owns columns h·d .. h·d + d of row i < t of the t × qcols
+        // `out` (zeroed, so initialised), and every item goes to exactly one member.
+        let o = unsafe { dst.slice_mut(i * qcols + h * d, d) };
         // Output 32 columns at a time, summed over the visible keys in registers.
         for (cb, chunk) in o.chunks_mut(LANES).enumerate() {
             let base = kh * d + cb * LANES;
@@ -351,11 +351,10 @@ impl Blocked<'_> {
                 }
             }
             for (r, a) in acc.iter().enumerate().take(rows) {
-                // SAFETY: item (qb, h) owns columns h·d .. h·d + d of rows first.. first +
-                // rows of `out`, and every item goes to exactly one member.
-                let o = unsafe {
-                    std::slice::from_raw_parts_mut(dst.at((first + r) * qcols + h * d + c0), cols)
-                };
+                // SAFETY: item (qb, h) owns columns h·d .. h·d + d (c0 + cols ≤ d) of rows
+                // first.. first + rows ≤ t of the t × qcols `out` (zeroed, so initialised),
+                // and every item goes to exactly one member.
+                let o = unsafe { dst.slice_mut((first + r) * qcols + h * d + c0, cols) };
                 for (o, &x) in o.iter_mut().zip(a) {
                     *o = x * inv[r];
                 }

@@ -9,6 +9,8 @@
 
 use std::cell::UnsafeCell;
 use std::hint::spin_loop;
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -41,21 +43,73 @@ struct Shared {
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
-/// An output pointer shared by team members that write disjoint parts of one buffer.
+/// An output buffer shared by team members that write disjoint parts of it: a
+/// `&'a mut [f32]` (or a `&'a mut [MaybeUninit<f32>]` to be filled) whose borrow it keeps,
+/// handed to every member. Safe to make and to share; every access is an `unsafe` method
+/// whose caller promises that no two members touch the same element (each says why at its
+/// use). Bounds are checked in debug builds only: the accessors sit in hot loops.
 #[derive(Clone, Copy)]
-pub struct SyncPtr(pub *mut f32);
-// SAFETY: users write disjoint elements only (each says why at its write).
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
+pub(crate) struct SyncPtr<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _buf: PhantomData<&'a mut [f32]>,
+}
 
-impl SyncPtr {
-    /// The element `offset` past the start (a method, so closures capture the whole
-    /// `SyncPtr` rather than its raw pointer field).
+// SAFETY: a `SyncPtr` is a unique borrow of its buffer (like `&mut [f32]`, which is `Send`
+// and `Sync`); it hands out access only through `unsafe` methods whose contract is that the
+// members' accesses are to disjoint elements, so sharing it between threads races nowhere.
+unsafe impl Send for SyncPtr<'_> {}
+unsafe impl Sync for SyncPtr<'_> {}
+
+impl<'a> SyncPtr<'a> {
+    /// Shares `buf` (initialised values) for the duration of its borrow.
+    pub(crate) fn new(buf: &'a mut [f32]) -> SyncPtr<'a> {
+        SyncPtr {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            _buf: PhantomData,
+        }
+    }
+
+    /// Shares `buf`, not yet initialised, for its members to fill through
+    /// [`SyncPtr::span`] (reading an element only after writing it).
+    pub(crate) fn uninit(buf: &'a mut [MaybeUninit<f32>]) -> SyncPtr<'a> {
+        SyncPtr {
+            ptr: buf.as_mut_ptr().cast(),
+            len: buf.len(),
+            _buf: PhantomData,
+        }
+    }
+
+    /// A raw pointer to elements `start .. start + len`, which the caller then reads or
+    /// writes through (a kernel with a leading dimension may touch part of the span only).
     ///
     /// # Safety
-    /// `offset` lies inside the buffer.
-    pub unsafe fn at(self, offset: usize) -> *mut f32 {
-        self.0.add(offset)
+    /// `start + len` is at most the buffer's length (checked in debug builds), and while the
+    /// borrow this `SyncPtr` was made from lasts, no other member accesses the elements that
+    /// the caller accesses through the pointer; reads only of initialised elements.
+    #[inline(always)]
+    pub(crate) unsafe fn span(self, start: usize, len: usize) -> *mut f32 {
+        debug_assert!(
+            start.checked_add(len).is_some_and(|end| end <= self.len),
+            "SyncPtr span {start}+{len} past {}",
+            self.len
+        );
+        // SAFETY: in bounds by the caller's contract, so the offset stays in the allocation.
+        unsafe { self.ptr.add(start) }
+    }
+
+    /// Elements `start .. start + len` as a slice.
+    ///
+    /// # Safety
+    /// `start + len` is at most the buffer's length (checked in debug builds); the elements
+    /// are initialised (the buffer came from [`SyncPtr::new`], or they were written); and
+    /// while the returned slice lives no other access to them happens (no other member's
+    /// slice or span overlaps it).
+    #[inline(always)]
+    pub(crate) unsafe fn slice_mut(self, start: usize, len: usize) -> &'a mut [f32] {
+        // SAFETY: the caller's contract: in bounds, initialised, not aliased.
+        unsafe { std::slice::from_raw_parts_mut(self.span(start, len), len) }
     }
 }
 
@@ -197,17 +251,27 @@ impl Team {
         if members == 1 {
             return f(data, 0);
         }
-        let (len, base) = (data.len(), SyncPtr(data.as_mut_ptr()));
+        let len = data.len();
+        let base = SyncPtr::new(data);
+        // Member m's first unit: m·(units / members) plus one more for each earlier member
+        // among the first `units % members` (no product exceeds `units`: nothing overflows).
+        let (per, extra) = (units / members, units % members);
+        let first_unit = |m: usize| m * per + m.min(extra);
         self.run_on(members, &|m| {
-            let start = m * units / members * align;
+            let start = first_unit(m) * align;
             let end = if m + 1 == members {
                 len
             } else {
-                (m + 1) * units / members * align
+                first_unit(m + 1) * align
             };
-            // SAFETY: members get disjoint ranges [start, end) of `data`, which `run` keeps
-            // borrowed until every member is done.
-            let part = unsafe { std::slice::from_raw_parts_mut(base.at(start), end - start) };
+            assert!(
+                start <= end && end <= len,
+                "team part {start}..{end} of {len}"
+            );
+            // SAFETY: members get disjoint ranges [start, end) of `data` (first_unit grows
+            // with m), in bounds (asserted), initialised (a `&mut [f32]`), and `data` stays
+            // borrowed by `base` until `run_on` returns, when every member is done.
+            let part = unsafe { base.slice_mut(start, end - start) };
             f(part, start)
         });
     }
