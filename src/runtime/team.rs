@@ -7,6 +7,7 @@
 //! A job is `f(member)` for every member `0..size`; the caller runs member 0 itself and
 //! returns once every helper has finished, so `f` may borrow the caller's stack.
 
+use std::any::Any;
 use std::cell::UnsafeCell;
 use std::hint::spin_loop;
 use std::marker::PhantomData;
@@ -33,7 +34,9 @@ struct Shared {
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
-    panicked: AtomicBool,
+    /// The first panic of a helper during the current job (member, payload); taken by the
+    /// caller when the job is done, so it never outlives its job.
+    panic: Mutex<Option<(usize, Box<dyn Any + Send>)>>,
     shutdown: AtomicBool,
 }
 
@@ -143,7 +146,7 @@ impl Team {
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
-            panicked: AtomicBool::new(false),
+            panic: Mutex::new(None),
             shutdown: AtomicBool::new(false),
         });
         let helpers = (1..size)
@@ -174,7 +177,9 @@ impl Team {
     }
 
     /// Runs `f(member)` for every member, the caller's share (member 0) on this thread;
-    /// returns when all are done. A panic in a helper's share is re-raised here.
+    /// returns when all are done. A panic in any share is re-raised here once every member
+    /// has finished: member 0's as it was, else the first helper's, naming the member and
+    /// its message. The team serves the next job normally either way.
     pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
         if self.size == 1 {
             return f(0);
@@ -209,10 +214,25 @@ impl Team {
             }
         }
         let wait = WaitForHelpers(s);
-        f(0);
+        let own = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0)));
         drop(wait);
-        if s.panicked.swap(false, SeqCst) {
-            panic!("a compute thread of this rank panicked");
+        // Every helper is done: take this job's helper panic (if any) whatever happens next,
+        // so that the next job starts clean.
+        let helper_panic = s
+            .panic
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Err(payload) = own {
+            std::panic::resume_unwind(payload);
+        }
+        if let Some((member, payload)) = helper_panic {
+            let what = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(a non-string payload)");
+            panic!("compute thread {member} of this rank panicked: {what}");
         }
     }
 }
@@ -311,8 +331,9 @@ fn helper(s: &Shared, member: usize) {
             // SAFETY: as above.
             unsafe { (*job)(member) }
         }));
-        if result.is_err() {
-            s.panicked.store(true, SeqCst);
+        if let Err(payload) = result {
+            let mut first = s.panic.lock().unwrap_or_else(PoisonError::into_inner);
+            first.get_or_insert((member, payload));
         }
         s.pending.fetch_sub(1, SeqCst);
     }
@@ -392,21 +413,66 @@ mod tests {
         assert_eq!(hits.load(SeqCst), 6);
     }
 
-    #[test]
-    fn a_helper_panic_reaches_the_caller_and_the_team_still_works() {
-        let team = Team::new(2);
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            team.run(&|m| {
-                if m == 1 {
-                    panic!("boom");
-                }
-            })
-        }));
-        assert!(r.is_err());
+    /// The message of a caught panic.
+    fn message(payload: Box<dyn std::any::Any + Send>) -> String {
+        match payload.downcast::<String>() {
+            Ok(s) => *s,
+            Err(p) => p.downcast_ref::<&str>().copied().unwrap_or("?").to_string(),
+        }
+    }
+
+    /// Runs `job` on `team`, returning its panic's message if it panicked.
+    fn run_catching(team: &Team, job: &(dyn Fn(usize) + Sync)) -> Option<String> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| team.run(job)))
+            .err()
+            .map(message)
+    }
+
+    /// Job 2 runs every member once and nothing else.
+    fn assert_next_job_runs(team: &Team) {
         let hits = AtomicUsize::new(0);
         team.run(&|_| {
             hits.fetch_add(1, SeqCst);
         });
-        assert_eq!(hits.load(SeqCst), 2);
+        assert_eq!(hits.load(SeqCst), team.size());
+    }
+
+    #[test]
+    fn a_helper_panic_reaches_the_caller_and_the_team_still_works() {
+        let team = Team::new(2);
+        let msg = run_catching(&team, &|m| {
+            if m == 1 {
+                panic!("boom");
+            }
+        });
+        let msg = msg.expect("the helper's panic is re-raised");
+        assert!(msg.contains("thread 1") && msg.contains("boom"), "{msg}");
+        assert_next_job_runs(&team);
+    }
+
+    #[test]
+    fn a_panic_of_member_0_reaches_the_caller_and_the_team_still_works() {
+        for size in [1, 2, 3] {
+            let team = Team::new(size);
+            let msg = run_catching(&team, &|m| {
+                if m == 0 {
+                    panic!("own share");
+                }
+            });
+            assert_eq!(msg.as_deref(), Some("own share"), "size {size}");
+            assert_next_job_runs(&team);
+        }
+    }
+
+    #[test]
+    fn a_job_where_every_member_panics_leaves_no_stale_panic_for_the_next() {
+        // Member 0's panic unwinds past the point where the helpers' panic used to be
+        // cleared: job 2 then failed with "a compute thread panicked" though none had.
+        let team = Team::new(3);
+        for _ in 0..2 {
+            let msg = run_catching(&team, &|m| panic!("member {m}"));
+            assert_eq!(msg.as_deref(), Some("member 0"));
+            assert_next_job_runs(&team);
+        }
     }
 }
