@@ -45,7 +45,13 @@ impl CpuBackend {
             threads: threads.max(1),
             team: Team::pinned(threads, cores),
             bf16_linears: false,
-            kernels: Kernels::detect(),
+            // Miri reports no SIMD features, so detection can only pick the portable
+            // kernels, after a self-check that takes it minutes: skip to the answer.
+            kernels: if cfg!(miri) {
+                Kernels::portable()
+            } else {
+                Kernels::detect()
+            },
         }
     }
 
@@ -870,6 +876,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "minutes under Miri; attention's unsafe paths have their own test"
+    )]
     fn a_ragged_batch_attends_each_sequence_to_its_own_cache_only() {
         let cpu = CpuBackend::new(2);
         let (d, hq, hk) = (4, 2, 1);

@@ -19,8 +19,9 @@ use std::thread::JoinHandle;
 type Job = dyn Fn(usize) + Sync;
 
 /// Spin rounds (~30 ns each here) a waiting helper spends before it parks: long enough to
-/// cover the norms and adds between two products of a decode step.
-const SPIN_ROUNDS: u32 = 1 << 12;
+/// cover the norms and adds between two products of a decode step. (Under Miri, where each
+/// round costs thousands of times more, a few: the parking path is then tested too.)
+const SPIN_ROUNDS: u32 = if cfg!(miri) { 8 } else { 1 << 12 };
 
 struct Shared {
     /// Bumped once per job (and once for shutdown).
@@ -361,10 +362,11 @@ mod tests {
 
     #[test]
     fn every_member_runs_once_per_job_and_borrows_work() {
+        let (len, rounds) = if cfg!(miri) { (60, 4) } else { (1000, 200) };
         for size in [1, 2, 3, 5] {
             let team = Team::new(size);
-            let mut data = vec![0usize; 1000];
-            for round in 1..=200 {
+            let mut data = vec![0usize; len];
+            for round in 1..=rounds {
                 let counts: Vec<AtomicUsize> = (0..size).map(|_| AtomicUsize::new(0)).collect();
                 let out = AtomicUsize::new(0);
                 team.run(&|m| {
