@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if ! cargo +nightly miri --version >/dev/null 2>&1; then
-    echo "miri.sh: SKIP: \`cargo +nightly miri\` is not available (rustup +nightly component add miri)"
+    echo "miri.sh: SKIP: \`cargo +nightly miri\` is not available (rustup component add miri --toolchain nightly)"
     exit 0
 fi
 
