@@ -211,14 +211,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             let flops = 2.0 * (m * n * k) as f64;
             let mut out = vec![0f32; m * n];
             let t_ref = best(a.seconds, || {
-                gemm_f32(
-                    (m, n, k),
-                    &mut out,
-                    n,
-                    &x.data,
-                    (&w.data, 1, k as isize),
-                    threads,
-                );
+                gemm_f32((m, n, k), &mut out, n, &x.data, (&w.data, 1, k), threads);
                 std::hint::black_box(&out);
             });
             // Decode reads every weight once: GB/s against the read bandwidth; a prompt

@@ -45,7 +45,13 @@ impl CpuBackend {
             threads: threads.max(1),
             team: Team::pinned(threads, cores),
             bf16_linears: false,
-            kernels: Kernels::detect(),
+            // Miri reports no SIMD features, so detection can only pick the portable
+            // kernels, after a self-check that takes it minutes: skip to the answer.
+            kernels: if cfg!(miri) {
+                Kernels::portable()
+            } else {
+                Kernels::detect()
+            },
         }
     }
 
@@ -62,37 +68,83 @@ impl CpuBackend {
     }
 }
 
-/// `dst[m, n] (row stride dst_rs) = lhs[m, k] · rhs[k, n]`, rhs given with its row and
-/// column strides; through the `gemm` crate with `threads` threads.
+/// `dst[m, n] (row stride dst_rs) = lhs[m, k] · rhs[k, n]`, `lhs` row-major, `rhs` given
+/// with its row and column strides (`rhs[p, j]` at `p·rhs_rs + j·rhs_cs`: `(k, 1)` for a
+/// `[k, n]` weight, `(1, k)` for an `[n, k]` one); through the `gemm` crate with `threads`
+/// threads. Only the `m × n` values of `dst` are written (each row's `dst_rs - n` values after
+/// it are left alone); `k = 0` writes zeros.
+///
+/// # Panics
+/// On operands the product would reach past — the `gemm` crate indexes raw pointers, so these
+/// are checked here in full, without overflow, whatever the sizes: `dst_rs < n` (rows would
+/// overlap, written concurrently), `dst` shorter than `(m - 1)·dst_rs + n`, `lhs` shorter
+/// than `m·k`, `rhs` shorter than `(k - 1)·rhs_rs + (n - 1)·rhs_cs + 1`, or a stride or an
+/// extent that does not fit in `isize`.
 pub fn gemm_f32(
     (m, n, k): (usize, usize, usize),
     dst: &mut [f32],
     dst_rs: usize,
     lhs: &[f32],
-    (rhs, rhs_rs, rhs_cs): (&[f32], isize, isize),
+    (rhs, rhs_rs, rhs_cs): (&[f32], usize, usize),
     threads: usize,
 ) {
+    /// Elements `0 ..= (rows - 1)·rs + (cols - 1)·cs` of a strided matrix (`rows, cols ≥ 1`):
+    /// how many it spans, or `None` past `usize`.
+    fn extent(rows: usize, rs: usize, cols: usize, cs: usize) -> Option<usize> {
+        (rows - 1)
+            .checked_mul(rs)?
+            .checked_add((cols - 1).checked_mul(cs)?)?
+            .checked_add(1)
+    }
+    let stride = |s: usize, what: &str| {
+        isize::try_from(s).unwrap_or_else(|_| panic!("gemm {what} stride {s} overflows isize"))
+    };
     assert!(
-        m == 0 || n == 0 || dst.len() >= (m - 1) * dst_rs + n,
-        "gemm destination too small"
+        dst_rs >= n,
+        "gemm destination row stride {dst_rs} < {n} columns (rows would overlap)"
     );
-    assert!(lhs.len() >= m * k, "gemm lhs too small");
-    assert!(
-        k == 0
-            || n == 0
-            || rhs.len() as isize > (k as isize - 1) * rhs_rs + (n as isize - 1) * rhs_cs,
-        "gemm rhs too small"
+    let strides = (
+        stride(dst_rs, "destination row"),
+        stride(rhs_rs, "rhs row"),
+        stride(rhs_cs, "rhs column"),
     );
-    if m == 0 || n == 0 || k == 0 {
+    if m == 0 || n == 0 {
         return;
     }
+    let dst_needs = extent(m, dst_rs, n, 1);
+    assert!(
+        dst_needs.is_some_and(|need| dst.len() >= need),
+        "gemm destination of {} values too small for {m} rows of {n}, {dst_rs} apart",
+        dst.len()
+    );
+    if k == 0 {
+        for row in dst.chunks_mut(dst_rs).take(m) {
+            row[..n].fill(0.0);
+        }
+        return;
+    }
+    assert!(
+        m.checked_mul(k).is_some_and(|need| lhs.len() >= need),
+        "gemm lhs of {} values too small for {m} × {k}",
+        lhs.len()
+    );
+    assert!(
+        extent(k, rhs_rs, n, rhs_cs).is_some_and(|need| rhs.len() >= need),
+        "gemm rhs of {} values too small for {k} × {n} with strides ({rhs_rs}, {rhs_cs})",
+        rhs.len()
+    );
     let parallelism = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: the asserts above keep every access inside the three slices; `dst` is a
-    // unique borrow so it aliases neither input; read_dst is false so it is only written.
+    let (dst_rs, rhs_rs, rhs_cs) = strides;
+    // SAFETY: the asserts above keep every access inside the three slices: the m × n
+    // destination values (rows dst_rs ≥ n apart, so distinct, each written once), lhs
+    // [i·k + p] < m·k, rhs [p·rhs_rs + j·rhs_cs] below its extent; every stride is a
+    // non-negative isize and every offset at most a slice's length, so no pointer arithmetic
+    // overflows. `dst` is a unique borrow, so it aliases neither input; read_dst is false,
+    // so it is only written.
     unsafe {
         gemm::gemm(
             m,
@@ -100,7 +152,7 @@ pub fn gemm_f32(
             k,
             dst.as_mut_ptr(),
             1,
-            dst_rs as isize,
+            dst_rs,
             false,
             lhs.as_ptr(),
             1,
@@ -687,7 +739,7 @@ mod tests {
         for threads in [1, 2] {
             let cpu = CpuBackend::new(threads);
             for (w, order, rs, cs) in [
-                (&w, WeightOrder::OutIn, 1isize, 5isize),
+                (&w, WeightOrder::OutIn, 1, 5),
                 (&w2, WeightOrder::InOut, 4, 1),
             ] {
                 let want = naive(&x, w, order);
@@ -707,6 +759,106 @@ mod tests {
             // A weight uploaded for other uses only cannot be multiplied by.
             assert!(cpu.linear(&x, &dense(w.clone())).is_err());
         }
+    }
+
+    /// The panic message of `gemm_f32` on these operands, or `None` when it ran.
+    fn gemm_refusal(
+        mnk: (usize, usize, usize),
+        (dst_len, dst_rs): (usize, usize),
+        lhs_len: usize,
+        (rhs_len, rs, cs): (usize, usize, usize),
+    ) -> Option<String> {
+        let mut dst = vec![0f32; dst_len];
+        let (lhs, rhs) = (vec![1f32; lhs_len], vec![1f32; rhs_len]);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            gemm_f32(mnk, &mut dst, dst_rs, &lhs, (&rhs, rs, cs), 1)
+        }));
+        r.err().map(|e| match e.downcast::<String>() {
+            Ok(s) => *s,
+            Err(e) => e.downcast_ref::<&str>().copied().unwrap_or("?").to_string(),
+        })
+    }
+
+    #[test]
+    fn gemm_refuses_overlapping_rows_short_operands_and_overflowing_sizes() {
+        let refused = |mnk, dst, lhs, rhs, why: &str| {
+            let msg = gemm_refusal(mnk, dst, lhs, rhs).expect(why);
+            assert!(msg.starts_with("gemm "), "{why}: {msg}");
+        };
+        // Rows 1 apart for 2 columns overlap (they were written by two threads at once).
+        refused((2, 2, 1), (4, 1), 2, (2, 2, 1), "dst_rs < n");
+        refused(
+            (1, 2, 1),
+            (4, 0),
+            1,
+            (2, 2, 1),
+            "dst_rs < n for one row too",
+        );
+        // A stride that was negative (isize) is now a huge usize: its extent overflows.
+        let minus_one = usize::MAX;
+        refused(
+            (2, 2, 2),
+            (4, 2),
+            4,
+            (4, minus_one, 1),
+            "a negative rhs row stride",
+        );
+        refused(
+            (2, 2, 2),
+            (4, 2),
+            4,
+            (4, 2, minus_one),
+            "a negative rhs column stride",
+        );
+        refused(
+            (2, 2, 2),
+            (4, minus_one),
+            4,
+            (4, 2, 1),
+            "a negative dst stride",
+        );
+        // (m - 1)·dst_rs + n and m·k past usize (they wrapped, passing the old checks).
+        let half = usize::MAX / 2 + 1;
+        refused(
+            (3, 1, 1),
+            (4, half),
+            3,
+            (1, 1, 1),
+            "(m - 1)·dst_rs overflowing",
+        );
+        refused((2, 1, half), (2, 1), 4, (4, 0, 0), "m·k overflowing");
+        refused(
+            (1, 2, 3),
+            (2, 2),
+            3,
+            (4, half, half),
+            "the rhs extent overflowing",
+        );
+        // Strides that fit in usize but not in the crate's isize.
+        refused(
+            (1, 1, 1),
+            (1, 1),
+            1,
+            (1, half, 0),
+            "an rhs stride past isize",
+        );
+        // Short operands.
+        refused((2, 2, 2), (3, 2), 4, (4, 2, 1), "a short dst");
+        refused((2, 2, 2), (4, 2), 3, (4, 2, 1), "a short lhs");
+        refused((2, 2, 2), (4, 2), 4, (3, 2, 1), "a short rhs");
+        // Exactly long enough, gaps between dst rows, zero (broadcast) strides: accepted.
+        assert_eq!(gemm_refusal((2, 2, 2), (5, 3), 4, (4, 2, 1)), None);
+        assert_eq!(gemm_refusal((2, 2, 2), (4, 2), 4, (1, 0, 0)), None);
+        // Empty products touch nothing (a stride still has to be sane).
+        assert_eq!(gemm_refusal((0, 2, 2), (0, 2), 0, (0, 2, 1)), None);
+        assert_eq!(gemm_refusal((2, 0, 2), (0, 0), 0, (0, 2, 1)), None);
+    }
+
+    #[test]
+    fn gemm_over_an_empty_sum_writes_zeros_and_leaves_row_gaps() {
+        let mut dst = vec![5f32; 5];
+        gemm_f32((2, 2, 0), &mut dst, 3, &[], (&[], 0, 0), 1);
+        assert_eq!(dst, vec![0.0, 0.0, 5.0, 0.0, 0.0]);
     }
 
     fn seg(seq: usize, rows: std::ops::Range<usize>, start: usize) -> Segment {
@@ -731,6 +883,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "minutes under Miri; attention's unsafe paths have their own test"
+    )]
     fn a_ragged_batch_attends_each_sequence_to_its_own_cache_only() {
         let cpu = CpuBackend::new(2);
         let (d, hq, hk) = (4, 2, 1);

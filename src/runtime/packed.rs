@@ -191,18 +191,20 @@ impl PackedMatrix {
         let mut data = super::tensor::pool::empty(len);
         // Not zeroed first (a prompt's outputs are tens of MB per product): every path below
         // writes every output value and none reads one before writing it.
-        self.write_product(kernels, x, team, SyncPtr(data.as_mut_ptr()));
+        let dst = SyncPtr::uninit(&mut data.spare_capacity_mut()[..len]);
+        self.write_product(kernels, x, team, dst);
         // SAFETY: `empty` gave room for `len` values and `write_product` wrote all of them.
         unsafe { data.set_len(len) };
         Tensor::new(shape, data)
     }
 
     /// The product of `x` (`m` rows of `k`) into the `m × n` values at `dst`, all written.
-    fn write_product(&self, kernels: Kernels, x: &Tensor, team: &Team, dst: SyncPtr) {
+    fn write_product(&self, kernels: Kernels, x: &Tensor, team: &Team, dst: SyncPtr<'_>) {
         let (m, k) = x.rows_cols();
         let panels = self.panel_count();
         // Small products are not worth waking a second thread.
-        let threads = if self.n * k * m.min(8) < 1 << 16 {
+        // (Under Miri, whose tests can afford only tiny shapes, tiny products are split too.)
+        let threads = if self.n * k * m.min(8) < if cfg!(miri) { 1 << 8 } else { 1 << 16 } {
             1
         } else {
             team.size().min(panels)
@@ -327,13 +329,15 @@ impl PackedMatrix {
                         let rows = group.min(m - mp * MR);
                         let ap = &a_block[mp * MR * kc..(mp * MR + group) * kc];
                         let accumulate = k0 > 0;
-                        // SAFETY: `ap` holds kc·group and `b` kc·NR values. A full tile
-                        // writes rows mp·MR.. +group and columns q·NR.. +NR of the m×n
-                        // output, inside it and owned by this thread (panel q); a partial
-                        // tile goes through `edge` and copies back only the rows and
-                        // columns that exist.
+                        // SAFETY: `ap` holds kc·group and `b` kc·NR values. The span is
+                        // the `rows` rows from mp·MR (< m) of columns q·NR.. + cols (≤ n)
+                        // of the m × n output, owned by this thread (panel q). A full tile
+                        // (rows = group, cols = NR) writes exactly those; a partial tile
+                        // goes through `edge` and copies back only the rows and columns
+                        // that exist (reading back only values this thread wrote with the
+                        // first depth block).
                         unsafe {
-                            let o = dst.0.add(mp * MR * n + q * NR);
+                            let o = dst.span(mp * MR * n + q * NR, (rows - 1) * n + cols);
                             if rows == group && cols == NR {
                                 kernels.tile_f32(kc, ap.as_ptr(), b.as_ptr(), o, n, accumulate);
                             } else {
@@ -425,9 +429,9 @@ fn gemv_panels(
             }
             for (i, row) in rows[..r].iter().enumerate() {
                 // SAFETY: row `done + i` < m and columns q·NR .. q·NR + cols ≤ n lie in the
-                // output; only this thread writes panel q's columns.
+                // m × n output; only this thread writes panel q's columns.
                 unsafe {
-                    let o = dst.at((done + i) * n + q * NR);
+                    let o = dst.span((done + i) * n + q * NR, cols);
                     std::ptr::copy_nonoverlapping(row.as_ptr(), o, cols);
                 }
             }
@@ -482,7 +486,7 @@ struct Bf16Product<'a> {
     a: &'a [u16],
     lda: usize,
     m: usize,
-    dst: SyncPtr,
+    dst: SyncPtr<'a>,
 }
 
 impl Bf16Product<'_> {
@@ -513,7 +517,10 @@ impl Bf16Product<'_> {
                 // panels q (and q + 1) that exist, owned by this thread.
                 unsafe {
                     let a = self.a.as_ptr().add(r0 * self.lda);
-                    let c = self.dst.at(r0 * self.n + q * NR);
+                    let width = (two as usize) * NR + last_cols;
+                    let c = self
+                        .dst
+                        .span(r0 * self.n + q * NR, (r - 1) * self.n + width);
                     macro_rules! tile {
                         ($r:literal) => {
                             if two {
@@ -596,7 +603,8 @@ impl Bf16Product<'_> {
                 unsafe {
                     let a = self.a.as_ptr().add((r0 / 16) * kblocks * AMX_TILE);
                     let (c, ldc) = if direct {
-                        (self.dst.at(r0 * self.n + q * NR), self.n)
+                        let span = (valid - 1) * self.n + cols;
+                        (self.dst.span(r0 * self.n + q * NR, span), self.n)
                     } else {
                         (scratch.as_mut_ptr(), 32)
                     };
@@ -610,7 +618,7 @@ impl Bf16Product<'_> {
                         for r in 0..valid {
                             std::ptr::copy_nonoverlapping(
                                 scratch.as_ptr().add(r * 32),
-                                self.dst.at((r0 + r) * self.n + q * NR),
+                                self.dst.span((r0 + r) * self.n + q * NR, cols),
                                 cols,
                             );
                         }
@@ -803,7 +811,7 @@ mod tests {
         for kernels in host_variants() {
             let round = bf16 && kernels.isa().bf16_activations();
             let want = reference(&x, &packed, round);
-            for threads in [1, 2, 3] {
+            for &threads in if cfg!(miri) { &[2][..] } else { &[1, 2, 3] } {
                 // The output is not zeroed first: leave NaNs where it will be taken from, so
                 // a value no kernel writes shows.
                 crate::runtime::tensor::pool::give(vec![f32::NAN; m * packed.n]);
@@ -822,9 +830,13 @@ mod tests {
 
     #[test]
     fn every_path_matches_an_f64_reference_at_edge_sizes() {
+        // Under Miri (portable kernels only; thousands of times slower), a few small shapes
+        // that still reach every path that writes through `SyncPtr`: gemv and gemm split
+        // over threads, partial tiles across two depth blocks (read back before the second).
+        let miri: &[(usize, usize, usize)] = &[(1, 7, 5), (1, 40, 8), (7, 40, 8), (6, 3, 257)];
         // Rows across the GEMV limit and the 6-row tiles, columns across 16-wide panels,
         // depths across the 256-step blocks; products big enough to be split over threads.
-        for &(m, n, k) in &[
+        let all: &[(usize, usize, usize)] = &[
             (1, 7, 5),
             (1, 300, 300),
             (2, 33, 64),
@@ -842,7 +854,8 @@ mod tests {
             (25, 100, 33),
             (33, 47, 70),
             (200, 80, 96),
-        ] {
+        ];
+        for &(m, n, k) in if cfg!(miri) { miri } else { all } {
             for bf16 in [false, true] {
                 check(m, n, k, bf16, WeightOrder::OutIn);
             }

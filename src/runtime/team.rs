@@ -7,8 +7,11 @@
 //! A job is `f(member)` for every member `0..size`; the caller runs member 0 itself and
 //! returns once every helper has finished, so `f` may borrow the caller's stack.
 
+use std::any::Any;
 use std::cell::UnsafeCell;
 use std::hint::spin_loop;
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -16,8 +19,9 @@ use std::thread::JoinHandle;
 type Job = dyn Fn(usize) + Sync;
 
 /// Spin rounds (~30 ns each here) a waiting helper spends before it parks: long enough to
-/// cover the norms and adds between two products of a decode step.
-const SPIN_ROUNDS: u32 = 1 << 12;
+/// cover the norms and adds between two products of a decode step. (Under Miri, where each
+/// round costs thousands of times more, a few: the parking path is then tested too.)
+const SPIN_ROUNDS: u32 = if cfg!(miri) { 8 } else { 1 << 12 };
 
 struct Shared {
     /// Bumped once per job (and once for shutdown).
@@ -31,7 +35,9 @@ struct Shared {
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
-    panicked: AtomicBool,
+    /// The first panic of a helper during the current job (member, payload); taken by the
+    /// caller when the job is done, so it never outlives its job.
+    panic: Mutex<Option<(usize, Box<dyn Any + Send>)>>,
     shutdown: AtomicBool,
 }
 
@@ -41,21 +47,73 @@ struct Shared {
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
-/// An output pointer shared by team members that write disjoint parts of one buffer.
+/// An output buffer shared by team members that write disjoint parts of it: a
+/// `&'a mut [f32]` (or a `&'a mut [MaybeUninit<f32>]` to be filled) whose borrow it keeps,
+/// handed to every member. Safe to make and to share; every access is an `unsafe` method
+/// whose caller promises that no two members touch the same element (each says why at its
+/// use). Bounds are checked in debug builds only: the accessors sit in hot loops.
 #[derive(Clone, Copy)]
-pub struct SyncPtr(pub *mut f32);
-// SAFETY: users write disjoint elements only (each says why at its write).
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
+pub(crate) struct SyncPtr<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _buf: PhantomData<&'a mut [f32]>,
+}
 
-impl SyncPtr {
-    /// The element `offset` past the start (a method, so closures capture the whole
-    /// `SyncPtr` rather than its raw pointer field).
+// SAFETY: a `SyncPtr` is a unique borrow of its buffer (like `&mut [f32]`, which is `Send`
+// and `Sync`); it hands out access only through `unsafe` methods whose contract is that the
+// members' accesses are to disjoint elements, so sharing it between threads races nowhere.
+unsafe impl Send for SyncPtr<'_> {}
+unsafe impl Sync for SyncPtr<'_> {}
+
+impl<'a> SyncPtr<'a> {
+    /// Shares `buf` (initialised values) for the duration of its borrow.
+    pub(crate) fn new(buf: &'a mut [f32]) -> SyncPtr<'a> {
+        SyncPtr {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            _buf: PhantomData,
+        }
+    }
+
+    /// Shares `buf`, not yet initialised, for its members to fill through
+    /// [`SyncPtr::span`] (reading an element only after writing it).
+    pub(crate) fn uninit(buf: &'a mut [MaybeUninit<f32>]) -> SyncPtr<'a> {
+        SyncPtr {
+            ptr: buf.as_mut_ptr().cast(),
+            len: buf.len(),
+            _buf: PhantomData,
+        }
+    }
+
+    /// A raw pointer to elements `start .. start + len`, which the caller then reads or
+    /// writes through (a kernel with a leading dimension may touch part of the span only).
     ///
     /// # Safety
-    /// `offset` lies inside the buffer.
-    pub unsafe fn at(self, offset: usize) -> *mut f32 {
-        self.0.add(offset)
+    /// `start + len` is at most the buffer's length (checked in debug builds), and while the
+    /// borrow this `SyncPtr` was made from lasts, no other member accesses the elements that
+    /// the caller accesses through the pointer; reads only of initialised elements.
+    #[inline(always)]
+    pub(crate) unsafe fn span(self, start: usize, len: usize) -> *mut f32 {
+        debug_assert!(
+            start.checked_add(len).is_some_and(|end| end <= self.len),
+            "SyncPtr span {start}+{len} past {}",
+            self.len
+        );
+        // SAFETY: in bounds by the caller's contract, so the offset stays in the allocation.
+        unsafe { self.ptr.add(start) }
+    }
+
+    /// Elements `start .. start + len` as a slice.
+    ///
+    /// # Safety
+    /// `start + len` is at most the buffer's length (checked in debug builds); the elements
+    /// are initialised (the buffer came from [`SyncPtr::new`], or they were written); and
+    /// while the returned slice lives no other access to them happens (no other member's
+    /// slice or span overlaps it).
+    #[inline(always)]
+    pub(crate) unsafe fn slice_mut(self, start: usize, len: usize) -> &'a mut [f32] {
+        // SAFETY: the caller's contract: in bounds, initialised, not aliased.
+        unsafe { std::slice::from_raw_parts_mut(self.span(start, len), len) }
     }
 }
 
@@ -89,7 +147,7 @@ impl Team {
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
-            panicked: AtomicBool::new(false),
+            panic: Mutex::new(None),
             shutdown: AtomicBool::new(false),
         });
         let helpers = (1..size)
@@ -120,7 +178,9 @@ impl Team {
     }
 
     /// Runs `f(member)` for every member, the caller's share (member 0) on this thread;
-    /// returns when all are done. A panic in a helper's share is re-raised here.
+    /// returns when all are done. A panic in any share is re-raised here once every member
+    /// has finished: member 0's as it was, else the first helper's, naming the member and
+    /// its message. The team serves the next job normally either way.
     pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
         if self.size == 1 {
             return f(0);
@@ -155,10 +215,25 @@ impl Team {
             }
         }
         let wait = WaitForHelpers(s);
-        f(0);
+        let own = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0)));
         drop(wait);
-        if s.panicked.swap(false, SeqCst) {
-            panic!("a compute thread of this rank panicked");
+        // Every helper is done: take this job's helper panic (if any) whatever happens next,
+        // so that the next job starts clean.
+        let helper_panic = s
+            .panic
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Err(payload) = own {
+            std::panic::resume_unwind(payload);
+        }
+        if let Some((member, payload)) = helper_panic {
+            let what = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(a non-string payload)");
+            panic!("compute thread {member} of this rank panicked: {what}");
         }
     }
 }
@@ -197,17 +272,27 @@ impl Team {
         if members == 1 {
             return f(data, 0);
         }
-        let (len, base) = (data.len(), SyncPtr(data.as_mut_ptr()));
+        let len = data.len();
+        let base = SyncPtr::new(data);
+        // Member m's first unit: m·(units / members) plus one more for each earlier member
+        // among the first `units % members` (no product exceeds `units`: nothing overflows).
+        let (per, extra) = (units / members, units % members);
+        let first_unit = |m: usize| m * per + m.min(extra);
         self.run_on(members, &|m| {
-            let start = m * units / members * align;
+            let start = first_unit(m) * align;
             let end = if m + 1 == members {
                 len
             } else {
-                (m + 1) * units / members * align
+                first_unit(m + 1) * align
             };
-            // SAFETY: members get disjoint ranges [start, end) of `data`, which `run` keeps
-            // borrowed until every member is done.
-            let part = unsafe { std::slice::from_raw_parts_mut(base.at(start), end - start) };
+            assert!(
+                start <= end && end <= len,
+                "team part {start}..{end} of {len}"
+            );
+            // SAFETY: members get disjoint ranges [start, end) of `data` (first_unit grows
+            // with m), in bounds (asserted), initialised (a `&mut [f32]`), and `data` stays
+            // borrowed by `base` until `run_on` returns, when every member is done.
+            let part = unsafe { base.slice_mut(start, end - start) };
             f(part, start)
         });
     }
@@ -247,8 +332,9 @@ fn helper(s: &Shared, member: usize) {
             // SAFETY: as above.
             unsafe { (*job)(member) }
         }));
-        if result.is_err() {
-            s.panicked.store(true, SeqCst);
+        if let Err(payload) = result {
+            let mut first = s.panic.lock().unwrap_or_else(PoisonError::into_inner);
+            first.get_or_insert((member, payload));
         }
         s.pending.fetch_sub(1, SeqCst);
     }
@@ -276,10 +362,11 @@ mod tests {
 
     #[test]
     fn every_member_runs_once_per_job_and_borrows_work() {
+        let (len, rounds) = if cfg!(miri) { (60, 4) } else { (1000, 200) };
         for size in [1, 2, 3, 5] {
             let team = Team::new(size);
-            let mut data = vec![0usize; 1000];
-            for round in 1..=200 {
+            let mut data = vec![0usize; len];
+            for round in 1..=rounds {
                 let counts: Vec<AtomicUsize> = (0..size).map(|_| AtomicUsize::new(0)).collect();
                 let out = AtomicUsize::new(0);
                 team.run(&|m| {
@@ -328,21 +415,66 @@ mod tests {
         assert_eq!(hits.load(SeqCst), 6);
     }
 
-    #[test]
-    fn a_helper_panic_reaches_the_caller_and_the_team_still_works() {
-        let team = Team::new(2);
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            team.run(&|m| {
-                if m == 1 {
-                    panic!("boom");
-                }
-            })
-        }));
-        assert!(r.is_err());
+    /// The message of a caught panic.
+    fn message(payload: Box<dyn std::any::Any + Send>) -> String {
+        match payload.downcast::<String>() {
+            Ok(s) => *s,
+            Err(p) => p.downcast_ref::<&str>().copied().unwrap_or("?").to_string(),
+        }
+    }
+
+    /// Runs `job` on `team`, returning its panic's message if it panicked.
+    fn run_catching(team: &Team, job: &(dyn Fn(usize) + Sync)) -> Option<String> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| team.run(job)))
+            .err()
+            .map(message)
+    }
+
+    /// Job 2 runs every member once and nothing else.
+    fn assert_next_job_runs(team: &Team) {
         let hits = AtomicUsize::new(0);
         team.run(&|_| {
             hits.fetch_add(1, SeqCst);
         });
-        assert_eq!(hits.load(SeqCst), 2);
+        assert_eq!(hits.load(SeqCst), team.size());
+    }
+
+    #[test]
+    fn a_helper_panic_reaches_the_caller_and_the_team_still_works() {
+        let team = Team::new(2);
+        let msg = run_catching(&team, &|m| {
+            if m == 1 {
+                panic!("boom");
+            }
+        });
+        let msg = msg.expect("the helper's panic is re-raised");
+        assert!(msg.contains("thread 1") && msg.contains("boom"), "{msg}");
+        assert_next_job_runs(&team);
+    }
+
+    #[test]
+    fn a_panic_of_member_0_reaches_the_caller_and_the_team_still_works() {
+        for size in [1, 2, 3] {
+            let team = Team::new(size);
+            let msg = run_catching(&team, &|m| {
+                if m == 0 {
+                    panic!("own share");
+                }
+            });
+            assert_eq!(msg.as_deref(), Some("own share"), "size {size}");
+            assert_next_job_runs(&team);
+        }
+    }
+
+    #[test]
+    fn a_job_where_every_member_panics_leaves_no_stale_panic_for_the_next() {
+        // Member 0's panic unwinds past the point where the helpers' panic used to be
+        // cleared: job 2 then failed with "a compute thread panicked" though none had.
+        let team = Team::new(3);
+        for _ in 0..2 {
+            let msg = run_catching(&team, &|m| panic!("member {m}"));
+            assert_eq!(msg.as_deref(), Some("member 0"));
+            assert_next_job_runs(&team);
+        }
     }
 }
