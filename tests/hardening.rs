@@ -410,3 +410,21 @@ fn a_run_that_cannot_fit_in_memory_is_refused_before_allocating() {
         "{e}"
     );
 }
+
+#[test]
+fn compute_threads_the_system_refuses_are_an_error() {
+    // 1024 thread stacks of 2 MiB cannot fit in 1.5 GB of address space.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 1500000 && exec {} run {CHECKPOINT} --prompt-ids 1,2 --max-new-tokens 2 --threads-per-rank 1024",
+            env!("CARGO_BIN_EXE_tpc")
+        ))
+        .output()
+        .unwrap();
+    let e = refused(&o);
+    assert!(
+        e.contains("refused to start its 1024 compute threads"),
+        "{e}"
+    );
+}

@@ -85,9 +85,19 @@ pub fn causal_attention(
     scale: f32,
 ) -> Tensor {
     let (t, qcols) = q.rows_cols();
+    // The fast paths index keys and values without checks: the head layout must be exact.
+    assert!(
+        d > 0 && kv_heads > 0 && qcols.is_multiple_of(d) && (qcols / d).is_multiple_of(kv_heads),
+        "attention: {qcols} query columns are not whole heads of {d} in groups over {kv_heads} kv heads"
+    );
     let heads = qcols / d;
     let group = heads / kv_heads;
     let kcols = kv_heads * d;
+    assert!(
+        k.len().is_multiple_of(kcols),
+        "attention: {} cached key values are not whole rows of {kcols}",
+        k.len()
+    );
     let n = k.len() / kcols;
     assert!(
         t <= n && v.len() == k.len(),

@@ -41,9 +41,14 @@ impl CpuBackend {
     /// With member `m` of the team pinned to `cores[m]` (member 0 is the caller's thread,
     /// which pins itself).
     pub fn pinned(threads: usize, cores: &[Option<usize>]) -> CpuBackend {
-        CpuBackend {
+        Self::try_pinned(threads, cores).expect("spawning a compute thread")
+    }
+
+    /// As [`CpuBackend::pinned`]; compute threads the system refuses to start are an error.
+    pub fn try_pinned(threads: usize, cores: &[Option<usize>]) -> std::io::Result<CpuBackend> {
+        Ok(CpuBackend {
             threads: threads.max(1),
-            team: Team::pinned(threads, cores),
+            team: Team::try_pinned(threads, cores)?,
             bf16_linears: false,
             // Miri reports no SIMD features, so detection can only pick the portable
             // kernels, after a self-check that takes it minutes: skip to the answer.
@@ -52,7 +57,7 @@ impl CpuBackend {
             } else {
                 Kernels::detect()
             },
-        }
+        })
     }
 
     /// The same backend running its linears with `kernels`.

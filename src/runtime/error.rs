@@ -73,6 +73,14 @@ pub enum RunError {
         available: u64,
     },
 
+    // `io` is in the message and deliberately not a `source` (no second copy in chains).
+    #[error("rank {rank}: the system refused to start its {threads} compute threads ({io}); lower --threads-per-rank or the tp")]
+    Threads {
+        rank: usize,
+        threads: usize,
+        io: std::io::Error,
+    },
+
     #[error("bad batch: {problem}")]
     BadBatch { problem: String },
 

@@ -173,9 +173,9 @@ pub fn run_batch(
         if let Some(Some(core)) = placement.first() {
             affinity::pin_current_thread(*core);
         }
-        Ok(CpuBackend::pinned(threads, &placement)
-            .with_bf16_linears(bf16)
-            .with_kernels(kernels))
+        let backend = CpuBackend::try_pinned(threads, &placement)
+            .map_err(|io| RunError::Threads { rank, threads, io })?;
+        Ok(backend.with_bf16_linears(bf16).with_kernels(kernels))
     };
     let comms = local_group(tp);
     let mut out = launch_threads(plan, weights, comms, &make, &|rt| {

@@ -139,6 +139,12 @@ impl Team {
 
     /// As [`Team::new`], helper `m` pinned to `cores[m]` where given (best effort).
     pub fn pinned(size: usize, cores: &[Option<usize>]) -> Team {
+        Team::try_pinned(size, cores).expect("spawning a compute thread")
+    }
+
+    /// As [`Team::pinned`]; a helper thread the system refuses to start is an error (the
+    /// helpers already started are stopped again).
+    pub fn try_pinned(size: usize, cores: &[Option<usize>]) -> std::io::Result<Team> {
         let size = size.max(1);
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
@@ -150,27 +156,28 @@ impl Team {
             panic: Mutex::new(None),
             shutdown: AtomicBool::new(false),
         });
-        let helpers = (1..size)
-            .map(|member| {
-                let shared = shared.clone();
-                let core = cores.get(member).copied().flatten();
-                std::thread::Builder::new()
-                    .name(format!("tpc-team-{member}"))
-                    .spawn(move || {
-                        if let Some(core) = core {
-                            super::affinity::pin_current_thread(core);
-                        }
-                        helper(&shared, member)
-                    })
-                    .expect("spawning a compute thread")
-            })
-            .collect();
-        Team {
-            size,
+        let mut team = Team {
+            size: 1,
             shared,
             running: Mutex::new(()),
-            helpers,
+            helpers: Vec::with_capacity(size - 1),
+        };
+        for member in 1..size {
+            let shared = team.shared.clone();
+            let core = cores.get(member).copied().flatten();
+            // On failure `team` drops here, which stops the helpers started so far.
+            let handle = std::thread::Builder::new()
+                .name(format!("tpc-team-{member}"))
+                .spawn(move || {
+                    if let Some(core) = core {
+                        super::affinity::pin_current_thread(core);
+                    }
+                    helper(&shared, member)
+                })?;
+            team.helpers.push(handle);
         }
+        team.size = size;
+        Ok(team)
     }
 
     pub fn size(&self) -> usize {

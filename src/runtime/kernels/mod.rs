@@ -137,6 +137,16 @@ pub struct Kernels {
     isa: Isa,
 }
 
+/// Whether `rows` rows of `width` values, `stride` apart, fit in `len` values; checked, so
+/// a huge stride cannot wrap the bound that guards the unchecked reads.
+fn rows_fit(len: usize, rows: usize, stride: usize, width: usize) -> bool {
+    rows == 0
+        || (rows - 1)
+            .checked_mul(stride)
+            .and_then(|start| start.checked_add(width))
+            .is_some_and(|end| end <= len)
+}
+
 impl Kernels {
     /// The best variant this host supports whose self-check passed (chosen once).
     pub fn detect() -> Kernels {
@@ -285,7 +295,7 @@ impl Kernels {
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        assert!(R == 0 || x.len() >= (R - 1) * ldx + k, "gemv: x too short");
+        assert!(rows_fit(x.len(), R, ldx, k), "gemv: x too short");
         assert!(panel.len() >= T::panel_len(k), "gemv: panel too short");
         #[cfg(target_arch = "x86_64")]
         {
@@ -314,10 +324,7 @@ impl Kernels {
         out: &mut [[f32; NR]; R],
     ) {
         let pairs = k.div_ceil(2);
-        assert!(
-            R == 0 || x.len() >= (R - 1) * ldx + 2 * pairs,
-            "gemv: x too short"
-        );
+        assert!(rows_fit(x.len(), R, ldx, 2 * pairs), "gemv: x too short");
         assert!(panel.len() >= pairs * 2 * NR, "gemv: panel too short");
         #[cfg(target_arch = "x86_64")]
         if self.gemv_variant(true) == Isa::Avx512Bf16 {
