@@ -535,7 +535,6 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     })
 }
 
-/// Rank 0's profile as a table: op kind, seconds, share of the run, calls.
 /// The first row of a host tensor with a NaN or an infinity.
 fn first_non_finite_row(t: &Tensor) -> Option<usize> {
     t.data
@@ -561,6 +560,7 @@ fn non_finite<B: Backend, C: Collectives<B::Act>>(
     }
 }
 
+/// Rank 0's profile as a table: op kind, seconds, share of the run, calls.
 pub fn render_profile(out: &BatchOutput) -> String {
     use std::fmt::Write;
     let total: f64 = out.profile.iter().map(|p| p.1).sum();
