@@ -36,6 +36,9 @@ pub enum TpcError {
     #[error("{path}: {message}")]
     HfConfig { path: PathBuf, message: String },
 
+    #[error("hardware profile `{path}`: {message}; fix the profile")]
+    HwProfile { path: PathBuf, message: String },
+
     #[error("model `{model}`, {place}: {message}")]
     Model {
         model: String,

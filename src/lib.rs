@@ -3,6 +3,7 @@
 //! Pipeline: [`frontend`] (model files → IR) → [`passes`] (layouts, collectives,
 //! feasibility) → [`plan`] (per-rank programs, weight slices, report, DOT) → runtime.
 
+pub mod cost;
 pub mod error;
 pub mod frontend;
 pub mod fsio;

@@ -10,6 +10,7 @@ mod import;
 mod lower;
 mod ranks;
 mod run;
+mod simulate;
 mod verify;
 
 use clap::{Parser, Subcommand};
@@ -38,6 +39,8 @@ enum Command {
     Run(run::Args),
     /// Lay out global ranks as [ExternalDP, DP, PP, TP] and list the TP/PP/DP/EP groups.
     Ranks(ranks::Args),
+    /// Estimate a plan's time and memory on a hardware profile (α-β cost model).
+    Simulate(simulate::Args),
     /// Check that tp=N reproduces tp=1 on the same inputs.
     Verify(verify::Args),
     /// Measure prefill and decode throughput (checkpoint or random weights).
@@ -58,6 +61,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Lower(a) => lower::execute(a),
         Command::Run(a) => run::execute(a),
         Command::Ranks(a) => ranks::execute(a),
+        Command::Simulate(a) => simulate::execute(a),
         Command::Verify(a) => verify::execute(a),
         Command::Bench(a) => bench::execute(a),
         Command::BenchComm(a) => bench_comm::execute(a),

@@ -1,0 +1,4 @@
+//! The cost model: hardware profiles and what a plan costs on them (`tpc simulate`).
+
+pub mod profile;
+pub mod simulate;
