@@ -339,3 +339,31 @@ fn a_closed_or_full_stdout_is_an_error_not_a_panic() {
         );
     }
 }
+
+/// Greedy decoding exchanges one (value, index) pair per rank and row instead of gathering
+/// the logits: the same tokens as top-k 1 sampling (which gathers them), fewer bytes.
+#[test]
+fn greedy_decode_exchanges_pairs_instead_of_logits() {
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "run",
+            MODEL,
+            "--tp",
+            "2",
+            "--prompt-ids",
+            PROMPT,
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&tpc(&args))).unwrap()
+    };
+    let greedy = json(&[]);
+    let gathered = json(&["--temperature", "1", "--top-k", "1"]);
+    assert_eq!(greedy["generated"], gathered["generated"]);
+    let bytes = |v: &serde_json::Value| v["collective_bytes_rank0"].as_u64().unwrap();
+    // 7 decode steps each gather the 250 f32 logits (1000 B) when sampling, and
+    // 2 ranks × one (value, index) f32 pair (16 B) when greedy.
+    assert_eq!(bytes(&gathered) - bytes(&greedy), 7 * (1000 - 16));
+}

@@ -165,6 +165,14 @@ pub trait Backend: Send + Sync {
     /// The index of the largest value of each row (the first on ties, as `torch.argmax`):
     /// greedy sampling without bringing the logits to the host.
     fn argmax_rows(&self, x: &Self::Act) -> BackendResult<Vec<usize>>;
+    /// Per row of `x`, its largest value among the first `valid` columns and that column's
+    /// index plus `offset` (the first of equal values), as `[rows, 2]` (value, index); a row
+    /// with a NaN or an infinity anywhere gets a NaN value. `valid = 0` gives (-inf, -1).
+    fn argmax_pairs(&self, x: &Self::Act, valid: usize, offset: usize) -> BackendResult<Self::Act>;
+    /// `pairs` is `parts` rank-major `[rows, 2]` blocks from [`Backend::argmax_pairs`]
+    /// over consecutive vocabulary slices; per row, the best pair (larger value, lower index
+    /// on ties, NaN if any part is NaN), as `[rows, 2]`.
+    fn best_of_pairs(&self, pairs: &Self::Act, parts: usize) -> BackendResult<Self::Act>;
     /// The first row of `x` holding a NaN or an infinity, if any.
     fn first_non_finite_row(&self, x: &Self::Act) -> BackendResult<Option<usize>>;
     /// The given rows, in order.

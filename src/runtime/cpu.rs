@@ -646,6 +646,53 @@ impl Backend for CpuBackend {
         Ok(x.data.chunks(cols).map(super::sampling::argmax).collect())
     }
 
+    fn argmax_pairs(&self, x: &Tensor, valid: usize, offset: usize) -> BackendResult<Tensor> {
+        let (rows, cols) = x.rows_cols();
+        if valid > cols {
+            return Err(shape_err(format!("{valid} valid columns of {cols}")));
+        }
+        let mut out = pool::empty(rows * 2);
+        for row in x.data.chunks(cols.max(1)).take(rows) {
+            let (value, index) = if row.iter().any(|v| !v.is_finite()) {
+                (f32::NAN, 0.0)
+            } else if valid == 0 {
+                (f32::NEG_INFINITY, -1.0)
+            } else {
+                let i = super::sampling::argmax(&row[..valid]);
+                // Exact: vocabularies are at most 2^24 (the model validation's limit).
+                (row[i], (offset + i) as f32)
+            };
+            out.extend_from_slice(&[value, index]);
+        }
+        Ok(Tensor::new(vec![rows, 2], out))
+    }
+
+    fn best_of_pairs(&self, pairs: &Tensor, parts: usize) -> BackendResult<Tensor> {
+        let (all, cols) = pairs.rows_cols();
+        if cols != 2 || parts == 0 || all % parts != 0 {
+            return Err(shape_err(format!("{all}x{cols} pairs in {parts} parts")));
+        }
+        let rows = all / parts;
+        let mut out = pool::empty(rows * 2);
+        for r in 0..rows {
+            // Parts hold increasing vocabulary ranges: keep the first of equal values.
+            let mut best = [f32::NEG_INFINITY, -1.0];
+            for p in 0..parts {
+                let at = (p * rows + r) * 2;
+                let (v, i) = (pairs.data[at], pairs.data[at + 1]);
+                if v.is_nan() {
+                    best = [f32::NAN, 0.0];
+                    break;
+                }
+                if i >= 0.0 && (best[1] < 0.0 || v > best[0]) {
+                    best = [v, i];
+                }
+            }
+            out.extend_from_slice(&best);
+        }
+        Ok(Tensor::new(vec![rows, 2], out))
+    }
+
     fn first_non_finite_row(&self, x: &Tensor) -> BackendResult<Option<usize>> {
         let cols = x.cols().max(1);
         Ok(x.data
@@ -1020,6 +1067,48 @@ mod tests {
         for (b, w) in outs[1].data.iter().zip(&want) {
             assert_eq!(*b, half::bf16::from_f32(*w).to_f32());
         }
+    }
+
+    #[test]
+    fn vocab_parallel_argmax_matches_the_gathered_argmax() {
+        let cpu = CpuBackend::new(1);
+        // Two ranks of 3 columns over a vocabulary of 5: rank 1's last column is padding
+        // (zero), which must not win over negative logits.
+        let full = [
+            [-3.0f32, -1.0, -2.0, -1.0, -5.0],
+            [-4.0, -4.0, -4.0, -2.0, -9.0],
+        ];
+        let mut parts = Vec::new();
+        for rank in 0..2 {
+            let mut data = Vec::new();
+            for row in &full {
+                for c in 0..3 {
+                    data.push(row.get(rank * 3 + c).copied().unwrap_or(0.0));
+                }
+            }
+            let slice = Tensor::new(vec![2, 3], data);
+            let valid = 5usize.saturating_sub(rank * 3).min(3);
+            parts.push(cpu.argmax_pairs(&slice, valid, rank * 3).unwrap());
+        }
+        let gathered: Vec<f32> = parts.iter().flat_map(|p| p.data.clone()).collect();
+        let best = cpu
+            .best_of_pairs(&Tensor::new(vec![4, 2], gathered), 2)
+            .unwrap();
+        // Row 0: -1 at 1 and 3, the lower index wins (as HF's argmax); row 1: -2 at 3.
+        assert_eq!(best.data, vec![-1.0, 1.0, -2.0, 3.0]);
+        let whole = Tensor::new(vec![2, 5], full.concat());
+        assert_eq!(cpu.argmax_rows(&whole).unwrap(), vec![1, 3]);
+        // A NaN anywhere marks the row; a rank with no valid column never wins.
+        let nan = Tensor::new(vec![1, 3], vec![0.0, f32::NAN, 1.0]);
+        assert!(cpu.argmax_pairs(&nan, 3, 0).unwrap().data[0].is_nan());
+        let empty = cpu
+            .argmax_pairs(&Tensor::new(vec![1, 3], vec![9.0; 3]), 0, 6)
+            .unwrap();
+        assert_eq!(empty.data, vec![f32::NEG_INFINITY, -1.0]);
+        let pairs = Tensor::new(vec![2, 2], vec![-7.0, 2.0, f32::NEG_INFINITY, -1.0]);
+        assert_eq!(cpu.best_of_pairs(&pairs, 2).unwrap().data, vec![-7.0, 2.0]);
+        assert!(cpu.argmax_pairs(&nan, 4, 0).is_err());
+        assert!(cpu.best_of_pairs(&nan, 2).is_err());
     }
 
     #[test]

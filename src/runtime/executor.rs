@@ -59,6 +59,8 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     pub profile: Option<HashMap<&'static str, (std::time::Duration, u64)>>,
     /// While locating non-finite values: the first op whose output has one.
     non_finite: Option<Option<NonFiniteOp>>,
+    /// The all-gather of vocabulary-split logits that is the program's output, if any.
+    logits_gather: Option<u32>,
 }
 
 /// One forward call's inputs: every row's token id and position, the sequences' rows, and
@@ -68,6 +70,9 @@ struct Call<'c> {
     positions: &'c [i64],
     segments: &'c [Segment],
     select: Option<&'c [usize]>,
+    /// Only each row's greedy token is wanted: the logits gather exchanges (value, index)
+    /// pairs instead of the vocabulary slices.
+    argmax_only: bool,
 }
 
 /// One attention op's KV caches: key and value widths per token, one cache per sequence.
@@ -185,6 +190,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             weight_bytes,
             profile: None,
             non_finite: None,
+            logits_gather: logits_gather(program),
         };
         exec.set_sequences(1);
         Ok(exec)
@@ -254,6 +260,25 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         batch: &[(usize, &[i64])],
         rows: OutputRows,
     ) -> Result<std::result::Result<Vec<usize>, usize>> {
+        if self.logits_gather.is_some() {
+            // Vocabulary-parallel: the output is each row's best (value, index) pair.
+            let out = self.forward_call(batch, rows, true)?;
+            let pairs = self.backend.to_host(out).map_err(at_output)?;
+            let picked = pairs
+                .data
+                .chunks(2)
+                .enumerate()
+                .map(|(row, p)| {
+                    if p[0].is_finite() {
+                        Ok(p[1] as usize)
+                    } else {
+                        Err(row)
+                    }
+                })
+                .collect();
+            pairs.release();
+            return Ok(picked);
+        }
         let out = self.forward_on_device(batch, rows)?;
         let picked = match self.backend.first_non_finite_row(&out) {
             Ok(Some(row)) => Ok(Err(row)),
@@ -284,6 +309,15 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         batch: &[(usize, &[i64])],
         rows: OutputRows,
     ) -> Result<B::Act> {
+        self.forward_call(batch, rows, false)
+    }
+
+    fn forward_call(
+        &mut self,
+        batch: &[(usize, &[i64])],
+        rows: OutputRows,
+        argmax_only: bool,
+    ) -> Result<B::Act> {
         let mut segments = Vec::with_capacity(batch.len());
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -313,6 +347,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             ids: &ids,
             positions: &positions,
             segments: &segments,
+            argmax_only,
         };
         let out = self.run_program(&call);
         if out.is_ok() {
@@ -579,6 +614,24 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 self.comm.all_reduce_sum(&mut out).map_err(RunError::from)?;
                 out
             }
+            Op::AllGather(g) if call.argmax_only && self.logits_gather == Some(i.id) => {
+                let x = x(0)?;
+                let (rows, n) = x.rows_cols();
+                let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
+                let offset = self.rank * n;
+                let valid = keep.saturating_sub(offset).min(n);
+                let local = b.argmax_pairs(x, valid, offset).map_err(&err)?;
+                let mut gathered = b.alloc(&[rows * self.tp, 2], local.dtype()).map_err(&err)?;
+                self.collective_bytes += message_bytes(&gathered);
+                let sent = self
+                    .comm
+                    .all_gather(&local, &mut gathered)
+                    .map_err(RunError::from);
+                b.release(local);
+                let out = sent.and_then(|()| b.best_of_pairs(&gathered, self.tp).map_err(&err));
+                b.release(gathered);
+                out?
+            }
             Op::AllGather(g) => {
                 let x = x(0)?;
                 let (rows, n) = x.rows_cols();
@@ -619,6 +672,20 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
 
 fn message_bytes<A: Activation>(a: &A) -> u64 {
     (a.elements() as u64).saturating_mul(a.dtype().size_bytes())
+}
+
+/// The id of the all-gather whose result is the program's output (vocabulary-split logits).
+fn logits_gather(program: &RankProgram) -> Option<u32> {
+    let output = program
+        .instrs
+        .iter()
+        .find(|i| matches!(i.op, Op::Output(_)))?;
+    let id = *output.inputs.first()?;
+    program
+        .instrs
+        .iter()
+        .find(|i| i.id == id && matches!(i.op, Op::AllGather(_)))
+        .map(|i| i.id)
 }
 
 /// The linears whose outputs reach the program's output through row-wise ops only.
