@@ -366,4 +366,15 @@ fn greedy_decode_exchanges_pairs_instead_of_logits() {
     // 7 decode steps each gather the 250 f32 logits (1000 B) when sampling, and
     // 2 ranks × one (value, index) f32 pair (16 B) when greedy.
     assert_eq!(bytes(&gathered) - bytes(&greedy), 7 * (1000 - 16));
+    // The compile report states the same exchange.
+    let summary: serde_json::Value =
+        serde_json::from_str(&ok(&tpc(&["compile", MODEL, "--tp", "2", "--json"]))).unwrap();
+    assert_eq!(
+        summary["greedy_exchange"],
+        serde_json::json!({"logits_gather_bytes_per_token": 1000, "pair_bytes_per_token": 16})
+    );
+    // At tp=1 nothing is gathered, and the report says nothing.
+    let one: serde_json::Value =
+        serde_json::from_str(&ok(&tpc(&["compile", MODEL, "--json"]))).unwrap();
+    assert!(one.get("greedy_exchange").is_none());
 }

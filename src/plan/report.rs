@@ -31,6 +31,32 @@ pub struct Summary {
     pub ring_wire_bytes_per_token_total: u64,
     pub column_row_pairs: u64,
     pub notes: Vec<String>,
+    /// When the output is gathered vocab-split logits: what greedy decoding exchanges
+    /// instead (one f32 (value, index) pair per rank), per token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub greedy_exchange: Option<GreedyExchange>,
+}
+
+/// Bytes per token of the logits gather and of the pairs greedy decoding sends instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GreedyExchange {
+    pub logits_gather_bytes_per_token: u64,
+    pub pair_bytes_per_token: u64,
+}
+
+/// The output's logits gather, when the output is one (see the executor's argmax path).
+fn greedy_exchange(plan: &Plan) -> Option<GreedyExchange> {
+    let rank = plan.ranks.first()?;
+    let output = rank.instrs.iter().find(|i| matches!(i.op, Op::Output(_)))?;
+    let id = *output.inputs.first()?;
+    rank.instrs
+        .iter()
+        .find(|i| i.id == id && matches!(i.op, Op::AllGather(_)))?;
+    let gather = plan.collectives.iter().find(|c| c.id == id)?;
+    Some(GreedyExchange {
+        logits_gather_bytes_per_token: gather.bytes_per_token,
+        pair_bytes_per_token: plan.tp.saturating_mul(8),
+    })
 }
 
 /// How many collectives of one kind a layer has. Serialized as a plain number when all layers
@@ -147,6 +173,7 @@ pub fn summarize(plan: &Plan) -> Summary {
             .map(|c| c.ring_wire_bytes_per_token)),
         column_row_pairs: plan.regions.len() as u64,
         notes: plan.notes.clone(),
+        greedy_exchange: greedy_exchange(plan),
     }
 }
 
@@ -288,6 +315,14 @@ pub fn render_table(s: &Summary) -> String {
         "column→row pairs (no communication inside): {}",
         s.column_row_pairs
     );
+    if let Some(g) = s.greedy_exchange {
+        let _ = writeln!(
+            out,
+            "greedy decode: ranks exchange (value, index) pairs, {} per token instead of the {} logits gather",
+            human_bytes(g.pair_bytes_per_token),
+            human_bytes(g.logits_gather_bytes_per_token)
+        );
+    }
     for n in &s.notes {
         let _ = writeln!(out, "note: {n}");
     }
