@@ -64,8 +64,10 @@ struct RankWork {
 }
 
 fn rank_work(plan: &Plan) -> RankWork {
+    // Weight and KV bytes per rank are the compile report's own figures.
+    let summary = crate::plan::report::summarize(plan);
     let mut fullest = RankWork::default();
-    for r in &plan.ranks {
+    for (rank, r) in plan.ranks.iter().enumerate() {
         let facts: std::collections::HashMap<u32, _> =
             r.instrs.iter().map(|i| (i.id, &i.fact)).collect();
         let elements = |id: Option<&u32>| {
@@ -94,22 +96,12 @@ fn rank_work(plan: &Plan) -> RankWork {
             }
             match &i.op {
                 Op::Linear(_) => w.linear_flops_per_token += 2.0 * elements(i.inputs.get(1)),
-                Op::Attention(_) => {
-                    w.attention_flops_per_pair += 4.0 * elements(i.inputs.first());
-                    let bytes = |slot: usize| {
-                        i.inputs
-                            .get(slot)
-                            .and_then(|id| facts.get(id))
-                            .map_or(0.0, |f| {
-                                f.shape.fixed_elements() as f64 * f.dtype.size_bytes() as f64
-                            })
-                    };
-                    w.kv_bytes_per_token += bytes(1) + bytes(2);
-                }
+                Op::Attention(_) => w.attention_flops_per_pair += 4.0 * elements(i.inputs.first()),
                 _ => {}
             }
         }
-        w.weight_bytes = r.weights.iter().map(|s| s.local_bytes() as f64).sum();
+        w.weight_bytes = summary.param_bytes_per_rank[rank] as f64;
+        w.kv_bytes_per_token = summary.kv_cache_bytes_per_token_per_rank[rank] as f64;
         if w.weight_bytes + w.kv_bytes_per_token > fullest.weight_bytes + fullest.kv_bytes_per_token
         {
             fullest = w;

@@ -140,45 +140,44 @@ pub fn weight_elements(
     Ok(elements)
 }
 
-/// The length a structure fixes, computed with checked arithmetic, after checking every
-/// count and size is positive and within [`MAX_DIM`].
+/// The length a structure fixes, after checking every count and size is positive and
+/// within [`MAX_DIM`] and every Concat part fixes its own length.
 fn covered_len(g: &Groups) -> std::result::Result<Option<u64>, String> {
-    let over = || format!("the groups cover more than {MAX_DIM} elements");
+    check_counts(g)?;
+    g.checked_len()
+        .ok_or_else(|| format!("the groups cover more than {MAX_DIM} elements"))
+}
+
+fn check_counts(g: &Groups) -> std::result::Result<(), String> {
     match g {
-        Groups::Plain { .. } => Ok(None),
+        Groups::Plain { .. } => Ok(()),
         Groups::Heads { count, size, .. } => {
             check_dim("a group's head count", *count)?;
-            check_dim("a group's head size", *size)?;
-            let len = count.checked_mul(*size).ok_or_else(over)?;
-            Ok(Some(len))
+            check_dim("a group's head size", *size)
         }
         Groups::Concat(parts) => {
             if parts.is_empty() {
                 return Err("a Concat structure needs at least one part".into());
             }
-            let mut total: u64 = 0;
             for p in parts {
-                let Some(len) = covered_len(p)? else {
+                if matches!(p, Groups::Plain { .. }) {
                     return Err(
                         "each part of a Concat structure must fix its length (Heads, Interleaved or Concat, not Plain)"
                             .into(),
                     );
-                };
-                total = total.checked_add(len).ok_or_else(over)?;
+                }
+                check_counts(p)?;
             }
-            Ok(Some(total))
+            Ok(())
         }
         Groups::Interleaved { heads, parts } => {
             check_dim("an interleaved head count", *heads)?;
             if parts.is_empty() {
                 return Err("an Interleaved structure needs at least one part".into());
             }
-            let mut per_head: u64 = 0;
-            for &p in parts {
-                check_dim("an interleaved part", p)?;
-                per_head = per_head.checked_add(p).ok_or_else(over)?;
-            }
-            Ok(Some(heads.checked_mul(per_head).ok_or_else(over)?))
+            parts
+                .iter()
+                .try_for_each(|&p| check_dim("an interleaved part", p))
         }
     }
 }

@@ -96,6 +96,31 @@ impl Groups {
         }
     }
 
+    /// [`Groups::covered_len`] with checked arithmetic: `None` when it overflows, else the
+    /// length it fixes (if any). Every part of a Concat is checked, sized or not, since
+    /// inference may read any of them.
+    pub fn checked_len(&self) -> Option<Option<u64>> {
+        match self {
+            Groups::Plain { .. } => Some(None),
+            Groups::Heads { count, size, .. } => count.checked_mul(*size).map(Some),
+            Groups::Concat(parts) => {
+                let mut sum = 0u64;
+                let mut sized = true;
+                for part in parts {
+                    match part.checked_len()? {
+                        Some(n) => sum = sum.checked_add(n)?,
+                        None => sized = false,
+                    }
+                }
+                Some(sized.then_some(sum))
+            }
+            Groups::Interleaved { heads, parts } => {
+                let per_head = parts.iter().try_fold(0u64, |t, &p| t.checked_add(p))?;
+                heads.checked_mul(per_head).map(Some)
+            }
+        }
+    }
+
     /// Whether a dimension of `total` elements with this structure splits `tp` ways.
     pub fn check(&self, total: u64, tp: u64) -> Result<(), SplitProblem> {
         self.slice(total, tp, 0).map(|_| ())

@@ -73,6 +73,19 @@ pub struct RankProgram {
     pub instrs: Vec<Instr>,
 }
 
+impl RankProgram {
+    /// The id of the all-gather whose result is the program's output, when the output is
+    /// gathered (vocabulary-split logits).
+    pub fn output_gather(&self) -> Option<u32> {
+        let output = self.instrs.iter().find(|i| matches!(i.op, Op::Output(_)))?;
+        let id = *output.inputs.first()?;
+        self.instrs
+            .iter()
+            .find(|i| i.id == id && matches!(i.op, Op::AllGather(_)))
+            .map(|i| i.id)
+    }
+}
+
 /// Which part of a checkpoint tensor one rank loads.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WeightSlice {

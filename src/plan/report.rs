@@ -46,12 +46,7 @@ pub struct GreedyExchange {
 
 /// The output's logits gather, when the output is one (see the executor's argmax path).
 fn greedy_exchange(plan: &Plan) -> Option<GreedyExchange> {
-    let rank = plan.ranks.first()?;
-    let output = rank.instrs.iter().find(|i| matches!(i.op, Op::Output(_)))?;
-    let id = *output.inputs.first()?;
-    rank.instrs
-        .iter()
-        .find(|i| i.id == id && matches!(i.op, Op::AllGather(_)))?;
+    let id = plan.ranks.first()?.output_gather()?;
     let gather = plan.collectives.iter().find(|c| c.id == id)?;
     Some(GreedyExchange {
         logits_gather_bytes_per_token: gather.bytes_per_token,

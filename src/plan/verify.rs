@@ -8,7 +8,7 @@
 use super::error::{Issued, Place, PlanError, PlanProblem, Problem, WeightKey, MAX_LISTED};
 use super::{Instr, Plan, RankProgram, WeightSlice, PLAN_VERSION};
 use crate::ir::shape::infer;
-use crate::ir::{Dim, Groups, LocalSliceOp, Op, ReduceScatterOp, Shape, SliceRange, TensorFact};
+use crate::ir::{Dim, LocalSliceOp, Op, ReduceScatterOp, Shape, SliceRange, TensorFact};
 use smallvec::SmallVec;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
@@ -572,7 +572,7 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             }
             Ok(with_dim(x, *dim, n / tp))
         }
-        Op::Unfuse(u) if checked_len(&u.groups).is_none() => Err(Problem::Overflow {
+        Op::Unfuse(u) if u.groups.checked_len().is_none() => Err(Problem::Overflow {
             what: "the length of its unfuse structure".into(),
         }),
         _ => {
@@ -610,31 +610,6 @@ fn with_dim(x: &TensorFact, dim: u32, n: u64) -> TensorFact {
         *d = Dim::Fixed(n);
     }
     f
-}
-
-/// `Groups::covered_len` without overflow: `None` if any product or sum in the structure
-/// overflows (shape inference multiplies and adds them unchecked).
-fn checked_len(g: &Groups) -> Option<Option<u64>> {
-    match g {
-        Groups::Plain { .. } => Some(None),
-        Groups::Heads { count, size, .. } => count.checked_mul(*size).map(Some),
-        Groups::Concat(parts) => {
-            // Every part is checked, sized or not, since inference may read any of them.
-            let mut sum = 0u64;
-            let mut sized = true;
-            for part in parts {
-                match checked_len(part)? {
-                    Some(n) => sum = sum.checked_add(n)?,
-                    None => sized = false,
-                }
-            }
-            Some(sized.then_some(sum))
-        }
-        Groups::Interleaved { heads, parts } => {
-            let per_head = parts.iter().try_fold(0u64, |t, &p| t.checked_add(p))?;
-            heads.checked_mul(per_head).map(Some)
-        }
-    }
 }
 
 /// An embedding's `vocab_range` must lie in its table and say what the table's weight

@@ -694,10 +694,7 @@ impl Backend for CpuBackend {
     }
 
     fn first_non_finite_row(&self, x: &Tensor) -> BackendResult<Option<usize>> {
-        let cols = x.cols().max(1);
-        Ok(x.data
-            .chunks(cols)
-            .position(|row| row.iter().any(|v| !v.is_finite())))
+        Ok(x.first_non_finite_row())
     }
 
     fn select_rows(&self, x: &Tensor, rows: &[usize]) -> BackendResult<Tensor> {

@@ -190,7 +190,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             weight_bytes,
             profile: None,
             non_finite: None,
-            logits_gather: logits_gather(program),
+            logits_gather: program.output_gather(),
         };
         exec.set_sequences(1);
         Ok(exec)
@@ -672,20 +672,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
 
 fn message_bytes<A: Activation>(a: &A) -> u64 {
     (a.elements() as u64).saturating_mul(a.dtype().size_bytes())
-}
-
-/// The id of the all-gather whose result is the program's output (vocabulary-split logits).
-fn logits_gather(program: &RankProgram) -> Option<u32> {
-    let output = program
-        .instrs
-        .iter()
-        .find(|i| matches!(i.op, Op::Output(_)))?;
-    let id = *output.inputs.first()?;
-    program
-        .instrs
-        .iter()
-        .find(|i| i.id == id && matches!(i.op, Op::AllGather(_)))
-        .map(|i| i.id)
 }
 
 /// The linears whose outputs reach the program's output through row-wise ops only.

@@ -388,7 +388,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     let logits = exec.forward(&batch, rows)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let vocab = logits.cols();
-    if let Some(row) = first_non_finite_row(&logits) {
+    if let Some(row) = logits.first_non_finite_row() {
         // Rows are each sequence's prompt rows (or its last row), in batch order.
         let mut end = 0;
         let s = requests
@@ -502,7 +502,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
             }
         } else {
             let fresh = exec.forward(&batch, OutputRows::LastOfEach)?;
-            if let Some(k) = first_non_finite_row(&fresh) {
+            if let Some(k) = fresh.first_non_finite_row() {
                 fresh.release();
                 return Err(stop(exec, k));
             }
@@ -533,13 +533,6 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         profile: Vec::new(),
         linear_kernels: None,
     })
-}
-
-/// The first row of a host tensor with a NaN or an infinity.
-fn first_non_finite_row(t: &Tensor) -> Option<usize> {
-    t.data
-        .chunks(t.cols().max(1))
-        .position(|row| row.iter().any(|v| !v.is_finite()))
 }
 
 /// The error for non-finite logits of `sequence`, with the first op producing them found by

@@ -48,6 +48,13 @@ impl Tensor {
         self.rows_cols().1
     }
 
+    /// The first row holding a NaN or an infinity, if any.
+    pub fn first_non_finite_row(&self) -> Option<usize> {
+        self.data
+            .chunks(self.cols().max(1))
+            .position(|row| row.iter().any(|v| !v.is_finite()))
+    }
+
     /// The same rows with `data` of `cols` columns each.
     pub fn with_cols(&self, cols: usize, data: Vec<f32>) -> Tensor {
         let mut shape = self.shape.clone();

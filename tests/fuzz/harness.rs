@@ -3,7 +3,6 @@
 //! Errors returned by tpc are expected; a panic (or a broken invariant a target reports)
 //! is a failure, written under `target/fuzz-failures/<kind>/` with the reproducing seed.
 
-use super::mutate::mutate;
 use super::rng::{case_seed, Rng};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -104,15 +103,7 @@ pub fn input_of(kind: &Kind, seed: u64, case: u64, seed_bytes: &[Vec<u8>]) -> Ve
 }
 
 /// The default mutator.
-pub fn bytes_mutator(
-    rng: &mut Rng,
-    input: &[u8],
-    others: &[Vec<u8>],
-    dict: &[&str],
-    max_len: usize,
-) -> Vec<u8> {
-    mutate(rng, input, others, dict, max_len)
-}
+pub use super::mutate::mutate as bytes_mutator;
 
 // Panic capture: one process-wide hook, silent while a fuzz target runs. Rank threads of
 // the runtime panic on their own threads (the launcher turns that into an error), so the

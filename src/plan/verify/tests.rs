@@ -1,7 +1,7 @@
 //! Every check of `Plan::verify`, each on a real compiled plan corrupted in one way.
 
 use super::*;
-use crate::ir::{AddOp, AllGatherOp, DType, SliceRange};
+use crate::ir::{AddOp, AllGatherOp, DType, Groups, SliceRange};
 use crate::plan::error::PlanProblem;
 use std::path::Path;
 
