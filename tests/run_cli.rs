@@ -378,3 +378,115 @@ fn greedy_decode_exchanges_pairs_instead_of_logits() {
         serde_json::from_str(&ok(&tpc(&["compile", MODEL, "--json"]))).unwrap();
     assert!(one.get("greedy_exchange").is_none());
 }
+
+/// A profile whose links make one algorithm the cheapest at every message size.
+fn profile_where(dir: &std::path::Path, name: &str, winner: &str) -> PathBuf {
+    let base = std::fs::read_to_string("models/hw/h100-sxm-nvswitch-8.ron").unwrap();
+    // Everything slow, the winner fast.
+    let slow = "AlphaBeta(alpha_s: 1.0, beta_bytes_per_s: 1.0)";
+    let fast = "AlphaBeta(alpha_s: 1e-9, beta_bytes_per_s: 1e15)";
+    let mut text = String::new();
+    for line in base.lines() {
+        let trimmed = line.trim_start();
+        let algorithm = ["ring", "one_shot", "two_shot"]
+            .into_iter()
+            .find(|a| trimmed.starts_with(&format!("{a}: AlphaBeta")));
+        match algorithm {
+            Some(a) => {
+                let ab = if a == winner { fast } else { slow };
+                text.push_str(&format!("        {a}: {ab},\n"));
+            }
+            None => {
+                text.push_str(line);
+                text.push('\n');
+            }
+        }
+    }
+    let path = dir.join(format!("{name}.ron"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn the_runtime_runs_the_all_reduce_algorithm_the_plan_recorded() {
+    let dir = scratch("algorithms");
+    let tally = |plan: Option<&std::path::Path>| -> serde_json::Value {
+        let mut args = vec!["run", MODEL, "--tp", "2", "--prompt-ids", PROMPT];
+        args.extend(["--max-new-tokens", "3", "--json"]);
+        if let Some(p) = plan {
+            args.extend(["--plan", p.to_str().unwrap()]);
+        }
+        let out: serde_json::Value = serde_json::from_str(&ok(&tpc(&args))).unwrap();
+        out["all_reduce_algorithms_rank0"].clone()
+    };
+    // Without a profile the communicator chooses; every all-reduce is counted once.
+    let own = tally(None);
+    let total = |t: &serde_json::Value| {
+        ["one_shot", "two_shot", "ring", "unreported"]
+            .iter()
+            .map(|k| t[k].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert!(total(&own) > 0, "{own}");
+    for (winner, runs_as) in [
+        ("one_shot", "one_shot"),
+        ("ring", "ring"),
+        // The in-process group runs a two-shot choice as its ring.
+        ("two_shot", "ring"),
+    ] {
+        let hw = profile_where(&dir, winner, winner);
+        let plan = dir.join(format!("{winner}.json"));
+        let report = ok(&tpc(&[
+            "compile",
+            MODEL,
+            "--tp",
+            "2",
+            "--hw",
+            hw.to_str().unwrap(),
+            "-o",
+            plan.to_str().unwrap(),
+        ]));
+        assert!(
+            report.contains(&format!("{winner} always")),
+            "{winner}: {report}"
+        );
+        let t = tally(Some(&plan));
+        assert_eq!(t[runs_as].as_u64(), Some(total(&own)), "{winner}: {t}");
+        assert_eq!(total(&t), total(&own), "{winner}: {t}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_plan_whose_algorithm_table_is_broken_is_refused() {
+    let dir = scratch("bad-algorithms");
+    let hw = profile_where(&dir, "ring", "ring");
+    let plan = dir.join("plan.json");
+    ok(&tpc(&[
+        "compile",
+        MODEL,
+        "--tp",
+        "2",
+        "--hw",
+        hw.to_str().unwrap(),
+        "-o",
+        plan.to_str().unwrap(),
+    ]));
+    let text = std::fs::read_to_string(&plan).unwrap();
+    let max = u64::MAX.to_string();
+    assert!(text.contains(&max));
+    std::fs::write(&plan, text.replace(&max, "4096")).unwrap();
+    let e = fails(&tpc(&[
+        "run",
+        MODEL,
+        "--plan",
+        plan.to_str().unwrap(),
+        "--prompt-ids",
+        PROMPT,
+    ]));
+    assert!(
+        e.contains("algorithm choice") && e.contains("ends at 4096"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

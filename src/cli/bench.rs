@@ -74,6 +74,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "decode_tokens_per_s": out.decode_tokens_per_s(),
         "weight_bytes_rank0": out.weight_bytes,
         "collective_bytes_rank0": out.collective_bytes,
+        "all_reduce_algorithms_rank0": out.all_reduces,
         "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
         "linear_kernels": super::kernels_json(&out),
     });

@@ -1,4 +1,4 @@
-//! `tpc compile MODEL --tp N [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
+//! `tpc compile MODEL --tp N [--hw PROFILE] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
 
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
@@ -24,20 +24,33 @@ pub struct Args {
     /// Print the plan's programs as text after the table.
     #[arg(long)]
     text: bool,
+    /// Choose each all-reduce's algorithm by message size for this hardware profile
+    /// (models/hw/*.ron or `tpc calibrate`'s); the runtime follows the plan's choice.
+    #[arg(long)]
+    hw: Option<PathBuf>,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
+    let mut inputs = vec![a.model.as_path()];
+    inputs.extend(a.hw.as_deref());
     if let Some(out) = &a.output {
-        tpc::fsio::check_output("-o", out, &[&a.model])?;
+        tpc::fsio::check_output("-o", out, &inputs)?;
     }
     if let Some(dot) = &a.dot {
-        tpc::fsio::check_output("--dot", dot, &[&a.model])?;
+        tpc::fsio::check_output("--dot", dot, &inputs)?;
         if let Some(out) = &a.output {
             tpc::fsio::check_distinct_outputs(("-o", out), ("--dot", dot))?;
         }
     }
+    let hw =
+        a.hw.as_deref()
+            .map(tpc::cost::profile::HwProfile::load)
+            .transpose()?;
     let def = load_model(&a.model)?;
-    let compiled = compile(&def, a.tp)?;
+    let mut compiled = compile(&def, a.tp)?;
+    if let Some(hw) = &hw {
+        tpc::cost::algorithms::choose_algorithms(&mut compiled.plan, hw);
+    }
     let summary = summarize(&compiled.plan);
     if let Some(out) = &a.output {
         compiled.plan.save(out)?;

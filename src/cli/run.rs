@@ -230,6 +230,7 @@ fn figures(out: &BatchOutput, tp: u64, a: &Args) -> serde_json::Value {
         "decode_tokens_per_s": out.decode_tokens_per_s(),
         "weight_bytes_rank0": out.weight_bytes,
         "collective_bytes_rank0": out.collective_bytes,
+        "all_reduce_algorithms_rank0": out.all_reduces,
         "collective_dtype": "f32",
         "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
         "linear_kernels": super::kernels_json(out),

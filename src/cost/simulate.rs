@@ -3,7 +3,8 @@
 //! per rank. Compute and memory overlap (a phase takes the larger), communication does not
 //! (tensor-parallel collectives sit between dependent ops).
 
-use super::profile::{AlphaBeta, HwProfile};
+use super::algorithms::all_reduce_time;
+use super::profile::HwProfile;
 use crate::ir::{DType, Op};
 use crate::plan::Plan;
 use serde::Serialize;
@@ -112,23 +113,7 @@ fn rank_work(plan: &Plan) -> RankWork {
 
 /// Time of one all-reduce of `bytes` over `p` ranks with the cheapest algorithm.
 pub fn all_reduce_s(link: &super::profile::LinkCosts, p: u64, bytes: f64) -> f64 {
-    if p <= 1 {
-        return 0.0;
-    }
-    let p = p as f64;
-    let cost = |ab: AlphaBeta, wire: f64| ab.alpha_s + wire / ab.beta_bytes_per_s;
-    // Ring and two-shot move 2(p-1)/p of the message per rank; one-shot reads every peer's
-    // whole buffer; ring pays its latency once per step.
-    let ring = cost(
-        AlphaBeta {
-            alpha_s: link.ring.alpha_s * (p - 1.0),
-            ..link.ring
-        },
-        2.0 * (p - 1.0) / p * bytes,
-    );
-    let two_shot = cost(link.two_shot, 2.0 * (p - 1.0) / p * bytes);
-    let one_shot = cost(link.one_shot, (p - 1.0) * bytes);
-    ring.min(two_shot).min(one_shot)
+    super::algorithms::cheapest_all_reduce(link, p, bytes).1
 }
 
 /// Time of one all-gather whose result is `bytes` over `p` ranks (ring).
@@ -141,6 +126,17 @@ fn all_gather_s(link: &super::profile::LinkCosts, p: u64, bytes: f64) -> f64 {
 }
 
 fn comm_s(plan: &Plan, hw: &HwProfile, tokens: f64) -> f64 {
+    // An all-reduce runs the algorithm its plan recorded, else the cheapest.
+    let recorded: std::collections::HashMap<u32, &crate::ir::AlgorithmChoice> = plan
+        .ranks
+        .first()
+        .into_iter()
+        .flat_map(|r| &r.instrs)
+        .filter_map(|i| match &i.op {
+            Op::AllReduce(a) => a.algorithm.as_ref().map(|c| (i.id, c)),
+            _ => None,
+        })
+        .collect();
     plan.collectives
         .iter()
         .map(|c| {
@@ -148,7 +144,10 @@ fn comm_s(plan: &Plan, hw: &HwProfile, tokens: f64) -> f64 {
             match c.kind.as_str() {
                 "all_gather" => all_gather_s(&hw.link, plan.tp, bytes),
                 "reduce_scatter" => all_gather_s(&hw.link, plan.tp, bytes),
-                _ => all_reduce_s(&hw.link, plan.tp, bytes),
+                _ => match recorded.get(&c.id).and_then(|r| r.for_bytes(bytes as u64)) {
+                    Some(a) => all_reduce_time(&hw.link, a, plan.tp, bytes),
+                    None => all_reduce_s(&hw.link, plan.tp, bytes),
+                },
             }
         })
         .sum()
@@ -218,7 +217,7 @@ pub fn simulate(plan: &Plan, hw: &HwProfile, work: Workload) -> Estimate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::profile::LinkCosts;
+    use crate::cost::profile::{AlphaBeta, LinkCosts};
 
     fn flat_hw() -> HwProfile {
         let ab = AlphaBeta {
@@ -294,19 +293,6 @@ mod tests {
         // 65 all-reduces of 8 KiB and one logits gather per decode step: each at least α.
         assert!(eight.decode_step.comm_s >= 65.0 * hw.link.ring.alpha_s);
         assert!(eight.decode_step.memory_s < one.decode_step.memory_s / 7.0);
-    }
-
-    #[test]
-    fn all_reduce_picks_the_cheapest_algorithm() {
-        let mut link = flat_hw().link;
-        link.one_shot.alpha_s = 5e-6;
-        assert_eq!(all_reduce_s(&link, 1, 1e9), 0.0);
-        // Small messages: one-shot's lower latency wins over two-shot and the ring's 7 steps.
-        let small = all_reduce_s(&link, 8, 1024.0);
-        assert!((small - (5e-6 + 7.0 * 1024.0 / 1e11)).abs() < 1e-12);
-        // Large messages: 2(p-1)/p of the bytes (two-shot with one latency here).
-        let big = all_reduce_s(&link, 8, 1e9);
-        assert!((big - (1e-5 + 1.75e9 / 1e11)).abs() < 1e-9);
     }
 
     #[test]

@@ -269,6 +269,12 @@ pub fn check_op(op: &Op) -> std::result::Result<(), String> {
         }
         Op::Unfuse(u) => covered_len(&u.groups).map(|_| ()),
         Op::Param(p) => weight_elements(&p.shape, &p.groups).map(|_| ()),
+        Op::AllReduce(a) => match &a.algorithm {
+            Some(choice) => choice
+                .check()
+                .map_err(|e| format!("the all-reduce's algorithm choice: {e}")),
+            None => Ok(()),
+        },
         _ => Ok(()),
     }
 }

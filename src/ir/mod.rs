@@ -1,5 +1,6 @@
 //! The dataflow IR: ops, tensor facts, layouts, the graph and its verifier.
 
+pub mod algorithm;
 pub mod graph;
 pub mod groups;
 pub mod layout;
@@ -10,6 +11,7 @@ pub mod shape;
 pub mod tensor;
 pub mod verify;
 
+pub use algorithm::{AlgorithmChoice, CollectiveAlgorithm, SizeRange};
 pub use graph::{Edge, Graph, Node, NodeId, ORDER_STEP};
 pub use groups::{DimSlice, Groups, SliceRange, SplitProblem};
 pub use layout::Layout;

@@ -185,8 +185,13 @@ pub struct OutputOp {
 }
 
 /// Sum over ranks; every rank gets the whole result.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct AllReduceOp {}
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct AllReduceOp {
+    /// The algorithm by message size, when the plan was compiled for a hardware profile;
+    /// otherwise the communicator chooses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algorithm: Option<super::AlgorithmChoice>,
+}
 
 /// Concatenate the ranks' pieces along `dim`; `unpad_to` drops vocab padding afterwards.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -317,7 +322,12 @@ impl Op {
             },
             Op::ReduceScatter(r) => format!("dim={}", r.dim),
             Op::LocalSlice(s) => format!("dim={}", s.dim),
-            Op::BiasAdd(_) | Op::Add(_) | Op::Mul(_) | Op::AllReduce(_) => String::new(),
+            Op::BiasAdd(_) | Op::Add(_) | Op::Mul(_) => String::new(),
+            Op::AllReduce(a) => a
+                .algorithm
+                .as_ref()
+                .map(|c| c.describe())
+                .unwrap_or_default(),
         }
     }
 }

@@ -724,7 +724,7 @@ pub(crate) mod tests {
             Op::Output(OutputOp {
                 name: "logits".into(),
             }),
-            Op::AllReduce(AllReduceOp {}),
+            Op::AllReduce(AllReduceOp::default()),
             Op::AllGather(AllGatherOp {
                 dim: 2,
                 unpad_to: None,

@@ -10,7 +10,7 @@ pub fn reshard(from: Layout, to: Layout) -> Option<Vec<Op>> {
     let steps = match (from, to) {
         (Replicated, Replicated) | (Partial, Partial) => vec![],
         (Split { dim: a }, Split { dim: b }) if a == b => vec![],
-        (Partial, Replicated) => vec![Op::AllReduce(AllReduceOp {})],
+        (Partial, Replicated) => vec![Op::AllReduce(AllReduceOp::default())],
         (Partial, Split { dim }) => vec![Op::ReduceScatter(ReduceScatterOp { dim })],
         (Split { dim }, Replicated) => vec![Op::AllGather(AllGatherOp {
             dim,

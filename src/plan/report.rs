@@ -91,6 +91,21 @@ pub struct CollectiveSummary {
     pub elements_per_token: u64,
     pub bytes_per_token: u64,
     pub ring_wire_bytes_per_token: u64,
+    /// An all-reduce's algorithm by message size, when compiled for a hardware profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algorithm: Option<crate::ir::AlgorithmChoice>,
+}
+
+/// The algorithm choice rank 0's program records for the collective `id`.
+fn recorded_algorithm(plan: &Plan, id: u32) -> Option<crate::ir::AlgorithmChoice> {
+    let rank = plan.ranks.first()?;
+    rank.instrs
+        .iter()
+        .find(|i| i.id == id)
+        .and_then(|i| match &i.op {
+            crate::ir::Op::AllReduce(a) => a.algorithm.clone(),
+            _ => None,
+        })
 }
 
 pub fn summarize(plan: &Plan) -> Summary {
@@ -156,6 +171,7 @@ pub fn summarize(plan: &Plan) -> Summary {
                 elements_per_token: c.elements_per_token,
                 bytes_per_token: c.bytes_per_token,
                 ring_wire_bytes_per_token: c.ring_wire_bytes_per_token,
+                algorithm: recorded_algorithm(plan, c.id),
             })
             .collect(),
         collectives_per_layer: per_layer,
@@ -281,6 +297,20 @@ pub fn render_table(s: &Summary) -> String {
         let _ = writeln!(
             out,
             "{kind:<16} {place:>10} {count:>8} {bytes:>16} {wire:>16}"
+        );
+    }
+    let mut choices: Vec<&crate::ir::AlgorithmChoice> = s
+        .collectives
+        .iter()
+        .filter_map(|c| c.algorithm.as_ref())
+        .collect();
+    choices.dedup();
+    for c in choices {
+        let _ = writeln!(
+            out,
+            "all-reduce algorithm by message size (profile {}): {}",
+            c.profile,
+            c.describe()
         );
     }
     let per_layer: Vec<String> = s

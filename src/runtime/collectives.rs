@@ -5,6 +5,7 @@
 
 use super::backend::{Activation, HostBuffer, HostData, HostDataRef};
 use super::comm::{CommError, Communicator};
+use crate::ir::CollectiveAlgorithm;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -29,6 +30,16 @@ pub trait Collectives<A>: Send {
     fn world_size(&self) -> usize;
     /// `buf` ← the elementwise sum over ranks.
     fn all_reduce_sum(&mut self, buf: &mut A) -> Result<(), CollectiveError>;
+    /// [`Collectives::all_reduce_sum`] with the algorithm the plan recorded (`None`: the
+    /// communicator's choice); returns the algorithm that ran when the communicator knows.
+    fn all_reduce_sum_planned(
+        &mut self,
+        buf: &mut A,
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<Option<CollectiveAlgorithm>, CollectiveError> {
+        let _ = algorithm;
+        self.all_reduce_sum(buf).map(|()| None)
+    }
     /// `out` (`world_size` × `local`'s elements) ← every rank's `local`, rank-major.
     fn all_gather(&mut self, local: &A, out: &mut A) -> Result<(), CollectiveError>;
     /// `input` is rank-major pieces; `out` ← the sum over ranks of piece `rank()`.
@@ -40,6 +51,37 @@ pub trait Collectives<A>: Send {
     fn barrier(&mut self) -> Result<(), CollectiveError>;
     /// Marks this rank failed so that its peers stop waiting for it.
     fn abort(&mut self);
+}
+
+/// How many all-reduces ran with each algorithm (as the communicator reported it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AllReduceTally {
+    pub one_shot: u64,
+    pub two_shot: u64,
+    pub ring: u64,
+    /// Run by a communicator that does not say which algorithm it used.
+    pub unreported: u64,
+}
+
+impl AllReduceTally {
+    pub fn add(&mut self, ran: Option<CollectiveAlgorithm>) {
+        *match ran {
+            Some(CollectiveAlgorithm::OneShot) => &mut self.one_shot,
+            Some(CollectiveAlgorithm::TwoShot) => &mut self.two_shot,
+            Some(CollectiveAlgorithm::Ring) => &mut self.ring,
+            None => &mut self.unreported,
+        } += 1;
+    }
+
+    /// The calls made since `earlier` was taken.
+    pub fn since(&self, earlier: &AllReduceTally) -> AllReduceTally {
+        AllReduceTally {
+            one_shot: self.one_shot - earlier.one_shot,
+            two_shot: self.two_shot - earlier.two_shot,
+            ring: self.ring - earlier.ring,
+            unreported: self.unreported - earlier.unreported,
+        }
+    }
 }
 
 fn mismatch(during: &'static str) -> CollectiveError {
@@ -59,6 +101,16 @@ impl<A: Activation + HostBuffer, C: Communicator> Collectives<A> for C {
             HostData::Bf16(b) => Communicator::all_reduce_sum(self, b)?,
         }
         Ok(())
+    }
+    fn all_reduce_sum_planned(
+        &mut self,
+        buf: &mut A,
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<Option<CollectiveAlgorithm>, CollectiveError> {
+        Ok(match buf.host_data() {
+            HostData::F32(b) => Communicator::all_reduce_sum_planned(self, b, algorithm)?,
+            HostData::Bf16(b) => Communicator::all_reduce_sum_planned(self, b, algorithm)?,
+        })
     }
     fn all_gather(&mut self, local: &A, out: &mut A) -> Result<(), CollectiveError> {
         match (local.host_data_ref(), out.host_data()) {

@@ -7,7 +7,7 @@
 //! one prompt, a ragged batch of prompts, or one new token per live sequence.
 
 use super::backend::{Activation, Backend, BackendError, BinaryOp, Segment, WeightUse};
-use super::collectives::Collectives;
+use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
@@ -53,6 +53,8 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     values: Vec<Option<Value<B::Act>>>,
     /// Bytes of every collective message so far (the whole value, in its dtype).
     pub collective_bytes: u64,
+    /// The algorithms rank's all-reduces ran with.
+    pub all_reduces: AllReduceTally,
     /// Bytes the weights occupy on the device.
     pub weight_bytes: u64,
     /// Time and calls per op kind, when profiling.
@@ -187,6 +189,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             last_use,
             values: Vec::new(),
             collective_bytes: 0,
+            all_reduces: AllReduceTally::default(),
             weight_bytes,
             profile: None,
             non_finite: None,
@@ -608,10 +611,17 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                         .ok_or_else(|| bad(i, "its structure does not fit its input"))?;
                 b.unfuse(x, block, offset, len).map_err(err)?
             }
-            Op::AllReduce(_) => {
+            Op::AllReduce(a) => {
                 let mut out = owned()?;
-                self.collective_bytes += message_bytes(&out);
-                self.comm.all_reduce_sum(&mut out).map_err(RunError::from)?;
+                let bytes = message_bytes(&out);
+                self.collective_bytes += bytes;
+                // The plan's choice for this message size, when it recorded one.
+                let planned = a.algorithm.as_ref().and_then(|c| c.for_bytes(bytes));
+                let ran = self
+                    .comm
+                    .all_reduce_sum_planned(&mut out, planned)
+                    .map_err(RunError::from)?;
+                self.all_reduces.add(ran);
                 out
             }
             Op::AllGather(g) if call.argmax_only && self.logits_gather == Some(i.id) => {

@@ -4,7 +4,7 @@
 //! the gather) and so picks the same tokens with the same seed, without a broadcast.
 
 use super::backend::Backend;
-use super::collectives::Collectives;
+use super::collectives::{AllReduceTally, Collectives};
 use super::error::{Result, RunError};
 use super::executor::{OutputRows, RankExecutor};
 use super::kernels::{Isa, LinearKernels};
@@ -144,6 +144,8 @@ pub struct BatchOutput {
     pub decode_seconds: f64,
     /// Bytes of collective messages rank 0 sent in the (last timed) generation.
     pub collective_bytes: u64,
+    /// Rank 0's all-reduces in that generation, by the algorithm that ran.
+    pub all_reduces: AllReduceTally,
     /// Bytes rank 0's weights occupy in its backend.
     pub weight_bytes: u64,
     /// Rank 0's time per op kind (seconds, calls), largest first, when profiled.
@@ -373,6 +375,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         exec.reserve(s, r.prompt.len().saturating_add(limits[s]));
     }
     let bytes_before = exec.collective_bytes;
+    let all_reduces_before = exec.all_reduces;
     let mut rngs: Vec<Rng> = (0..n).map(|_| Rng::new(opts.sampling.seed)).collect();
     let rows = if opts.all_prompt_logits {
         OutputRows::All
@@ -529,6 +532,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         prefill_seconds,
         decode_seconds,
         collective_bytes: exec.collective_bytes - bytes_before,
+        all_reduces: exec.all_reduces.since(&all_reduces_before),
         weight_bytes: 0,
         profile: Vec::new(),
         linear_kernels: None,

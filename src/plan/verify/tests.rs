@@ -352,7 +352,11 @@ fn collectives_change_the_split_dim_by_tp() {
     );
     // All-reduce keeps the fact.
     assert_eq!(
-        local_fact(&plan, &Op::AllReduce(crate::ir::AllReduceOp {}), &[&x]),
+        local_fact(
+            &plan,
+            &Op::AllReduce(crate::ir::AllReduceOp::default()),
+            &[&x]
+        ),
         Ok(x.clone())
     );
 }

@@ -34,7 +34,7 @@ use super::reduce::{
     accumulate_into_own, add_round, chunk_range, copy, summation_order, widen_add,
 };
 use super::{Collective, CommError, Communicator, Element, FailureCause};
-use crate::ir::DType;
+use crate::ir::{CollectiveAlgorithm, DType};
 use std::fmt;
 use std::ops::Range;
 use std::ptr;
@@ -757,6 +757,29 @@ impl Communicator for LocalComm {
 
     fn all_reduce_sum<T: Element>(&mut self, buf: &mut [T]) -> Result<(), CommError> {
         self.all_reduce_sum_with(buf, AllReduceAlgorithm::Auto)
+    }
+
+    /// One-shot as planned; two-shot and ring both run this group's ring (reduce-scatter
+    /// then all-gather, moving `2(n − 1)/n` of the buffer, as both do), which is the
+    /// in-process group's only algorithm for large messages.
+    fn all_reduce_sum_planned<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<Option<CollectiveAlgorithm>, CommError> {
+        let asked = match algorithm {
+            None => AllReduceAlgorithm::Auto,
+            Some(CollectiveAlgorithm::OneShot) => AllReduceAlgorithm::OneShot,
+            Some(CollectiveAlgorithm::TwoShot | CollectiveAlgorithm::Ring) => {
+                AllReduceAlgorithm::Ring
+            }
+        };
+        let runs = asked.resolve::<T>(buf.len(), self.shared.one_shot_max_bytes);
+        self.all_reduce_sum_with(buf, runs)?;
+        Ok(Some(match runs {
+            AllReduceAlgorithm::OneShot => CollectiveAlgorithm::OneShot,
+            _ => CollectiveAlgorithm::Ring,
+        }))
     }
 
     fn all_gather<T: Element>(&mut self, local: &[T], out: &mut [T]) -> Result<(), CommError> {

@@ -43,7 +43,7 @@ pub use local::{
     ONE_SHOT_MAX_BYTES_OVERSUBSCRIBED,
 };
 
-use crate::ir::DType;
+use crate::ir::{CollectiveAlgorithm, DType};
 use half::bf16;
 use std::fmt;
 
@@ -340,6 +340,18 @@ pub trait Communicator: Send {
 
     /// `buf` ← elementwise sum of every rank's `buf` (all ranks pass the same length).
     fn all_reduce_sum<T: Element>(&mut self, buf: &mut [T]) -> Result<(), CommError>;
+
+    /// [`Communicator::all_reduce_sum`] with the algorithm a plan recorded (`None`: the
+    /// communicator's own choice). Returns the algorithm that ran, when the communicator
+    /// knows it; one without a choice of algorithms runs its own and returns `None`.
+    fn all_reduce_sum_planned<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<Option<CollectiveAlgorithm>, CommError> {
+        let _ = algorithm;
+        self.all_reduce_sum(buf).map(|()| None)
+    }
 
     /// `out` ← every rank's `local`, concatenated in rank order; `local` has the same length
     /// on every rank and `out.len() == world_size() * local.len()`.
