@@ -3,7 +3,7 @@
 use crate::error::{Result, TpcError};
 use crate::frontend::{to_graph, ModelDef};
 use crate::passes::feasibility::MAX_TP;
-use crate::passes::{shard, Sharded};
+use crate::passes::{shard_with, ShardOptions, Sharded};
 use crate::plan::partition::partition;
 use crate::plan::Plan;
 
@@ -16,6 +16,11 @@ pub struct Compiled {
 
 /// Compiles a model definition for `tp` ranks.
 pub fn compile(def: &ModelDef, tp: u64) -> Result<Compiled> {
+    compile_with(def, tp, ShardOptions::default())
+}
+
+/// [`compile`] with sharding options (sequence parallelism).
+pub fn compile_with(def: &ModelDef, tp: u64, options: ShardOptions) -> Result<Compiled> {
     // Decided before the graph is built: a hostile tp must not cost memory or time.
     if tp == 0 {
         return Err(TpcError::ZeroTp { tp });
@@ -24,7 +29,7 @@ pub fn compile(def: &ModelDef, tp: u64) -> Result<Compiled> {
         return Err(TpcError::TpTooLarge { tp, max: MAX_TP });
     }
     let graph = to_graph(def)?;
-    let sharded = shard(graph, tp, def.tp_plan())?;
+    let sharded = shard_with(graph, tp, def.tp_plan(), options)?;
     let mut plan = partition(&sharded)?;
     plan.max_positions = def.max_positions();
     plan.attention_window = def.sliding_window();

@@ -1,8 +1,8 @@
-//! `tpc compile MODEL --tp N [--hw PROFILE] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
+//! `tpc compile MODEL --tp N [--hw PROFILE] [--sequence-parallel] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
 
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
-use tpc::pipeline::compile;
+use tpc::pipeline::compile_with;
 use tpc::plan::report::{render_table, summarize};
 
 #[derive(Debug, clap::Args)]
@@ -28,6 +28,10 @@ pub struct Args {
     /// (models/hw/*.ron or `tpc calibrate`'s); the runtime follows the plan's choice.
     #[arg(long)]
     hw: Option<PathBuf>,
+    /// Sequence parallelism: hold the residual stream split by tokens between blocks
+    /// (reduce-scatter + all-gather over the sequence instead of all-reduces).
+    #[arg(long)]
+    sequence_parallel: bool,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -47,7 +51,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .map(tpc::cost::profile::HwProfile::load)
             .transpose()?;
     let def = load_model(&a.model)?;
-    let mut compiled = compile(&def, a.tp)?;
+    let mut compiled = compile_with(
+        &def,
+        a.tp,
+        tpc::passes::ShardOptions {
+            sequence_parallel: a.sequence_parallel,
+        },
+    )?;
     if let Some(hw) = &hw {
         tpc::cost::algorithms::choose_algorithms(&mut compiled.plan, hw);
     }

@@ -170,6 +170,15 @@ pub fn plan_for_tp(
     Ok(plan)
 }
 
+/// Sharding options belong to compiling; a saved plan has made those choices already.
+pub fn refuse_options_with_plan(options: tpc::passes::ShardOptions) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !options.sequence_parallel,
+        "--sequence-parallel applies when tpc compiles the model; a saved plan (--plan) was compiled with or without it already: drop one of the two"
+    );
+    Ok(())
+}
+
 /// Writes `text` to stdout; a full disk is an error, not a panic, and a reader that went
 /// away (`tpc compile … | head`) is [`ClosedPipe`], which ends the process quietly.
 pub fn print_stdout(text: &str) -> anyhow::Result<()> {

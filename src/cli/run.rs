@@ -6,7 +6,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::sync::Arc;
 use tpc::frontend::load::load_model;
-use tpc::pipeline::compile;
 use tpc::plan::Plan;
 use tpc::runtime::generate::{BatchOutput, Request, RunOptions, Stage};
 use tpc::runtime::launch::run_batch;
@@ -20,6 +19,10 @@ pub struct Args {
     /// Number of tensor-parallel ranks (threads); default 1, or the plan's with --plan.
     #[arg(long)]
     tp: Option<u64>,
+    /// Sequence parallelism: hold the residual stream split by tokens between blocks
+    /// (reduce-scatter + all-gather over the sequence instead of all-reduces).
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Run this saved plan (`tpc compile MODEL -o plan.ron`) instead of compiling the model.
     #[arg(long)]
     plan: Option<PathBuf>,
@@ -161,10 +164,16 @@ fn plan_for(
     model: &std::path::Path,
     saved: Option<&PathBuf>,
     tp: Option<u64>,
+    options: tpc::passes::ShardOptions,
 ) -> anyhow::Result<Plan> {
     match saved {
-        Some(path) => super::plan_for_tp(Plan::load(path)?, path, tp),
-        None => Ok(compile(&load_model(model)?, tp.unwrap_or(1))?.plan),
+        Some(path) => {
+            super::refuse_options_with_plan(options)?;
+            super::plan_for_tp(Plan::load(path)?, path, tp)
+        }
+        None => {
+            Ok(tpc::pipeline::compile_with(&load_model(model)?, tp.unwrap_or(1), options)?.plan)
+        }
     }
 }
 
@@ -275,7 +284,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             max_new_tokens: None,
         }],
     };
-    let plan = plan_for(&a.model, a.plan.as_ref(), a.tp)?;
+    let plan = plan_for(
+        &a.model,
+        a.plan.as_ref(),
+        a.tp,
+        tpc::passes::ShardOptions {
+            sequence_parallel: a.sequence_parallel,
+        },
+    )?;
     let tp = plan.tp;
     let ckpt = Checkpoint::open(&a.model)?;
     let total_new: usize = requests

@@ -20,6 +20,9 @@ pub struct Args {
     /// Seed for random weights and the prompt.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Sequence parallelism in the compiled tp=N plan (tp=1 stays the reference).
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Prompt length in tokens, 1 to 2^20.
     #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     prompt_len: usize,
@@ -42,9 +45,15 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         None => Checkpoint::find(&a.model)?,
         Some(_) => None,
     };
+    let options = tpc::passes::ShardOptions {
+        sequence_parallel: a.sequence_parallel,
+    };
     let many = match &a.plan {
-        Some(path) => super::plan_for_tp(tpc::plan::Plan::load(path)?, path, a.tp)?,
-        None => tpc::pipeline::compile(&def, a.tp.unwrap_or(1))?.plan,
+        Some(path) => {
+            super::refuse_options_with_plan(options)?;
+            super::plan_for_tp(tpc::plan::Plan::load(path)?, path, a.tp)?
+        }
+        None => tpc::pipeline::compile_with(&def, a.tp.unwrap_or(1), options)?.plan,
     };
     let tp = many.tp;
     let report = verify_plan(

@@ -8,6 +8,7 @@ pub mod propagate;
 pub mod regions;
 pub mod reshard;
 pub mod rules;
+pub mod sequence_parallel;
 
 use crate::error::{Result, TpcError};
 use crate::frontend::TpWord;
@@ -30,6 +31,8 @@ pub struct ShardCtx {
     pub regions: Vec<Region>,
     /// Things a user should know about this plan (kv replication, vocab padding).
     pub notes: Vec<String>,
+    /// Hold the residual stream split by tokens between blocks (`--sequence-parallel`).
+    pub sequence_parallel: bool,
 }
 
 impl ShardCtx {
@@ -50,6 +53,7 @@ pub const PIPELINE: &[(&str, Pass)] = &[
     ("insert_collectives", insert_collectives::insert_collectives),
     ("check_partials", partial_check::check_partials),
     ("find_regions", regions::find_regions),
+    ("split_sequence", sequence_parallel::split_sequence),
 ];
 
 /// Runs passes in order, verifying after each; a pass that leaves a broken graph is named.
@@ -79,8 +83,24 @@ pub struct Sharded {
     pub ctx: ShardCtx,
 }
 
+/// Choices a user makes about the sharding beyond tp.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShardOptions {
+    pub sequence_parallel: bool,
+}
+
 /// Shards `graph` for `tp` ranks with the model's overrides.
-pub fn shard(mut graph: Graph, tp: u64, tp_plan: &BTreeMap<String, TpWord>) -> Result<Sharded> {
+pub fn shard(graph: Graph, tp: u64, tp_plan: &BTreeMap<String, TpWord>) -> Result<Sharded> {
+    shard_with(graph, tp, tp_plan, ShardOptions::default())
+}
+
+/// [`shard`] with options.
+pub fn shard_with(
+    mut graph: Graph,
+    tp: u64,
+    tp_plan: &BTreeMap<String, TpWord>,
+    options: ShardOptions,
+) -> Result<Sharded> {
     if tp == 0 {
         return Err(TpcError::ZeroTp { tp });
     }
@@ -88,6 +108,7 @@ pub fn shard(mut graph: Graph, tp: u64, tp_plan: &BTreeMap<String, TpWord>) -> R
     let mut ctx = ShardCtx {
         tp,
         overrides,
+        sequence_parallel: options.sequence_parallel,
         ..Default::default()
     };
     run_passes(&mut graph, &mut ctx, PIPELINE)?;

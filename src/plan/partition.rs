@@ -5,7 +5,9 @@ use super::*;
 use crate::error::{Result, TpcError};
 use crate::ir::op_dims::dims;
 use crate::ir::shape::infer;
-use crate::ir::{Dim, DimSlice, Graph, LocalSliceOp, NodeId, Op, ParamOp, ReduceScatterOp, Shape};
+use crate::ir::{
+    AllGatherOp, Dim, DimSlice, Graph, LocalSliceOp, NodeId, Op, ParamOp, ReduceScatterOp, Shape,
+};
 use crate::passes::Sharded;
 use smallvec::SmallVec;
 use std::collections::HashMap;
@@ -70,6 +72,9 @@ fn resize(shape: &Shape, dim: u32, f: impl Fn(u64) -> Option<u64>) -> Option<Sha
     let mut s = shape.clone();
     match s.0.get_mut(dim as usize) {
         Some(Dim::Fixed(n)) => *n = f(*n)?,
+        // The sequence (sequence parallelism) stays symbolic: a rank's block of a call's
+        // tokens is decided at run time.
+        Some(Dim::Seq) => {}
         _ => return None,
     }
     Some(s)
@@ -288,6 +293,11 @@ fn drop_dead(instrs: &mut Vec<Instr>, weights: &mut Vec<WeightSlice>) {
     instrs.retain(|i| live[i.id as usize]);
 }
 
+/// Whether a collective on `dim` of `instr`'s value moves tokens (sequence parallelism).
+fn moves_sequence(instr: &Instr, dim: u32) -> bool {
+    instr.fact.shape.0.get(dim as usize) == Some(&Dim::Seq)
+}
+
 fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) -> Vec<Collective> {
     let local: HashMap<u32, &Instr> = rank0.instrs.iter().map(|i| (i.id, i)).collect();
     let mut out = Vec::new();
@@ -308,6 +318,10 @@ fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) ->
         let (elements, wire_factor) = match node.op {
             // The whole reduced value moves; ring: reduce-scatter + all-gather.
             Op::AllReduce(_) => (input_elems, 2.0 * (tp - 1) as f64 / tp as f64),
+            // Over the sequence each token's row moves whole.
+            Op::AllGather(AllGatherOp { dim, .. }) if moves_sequence(instr, dim) => {
+                (input_elems, (tp - 1) as f64 / tp as f64)
+            }
             // The gathered value, padding included.
             Op::AllGather(_) => (input_elems * tp, (tp - 1) as f64 / tp as f64),
             _ => (input_elems, (tp - 1) as f64 / tp as f64),

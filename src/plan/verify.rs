@@ -8,7 +8,9 @@
 use super::error::{Issued, Place, PlanError, PlanProblem, Problem, WeightKey, MAX_LISTED};
 use super::{Instr, Plan, RankProgram, WeightSlice, PLAN_VERSION};
 use crate::ir::shape::infer;
-use crate::ir::{Dim, LocalSliceOp, Op, ReduceScatterOp, Shape, SliceRange, TensorFact};
+use crate::ir::{
+    AllGatherOp, Dim, LocalSliceOp, Op, ReduceScatterOp, Shape, SliceRange, TensorFact,
+};
 use smallvec::SmallVec;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
@@ -544,6 +546,18 @@ fn check_param_weight(
 fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact, Problem> {
     let tp = plan.tp;
     match op {
+        // Sequence parallelism: the sequence dim stays symbolic (a rank's block of a
+        // call's tokens is decided at run time).
+        Op::AllGather(AllGatherOp {
+            dim,
+            unpad_to: None,
+        })
+        | Op::ReduceScatter(ReduceScatterOp { dim })
+        | Op::LocalSlice(LocalSliceOp { dim })
+            if moves_sequence(inputs[0], *dim) =>
+        {
+            Ok(inputs[0].clone())
+        }
         Op::AllGather(g) => {
             let x = inputs[0];
             let n = moved_dim(op.kind(), g.dim, x)?;
@@ -581,6 +595,11 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             infer(op, inputs, plan.dtype).map_err(|message| Problem::Inference { message })
         }
     }
+}
+
+/// Whether a collective on `dim` of `x` moves tokens (sequence parallelism).
+fn moves_sequence(x: &TensorFact, dim: u32) -> bool {
+    x.shape.0.get(dim as usize) == Some(&Dim::Seq)
 }
 
 /// The size of the dim a collective moves: fixed, and the last one (the runtime treats
@@ -764,7 +783,9 @@ fn listed_sizes(
     c: &super::Collective,
     i: &Issue,
 ) -> [(&'static str, u64, Option<u64>); 3] {
-    let all_gather = matches!(i.instr.op, Op::AllGather(_));
+    // Over the sequence, each token's row moves whole.
+    let all_gather =
+        matches!(&i.instr.op, Op::AllGather(g) if !moves_sequence(&i.instr.fact, g.dim));
     let elements = if all_gather {
         i.issued.elements.and_then(|e| e.checked_mul(tp))
     } else {

@@ -177,6 +177,9 @@ pub trait Backend: Send + Sync {
     fn first_non_finite_row(&self, x: &Self::Act) -> BackendResult<Option<usize>>;
     /// The given rows, in order.
     fn select_rows(&self, x: &Self::Act, rows: &[usize]) -> BackendResult<Self::Act>;
+    /// Rows `from..from + count` of `x`, rows past its end being zeros (a rank's block of
+    /// tokens padded to a multiple of tp, for sequence parallelism).
+    fn row_window(&self, x: &Self::Act, from: usize, count: usize) -> BackendResult<Self::Act>;
 
     /// A buffer of this shape and dtype (contents unspecified).
     fn alloc(&self, shape: &[usize], dtype: DType) -> BackendResult<Self::Act>;

@@ -709,6 +709,20 @@ impl Backend for CpuBackend {
         Ok(Tensor::new(vec![rows.len(), cols], out))
     }
 
+    fn row_window(&self, x: &Tensor, from: usize, count: usize) -> BackendResult<Tensor> {
+        let (all, cols) = x.rows_cols();
+        let len = count
+            .checked_mul(cols)
+            .ok_or_else(|| BackendError::OutOfMemory(format!("{count} rows of {cols}")))?;
+        let mut out = pool::empty(len);
+        let real = all.saturating_sub(from).min(count);
+        if real > 0 {
+            out.extend_from_slice(&x.data[from * cols..(from + real) * cols]);
+        }
+        out.resize(len, 0.0);
+        Ok(Tensor::new(vec![count, cols], out))
+    }
+
     fn alloc(&self, shape: &[usize], dtype: DType) -> BackendResult<Tensor> {
         if dtype != DType::F32 {
             return Err(BackendError::Unsupported(format!(

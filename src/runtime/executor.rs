@@ -11,7 +11,7 @@ use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
-use crate::ir::{op_dims, Groups, InputKind, Op, RopeOp};
+use crate::ir::{op_dims, Dim, Groups, InputKind, Op, RopeOp};
 use crate::plan::{Instr, RankProgram};
 use std::collections::HashMap;
 
@@ -642,6 +642,21 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 b.release(gathered);
                 out?
             }
+            Op::AllGather(g) if moves_sequence(i, g.dim) => {
+                // Every rank's block of tokens, in rank order, padding dropped.
+                let x = x(0)?;
+                let (block, n) = x.rows_cols();
+                let mut gathered = b.alloc(&[block * self.tp, n], x.dtype()).map_err(&err)?;
+                self.collective_bytes += message_bytes(&gathered);
+                let sent = self
+                    .comm
+                    .all_gather(x, &mut gathered)
+                    .map_err(RunError::from);
+                let tokens = call.ids.len();
+                let out = sent.and_then(|()| b.row_window(&gathered, 0, tokens).map_err(&err));
+                b.release(gathered);
+                out?
+            }
             Op::AllGather(g) => {
                 let x = x(0)?;
                 let (rows, n) = x.rows_cols();
@@ -658,6 +673,23 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 b.release(gathered);
                 out?
             }
+            Op::ReduceScatter(r) if moves_sequence(i, r.dim) => {
+                // The call's tokens padded to tp equal blocks; this rank keeps the sum of
+                // its block.
+                let x = x(0)?;
+                let (rows, n) = x.rows_cols();
+                let block = rows.div_ceil(self.tp);
+                let padded = b.row_window(x, 0, block * self.tp).map_err(&err)?;
+                let mut out = b.alloc(&[block, n], x.dtype()).map_err(&err)?;
+                self.collective_bytes += message_bytes(&padded);
+                let sent = self
+                    .comm
+                    .reduce_scatter_sum(&padded, &mut out)
+                    .map_err(RunError::from);
+                b.release(padded);
+                sent?;
+                out
+            }
             Op::ReduceScatter(_) => {
                 let x = x(0)?;
                 let (rows, n) = x.rows_cols();
@@ -672,12 +704,23 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 sent?;
                 out
             }
+            Op::LocalSlice(l) if moves_sequence(i, l.dim) => {
+                let x = x(0)?;
+                let block = x.rows_cols().0.div_ceil(self.tp);
+                b.row_window(x, self.rank * block, block).map_err(err)?
+            }
             Op::LocalSlice(_) => b.column_block(x(0)?, self.rank, self.tp).map_err(err)?,
             Op::Param(_) | Op::Input(_) | Op::Output(_) => {
                 return Err(bad(i, "is not a compute op"))
             }
         })
     }
+}
+
+/// Whether a collective or slice on `dim` moves tokens (sequence parallelism): rows of the
+/// call, not columns.
+fn moves_sequence(i: &Instr, dim: u32) -> bool {
+    i.fact.shape.0.get(dim as usize) == Some(&Dim::Seq)
 }
 
 fn message_bytes<A: Activation>(a: &A) -> u64 {

@@ -1,0 +1,139 @@
+//! Sequence parallelism (`--sequence-parallel`): the residual stream held split by tokens.
+//! Against HF transformers on every reference checkpoint at tp 2 and 4, and batched with
+//! uneven prompts against the plan without it.
+
+mod common;
+use common::fixtures;
+
+use safetensors::SafeTensors;
+use std::path::Path;
+use tpc::frontend::load::load_model;
+use tpc::passes::ShardOptions;
+use tpc::pipeline::{compile, compile_with};
+use tpc::plan::Plan;
+use tpc::runtime::generate::{Request, RunOptions};
+use tpc::runtime::launch::{run, run_batch};
+use tpc::runtime::weights::Checkpoint;
+
+/// The f32 parity tolerance of `tests/parity.rs`: ‖a − b‖ / ‖b‖ over all prompt logits.
+const REL_TOL: f64 = 1e-4;
+
+const SP: ShardOptions = ShardOptions {
+    sequence_parallel: true,
+};
+
+fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let (mut d, mut n) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        d += (x as f64 - y as f64).powi(2);
+        n += (y as f64).powi(2);
+    }
+    (d / n.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+fn count(plan: &Plan, kind: &str) -> usize {
+    plan.collectives.iter().filter(|c| c.kind == kind).count()
+}
+
+/// Prompt ids, HF logits and HF greedy tokens saved beside a fixture.
+fn reference(dir: &Path) -> (Vec<i64>, Vec<f32>, Vec<i64>) {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let data = |name: &str| st.tensor(name).unwrap().data().to_vec();
+    let i64s = |b: Vec<u8>| -> Vec<i64> {
+        b.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let logits = data("logits")
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (i64s(data("prompt_ids")), logits, i64s(data("greedy_ids")))
+}
+
+#[test]
+fn sequence_parallel_plans_match_hf_at_tp_2_and_4() {
+    let mut ran = 0;
+    let mut report = Vec::new();
+    for dir in fixtures() {
+        let (prompt, logits, greedy) = reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for tp in [2u64, 4] {
+            let Ok(plain) = compile(&def, tp) else {
+                continue;
+            };
+            let plan = compile_with(&def, tp, SP).unwrap().plan;
+            // Every all-reduce became a reduce-scatter over the sequence, and each token-split
+            // value is gathered where a whole one is needed (at least once per reduce-scatter:
+            // the next block's input).
+            let ctx = format!("{} tp={tp}", dir.display());
+            assert_eq!(count(&plan, "all_reduce"), 0, "{ctx}");
+            assert_eq!(
+                count(&plan, "reduce_scatter"),
+                count(&plain.plan, "all_reduce"),
+                "{ctx}"
+            );
+            assert!(
+                count(&plan, "all_gather") > count(&plain.plan, "all_gather"),
+                "{ctx}"
+            );
+            let opts = RunOptions {
+                max_new_tokens: greedy.len(),
+                isa: Some(tpc::runtime::kernels::Kernels::exact().isa()),
+                ..Default::default()
+            };
+            let out = run(&plan, &ckpt, &prompt, &opts).unwrap();
+            let err = rel_error(&out.prompt_logits.data, &logits);
+            report.push(format!("{ctx}: rel err {err:.2e}"));
+            assert!(
+                err <= REL_TOL,
+                "{ctx}: relative error {err:.3e} > {REL_TOL}"
+            );
+            assert_eq!(out.generated, greedy, "{ctx}: greedy tokens");
+            ran += 1;
+        }
+    }
+    eprintln!("{}", report.join("\n"));
+    assert!(ran >= 7 * 2 - 2, "only {ran} (fixture, tp) pairs ran");
+}
+
+#[test]
+fn uneven_batches_split_by_tokens_equal_the_plain_plan() {
+    // 7 + 2 + 11 prompt tokens (20 rows: 5 per rank at tp 4), then decode steps of 3, 2
+    // and 1 rows, padded to 4.
+    let dir = Path::new("tests/fixtures/checkpoints/llama-gqa");
+    let def = load_model(dir).unwrap();
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let ids = |n: i64, salt: i64| (0..n).map(|i| (i * 37 + salt * 11 + 3) % 250).collect();
+    let requests = vec![
+        Request {
+            prompt: ids(7, 0),
+            max_new_tokens: Some(6),
+        },
+        Request {
+            prompt: ids(2, 1),
+            max_new_tokens: Some(9),
+        },
+        Request {
+            prompt: ids(11, 2),
+            max_new_tokens: Some(1),
+        },
+    ];
+    let opts = RunOptions {
+        all_prompt_logits: true,
+        ..RunOptions::default()
+    };
+    let plain = compile(&def, 4).unwrap().plan;
+    let split = compile_with(&def, 4, SP).unwrap().plan;
+    let want = run_batch(&plain, &ckpt, &requests, &opts).unwrap();
+    let got = run_batch(&split, &ckpt, &requests, &opts).unwrap();
+    for (s, (g, w)) in got.sequences.iter().zip(&want.sequences).enumerate() {
+        assert_eq!(g.generated, w.generated, "sequence {s}");
+        assert_eq!(g.prompt_logits.shape, w.prompt_logits.shape, "sequence {s}");
+        let e = rel_error(&g.prompt_logits.data, &w.prompt_logits.data);
+        assert!(e <= 1e-5, "sequence {s}: prompt logits differ by {e:.3e}");
+    }
+}
