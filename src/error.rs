@@ -91,6 +91,13 @@ pub enum TpcError {
 
     #[error("cannot serialize the plan: {0}")]
     Serialize(String),
+
+    #[error("no weight of {model} matches `{pattern}`; a pattern is a substring of the checkpoint name, or a glob where `*` matches any characters. Weights are named like {}.", examples.iter().map(|e| format!("`{e}`")).collect::<Vec<_>>().join(", "))]
+    NoWeightMatches {
+        model: String,
+        pattern: String,
+        examples: Vec<String>,
+    },
 }
 
 fn fmt_list(v: &[u64]) -> String {

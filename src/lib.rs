@@ -5,6 +5,7 @@
 
 pub mod cost;
 pub mod error;
+pub mod explain;
 pub mod frontend;
 pub mod fsio;
 pub mod ir;

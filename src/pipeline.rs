@@ -1,11 +1,13 @@
 //! The whole compiler: model definition → sharded graph → plan.
 
 use crate::error::{Result, TpcError};
+use crate::frontend::TpWord;
 use crate::frontend::{to_graph, ModelDef};
 use crate::passes::feasibility::MAX_TP;
 use crate::passes::{shard_with, ShardOptions, Sharded};
 use crate::plan::partition::partition;
 use crate::plan::Plan;
+use std::collections::BTreeMap;
 
 /// A compiled model: the sharded graph (for pictures) and the plan.
 #[derive(Debug)]
@@ -16,11 +18,29 @@ pub struct Compiled {
 
 /// Compiles a model definition for `tp` ranks.
 pub fn compile(def: &ModelDef, tp: u64) -> Result<Compiled> {
-    compile_with(def, tp, ShardOptions::default())
+    compile_full(def, tp, &BTreeMap::new(), ShardOptions::default())
 }
 
 /// [`compile`] with sharding options (sequence parallelism).
 pub fn compile_with(def: &ModelDef, tp: u64, options: ShardOptions) -> Result<Compiled> {
+    compile_full(def, tp, &BTreeMap::new(), options)
+}
+
+/// [`compile`] with extra `tp_plan` overrides that win over the model's own.
+pub fn compile_forcing(
+    def: &ModelDef,
+    tp: u64,
+    forced: &BTreeMap<String, TpWord>,
+) -> Result<Compiled> {
+    compile_full(def, tp, forced, ShardOptions::default())
+}
+
+fn compile_full(
+    def: &ModelDef,
+    tp: u64,
+    forced: &BTreeMap<String, TpWord>,
+    options: ShardOptions,
+) -> Result<Compiled> {
     // Decided before the graph is built: a hostile tp must not cost memory or time.
     if tp == 0 {
         return Err(TpcError::ZeroTp { tp });
@@ -29,7 +49,7 @@ pub fn compile_with(def: &ModelDef, tp: u64, options: ShardOptions) -> Result<Co
         return Err(TpcError::TpTooLarge { tp, max: MAX_TP });
     }
     let graph = to_graph(def)?;
-    let sharded = shard_with(graph, tp, def.tp_plan(), options)?;
+    let sharded = shard_with(graph, tp, def.tp_plan(), forced, options)?;
     let mut plan = partition(&sharded)?;
     plan.max_positions = def.max_positions();
     plan.attention_window = def.sliding_window();

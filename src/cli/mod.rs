@@ -6,6 +6,7 @@ mod bench_gemm;
 mod bench_load;
 mod compile;
 mod dot;
+mod explain;
 mod import;
 mod lower;
 mod ranks;
@@ -31,6 +32,8 @@ enum Command {
     Compile(compile::Args),
     /// Draw a model's or a plan's sharding as Graphviz DOT.
     Dot(dot::Args),
+    /// Say why each weight is split as it is, what it costs, and what the other split would.
+    Explain(explain::Args),
     /// Convert a Hugging Face config.json into a RON preset.
     Import(import::Args),
     /// Write a preset out as the equivalent explicit graph.
@@ -57,6 +60,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Compile(a) => compile::execute(a),
         Command::Dot(a) => dot::execute(a),
+        Command::Explain(a) => explain::execute(a),
         Command::Import(a) => import::execute(a),
         Command::Lower(a) => lower::execute(a),
         Command::Run(a) => run::execute(a),

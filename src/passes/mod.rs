@@ -1,5 +1,6 @@
 //! Sharding passes, run in order by one pass manager that verifies the graph after each.
 
+pub mod decision;
 pub mod feasibility;
 pub mod insert_collectives;
 pub mod overrides;
@@ -14,6 +15,7 @@ use crate::error::{Result, TpcError};
 use crate::frontend::TpWord;
 use crate::ir::verify::verify;
 use crate::ir::{Graph, Layout, NodeId};
+pub use decision::{Decision, Reason};
 pub use regions::Region;
 use rustc_hash::FxHashMap as HashMap;
 use std::collections::BTreeMap;
@@ -29,6 +31,8 @@ pub struct ShardCtx {
     pub required: HashMap<(NodeId, u32), Layout>,
     /// Column→row regions.
     pub regions: Vec<Region>,
+    /// Why each weight has its layout; filled by propagation, read by `tpc explain`.
+    pub decisions: HashMap<NodeId, Decision>,
     /// Things a user should know about this plan (kv replication, vocab padding).
     pub notes: Vec<String>,
     /// Hold the residual stream split by tokens between blocks (`--sequence-parallel`).
@@ -91,20 +95,29 @@ pub struct ShardOptions {
 
 /// Shards `graph` for `tp` ranks with the model's overrides.
 pub fn shard(graph: Graph, tp: u64, tp_plan: &BTreeMap<String, TpWord>) -> Result<Sharded> {
-    shard_with(graph, tp, tp_plan, ShardOptions::default())
+    shard_with(
+        graph,
+        tp,
+        tp_plan,
+        &BTreeMap::new(),
+        ShardOptions::default(),
+    )
 }
 
-/// [`shard`] with options.
+/// [`shard`] with options, and with `forced` overrides that win over the model's where both
+/// name a weight (`tpc explain` asks what another split of one weight would cost).
 pub fn shard_with(
     mut graph: Graph,
     tp: u64,
     tp_plan: &BTreeMap<String, TpWord>,
+    forced: &BTreeMap<String, TpWord>,
     options: ShardOptions,
 ) -> Result<Sharded> {
     if tp == 0 {
         return Err(TpcError::ZeroTp { tp });
     }
-    let overrides = overrides::resolve_overrides(&graph, tp_plan)?;
+    let mut overrides = overrides::resolve_overrides(&graph, tp_plan)?;
+    overrides.extend(overrides::resolve_overrides(&graph, forced)?);
     let mut ctx = ShardCtx {
         tp,
         overrides,

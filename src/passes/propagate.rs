@@ -2,7 +2,8 @@
 //! what it needs, places undecided weights as the rule prefers (or as an override says),
 //! and records every input whose layout must change.
 
-use super::rules::rule;
+use super::decision::{split_chain, Decision, Reason};
+use super::rules::rule_with_reason;
 use super::ShardCtx;
 use crate::error::Result;
 use crate::ir::{Graph, Layout, NodeId, Op};
@@ -13,14 +14,23 @@ use rustc_hash::FxHashSet as HashSet;
 pub fn assign_layouts(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     let order = graph.topo_order().map_err(|_| ctx.cycle_error())?;
     ctx.required.clear();
+    ctx.decisions.clear();
     for n in graph.g.node_weights_mut() {
         n.layout = None;
     }
     if ctx.tp == 1 {
         for &id in &order {
             graph.node_mut(id).layout = Some(Layout::Replicated);
-            for (slot, _) in graph.inputs(id).iter().enumerate() {
+            for (slot, &input) in graph.inputs(id).iter().enumerate() {
                 ctx.required.insert((id, slot as u32), Layout::Replicated);
+                if matches!(graph.node(input).op, Op::Param(_)) {
+                    ctx.decisions.entry(input).or_insert(Decision {
+                        reason: Reason::SingleRank,
+                        consumer: id,
+                        chain: vec![],
+                        openers: vec![],
+                    });
+                }
             }
         }
         return Ok(());
@@ -45,8 +55,16 @@ pub fn assign_layouts(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
             .map(|&i| graph.node(i).fact.shape.rank())
             .collect();
         let word = inputs.iter().find_map(|i| ctx.overrides.get(i).copied());
-        let choice = rule(&graph.node(id).op, &given, &ranks, word);
+        let (choice, placed) = rule_with_reason(&graph.node(id).op, &given, &ranks, word);
         for (slot, (&input, &need)) in inputs.iter().zip(&choice.inputs).enumerate() {
+            if graph.node(input).layout.is_none() {
+                let reason = match placed {
+                    Some((w, why)) if w == slot => why,
+                    _ => Reason::Follows,
+                };
+                let decision = decide(graph, id, &inputs, reason);
+                ctx.decisions.insert(input, decision);
+            }
             let producer = graph.node_mut(input);
             if producer.layout.is_none() {
                 // An undecided weight takes the layout its first consumer needs.
@@ -63,4 +81,23 @@ pub fn assign_layouts(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         n.layout.get_or_insert(Layout::Replicated);
     }
     Ok(())
+}
+
+/// The decision record for a weight that `consumer` places: the chain behind the
+/// consumer's activation (its first input that is not a weight).
+fn decide(graph: &Graph, consumer: NodeId, inputs: &[NodeId], reason: Reason) -> Decision {
+    let activation = inputs
+        .iter()
+        .copied()
+        .find(|&i| !matches!(graph.node(i).op, Op::Param(_)));
+    let (chain, openers) = match activation {
+        Some(x) => split_chain(graph, x),
+        None => (vec![], vec![]),
+    };
+    Decision {
+        reason,
+        consumer,
+        chain,
+        openers,
+    }
 }

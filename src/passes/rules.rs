@@ -6,6 +6,7 @@
 //! what the output then is, which inputs may stay partial. This file only holds policy:
 //! where an undecided weight goes, and which admitted layout wins when inputs disagree.
 
+use super::decision::Reason;
 use crate::frontend::TpWord;
 use crate::ir::op_dims::{dims, Linearity, OpDims, Role};
 use crate::ir::{Layout, Op};
@@ -30,28 +31,47 @@ fn split(dim: u32) -> Layout {
 /// has placed; `ranks[i]` is input i's tensor rank; `word` is a tp_plan override for the
 /// op's weight.
 pub fn rule(op: &Op, given: &[Option<Layout>], ranks: &[usize], word: Option<TpWord>) -> Choice {
+    rule_with_reason(op, given, ranks, word).0
+}
+
+/// [`rule`], and when it placed an undecided weight, that weight's slot and why.
+pub fn rule_with_reason(
+    op: &Op,
+    given: &[Option<Layout>],
+    ranks: &[usize],
+    word: Option<TpWord>,
+) -> (Choice, Option<(usize, Reason)>) {
     let d = dims(op);
     if let Some((from, to)) = d.moves {
-        return Choice {
+        let c = Choice {
             inputs: vec![from],
             output: to,
         };
+        return (c, None);
     }
     if d.inputs.is_empty() {
-        return Choice {
+        let c = Choice {
             inputs: vec![],
             output: given.first().copied().flatten().unwrap_or(R),
         };
+        return (c, None);
     }
     let mut g: Vec<Layout> = (0..d.inputs.len())
         .map(|i| given.get(i).copied().flatten().unwrap_or(R))
         .collect();
     // A contraction's weight decides the split (placed first if no op has yet); elsewhere
     // the activations' splits decide and weights follow.
+    let mut placed_why = None;
     let drivers: Vec<usize> = match summed_weight(&d) {
         Some(w) => {
-            let placed = given.get(w).copied().flatten();
-            g[w] = placed.unwrap_or_else(|| place_weight(&d, w, g[0], ranks, word));
+            g[w] = match given.get(w).copied().flatten() {
+                Some(placed) => placed,
+                None => {
+                    let (layout, why) = place_weight(&d, w, g[0], ranks, word);
+                    placed_why = Some((w, why));
+                    layout
+                }
+            };
             vec![w]
         }
         None => (0..g.len()).filter(|&i| d.inputs[i].ellipsis).collect(),
@@ -73,7 +93,7 @@ pub fn rule(op: &Op, given: &[Option<Layout>], ranks: &[usize], word: Option<TpW
         split.or(partial)
     };
     let (inputs, output) = picked.unwrap_or_else(|| (vec![R; g.len()], R));
-    Choice { inputs, output }
+    (Choice { inputs, output }, placed_why)
 }
 
 /// The weight input of a contraction: the operand without token dims that has a summed
@@ -91,8 +111,15 @@ fn summed_weight(d: &OpDims) -> Option<usize> {
 /// Where an undecided contraction weight goes. Its kept dim split is a column split (the
 /// output is split by features); its summed dim split is a row split (partial sums). A
 /// linear reading a split value is row-split, any other column-split; an embedding table
-/// is split by vocabulary (its looked-up dim) unless told otherwise.
-fn place_weight(d: &OpDims, w: usize, x: Layout, ranks: &[usize], word: Option<TpWord>) -> Layout {
+/// is split by vocabulary (its looked-up dim) unless told otherwise. Says which branch
+/// decided, for `tpc explain`.
+fn place_weight(
+    d: &OpDims,
+    w: usize,
+    x: Layout,
+    ranks: &[usize],
+    word: Option<TpWord>,
+) -> (Layout, Reason) {
     let at = |role: Role| d.input_dim_with(w, role, ranks).map(split).unwrap_or(R);
     let lookup = d.input_dim_with(w, Role::Lookup, ranks).is_some();
     let column = at(Role::Kept);
@@ -101,15 +128,21 @@ fn place_weight(d: &OpDims, w: usize, x: Layout, ranks: &[usize], word: Option<T
     } else {
         at(Role::Contracted)
     };
-    match word {
-        Some(TpWord::Replicate) => R,
-        Some(TpWord::Colwise) => column,
-        Some(TpWord::Rowwise) => row,
+    let (layout, why) = match word {
+        Some(TpWord::Replicate) => (R, Reason::Override(TpWord::Replicate)),
+        Some(w @ TpWord::Colwise) => (column, Reason::Override(w)),
+        Some(w @ TpWord::Rowwise) => (row, Reason::Override(w)),
         // The vocabulary: an embedding's looked-up rows, an LM head's outputs.
-        Some(TpWord::Vocab) if lookup => row,
-        Some(TpWord::Vocab) => column,
-        None if lookup || matches!(x, Layout::Split { .. }) => row,
-        None => column,
+        Some(w @ TpWord::Vocab) if lookup => (row, Reason::Override(w)),
+        Some(w @ TpWord::Vocab) => (column, Reason::Override(w)),
+        None if lookup => (row, Reason::Lookup),
+        None if matches!(x, Layout::Split { .. }) => (row, Reason::ReadsSplit),
+        None => (column, Reason::ReadsWhole),
+    };
+    match why {
+        Reason::Override(_) => (layout, why),
+        _ if layout == R => (R, Reason::NoSplittableDim),
+        _ => (layout, why),
     }
 }
 
@@ -155,6 +188,30 @@ mod tests {
         assert_eq!(c.inputs[1], split(1));
         let c = rule(&op, &[Some(split(2)), None], &[3, 2], None);
         assert_eq!(c.inputs[1], split(0));
+    }
+
+    #[test]
+    fn the_placing_branch_is_named() {
+        let why =
+            |given: Option<Layout>, word| rule_with_reason(&lin(), &[given, None], &[3, 2], word).1;
+        assert_eq!(why(Some(R), None), Some((1, Reason::ReadsWhole)));
+        assert_eq!(why(Some(split(2)), None), Some((1, Reason::ReadsSplit)));
+        assert_eq!(
+            why(Some(split(2)), Some(TpWord::Colwise)),
+            Some((1, Reason::Override(TpWord::Colwise)))
+        );
+        let emb = Op::Embedding(EmbeddingOp::default());
+        let placed = rule_with_reason(&emb, &[Some(R), None], &[2, 2], None).1;
+        assert_eq!(placed, Some((1, Reason::Lookup)));
+        // A weight some earlier op placed is not placed again.
+        let placed = rule_with_reason(&lin(), &[Some(R), Some(split(0))], &[3, 2], None).1;
+        assert_eq!(placed, None);
+        // Ops without a contraction weight place nothing themselves.
+        let add = Op::Add(AddOp {});
+        assert_eq!(
+            rule_with_reason(&add, &[Some(R), None], &[3, 3], None).1,
+            None
+        );
     }
 
     #[test]

@@ -1,0 +1,31 @@
+//! `tpc explain MODEL --tp T [PATTERN] [--json]`: why each weight is split as it is.
+
+use std::path::PathBuf;
+use tpc::explain::{explain, render_text};
+use tpc::frontend::load::load_model;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A .ron model definition, an HF model directory, or a config.json.
+    model: PathBuf,
+    /// Only weights whose checkpoint name contains PATTERN; with `*` a glob over the whole
+    /// name, `*` matching any characters (e.g. `*.mlp.*`).
+    pattern: Option<String>,
+    /// Number of tensor-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    tp: u64,
+    /// Print a JSON list of weights instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn execute(a: Args) -> anyhow::Result<()> {
+    let def = load_model(&a.model)?;
+    let e = explain(&def, a.tp, a.pattern.as_deref())?;
+    let text = if a.json {
+        format!("{}\n", serde_json::to_string_pretty(&e.weights)?)
+    } else {
+        render_text(&e)
+    };
+    super::print_stdout(&text)
+}
