@@ -1,4 +1,5 @@
 //! The cost model: hardware profiles and what a plan costs on them (`tpc simulate`).
 
+pub mod calibrate;
 pub mod profile;
 pub mod simulate;
