@@ -126,6 +126,8 @@ pub struct Calibration {
     pub sweep_bytes: usize,
     pub read_bandwidth: f64,
     pub op_overhead_s: f64,
+    /// FLOP/s of the runtime's causal attention on a prompt (4 per head and dim per pair).
+    pub attention_flops: f64,
     pub comm_world: usize,
     pub one_shot: CommFit,
     pub ring: CommFit,
@@ -240,6 +242,27 @@ fn read_bandwidth(threads: usize, mib: usize, budget: f64) -> Result<f64, Calibr
         "read bandwidth",
         (values.len() * 4) as f64 / t.as_secs_f64(),
     )
+}
+
+/// FLOP/s of the runtime's causal attention over a whole prompt of `s.rows` tokens:
+/// TinyLlama's heads (32 query heads of 64 over 4 key/value heads), 4 FLOPs per head and
+/// dim per (query, key) pair, the count the cost model uses.
+fn attention_rate(team: &Team, s: &Settings) -> Result<f64, CalibrateError> {
+    let (t, d, heads, kv_heads) = (s.rows, 64, 32, 4);
+    let q = Tensor::new(
+        vec![t, heads * d],
+        (0..t * heads * d).map(|i| (i % 13) as f32 / 13.0).collect(),
+    );
+    let kv: Vec<f32> = (0..t * kv_heads * d)
+        .map(|i| (i % 7) as f32 / 7.0)
+        .collect();
+    let time = best(s.seconds, || {
+        std::hint::black_box(crate::runtime::attention::causal_attention(
+            team, &q, &kv, &kv, d, kv_heads, 0.125,
+        ));
+    });
+    let flops = 4.0 * (heads * d) as f64 * (t * (t + 1) / 2) as f64;
+    checked("attention FLOP/s", flops / time.as_secs_f64())
 }
 
 /// Median time of the smallest linear (one row, 16×16) through the team: what every op
@@ -385,6 +408,7 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
     let (gemv_bandwidth, sweep_bytes) = gemv_sweep(kern, &team, s)?;
     let read_bandwidth = read_bandwidth(s.threads, s.sweep_mib.max(8), s.seconds * 2.0)?;
     let op_overhead_s = op_overhead(kern, &team, s.op_calls)?;
+    let attention_flops = attention_rate(&team, s)?;
     drop(team);
     let world = 2;
     let rows = bench_all_reduce::<f32>(world, &s.comm_sizes, s.comm_iters.max(1));
@@ -411,6 +435,7 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
         sweep_bytes,
         read_bandwidth,
         op_overhead_s,
+        attention_flops,
         comm_world: world,
         one_shot,
         ring,
@@ -473,6 +498,10 @@ impl Calibration {
                 self.read_bandwidth
             ),
             format!(
+                "attention_flops: the runtime's causal attention over a {}-token prompt, 32 query heads of 64 over 4 kv heads, {} threads, 4 FLOPs per head-dim per pair",
+                s.rows, self.threads
+            ),
+            format!(
                 "op_overhead_s: median of {} calls of a one-row 16x16 linear through the team",
                 s.op_calls
             ),
@@ -506,6 +535,7 @@ impl Calibration {
                 send_recv: self.one_shot.fit,
             },
             op_overhead_s: self.op_overhead_s,
+            attention_flops: Some(self.attention_flops),
             shared: Some(SharedHost {
                 cores: h.cores.max(1) as u64,
             }),
@@ -552,6 +582,11 @@ impl Calibration {
             "read loop bandwidth",
             format!("{:.2} GB/s", self.read_bandwidth / 1e9),
             "reference only".into(),
+        );
+        row(
+            "attention",
+            format!("{:.1} GF/s", self.attention_flops / 1e9),
+            format!("causal, {} tokens, 32x64 heads", self.settings.rows),
         );
         row(
             "per-op overhead",

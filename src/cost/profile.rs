@@ -32,6 +32,10 @@ pub struct HwProfile {
     /// seconds; 0 for profiles of large devices, measured by `tpc calibrate` on a CPU host.
     #[serde(default)]
     pub op_overhead_s: f64,
+    /// FLOP/s the attention kernel reaches (4 per head and dim per query-key pair), when it
+    /// runs apart from the GEMMs and slower (a CPU host); `None`: at the GEMM peak.
+    #[serde(default)]
+    pub attention_flops: Option<f64>,
     /// Set when the "devices" are ranks sharing one CPU host (`tpc run` threads): its cores
     /// are shared out over the ranks and its memory bandwidth is shared by all of them.
     /// The peaks and the bandwidth above are then the whole host's.
@@ -165,6 +169,13 @@ impl HwProfile {
                 self.op_overhead_s
             ));
         }
+        if let Some(a) = self.attention_flops {
+            if !(a.is_finite() && a > 0.0) {
+                return Err(format!(
+                    "attention_flops is {a}; it must be a finite number above 0"
+                ));
+            }
+        }
         if let Some(h) = &self.shared {
             if h.cores == 0 || h.cores > 1 << 20 {
                 return Err(format!(
@@ -234,6 +245,7 @@ mod tests {
                 send_recv: ab,
             },
             op_overhead_s: 1.5e-6,
+            attention_flops: Some(5e10),
             shared: Some(SharedHost { cores: 2 }),
         }
     }
@@ -267,6 +279,11 @@ mod tests {
             p.link.ring.beta_bytes_per_s = bad;
             assert!(p.check().is_err());
         }
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let mut p = shared_profile();
+            p.attention_flops = Some(bad);
+            assert!(p.check().unwrap_err().contains("attention_flops"));
+        }
         let mut p = shared_profile();
         p.shared = Some(SharedHost { cores: 0 });
         assert!(p.check().unwrap_err().contains("shared.cores"));
@@ -274,6 +291,7 @@ mod tests {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/models/hw/a100-pcie-8.ron");
         let parsed = HwProfile::load(Path::new(dir)).unwrap();
         assert_eq!(parsed.shared, None);
+        assert_eq!(parsed.attention_flops, None);
         assert_eq!(parsed.op_overhead_s, 0.0);
     }
 

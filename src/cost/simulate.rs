@@ -245,16 +245,23 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
     w.weight_read_bytes *= weight_scale;
     w.kv_bytes_per_token *= act_scale;
     let (peak, bandwidth) = hw.per_rank(plan.tp, num.weights == DType::F32);
+    // Attention at its own measured rate where the profile has one (a rank's share of it
+    // on a shared host), else at the GEMM peak.
+    let attention_rate = match (hw.attention_flops, &hw.shared) {
+        (Some(a), Some(h)) => a * h.compute_share(plan.tp),
+        (Some(a), None) => a,
+        (None, _) => peak,
+    };
     let overhead = w.ops * hw.op_overhead_s;
     let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
 
     // Prefill: every prompt token through every linear; causal attention over s(s+1)/2
     // pairs per sequence; weights read once, the prompt's keys and values written.
-    let prefill_flops =
-        w.linear_flops_per_token * b * s + w.attention_flops_per_pair * b * s * (s + 1.0) / 2.0;
+    let prefill_linear = w.linear_flops_per_token * b * s;
+    let prefill_attention = w.attention_flops_per_pair * b * s * (s + 1.0) / 2.0;
     let prefill_bytes = w.weight_read_bytes + w.kv_bytes_per_token * b * s;
     let prefill = phase(
-        prefill_flops / peak,
+        prefill_linear / peak + prefill_attention / attention_rate,
         prefill_bytes / bandwidth,
         comm_s(plan, hw, b * s, act_scale),
         overhead,
@@ -263,10 +270,11 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
     // A decode step at the middle of generation: one token per sequence, attending to
     // about s + g/2 cached positions; all weights and that cache are read.
     let context = s + g / 2.0;
-    let decode_flops = w.linear_flops_per_token * b + w.attention_flops_per_pair * b * context;
+    let decode_linear = w.linear_flops_per_token * b;
+    let decode_attention = w.attention_flops_per_pair * b * context;
     let decode_bytes = w.weight_read_bytes + w.kv_bytes_per_token * b * context;
     let decode_step = phase(
-        decode_flops / peak,
+        decode_linear / peak + decode_attention / attention_rate,
         decode_bytes / bandwidth,
         comm_s(plan, hw, b, act_scale),
         overhead,
@@ -326,6 +334,7 @@ mod tests {
                 send_recv: ab,
             },
             op_overhead_s: 0.0,
+            attention_flops: None,
             shared: None,
         }
     }
@@ -456,6 +465,16 @@ mod tests {
         assert_eq!(
             t.time_s,
             t.compute_s.max(t.memory_s) + t.overhead_s + t.comm_s
+        );
+        // With an attention rate of its own, attention's FLOPs are priced at it.
+        hw.attention_flops = Some(1e10);
+        let slow = simulate_as(&tinyllama(2), &hw, work, num);
+        let attention = 4.0 * (22 * 1024) as f64 * 128.0 * 129.0 / 2.0;
+        let linear = (22 * layer / 2 + 16000 * 2048) as f64 * 2.0 * 128.0;
+        let expect = linear / 4e11 + attention / 5e9;
+        assert!(
+            (slow.prefill.compute_s / expect - 1.0).abs() < 1e-12,
+            "{slow:?}"
         );
         // The host's 16 GB are shared by the ranks.
         assert_eq!(two.device_memory_bytes, 8_000_000_000);
