@@ -110,6 +110,34 @@ pub struct CommFit {
     pub fit: AlphaBeta,
     /// (bytes each rank moves by the cost model's formula, median seconds).
     pub points: Vec<(f64, f64)>,
+    /// Set when the points would not fit a line (a noisy host): why, and that the figures
+    /// are bounds instead (α the smallest time, β the largest message over its time).
+    pub note: Option<String>,
+}
+
+/// [`fit_alpha_beta`], or, when the points do not make a line with positive slope, the
+/// bounds: α = the smallest time, β = the largest message's bytes over its time.
+pub fn fit_or_bound(points: &[(f64, f64)]) -> Result<(AlphaBeta, Option<String>), CalibrateError> {
+    match fit_alpha_beta(points) {
+        Ok(f) => Ok((f, None)),
+        Err(e) => {
+            let good: Vec<&(f64, f64)> = points
+                .iter()
+                .filter(|(x, y)| x.is_finite() && *x > 0.0 && y.is_finite() && *y > 0.0)
+                .collect();
+            let alpha = good.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+            let Some(&&(x, y)) = good.iter().max_by(|a, b| a.0.total_cmp(&b.0)) else {
+                return Err(e);
+            };
+            Ok((
+                AlphaBeta {
+                    alpha_s: alpha,
+                    beta_bytes_per_s: x / y,
+                },
+                Some(format!("{e}; bounds used instead (alpha: the smallest time, beta: the largest message over its time)")),
+            ))
+        }
+    }
 }
 
 /// Everything one calibration measured.
@@ -414,10 +442,8 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
     let rows = bench_all_reduce::<f32>(world, &s.comm_sizes, s.comm_iters.max(1));
     let fit = |kind| -> Result<CommFit, CalibrateError> {
         let points = comm_points(&rows, kind, world);
-        Ok(CommFit {
-            fit: fit_alpha_beta(&points)?,
-            points,
-        })
+        let (fit, note) = fit_or_bound(&points)?;
+        Ok(CommFit { fit, points, note })
     };
     let one_shot = fit(BenchKind::OneShot)?;
     let mut ring = fit(BenchKind::Ring)?;
@@ -510,6 +536,11 @@ impl Calibration {
                 self.comm_world,
                 s.comm_sizes.first().copied().unwrap_or(0),
                 s.comm_sizes.last().copied().unwrap_or(0)
+            ),
+            format!(
+                "fit notes: one_shot: {}; ring: {}",
+                self.one_shot.note.as_deref().unwrap_or("least squares"),
+                self.ring.note.as_deref().unwrap_or("least squares")
             ),
             "two_shot: the runtime has none; the ring's figures (the same cost at 2 ranks); send_recv: the one-shot's".into(),
             "compute_efficiency, memory_efficiency: 1, the figures are achieved rates; shared: ranks share this host's cores and bandwidth".into(),
@@ -605,6 +636,11 @@ impl Calibration {
                 "bytes each rank moves per second".into(),
             );
         }
+        for (name, f) in [("one-shot", &self.one_shot), ("ring", &self.ring)] {
+            if let Some(note) = &f.note {
+                let _ = writeln!(out, "note, {name}: {note}");
+            }
+        }
         out
     }
 }
@@ -651,6 +687,13 @@ mod tests {
         assert!(fit_alpha_beta(&[(1.0, 2.0), (2.0, 1.0)]).is_err());
         assert!(fit_alpha_beta(&[(1.0, f64::NAN), (2.0, 1.0)]).is_err());
         assert!(fit_alpha_beta(&[(1.0, 0.0), (2.0, 1.0)]).is_err());
+        // Falling times (a noisy host) give bounds, with a note saying so.
+        let (b, note) = fit_or_bound(&[(1000.0, 2e-6), (4000.0, 1e-6)]).unwrap();
+        assert_eq!(b.alpha_s, 1e-6);
+        assert_eq!(b.beta_bytes_per_s, 4e9);
+        assert!(note.unwrap().contains("bounds"));
+        assert!(fit_or_bound(&[]).is_err());
+        assert_eq!(fit_or_bound(&pts).unwrap().1, None);
     }
 
     #[test]
