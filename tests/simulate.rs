@@ -114,3 +114,64 @@ fn bad_requests_and_profiles_are_refused() {
     ]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn a_quick_calibration_writes_a_profile_that_simulate_accepts() {
+    let dir = std::env::temp_dir().join(format!("tpc-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("host.ron");
+    let o = tpc(&["calibrate", "--quick", "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        table.contains("GEMM bf16 weights") && table.contains("ring all-reduce β"),
+        "{table}"
+    );
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(
+        text.contains("shared") && text.contains("tpc calibrate --quick"),
+        "{text}"
+    );
+    for tp in ["1", "2"] {
+        let o = tpc(&[
+            "simulate",
+            "models/tiny-llama.ron",
+            "--tp",
+            tp,
+            "--hw",
+            out.to_str().unwrap(),
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        // The CPU runtime's types: tiny-llama is an f32 model.
+        assert_eq!(v["weight_dtype"], "F32");
+        assert_eq!(v["activation_dtype"], "F32");
+        assert!(v["decode_step"]["overhead_s"].as_f64().unwrap() > 0.0);
+    }
+    // -o naming the model it measures is refused before any measurement, input untouched.
+    let model = dir.join("model.ron");
+    std::fs::copy("models/tiny-llama.ron", &model).unwrap();
+    let before = std::fs::read(&model).unwrap();
+    let o = tpc(&[
+        "calibrate",
+        "--quick",
+        "--model",
+        model.to_str().unwrap(),
+        "-o",
+        model.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("it is the input"), "{e}");
+    assert_eq!(std::fs::read(&model).unwrap(), before);
+    // A folder that does not exist is refused too.
+    let o = tpc(&[
+        "calibrate",
+        "--quick",
+        "-o",
+        dir.join("no/such/x.ron").to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let _ = std::fs::remove_dir_all(&dir);
+}

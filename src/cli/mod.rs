@@ -4,6 +4,7 @@ mod bench;
 mod bench_comm;
 mod bench_gemm;
 mod bench_load;
+mod calibrate;
 mod compile;
 mod dot;
 mod explain;
@@ -54,6 +55,8 @@ enum Command {
     BenchGemm(bench_gemm::Args),
     /// Measure packing a checkpoint's linear weights: old f32 path against pack_slice.
     BenchLoad(bench_load::Args),
+    /// Measure this host (kernels, bandwidth, communicator) and write a hardware profile.
+    Calibrate(calibrate::Args),
 }
 
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
@@ -71,6 +74,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::BenchComm(a) => bench_comm::execute(a),
         Command::BenchGemm(a) => bench_gemm::execute(a),
         Command::BenchLoad(a) => bench_load::execute(a),
+        Command::Calibrate(a) => calibrate::execute(a),
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 use tpc::cost::profile::HwProfile;
-use tpc::cost::simulate::{simulate, Estimate, Workload};
+use tpc::cost::simulate::{simulate_as, Estimate, Numerics, Workload};
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::plan::report::human_bytes;
@@ -36,22 +36,56 @@ pub struct Args {
     /// Rank every feasible tp up to the profile's device count by decode throughput.
     #[arg(long)]
     search: bool,
+    /// Number types priced: `plan` (the plan's dtype throughout, as a GPU runtime), or as
+    /// `tpc bench --dtype` runs on CPU: `auto` (bf16 weights for a bf16 plan, else f32),
+    /// `f32`, `bf16`, with f32 activations, KV cache and collectives. Default: `auto` for a
+    /// shared-host profile (from `tpc calibrate`), `plan` otherwise.
+    #[arg(long, value_enum)]
+    dtype: Option<SimDtype>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SimDtype {
+    Plan,
+    Auto,
+    F32,
+    Bf16,
+}
+
+fn numerics(d: SimDtype, plan: &tpc::plan::Plan) -> Numerics {
+    match d {
+        SimDtype::Plan => Numerics::of_plan(plan),
+        SimDtype::Auto => Numerics::cpu_runtime(plan.dtype == tpc::ir::DType::Bf16),
+        SimDtype::F32 => Numerics::cpu_runtime(false),
+        SimDtype::Bf16 => Numerics::cpu_runtime(true),
+    }
 }
 
 fn table(e: &Estimate) -> String {
     let ms = |s: f64| format!("{:.3} ms", s * 1e3);
     let mut out = format!(
-        "model {}  tp={}  on {}\n{:<12} {:>12} {:>12} {:>12} {:>12}\n",
-        e.model, e.tp, e.hw, "phase", "time", "compute", "memory", "comm"
+        "model {}  tp={}  on {}  (weights {}, activations {})\n{:<12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
+        e.model,
+        e.tp,
+        e.hw,
+        e.weight_dtype,
+        e.activation_dtype,
+        "phase",
+        "time",
+        "compute",
+        "memory",
+        "comm",
+        "per-op"
     );
     for (name, p) in [("prefill", &e.prefill), ("decode step", &e.decode_step)] {
         out += &format!(
-            "{:<12} {:>12} {:>12} {:>12} {:>12}\n",
+            "{:<12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
             name,
             ms(p.time_s),
             ms(p.compute_s),
             ms(p.memory_s),
-            ms(p.comm_s)
+            ms(p.comm_s),
+            ms(p.overhead_s)
         );
     }
     out += &format!(
@@ -82,6 +116,11 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         prompt: a.prompt,
         gen: a.gen,
     };
+    let dtype = a.dtype.unwrap_or(if hw.shared.is_some() {
+        SimDtype::Auto
+    } else {
+        SimDtype::Plan
+    });
     if !a.search {
         anyhow::ensure!(
             a.tp <= hw.devices,
@@ -91,7 +130,8 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             hw.name,
             hw.devices
         );
-        let e = simulate(&compile(&def, a.tp)?.plan, &hw, work);
+        let plan = compile(&def, a.tp)?.plan;
+        let e = simulate_as(&plan, &hw, work, numerics(dtype, &plan));
         let text = if a.json {
             format!("{}\n", serde_json::to_string_pretty(&e)?)
         } else {
@@ -103,7 +143,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     // then by decode throughput.
     let mut ranked: Vec<Estimate> = (1..=hw.devices.min(tpc::passes::feasibility::MAX_TP))
         .filter_map(|tp| compile(&def, tp).ok())
-        .map(|c| simulate(&c.plan, &hw, work))
+        .map(|c| simulate_as(&c.plan, &hw, work, numerics(dtype, &c.plan)))
         .collect();
     anyhow::ensure!(!ranked.is_empty(), "no tp value splits this model");
     ranked.sort_by(|x, y| {

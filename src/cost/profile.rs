@@ -28,6 +28,43 @@ pub struct HwProfile {
     pub memory_efficiency: f64,
     /// Collective costs among the ranks of one tensor-parallel group.
     pub link: LinkCosts,
+    /// Fixed cost of each compute op a rank runs (dispatch to its threads and the join),
+    /// seconds; 0 for profiles of large devices, measured by `tpc calibrate` on a CPU host.
+    #[serde(default)]
+    pub op_overhead_s: f64,
+    /// FLOP/s the attention kernel reaches (4 per head and dim per query-key pair), when it
+    /// runs apart from the GEMMs and slower (a CPU host); `None`: at the GEMM peak.
+    #[serde(default)]
+    pub attention_flops: Option<f64>,
+    /// Set when the "devices" are ranks sharing one CPU host (`tpc run` threads): its cores
+    /// are shared out over the ranks and its memory bandwidth is shared by all of them.
+    /// The peaks and the bandwidth above are then the whole host's.
+    #[serde(default)]
+    pub shared: Option<SharedHost>,
+}
+
+/// One host whose cores and memory bandwidth the ranks of a group share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedHost {
+    /// Cores (hardware threads the runtime counts) the peaks above were measured with.
+    pub cores: u64,
+}
+
+impl SharedHost {
+    /// The part of the host's compute one of `tp` ranks gets: the runtime gives each rank
+    /// max(1, cores / tp) threads (whole cores), and when there are more ranks than cores
+    /// they take turns, so a rank never gets more than cores / tp.
+    pub fn compute_share(&self, tp: u64) -> f64 {
+        let (cores, tp) = (self.cores.max(1) as f64, tp.max(1) as f64);
+        let threads = (cores / tp).floor().max(1.0);
+        threads.min(cores / tp) / cores
+    }
+
+    /// The part of the host's memory bandwidth one of `tp` ranks gets: all ranks stream
+    /// their weights at once, so each gets 1 / tp.
+    pub fn bandwidth_share(&self, tp: u64) -> f64 {
+        1.0 / tp.max(1) as f64
+    }
 }
 
 /// α (seconds per call) and β (bytes/s each rank moves) per collective algorithm.
@@ -59,6 +96,42 @@ impl HwProfile {
         Ok(profile)
     }
 
+    /// The profile as RON, in the form [`HwProfile::load`] reads.
+    pub fn to_ron(&self) -> Result<String> {
+        let cfg = ron::ser::PrettyConfig::new().depth_limit(4);
+        crate::frontend::load::ron_options()
+            .to_string_pretty(self, cfg)
+            .map_err(|e| TpcError::Serialize(e.to_string()))
+    }
+
+    /// Checks the profile and writes it atomically (RON).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.check().map_err(|message| TpcError::HwProfile {
+            path: path.to_path_buf(),
+            message,
+        })?;
+        crate::fsio::write_text(path, &format!("{}\n", self.to_ron()?))
+    }
+
+    /// Compute (FLOP/s, for bf16/f16 or f32 operands) and memory bandwidth (bytes/s) one of
+    /// `tp` ranks gets, efficiencies applied: a whole device each, or its share of a shared
+    /// host.
+    pub fn per_rank(&self, tp: u64, f32_operands: bool) -> (f64, f64) {
+        let peak = if f32_operands {
+            self.peak_flops_f32
+        } else {
+            self.peak_flops_bf16
+        } * self.compute_efficiency;
+        let bandwidth = self.memory_bandwidth * self.memory_efficiency;
+        match &self.shared {
+            None => (peak, bandwidth),
+            Some(h) => (
+                peak * h.compute_share(tp),
+                bandwidth * h.bandwidth_share(tp),
+            ),
+        }
+    }
+
     /// Every figure finite and positive, efficiencies in (0, 1].
     pub fn check(&self) -> std::result::Result<(), String> {
         let l = &self.link;
@@ -86,6 +159,28 @@ impl HwProfile {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!(
                     "{what} is {v}; it must be a finite number, 0 or more"
+                ));
+            }
+        }
+        if !(self.op_overhead_s.is_finite() && (0.0..1.0).contains(&self.op_overhead_s)) {
+            return Err(format!(
+                "op_overhead_s is {}; it must be a finite number of seconds, 0 or more and \
+                 below 1",
+                self.op_overhead_s
+            ));
+        }
+        if let Some(a) = self.attention_flops {
+            if !(a.is_finite() && a > 0.0) {
+                return Err(format!(
+                    "attention_flops is {a}; it must be a finite number above 0"
+                ));
+            }
+        }
+        if let Some(h) = &self.shared {
+            if h.cores == 0 || h.cores > 1 << 20 {
+                return Err(format!(
+                    "shared.cores is {}; it must be in 1..=2^20",
+                    h.cores
                 ));
             }
         }
@@ -126,5 +221,94 @@ mod tests {
             n += 1;
         }
         assert!(n >= 3);
+    }
+
+    fn shared_profile() -> HwProfile {
+        let ab = AlphaBeta {
+            alpha_s: 2e-6,
+            beta_bytes_per_s: 5e9,
+        };
+        HwProfile {
+            name: "a CPU host".into(),
+            sources: vec!["measured".into()],
+            devices: 2,
+            memory_bytes: 8e9,
+            peak_flops_bf16: 8e11,
+            peak_flops_f32: 2e11,
+            memory_bandwidth: 2e10,
+            compute_efficiency: 1.0,
+            memory_efficiency: 1.0,
+            link: LinkCosts {
+                ring: ab,
+                one_shot: ab,
+                two_shot: ab,
+                send_recv: ab,
+            },
+            op_overhead_s: 1.5e-6,
+            attention_flops: Some(5e10),
+            shared: Some(SharedHost { cores: 2 }),
+        }
+    }
+
+    #[test]
+    fn a_calibrated_profile_round_trips_through_its_file() {
+        let p = shared_profile();
+        let dir = std::env::temp_dir().join(format!("tpc-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("host.ron");
+        p.save(&path).unwrap();
+        assert_eq!(HwProfile::load(&path).unwrap(), p);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn check_refuses_bad_new_fields_and_old_files_still_parse() {
+        for bad in [f64::NAN, -1e-6, f64::INFINITY, 2.0] {
+            let mut p = shared_profile();
+            p.op_overhead_s = bad;
+            assert!(p.check().unwrap_err().contains("op_overhead_s"), "{bad}");
+        }
+        for bad in [0.0, -1.0, f64::NAN] {
+            let mut p = shared_profile();
+            p.peak_flops_bf16 = bad;
+            assert!(p.check().is_err());
+            let mut p = shared_profile();
+            p.memory_bandwidth = bad;
+            assert!(p.check().is_err());
+            let mut p = shared_profile();
+            p.link.ring.beta_bytes_per_s = bad;
+            assert!(p.check().is_err());
+        }
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let mut p = shared_profile();
+            p.attention_flops = Some(bad);
+            assert!(p.check().unwrap_err().contains("attention_flops"));
+        }
+        let mut p = shared_profile();
+        p.shared = Some(SharedHost { cores: 0 });
+        assert!(p.check().unwrap_err().contains("shared.cores"));
+        // A file written before the shared-host fields reads as a profile without them.
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/models/hw/a100-pcie-8.ron");
+        let parsed = HwProfile::load(Path::new(dir)).unwrap();
+        assert_eq!(parsed.shared, None);
+        assert_eq!(parsed.attention_flops, None);
+        assert_eq!(parsed.op_overhead_s, 0.0);
+    }
+
+    #[test]
+    fn ranks_on_a_shared_host_split_its_cores_and_bandwidth() {
+        let p = shared_profile();
+        assert_eq!(p.per_rank(1, false), (8e11, 2e10));
+        assert_eq!(p.per_rank(2, false), (4e11, 1e10));
+        assert_eq!(p.per_rank(2, true), (1e11, 1e10));
+        // Three ranks on two cores take turns: a third each.
+        let (c, _) = p.per_rank(3, false);
+        assert!((c - 8e11 / 3.0).abs() < 1.0);
+        // Three ranks on eight cores get two threads each: two cores stay idle.
+        let h = SharedHost { cores: 8 };
+        assert_eq!(h.compute_share(3), 0.25);
+        let mut d = p.clone();
+        d.shared = None;
+        assert_eq!(d.per_rank(4, false), (8e11, 2e10));
     }
 }

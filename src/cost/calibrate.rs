@@ -1,0 +1,725 @@
+//! `tpc calibrate`: measures this host with the runtime's own code and turns the figures
+//! into a [`HwProfile`] whose ranks share the host ([`SharedHost`]):
+//!
+//! - compute: achieved FLOP/s of the packed linear kernels (the best variant this host
+//!   runs, as `tpc run` picks it) on prompt-sized products, bf16 and f32 weights, all cores;
+//! - memory: the bytes per second the decode GEMV (one row) reaches through distinct bf16
+//!   weights far larger than the caches (and, for reference, a plain read loop);
+//! - per-op cost: the time of the smallest linear through the team (dispatch and join);
+//! - collectives: α and β of the in-process communicator's one-shot and ring all-reduce,
+//!   fitted by least squares to `bench-comm`'s measurements over 4 KiB..16 MiB at 2 ranks.
+//!
+//! The figures are achieved rates, so the profile's efficiencies are 1.
+
+use super::profile::{AlphaBeta, HwProfile, LinkCosts, SharedHost};
+use crate::ir::WeightOrder;
+use crate::runtime::comm::bench::{bench_all_reduce, BenchKind, BenchRow};
+use crate::runtime::kernels::{Isa, KernelError, Kernels};
+use crate::runtime::packed::PackedMatrix;
+use crate::runtime::team::Team;
+use crate::runtime::tensor::Tensor;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+/// Why a calibration could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CalibrateError {
+    #[error("cannot fit latency and bandwidth to the all-reduce times: {0}")]
+    Fit(String),
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error("the {what} measurement came out as {value}; the host may be too busy, run again")]
+    Measurement { what: &'static str, value: f64 },
+    #[error("no linear of the model is small enough to measure (at most {max} weight elements)")]
+    NoShapes { max: usize },
+}
+
+/// Largest weight (elements) a compute measurement packs.
+pub const MAX_SHAPE_ELEMENTS: usize = 1 << 26;
+
+/// What to measure and for how long.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// Weight shapes (out, in) of the prompt products.
+    pub shapes: Vec<(usize, usize)>,
+    /// Rows (prompt tokens) of the prompt products.
+    pub rows: usize,
+    /// Seconds per compute measurement (the best call counts).
+    pub seconds: f64,
+    /// MiB of distinct bf16 weights the decode GEMV sweeps.
+    pub sweep_mib: usize,
+    /// Message sizes of the all-reduces, bytes.
+    pub comm_sizes: Vec<usize>,
+    /// Timed calls per all-reduce size.
+    pub comm_iters: usize,
+    /// Calls of the smallest linear timed for the per-op cost.
+    pub op_calls: usize,
+    /// Threads for compute and bandwidth: every core the runtime would use.
+    pub threads: usize,
+}
+
+/// TinyLlama-1.1B's q, k, gate and down projections: the CPU benchmark's shapes.
+pub const DEFAULT_SHAPES: [(usize, usize); 4] =
+    [(2048, 2048), (256, 2048), (5632, 2048), (2048, 5632)];
+
+impl Settings {
+    /// The full measurement (tens of seconds).
+    pub fn full(threads: usize) -> Settings {
+        Settings {
+            shapes: DEFAULT_SHAPES.to_vec(),
+            rows: 128,
+            seconds: 0.4,
+            sweep_mib: 512,
+            comm_sizes: (12..=24).map(|p| 1usize << p).collect(),
+            comm_iters: 100,
+            op_calls: 2000,
+            threads: threads.max(1),
+        }
+    }
+
+    /// A cheap, rough measurement (a second or two): small products, a sweep that fits in
+    /// a large cache, few all-reduce sizes. For trying the command, not for predictions.
+    pub fn quick(threads: usize) -> Settings {
+        Settings {
+            shapes: vec![(256, 256), (512, 256)],
+            rows: 64,
+            seconds: 0.02,
+            sweep_mib: 8,
+            comm_sizes: (12..=20).step_by(2).map(|p| 1usize << p).collect(),
+            comm_iters: 8,
+            op_calls: 100,
+            threads: threads.max(1),
+        }
+    }
+}
+
+/// The CPU the figures belong to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostInfo {
+    pub model: String,
+    /// The instruction-set flags the kernels care about, as /proc/cpuinfo names them.
+    pub flags: Vec<String>,
+    pub cores: usize,
+    /// Installed memory (MemTotal), bytes; 0 when unknown.
+    pub memory_bytes: u64,
+}
+
+/// One all-reduce algorithm's fit and the points it was fitted to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommFit {
+    pub fit: AlphaBeta,
+    /// (bytes each rank moves by the cost model's formula, median seconds).
+    pub points: Vec<(f64, f64)>,
+    /// Set when the points would not fit a line (a noisy host): why, and that the figures
+    /// are bounds instead (α the smallest time, β the largest message over its time).
+    pub note: Option<String>,
+}
+
+/// [`fit_alpha_beta`], or, when the points do not make a line with positive slope, the
+/// bounds: α = the smallest time, β = the largest message's bytes over its time.
+pub fn fit_or_bound(points: &[(f64, f64)]) -> Result<(AlphaBeta, Option<String>), CalibrateError> {
+    match fit_alpha_beta(points) {
+        Ok(f) => Ok((f, None)),
+        Err(e) => {
+            let good: Vec<&(f64, f64)> = points
+                .iter()
+                .filter(|(x, y)| x.is_finite() && *x > 0.0 && y.is_finite() && *y > 0.0)
+                .collect();
+            let alpha = good.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+            let Some(&&(x, y)) = good.iter().max_by(|a, b| a.0.total_cmp(&b.0)) else {
+                return Err(e);
+            };
+            Ok((
+                AlphaBeta {
+                    alpha_s: alpha,
+                    beta_bytes_per_s: x / y,
+                },
+                Some(format!("{e}; bounds used instead (alpha: the smallest time, beta: the largest message over its time)")),
+            ))
+        }
+    }
+}
+
+/// Everything one calibration measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Calibration {
+    pub host: HostInfo,
+    pub threads: usize,
+    pub isa: Isa,
+    pub gemm_bf16_variant: Isa,
+    pub gemm_f32_variant: Isa,
+    pub gemm_bf16_flops: f64,
+    pub gemm_f32_flops: f64,
+    pub gemv_bandwidth: f64,
+    pub sweep_bytes: usize,
+    pub read_bandwidth: f64,
+    pub op_overhead_s: f64,
+    /// FLOP/s of the runtime's causal attention on a prompt (4 per head and dim per pair).
+    pub attention_flops: f64,
+    pub comm_world: usize,
+    pub one_shot: CommFit,
+    pub ring: CommFit,
+    pub settings: Settings,
+}
+
+/// Best wall time of `f` over about `budget` seconds (at least three calls after one
+/// untimed call).
+fn best(budget: f64, mut f: impl FnMut()) -> Duration {
+    f();
+    let start = Instant::now();
+    let mut best = Duration::MAX;
+    let mut calls = 0;
+    while calls < 3 || start.elapsed().as_secs_f64() < budget {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed());
+        calls += 1;
+    }
+    best
+}
+
+fn checked(what: &'static str, value: f64) -> Result<f64, CalibrateError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(value)
+    } else {
+        Err(CalibrateError::Measurement { what, value })
+    }
+}
+
+/// A deterministic weight (values in about [-0.5, 0.5]).
+fn weight(n: usize, k: usize, seed: usize) -> Tensor {
+    Tensor::new(
+        vec![n, k],
+        (0..n * k)
+            .map(|i| ((i * 53 + seed) % 97) as f32 / 97.0 - 0.5)
+            .collect(),
+    )
+}
+
+/// Achieved FLOP/s of the packed linear over `shapes` (total FLOPs / total best time).
+fn gemm_rate(kern: Kernels, team: &Team, s: &Settings, bf16: bool) -> Result<f64, CalibrateError> {
+    let (mut flops, mut secs) = (0.0, 0.0);
+    for &(n, k) in &s.shapes {
+        let w = PackedMatrix::pack(&weight(n, k, 0), WeightOrder::OutIn, bf16);
+        let x = Tensor::new(
+            vec![s.rows, k],
+            (0..s.rows * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                .collect(),
+        );
+        let t = best(s.seconds, || {
+            std::hint::black_box(w.matmul_with(kern, &x, team));
+        });
+        flops += 2.0 * (s.rows * n * k) as f64;
+        secs += t.as_secs_f64();
+    }
+    checked(
+        if bf16 {
+            "bf16 GEMM FLOP/s"
+        } else {
+            "f32 GEMM FLOP/s"
+        },
+        flops / secs,
+    )
+}
+
+/// Bytes/s of a one-row product through distinct bf16 weights of about `mib` MiB in all.
+fn gemv_sweep(kern: Kernels, team: &Team, s: &Settings) -> Result<(f64, usize), CalibrateError> {
+    let (n, k) = (2048, 2048);
+    let count = (s.sweep_mib << 20).div_ceil(n * k * 2).max(2);
+    let mats: Vec<PackedMatrix> = (0..count)
+        .map(|i| PackedMatrix::pack(&weight(n, k, i), WeightOrder::OutIn, true))
+        .collect();
+    let bytes: usize = mats.iter().map(PackedMatrix::bytes).sum();
+    let x = Tensor::new(vec![1, k], vec![0.5; k]);
+    let t = best(s.seconds.max(0.01) * 2.0, || {
+        for m in &mats {
+            std::hint::black_box(m.matmul_with(kern, &x, team));
+        }
+    });
+    Ok((
+        checked("decode GEMV bandwidth", bytes as f64 / t.as_secs_f64())?,
+        bytes,
+    ))
+}
+
+/// Read bandwidth (bytes/s) of `threads` threads summing disjoint parts of a buffer of
+/// `mib` MiB (the loop `tpc bench-gemm` reports).
+fn read_bandwidth(threads: usize, mib: usize, budget: f64) -> Result<f64, CalibrateError> {
+    let values = vec![1f32; (mib.max(1) << 20) / 4];
+    let part = values.len().div_ceil(threads.max(1));
+    let sum = |chunk: &[f32]| {
+        crate::runtime::simd::with_avx2(|| {
+            let mut acc = [0f32; 16];
+            for c in chunk.chunks_exact(16) {
+                for l in 0..16 {
+                    acc[l] += c[l];
+                }
+            }
+            acc.iter().sum::<f32>()
+        })
+    };
+    let t = best(budget, || {
+        std::thread::scope(|s| {
+            for chunk in values.chunks(part) {
+                s.spawn(move || std::hint::black_box(sum(chunk)));
+            }
+        })
+    });
+    checked(
+        "read bandwidth",
+        (values.len() * 4) as f64 / t.as_secs_f64(),
+    )
+}
+
+/// FLOP/s of the runtime's causal attention over a whole prompt of `s.rows` tokens:
+/// TinyLlama's heads (32 query heads of 64 over 4 key/value heads), 4 FLOPs per head and
+/// dim per (query, key) pair, the count the cost model uses.
+fn attention_rate(team: &Team, s: &Settings) -> Result<f64, CalibrateError> {
+    let (t, d, heads, kv_heads) = (s.rows, 64, 32, 4);
+    let q = Tensor::new(
+        vec![t, heads * d],
+        (0..t * heads * d).map(|i| (i % 13) as f32 / 13.0).collect(),
+    );
+    let kv: Vec<f32> = (0..t * kv_heads * d)
+        .map(|i| (i % 7) as f32 / 7.0)
+        .collect();
+    let time = best(s.seconds, || {
+        std::hint::black_box(crate::runtime::attention::causal_attention(
+            team, &q, &kv, &kv, d, kv_heads, 0.125,
+        ));
+    });
+    let flops = 4.0 * (heads * d) as f64 * (t * (t + 1) / 2) as f64;
+    checked("attention FLOP/s", flops / time.as_secs_f64())
+}
+
+/// Median time of the smallest linear (one row, 16×16) through the team: what every op
+/// pays besides its arithmetic and memory traffic.
+fn op_overhead(kern: Kernels, team: &Team, calls: usize) -> Result<f64, CalibrateError> {
+    let w = PackedMatrix::pack(&weight(16, 16, 0), WeightOrder::OutIn, false);
+    let x = Tensor::new(vec![1, 16], vec![0.5; 16]);
+    for _ in 0..calls.min(100) {
+        std::hint::black_box(w.matmul_with(kern, &x, team));
+    }
+    let mut times: Vec<f64> = (0..calls.max(1))
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(w.matmul_with(kern, &x, team));
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    // A zero (a clock coarser than the call) is a real "too small to see", not a failure.
+    Ok(times[times.len() / 2].max(1e-9))
+}
+
+/// α and β of `t = α + bytes / β` by least squares on relative errors (each point weighted
+/// by 1/t², so 4 KiB latencies count as much as 16 MiB transfers). A negative intercept
+/// (latency lost in the noise) is refitted through the origin (α = 0).
+pub fn fit_alpha_beta(points: &[(f64, f64)]) -> Result<AlphaBeta, CalibrateError> {
+    if points.len() < 2 {
+        return Err(CalibrateError::Fit(format!(
+            "{} point(s); at least two message sizes are needed",
+            points.len()
+        )));
+    }
+    if let Some(p) = points
+        .iter()
+        .find(|(x, y)| !(x.is_finite() && *x >= 0.0 && y.is_finite() && *y > 0.0))
+    {
+        return Err(CalibrateError::Fit(format!(
+            "the point ({} bytes, {} s) is not a finite, positive time",
+            p.0, p.1
+        )));
+    }
+    let (mut sw, mut sx, mut sy, mut sxx, mut sxy) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x, y) in points {
+        let w = 1.0 / (y * y);
+        sw += w;
+        sx += w * x;
+        sy += w * y;
+        sxx += w * x * x;
+        sxy += w * x * y;
+    }
+    let det = sw * sxx - sx * sx;
+    if !(det.is_finite() && det > 0.0) {
+        return Err(CalibrateError::Fit(
+            "every point has the same size; measure at least two sizes".into(),
+        ));
+    }
+    let mut slope = (sw * sxy - sx * sy) / det;
+    let mut alpha = (sy - slope * sx) / sw;
+    if alpha < 0.0 {
+        alpha = 0.0;
+        slope = sxy / sxx;
+    }
+    if !(slope.is_finite() && slope > 0.0) {
+        return Err(CalibrateError::Fit(format!(
+            "the times do not grow with the message size (slope {slope:e} s/byte); \
+             measure larger messages or on a quieter host"
+        )));
+    }
+    Ok(AlphaBeta {
+        alpha_s: alpha,
+        beta_bytes_per_s: 1.0 / slope,
+    })
+}
+
+/// Points of one algorithm: bytes each rank moves by the cost model's formula for `world`
+/// ranks (ring: 2(p−1)/p · K; one-shot: (p−1) · K), against the median time.
+fn comm_points(rows: &[BenchRow], kind: BenchKind, world: usize) -> Vec<(f64, f64)> {
+    let p = world as f64;
+    rows.iter()
+        .filter(|r| r.kind == kind)
+        .map(|r| {
+            let k = r.bytes as f64;
+            let wire = match kind {
+                BenchKind::Ring => 2.0 * (p - 1.0) / p * k,
+                _ => (p - 1.0) * k,
+            };
+            (wire, r.median_us * 1e-6)
+        })
+        .collect()
+}
+
+/// The CPU's model name, its kernel-relevant flags, cores and installed memory.
+pub fn host_info(cores: usize) -> HostInfo {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    let flags = field("flags");
+    let wanted = [
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512_bf16",
+        "amx_tile",
+        "amx_bf16",
+    ];
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let memory_bytes = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kib| kib.parse::<u64>().ok())
+        .map_or(0, |kib| kib.saturating_mul(1024));
+    let model = field("model name");
+    HostInfo {
+        model: if model.is_empty() {
+            std::env::consts::ARCH.to_string()
+        } else {
+            model
+        },
+        flags: wanted
+            .into_iter()
+            .filter(|w| flags.split_whitespace().any(|f| f == *w))
+            .map(str::to_string)
+            .collect(),
+        cores,
+        memory_bytes,
+    }
+}
+
+/// Measures this host (see the module notes).
+pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
+    let kern = Kernels::select(None)?;
+    let team = Team::new(s.threads);
+    let host = host_info(s.threads);
+    let gemm_bf16_flops = gemm_rate(kern, &team, s, true)?;
+    let gemm_f32_flops = gemm_rate(kern, &team, s, false)?;
+    let (gemv_bandwidth, sweep_bytes) = gemv_sweep(kern, &team, s)?;
+    let read_bandwidth = read_bandwidth(s.threads, s.sweep_mib.max(8), s.seconds * 2.0)?;
+    let op_overhead_s = op_overhead(kern, &team, s.op_calls)?;
+    let attention_flops = attention_rate(&team, s)?;
+    drop(team);
+    let world = 2;
+    let rows = bench_all_reduce::<f32>(world, &s.comm_sizes, s.comm_iters.max(1));
+    let fit = |kind| -> Result<CommFit, CalibrateError> {
+        let points = comm_points(&rows, kind, world);
+        let (fit, note) = fit_or_bound(&points)?;
+        Ok(CommFit { fit, points, note })
+    };
+    let one_shot = fit(BenchKind::OneShot)?;
+    let mut ring = fit(BenchKind::Ring)?;
+    // The ring pays its latency once per step, (p − 1) steps: α per step.
+    ring.fit.alpha_s /= (world - 1) as f64;
+    Ok(Calibration {
+        host,
+        threads: s.threads,
+        isa: kern.isa(),
+        gemm_bf16_variant: kern.gemm_variant(true),
+        gemm_f32_variant: kern.gemm_variant(false),
+        gemm_bf16_flops,
+        gemm_f32_flops,
+        gemv_bandwidth,
+        sweep_bytes,
+        read_bandwidth,
+        op_overhead_s,
+        attention_flops,
+        comm_world: world,
+        one_shot,
+        ring,
+        settings: s.clone(),
+    })
+}
+
+/// The civil date (UTC, `YYYY-MM-DD`) of a Unix time in seconds.
+pub fn utc_date(unix_s: u64) -> String {
+    // Howard Hinnant's days-to-civil algorithm.
+    let z = (unix_s / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+impl Calibration {
+    /// The profile these figures make (efficiencies 1: the figures are achieved rates).
+    pub fn profile(&self) -> HwProfile {
+        let date = utc_date(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        );
+        let s = &self.settings;
+        let h = &self.host;
+        let kind = if s == &Settings::quick(self.threads) {
+            "tpc calibrate --quick (rough: small products, a sweep that may fit in cache)"
+        } else {
+            "tpc calibrate"
+        };
+        let sources = vec![
+            format!(
+                "{kind}, tpc {} on {date}: {}; flags: {}; {} cores; {} bytes of memory",
+                env!("CARGO_PKG_VERSION"),
+                h.model,
+                h.flags.join(" "),
+                h.cores,
+                h.memory_bytes
+            ),
+            format!(
+                "peak_flops_bf16 / peak_flops_f32: achieved by the packed linear ({} / {} kernels, {} threads) on {} rows through weights {}: total FLOPs over the best times",
+                self.gemm_bf16_variant,
+                self.gemm_f32_variant,
+                self.threads,
+                s.rows,
+                s.shapes.iter().map(|(n, k)| format!("{n}x{k}")).collect::<Vec<_>>().join(", ")
+            ),
+            format!(
+                "memory_bandwidth: one-row products (decode GEMV, {} kernels) through {} MiB of distinct bf16 weights, {} threads; a plain read loop reached {:.2e} B/s",
+                self.isa,
+                self.sweep_bytes >> 20,
+                self.threads,
+                self.read_bandwidth
+            ),
+            format!(
+                "attention_flops: the runtime's causal attention over a {}-token prompt, 32 query heads of 64 over 4 kv heads, {} threads, 4 FLOPs per head-dim per pair",
+                s.rows, self.threads
+            ),
+            format!(
+                "op_overhead_s: median of {} calls of a one-row 16x16 linear through the team",
+                s.op_calls
+            ),
+            format!(
+                "one_shot / ring: in-process communicator, f32, {} ranks, least squares (relative) of the median times over {}..{} bytes; ring alpha per step",
+                self.comm_world,
+                s.comm_sizes.first().copied().unwrap_or(0),
+                s.comm_sizes.last().copied().unwrap_or(0)
+            ),
+            format!(
+                "fit notes: one_shot: {}; ring: {}",
+                self.one_shot.note.as_deref().unwrap_or("least squares"),
+                self.ring.note.as_deref().unwrap_or("least squares")
+            ),
+            "two_shot: the runtime has none; the ring's figures (the same cost at 2 ranks); send_recv: the one-shot's".into(),
+            "compute_efficiency, memory_efficiency: 1, the figures are achieved rates; shared: ranks share this host's cores and bandwidth".into(),
+        ];
+        HwProfile {
+            name: format!("{} ({} cores), calibrated", h.model, h.cores),
+            sources,
+            devices: h.cores.max(1) as u64,
+            memory_bytes: if h.memory_bytes > 0 {
+                h.memory_bytes as f64
+            } else {
+                f64::NAN // refused by check: the caller says memory is unknown
+            },
+            peak_flops_bf16: self.gemm_bf16_flops,
+            peak_flops_f32: self.gemm_f32_flops,
+            memory_bandwidth: self.gemv_bandwidth,
+            compute_efficiency: 1.0,
+            memory_efficiency: 1.0,
+            link: LinkCosts {
+                ring: self.ring.fit,
+                one_shot: self.one_shot.fit,
+                two_shot: self.ring.fit,
+                send_recv: self.one_shot.fit,
+            },
+            op_overhead_s: self.op_overhead_s,
+            attention_flops: Some(self.attention_flops),
+            shared: Some(SharedHost {
+                cores: h.cores.max(1) as u64,
+            }),
+        }
+    }
+
+    /// A plain-text summary of what was measured.
+    pub fn summary(&self) -> String {
+        let h = &self.host;
+        let mut out = format!(
+            "host: {}; flags: {}; {} cores; kernels: {}\n{:<34} {:>14}  how\n",
+            h.model,
+            h.flags.join(" "),
+            h.cores,
+            self.isa,
+            "figure",
+            "value"
+        );
+        let mut row = |what: &str, value: String, how: String| {
+            let _ = writeln!(out, "{what:<34} {value:>14}  {how}");
+        };
+        row(
+            "GEMM bf16 weights",
+            format!("{:.1} GF/s", self.gemm_bf16_flops / 1e9),
+            format!(
+                "{} kernel, {} rows",
+                self.gemm_bf16_variant, self.settings.rows
+            ),
+        );
+        row(
+            "GEMM f32 weights",
+            format!("{:.1} GF/s", self.gemm_f32_flops / 1e9),
+            format!(
+                "{} kernel, {} rows",
+                self.gemm_f32_variant, self.settings.rows
+            ),
+        );
+        row(
+            "decode GEMV bandwidth",
+            format!("{:.2} GB/s", self.gemv_bandwidth / 1e9),
+            format!("{} MiB of bf16 weights, one row", self.sweep_bytes >> 20),
+        );
+        row(
+            "read loop bandwidth",
+            format!("{:.2} GB/s", self.read_bandwidth / 1e9),
+            "reference only".into(),
+        );
+        row(
+            "attention",
+            format!("{:.1} GF/s", self.attention_flops / 1e9),
+            format!("causal, {} tokens, 32x64 heads", self.settings.rows),
+        );
+        row(
+            "per-op overhead",
+            format!("{:.2} µs", self.op_overhead_s * 1e6),
+            "median one-row 16x16 linear".into(),
+        );
+        for (name, f) in [("one-shot", &self.one_shot), ("ring", &self.ring)] {
+            row(
+                &format!("{name} all-reduce α"),
+                format!("{:.2} µs", f.fit.alpha_s * 1e6),
+                format!("{} ranks, f32, {} sizes", self.comm_world, f.points.len()),
+            );
+            row(
+                &format!("{name} all-reduce β"),
+                format!("{:.2} GB/s", f.fit.beta_bytes_per_s / 1e9),
+                "bytes each rank moves per second".into(),
+            );
+        }
+        for (name, f) in [("one-shot", &self.one_shot), ("ring", &self.ring)] {
+            if let Some(note) = &f.note {
+                let _ = writeln!(out, "note, {name}: {note}");
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fit_recovers_a_line_and_refuses_what_is_not_one() {
+        // t = 5 µs + bytes / 10 GB/s, exactly.
+        let pts: Vec<(f64, f64)> = [4096.0, 65536.0, 1048576.0, 16777216.0]
+            .iter()
+            .map(|&x| (x, 5e-6 + x / 1e10))
+            .collect();
+        let f = fit_alpha_beta(&pts).unwrap();
+        assert!((f.alpha_s - 5e-6).abs() < 1e-12, "{f:?}");
+        assert!((f.beta_bytes_per_s / 1e10 - 1.0).abs() < 1e-9, "{f:?}");
+        // Hand-made noisy points: (0, 2), (1, 3.1), (2, 3.9) in (bytes, s) with weights
+        // 1/t²; the intercept and slope solve the weighted normal equations.
+        let pts = [(0.0, 2.0), (1.0, 3.1), (2.0, 3.9)];
+        let w: Vec<f64> = pts.iter().map(|p| 1.0 / (p.1 * p.1)).collect();
+        let s = |f: &dyn Fn(f64, f64) -> f64| -> f64 {
+            pts.iter().zip(&w).map(|(p, w)| w * f(p.0, p.1)).sum()
+        };
+        let (sw, sx, sy, sxx, sxy) = (
+            s(&|_, _| 1.0),
+            s(&|x, _| x),
+            s(&|_, y| y),
+            s(&|x, _| x * x),
+            s(&|x, y| x * y),
+        );
+        let slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx);
+        let f = fit_alpha_beta(&pts).unwrap();
+        assert!((1.0 / f.beta_bytes_per_s - slope).abs() < 1e-12);
+        assert!((f.alpha_s - (sy - slope * sx) / sw).abs() < 1e-12);
+        assert!(f.alpha_s > 1.9 && f.alpha_s < 2.1 && slope > 0.9 && slope < 1.0);
+        // A negative intercept is refitted through the origin.
+        let f = fit_alpha_beta(&[(1.0, 0.5), (2.0, 1.6), (3.0, 2.7)]).unwrap();
+        assert_eq!(f.alpha_s, 0.0);
+        // Refusals: too few points, one size, falling times, NaN.
+        assert!(fit_alpha_beta(&[(1.0, 1.0)]).is_err());
+        assert!(fit_alpha_beta(&[(1.0, 1.0), (1.0, 2.0)]).is_err());
+        assert!(fit_alpha_beta(&[(1.0, 2.0), (2.0, 1.0)]).is_err());
+        assert!(fit_alpha_beta(&[(1.0, f64::NAN), (2.0, 1.0)]).is_err());
+        assert!(fit_alpha_beta(&[(1.0, 0.0), (2.0, 1.0)]).is_err());
+        // Falling times (a noisy host) give bounds, with a note saying so.
+        let (b, note) = fit_or_bound(&[(1000.0, 2e-6), (4000.0, 1e-6)]).unwrap();
+        assert_eq!(b.alpha_s, 1e-6);
+        assert_eq!(b.beta_bytes_per_s, 4e9);
+        assert!(note.unwrap().contains("bounds"));
+        assert!(fit_or_bound(&[]).is_err());
+        assert_eq!(fit_or_bound(&pts).unwrap().1, None);
+    }
+
+    #[test]
+    fn ring_points_use_the_models_wire_bytes() {
+        let row = |kind, bytes| BenchRow {
+            world: 2,
+            dtype: crate::ir::DType::F32,
+            bytes,
+            kind,
+            iters: 1,
+            median_us: 1.0,
+            min_us: 1.0,
+            bus_gb_s: 1.0,
+        };
+        let rows = [row(BenchKind::Ring, 4096), row(BenchKind::OneShot, 4096)];
+        assert_eq!(comm_points(&rows, BenchKind::Ring, 4), vec![(6144.0, 1e-6)]);
+        assert_eq!(
+            comm_points(&rows, BenchKind::OneShot, 4),
+            vec![(12288.0, 1e-6)]
+        );
+    }
+
+    #[test]
+    fn dates() {
+        assert_eq!(utc_date(0), "1970-01-01");
+        assert_eq!(utc_date(1_700_000_000), "2023-11-14");
+        assert_eq!(utc_date(951_782_400), "2000-02-29");
+    }
+}
