@@ -26,10 +26,8 @@ pub struct Args {
     /// New tokens per sequence, 0 to 2^20 (generation stops early only at the token limit).
     #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 20))]
     max_new_tokens: usize,
-    /// Sequence parallelism: hold the residual stream split by tokens between blocks
-    /// (reduce-scatter + all-gather over the sequence instead of all-reduces).
-    #[arg(long)]
-    sequence_parallel: bool,
+    #[command(flatten)]
+    shard: super::ShardArgs,
     #[command(flatten)]
     exec: ExecArgs,
 }
@@ -37,14 +35,7 @@ pub struct Args {
 pub fn execute(a: Args) -> anyhow::Result<()> {
     let dtype: ComputeDtype = a.exec.dtype.into();
     let def = load_model(&a.model)?;
-    let plan = tpc::pipeline::compile_with(
-        &def,
-        a.tp,
-        tpc::passes::ShardOptions {
-            sequence_parallel: a.sequence_parallel,
-        },
-    )?
-    .plan;
+    let plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
     let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap_or(1) as usize;
     let requests: Vec<Request> = (0..a.batch as usize)
         .map(|b| Request {

@@ -28,10 +28,8 @@ pub struct Args {
     /// (models/hw/*.ron or `tpc calibrate`'s); the runtime follows the plan's choice.
     #[arg(long)]
     hw: Option<PathBuf>,
-    /// Sequence parallelism: hold the residual stream split by tokens between blocks
-    /// (reduce-scatter + all-gather over the sequence instead of all-reduces).
-    #[arg(long)]
-    sequence_parallel: bool,
+    #[command(flatten)]
+    shard: super::ShardArgs,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -51,13 +49,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .map(tpc::cost::profile::HwProfile::load)
             .transpose()?;
     let def = load_model(&a.model)?;
-    let mut compiled = compile_with(
-        &def,
-        a.tp,
-        tpc::passes::ShardOptions {
-            sequence_parallel: a.sequence_parallel,
-        },
-    )?;
+    let mut compiled = compile_with(&def, a.tp, a.shard.options())?;
     if let Some(hw) = &hw {
         tpc::cost::algorithms::choose_algorithms(&mut compiled.plan, hw);
     }

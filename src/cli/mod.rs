@@ -178,11 +178,33 @@ pub fn plan_for_tp(
     Ok(plan)
 }
 
+/// How `compile`, `run`, `verify` and `bench` shard beyond tp.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct ShardArgs {
+    /// Sequence parallelism: hold the residual stream split by tokens between blocks
+    /// (reduce-scatter + all-gather over the sequence instead of all-reduces).
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// Fuse each all-reduce into the RMSNorm that reads it; the residual stream stays a
+    /// partial sum (one op instead of add, all-reduce and norm).
+    #[arg(long)]
+    pub fuse_norm: bool,
+}
+
+impl ShardArgs {
+    pub fn options(&self) -> tpc::passes::ShardOptions {
+        tpc::passes::ShardOptions {
+            sequence_parallel: self.sequence_parallel,
+            fuse_norm: self.fuse_norm,
+        }
+    }
+}
+
 /// Sharding options belong to compiling; a saved plan has made those choices already.
 pub fn refuse_options_with_plan(options: tpc::passes::ShardOptions) -> anyhow::Result<()> {
     anyhow::ensure!(
-        !options.sequence_parallel,
-        "--sequence-parallel applies when tpc compiles the model; a saved plan (--plan) was compiled with or without it already: drop one of the two"
+        options == tpc::passes::ShardOptions::default(),
+        "--sequence-parallel and --fuse-norm apply when tpc compiles the model; a saved plan (--plan) was compiled with or without them already: drop one or the other"
     );
     Ok(())
 }

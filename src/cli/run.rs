@@ -19,10 +19,8 @@ pub struct Args {
     /// Number of tensor-parallel ranks (threads); default 1, or the plan's with --plan.
     #[arg(long)]
     tp: Option<u64>,
-    /// Sequence parallelism: hold the residual stream split by tokens between blocks
-    /// (reduce-scatter + all-gather over the sequence instead of all-reduces).
-    #[arg(long)]
-    sequence_parallel: bool,
+    #[command(flatten)]
+    shard: super::ShardArgs,
     /// Run this saved plan (`tpc compile MODEL -o plan.ron`) instead of compiling the model.
     #[arg(long)]
     plan: Option<PathBuf>,
@@ -284,14 +282,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             max_new_tokens: None,
         }],
     };
-    let plan = plan_for(
-        &a.model,
-        a.plan.as_ref(),
-        a.tp,
-        tpc::passes::ShardOptions {
-            sequence_parallel: a.sequence_parallel,
-        },
-    )?;
+    let plan = plan_for(&a.model, a.plan.as_ref(), a.tp, a.shard.options())?;
     let tp = plan.tp;
     let ckpt = Checkpoint::open(&a.model)?;
     let total_new: usize = requests

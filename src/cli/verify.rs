@@ -20,9 +20,8 @@ pub struct Args {
     /// Seed for random weights and the prompt.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Sequence parallelism in the compiled tp=N plan (tp=1 stays the reference).
-    #[arg(long)]
-    sequence_parallel: bool,
+    #[command(flatten)]
+    shard: super::ShardArgs,
     /// Prompt length in tokens, 1 to 2^20.
     #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     prompt_len: usize,
@@ -45,9 +44,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         None => Checkpoint::find(&a.model)?,
         Some(_) => None,
     };
-    let options = tpc::passes::ShardOptions {
-        sequence_parallel: a.sequence_parallel,
-    };
+    let options = a.shard.options();
     let many = match &a.plan {
         Some(path) => {
             super::refuse_options_with_plan(options)?;

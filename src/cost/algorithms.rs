@@ -92,8 +92,14 @@ pub fn choose_algorithms(plan: &mut Plan, hw: &HwProfile) {
     };
     for rank in &mut plan.ranks {
         for i in &mut rank.instrs {
-            if let Op::AllReduce(a) = &mut i.op {
-                a.algorithm = Some(choice.clone());
+            match &mut i.op {
+                Op::AllReduce(a) => a.algorithm = Some(choice.clone()),
+                Op::RmsNorm(n) => {
+                    if let Some(a) = &mut n.reduce_input {
+                        a.algorithm = Some(choice.clone());
+                    }
+                }
+                _ => {}
             }
         }
     }

@@ -196,6 +196,11 @@ fn comm_s(plan: &Plan, hw: &HwProfile, tokens: f64, scale: f64) -> f64 {
         .flat_map(|r| &r.instrs)
         .filter_map(|i| match &i.op {
             Op::AllReduce(a) => a.algorithm.as_ref().map(|c| (i.id, c)),
+            Op::RmsNorm(n) => n
+                .reduce_input
+                .as_ref()
+                .and_then(|a| a.algorithm.as_ref())
+                .map(|c| (i.id, c)),
             _ => None,
         })
         .collect();

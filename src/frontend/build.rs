@@ -67,6 +67,10 @@ fn partitioner_only(op: &Op) -> std::result::Result<(), String> {
                 op.kind()
             ))
         }
+        Op::RmsNorm(n) if n.reduce_input.is_some() => Err(
+            "`reduce_input` of an rms_norm is set by tpc's norm-fusion pass, never written in a model; remove it"
+                .into(),
+        ),
         Op::Embedding(e) if e.vocab_range.is_some() => Err(
             "`vocab_range` of an embedding is chosen by the partitioner for each rank; remove it and write `Embedding()` with the whole table"
                 .into(),

@@ -88,6 +88,7 @@ impl Emit {
         let op = Op::RmsNorm(RmsNormOp {
             eps: F64(eps),
             group,
+            reduce_input: None,
         });
         self.node(name, op, &[x, &w])
     }

@@ -243,7 +243,12 @@ pub fn check_op(op: &Op) -> std::result::Result<(), String> {
             if let Some(g) = n.group {
                 check_dim("the norm group", g)?;
             }
-            Ok(())
+            match n.reduce_input.as_ref().and_then(|r| r.algorithm.as_ref()) {
+                Some(choice) => choice
+                    .check()
+                    .map_err(|e| format!("the fused all-reduce's algorithm choice: {e}")),
+                None => Ok(()),
+            }
         }
         Op::LayerNorm(n) => check_positive("eps", n.eps.0),
         Op::Rope(r) => {

@@ -127,6 +127,11 @@ pub struct RmsNormOp {
     pub eps: F64,
     #[serde(default)]
     pub group: Option<u64>,
+    /// Set by the norm-fusion pass: the input is a partial sum that this op all-reduces
+    /// (with these attributes) before normalizing — one collective and one kernel instead
+    /// of an all-reduce then a norm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce_input: Option<AllReduceOp>,
 }
 
 /// LayerNorm over the last dim: inputs `x`, `weight`, `bias`.
@@ -248,6 +253,7 @@ impl Op {
             Op::Add(_) => "add",
             Op::Mul(_) => "mul",
             Op::Activation(_) => "activation",
+            Op::RmsNorm(n) if n.reduce_input.is_some() => "all_reduce_rms_norm",
             Op::RmsNorm(_) => "rms_norm",
             Op::LayerNorm(_) => "layer_norm",
             Op::Rope(_) => "rope",
@@ -301,10 +307,16 @@ impl Op {
                 WeightOrder::InOut => "w[in,out]".into(),
             },
             Op::Activation(a) => format!("{:?}", a.kind),
-            Op::RmsNorm(n) => match n.group {
-                Some(g) => format!("eps={} group={g}", n.eps),
-                None => format!("eps={}", n.eps),
-            },
+            Op::RmsNorm(n) => {
+                let mut a = match n.group {
+                    Some(g) => format!("eps={} group={g}", n.eps),
+                    None => format!("eps={}", n.eps),
+                };
+                if let Some(c) = n.reduce_input.as_ref().and_then(|r| r.algorithm.as_ref()) {
+                    a.push_str(&format!(" all-reduce {}", c.describe()));
+                }
+                a
+            }
             Op::LayerNorm(n) => format!("eps={}", n.eps),
             Op::Rope(r) => format!(
                 "head_dim={} rotary_dim={} theta={}{}",

@@ -292,7 +292,8 @@ pub fn dims(op: &Op) -> OpDims {
             },
             linear: Linearity::None,
             moves: None,
-            collective: false,
+            // Fused with the all-reduce of its input (set only after sharding).
+            collective: n.reduce_input.is_some(),
             in_place: false,
             row_wise: true,
         },
@@ -701,10 +702,17 @@ pub(crate) mod tests {
             Op::RmsNorm(RmsNormOp {
                 eps: F64(1e-5),
                 group: None,
+                reduce_input: None,
             }),
             Op::RmsNorm(RmsNormOp {
                 eps: F64(1e-5),
                 group: Some(4),
+                reduce_input: None,
+            }),
+            Op::RmsNorm(RmsNormOp {
+                eps: F64(1e-5),
+                group: None,
+                reduce_input: Some(AllReduceOp::default()),
             }),
             Op::LayerNorm(LayerNormOp { eps: F64(1e-5) }),
             Op::Rope(RopeOp {
@@ -807,15 +815,18 @@ pub(crate) mod tests {
                 false,
             ),
             Op::Activation(_) => e("[.., h] -> [.., h]; h kept", L::None, true, true),
-            Op::RmsNorm(n) => e(
-                match n.group {
-                    Some(_) => "[.., (g e)], [e] -> [.., (g e)]; g kept, e mixed",
-                    None => "[.., h], [h] -> [.., h]; h mixed",
-                },
-                L::None,
-                false,
-                true,
-            ),
+            Op::RmsNorm(n) => Expect {
+                collective: n.reduce_input.is_some(),
+                ..e(
+                    match n.group {
+                        Some(_) => "[.., (g e)], [e] -> [.., (g e)]; g kept, e mixed",
+                        None => "[.., h], [h] -> [.., h]; h mixed",
+                    },
+                    L::None,
+                    false,
+                    true,
+                )
+            },
             Op::LayerNorm(_) => e(
                 "[.., h], [h], [h] -> [.., h]; h mixed",
                 L::None,
@@ -924,16 +935,15 @@ pub(crate) mod tests {
         for op in samples() {
             let d = dims(&op);
             assert_eq!(d.inputs.len(), op.arity(), "{op:?}");
-            // Exactly the three communicating ops (a local slice moves no data).
-            let communicates = matches!(
+            // Exactly the three communicating ops and a norm fused with an all-reduce (a
+            // local slice moves no data); only the first three and the slice move layouts.
+            let moving = matches!(
                 op,
                 Op::AllReduce(_) | Op::AllGather(_) | Op::ReduceScatter(_)
             );
-            assert_eq!(d.collective, communicates, "{op:?}");
-            assert_eq!(
-                d.moves.is_some(),
-                communicates || matches!(op, Op::LocalSlice(_))
-            );
+            let fused = matches!(op, Op::RmsNorm(ref n) if n.reduce_input.is_some());
+            assert_eq!(d.collective, moving || fused, "{op:?}");
+            assert_eq!(d.moves.is_some(), moving || matches!(op, Op::LocalSlice(_)));
             let operands: Vec<&Operand> = d.inputs.iter().chain([&d.output]).collect();
             let used: Vec<char> = operands
                 .iter()
@@ -1071,11 +1081,13 @@ pub(crate) mod tests {
         let norm = dims(&Op::RmsNorm(RmsNormOp {
             eps: F64(1e-5),
             group: None,
+            reduce_input: None,
         }));
         assert!(err(norm.admits(&[s(2), R], &[3, 1], s(2))).contains("cannot split"));
         let head_norm = dims(&Op::RmsNorm(RmsNormOp {
             eps: F64(1e-5),
             group: Some(4),
+            reduce_input: None,
         }));
         assert_eq!(head_norm.admits(&[s(2), R], &[3, 1], s(2)), Ok(()));
         let mul = dims(&Op::Mul(MulOp {}));

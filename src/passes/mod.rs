@@ -2,6 +2,7 @@
 
 pub mod decision;
 pub mod feasibility;
+pub mod fuse_norm;
 pub mod insert_collectives;
 pub mod overrides;
 pub mod partial_check;
@@ -37,6 +38,8 @@ pub struct ShardCtx {
     pub notes: Vec<String>,
     /// Hold the residual stream split by tokens between blocks (`--sequence-parallel`).
     pub sequence_parallel: bool,
+    /// Fuse all-reduces into the RMSNorm that reads them (`--fuse-norm`).
+    pub fuse_norm: bool,
 }
 
 impl ShardCtx {
@@ -58,6 +61,7 @@ pub const PIPELINE: &[(&str, Pass)] = &[
     ("check_partials", partial_check::check_partials),
     ("find_regions", regions::find_regions),
     ("split_sequence", sequence_parallel::split_sequence),
+    ("fuse_reduce_norm", fuse_norm::fuse_reduce_norm),
 ];
 
 /// Runs passes in order, verifying after each; a pass that leaves a broken graph is named.
@@ -91,6 +95,7 @@ pub struct Sharded {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ShardOptions {
     pub sequence_parallel: bool,
+    pub fuse_norm: bool,
 }
 
 /// Shards `graph` for `tp` ranks with the model's overrides.
@@ -122,6 +127,7 @@ pub fn shard_with(
         tp,
         overrides,
         sequence_parallel: options.sequence_parallel,
+        fuse_norm: options.fuse_norm,
         ..Default::default()
     };
     run_passes(&mut graph, &mut ctx, PIPELINE)?;

@@ -293,6 +293,7 @@ mod tests {
         let norm = Op::RmsNorm(RmsNormOp {
             eps: F64(1e-5),
             group: None,
+            reduce_input: None,
         });
         assert_eq!(
             rule(&norm, &[Some(split(2)), None], &[3, 1], None).inputs[0],
@@ -301,6 +302,7 @@ mod tests {
         let head_norm = Op::RmsNorm(RmsNormOp {
             eps: F64(1e-5),
             group: Some(4),
+            reduce_input: None,
         });
         assert_eq!(
             rule(&head_norm, &[Some(split(2)), None], &[3, 1], None).output,

@@ -236,9 +236,16 @@ mod tests {
     fn sharded(model: &str, tp: u64, sequence_parallel: bool) -> crate::passes::Sharded {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(model);
         let def = load_model(&path).unwrap();
-        compile_with(&def, tp, ShardOptions { sequence_parallel })
-            .unwrap()
-            .sharded
+        compile_with(
+            &def,
+            tp,
+            ShardOptions {
+                sequence_parallel,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .sharded
     }
 
     #[test]
@@ -326,6 +333,7 @@ mod tests {
             2,
             ShardOptions {
                 sequence_parallel: true,
+                ..Default::default()
             },
         )
         .unwrap();

@@ -318,6 +318,8 @@ fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) ->
         let (elements, wire_factor) = match node.op {
             // The whole reduced value moves; ring: reduce-scatter + all-gather.
             Op::AllReduce(_) => (input_elems, 2.0 * (tp - 1) as f64 / tp as f64),
+            // A norm fused with the all-reduce of its input moves what the all-reduce did.
+            Op::RmsNorm(_) => (input_elems, 2.0 * (tp - 1) as f64 / tp as f64),
             // Over the sequence each token's row moves whole.
             Op::AllGather(AllGatherOp { dim, .. }) if moves_sequence(instr, dim) => {
                 (input_elems, (tp - 1) as f64 / tp as f64)

@@ -104,6 +104,7 @@ fn recorded_algorithm(plan: &Plan, id: u32) -> Option<crate::ir::AlgorithmChoice
         .find(|i| i.id == id)
         .and_then(|i| match &i.op {
             crate::ir::Op::AllReduce(a) => a.algorithm.clone(),
+            crate::ir::Op::RmsNorm(n) => n.reduce_input.as_ref().and_then(|a| a.algorithm.clone()),
             _ => None,
         })
 }

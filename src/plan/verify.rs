@@ -793,7 +793,7 @@ fn listed_sizes(
     };
     let bytes = elements.and_then(|e| e.checked_mul(i.instr.fact.dtype.size_bytes()));
     // A ring all-reduce is a reduce-scatter and an all-gather: twice the traffic.
-    let steps = if matches!(i.instr.op, Op::AllReduce(_)) {
+    let steps = if matches!(&i.instr.op, Op::AllReduce(_) | Op::RmsNorm(_)) {
         2.0
     } else {
         1.0

@@ -509,8 +509,10 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         call: &Call<'_>,
         ropes: &mut HashMap<RopeOp, B::RopeTables>,
     ) -> Result<B::Act> {
-        // Elementwise ops write into their first input when nothing reads it later.
-        let in_place = op_dims::dims(op).in_place;
+        // Elementwise ops write into their first input when nothing reads it later; a norm
+        // fused with an all-reduce reduces its first input in place.
+        let in_place =
+            op_dims::dims(op).in_place || matches!(op, Op::RmsNorm(n) if n.reduce_input.is_some());
         let mut first = if in_place {
             Some(self.take_or_copy(values, idx, i)?)
         } else {
@@ -565,6 +567,29 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let mut out = owned()?;
                 b.activation(&mut out, a.kind).map_err(err)?;
                 out
+            }
+            Op::RmsNorm(n) if n.reduce_input.is_some() => {
+                // The input is a partial sum: reduce it in place, then normalize it.
+                let mut sum = owned()?;
+                let bytes = message_bytes(&sum);
+                self.collective_bytes += bytes;
+                let planned = n
+                    .reduce_input
+                    .as_ref()
+                    .and_then(|r| r.algorithm.as_ref())
+                    .and_then(|c| c.for_bytes(bytes));
+                let ran = self.comm.all_reduce_sum_planned(&mut sum, planned);
+                let out = match ran {
+                    Ok(ran) => {
+                        self.all_reduces.add(ran);
+                        let group = n.group.map(|g| g as usize).unwrap_or(sum.rows_cols().1);
+                        self.weight(i, 1)
+                            .and_then(|w| b.rms_norm(&sum, w, group, n.eps.0 as f32).map_err(err))
+                    }
+                    Err(e) => Err(RunError::from(e)),
+                };
+                b.release(sum);
+                out?
             }
             Op::RmsNorm(n) => {
                 let x = x(0)?;

@@ -1,6 +1,7 @@
-//! Sequence parallelism (`--sequence-parallel`): the residual stream held split by tokens.
-//! Against HF transformers on every reference checkpoint at tp 2 and 4, and batched with
-//! uneven prompts against the plan without it.
+//! Sharding options against HF transformers on every reference checkpoint at tp 2 and 4:
+//! sequence parallelism (`--sequence-parallel`, the residual stream held split by tokens,
+//! also batched with uneven prompts against the plan without it) and norm fusion
+//! (`--fuse-norm`, each all-reduce fused into the RMSNorm that reads it).
 
 mod common;
 use common::fixtures;
@@ -20,6 +21,12 @@ const REL_TOL: f64 = 1e-4;
 
 const SP: ShardOptions = ShardOptions {
     sequence_parallel: true,
+    fuse_norm: false,
+};
+
+const FUSED: ShardOptions = ShardOptions {
+    sequence_parallel: false,
+    fuse_norm: true,
 };
 
 fn rel_error(a: &[f32], b: &[f32]) -> f64 {
@@ -53,8 +60,9 @@ fn reference(dir: &Path) -> (Vec<i64>, Vec<f32>, Vec<i64>) {
     (i64s(data("prompt_ids")), logits, i64s(data("greedy_ids")))
 }
 
-#[test]
-fn sequence_parallel_plans_match_hf_at_tp_2_and_4() {
+/// Runs every fixture at tp 2 and 4 compiled with `options` against HF; `check` looks at
+/// each (plain plan, optioned plan) pair first.
+fn matches_hf_with(options: ShardOptions, check: impl Fn(&Plan, &Plan, &str)) {
     let mut ran = 0;
     let mut report = Vec::new();
     for dir in fixtures() {
@@ -65,21 +73,9 @@ fn sequence_parallel_plans_match_hf_at_tp_2_and_4() {
             let Ok(plain) = compile(&def, tp) else {
                 continue;
             };
-            let plan = compile_with(&def, tp, SP).unwrap().plan;
-            // Every all-reduce became a reduce-scatter over the sequence, and each token-split
-            // value is gathered where a whole one is needed (at least once per reduce-scatter:
-            // the next block's input).
+            let plan = compile_with(&def, tp, options).unwrap().plan;
             let ctx = format!("{} tp={tp}", dir.display());
-            assert_eq!(count(&plan, "all_reduce"), 0, "{ctx}");
-            assert_eq!(
-                count(&plan, "reduce_scatter"),
-                count(&plain.plan, "all_reduce"),
-                "{ctx}"
-            );
-            assert!(
-                count(&plan, "all_gather") > count(&plain.plan, "all_gather"),
-                "{ctx}"
-            );
+            check(&plain.plan, &plan, &ctx);
             let opts = RunOptions {
                 max_new_tokens: greedy.len(),
                 isa: Some(tpc::runtime::kernels::Kernels::exact().isa()),
@@ -98,6 +94,41 @@ fn sequence_parallel_plans_match_hf_at_tp_2_and_4() {
     }
     eprintln!("{}", report.join("\n"));
     assert!(ran >= 7 * 2 - 2, "only {ran} (fixture, tp) pairs ran");
+}
+
+#[test]
+fn sequence_parallel_plans_match_hf_at_tp_2_and_4() {
+    matches_hf_with(SP, |plain, plan, ctx| {
+        // Every all-reduce became a reduce-scatter over the sequence, and token-split values
+        // are gathered where a whole one is needed.
+        assert_eq!(count(plan, "all_reduce"), 0, "{ctx}");
+        assert_eq!(
+            count(plan, "reduce_scatter"),
+            count(plain, "all_reduce"),
+            "{ctx}"
+        );
+        assert!(
+            count(plan, "all_gather") > count(plain, "all_gather"),
+            "{ctx}"
+        );
+    });
+}
+
+#[test]
+fn norm_fused_plans_match_hf_at_tp_2_and_4() {
+    matches_hf_with(FUSED, |plain, plan, ctx| {
+        // Families with RMSNorm fuse every all-reduce (each feeds one norm); LayerNorm
+        // families (GPT-2, NeoX) keep theirs. Either way the bytes stay the same.
+        let fused = count(plan, "all_reduce_rms_norm");
+        if ctx.contains("gpt2") || ctx.contains("neox") {
+            assert_eq!(fused, 0, "{ctx}");
+        } else {
+            assert_eq!(count(plan, "all_reduce"), 0, "{ctx}");
+            assert_eq!(fused, count(plain, "all_reduce"), "{ctx}");
+        }
+        let bytes = |p: &Plan| p.collectives.iter().map(|c| c.bytes_per_token).sum::<u64>();
+        assert_eq!(bytes(plan), bytes(plain), "{ctx}");
+    });
 }
 
 #[test]

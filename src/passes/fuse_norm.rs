@@ -1,0 +1,129 @@
+//! Norm fusion: an all-reduce whose result feeds one RMSNorm becomes part of that norm
+//! (`RmsNormOp::reduce_input`), so the reduced value is normalized in the same op. Where the
+//! sharding folded the next residual add into a partial sum on rank 0
+//! (`add(all_reduce(s), x)` with `x` partial), that add reads the partial `s` instead, on
+//! every rank: the sum over ranks is the same (`Σ s + Σ x`), so the residual stream stays a
+//! partial sum and is never held whole — the all-reduce + residual add + norm of the
+//! Megatron layer become one fused op per site (and one add that every rank runs).
+
+use super::ShardCtx;
+use crate::error::Result;
+use crate::ir::{Graph, Layout, NodeId, Op};
+
+/// Fuses every eligible all-reduce into the RMSNorm that reads it, when
+/// `ctx.fuse_norm` is set (and tp > 1).
+pub fn fuse_reduce_norm(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
+    if !ctx.fuse_norm || ctx.tp == 1 {
+        return Ok(());
+    }
+    let order = graph.topo_order().map_err(|_| ctx.cycle_error())?;
+    let mut fused = 0;
+    for reduce in order {
+        let Op::AllReduce(all_reduce) = &graph.node(reduce).op else {
+            continue;
+        };
+        let all_reduce = all_reduce.clone();
+        let partial = graph.inputs(reduce)[0];
+        let users = graph.users(reduce);
+        let is_norm = |&(u, slot): &(NodeId, u32)| {
+            slot == 0 && matches!(&graph.node(u).op, Op::RmsNorm(n) if n.reduce_input.is_none())
+        };
+        let norms: Vec<(NodeId, u32)> = users.iter().copied().filter(is_norm).collect();
+        let adds: Vec<(NodeId, u32)> = users.iter().copied().filter(|u| !is_norm(u)).collect();
+        // A residual add that already yields a partial sum can take the partial value
+        // instead of the reduced one; anything else needs the whole value.
+        let partial_add = |&(u, slot): &(NodeId, u32)| {
+            matches!(graph.node(u).op, Op::Add(_))
+                && graph.layout(u) == Layout::Partial
+                && graph
+                    .inputs(u)
+                    .iter()
+                    .enumerate()
+                    .all(|(s, &i)| s == slot as usize || graph.layout(i) == Layout::Partial)
+        };
+        let [(norm, _)] = norms[..] else {
+            continue;
+        };
+        if !adds.iter().all(partial_add) {
+            continue;
+        }
+        for (add, slot) in adds {
+            graph.rewire(add, slot, partial);
+        }
+        graph.rewire(norm, 0, partial);
+        if let Op::RmsNorm(n) = &mut graph.node_mut(norm).op {
+            n.reduce_input = Some(all_reduce);
+        }
+        graph.g.remove_node(reduce);
+        fused += 1;
+    }
+    if fused > 0 {
+        ctx.notes.push(format!(
+            "norm fusion: {fused} all-reduces fused into the RMSNorm that reads them; the residual stream stays a partial sum"
+        ));
+    } else {
+        ctx.notes.push(
+            "norm fusion asked for, but no all-reduce feeds exactly one RMSNorm; the plan is unchanged"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::frontend::load::load_model;
+    use crate::ir::Op;
+    use crate::passes::ShardOptions;
+    use crate::pipeline::compile_with;
+
+    fn plan(model: &str, tp: u64, fuse_norm: bool) -> crate::plan::Plan {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(model);
+        let options = ShardOptions {
+            fuse_norm,
+            ..Default::default()
+        };
+        compile_with(&load_model(&path).unwrap(), tp, options)
+            .unwrap()
+            .plan
+    }
+
+    fn kinds(p: &crate::plan::Plan, rank: usize, kind: &str) -> usize {
+        p.ranks[rank]
+            .instrs
+            .iter()
+            .filter(|i| i.op.kind() == kind)
+            .count()
+    }
+
+    #[test]
+    fn every_all_reduce_of_a_llama_joins_its_norm_and_every_rank_adds_residuals() {
+        let plain = plan("models/tiny-llama.ron", 2, false);
+        let fused = plan("models/tiny-llama.ron", 2, true);
+        for rank in 0..2 {
+            assert_eq!(kinds(&fused, rank, "all_reduce"), 0);
+            // The embedding's, then two per layer (the last one feeds the final norm).
+            assert_eq!(kinds(&fused, rank, "all_reduce_rms_norm"), 5);
+            assert_eq!(kinds(&fused, rank, "rms_norm"), 0);
+        }
+        // Rank 1 used to skip the residual adds (rank 0 added the whole residual into its
+        // partial sum); now each rank adds its own partial residual.
+        assert_eq!(kinds(&plain, 1, "add"), 0);
+        assert_eq!(kinds(&fused, 1, "add"), 4);
+        assert_eq!(kinds(&fused, 0, "add"), 4);
+        // One op fewer on rank 0 per fused site.
+        assert_eq!(plain.ranks[0].instrs.len() - fused.ranks[0].instrs.len(), 5);
+        assert!(fused.notes.iter().any(|n| n.contains("norm fusion: 5")));
+    }
+
+    #[test]
+    fn layer_norm_families_and_tp_1_are_left_alone() {
+        for (model, tp) in [("models/tiny-gpt2.ron", 2), ("models/tiny-llama.ron", 1)] {
+            let p = plan(model, tp, true);
+            assert!(p.ranks.iter().all(|r| r
+                .instrs
+                .iter()
+                .all(|i| !matches!(&i.op, Op::RmsNorm(n) if n.reduce_input.is_some()))));
+        }
+    }
+}
