@@ -145,3 +145,74 @@ fn requests_are_refused_before_any_weight_is_read() {
     let e = run_batch(&plan, &ckpt, &many, &RunOptions::default()).unwrap_err();
     assert!(e.to_string().contains("split the prompts"), "{e}");
 }
+
+/// Top-k sampling exchanges each rank's k best (logit, token) pairs instead of gathering the
+/// logits (when that is fewer bytes): a ragged batch gets exactly the tokens that sampling
+/// from the gathered logits gives, for every seed, tp, k (below, near and above the slice
+/// width) and with top-p, on every reference checkpoint.
+#[test]
+fn top_k_sampling_from_exchanged_candidates_equals_sampling_from_gathered_logits() {
+    let mut checked = 0;
+    let mut fewer_bytes = 0;
+    for dir in fixtures() {
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for tp in [1, 2, 4] {
+            let Ok(compiled) = compile(&def, tp) else {
+                continue;
+            };
+            let plan = compiled.plan;
+            let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap() as i64;
+            let reqs = requests(vocab);
+            for seed in 0..8u64 {
+                for (k, top_p, temperature) in [
+                    (1, None, 1.0),
+                    (5, None, 2.0),
+                    (7, Some(0.85), 0.8),
+                    (vocab as usize - 1, None, 1.5),
+                    (1 << 30, Some(0.95), 1.0),
+                ] {
+                    let opts = RunOptions {
+                        sampling: tpc::runtime::sampling::Sampling {
+                            temperature,
+                            top_k: Some(k),
+                            top_p,
+                            seed,
+                        },
+                        all_prompt_logits: false,
+                        threads_per_rank: 1,
+                        ..RunOptions::default()
+                    };
+                    let exchanged = run_batch(&plan, &ckpt, &reqs, &opts).unwrap();
+                    let gathered = run_batch(
+                        &plan,
+                        &ckpt,
+                        &reqs,
+                        &RunOptions {
+                            gather_logits: true,
+                            ..opts
+                        },
+                    )
+                    .unwrap();
+                    let ctx = format!("{} tp={tp} seed {seed} k {k}", dir.display());
+                    for (a, b) in exchanged.sequences.iter().zip(&gathered.sequences) {
+                        assert_eq!(a.generated, b.generated, "{ctx}");
+                    }
+                    assert!(
+                        exchanged.collective_bytes <= gathered.collective_bytes,
+                        "{ctx}"
+                    );
+                    if exchanged.collective_bytes < gathered.collective_bytes {
+                        fewer_bytes += 1;
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 7 * 3 * 8 * 5, "only {checked} runs checked");
+    assert!(
+        fewer_bytes >= 7 * 2 * 8 * 3,
+        "only {fewer_bytes} runs exchanged fewer bytes"
+    );
+}

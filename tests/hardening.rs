@@ -428,3 +428,49 @@ fn compute_threads_the_system_refuses_are_an_error() {
         "{e}"
     );
 }
+
+/// Logits that turn non-finite at a decode step (every embedding row but the prompt's is
+/// NaN) stop greedy decoding and top-k sampling alike, whether the ranks gather the logits
+/// or exchange candidates, and name the decode step and the op.
+#[test]
+fn nan_logits_at_a_decode_step_stop_every_exchange() {
+    let dir = scratch("nan-decode");
+    let mut bytes = std::fs::read(Path::new(CHECKPOINT).join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let w = &header["model.embed_tokens.weight"];
+    assert_eq!(w["dtype"], "F32");
+    let width = w["shape"][1].as_u64().unwrap() as usize;
+    let a = 8 + n + w["data_offsets"][0].as_u64().unwrap() as usize;
+    let prompt = [1usize, 2, 3];
+    for row in (0..250).filter(|r| !prompt.contains(r)) {
+        let at = a + row * width * 4;
+        for chunk in bytes[at..at + width * 4].chunks_exact_mut(4) {
+            chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+    }
+    let model = broken_checkpoint(&dir, Some(&bytes));
+    let m = model.to_str().unwrap();
+    let sample = ["--temperature", "0.7", "--top-k", "5", "--seed", "1"];
+    for (tp, extra) in [
+        ("1", &[][..]),
+        ("2", &[][..]),
+        ("1", &sample[..]),
+        ("2", &sample[..]),
+        ("4", &sample[..]),
+    ] {
+        for gather in [false, true] {
+            let mut args = vec!["run", m, "--tp", tp, "--prompt-ids", "1,2,3"];
+            args.extend_from_slice(&["--max-new-tokens", "40"]);
+            args.extend_from_slice(extra);
+            if gather {
+                args.push("--gather-logits");
+            }
+            let o = tpc(&args);
+            let e = refused(&o);
+            assert!(e.contains("not finite"), "{args:?}: {e}");
+            assert!(e.contains("decode step"), "{args:?}: {e}");
+            assert!(e.contains("embed_tokens"), "{args:?}: {e}");
+        }
+    }
+}

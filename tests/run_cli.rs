@@ -341,7 +341,8 @@ fn a_closed_or_full_stdout_is_an_error_not_a_panic() {
 }
 
 /// Greedy decoding exchanges one (value, index) pair per rank and row instead of gathering
-/// the logits: the same tokens as top-k 1 sampling (which gathers them), fewer bytes.
+/// the logits: the same tokens as top-k 1 sampling from gathered logits (`--gather-logits`),
+/// fewer bytes.
 #[test]
 fn greedy_decode_exchanges_pairs_instead_of_logits() {
     let json = |extra: &[&str]| -> serde_json::Value {
@@ -360,12 +361,20 @@ fn greedy_decode_exchanges_pairs_instead_of_logits() {
         serde_json::from_str(&ok(&tpc(&args))).unwrap()
     };
     let greedy = json(&[]);
-    let gathered = json(&["--temperature", "1", "--top-k", "1"]);
+    let gathered = json(&["--temperature", "1", "--top-k", "1", "--gather-logits"]);
     assert_eq!(greedy["generated"], gathered["generated"]);
     let bytes = |v: &serde_json::Value| v["collective_bytes_rank0"].as_u64().unwrap();
     // 7 decode steps each gather the 250 f32 logits (1000 B) when sampling, and
     // 2 ranks × one (value, index) f32 pair (16 B) when greedy.
     assert_eq!(bytes(&gathered) - bytes(&greedy), 7 * (1000 - 16));
+    // Greedy decoding made to gather moves what sampling from gathered logits moves; top-k 1
+    // sampling exchanges one candidate pair per rank, as greedy does.
+    let greedy_gathered = json(&["--gather-logits"]);
+    assert_eq!(greedy_gathered["generated"], greedy["generated"]);
+    assert_eq!(bytes(&greedy_gathered), bytes(&gathered));
+    let top_1 = json(&["--temperature", "1", "--top-k", "1"]);
+    assert_eq!(top_1["generated"], greedy["generated"]);
+    assert_eq!(bytes(&top_1), bytes(&greedy));
     // The compile report states the same exchange.
     let summary: serde_json::Value =
         serde_json::from_str(&ok(&tpc(&["compile", MODEL, "--tp", "2", "--json"]))).unwrap();
@@ -377,6 +386,75 @@ fn greedy_decode_exchanges_pairs_instead_of_logits() {
     let one: serde_json::Value =
         serde_json::from_str(&ok(&tpc(&["compile", MODEL, "--json"]))).unwrap();
     assert!(one.get("greedy_exchange").is_none());
+}
+
+/// Sampling with a top-k exchanges each rank's K best (value, index) pairs per row instead of
+/// gathering the logits: the tokens of sampling from the gathered logits, fewer bytes than
+/// top-p sampling (which needs the whole distribution, so gathers); the compile report
+/// states the exchange.
+#[test]
+fn top_k_sampling_exchanges_candidates_instead_of_logits() {
+    let json = |tp: &str, extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "run",
+            MODEL,
+            "--tp",
+            tp,
+            "--prompt-ids",
+            PROMPT,
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "11",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&tpc(&args))).unwrap()
+    };
+    let bytes = |v: &serde_json::Value| v["collective_bytes_rank0"].as_u64().unwrap();
+    // Per decode row: the gather moves tp slices of ceil(250 / tp) f32 logits; top-k 5
+    // moves tp × 5 (value, index) f32 pairs.
+    for (tp, gather, pairs) in [("2", 1000, 80), ("4", 1008, 160)] {
+        let top_k = json(tp, &["--top-k", "5"]);
+        let gathered = json(tp, &["--top-k", "5", "--gather-logits"]);
+        assert_eq!(top_k["generated"], gathered["generated"], "tp {tp}");
+        assert_eq!(bytes(&gathered) - bytes(&top_k), 7 * (gather - pairs));
+        let top_p = json(tp, &["--top-p", "0.9"]);
+        assert!(bytes(&top_k) < bytes(&top_p), "tp {tp}");
+        assert_eq!(bytes(&top_p), bytes(&gathered), "tp {tp}");
+        // With top-p after the top-k, the candidates still suffice.
+        let both = json(tp, &["--top-k", "5", "--top-p", "0.9"]);
+        let both_gathered = json(tp, &["--top-k", "5", "--top-p", "0.9", "--gather-logits"]);
+        assert_eq!(both["generated"], both_gathered["generated"], "tp {tp}");
+        assert_eq!(bytes(&both), bytes(&top_k), "tp {tp}");
+        // A K whose pairs outweigh the slices gathers; a huge K is not a huge allocation.
+        for k in ["100", "1000000000"] {
+            let big = json(tp, &["--top-k", k]);
+            let big_gathered = json(tp, &["--top-k", k, "--gather-logits"]);
+            assert_eq!(big["generated"], big_gathered["generated"], "tp {tp} k {k}");
+            assert_eq!(bytes(&big), bytes(&gathered), "tp {tp} k {k}");
+        }
+    }
+    let summary: serde_json::Value =
+        serde_json::from_str(&ok(&tpc(&["compile", MODEL, "--tp", "2", "--json"]))).unwrap();
+    assert_eq!(
+        summary["top_k_exchange"],
+        serde_json::json!({
+            "logits_gather_bytes_per_token": 1000,
+            "pair_bytes_per_token_per_k": 16,
+            "max_k": 62
+        })
+    );
+    let text = ok(&tpc(&["compile", MODEL, "--tp", "2"]));
+    assert!(
+        text.contains("sampling with --top-k K: ranks exchange K pairs each, 8·K·tp = 16 B·K per token instead of the 1000 B logits gather (K up to 62"),
+        "{text}"
+    );
+    let one: serde_json::Value =
+        serde_json::from_str(&ok(&tpc(&["compile", MODEL, "--json"]))).unwrap();
+    assert!(one.get("top_k_exchange").is_none());
 }
 
 /// A profile whose links make one algorithm the cheapest at every message size.

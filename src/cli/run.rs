@@ -63,6 +63,11 @@ pub struct Args {
     /// Seed of the sampler; the same seed gives the same tokens.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Gather the whole logits at every decode step, even where the ranks could exchange
+    /// only their argmax (greedy) or their top-k candidates (--top-k): the same tokens, more
+    /// bytes; for comparisons.
+    #[arg(long)]
+    gather_logits: bool,
     #[command(flatten)]
     exec: ExecArgs,
 }
@@ -318,6 +323,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         },
         eos: eos_ids(&a.model),
         all_prompt_logits: a.dump_logits.is_some(),
+        gather_logits: a.gather_logits,
         progress: Some(Arc::new(move |stage| match stage {
             Stage::Loaded => progress_bar.set_message("prefill"),
             Stage::Prefilled => progress_bar.set_message("decode"),

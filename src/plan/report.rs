@@ -35,6 +35,10 @@ pub struct Summary {
     /// instead (one f32 (value, index) pair per rank), per token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub greedy_exchange: Option<GreedyExchange>,
+    /// When the output is gathered vocab-split logits: what sampling with `--top-k K`
+    /// exchanges instead (K f32 (value, index) pairs per rank), per token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k_exchange: Option<TopKExchange>,
 }
 
 /// Bytes per token of the logits gather and of the pairs greedy decoding sends instead.
@@ -42,6 +46,37 @@ pub struct Summary {
 pub struct GreedyExchange {
     pub logits_gather_bytes_per_token: u64,
     pub pair_bytes_per_token: u64,
+}
+
+/// Bytes per token of the logits gather and of the candidates top-k sampling sends instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopKExchange {
+    pub logits_gather_bytes_per_token: u64,
+    /// 8·tp: per candidate, one f32 (value, index) pair from every rank.
+    pub pair_bytes_per_token_per_k: u64,
+    /// The largest K whose pairs are fewer than a rank's slice of logits; a larger K gathers
+    /// the logits (the same tokens).
+    pub max_k: u64,
+}
+
+/// The output's logits gather and the width of each rank's slice, when the output is one.
+fn top_k_exchange(plan: &Plan) -> Option<TopKExchange> {
+    let program = plan.ranks.first()?;
+    let id = program.output_gather()?;
+    let gather = plan.collectives.iter().find(|c| c.id == id)?;
+    let instr = program.instrs.iter().find(|i| i.id == id)?;
+    let input = program
+        .instrs
+        .iter()
+        .find(|i| Some(&i.id) == instr.inputs.first())?;
+    let shape = &input.fact.shape;
+    let slice = shape.fixed_at(shape.rank().checked_sub(1)?)?;
+    Some(TopKExchange {
+        logits_gather_bytes_per_token: gather.bytes_per_token,
+        pair_bytes_per_token_per_k: plan.tp.saturating_mul(8),
+        // The executor exchanges pairs while 2K < the slice width.
+        max_k: slice.saturating_sub(1) / 2,
+    })
 }
 
 /// The output's logits gather, when the output is one (see the executor's argmax path).
@@ -186,6 +221,7 @@ pub fn summarize(plan: &Plan) -> Summary {
         column_row_pairs: plan.regions.len() as u64,
         notes: plan.notes.clone(),
         greedy_exchange: greedy_exchange(plan),
+        top_k_exchange: top_k_exchange(plan),
     }
 }
 
@@ -347,6 +383,15 @@ pub fn render_table(s: &Summary) -> String {
             "greedy decode: ranks exchange (value, index) pairs, {} per token instead of the {} logits gather",
             human_bytes(g.pair_bytes_per_token),
             human_bytes(g.logits_gather_bytes_per_token)
+        );
+    }
+    if let Some(t) = s.top_k_exchange.filter(|t| t.max_k > 0) {
+        let _ = writeln!(
+            out,
+            "sampling with --top-k K: ranks exchange K pairs each, 8·K·tp = {}·K per token instead of the {} logits gather (K up to {}; a larger K gathers)",
+            human_bytes(t.pair_bytes_per_token_per_k),
+            human_bytes(t.logits_gather_bytes_per_token),
+            t.max_k
         );
     }
     for n in &s.notes {

@@ -173,6 +173,29 @@ pub trait Backend: Send + Sync {
     /// over consecutive vocabulary slices; per row, the best pair (larger value, lower index
     /// on ties, NaN if any part is NaN), as `[rows, 2]`.
     fn best_of_pairs(&self, pairs: &Self::Act, parts: usize) -> BackendResult<Self::Act>;
+    /// Per row of `x`, its `k` best values among the first `valid` columns, each with its
+    /// column index plus `offset`, as `[rows, 2k]` (value, index) pairs in the sampler's
+    /// order (larger value first by `f32::total_cmp`, lower index first among equal values;
+    /// `sampling::candidate_order`): vocabulary-parallel top-k sampling. Entries past the
+    /// `valid` columns are (-inf, -1), never chosen. A row with a NaN or an infinity among
+    /// its valid columns gets a NaN value first. Needs `1 <= k <= cols`.
+    fn top_k_pairs(
+        &self,
+        x: &Self::Act,
+        k: usize,
+        valid: usize,
+        offset: usize,
+    ) -> BackendResult<Self::Act>;
+    /// `pairs` is `parts` rank-major `[rows, 2m]` blocks from [`Backend::top_k_pairs`] over
+    /// consecutive vocabulary slices; per row, the `k` best pairs of their union in the same
+    /// order, as `[rows, 2k]` ((-inf, -1) when the union has fewer; a NaN value first if any
+    /// part's row is NaN). Needs `1 <= k <= parts·m`.
+    fn best_k_of_pairs(
+        &self,
+        pairs: &Self::Act,
+        parts: usize,
+        k: usize,
+    ) -> BackendResult<Self::Act>;
     /// The first row of `x` holding a NaN or an infinity, if any.
     fn first_non_finite_row(&self, x: &Self::Act) -> BackendResult<Option<usize>>;
     /// The given rows, in order.

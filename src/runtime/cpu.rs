@@ -10,6 +10,7 @@ use super::fastmath;
 use super::kernels::Kernels;
 use super::packed::PackedMatrix;
 use super::rope::{self, RopeTables};
+use super::sampling::candidate_order;
 use super::simd::with_avx2;
 use super::team::Team;
 use super::tensor::{pool, Tensor};
@@ -693,6 +694,90 @@ impl Backend for CpuBackend {
         Ok(Tensor::new(vec![rows, 2], out))
     }
 
+    fn top_k_pairs(
+        &self,
+        x: &Tensor,
+        k: usize,
+        valid: usize,
+        offset: usize,
+    ) -> BackendResult<Tensor> {
+        let (rows, cols) = x.rows_cols();
+        if valid > cols || k == 0 || k > cols {
+            return Err(shape_err(format!(
+                "top {k} of {valid} valid columns of {cols}"
+            )));
+        }
+        let mut out = pool::empty(rows * 2 * k);
+        let mut order: Vec<(f32, usize)> = Vec::with_capacity(valid);
+        for row in x.data.chunks(cols).take(rows) {
+            let row = &row[..valid];
+            let start = out.len();
+            if row.iter().any(|v| !v.is_finite()) {
+                out.extend_from_slice(&[f32::NAN, 0.0]);
+            } else {
+                order.clear();
+                order.extend(row.iter().copied().zip(0..));
+                let m = k.min(valid);
+                if m > 0 && m < valid {
+                    order.select_nth_unstable_by(m - 1, candidate_order);
+                }
+                order[..m].sort_unstable_by(candidate_order);
+                for &(v, i) in &order[..m] {
+                    // Exact: vocabularies are at most 2^24 (the model validation's limit).
+                    out.extend_from_slice(&[v, (offset + i) as f32]);
+                }
+            }
+            while out.len() < start + 2 * k {
+                out.extend_from_slice(&[f32::NEG_INFINITY, -1.0]);
+            }
+        }
+        Ok(Tensor::new(vec![rows, 2 * k], out))
+    }
+
+    fn best_k_of_pairs(&self, pairs: &Tensor, parts: usize, k: usize) -> BackendResult<Tensor> {
+        let (all, cols) = pairs.rows_cols();
+        let per = cols / 2;
+        if cols % 2 != 0 || parts == 0 || all % parts != 0 || k == 0 || k > per * parts {
+            return Err(shape_err(format!(
+                "best {k} of {all}x{cols} pairs in {parts} parts"
+            )));
+        }
+        let rows = all / parts;
+        let mut out = pool::empty(rows * 2 * k);
+        let mut union: Vec<(f32, usize)> = Vec::with_capacity(per * parts);
+        for r in 0..rows {
+            let start = out.len();
+            union.clear();
+            let mut nan = false;
+            for p in 0..parts {
+                let at = (p * rows + r) * cols;
+                let part = &pairs.data[at..at + cols];
+                if part[0].is_nan() {
+                    nan = true;
+                    break;
+                }
+                // Indices are whole numbers below 2^24; -1 marks an empty entry.
+                union.extend(
+                    part.chunks(2)
+                        .filter(|e| e[1] >= 0.0)
+                        .map(|e| (e[0], e[1] as usize)),
+                );
+            }
+            if nan {
+                out.extend_from_slice(&[f32::NAN, 0.0]);
+            } else {
+                union.sort_unstable_by(candidate_order);
+                for &(v, i) in union.iter().take(k) {
+                    out.extend_from_slice(&[v, i as f32]);
+                }
+            }
+            while out.len() < start + 2 * k {
+                out.extend_from_slice(&[f32::NEG_INFINITY, -1.0]);
+            }
+        }
+        Ok(Tensor::new(vec![rows, 2 * k], out))
+    }
+
     fn first_non_finite_row(&self, x: &Tensor) -> BackendResult<Option<usize>> {
         Ok(x.first_non_finite_row())
     }
@@ -1120,6 +1205,130 @@ mod tests {
         assert_eq!(cpu.best_of_pairs(&pairs, 2).unwrap().data, vec![-7.0, 2.0]);
         assert!(cpu.argmax_pairs(&nan, 4, 0).is_err());
         assert!(cpu.best_of_pairs(&nan, 2).is_err());
+    }
+
+    /// Every rank's top-k pairs of its padded slice, gathered rank-major and merged.
+    fn merged_top_k(cpu: &CpuBackend, full: &[Vec<f32>], tp: usize, k: usize) -> Tensor {
+        let vocab = full[0].len();
+        let n = vocab.div_ceil(tp);
+        let mut gathered = Vec::new();
+        let mut width = 0;
+        for rank in 0..tp {
+            let mut data = Vec::new();
+            for row in full {
+                // Padding columns are zeros, which must not beat negative logits.
+                data.extend((0..n).map(|c| row.get(rank * n + c).copied().unwrap_or(0.0)));
+            }
+            let slice = Tensor::new(vec![full.len(), n], data);
+            let valid = vocab.saturating_sub(rank * n).min(n);
+            let pairs = cpu.top_k_pairs(&slice, k.min(n), valid, rank * n).unwrap();
+            width = pairs.cols();
+            gathered.extend_from_slice(&pairs.data);
+        }
+        let pairs = Tensor::new(vec![full.len() * tp, width], gathered);
+        cpu.best_k_of_pairs(&pairs, tp, k.min(vocab)).unwrap()
+    }
+
+    #[test]
+    fn vocab_parallel_top_k_matches_the_whole_row_and_samples_the_same_tokens() {
+        use super::super::sampling::{pick, pick_from_candidates, Rng, Sampling};
+        let cpu = CpuBackend::new(1);
+        let vocab = 23;
+        for seed in 0..60u64 {
+            // Negative logits in half steps: many ties, within and across ranks; -0.0 too.
+            let mut r = Rng::new(seed);
+            let full: Vec<Vec<f32>> = (0..3)
+                .map(|_| {
+                    (0..vocab)
+                        .map(|_| match (r.next_f64() * 10.0) as u32 {
+                            0 => -0.0,
+                            _ => -((r.next_f64() * 8.0).floor() as f32) * 0.5 - 0.5,
+                        })
+                        .collect()
+                })
+                .collect();
+            for tp in [1, 2, 3, 4] {
+                for k in [1, 2, 5, 7, 11, 23, 40] {
+                    let best = merged_top_k(&cpu, &full, tp, k);
+                    let kk = k.min(vocab);
+                    assert_eq!(best.shape, vec![3, 2 * kk]);
+                    for (row, got) in full.iter().zip(best.data.chunks(2 * kk)) {
+                        let mut want: Vec<(f32, usize)> = row.iter().copied().zip(0..).collect();
+                        want.sort_by(candidate_order);
+                        want.truncate(kk);
+                        let got: Vec<(f32, usize)> =
+                            got.chunks(2).map(|e| (e[0], e[1] as usize)).collect();
+                        let bits = |c: &[(f32, usize)]| -> Vec<(u32, usize)> {
+                            c.iter().map(|&(v, i)| (v.to_bits(), i)).collect()
+                        };
+                        assert_eq!(bits(&got), bits(&want), "seed {seed} tp {tp} k {k}");
+                        for (t, p) in [(0.7, None), (1.3, Some(0.8))] {
+                            let s = Sampling {
+                                temperature: t,
+                                top_k: Some(k),
+                                top_p: p,
+                                seed,
+                            };
+                            let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+                            for _ in 0..3 {
+                                assert_eq!(
+                                    Some(pick(row, &s, &mut a)),
+                                    pick_from_candidates(&got, &s, &mut b)
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_pairs_mark_missing_entries_and_non_finite_rows() {
+        let cpu = CpuBackend::new(1);
+        let x = Tensor::new(
+            vec![2, 4],
+            vec![1.0, 3.0, 3.0, 9.0, 0.5, f32::NAN, 2.0, 0.0],
+        );
+        // Three valid columns, k 4: the last entry is empty; ties keep the lower index.
+        let p = cpu.top_k_pairs(&x, 4, 3, 10).unwrap();
+        let ninf = f32::NEG_INFINITY;
+        assert_eq!(&p.data[..8], &[3.0, 11.0, 3.0, 12.0, 1.0, 10.0, ninf, -1.0]);
+        // A NaN among the valid columns marks the row; one in padding does not.
+        assert!(p.data[8].is_nan());
+        let p = cpu.top_k_pairs(&x, 1, 1, 0).unwrap();
+        assert_eq!(p.data, vec![1.0, 0.0, 0.5, 0.0]);
+        let inf = Tensor::new(vec![1, 2], vec![f32::INFINITY, 1.0]);
+        assert!(cpu.top_k_pairs(&inf, 1, 2, 0).unwrap().data[0].is_nan());
+        // No valid column: only empty entries, which never win a merge.
+        let empty = cpu.top_k_pairs(&x, 2, 0, 4).unwrap();
+        assert_eq!(empty.data, [ninf, -1.0].repeat(4));
+        let other = cpu.top_k_pairs(&x, 2, 4, 0).unwrap();
+        let both = Tensor::new(vec![4, 4], [empty.data.clone(), other.data].concat());
+        let merged = cpu.best_k_of_pairs(&both, 2, 3).unwrap();
+        assert_eq!(&merged.data[..6], &[9.0, 3.0, 3.0, 1.0, ninf, -1.0]);
+        assert!(merged.data[6].is_nan());
+        // Fewer real entries than k: the rest stay empty.
+        let one = Tensor::new(vec![1, 4], vec![2.0, 5.0, ninf, -1.0]);
+        let merged = cpu.best_k_of_pairs(&one, 1, 2).unwrap();
+        assert_eq!(merged.data, vec![2.0, 5.0, ninf, -1.0]);
+        // Equal values on two ranks: the lower index first, whatever the rank order.
+        let tied = Tensor::new(vec![2, 2], vec![4.0, 7.0, 4.0, 2.0]);
+        assert_eq!(
+            cpu.best_k_of_pairs(&tied, 2, 2).unwrap().data,
+            vec![4.0, 2.0, 4.0, 7.0]
+        );
+        // Shapes that ask for nothing or too much are errors, not allocations.
+        assert!(cpu.top_k_pairs(&x, 0, 4, 0).is_err());
+        assert!(cpu.top_k_pairs(&x, 5, 4, 0).is_err());
+        assert!(cpu.top_k_pairs(&x, usize::MAX, 4, 0).is_err());
+        assert!(cpu.top_k_pairs(&x, 2, 5, 0).is_err());
+        assert!(cpu.best_k_of_pairs(&both, 2, 5).is_err());
+        assert!(cpu.best_k_of_pairs(&both, 3, 1).is_err());
+        assert!(cpu.best_k_of_pairs(&one, 1, 0).is_err());
+        assert!(cpu
+            .best_k_of_pairs(&Tensor::new(vec![1, 3], vec![1.0; 3]), 1, 1)
+            .is_err());
     }
 
     #[test]

@@ -20,6 +20,9 @@ enum Value<A> {
     Act(A),
 }
 
+/// One row's top-k sampling candidates: (logit, token) pairs, best first.
+pub type Candidates = Vec<(f32, usize)>;
+
 /// Which rows of the model output a forward call returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutputRows {
@@ -72,9 +75,20 @@ struct Call<'c> {
     positions: &'c [i64],
     segments: &'c [Segment],
     select: Option<&'c [usize]>,
-    /// Only each row's greedy token is wanted: the logits gather exchanges (value, index)
-    /// pairs instead of the vocabulary slices.
-    argmax_only: bool,
+    /// What the logits gather exchanges.
+    exchange: Exchange,
+}
+
+/// What a vocabulary-parallel logits gather moves between the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exchange {
+    /// The vocabulary slices: every rank gets the whole logits.
+    Logits,
+    /// Only each row's greedy token is wanted: one (value, index) pair per rank and row.
+    Argmax,
+    /// Only each row's `k` best candidates are wanted (top-k sampling): `k` pairs per rank
+    /// and row. `k` is at most the slice width and the vocabulary.
+    TopK(usize),
 }
 
 /// One attention op's KV caches: key and value widths per token, one cache per sequence.
@@ -265,7 +279,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     ) -> Result<std::result::Result<Vec<usize>, usize>> {
         if self.logits_gather.is_some() {
             // Vocabulary-parallel: the output is each row's best (value, index) pair.
-            let out = self.forward_call(batch, rows, true)?;
+            let out = self.forward_call(batch, rows, Exchange::Argmax)?;
             let pairs = self.backend.to_host(out).map_err(at_output)?;
             let picked = pairs
                 .data
@@ -292,6 +306,79 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         picked.map_err(at_output)
     }
 
+    /// Top-k sampling's candidates for each returned row: its `k` best (logit, token) pairs
+    /// (all of them when the vocabulary is smaller), best first, the lower token first among
+    /// equal logits (`sampling::candidate_order`), picked on the device so that only these
+    /// come back to the host. With vocabulary-split logits each rank sends its slice's `k`
+    /// best instead of the slice whenever that is fewer bytes (`2k` below the slice width);
+    /// the union of the ranks' top-k holds the global top-k, so the candidates are the same
+    /// either way. A row with a NaN or an infinity is `Err(row)`.
+    pub fn forward_top_k(
+        &mut self,
+        batch: &[(usize, &[i64])],
+        rows: OutputRows,
+        k: usize,
+    ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
+        let exchange = self
+            .logits_gather
+            .and_then(|id| self.vocab_slice(id))
+            .map(|(n, keep)| (n, k.min(keep)))
+            .filter(|&(n, k)| k > 0 && k.saturating_mul(2) < n)
+            .map(|(_, k)| k);
+        let out = match exchange {
+            Some(k) => self.forward_call(batch, rows, Exchange::TopK(k))?,
+            None => {
+                let logits = self.forward_on_device(batch, rows)?;
+                let cols = logits.rows_cols().1;
+                let pairs = self.backend.top_k_pairs(&logits, k.min(cols), cols, 0);
+                self.backend.release(logits);
+                pairs.map_err(at_output)?
+            }
+        };
+        let pairs = self.backend.to_host(out).map_err(at_output)?;
+        let width = pairs.cols().max(2);
+        let picked = pairs
+            .data
+            .chunks(width)
+            .enumerate()
+            .map(|(row, p)| {
+                if p[0].is_finite() {
+                    Ok(p.chunks(2)
+                        .filter(|e| e[1] >= 0.0)
+                        .map(|e| (e[0], e[1] as usize))
+                        .collect())
+                } else {
+                    Err(row)
+                }
+            })
+            .collect();
+        pairs.release();
+        Ok(picked)
+    }
+
+    /// The width of each rank's slice of the gathered logits `gather` and the vocabulary
+    /// kept after the gather (padding dropped).
+    fn vocab_slice(&self, gather: u32) -> Option<(usize, usize)> {
+        let instrs = &self.program.instrs;
+        let g = instrs.iter().find(|i| i.id == gather)?;
+        let Op::AllGather(op) = &g.op else {
+            return None;
+        };
+        let input = instrs.iter().find(|i| Some(&i.id) == g.inputs.first())?;
+        let n = usize::try_from(
+            input
+                .fact
+                .shape
+                .fixed_at(input.fact.shape.rank().checked_sub(1)?)?,
+        )
+        .ok()?;
+        let keep = match op.unpad_to {
+            Some(u) => usize::try_from(u).ok()?,
+            None => n.checked_mul(self.tp)?,
+        };
+        Some((n, keep))
+    }
+
     /// Recomputes `tokens` as one fresh sequence, checking every op's output, and returns
     /// the first op on this rank whose output holds a NaN or an infinity. Forgets every
     /// cached token (generation is over when this is called). Every rank of the group must
@@ -312,14 +399,14 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         batch: &[(usize, &[i64])],
         rows: OutputRows,
     ) -> Result<B::Act> {
-        self.forward_call(batch, rows, false)
+        self.forward_call(batch, rows, Exchange::Logits)
     }
 
     fn forward_call(
         &mut self,
         batch: &[(usize, &[i64])],
         rows: OutputRows,
-        argmax_only: bool,
+        exchange: Exchange,
     ) -> Result<B::Act> {
         let mut segments = Vec::with_capacity(batch.len());
         let mut ids = Vec::new();
@@ -350,7 +437,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             ids: &ids,
             positions: &positions,
             segments: &segments,
-            argmax_only,
+            exchange,
         };
         let out = self.run_program(&call);
         if out.is_ok() {
@@ -649,21 +736,36 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 self.all_reduces.add(ran);
                 out
             }
-            Op::AllGather(g) if call.argmax_only && self.logits_gather == Some(i.id) => {
+            Op::AllGather(g)
+                if call.exchange != Exchange::Logits && self.logits_gather == Some(i.id) =>
+            {
                 let x = x(0)?;
                 let (rows, n) = x.rows_cols();
                 let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
                 let offset = self.rank * n;
                 let valid = keep.saturating_sub(offset).min(n);
-                let local = b.argmax_pairs(x, valid, offset).map_err(&err)?;
-                let mut gathered = b.alloc(&[rows * self.tp, 2], local.dtype()).map_err(&err)?;
+                let local = match call.exchange {
+                    Exchange::TopK(k) => b.top_k_pairs(x, k, valid, offset),
+                    _ => b.argmax_pairs(x, valid, offset),
+                }
+                .map_err(&err)?;
+                let width = local.rows_cols().1;
+                let mut gathered = b
+                    .alloc(&[rows * self.tp, width], local.dtype())
+                    .map_err(&err)?;
                 self.collective_bytes += message_bytes(&gathered);
                 let sent = self
                     .comm
                     .all_gather(&local, &mut gathered)
                     .map_err(RunError::from);
                 b.release(local);
-                let out = sent.and_then(|()| b.best_of_pairs(&gathered, self.tp).map_err(&err));
+                let out = sent.and_then(|()| {
+                    match call.exchange {
+                        Exchange::TopK(k) => b.best_k_of_pairs(&gathered, self.tp, k),
+                        _ => b.best_of_pairs(&gathered, self.tp),
+                    }
+                    .map_err(&err)
+                });
                 b.release(gathered);
                 out?
             }

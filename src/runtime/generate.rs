@@ -1,14 +1,15 @@
 //! Generation on one rank, for any backend and communicator: a batch of sequences is
 //! prefilled in one ragged forward call, then decoded one token per live sequence per step;
 //! finished sequences drop out. Every rank computes the same logits (bit-identical after
-//! the gather) and so picks the same tokens with the same seed, without a broadcast.
+//! the gather), or the same merged argmax or top-k candidates when the ranks exchange those
+//! instead, and so picks the same tokens with the same seed, without a broadcast.
 
 use super::backend::Backend;
 use super::collectives::{AllReduceTally, Collectives};
 use super::error::{Result, RunError};
-use super::executor::{OutputRows, RankExecutor};
+use super::executor::{Candidates, OutputRows, RankExecutor};
 use super::kernels::{Isa, LinearKernels};
-use super::sampling::{pick, Rng, Sampling};
+use super::sampling::{pick, pick_from_candidates, Rng, Sampling};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
 use crate::ir::Op;
@@ -71,6 +72,10 @@ pub struct RunOptions {
     /// Pin every rank's compute threads to cores, round robin (`affinity.rs`; `--pin`).
     /// Off by default: on this project's 2-vCPU machine it measured no gain beyond noise.
     pub pin_threads: bool,
+    /// Decode steps gather the whole logits and pick on the host, even where exchanging each
+    /// rank's candidates would do (greedy decoding: its argmax; `--top-k K` sampling: its K
+    /// best). The tokens are the same; for comparisons and tests (`tpc run --gather-logits`).
+    pub gather_logits: bool,
     /// Untimed generations before the timed ones (same prompts, caches reset each time).
     pub warmup: usize,
     /// Timed generations (at least 1); the best prefill and decode times are reported.
@@ -90,6 +95,7 @@ impl std::fmt::Debug for RunOptions {
             .field("threads_per_rank", &self.threads_per_rank)
             .field("all_prompt_logits", &self.all_prompt_logits)
             .field("pin_threads", &self.pin_threads)
+            .field("gather_logits", &self.gather_logits)
             .field("warmup", &self.warmup)
             .field("repeat", &self.repeat)
             .finish()
@@ -108,6 +114,7 @@ impl Default for RunOptions {
             isa: None,
             all_prompt_logits: true,
             pin_threads: false,
+            gather_logits: false,
             warmup: 0,
             repeat: 1,
             progress: None,
@@ -452,8 +459,16 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     }
     let mut step_logits: Option<Tensor> = None;
     // Greedy decode picks on the device: only token ids come back from a decode step.
-    let greedy = opts.sampling.temperature <= 0.0;
+    let greedy = opts.sampling.temperature <= 0.0 && !opts.gather_logits;
     let mut step_picks: Option<Vec<usize>> = None;
+    // Top-k sampling needs each row's k best logits only: they come back from a decode step
+    // (exchanged between the ranks instead of the logits when that is fewer bytes). Without
+    // a top-k, exact sampling needs the whole distribution, so the logits are gathered.
+    let top_k = opts
+        .sampling
+        .top_k
+        .filter(|&k| k > 0 && opts.sampling.temperature > 0.0 && !opts.gather_logits);
+    let mut step_candidates: Option<Vec<Candidates>> = None;
     let mut next_ids: Vec<i64> = Vec::with_capacity(n);
     let mut total = 0;
     let decode = Instant::now();
@@ -462,9 +477,17 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         next_ids.clear();
         let mut still = Vec::with_capacity(live.len());
         for (k, &s) in live.iter().enumerate() {
-            let next = match &step_picks {
-                Some(picks) => picks[k] as i64,
-                None => {
+            let next = match (&step_picks, &step_candidates) {
+                (Some(picks), _) => picks[k] as i64,
+                (None, Some(candidates)) => {
+                    pick_from_candidates(&candidates[k], &opts.sampling, &mut rngs[s]).ok_or_else(
+                        || RunError::BadInstruction {
+                            name: "output".into(),
+                            problem: "a row of the logits has no candidate token".into(),
+                        },
+                    )? as i64
+                }
+                (None, None) => {
                     // A decode step's logits have one row per live sequence, in order.
                     let r = if step_logits.is_some() { k } else { row_of[s] };
                     let row = &current.data[r * vocab..(r + 1) * vocab];
@@ -501,6 +524,11 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         if greedy {
             match exec.forward_argmax(&batch, OutputRows::LastOfEach)? {
                 Ok(picks) => step_picks = Some(picks),
+                Err(k) => return Err(stop(exec, k)),
+            }
+        } else if let Some(top_k) = top_k {
+            match exec.forward_top_k(&batch, OutputRows::LastOfEach, top_k)? {
+                Ok(candidates) => step_candidates = Some(candidates),
                 Err(k) => return Err(stop(exec, k)),
             }
         } else {

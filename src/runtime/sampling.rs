@@ -97,20 +97,55 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
+/// The sampler's order of candidates: larger logit first (as `f32::total_cmp`), the lower
+/// token first among equal logits. A strict total order, so every sort gives one result.
+pub fn candidate_order(a: &(f32, usize), b: &(f32, usize)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
 /// Picks the next token from one row of logits.
 pub fn pick(logits: &[f32], s: &Sampling, rng: &mut Rng) -> usize {
     if s.temperature <= 0.0 {
         return argmax(logits);
     }
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let mut order: Vec<(f32, usize)> = logits.iter().copied().zip(0..).collect();
+    order.sort_by(candidate_order);
     if let Some(k) = s.top_k.filter(|&k| k > 0) {
         order.truncate(k);
     }
-    let max = logits[order[0]] as f64;
+    draw(&order, s, rng).unwrap_or(0)
+}
+
+/// Picks the next token from a row's candidates, `(logit, token)` pairs: with `--top-k K`,
+/// at least the row's K best logits (vocabulary-parallel sampling exchanges only those).
+/// The same token, for the same random state, as [`pick`] on the whole row: `pick` keeps the
+/// K best in [`candidate_order`] and draws from them alone, and so does this. `None` when
+/// there is no candidate.
+pub fn pick_from_candidates(
+    candidates: &[(f32, usize)],
+    s: &Sampling,
+    rng: &mut Rng,
+) -> Option<usize> {
+    let mut order = candidates.to_vec();
+    order.sort_by(candidate_order);
+    if s.temperature <= 0.0 {
+        // Greedy takes the first maximum, as `argmax` (where -0.0 equals 0.0).
+        let first = order.first()?.0;
+        return order.iter().filter(|c| c.0 == first).map(|c| c.1).min();
+    }
+    if let Some(k) = s.top_k.filter(|&k| k > 0) {
+        order.truncate(k);
+    }
+    draw(&order, s, rng)
+}
+
+/// Temperature, top-p and the seeded draw over candidates already sorted and cut to the
+/// top-k. Draws one number from `rng` whenever there is a candidate.
+fn draw(order: &[(f32, usize)], s: &Sampling, rng: &mut Rng) -> Option<usize> {
+    let max = order.first()?.0 as f64;
     let mut probs: Vec<f64> = order
         .iter()
-        .map(|&i| ((logits[i] as f64 - max) / s.temperature as f64).exp())
+        .map(|&(v, _)| ((v as f64 - max) / s.temperature as f64).exp())
         .collect();
     let total: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= total);
@@ -125,7 +160,6 @@ pub fn pick(logits: &[f32], s: &Sampling, rng: &mut Rng) -> usize {
                 break;
             }
         }
-        order.truncate(keep);
         probs.truncate(keep);
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
@@ -133,11 +167,11 @@ pub fn pick(logits: &[f32], s: &Sampling, rng: &mut Rng) -> usize {
     let mut u = rng.next_f64();
     for (i, p) in probs.iter().enumerate() {
         if u < *p {
-            return order[i];
+            return Some(order[i].1);
         }
         u -= p;
     }
-    order[probs.len() - 1]
+    Some(order[probs.len() - 1].1)
 }
 
 #[cfg(test)]
@@ -232,5 +266,72 @@ mod tests {
             a.iter().all(|&t| t == 1 || t == 2),
             "top-p 0.9 keeps the two likely tokens: {a:?}"
         );
+    }
+
+    /// Logits with many ties (and -0.0 beside 0.0), from a seed.
+    fn tied_logits(seed: u64, n: usize) -> Vec<f32> {
+        let mut r = Rng::new(seed);
+        (0..n)
+            .map(|_| match (r.next_f64() * 8.0) as u32 {
+                0 => 0.0,
+                1 => -0.0,
+                2 => 1.5,
+                _ => ((r.next_f64() * 12.0).floor() as f32 - 6.0) * 0.5,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn candidates_from_slices_pick_what_the_whole_row_picks() {
+        for seed in 0..300u64 {
+            let logits = tied_logits(seed, 37);
+            for (k, top_p) in [
+                (1, None),
+                (3, None),
+                (5, Some(0.7)),
+                (36, Some(0.95)),
+                (80, None),
+            ] {
+                let s = Sampling {
+                    temperature: 0.3 + (seed % 5) as f32 * 0.4,
+                    top_k: Some(k),
+                    top_p,
+                    seed,
+                };
+                // Each of 4 slices keeps its own k best; the union holds the global k best.
+                let mut union = Vec::new();
+                for slice in 0..4 {
+                    let start = slice * 10;
+                    let mut part: Vec<(f32, usize)> = logits
+                        .iter()
+                        .copied()
+                        .zip(0..)
+                        .skip(start)
+                        .take(10)
+                        .collect();
+                    part.sort_by(candidate_order);
+                    part.truncate(k);
+                    union.extend(part);
+                }
+                union.reverse();
+                let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+                for _ in 0..4 {
+                    assert_eq!(
+                        Some(pick(&logits, &s, &mut a)),
+                        pick_from_candidates(&union, &s, &mut b),
+                        "seed {seed}, k {k}"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            pick_from_candidates(&[], &with(1.0, Some(2), None), &mut Rng::new(0)),
+            None
+        );
+        // Greedy over candidates is the first maximum, -0.0 equal to 0.0 as in `argmax`.
+        let greedy = Sampling::default();
+        let c = [(0.0, 4), (-0.0, 2), (-1.0, 0)];
+        assert_eq!(pick_from_candidates(&c, &greedy, &mut Rng::new(0)), Some(2));
+        assert_eq!(argmax(&[-1.0, 0.0, -0.0, 0.0, 0.0]), 1);
     }
 }
