@@ -38,8 +38,9 @@ fn json_has_the_contract_fields() {
             p["memory_s"].as_f64().unwrap(),
             p["comm_s"].as_f64().unwrap(),
         );
-        assert!(t > 0.0 && c > 0.0 && m > 0.0 && k > 0.0, "{p}");
-        assert!((t - (c.max(m) + k)).abs() < 1e-12, "{p}");
+        let el = p["elementwise_s"].as_f64().unwrap();
+        assert!(t > 0.0 && c > 0.0 && m > 0.0 && k > 0.0 && el > 0.0, "{p}");
+        assert!((t - (c.max(m) + el + k)).abs() < 1e-12, "{p}");
     }
     assert!(v["memory_per_rank_bytes"].as_u64().unwrap() > 17_000_000_000);
     assert_eq!(v["fits"], true);
@@ -67,8 +68,17 @@ fn a_plan_that_does_not_fit_says_by_how_much_and_search_ranks_fitting_plans_firs
     assert!(o.status.success());
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let ranked = v.as_array().unwrap();
-    let tps: Vec<u64> = ranked.iter().map(|e| e["tp"].as_u64().unwrap()).collect();
+    let tps: Vec<u64> = ranked
+        .iter()
+        .filter(|e| e["pp"] == 1)
+        .map(|e| e["tp"].as_u64().unwrap())
+        .collect();
     assert_eq!(tps, vec![8, 4, 2, 1], "{tps:?}");
+    // Every (tp, pp) with tp·pp ≤ 8 devices is ranked.
+    assert!(ranked
+        .iter()
+        .all(|e| e["tp"].as_u64().unwrap() * e["pp"].as_u64().unwrap() <= 8));
+    assert!(ranked.iter().any(|e| e["tp"] == 4 && e["pp"] == 2));
     assert_eq!(ranked.last().unwrap()["fits"], false);
 }
 
@@ -103,16 +113,66 @@ fn bad_requests_and_profiles_are_refused() {
         e.contains("memory_bandwidth is -1") && !e.contains("panicked"),
         "{e}"
     );
-    // Pipeline stages are not compiled yet: a usage error, not a silent tp-only estimate.
+    // More pipeline stages than layers: an error listing the valid ones.
+    let o = tpc(&[
+        "simulate",
+        "models/tiny-llama.ron",
+        "--hw",
+        NVSWITCH,
+        "--pp",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("valid: 1 to 2") && !e.contains("panicked"),
+        "{e}"
+    );
+    // tp·pp beyond the profile's devices.
     let o = tpc(&[
         "simulate",
         "models/llama3-8b.ron",
         "--hw",
         NVSWITCH,
+        "--tp",
+        "4",
         "--pp",
-        "2",
+        "4",
     ]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("needs 16 devices"));
+}
+
+#[test]
+fn pipeline_stages_show_in_the_json() {
+    let run = |pp: &str| {
+        let o = tpc(&[
+            "simulate",
+            "models/llama3-8b.ron",
+            "--hw",
+            NVSWITCH,
+            "--tp",
+            "2",
+            "--pp",
+            pp,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let one = run("1");
+    assert_eq!(one["pp"], 1);
+    assert!(one.get("stages").is_none());
+    let two = run("2");
+    assert_eq!(two["pp"], 2);
+    let stages = two["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 2);
+    // 32 equal layers, an untied embedding and LM head of the same size: 16 and 16.
+    assert_eq!(stages[0]["layers"], 16);
+    assert_eq!(stages[1]["first_layer"], 16);
+    let w = two["weight_bytes_per_rank"].as_u64().unwrap() as f64;
+    let w1 = one["weight_bytes_per_rank"].as_u64().unwrap() as f64;
+    assert!((w / (w1 / 2.0) - 1.0).abs() < 0.01, "{w} {w1}");
 }
 
 #[test]

@@ -14,8 +14,8 @@ pub struct Args {
     /// command; predictions need the full one (about half a minute).
     #[arg(long)]
     quick: bool,
-    /// Measure the prompt products at this model's linear shapes (tp 1) instead of
-    /// TinyLlama-1.1B's.
+    /// Time one pass of this model's linears (tp 1, program order, the LM head left out,
+    /// cut to 512 MiB of bf16 weights) instead of TinyLlama-1.1B's.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Threads (cores) the host's figures are measured with (default: every core, as
@@ -42,10 +42,11 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         let mut shapes: Vec<(usize, usize)> = Vec::new();
         let mut skipped = 0;
         if let Some(rank) = plan.ranks.first() {
+            let heads = tpc::cost::simulate::head_linears(rank);
             let facts: std::collections::HashMap<u32, _> =
                 rank.instrs.iter().map(|i| (i.id, &i.fact)).collect();
             for i in &rank.instrs {
-                if !matches!(i.op, tpc::ir::Op::Linear(_)) {
+                if !matches!(i.op, tpc::ir::Op::Linear(_)) || heads.contains(&i.id) {
                     continue;
                 }
                 let dims: Vec<usize> = i
@@ -65,9 +66,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                     .unwrap_or_default();
                 if let [n, k] = dims[..] {
                     if n.checked_mul(k).is_some_and(|e| e <= MAX_SHAPE_ELEMENTS) {
-                        if !shapes.contains(&(n, k)) {
-                            shapes.push((n, k));
-                        }
+                        shapes.push((n, k));
                     } else {
                         skipped += 1;
                     }

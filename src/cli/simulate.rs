@@ -1,9 +1,10 @@
-//! `tpc simulate MODEL --tp T --hw PROFILE --batch B --prompt S --gen N [--json] [--search]`:
-//! what a plan costs on a hardware profile, by the α-β model of `tpc::cost`.
+//! `tpc simulate MODEL --tp T [--pp P] --hw PROFILE --batch B --prompt S --gen N [--json]
+//! [--search]`: what a plan costs on a hardware profile, by the α-β model of `tpc::cost`;
+//! pipeline stages are modelled there (tpc does not compile them yet).
 
 use std::path::PathBuf;
 use tpc::cost::profile::HwProfile;
-use tpc::cost::simulate::{simulate_as, Estimate, Numerics, Workload};
+use tpc::cost::simulate::{simulate_pp, Estimate, Numerics, Workload};
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::plan::report::human_bytes;
@@ -15,8 +16,10 @@ pub struct Args {
     /// Tensor-parallel ranks (ignored with --search).
     #[arg(long, default_value_t = 1)]
     tp: u64,
-    /// Pipeline stages; only 1 until tpc compiles pipeline stages.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1))]
+    /// Pipeline stages of --tp ranks each, modelled (tpc does not compile stages yet): the
+    /// layers split into P contiguous stages balanced by parameter bytes, run one after
+    /// another (ignored with --search).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pp: u64,
     /// Hardware profile (RON), e.g. models/hw/h100-sxm-nvswitch-8.ron.
     #[arg(long)]
@@ -33,7 +36,8 @@ pub struct Args {
     /// Print the estimate (or the ranking) as JSON.
     #[arg(long)]
     json: bool,
-    /// Rank every feasible tp up to the profile's device count by decode throughput.
+    /// Rank every feasible (tp, pp) with tp·pp up to the profile's device count by decode
+    /// throughput.
     #[arg(long)]
     search: bool,
     /// Number types priced: `plan` (the plan's dtype throughout, as a GPU runtime), or as
@@ -64,9 +68,14 @@ fn numerics(d: SimDtype, plan: &tpc::plan::Plan) -> Numerics {
 fn table(e: &Estimate) -> String {
     let ms = |s: f64| format!("{:.3} ms", s * 1e3);
     let mut out = format!(
-        "model {}  tp={}  on {}  (weights {}, activations {})\n{:<12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
+        "model {}  tp={}{}  on {}  (weights {}, activations {})\n{:<12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
         e.model,
         e.tp,
+        if e.pp > 1 {
+            format!("  pp={}", e.pp)
+        } else {
+            String::new()
+        },
         e.hw,
         e.weight_dtype,
         e.activation_dtype,
@@ -75,17 +84,30 @@ fn table(e: &Estimate) -> String {
         "compute",
         "memory",
         "comm",
-        "per-op"
+        "per-op",
+        "elementwise"
     );
     for (name, p) in [("prefill", &e.prefill), ("decode step", &e.decode_step)] {
         out += &format!(
-            "{:<12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
+            "{:<12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
             name,
             ms(p.time_s),
             ms(p.compute_s),
             ms(p.memory_s),
             ms(p.comm_s),
-            ms(p.overhead_s)
+            ms(p.overhead_s),
+            ms(p.elementwise_s)
+        );
+    }
+    for (k, st) in e.stages.iter().enumerate() {
+        out += &format!(
+            "stage {k}: layers {}..{}  weights/rank {}  KV/rank {}  prefill {}  decode step {}\n",
+            st.first_layer,
+            st.first_layer + st.layers,
+            human_bytes(st.weight_bytes_per_rank),
+            human_bytes(st.kv_bytes_per_rank),
+            ms(st.prefill_time_s),
+            ms(st.decode_step_time_s)
         );
     }
     out += &format!(
@@ -122,16 +144,22 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         SimDtype::Plan
     });
     if !a.search {
+        let devices = a.tp.saturating_mul(a.pp);
         anyhow::ensure!(
-            a.tp <= hw.devices,
-            "--tp {} needs {} devices, the profile {} has {}",
+            devices <= hw.devices,
+            "--tp {}{} needs {} devices, the profile {} has {}",
             a.tp,
-            a.tp,
+            if a.pp > 1 {
+                format!(" --pp {}", a.pp)
+            } else {
+                String::new()
+            },
+            devices,
             hw.name,
             hw.devices
         );
         let plan = compile(&def, a.tp)?.plan;
-        let e = simulate_as(&plan, &hw, work, numerics(dtype, &plan));
+        let e = simulate_pp(&plan, &hw, work, numerics(dtype, &plan), a.pp)?;
         let text = if a.json {
             format!("{}\n", serde_json::to_string_pretty(&e)?)
         } else {
@@ -141,10 +169,17 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     }
     // Every tp the model splits into and the profile has devices for, fitting ones first,
     // then by decode throughput.
-    let mut ranked: Vec<Estimate> = (1..=hw.devices.min(tpc::passes::feasibility::MAX_TP))
-        .filter_map(|tp| compile(&def, tp).ok())
-        .map(|c| simulate_as(&c.plan, &hw, work, numerics(dtype, &c.plan)))
-        .collect();
+    let mut ranked: Vec<Estimate> = Vec::new();
+    for tp in 1..=hw.devices.min(tpc::passes::feasibility::MAX_TP) {
+        let Ok(c) = compile(&def, tp) else { continue };
+        // Every pp the layers allow (an infeasible one is an error: the search stops there).
+        for pp in 1..=hw.devices / tp {
+            match simulate_pp(&c.plan, &hw, work, numerics(dtype, &c.plan), pp) {
+                Ok(e) => ranked.push(e),
+                Err(_) => break,
+            }
+        }
+    }
     anyhow::ensure!(!ranked.is_empty(), "no tp value splits this model");
     ranked.sort_by(|x, y| {
         y.fits
@@ -155,13 +190,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         format!("{}\n", serde_json::to_string_pretty(&ranked)?)
     } else {
         let mut s = format!(
-            "{:>4} {:>14} {:>14} {:>16} {:>6}\n",
-            "tp", "prefill tok/s", "decode tok/s", "memory/rank", "fits"
+            "{:>4} {:>4} {:>14} {:>14} {:>16} {:>6}\n",
+            "tp", "pp", "prefill tok/s", "decode tok/s", "memory/rank", "fits"
         );
         for e in &ranked {
             s += &format!(
-                "{:>4} {:>14.0} {:>14.1} {:>16} {:>6}\n",
+                "{:>4} {:>4} {:>14.0} {:>14.1} {:>16} {:>6}\n",
                 e.tp,
+                e.pp,
                 e.tokens_per_s.prefill,
                 e.tokens_per_s.decode,
                 human_bytes(e.memory_per_rank_bytes),

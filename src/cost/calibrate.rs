@@ -2,10 +2,16 @@
 //! into a [`HwProfile`] whose ranks share the host ([`SharedHost`]):
 //!
 //! - compute: achieved FLOP/s of the packed linear kernels (the best variant this host
-//!   runs, as `tpc run` picks it) on prompt-sized products, bf16 and f32 weights, all cores;
+//!   runs, as `tpc run` picks it) over one pass of a model's linears (TinyLlama-1.1B's by
+//!   default; every linear in program order, each with its own weights, up to a cap of
+//!   weight bytes) at a prompt's rows, bf16 and f32 weights, all cores;
 //! - memory: the bytes per second the decode GEMV (one row) reaches through distinct bf16
 //!   weights far larger than the caches (and, for reference, a plain read loop);
-//! - per-op cost: the time of the smallest linear through the team (dispatch and join);
+//! - attention: the runtime's causal attention at head sizes 8 to 128 (its rate depends on
+//!   the size: small heads take a slower path);
+//! - per-op cost: decode steps of the shipped tiny model (`models/tiny-llama.ron`, random
+//!   weights) through the executor, less the compute and elementwise time the other
+//!   figures price for them, per op (never below the smallest linear through the team);
 //! - collectives: α and β of the in-process communicator's one-shot and ring all-reduce,
 //!   fitted by least squares to `bench-comm`'s measurements over 4 KiB..16 MiB at 2 ranks.
 //!
@@ -32,6 +38,8 @@ pub enum CalibrateError {
     Measurement { what: &'static str, value: f64 },
     #[error("no linear of the model is small enough to measure (at most {max} weight elements)")]
     NoShapes { max: usize },
+    #[error("running the tiny model through the executor failed: {0}")]
+    Executor(String),
 }
 
 /// Largest weight (elements) a compute measurement packs.
@@ -40,8 +48,11 @@ pub const MAX_SHAPE_ELEMENTS: usize = 1 << 26;
 /// What to measure and for how long.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
-    /// Weight shapes (out, in) of the prompt products.
+    /// Weight shapes (out, in) of one pass of a model's linears, in program order (repeats
+    /// count: every layer's linears have weights of their own).
     pub shapes: Vec<(usize, usize)>,
+    /// MiB of bf16 weights the pass is cut to (whole linears from its start).
+    pub pass_mib: usize,
     /// Rows (prompt tokens) of the prompt products.
     pub rows: usize,
     /// Seconds per compute measurement (the best call counts).
@@ -52,27 +63,44 @@ pub struct Settings {
     pub comm_sizes: Vec<usize>,
     /// Timed calls per all-reduce size.
     pub comm_iters: usize,
-    /// Calls of the smallest linear timed for the per-op cost.
+    /// Calls of the smallest linear timed for the per-op cost's floor.
     pub op_calls: usize,
+    /// Decode steps of the tiny model timed for the per-op cost.
+    pub decode_steps: usize,
     /// Threads for compute and bandwidth: every core the runtime would use.
     pub threads: usize,
 }
 
-/// TinyLlama-1.1B's q, k, gate and down projections: the CPU benchmark's shapes.
-pub const DEFAULT_SHAPES: [(usize, usize); 4] =
-    [(2048, 2048), (256, 2048), (5632, 2048), (2048, 5632)];
+/// One layer of TinyLlama-1.1B's linears (q, k, v, o, gate, up, down): the CPU benchmark's.
+pub const DEFAULT_LAYER: [(usize, usize); 7] = [
+    (2048, 2048),
+    (256, 2048),
+    (256, 2048),
+    (2048, 2048),
+    (5632, 2048),
+    (5632, 2048),
+    (2048, 5632),
+];
+
+/// TinyLlama-1.1B's 22 layers of linears (the LM head, which a prefill runs on one row per
+/// sequence, left out).
+pub fn default_shapes() -> Vec<(usize, usize)> {
+    DEFAULT_LAYER.repeat(22)
+}
 
 impl Settings {
     /// The full measurement (tens of seconds).
     pub fn full(threads: usize) -> Settings {
         Settings {
-            shapes: DEFAULT_SHAPES.to_vec(),
+            shapes: default_shapes(),
+            pass_mib: 512,
             rows: 128,
             seconds: 0.4,
             sweep_mib: 512,
             comm_sizes: (12..=24).map(|p| 1usize << p).collect(),
             comm_iters: 100,
             op_calls: 2000,
+            decode_steps: 64,
             threads: threads.max(1),
         }
     }
@@ -82,12 +110,14 @@ impl Settings {
     pub fn quick(threads: usize) -> Settings {
         Settings {
             shapes: vec![(256, 256), (512, 256)],
+            pass_mib: 1,
             rows: 64,
             seconds: 0.02,
             sweep_mib: 8,
             comm_sizes: (12..=20).step_by(2).map(|p| 1usize << p).collect(),
             comm_iters: 8,
             op_calls: 100,
+            decode_steps: 8,
             threads: threads.max(1),
         }
     }
@@ -154,8 +184,18 @@ pub struct Calibration {
     pub sweep_bytes: usize,
     pub read_bandwidth: f64,
     pub op_overhead_s: f64,
+    /// The floor of the per-op cost: median one-row 16×16 linear through the team.
+    pub bare_op_s: f64,
+    /// Best decode step of the tiny model through the executor, and its compute ops.
+    pub executor_step_s: f64,
+    pub executor_ops: f64,
+    /// Linears (and their bf16 weight bytes) in the timed pass.
+    pub pass_linears: usize,
+    pub pass_bytes: usize,
     /// FLOP/s of the runtime's causal attention on a prompt (4 per head and dim per pair).
     pub attention_flops: f64,
+    /// Its FLOP/s by head size.
+    pub attention_by_head_dim: Vec<(u64, f64)>,
     pub comm_world: usize,
     pub one_shot: CommFit,
     pub ring: CommFit,
@@ -196,30 +236,62 @@ fn weight(n: usize, k: usize, seed: usize) -> Tensor {
     )
 }
 
-/// Achieved FLOP/s of the packed linear over `shapes` (total FLOPs / total best time).
-fn gemm_rate(kern: Kernels, team: &Team, s: &Settings, bf16: bool) -> Result<f64, CalibrateError> {
-    let (mut flops, mut secs) = (0.0, 0.0);
+/// The linears of the timed pass: `shapes` from the start, whole, up to `pass_mib` MiB of
+/// bf16 weights (at least one).
+fn pass_shapes(s: &Settings) -> Vec<(usize, usize)> {
+    let cap = s.pass_mib.max(1) << 20;
+    let mut bytes = 0usize;
+    let mut out = Vec::new();
     for &(n, k) in &s.shapes {
-        let w = PackedMatrix::pack(&weight(n, k, 0), WeightOrder::OutIn, bf16);
-        let x = Tensor::new(
-            vec![s.rows, k],
-            (0..s.rows * k)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-                .collect(),
-        );
-        let t = best(s.seconds, || {
-            std::hint::black_box(w.matmul_with(kern, &x, team));
-        });
-        flops += 2.0 * (s.rows * n * k) as f64;
-        secs += t.as_secs_f64();
+        let b = n.saturating_mul(k).saturating_mul(2);
+        if !out.is_empty() && bytes.saturating_add(b) > cap {
+            break;
+        }
+        bytes = bytes.saturating_add(b);
+        out.push((n, k));
     }
+    out
+}
+
+/// Achieved FLOP/s of the packed linear over one pass of [`pass_shapes`], each linear with
+/// weights of its own (so they stream from memory as a model's do): total FLOPs over the
+/// best pass.
+fn gemm_rate(kern: Kernels, team: &Team, s: &Settings, bf16: bool) -> Result<f64, CalibrateError> {
+    let shapes = pass_shapes(s);
+    let mats: Vec<PackedMatrix> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(n, k))| PackedMatrix::pack(&weight(n, k, i), WeightOrder::OutIn, bf16))
+        .collect();
+    let mut inputs: std::collections::HashMap<usize, Tensor> = std::collections::HashMap::new();
+    for &(_, k) in &shapes {
+        inputs.entry(k).or_insert_with(|| {
+            Tensor::new(
+                vec![s.rows, k],
+                (0..s.rows * k)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                    .collect(),
+            )
+        });
+    }
+    let flops: f64 = shapes
+        .iter()
+        .map(|&(n, k)| 2.0 * (s.rows * n * k) as f64)
+        .sum();
+    let t = best(s.seconds, || {
+        for (m, &(_, k)) in mats.iter().zip(&shapes) {
+            if let Some(x) = inputs.get(&k) {
+                std::hint::black_box(m.matmul_with(kern, x, team));
+            }
+        }
+    });
     checked(
         if bf16 {
             "bf16 GEMM FLOP/s"
         } else {
             "f32 GEMM FLOP/s"
         },
-        flops / secs,
+        flops / t.as_secs_f64(),
     )
 }
 
@@ -272,11 +344,14 @@ fn read_bandwidth(threads: usize, mib: usize, budget: f64) -> Result<f64, Calibr
     )
 }
 
-/// FLOP/s of the runtime's causal attention over a whole prompt of `s.rows` tokens:
-/// TinyLlama's heads (32 query heads of 64 over 4 key/value heads), 4 FLOPs per head and
-/// dim per (query, key) pair, the count the cost model uses.
-fn attention_rate(team: &Team, s: &Settings) -> Result<f64, CalibrateError> {
-    let (t, d, heads, kv_heads) = (s.rows, 64, 32, 4);
+/// Head sizes the attention rate is measured at.
+pub const ATTENTION_HEAD_DIMS: [usize; 5] = [8, 16, 32, 64, 128];
+
+/// FLOP/s of the runtime's causal attention over a whole prompt of `s.rows` tokens, 32
+/// query heads of `d` over 4 key/value heads, 4 FLOPs per head and dim per (query, key)
+/// pair (the count the cost model uses).
+fn attention_rate(team: &Team, s: &Settings, d: usize) -> Result<f64, CalibrateError> {
+    let (t, heads, kv_heads) = (s.rows, 32, 4);
     let q = Tensor::new(
         vec![t, heads * d],
         (0..t * heads * d).map(|i| (i % 13) as f32 / 13.0).collect(),
@@ -284,9 +359,10 @@ fn attention_rate(team: &Team, s: &Settings) -> Result<f64, CalibrateError> {
     let kv: Vec<f32> = (0..t * kv_heads * d)
         .map(|i| (i % 7) as f32 / 7.0)
         .collect();
+    let scale = 1.0 / (d as f32).sqrt();
     let time = best(s.seconds, || {
         std::hint::black_box(crate::runtime::attention::causal_attention(
-            team, &q, &kv, &kv, d, kv_heads, 0.125,
+            team, &q, &kv, &kv, d, kv_heads, scale,
         ));
     });
     let flops = 4.0 * (heads * d) as f64 * (t * (t + 1) / 2) as f64;
@@ -435,8 +511,15 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
     let gemm_f32_flops = gemm_rate(kern, &team, s, false)?;
     let (gemv_bandwidth, sweep_bytes) = gemv_sweep(kern, &team, s)?;
     let read_bandwidth = read_bandwidth(s.threads, s.sweep_mib.max(8), s.seconds * 2.0)?;
-    let op_overhead_s = op_overhead(kern, &team, s.op_calls)?;
-    let attention_flops = attention_rate(&team, s)?;
+    let bare_op_s = op_overhead(kern, &team, s.op_calls)?;
+    let mut attention_by_head_dim = Vec::new();
+    for d in ATTENTION_HEAD_DIMS {
+        attention_by_head_dim.push((d as u64, attention_rate(&team, s, d)?));
+    }
+    let attention_flops = attention_by_head_dim
+        .iter()
+        .find(|e| e.0 == 64)
+        .map_or(f64::NAN, |e| e.1);
     drop(team);
     let world = 2;
     let rows = bench_all_reduce::<f32>(world, &s.comm_sizes, s.comm_iters.max(1));
@@ -449,7 +532,8 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
     let mut ring = fit(BenchKind::Ring)?;
     // The ring pays its latency once per step, (p − 1) steps: α per step.
     ring.fit.alpha_s /= (world - 1) as f64;
-    Ok(Calibration {
+    let pass = pass_shapes(s);
+    let mut c = Calibration {
         host,
         threads: s.threads,
         isa: kern.isa(),
@@ -460,13 +544,74 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
         gemv_bandwidth,
         sweep_bytes,
         read_bandwidth,
-        op_overhead_s,
+        op_overhead_s: bare_op_s,
+        bare_op_s,
+        executor_step_s: 0.0,
+        executor_ops: 0.0,
+        pass_linears: pass.len(),
+        pass_bytes: pass.iter().map(|(n, k)| n * k * 2).sum(),
         attention_flops,
+        attention_by_head_dim,
         comm_world: world,
         one_shot,
         ring,
         settings: s.clone(),
-    })
+    };
+    let (step, ops, priced) = executor_step(&c.profile(), s)?;
+    c.executor_step_s = step;
+    c.executor_ops = ops;
+    c.op_overhead_s = ((step - priced) / ops.max(1.0)).max(bare_op_s);
+    Ok(c)
+}
+
+/// The best decode step of the shipped tiny model (f32, random weights, tp 1, all threads)
+/// through the executor, its compute ops per step, and what `profile` prices that step's
+/// compute and elementwise ops at (its weights, in cache, are not priced at the DRAM
+/// bandwidth).
+fn executor_step(hw: &HwProfile, s: &Settings) -> Result<(f64, f64, f64), CalibrateError> {
+    use crate::cost::simulate::{simulate_as, Numerics, Workload};
+    let err = |e: &dyn std::fmt::Display| CalibrateError::Executor(e.to_string());
+    let path = std::path::Path::new("models/tiny-llama.ron");
+    let def: crate::frontend::spec::ModelDef =
+        crate::frontend::load::parse_ron(path, include_str!("../../models/tiny-llama.ron"))
+            .map_err(|e| err(&e))?;
+    let plan = crate::pipeline::compile(&def, 1).map_err(|e| err(&e))?.plan;
+    let weights = crate::runtime::random::RandomWeights::new(&plan, 0);
+    let prompt = 16usize;
+    let steps = s.decode_steps.max(2);
+    let request = crate::runtime::generate::Request {
+        prompt: (0..prompt as i64).map(|i| (i * 7919) % 250).collect(),
+        max_new_tokens: None,
+    };
+    let opts = crate::runtime::generate::RunOptions {
+        dtype: crate::runtime::generate::ComputeDtype::F32,
+        max_new_tokens: steps + 1,
+        threads_per_rank: s.threads,
+        all_prompt_logits: false,
+        warmup: 1,
+        repeat: 3,
+        ..Default::default()
+    };
+    let out = crate::runtime::launch::run_batch(&plan, &weights, &[request], &opts)
+        .map_err(|e| err(&e))?;
+    let decoded = out.generated_tokens().saturating_sub(1).max(1);
+    let step = checked("executor decode step", out.decode_seconds / decoded as f64)?;
+    let mut bare = hw.clone();
+    bare.op_overhead_s = 0.0;
+    let work = Workload {
+        batch: 1,
+        prompt: prompt as u64,
+        gen: (steps + 1) as u64,
+    };
+    let e = simulate_as(&plan, &bare, work, Numerics::cpu_runtime(false));
+    let ops = crate::cost::simulate::ops_per_pass(&plan);
+    // The tiny model's 400 KB of weights stay in cache from step to step: its step pays
+    // its arithmetic and activations, not the DRAM term the profile's bandwidth prices.
+    Ok((
+        step,
+        ops,
+        e.decode_step.compute_s + e.decode_step.elementwise_s,
+    ))
 }
 
 /// The civil date (UTC, `YYYY-MM-DD`) of a Unix time in seconds.
@@ -509,12 +654,13 @@ impl Calibration {
                 h.memory_bytes
             ),
             format!(
-                "peak_flops_bf16 / peak_flops_f32: achieved by the packed linear ({} / {} kernels, {} threads) on {} rows through weights {}: total FLOPs over the best times",
+                "peak_flops_bf16 / peak_flops_f32: achieved by the packed linear ({} / {} kernels, {} threads) over one pass of {} linears ({} MiB of bf16 weights, each its own; the model's first, in program order) at {} rows: total FLOPs over the best pass",
                 self.gemm_bf16_variant,
                 self.gemm_f32_variant,
                 self.threads,
+                self.pass_linears,
+                self.pass_bytes >> 20,
                 s.rows,
-                s.shapes.iter().map(|(n, k)| format!("{n}x{k}")).collect::<Vec<_>>().join(", ")
             ),
             format!(
                 "memory_bandwidth: one-row products (decode GEMV, {} kernels) through {} MiB of distinct bf16 weights, {} threads; a plain read loop reached {:.2e} B/s",
@@ -524,12 +670,15 @@ impl Calibration {
                 self.read_bandwidth
             ),
             format!(
-                "attention_flops: the runtime's causal attention over a {}-token prompt, 32 query heads of 64 over 4 kv heads, {} threads, 4 FLOPs per head-dim per pair",
+                "attention_flops / attention_flops_by_head_dim: the runtime's causal attention over a {}-token prompt, 32 query heads of 8, 16, 32, 64, 128 (attention_flops: 64) over 4 kv heads, {} threads, 4 FLOPs per head-dim per pair",
                 s.rows, self.threads
             ),
             format!(
-                "op_overhead_s: median of {} calls of a one-row 16x16 linear through the team",
-                s.op_calls
+                "op_overhead_s: the tiny model's (models/tiny-llama.ron, f32, random weights, tp 1) best decode step through the executor, {:.2} us, less the compute and elementwise time the other figures price (its weights stay in cache), over its {} compute ops; floor: median of {} calls of a one-row 16x16 linear through the team ({:.3} us)",
+                self.executor_step_s * 1e6,
+                self.executor_ops,
+                s.op_calls,
+                self.bare_op_s * 1e6
             ),
             format!(
                 "one_shot / ring: in-process communicator, f32, {} ranks, least squares (relative) of the median times over {}..{} bytes; ring alpha per step",
@@ -567,6 +716,7 @@ impl Calibration {
             },
             op_overhead_s: self.op_overhead_s,
             attention_flops: Some(self.attention_flops),
+            attention_flops_by_head_dim: self.attention_by_head_dim.clone(),
             shared: Some(SharedHost {
                 cores: h.cores.max(1) as u64,
             }),
@@ -592,8 +742,11 @@ impl Calibration {
             "GEMM bf16 weights",
             format!("{:.1} GF/s", self.gemm_bf16_flops / 1e9),
             format!(
-                "{} kernel, {} rows",
-                self.gemm_bf16_variant, self.settings.rows
+                "{} kernel, {} rows, {} linears ({} MiB)",
+                self.gemm_bf16_variant,
+                self.settings.rows,
+                self.pass_linears,
+                self.pass_bytes >> 20
             ),
         );
         row(
@@ -617,12 +770,23 @@ impl Calibration {
         row(
             "attention",
             format!("{:.1} GF/s", self.attention_flops / 1e9),
-            format!("causal, {} tokens, 32x64 heads", self.settings.rows),
+            format!("causal, {} tokens, 32 heads of 64", self.settings.rows),
         );
+        for (d, a) in &self.attention_by_head_dim {
+            row(
+                &format!("attention, heads of {d}"),
+                format!("{:.1} GF/s", a / 1e9),
+                "".into(),
+            );
+        }
         row(
             "per-op overhead",
             format!("{:.2} µs", self.op_overhead_s * 1e6),
-            "median one-row 16x16 linear".into(),
+            format!(
+                "tiny model's decode step {:.1} µs / {} ops through the executor",
+                self.executor_step_s * 1e6,
+                self.executor_ops
+            ),
         );
         for (name, f) in [("one-shot", &self.one_shot), ("ring", &self.ring)] {
             row(

@@ -36,6 +36,11 @@ pub struct HwProfile {
     /// runs apart from the GEMMs and slower (a CPU host); `None`: at the GEMM peak.
     #[serde(default)]
     pub attention_flops: Option<f64>,
+    /// The attention kernel's FLOP/s by head size, (head_dim, FLOP/s), where it depends on
+    /// it (a CPU kernel's slow path for small heads); an attention op is priced at the
+    /// entry of the nearest head size, else at `attention_flops`. Empty unless measured.
+    #[serde(default)]
+    pub attention_flops_by_head_dim: Vec<(u64, f64)>,
     /// Set when the "devices" are ranks sharing one CPU host (`tpc run` threads): its cores
     /// are shared out over the ranks and its memory bandwidth is shared by all of them.
     /// The peaks and the bandwidth above are then the whole host's.
@@ -113,6 +118,20 @@ impl HwProfile {
         crate::fsio::write_text(path, &format!("{}\n", self.to_ron()?))
     }
 
+    /// The attention kernel's FLOP/s (the whole host's) for heads of `head_dim`: the
+    /// measured entry nearest to it (by ratio), else `attention_flops`, else `None`.
+    pub fn attention_rate(&self, head_dim: u64) -> Option<f64> {
+        let d = head_dim.max(1) as f64;
+        self.attention_flops_by_head_dim
+            .iter()
+            .min_by(|a, b| {
+                let r = |x: u64| (x.max(1) as f64 / d).ln().abs();
+                r(a.0).total_cmp(&r(b.0))
+            })
+            .map(|e| e.1)
+            .or(self.attention_flops)
+    }
+
     /// Compute (FLOP/s, for bf16/f16 or f32 operands) and memory bandwidth (bytes/s) one of
     /// `tp` ranks gets, efficiencies applied: a whole device each, or its share of a shared
     /// host.
@@ -168,6 +187,14 @@ impl HwProfile {
                  below 1",
                 self.op_overhead_s
             ));
+        }
+        for &(d, a) in &self.attention_flops_by_head_dim {
+            if d == 0 || !(a.is_finite() && a > 0.0) {
+                return Err(format!(
+                    "attention_flops_by_head_dim has ({d}, {a}); head sizes must be above 0 \
+                     and rates finite numbers above 0"
+                ));
+            }
         }
         if let Some(a) = self.attention_flops {
             if !(a.is_finite() && a > 0.0) {
@@ -246,6 +273,7 @@ mod tests {
             },
             op_overhead_s: 1.5e-6,
             attention_flops: Some(5e10),
+            attention_flops_by_head_dim: vec![(8, 5e9), (64, 5e10)],
             shared: Some(SharedHost { cores: 2 }),
         }
     }

@@ -8,8 +8,9 @@
 use super::algorithms::all_reduce_time;
 use super::profile::HwProfile;
 use crate::ir::{DType, Op};
-use crate::plan::Plan;
+use crate::plan::{Collective, Instr, Plan, RankProgram};
 use serde::Serialize;
+use std::collections::{HashMap, HashSet};
 
 /// What is run: `batch` sequences of `prompt` tokens, each generating `gen` more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +61,10 @@ pub struct PhaseTime {
     pub comm_s: f64,
     /// The profile's fixed cost per op times the ops the rank runs.
     pub overhead_s: f64,
+    /// Elementwise ops (norms, rope, activation, mul, add, bias, embedding): the
+    /// activations they read and write at the rank's memory bandwidth, apart from the
+    /// GEMMs (separate kernels, run one after another).
+    pub elementwise_s: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -73,6 +78,8 @@ pub struct TokensPerS {
 pub struct Estimate {
     pub model: String,
     pub tp: u64,
+    /// Pipeline stages (1: none).
+    pub pp: u64,
     pub hw: String,
     /// Types of the weights and of the activations (KV cache, collectives) priced.
     pub weight_dtype: DType,
@@ -86,73 +93,226 @@ pub struct Estimate {
     pub device_memory_bytes: u64,
     pub fits: bool,
     pub tokens_per_s: TokensPerS,
+    /// Per pipeline stage, when `pp > 1`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageEstimate>,
 }
 
-/// Per-token work of the fullest rank, read off its program.
+/// Per-token work of the fullest rank (or of one pipeline stage of it), read off its program.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct RankWork {
     /// FLOPs of its linears per token (2 per weight element).
     linear_flops_per_token: f64,
+    /// The part of those FLOPs in the linears a prefill runs on the last row of each
+    /// sequence only (the LM head: `head_linears` in the executor).
+    head_flops_per_token: f64,
     /// FLOPs per (query, key) pair summed over its attention ops (4 per head and dim:
     /// scores and weighted values).
     attention_flops_per_pair: f64,
+    /// The largest head size of its attention ops (the profile's rate may depend on it).
+    attention_head_dim: f64,
+    /// Its attention ops (to share the KV cache out over pipeline stages).
+    attention_ops: f64,
     weight_bytes: f64,
     /// Bytes of the weights a forward pass reads whole (all but embedding tables, which are
     /// read by row; a table tied to the LM head is read whole).
     weight_read_bytes: f64,
     kv_bytes_per_token: f64,
+    /// Activation elements per token the elementwise ops (norms, rope, activation, mul,
+    /// add, bias, embedding) read and write: memory-bound work outside the GEMMs.
+    elementwise_elements_per_token: f64,
     /// Compute ops in its program (each pays the profile's fixed cost once per pass).
     ops: f64,
 }
 
+impl std::ops::AddAssign for RankWork {
+    fn add_assign(&mut self, o: RankWork) {
+        self.linear_flops_per_token += o.linear_flops_per_token;
+        self.head_flops_per_token += o.head_flops_per_token;
+        self.attention_flops_per_pair += o.attention_flops_per_pair;
+        self.attention_head_dim = self.attention_head_dim.max(o.attention_head_dim);
+        self.attention_ops += o.attention_ops;
+        self.weight_bytes += o.weight_bytes;
+        self.weight_read_bytes += o.weight_read_bytes;
+        self.kv_bytes_per_token += o.kv_bytes_per_token;
+        self.elementwise_elements_per_token += o.elementwise_elements_per_token;
+        self.ops += o.ops;
+    }
+}
+
+/// The linears of `program` that a prefill runs on the last row of each sequence only:
+/// those reached from the output through row-wise ops (the executor's `head_linears`; none
+/// when the path passes anything else).
+pub fn head_linears(program: &RankProgram) -> HashSet<u32> {
+    let by_id: HashMap<u32, &Instr> = program.instrs.iter().map(|i| (i.id, i)).collect();
+    let mut heads = HashSet::new();
+    let mut seen = HashSet::new();
+    let mut stack: Vec<u32> = program
+        .instrs
+        .iter()
+        .filter(|i| matches!(i.op, Op::Output(_)))
+        .flat_map(|i| i.inputs.first().copied())
+        .collect();
+    while let Some(id) = stack.pop() {
+        if !seen.insert(id) {
+            continue;
+        }
+        let Some(i) = by_id.get(&id) else { continue };
+        match &i.op {
+            Op::Linear(_) => {
+                heads.insert(id);
+            }
+            op if crate::ir::op_dims::dims(op).row_wise => {
+                if let Some(&first) = i.inputs.first() {
+                    stack.push(first)
+                }
+            }
+            _ => return HashSet::new(),
+        }
+    }
+    heads
+}
+
+/// Where an instruction of a rank program lies: before the decoder layers (embedding),
+/// in layer `l`, or after them (final norm, LM head). Segment 0 is "before", 1 + l layer
+/// l, and `layers + 1` "after".
+fn segments(program: &RankProgram, layers: usize) -> Vec<usize> {
+    let mut seen_layer = false;
+    program
+        .instrs
+        .iter()
+        .map(|i| match i.layer {
+            Some(l) => {
+                seen_layer = true;
+                (l as usize).min(layers.saturating_sub(1)) + 1
+            }
+            None if seen_layer => layers + 1,
+            None => 0,
+        })
+        .collect()
+}
+
+/// Decoder layers of the plan (one more than the largest layer index).
+fn layer_count(plan: &Plan) -> usize {
+    plan.ranks
+        .iter()
+        .flat_map(|r| &r.instrs)
+        .filter_map(|i| i.layer)
+        .max()
+        .map_or(0, |l| l as usize + 1)
+}
+
+fn per_token(shape: &crate::ir::Shape) -> Option<f64> {
+    shape
+        .0
+        .iter()
+        .any(|d| !matches!(d, crate::ir::Dim::Fixed(_)))
+        .then(|| shape.fixed_elements() as f64)
+}
+
+/// Each rank's work per segment (see [`segments`]); weight bytes are its slices' bytes,
+/// KV bytes are left 0 (the compile report's figures are per rank, shared out later).
+fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
+    plan.ranks
+        .iter()
+        .map(|r| {
+            let seg = segments(r, layers);
+            let mut out = vec![RankWork::default(); layers + 2];
+            let facts: HashMap<u32, _> = r.instrs.iter().map(|i| (i.id, &i.fact)).collect();
+            let elements = |id: Option<&u32>| {
+                id.and_then(|id| facts.get(id))
+                    .map_or(0.0, |f| f.shape.fixed_elements() as f64)
+            };
+            let activation = |id: &u32| facts.get(id).and_then(|f| per_token(&f.shape));
+            let mut read_whole = HashSet::new();
+            for i in &r.instrs {
+                for (slot, id) in i.inputs.iter().enumerate() {
+                    if !(matches!(i.op, Op::Embedding(_)) && slot == 1) {
+                        read_whole.insert(*id);
+                    }
+                }
+            }
+            let slice_bytes: HashMap<&str, f64> = r
+                .weights
+                .iter()
+                .map(|s| (&*s.tensor, s.local_bytes() as f64))
+                .collect();
+            let heads = head_linears(r);
+            for (i, &s) in r.instrs.iter().zip(&seg) {
+                let w = &mut out[s];
+                if let Op::Param(p) = &i.op {
+                    let bytes = slice_bytes.get(&*p.tensor).copied().unwrap_or(0.0);
+                    w.weight_bytes += bytes;
+                    if read_whole.contains(&i.id) {
+                        w.weight_read_bytes += bytes;
+                    }
+                }
+                match &i.op {
+                    Op::Linear(_) => {
+                        let flops = 2.0 * elements(i.inputs.get(1));
+                        w.linear_flops_per_token += flops;
+                        if heads.contains(&i.id) {
+                            w.head_flops_per_token += flops;
+                        }
+                    }
+                    Op::Attention(a) => {
+                        let q = elements(i.inputs.first());
+                        w.attention_flops_per_pair += 4.0 * q;
+                        w.attention_head_dim = w.attention_head_dim.max(a.head_dim as f64);
+                        w.attention_ops += 1.0;
+                    }
+                    op if is_compute_op(op) => {
+                        // Activations read and written; an embedding also reads its rows.
+                        let read: f64 = i.inputs.iter().filter_map(activation).sum();
+                        let written = per_token(&i.fact.shape).unwrap_or(0.0);
+                        let rows = if matches!(op, Op::Embedding(_)) {
+                            written
+                        } else {
+                            0.0
+                        };
+                        w.elementwise_elements_per_token += read + written + rows;
+                    }
+                    _ => {}
+                }
+                if is_compute_op(&i.op) {
+                    w.ops += 1.0;
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+/// The work of the fullest rank (most weight and KV bytes per the compile report).
 fn rank_work(plan: &Plan) -> RankWork {
     // Weight and KV bytes per rank are the compile report's own figures.
     let summary = crate::plan::report::summarize(plan);
     let mut fullest = RankWork::default();
-    for (rank, r) in plan.ranks.iter().enumerate() {
-        let facts: std::collections::HashMap<u32, _> =
-            r.instrs.iter().map(|i| (i.id, &i.fact)).collect();
-        let elements = |id: Option<&u32>| {
-            id.and_then(|id| facts.get(id))
-                .map_or(0.0, |f| f.shape.fixed_elements() as f64)
-        };
+    for (rank, segs) in segment_work(plan, layer_count(plan))
+        .into_iter()
+        .enumerate()
+    {
         let mut w = RankWork::default();
-        let mut read_whole = std::collections::HashSet::new();
-        for i in &r.instrs {
-            for (slot, id) in i.inputs.iter().enumerate() {
-                if !(matches!(i.op, Op::Embedding(_)) && slot == 1) {
-                    read_whole.insert(*id);
-                }
-            }
+        for s in segs {
+            w += s;
         }
-        let slice_bytes: std::collections::HashMap<&str, f64> = r
-            .weights
-            .iter()
-            .map(|s| (&*s.tensor, s.local_bytes() as f64))
-            .collect();
-        for i in &r.instrs {
-            if let Op::Param(p) = &i.op {
-                if read_whole.contains(&i.id) {
-                    w.weight_read_bytes += slice_bytes.get(&*p.tensor).copied().unwrap_or(0.0);
-                }
-            }
-            match &i.op {
-                Op::Linear(_) => w.linear_flops_per_token += 2.0 * elements(i.inputs.get(1)),
-                Op::Attention(_) => w.attention_flops_per_pair += 4.0 * elements(i.inputs.first()),
-                _ => {}
-            }
-            if is_compute_op(&i.op) {
-                w.ops += 1.0;
-            }
-        }
-        w.weight_bytes = summary.param_bytes_per_rank[rank] as f64;
-        w.kv_bytes_per_token = summary.kv_cache_bytes_per_token_per_rank[rank] as f64;
+        w.weight_bytes = summary.param_bytes_per_rank.get(rank).copied().unwrap_or(0) as f64;
+        w.kv_bytes_per_token = summary
+            .kv_cache_bytes_per_token_per_rank
+            .get(rank)
+            .copied()
+            .unwrap_or(0) as f64;
         if w.weight_bytes + w.kv_bytes_per_token > fullest.weight_bytes + fullest.kv_bytes_per_token
         {
             fullest = w;
         }
     }
     fullest
+}
+
+/// Compute ops per forward pass of the fullest rank (each pays the profile's per-op cost).
+pub fn ops_per_pass(plan: &Plan) -> f64 {
+    rank_work(plan).ops
 }
 
 /// Ops that run a kernel on the rank's threads (not inputs, weights, views, outputs, or
@@ -187,7 +347,13 @@ fn all_gather_s(link: &super::profile::LinkCosts, p: u64, bytes: f64) -> f64 {
     link.ring.alpha_s * (p - 1.0) + (p - 1.0) / p * bytes / link.ring.beta_bytes_per_s
 }
 
-fn comm_s(plan: &Plan, hw: &HwProfile, tokens: f64, scale: f64) -> f64 {
+fn comm_s(
+    plan: &Plan,
+    hw: &HwProfile,
+    tokens: f64,
+    scale: f64,
+    keep: &dyn Fn(&Collective) -> bool,
+) -> f64 {
     // An all-reduce runs the algorithm its plan recorded, else the cheapest.
     let recorded: std::collections::HashMap<u32, &crate::ir::AlgorithmChoice> = plan
         .ranks
@@ -206,6 +372,7 @@ fn comm_s(plan: &Plan, hw: &HwProfile, tokens: f64, scale: f64) -> f64 {
         .collect();
     plan.collectives
         .iter()
+        .filter(|c| keep(c))
         .map(|c| {
             let bytes = c.bytes_per_token as f64 * tokens * scale;
             match c.kind.as_str() {
@@ -221,14 +388,147 @@ fn comm_s(plan: &Plan, hw: &HwProfile, tokens: f64, scale: f64) -> f64 {
         .fold(0.0, |a, b| a + b)
 }
 
-fn phase(compute_s: f64, memory_s: f64, comm_s: f64, overhead_s: f64) -> PhaseTime {
+fn phase(
+    compute_s: f64,
+    memory_s: f64,
+    comm_s: f64,
+    overhead_s: f64,
+    elementwise_s: f64,
+) -> PhaseTime {
     PhaseTime {
-        time_s: compute_s.max(memory_s) + overhead_s + comm_s,
+        time_s: compute_s.max(memory_s) + elementwise_s + overhead_s + comm_s,
         compute_s,
         memory_s,
         comm_s,
         overhead_s,
+        elementwise_s,
     }
+}
+
+/// Field-wise sum of phases run one after another (pipeline stages).
+fn sum_phases(phases: &[PhaseTime]) -> PhaseTime {
+    let mut t = PhaseTime {
+        time_s: 0.0,
+        compute_s: 0.0,
+        memory_s: 0.0,
+        comm_s: 0.0,
+        overhead_s: 0.0,
+        elementwise_s: 0.0,
+    };
+    for p in phases {
+        t.time_s += p.time_s;
+        t.compute_s += p.compute_s;
+        t.memory_s += p.memory_s;
+        t.comm_s += p.comm_s;
+        t.overhead_s += p.overhead_s;
+        t.elementwise_s += p.elementwise_s;
+    }
+    t
+}
+
+/// Why a plan cannot be priced as asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SimulateError {
+    #[error(
+        "--pp {pp} asks for more pipeline stages than the model's {layers} decoder layers; \
+         valid: {valid}"
+    )]
+    Stages { pp: u64, layers: u64, valid: String },
+}
+
+/// One pipeline stage's figures (its fullest rank).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StageEstimate {
+    /// Its decoder layers: `first_layer .. first_layer + layers`.
+    pub first_layer: u64,
+    pub layers: u64,
+    pub weight_bytes_per_rank: u64,
+    /// KV cache of its layers at the end of generation.
+    pub kv_bytes_per_rank: u64,
+    pub prefill_time_s: f64,
+    pub decode_step_time_s: f64,
+}
+
+/// The profile's figures for one rank: GEMM peak, memory bandwidth and attention rate (for
+/// heads of `head_dim`), for `compute_ranks` ranks holding threads and `bandwidth_ranks`
+/// streaming memory at once.
+struct Rates {
+    peak: f64,
+    bandwidth: f64,
+    attention: f64,
+}
+
+fn rates(
+    hw: &HwProfile,
+    compute_ranks: u64,
+    bandwidth_ranks: u64,
+    f32_weights: bool,
+    head_dim: f64,
+) -> Rates {
+    let (peak, _) = hw.per_rank(compute_ranks, f32_weights);
+    let (_, bandwidth) = hw.per_rank(bandwidth_ranks, f32_weights);
+    let share = hw
+        .shared
+        .as_ref()
+        .map_or(1.0, |h| h.compute_share(compute_ranks));
+    // Attention at its own measured rate where the profile has one (a rank's share of it
+    // on a shared host), else at the GEMM peak.
+    let attention = match hw.attention_rate(head_dim as u64) {
+        Some(a) => a * share,
+        None => peak,
+    };
+    Rates {
+        peak,
+        bandwidth,
+        attention,
+    }
+}
+
+/// Prefill and decode-step times of `w` (with the collectives `keep` selects).
+#[allow(clippy::too_many_arguments)]
+fn price(
+    plan: &Plan,
+    hw: &HwProfile,
+    work: Workload,
+    w: &RankWork,
+    r: &Rates,
+    act_scale: f64,
+    act_bytes: f64,
+    keep: &dyn Fn(&Collective) -> bool,
+) -> (PhaseTime, PhaseTime) {
+    let overhead = w.ops * hw.op_overhead_s;
+    let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
+    let attention = |pairs: f64| w.attention_flops_per_pair * pairs / r.attention;
+    let elementwise =
+        |tokens: f64| w.elementwise_elements_per_token * act_bytes * tokens / r.bandwidth;
+
+    // Prefill: every prompt token through every linear but the LM head, which runs on the
+    // last token of each sequence; causal attention over s(s+1)/2 pairs per sequence;
+    // weights read once, the prompt's keys and values written.
+    let prefill_linear =
+        (w.linear_flops_per_token - w.head_flops_per_token) * b * s + w.head_flops_per_token * b;
+    let prefill_bytes = w.weight_read_bytes + w.kv_bytes_per_token * b * s;
+    let prefill = phase(
+        prefill_linear / r.peak + attention(b * s * (s + 1.0) / 2.0),
+        prefill_bytes / r.bandwidth,
+        comm_s(plan, hw, b * s, act_scale, keep),
+        overhead,
+        elementwise(b * s),
+    );
+
+    // A decode step at the middle of generation: one token per sequence, attending to
+    // about s + g/2 cached positions; all weights and that cache are read.
+    let context = s + g / 2.0;
+    let decode_linear = w.linear_flops_per_token * b;
+    let decode_bytes = w.weight_read_bytes + w.kv_bytes_per_token * b * context;
+    let decode_step = phase(
+        decode_linear / r.peak + attention(b * context),
+        decode_bytes / r.bandwidth,
+        comm_s(plan, hw, b, act_scale, keep),
+        overhead,
+        elementwise(b),
+    );
+    (prefill, decode_step)
 }
 
 /// The estimate for `plan` running `work` on `hw`, in the plan's dtype throughout.
@@ -248,42 +548,16 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
     w.weight_bytes *= weight_scale;
     w.weight_read_bytes *= weight_scale;
     w.kv_bytes_per_token *= act_scale;
-    let (peak, bandwidth) = hw.per_rank(plan.tp, num.weights == DType::F32);
-    // Attention at its own measured rate where the profile has one (a rank's share of it
-    // on a shared host), else at the GEMM peak.
-    let attention_rate = match (hw.attention_flops, &hw.shared) {
-        (Some(a), Some(h)) => a * h.compute_share(plan.tp),
-        (Some(a), None) => a,
-        (None, _) => peak,
-    };
-    let overhead = w.ops * hw.op_overhead_s;
+    let r = rates(
+        hw,
+        plan.tp,
+        plan.tp,
+        num.weights == DType::F32,
+        w.attention_head_dim,
+    );
+    let act_bytes = num.activations.size_bytes() as f64;
+    let (prefill, decode_step) = price(plan, hw, work, &w, &r, act_scale, act_bytes, &|_| true);
     let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
-
-    // Prefill: every prompt token through every linear; causal attention over s(s+1)/2
-    // pairs per sequence; weights read once, the prompt's keys and values written.
-    let prefill_linear = w.linear_flops_per_token * b * s;
-    let prefill_attention = w.attention_flops_per_pair * b * s * (s + 1.0) / 2.0;
-    let prefill_bytes = w.weight_read_bytes + w.kv_bytes_per_token * b * s;
-    let prefill = phase(
-        prefill_linear / peak + prefill_attention / attention_rate,
-        prefill_bytes / bandwidth,
-        comm_s(plan, hw, b * s, act_scale),
-        overhead,
-    );
-
-    // A decode step at the middle of generation: one token per sequence, attending to
-    // about s + g/2 cached positions; all weights and that cache are read.
-    let context = s + g / 2.0;
-    let decode_linear = w.linear_flops_per_token * b;
-    let decode_attention = w.attention_flops_per_pair * b * context;
-    let decode_bytes = w.weight_read_bytes + w.kv_bytes_per_token * b * context;
-    let decode_step = phase(
-        decode_linear / peak + decode_attention / attention_rate,
-        decode_bytes / bandwidth,
-        comm_s(plan, hw, b, act_scale),
-        overhead,
-    );
-
     let kv_bytes = w.kv_bytes_per_token * b * (s + g);
     let memory = w.weight_bytes + kv_bytes;
     // Ranks on a shared host split its memory.
@@ -294,6 +568,7 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
     Estimate {
         model: plan.model.clone(),
         tp: plan.tp,
+        pp: 1,
         hw: hw.name.clone(),
         weight_dtype: num.weights,
         activation_dtype: num.activations,
@@ -308,7 +583,232 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
             prefill: b * s / prefill.time_s,
             decode: b / decode_step.time_s,
         },
+        stages: Vec::new(),
     }
+}
+
+/// Splits items (bytes per layer) into `parts` contiguous, non-empty runs with the least
+/// largest sum (ties: the earliest boundaries); returns each run's first index.
+pub fn balanced_split(bytes: &[f64], parts: usize) -> Vec<usize> {
+    let n = bytes.len();
+    if parts == 0 || parts > n {
+        return Vec::new();
+    }
+    let mut prefix = vec![0.0; n + 1];
+    for (i, b) in bytes.iter().enumerate() {
+        prefix[i + 1] = prefix[i] + b;
+    }
+    // best[k][j]: least largest sum of the first j items in k runs; from[k][j]: where the
+    // last of those runs starts.
+    let mut best = vec![vec![f64::INFINITY; n + 1]; parts + 1];
+    let mut from = vec![vec![0usize; n + 1]; parts + 1];
+    best[0][0] = 0.0;
+    for k in 1..=parts {
+        for j in k..=n {
+            for i in (k - 1)..j {
+                let v = best[k - 1][i].max(prefix[j] - prefix[i]);
+                if v < best[k][j] {
+                    best[k][j] = v;
+                    from[k][j] = i;
+                }
+            }
+        }
+    }
+    let mut starts = vec![0; parts];
+    let mut j = n;
+    for k in (1..=parts).rev() {
+        starts[k - 1] = from[k][j];
+        j = from[k][j];
+    }
+    starts
+}
+
+/// The estimate with `pp` pipeline stages of `plan.tp` ranks each. The decoder layers
+/// split into `pp` contiguous stages balanced by parameter bytes (the embedding on the
+/// first, the final norm and LM head on the last); each stage runs its part of the plan's
+/// program (its layers' ops and collectives, read off the fullest rank). At batch 1 the
+/// stages run one after another: a phase takes the sum of the stage times plus `pp − 1`
+/// sends of the hidden state (`link.send_recv`: α + bytes/β). Batches are not micro-batched
+/// (a stage runs the whole batch, then the next). Memory per rank: the fullest stage's
+/// weights and its layers' KV cache. On a shared host every stage's ranks hold threads
+/// (compute shared over tp·pp ranks) while only one stage streams memory at a time
+/// (bandwidth over tp); memory is shared over tp·pp ranks. `pp = 1` is [`simulate_as`].
+pub fn simulate_pp(
+    plan: &Plan,
+    hw: &HwProfile,
+    work: Workload,
+    num: Numerics,
+    pp: u64,
+) -> Result<Estimate, SimulateError> {
+    let layers = layer_count(plan);
+    if pp == 1 {
+        return Ok(simulate_as(plan, hw, work, num));
+    }
+    if pp == 0 || pp > layers as u64 {
+        return Err(SimulateError::Stages {
+            pp,
+            layers: layers as u64,
+            valid: if layers == 0 {
+                "1".into()
+            } else {
+                format!("1 to {layers}")
+            },
+        });
+    }
+    let parts = pp as usize;
+    let summary = crate::plan::report::summarize(plan);
+    let segs = segment_work(plan, layers);
+    // Parameter bytes per layer over all ranks; the embedding counts with the first layer,
+    // what follows the layers with the last.
+    let mut bytes: Vec<f64> = (0..layers)
+        .map(|l| segs.iter().map(|r| r[l + 1].weight_bytes).sum())
+        .collect();
+    bytes[0] += segs.iter().map(|r| r[0].weight_bytes).sum::<f64>();
+    bytes[layers - 1] += segs.iter().map(|r| r[layers + 1].weight_bytes).sum::<f64>();
+    let starts = balanced_split(&bytes, parts);
+    let stage_of_segment = |seg: usize| -> usize {
+        match seg {
+            0 => 0,
+            s if s > layers => parts - 1,
+            s => starts.iter().rposition(|&st| st < s).unwrap_or(0),
+        }
+    };
+    let plan_size = plan.dtype.size_bytes() as f64;
+    let weight_scale = num.weights.size_bytes() as f64 / plan_size;
+    let act_scale = num.activations.size_bytes() as f64 / plan_size;
+    let act_bytes = num.activations.size_bytes() as f64;
+    let ranks = plan.tp.max(1).saturating_mul(pp);
+    // Collectives by stage, through the segment of their value on rank 0.
+    let segment_of: HashMap<u32, usize> = plan
+        .ranks
+        .first()
+        .map(|r0| {
+            r0.instrs
+                .iter()
+                .zip(segments(r0, layers))
+                .map(|(i, s)| (i.id, s))
+                .collect()
+        })
+        .unwrap_or_default();
+    let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
+    let mut stages = Vec::new();
+    let mut prefills = Vec::new();
+    let mut decodes = Vec::new();
+    let (mut fullest_w, mut fullest_kv) = (0.0f64, 0.0f64);
+    for stage in 0..parts {
+        let mut fullest: Option<RankWork> = None;
+        for (rank, rs) in segs.iter().enumerate() {
+            let mut w = RankWork::default();
+            let (mut total_w, mut total_attn) = (0.0, 0.0);
+            for (seg, sw) in rs.iter().enumerate() {
+                total_w += sw.weight_bytes;
+                total_attn += sw.attention_ops;
+                if stage_of_segment(seg) == stage {
+                    w += *sw;
+                }
+            }
+            // The compile report's weight and KV bytes of the rank, shared out by the
+            // stage's part of its parameter slices and of its attention ops.
+            let rank_w = summary.param_bytes_per_rank.get(rank).copied().unwrap_or(0) as f64;
+            let rank_kv = summary
+                .kv_cache_bytes_per_token_per_rank
+                .get(rank)
+                .copied()
+                .unwrap_or(0) as f64;
+            w.weight_bytes = if total_w > 0.0 {
+                rank_w * w.weight_bytes / total_w
+            } else {
+                0.0
+            };
+            w.kv_bytes_per_token = if total_attn > 0.0 {
+                rank_kv * w.attention_ops / total_attn
+            } else {
+                0.0
+            };
+            if fullest.is_none_or(|f| {
+                w.weight_bytes + w.kv_bytes_per_token > f.weight_bytes + f.kv_bytes_per_token
+            }) {
+                fullest = Some(w);
+            }
+        }
+        let mut w = fullest.unwrap_or_default();
+        w.weight_bytes *= weight_scale;
+        w.weight_read_bytes *= weight_scale;
+        w.kv_bytes_per_token *= act_scale;
+        let keep = |c: &Collective| {
+            let seg = match c.layer {
+                Some(l) => (l as usize).min(layers - 1) + 1,
+                None => segment_of.get(&c.id).copied().unwrap_or(layers + 1),
+            };
+            stage_of_segment(seg) == stage
+        };
+        let r = rates(
+            hw,
+            ranks,
+            plan.tp,
+            num.weights == DType::F32,
+            w.attention_head_dim,
+        );
+        let (prefill, decode) = price(plan, hw, work, &w, &r, act_scale, act_bytes, &keep);
+        let kv = w.kv_bytes_per_token * b * (s + g);
+        if w.weight_bytes + kv > fullest_w + fullest_kv {
+            (fullest_w, fullest_kv) = (w.weight_bytes, kv);
+        }
+        let first = starts[stage];
+        let end = starts.get(stage + 1).copied().unwrap_or(layers);
+        stages.push(StageEstimate {
+            first_layer: first as u64,
+            layers: (end - first) as u64,
+            weight_bytes_per_rank: w.weight_bytes as u64,
+            kv_bytes_per_rank: kv as u64,
+            prefill_time_s: prefill.time_s,
+            decode_step_time_s: decode.time_s,
+        });
+        prefills.push(prefill);
+        decodes.push(decode);
+    }
+    // Between stages: the hidden state of every token of the phase, one send each.
+    let hidden = plan
+        .ranks
+        .first()
+        .and_then(|r0| r0.instrs.iter().find(|i| matches!(i.op, Op::Embedding(_))))
+        .and_then(|i| per_token(&i.fact.shape))
+        .unwrap_or(0.0);
+    let send = |tokens: f64| {
+        let l = &hw.link.send_recv;
+        (pp - 1) as f64 * (l.alpha_s + hidden * act_bytes * tokens / l.beta_bytes_per_s)
+    };
+    let mut prefill = sum_phases(&prefills);
+    prefill.comm_s += send(b * s);
+    prefill.time_s += send(b * s);
+    let mut decode_step = sum_phases(&decodes);
+    decode_step.comm_s += send(b);
+    decode_step.time_s += send(b);
+    let memory = fullest_w + fullest_kv;
+    let capacity = match hw.shared {
+        Some(_) => hw.memory_bytes / ranks as f64,
+        None => hw.memory_bytes,
+    };
+    Ok(Estimate {
+        model: plan.model.clone(),
+        tp: plan.tp,
+        pp,
+        hw: hw.name.clone(),
+        weight_dtype: num.weights,
+        activation_dtype: num.activations,
+        prefill,
+        decode_step,
+        memory_per_rank_bytes: memory as u64,
+        weight_bytes_per_rank: fullest_w as u64,
+        kv_bytes_per_rank: fullest_kv as u64,
+        device_memory_bytes: capacity as u64,
+        fits: memory <= capacity,
+        tokens_per_s: TokensPerS {
+            prefill: b * s / prefill.time_s,
+            decode: b / decode_step.time_s,
+        },
+        stages,
+    })
 }
 
 #[cfg(test)]
@@ -339,6 +839,7 @@ mod tests {
             },
             op_overhead_s: 0.0,
             attention_flops: None,
+            attention_flops_by_head_dim: vec![],
             shared: None,
         }
     }
@@ -369,10 +870,15 @@ mod tests {
             (e.decode_step.memory_s / expect - 1.0).abs() < 0.02,
             "{e:?}"
         );
-        assert_eq!(e.decode_step.time_s, e.decode_step.memory_s);
-        // Prefill of 128 tokens: compute about 2 · 7.5e9 (non-embedding) · 128 / 5e14.
-        let linear_params = 8.03e9 - 128256.0 * 4096.0;
-        let expect = 2.0 * linear_params * 128.0 / 5e14;
+        assert_eq!(
+            e.decode_step.time_s,
+            e.decode_step.memory_s + e.decode_step.elementwise_s
+        );
+        // Prefill of 128 tokens: compute about 2 · 7.0e9 (the layers) · 128 / 5e14, plus the
+        // LM head (128256 × 4096) on the last token only.
+        let head = 128256.0 * 4096.0;
+        let layer_params = 8.03e9 - 2.0 * head;
+        let expect = 2.0 * (layer_params * 128.0 + head) / 5e14;
         assert!((e.prefill.compute_s / expect - 1.0).abs() < 0.05, "{e:?}");
         assert!(e.fits);
     }
@@ -438,8 +944,10 @@ mod tests {
             (two.decode_step.memory_s / expect - 1.0).abs() < 1e-12,
             "{two:?}"
         );
-        // Prefill: half the FLOPs at half the rate take as long as tp 1's.
-        let flops1 = 2.0 * (22 * layer + 32000 * 2048) as f64 * 128.0
+        // Prefill: half the FLOPs at half the rate take as long as tp 1's; the LM head runs
+        // on the last token only.
+        let flops1 = 2.0 * (22 * layer) as f64 * 128.0
+            + 2.0 * (32000 * 2048) as f64
             + 4.0 * (22 * 2048) as f64 * 128.0 * 129.0 / 2.0;
         assert!((one.prefill.compute_s / (flops1 / 8e11) - 1.0).abs() < 1e-12);
         assert!((two.prefill.compute_s / (flops1 / 2.0 / 4e11) - 1.0).abs() < 1e-12);
@@ -455,13 +963,20 @@ mod tests {
         let t = &two.decode_step;
         assert_eq!(
             t.time_s,
-            t.compute_s.max(t.memory_s) + t.overhead_s + t.comm_s
+            t.compute_s.max(t.memory_s) + t.elementwise_s + t.overhead_s + t.comm_s
         );
+        // Elementwise ops scale with the tokens of the phase: 128 in the prefill, 1 in a
+        // decode step, at the same bandwidth.
+        assert!(
+            (one.prefill.elementwise_s / one.decode_step.elementwise_s - 128.0).abs() < 1e-9,
+            "{one:?}"
+        );
+        assert!(one.decode_step.elementwise_s > 0.0);
         // With an attention rate of its own, attention's FLOPs are priced at it.
         hw.attention_flops = Some(1e10);
         let slow = simulate_as(&tinyllama(2), &hw, work, num);
         let attention = 4.0 * (22 * 1024) as f64 * 128.0 * 129.0 / 2.0;
-        let linear = (22 * layer / 2 + 16000 * 2048) as f64 * 2.0 * 128.0;
+        let linear = (22 * layer / 2) as f64 * 2.0 * 128.0 + (16000 * 2048) as f64 * 2.0;
         let expect = linear / 4e11 + attention / 5e9;
         assert!(
             (slow.prefill.compute_s / expect - 1.0).abs() < 1e-12,
@@ -487,6 +1002,77 @@ mod tests {
         assert_eq!(f.weight_bytes_per_rank, 2 * bf.weight_bytes_per_rank);
         assert!((f.prefill.compute_s / bf.prefill.compute_s - 10.0).abs() < 1e-9);
         assert_eq!(simulate(&plan, &hw, work).weight_dtype, DType::Bf16);
+    }
+
+    fn tiny(tp: u64) -> Plan {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/models/tiny-llama.ron");
+        let def = crate::frontend::load::load_model(std::path::Path::new(path)).unwrap();
+        crate::pipeline::compile(&def, tp).unwrap().plan
+    }
+
+    #[test]
+    fn balanced_split_minimizes_the_largest_stage() {
+        assert_eq!(balanced_split(&[1.0, 1.0, 1.0, 1.0], 2), vec![0, 2]);
+        assert_eq!(balanced_split(&[3.0, 1.0, 1.0, 1.0], 2), vec![0, 1]);
+        assert_eq!(balanced_split(&[1.0, 1.0, 1.0, 3.0], 2), vec![0, 3]);
+        assert_eq!(balanced_split(&[1.0, 2.0, 3.0], 3), vec![0, 1, 2]);
+        assert!(balanced_split(&[1.0], 2).is_empty());
+        assert!(balanced_split(&[1.0], 0).is_empty());
+    }
+
+    #[test]
+    fn two_pipeline_stages_by_hand() {
+        let mut hw = flat_hw();
+        hw.compute_efficiency = 1.0;
+        hw.memory_efficiency = 1.0;
+        let work = Workload {
+            batch: 1,
+            prompt: 16,
+            gen: 8,
+        };
+        let num = Numerics::of_plan(&tiny(1));
+        let plan = tiny(1);
+        // pp 1 is the tensor-parallel estimate itself.
+        let one = simulate_pp(&plan, &hw, work, num, 1).unwrap();
+        assert_eq!(one, simulate_as(&plan, &hw, work, num));
+        assert!(one.stages.is_empty() && one.pp == 1);
+        // tiny-llama, f32: a layer holds q, o (64×64), k, v (16×64), gate, up (128×64),
+        // down (64×128) and two norms of 64: 34 944 elements. Stage 0: the embedding
+        // (250×64) and layer 0; stage 1: layer 1, the final norm and the LM head (250×64).
+        let layer = 2 * 64 * 64 + 2 * 16 * 64 + 3 * 128 * 64 + 2 * 64;
+        let w0 = 4 * (250 * 64 + layer) as u64;
+        let w1 = 4 * (layer + 64 + 250 * 64) as u64;
+        let e = simulate_pp(&plan, &hw, work, num, 2).unwrap();
+        assert_eq!(e.pp, 2);
+        assert_eq!(e.stages.len(), 2);
+        assert_eq!((e.stages[0].first_layer, e.stages[0].layers), (0, 1));
+        assert_eq!((e.stages[1].first_layer, e.stages[1].layers), (1, 1));
+        assert_eq!(e.stages[0].weight_bytes_per_rank, w0);
+        assert_eq!(e.stages[1].weight_bytes_per_rank, w1);
+        // KV: 2 kv heads of 8, keys and values, f32, per layer and token; 24 tokens.
+        let kv = (2 * 16 * 4 * 24) as u64;
+        assert_eq!(e.stages[1].kv_bytes_per_rank, kv);
+        assert_eq!(e.weight_bytes_per_rank, w1);
+        assert_eq!(e.memory_per_rank_bytes, w1 + kv);
+        assert_eq!(
+            one.weight_bytes_per_rank,
+            w0 + w1 - 4 * 250 * 64 + 4 * 250 * 64
+        );
+        // Time: the stages one after another, plus one send of the hidden state (64 f32
+        // per token): 16 tokens in the prefill, 1 in a decode step.
+        let ab = hw.link.send_recv;
+        let send = |tokens: f64| ab.alpha_s + 64.0 * 4.0 * tokens / ab.beta_bytes_per_s;
+        let sum = |f: &dyn Fn(&StageEstimate) -> f64| e.stages.iter().map(f).sum::<f64>();
+        assert!((e.prefill.time_s - (sum(&|s| s.prefill_time_s) + send(16.0))).abs() < 1e-15);
+        assert!(
+            (e.decode_step.time_s - (sum(&|s| s.decode_step_time_s) + send(1.0))).abs() < 1e-15
+        );
+        // Compute splits between the stages: their sum is the one-stage figure.
+        assert!((e.prefill.compute_s / one.prefill.compute_s - 1.0).abs() < 1e-12);
+        assert!((e.decode_step.overhead_s - one.decode_step.overhead_s).abs() < 1e-15);
+        // More stages than layers: an error naming the valid ones.
+        let err = simulate_pp(&plan, &hw, work, num, 3).unwrap_err();
+        assert!(err.to_string().contains("valid: 1 to 2"), "{err}");
     }
 
     #[test]
