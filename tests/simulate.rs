@@ -235,3 +235,47 @@ fn a_quick_calibration_writes_a_profile_that_simulate_accepts() {
     assert_eq!(o.status.code(), Some(1));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sequence_parallel_divides_the_token_wise_work_and_prices_its_collectives() {
+    let estimate = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "simulate",
+            "models/llama3-8b.ron",
+            "--tp",
+            "8",
+            "--hw",
+            NVSWITCH,
+            "--batch",
+            "1",
+            "--prompt",
+            "4096",
+            "--gen",
+            "16",
+            "--json",
+        ];
+        args.extend(extra);
+        let o = tpc(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let plain = estimate(&[]);
+    let sp = estimate(&["--sequence-parallel"]);
+    let f = |v: &serde_json::Value, phase: &str, key: &str| v[phase][key].as_f64().unwrap();
+    // The norms and residual adds run on 1/8 of the tokens; the rest (rope, activation, mul
+    // on whole values) does not shrink, so the total falls by less than 8×.
+    let (a, b) = (
+        f(&plain, "prefill", "elementwise_s"),
+        f(&sp, "prefill", "elementwise_s"),
+    );
+    assert!(b < a && b > a / 8.0, "{a} {b}");
+    // Same FLOPs and weights; its reduce-scatters and all-gathers are priced as such.
+    assert_eq!(
+        f(&plain, "prefill", "compute_s"),
+        f(&sp, "prefill", "compute_s")
+    );
+    assert!(f(&sp, "decode_step", "comm_s") > f(&plain, "decode_step", "comm_s"));
+    // Norm fusion moves the same bytes: the same estimate.
+    let fused = estimate(&["--fuse-norm"]);
+    assert_eq!(fused["prefill"], plain["prefill"]);
+}

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use tpc::cost::profile::HwProfile;
 use tpc::cost::simulate::{simulate_pp, Estimate, Numerics, Workload};
 use tpc::frontend::load::load_model;
-use tpc::pipeline::compile;
 use tpc::plan::report::human_bytes;
 
 #[derive(Debug, clap::Args)]
@@ -40,6 +39,8 @@ pub struct Args {
     /// throughput.
     #[arg(long)]
     search: bool,
+    #[command(flatten)]
+    shard: super::ShardArgs,
     /// Number types priced: `plan` (the plan's dtype throughout, as a GPU runtime), or as
     /// `tpc bench --dtype` runs on CPU: `auto` (bf16 weights for a bf16 plan, else f32),
     /// `f32`, `bf16`, with f32 activations, KV cache and collectives. Default: `auto` for a
@@ -158,7 +159,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             hw.name,
             hw.devices
         );
-        let plan = compile(&def, a.tp)?.plan;
+        let plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
         let e = simulate_pp(&plan, &hw, work, numerics(dtype, &plan), a.pp)?;
         let text = if a.json {
             format!("{}\n", serde_json::to_string_pretty(&e)?)
@@ -171,7 +172,9 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     // then by decode throughput.
     let mut ranked: Vec<Estimate> = Vec::new();
     for tp in 1..=hw.devices.min(tpc::passes::feasibility::MAX_TP) {
-        let Ok(c) = compile(&def, tp) else { continue };
+        let Ok(c) = tpc::pipeline::compile_with(&def, tp, a.shard.options()) else {
+            continue;
+        };
         // Every pp the layers allow (an infeasible one is an error: the search stops there).
         for pp in 1..=hw.devices / tp {
             match simulate_pp(&c.plan, &hw, work, numerics(dtype, &c.plan), pp) {

@@ -270,7 +270,13 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                         } else {
                             0.0
                         };
-                        w.elementwise_elements_per_token += read + written + rows;
+                        // Sequence parallelism: the op runs on the rank's block of tokens.
+                        let share = if token_split(i) {
+                            1.0 / plan.tp as f64
+                        } else {
+                            1.0
+                        };
+                        w.elementwise_elements_per_token += (read + written + rows) * share;
                     }
                     _ => {}
                 }
@@ -331,6 +337,13 @@ fn is_compute_op(op: &Op) -> bool {
             | Op::Rope(_)
             | Op::Attention(_)
     )
+}
+
+/// Whether `i`'s value is split by tokens (sequence parallelism): each rank holds 1/tp of
+/// the call's tokens.
+fn token_split(i: &crate::plan::Instr) -> bool {
+    matches!(i.layout, crate::ir::Layout::Split { dim }
+        if i.fact.shape.0.get(dim as usize) == Some(&crate::ir::Dim::Seq))
 }
 
 /// Time of one all-reduce of `bytes` over `p` ranks with the cheapest algorithm.
