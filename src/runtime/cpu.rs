@@ -1230,13 +1230,15 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "safe code, and too slow under Miri; top_k_pairs_mark_missing_entries_and_non_finite_rows covers the ops there"
+    )]
     fn vocab_parallel_top_k_matches_the_whole_row_and_samples_the_same_tokens() {
         use super::super::sampling::{pick, pick_from_candidates, Rng, Sampling};
         let cpu = CpuBackend::new(1);
         let vocab = 23;
-        // Under Miri (scripts/miri.sh runs this module) a few seeds exercise the same code.
-        let seeds = if cfg!(miri) { 2 } else { 60 };
-        for seed in 0..seeds {
+        for seed in 0..60u64 {
             // Negative logits in half steps: many ties, within and across ranks; -0.0 too.
             let mut r = Rng::new(seed);
             let full: Vec<Vec<f32>> = (0..3)
