@@ -3,7 +3,8 @@
 //! f32 — with the bounds measured in the same run: each variant's arithmetic peak (a loop of
 //! its multiply-add instruction) for prompt rows, the read bandwidth for decode rows.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tpc::cost::calibrate::best;
 use tpc::ir::WeightOrder;
 use tpc::runtime::cpu::gemm_f32;
 use tpc::runtime::kernels::{peak_flops, Isa, Kernels};
@@ -41,72 +42,10 @@ fn parse_shape(s: &str) -> anyhow::Result<(usize, usize)> {
     Ok((n.trim().parse()?, k.trim().parse()?))
 }
 
-/// Best wall time of `f` over about `budget` (at least three calls).
-fn best(budget: f64, mut f: impl FnMut()) -> Duration {
-    f();
-    let start = Instant::now();
-    let mut best = Duration::MAX;
-    let mut calls = 0;
-    while calls < 3 || start.elapsed().as_secs_f64() < budget {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed());
-        calls += 1;
-    }
-    best
-}
-
-/// Read bandwidth (bytes/s) of `threads` threads summing disjoint parts of a 256 MiB f32
-/// buffer with 16 partial sums (vectorised, like the C sum in `scripts/bench_vs_torch.sh`).
-fn read_bandwidth(threads: usize, budget: f64) -> f64 {
-    let values = vec![1f32; 64 << 20];
-    let part = values.len().div_ceil(threads);
-    let sum = |chunk: &[f32]| {
-        tpc::runtime::simd::with_avx2(|| {
-            let mut acc = [0f32; 16];
-            for c in chunk.chunks_exact(16) {
-                for l in 0..16 {
-                    acc[l] += c[l];
-                }
-            }
-            acc.iter().sum::<f32>()
-        })
-    };
-    let t = best(budget, || {
-        std::thread::scope(|s| {
-            for chunk in values.chunks(part) {
-                s.spawn(move || std::hint::black_box(sum(chunk)));
-            }
-        })
-    });
-    (values.len() * 4) as f64 / t.as_secs_f64()
-}
-
 /// The CPU's model name and the flags of the instruction sets the kernels use.
 fn host_line() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |name: &str| {
-        info.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_string())
-            .unwrap_or_default()
-    };
-    let flags = field("flags");
-    let wanted = [
-        "avx2",
-        "fma",
-        "avx512f",
-        "avx512bw",
-        "avx512_bf16",
-        "amx_tile",
-        "amx_bf16",
-    ];
-    let have: Vec<&str> = wanted
-        .into_iter()
-        .filter(|w| flags.split_whitespace().any(|f| f == *w))
-        .collect();
-    format!("host: {}; flags: {}", field("model name"), have.join(" "))
+    let host = tpc::cost::calibrate::host_info(0);
+    format!("host: {}; flags: {}", host.model, host.flags.join(" "))
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -175,7 +114,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let bw = read_bandwidth(threads, a.seconds);
+    let bw = tpc::cost::calibrate::read_loop_bandwidth(threads, 256, a.seconds);
     super::outln!(
         "read bandwidth, {} thread(s): {:.1} GB/s; {} thread(s) per product, best of {:.1} s each",
         threads,

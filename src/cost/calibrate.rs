@@ -204,7 +204,8 @@ pub struct Calibration {
 
 /// Best wall time of `f` over about `budget` seconds (at least three calls after one
 /// untimed call).
-fn best(budget: f64, mut f: impl FnMut()) -> Duration {
+/// The best time of `f` over at least 3 calls and `budget` seconds, after one untimed call.
+pub fn best(budget: f64, mut f: impl FnMut()) -> Duration {
     f();
     let start = Instant::now();
     let mut best = Duration::MAX;
@@ -316,8 +317,9 @@ fn gemv_sweep(kern: Kernels, team: &Team, s: &Settings) -> Result<(f64, usize), 
 }
 
 /// Read bandwidth (bytes/s) of `threads` threads summing disjoint parts of a buffer of
-/// `mib` MiB (the loop `tpc bench-gemm` reports).
-fn read_bandwidth(threads: usize, mib: usize, budget: f64) -> Result<f64, CalibrateError> {
+/// `mib` MiB with 16 partial sums (vectorised, like the C sum in
+/// `scripts/bench_vs_torch.sh`); `tpc bench-gemm` reports it too.
+pub fn read_loop_bandwidth(threads: usize, mib: usize, budget: f64) -> f64 {
     let values = vec![1f32; (mib.max(1) << 20) / 4];
     let part = values.len().div_ceil(threads.max(1));
     let sum = |chunk: &[f32]| {
@@ -338,10 +340,11 @@ fn read_bandwidth(threads: usize, mib: usize, budget: f64) -> Result<f64, Calibr
             }
         })
     });
-    checked(
-        "read bandwidth",
-        (values.len() * 4) as f64 / t.as_secs_f64(),
-    )
+    (values.len() * 4) as f64 / t.as_secs_f64()
+}
+
+fn read_bandwidth(threads: usize, mib: usize, budget: f64) -> Result<f64, CalibrateError> {
+    checked("read bandwidth", read_loop_bandwidth(threads, mib, budget))
 }
 
 /// Head sizes the attention rate is measured at.
