@@ -42,7 +42,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         let mut shapes: Vec<(usize, usize)> = Vec::new();
         let mut skipped = 0;
         if let Some(rank) = plan.ranks.first() {
-            let heads = tpc::cost::simulate::head_linears(rank);
+            let heads = rank.head_linears();
             let facts: std::collections::HashMap<u32, _> =
                 rank.instrs.iter().map(|i| (i.id, &i.fact)).collect();
             for i in &rank.instrs {

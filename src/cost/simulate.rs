@@ -8,7 +8,7 @@
 use super::algorithms::all_reduce_time;
 use super::profile::HwProfile;
 use crate::ir::{DType, Op};
-use crate::plan::{Collective, Instr, Plan, RankProgram};
+use crate::plan::{Collective, Plan, RankProgram};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 
@@ -104,7 +104,7 @@ struct RankWork {
     /// FLOPs of its linears per token (2 per weight element).
     linear_flops_per_token: f64,
     /// The part of those FLOPs in the linears a prefill runs on the last row of each
-    /// sequence only (the LM head: `head_linears` in the executor).
+    /// sequence only (the LM head: `RankProgram::head_linears`).
     head_flops_per_token: f64,
     /// FLOPs per (query, key) pair summed over its attention ops (4 per head and dim:
     /// scores and weighted values).
@@ -138,39 +138,6 @@ impl std::ops::AddAssign for RankWork {
         self.elementwise_elements_per_token += o.elementwise_elements_per_token;
         self.ops += o.ops;
     }
-}
-
-/// The linears of `program` that a prefill runs on the last row of each sequence only:
-/// those reached from the output through row-wise ops (the executor's `head_linears`; none
-/// when the path passes anything else).
-pub fn head_linears(program: &RankProgram) -> HashSet<u32> {
-    let by_id: HashMap<u32, &Instr> = program.instrs.iter().map(|i| (i.id, i)).collect();
-    let mut heads = HashSet::new();
-    let mut seen = HashSet::new();
-    let mut stack: Vec<u32> = program
-        .instrs
-        .iter()
-        .filter(|i| matches!(i.op, Op::Output(_)))
-        .flat_map(|i| i.inputs.first().copied())
-        .collect();
-    while let Some(id) = stack.pop() {
-        if !seen.insert(id) {
-            continue;
-        }
-        let Some(i) = by_id.get(&id) else { continue };
-        match &i.op {
-            Op::Linear(_) => {
-                heads.insert(id);
-            }
-            op if crate::ir::op_dims::dims(op).row_wise => {
-                if let Some(&first) = i.inputs.first() {
-                    stack.push(first)
-                }
-            }
-            _ => return HashSet::new(),
-        }
-    }
-    heads
 }
 
 /// Where an instruction of a rank program lies: before the decoder layers (embedding),
@@ -237,7 +204,7 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                 .iter()
                 .map(|s| (&*s.tensor, s.local_bytes() as f64))
                 .collect();
-            let heads = head_linears(r);
+            let heads = r.head_linears();
             for (i, &s) in r.instrs.iter().zip(&seg) {
                 let w = &mut out[s];
                 if let Op::Param(p) = &i.op {

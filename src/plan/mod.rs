@@ -86,6 +86,42 @@ impl RankProgram {
     }
 }
 
+impl RankProgram {
+    /// The linears whose outputs reach the program's output through row-wise ops only (the
+    /// LM head): slicing rows before them equals slicing after, so a prefill runs them on
+    /// the last row of each sequence. None when the path passes anything else (attention,
+    /// a norm of a residual stream reused elsewhere, ...), which would need its other inputs
+    /// sliced too.
+    pub fn head_linears(&self) -> Vec<u32> {
+        let by_id: std::collections::HashMap<u32, &Instr> =
+            self.instrs.iter().map(|i| (i.id, i)).collect();
+        let mut heads = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut stack: Vec<u32> = self
+            .instrs
+            .iter()
+            .filter(|i| matches!(i.op, Op::Output(_)))
+            .flat_map(|i| i.inputs.first().copied())
+            .collect();
+        while let Some(id) = stack.pop() {
+            if !seen.insert(id) {
+                continue;
+            }
+            let Some(i) = by_id.get(&id) else { continue };
+            match &i.op {
+                Op::Linear(_) => heads.push(id),
+                op if crate::ir::op_dims::dims(op).row_wise => {
+                    if let Some(&first) = i.inputs.first() {
+                        stack.push(first)
+                    }
+                }
+                _ => return Vec::new(),
+            }
+        }
+        heads
+    }
+}
+
 /// Which part of a checkpoint tensor one rank loads.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WeightSlice {

@@ -199,7 +199,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             weights: loaded,
             caches,
             positions: Vec::new(),
-            head_linears: head_linears(program),
+            head_linears: program.head_linears(),
             last_use,
             values: Vec::new(),
             collective_bytes: 0,
@@ -852,35 +852,6 @@ fn moves_sequence(i: &Instr, dim: u32) -> bool {
 
 fn message_bytes<A: Activation>(a: &A) -> u64 {
     (a.elements() as u64).saturating_mul(a.dtype().size_bytes())
-}
-
-/// The linears whose outputs reach the program's output through row-wise ops only.
-fn head_linears(program: &RankProgram) -> Vec<u32> {
-    let by_id: HashMap<u32, &Instr> = program.instrs.iter().map(|i| (i.id, i)).collect();
-    let mut heads = Vec::new();
-    let mut stack: Vec<u32> = program
-        .instrs
-        .iter()
-        .filter(|i| matches!(i.op, Op::Output(_)))
-        .flat_map(|i| i.inputs.first().copied())
-        .collect();
-    while let Some(id) = stack.pop() {
-        let Some(i) = by_id.get(&id) else { continue };
-        match &i.op {
-            Op::Linear(_) => heads.push(id),
-            // Row-wise: each output row depends on the same input row only (parameters
-            // aside), so slicing rows before them equals slicing after.
-            op if op_dims::dims(op).row_wise => {
-                if let Some(&first) = i.inputs.first() {
-                    stack.push(first)
-                }
-            }
-            // Anything else (attention, norms of a residual stream reused elsewhere, ...)
-            // would need its other inputs sliced too: leave this path at full rows.
-            _ => return Vec::new(),
-        }
-    }
-    heads
 }
 
 fn act<'v, A>(values: &'v [Option<Value<A>>], i: &Instr, slot: usize) -> Result<&'v A> {
