@@ -309,8 +309,7 @@ fn is_compute_op(op: &Op) -> bool {
 /// Whether `i`'s value is split by tokens (sequence parallelism): each rank holds 1/tp of
 /// the call's tokens.
 fn token_split(i: &crate::plan::Instr) -> bool {
-    matches!(i.layout, crate::ir::Layout::Split { dim }
-        if i.fact.shape.0.get(dim as usize) == Some(&crate::ir::Dim::Seq))
+    matches!(i.layout, crate::ir::Layout::Split { dim } if i.fact.shape.is_sequence(dim))
 }
 
 /// Time of one all-reduce of `bytes` over `p` ranks with the cheapest algorithm.

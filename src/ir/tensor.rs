@@ -86,6 +86,12 @@ impl Shape {
         self.0.len()
     }
 
+    /// Whether dim `i` indexes tokens within a sequence: a split or collective there moves
+    /// tokens (sequence parallelism), rows of a call rather than features.
+    pub fn is_sequence(&self, i: u32) -> bool {
+        self.0.get(i as usize) == Some(&Dim::Seq)
+    }
+
     pub fn last(&self) -> Option<Dim> {
         self.0.last().copied()
     }

@@ -293,11 +293,6 @@ fn drop_dead(instrs: &mut Vec<Instr>, weights: &mut Vec<WeightSlice>) {
     instrs.retain(|i| live[i.id as usize]);
 }
 
-/// Whether a collective on `dim` of `instr`'s value moves tokens (sequence parallelism).
-fn moves_sequence(instr: &Instr, dim: u32) -> bool {
-    instr.fact.shape.0.get(dim as usize) == Some(&Dim::Seq)
-}
-
 fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) -> Vec<Collective> {
     let local: HashMap<u32, &Instr> = rank0.instrs.iter().map(|i| (i.id, i)).collect();
     let mut out = Vec::new();
@@ -321,7 +316,7 @@ fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) ->
             // A norm fused with the all-reduce of its input moves what the all-reduce did.
             Op::RmsNorm(_) => (input_elems, 2.0 * (tp - 1) as f64 / tp as f64),
             // Over the sequence each token's row moves whole.
-            Op::AllGather(AllGatherOp { dim, .. }) if moves_sequence(instr, dim) => {
+            Op::AllGather(AllGatherOp { dim, .. }) if instr.fact.shape.is_sequence(dim) => {
                 (input_elems, (tp - 1) as f64 / tp as f64)
             }
             // The gathered value, padding included.

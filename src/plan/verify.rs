@@ -554,7 +554,7 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
         })
         | Op::ReduceScatter(ReduceScatterOp { dim })
         | Op::LocalSlice(LocalSliceOp { dim })
-            if moves_sequence(inputs[0], *dim) =>
+            if inputs[0].shape.is_sequence(*dim) =>
         {
             Ok(inputs[0].clone())
         }
@@ -595,11 +595,6 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             infer(op, inputs, plan.dtype).map_err(|message| Problem::Inference { message })
         }
     }
-}
-
-/// Whether a collective on `dim` of `x` moves tokens (sequence parallelism).
-fn moves_sequence(x: &TensorFact, dim: u32) -> bool {
-    x.shape.0.get(dim as usize) == Some(&Dim::Seq)
 }
 
 /// The size of the dim a collective moves: fixed, and the last one (the runtime treats
@@ -785,7 +780,7 @@ fn listed_sizes(
 ) -> [(&'static str, u64, Option<u64>); 3] {
     // Over the sequence, each token's row moves whole.
     let all_gather =
-        matches!(&i.instr.op, Op::AllGather(g) if !moves_sequence(&i.instr.fact, g.dim));
+        matches!(&i.instr.op, Op::AllGather(g) if !i.instr.fact.shape.is_sequence(g.dim));
     let elements = if all_gather {
         i.issued.elements.and_then(|e| e.checked_mul(tp))
     } else {

@@ -11,7 +11,7 @@ use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
-use crate::ir::{op_dims, Dim, Groups, InputKind, Op, RopeOp};
+use crate::ir::{op_dims, Groups, InputKind, Op, RopeOp};
 use crate::plan::{Instr, RankProgram};
 use std::collections::HashMap;
 
@@ -769,7 +769,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 b.release(gathered);
                 out?
             }
-            Op::AllGather(g) if moves_sequence(i, g.dim) => {
+            Op::AllGather(g) if i.fact.shape.is_sequence(g.dim) => {
                 // Every rank's block of tokens, in rank order, padding dropped.
                 let x = x(0)?;
                 let (block, n) = x.rows_cols();
@@ -800,7 +800,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 b.release(gathered);
                 out?
             }
-            Op::ReduceScatter(r) if moves_sequence(i, r.dim) => {
+            Op::ReduceScatter(r) if i.fact.shape.is_sequence(r.dim) => {
                 // The call's tokens padded to tp equal blocks; this rank keeps the sum of
                 // its block.
                 let x = x(0)?;
@@ -831,7 +831,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 sent?;
                 out
             }
-            Op::LocalSlice(l) if moves_sequence(i, l.dim) => {
+            Op::LocalSlice(l) if i.fact.shape.is_sequence(l.dim) => {
                 let x = x(0)?;
                 let block = x.rows_cols().0.div_ceil(self.tp);
                 b.row_window(x, self.rank * block, block).map_err(err)?
@@ -842,12 +842,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             }
         })
     }
-}
-
-/// Whether a collective or slice on `dim` moves tokens (sequence parallelism): rows of the
-/// call, not columns.
-fn moves_sequence(i: &Instr, dim: u32) -> bool {
-    i.fact.shape.0.get(dim as usize) == Some(&Dim::Seq)
 }
 
 fn message_bytes<A: Activation>(a: &A) -> u64 {
