@@ -3,7 +3,7 @@
 //! on every reference checkpoint at every valid tp.
 
 mod common;
-use common::fixtures;
+use common::{fixtures, ragged_requests as requests, rel_error};
 
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
@@ -15,35 +15,6 @@ use tpc::runtime::weights::Checkpoint;
 /// Batched rows go through the prompt GEMM where a lone decode step takes the GEMV, so sums
 /// may round differently; this bounds ‖a − b‖ / ‖b‖ of each sequence's prompt logits.
 const BATCH_REL_TOL: f64 = 1e-5;
-
-fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let (mut d, mut n) = (0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        d += (x as f64 - y as f64).powi(2);
-        n += (y as f64).powi(2);
-    }
-    (d / n.max(f64::MIN_POSITIVE)).sqrt()
-}
-
-/// Three prompts of different lengths and token limits, from the fixture's vocabulary.
-fn requests(vocab: i64) -> Vec<Request> {
-    let ids = |n: i64, salt: i64| (0..n).map(|i| (i * 37 + salt * 11 + 3) % vocab).collect();
-    vec![
-        Request {
-            prompt: ids(7, 0),
-            max_new_tokens: Some(6),
-        },
-        Request {
-            prompt: ids(2, 1),
-            max_new_tokens: Some(9),
-        },
-        Request {
-            prompt: ids(11, 2),
-            max_new_tokens: Some(1),
-        },
-    ]
-}
 
 #[test]
 fn a_ragged_batch_equals_each_sequence_alone_at_every_tp() {

@@ -5,10 +5,8 @@
 //! `scripts/make_fixtures.py`.
 
 mod common;
-use common::fixtures;
+use common::{fixtures, read_reference, rel_error};
 
-use safetensors::SafeTensors;
-use std::path::Path;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::runtime::generate::RunOptions;
@@ -18,37 +16,6 @@ use tpc::runtime::weights::Checkpoint;
 
 /// The one tolerance for f32 parity: ‖a − b‖ / ‖b‖ over all prompt logits.
 const REL_TOL: f64 = 1e-4;
-
-struct Reference {
-    prompt: Vec<i64>,
-    logits: Vec<f32>,
-    greedy: Vec<i64>,
-}
-
-fn read_reference(dir: &Path) -> Reference {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let i64s = |name: &str| -> Vec<i64> {
-        st.tensor(name)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-            .collect()
-    };
-    let logits = st
-        .tensor("logits")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    Reference {
-        prompt: i64s("prompt_ids"),
-        logits,
-        greedy: i64s("greedy_ids"),
-    }
-}
 
 /// The best variant on this host that keeps a product's activations f32: f32 parity is a
 /// property of those. (`avx512bf16` and `amx` round a bf16 product's activations to bf16, as
@@ -69,17 +36,6 @@ fn host_isas() -> Vec<Isa> {
             }
         })
         .collect()
-}
-
-fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let diff: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (diff / norm).sqrt()
 }
 
 #[test]

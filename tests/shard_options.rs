@@ -4,15 +4,14 @@
 //! (`--fuse-norm`, each all-reduce fused into the RMSNorm that reads it).
 
 mod common;
-use common::fixtures;
+use common::{fixtures, ragged_requests, read_reference, rel_error};
 
-use safetensors::SafeTensors;
 use std::path::Path;
 use tpc::frontend::load::load_model;
 use tpc::passes::ShardOptions;
 use tpc::pipeline::{compile, compile_with};
 use tpc::plan::Plan;
-use tpc::runtime::generate::{Request, RunOptions};
+use tpc::runtime::generate::RunOptions;
 use tpc::runtime::launch::{run, run_batch};
 use tpc::runtime::weights::Checkpoint;
 
@@ -29,35 +28,8 @@ const FUSED: ShardOptions = ShardOptions {
     fuse_norm: true,
 };
 
-fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let (mut d, mut n) = (0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        d += (x as f64 - y as f64).powi(2);
-        n += (y as f64).powi(2);
-    }
-    (d / n.max(f64::MIN_POSITIVE)).sqrt()
-}
-
 fn count(plan: &Plan, kind: &str) -> usize {
     plan.collectives.iter().filter(|c| c.kind == kind).count()
-}
-
-/// Prompt ids, HF logits and HF greedy tokens saved beside a fixture.
-fn reference(dir: &Path) -> (Vec<i64>, Vec<f32>, Vec<i64>) {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let data = |name: &str| st.tensor(name).unwrap().data().to_vec();
-    let i64s = |b: Vec<u8>| -> Vec<i64> {
-        b.chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    };
-    let logits = data("logits")
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    (i64s(data("prompt_ids")), logits, i64s(data("greedy_ids")))
 }
 
 /// Runs every fixture at tp 2 and 4 compiled with `options` against HF; `check` looks at
@@ -66,7 +38,8 @@ fn matches_hf_with(options: ShardOptions, check: impl Fn(&Plan, &Plan, &str)) {
     let mut ran = 0;
     let mut report = Vec::new();
     for dir in fixtures() {
-        let (prompt, logits, greedy) = reference(&dir);
+        let r = read_reference(&dir);
+        let (prompt, logits, greedy) = (r.prompt, r.logits, r.greedy);
         let def = load_model(&dir).unwrap();
         let ckpt = Checkpoint::open(&dir).unwrap();
         for tp in [2u64, 4] {
@@ -138,21 +111,7 @@ fn uneven_batches_split_by_tokens_equal_the_plain_plan() {
     let dir = Path::new("tests/fixtures/checkpoints/llama-gqa");
     let def = load_model(dir).unwrap();
     let ckpt = Checkpoint::open(dir).unwrap();
-    let ids = |n: i64, salt: i64| (0..n).map(|i| (i * 37 + salt * 11 + 3) % 250).collect();
-    let requests = vec![
-        Request {
-            prompt: ids(7, 0),
-            max_new_tokens: Some(6),
-        },
-        Request {
-            prompt: ids(2, 1),
-            max_new_tokens: Some(9),
-        },
-        Request {
-            prompt: ids(11, 2),
-            max_new_tokens: Some(1),
-        },
-    ];
+    let requests = ragged_requests(250);
     let opts = RunOptions {
         all_prompt_logits: true,
         ..RunOptions::default()

@@ -1,6 +1,9 @@
-//! Helpers shared by the integration tests.
+//! Helpers shared by the integration tests (each test crate uses some of them).
+#![allow(dead_code)]
 
-use std::path::PathBuf;
+use safetensors::SafeTensors;
+use std::path::{Path, PathBuf};
+use tpc::runtime::generate::Request;
 
 /// The tiny HF reference checkpoints (`scripts/make_fixtures.py`), in a fixed order.
 pub fn fixtures() -> Vec<PathBuf> {
@@ -15,4 +18,67 @@ pub fn fixtures() -> Vec<PathBuf> {
         "expected the seven reference checkpoints, found {dirs:?}"
     );
     dirs
+}
+
+/// What `scripts/make_fixtures.py` saved beside a checkpoint: HF's prompt, prefill logits
+/// and greedy continuation.
+pub struct Reference {
+    pub prompt: Vec<i64>,
+    pub logits: Vec<f32>,
+    pub greedy: Vec<i64>,
+}
+
+pub fn read_reference(dir: &Path) -> Reference {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let i64s = |name: &str| -> Vec<i64> {
+        st.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let logits = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    Reference {
+        prompt: i64s("prompt_ids"),
+        logits,
+        greedy: i64s("greedy_ids"),
+    }
+}
+
+/// ‖a − b‖ / ‖b‖.
+pub fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let (mut d, mut n) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        d += (x as f64 - y as f64).powi(2);
+        n += (y as f64).powi(2);
+    }
+    (d / n.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Three prompts of different lengths and token limits, from the fixture's vocabulary.
+pub fn ragged_requests(vocab: i64) -> Vec<Request> {
+    let ids = |n: i64, salt: i64| (0..n).map(|i| (i * 37 + salt * 11 + 3) % vocab).collect();
+    vec![
+        Request {
+            prompt: ids(7, 0),
+            max_new_tokens: Some(6),
+        },
+        Request {
+            prompt: ids(2, 1),
+            max_new_tokens: Some(9),
+        },
+        Request {
+            prompt: ids(11, 2),
+            max_new_tokens: Some(1),
+        },
+    ]
 }
