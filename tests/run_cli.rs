@@ -521,6 +521,8 @@ fn the_runtime_runs_the_all_reduce_algorithm_the_plan_recorded() {
             "2",
             "--hw",
             hw.to_str().unwrap(),
+            // The all-reduces of the plain plan are what is counted.
+            "--sequence-parallel=off",
             "-o",
             plan.to_str().unwrap(),
         ]));
@@ -547,6 +549,7 @@ fn a_plan_whose_algorithm_table_is_broken_is_refused() {
         "2",
         "--hw",
         hw.to_str().unwrap(),
+        "--sequence-parallel=off",
         "-o",
         plan.to_str().unwrap(),
     ]));

@@ -259,7 +259,7 @@ fn sequence_parallel_divides_the_token_wise_work_and_prices_its_collectives() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice(&o.stdout).unwrap()
     };
-    let plain = estimate(&[]);
+    let plain = estimate(&["--sequence-parallel=off"]);
     let sp = estimate(&["--sequence-parallel"]);
     let f = |v: &serde_json::Value, phase: &str, key: &str| v[phase][key].as_f64().unwrap();
     // The norms and residual adds run on 1/8 of the tokens; the rest (rope, activation, mul
@@ -276,6 +276,108 @@ fn sequence_parallel_divides_the_token_wise_work_and_prices_its_collectives() {
     );
     assert!(f(&sp, "decode_step", "comm_s") > f(&plain, "decode_step", "comm_s"));
     // Norm fusion moves the same bytes: the same estimate.
-    let fused = estimate(&["--fuse-norm"]);
+    let fused = estimate(&["--fuse-norm", "--sequence-parallel=off"]);
     assert_eq!(fused["prefill"], plain["prefill"]);
+}
+
+/// `simulate`'s JSON for llama3-8b at tp 8 on the NVSwitch profile and a workload.
+fn llama8b_tp8(workload: &[&str], extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "simulate",
+        "models/llama3-8b.ron",
+        "--tp",
+        "8",
+        "--hw",
+        NVSWITCH,
+        "--json",
+    ];
+    args.extend(workload);
+    args.extend(extra);
+    let o = tpc(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn the_cost_model_chooses_sequence_parallelism_for_long_prompts_only() {
+    let long = ["--batch", "8", "--prompt", "8192", "--gen", "1"];
+    let chat = ["--batch", "1", "--prompt", "16", "--gen", "1024"];
+    let workload_s = |v: &serde_json::Value, gen: f64| {
+        v["prefill"]["time_s"].as_f64().unwrap()
+            + gen * v["decode_step"]["time_s"].as_f64().unwrap()
+    };
+    for (work, gen, want) in [(&long, 1.0, true), (&chat, 1024.0, false)] {
+        let auto = llama8b_tp8(work, &[]);
+        let d = &auto["sequence_parallel_decision"];
+        assert_eq!(d["chosen"], want, "{d}");
+        // The two prices are the forced plans' estimates for the whole workload, and the
+        // estimate printed is the one of the plan kept.
+        let on = llama8b_tp8(work, &["--sequence-parallel"]);
+        let off = llama8b_tp8(work, &["--sequence-parallel=off"]);
+        assert!(on.get("sequence_parallel_decision").is_none());
+        let (with_s, without_s) = (
+            d["with_s"].as_f64().unwrap(),
+            d["without_s"].as_f64().unwrap(),
+        );
+        assert!((with_s / workload_s(&on, gen) - 1.0).abs() < 1e-9, "{d}");
+        assert!(
+            (without_s / workload_s(&off, gen) - 1.0).abs() < 1e-9,
+            "{d}"
+        );
+        assert_eq!(with_s < without_s, want);
+        let kept = if want { &on } else { &off };
+        assert_eq!(auto["prefill"], kept["prefill"]);
+        assert_eq!(auto["decode_step"], kept["decode_step"]);
+    }
+}
+
+#[test]
+fn compile_with_a_profile_keeps_the_cheaper_plan_and_says_why() {
+    let compile = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["compile", "models/llama3-8b.ron", "--tp", "8", "--json"];
+        args.extend(extra);
+        let o = tpc(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let kinds = |v: &serde_json::Value| -> Vec<String> {
+        v["collectives"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["kind"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let long = [
+        "--hw", NVSWITCH, "--batch", "8", "--prompt", "8192", "--gen", "1",
+    ];
+    let v = compile(&long);
+    assert!(kinds(&v).iter().any(|k| k == "reduce_scatter"), "{v}");
+    assert_eq!(v["sequence_parallel_decision"]["chosen"], true);
+    let note = v["notes"].as_array().unwrap().iter().any(|n| {
+        n.as_str()
+            .is_some_and(|n| n.starts_with("sequence parallelism chosen by cost on 8x H100"))
+    });
+    assert!(note, "{v}");
+    // Refused, forced off: the plain plan and no decision.
+    let mut off = long.to_vec();
+    off.push("--sequence-parallel=off");
+    let v = compile(&off);
+    assert!(!kinds(&v).iter().any(|k| k == "reduce_scatter"));
+    assert!(v.get("sequence_parallel_decision").is_none());
+    // Without a profile nothing is priced: the plain plan.
+    let v = compile(&[]);
+    assert!(!kinds(&v).iter().any(|k| k == "reduce_scatter"));
+    assert!(v.get("sequence_parallel_decision").is_none());
+    // The default workload (batch 1, prompt 128, 128 new tokens) keeps the plain plan.
+    let v = compile(&["--hw", NVSWITCH]);
+    assert_eq!(v["sequence_parallel_decision"]["chosen"], false);
+    assert!(!kinds(&v).iter().any(|k| k == "reduce_scatter"));
+    // A value the flag does not take is a usage error.
+    let o = tpc(&[
+        "compile",
+        "models/llama3-8b.ron",
+        "--sequence-parallel=maybe",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
 }

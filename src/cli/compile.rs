@@ -1,8 +1,8 @@
-//! `tpc compile MODEL --tp N [--hw PROFILE] [--sequence-parallel] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
+//! `tpc compile MODEL --tp N [--hw PROFILE [--batch B --prompt S --gen N]] [--sequence-parallel[=on|off|auto]] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
 
 use std::path::PathBuf;
+use tpc::cost::simulate::{Numerics, Workload};
 use tpc::frontend::load::load_model;
-use tpc::pipeline::compile_with;
 use tpc::plan::report::{render_table, summarize};
 
 #[derive(Debug, clap::Args)]
@@ -28,6 +28,16 @@ pub struct Args {
     /// (models/hw/*.ron or `tpc calibrate`'s); the runtime follows the plan's choice.
     #[arg(long)]
     hw: Option<PathBuf>,
+    /// The workload sequence parallelism is priced for with --hw (`auto`): sequences run
+    /// together, 1 to 4096.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    batch: u64,
+    /// Prompt tokens per sequence for that price, 1 to 2^24.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
+    prompt: u64,
+    /// Generated tokens per sequence for that price, 0 to 2^24.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
+    gen: u64,
     #[command(flatten)]
     shard: super::ShardArgs,
 }
@@ -49,7 +59,16 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .map(tpc::cost::profile::HwProfile::load)
             .transpose()?;
     let def = load_model(&a.model)?;
-    let mut compiled = compile_with(&def, a.tp, a.shard.options())?;
+    let work = Workload {
+        batch: a.batch,
+        prompt: a.prompt,
+        gen: a.gen,
+    };
+    let (mut compiled, decision) = a.shard.compile(&def, a.tp, hw.as_ref(), work, |plan| {
+        hw.as_ref().map_or(Numerics::of_plan(plan), |hw| {
+            Numerics::for_profile(plan, hw)
+        })
+    })?;
     if let Some(hw) = &hw {
         tpc::cost::algorithms::choose_algorithms(&mut compiled.plan, hw);
     }
@@ -62,7 +81,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         tpc::fsio::write_text(path, &text)?;
     }
     if a.json {
-        super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
+        let mut json = serde_json::to_value(&summary)?;
+        if let (Some(d), Some(fields)) = (&decision, json.as_object_mut()) {
+            fields.insert(
+                "sequence_parallel_decision".into(),
+                serde_json::to_value(d)?,
+            );
+        }
+        super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&json)?))?;
     } else {
         super::print_stdout(&render_table(&summary))?;
         if let Some(out) = &a.output {

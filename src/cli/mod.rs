@@ -183,19 +183,73 @@ pub fn plan_for_tp(
 pub struct ShardArgs {
     /// Sequence parallelism: hold the residual stream split by tokens between blocks
     /// (reduce-scatter + all-gather over the sequence instead of all-reduces).
-    #[arg(long)]
-    pub sequence_parallel: bool,
+    /// `--sequence-parallel` (or `=on`) forces it, `=off` refuses it; `auto`, the default,
+    /// lets the cost model choose where a hardware profile is given (`compile --hw`,
+    /// `simulate`) and is off elsewhere.
+    #[arg(
+        long,
+        value_enum,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "on",
+        default_value = "auto"
+    )]
+    pub sequence_parallel: SequenceParallelMode,
     /// Fuse each all-reduce into the RMSNorm that reads it; the residual stream stays a
     /// partial sum (one op instead of add, all-reduce and norm).
     #[arg(long)]
     pub fuse_norm: bool,
 }
 
+/// Whether sequence parallelism is forced, refused or left to the cost model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SequenceParallelMode {
+    Auto,
+    On,
+    Off,
+}
+
 impl ShardArgs {
+    /// The options to compile with; `auto` compiles without sequence parallelism unless a
+    /// caller with a hardware profile decides ([`ShardArgs::cost_decides`]).
     pub fn options(&self) -> tpc::passes::ShardOptions {
         tpc::passes::ShardOptions {
-            sequence_parallel: self.sequence_parallel,
+            sequence_parallel: self.sequence_parallel == SequenceParallelMode::On,
             fuse_norm: self.fuse_norm,
+        }
+    }
+
+    /// True when the cost model is to choose sequence parallelism (given a profile).
+    pub fn cost_decides(&self) -> bool {
+        self.sequence_parallel == SequenceParallelMode::Auto
+    }
+
+    /// Compiles `def` for `tp` ranks: with a profile and `auto`, the cheaper of the plans
+    /// with and without sequence parallelism for `work` (and the decision), else as the
+    /// options say.
+    pub fn compile(
+        &self,
+        def: &tpc::frontend::ModelDef,
+        tp: u64,
+        hw: Option<&tpc::cost::profile::HwProfile>,
+        work: tpc::cost::simulate::Workload,
+        numerics: impl Fn(&tpc::plan::Plan) -> tpc::cost::simulate::Numerics,
+    ) -> tpc::error::Result<(
+        tpc::pipeline::Compiled,
+        Option<tpc::cost::decide::SequenceParallelDecision>,
+    )> {
+        match hw {
+            Some(hw) if self.cost_decides() => {
+                tpc::cost::decide::compile_choosing_sequence_parallel(
+                    def,
+                    tp,
+                    self.options(),
+                    hw,
+                    work,
+                    numerics,
+                )
+            }
+            _ => Ok((tpc::pipeline::compile_with(def, tp, self.options())?, None)),
         }
     }
 }

@@ -159,12 +159,26 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             hw.name,
             hw.devices
         );
-        let plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
+        let (compiled, decision) = a
+            .shard
+            .compile(&def, a.tp, Some(&hw), work, |plan| numerics(dtype, plan))?;
+        let plan = compiled.plan;
         let e = simulate_pp(&plan, &hw, work, numerics(dtype, &plan), a.pp)?;
         let text = if a.json {
-            format!("{}\n", serde_json::to_string_pretty(&e)?)
+            let mut json = serde_json::to_value(&e)?;
+            if let (Some(d), Some(fields)) = (&decision, json.as_object_mut()) {
+                fields.insert(
+                    "sequence_parallel_decision".into(),
+                    serde_json::to_value(d)?,
+                );
+            }
+            format!("{}\n", serde_json::to_string_pretty(&json)?)
         } else {
-            table(&e)
+            let mut t = table(&e);
+            if let Some(d) = &decision {
+                t += &format!("{}\n", d.note());
+            }
+            t
         };
         return super::print_stdout(&text);
     }
@@ -172,7 +186,10 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     // then by decode throughput.
     let mut ranked: Vec<Estimate> = Vec::new();
     for tp in 1..=hw.devices.min(tpc::passes::feasibility::MAX_TP) {
-        let Ok(c) = tpc::pipeline::compile_with(&def, tp, a.shard.options()) else {
+        let Ok((c, _)) = a
+            .shard
+            .compile(&def, tp, Some(&hw), work, |plan| numerics(dtype, plan))
+        else {
             continue;
         };
         // Every pp the layers allow (an infeasible one is an error: the search stops there).

@@ -2,5 +2,6 @@
 
 pub mod algorithms;
 pub mod calibrate;
+pub mod decide;
 pub mod profile;
 pub mod simulate;

@@ -50,6 +50,16 @@ impl Numerics {
             activations: DType::F32,
         }
     }
+
+    /// What runs `plan` on `hw` by default: tpc's CPU runtime with `--dtype auto` on a
+    /// shared-host profile (`tpc calibrate`'s), the plan's dtype throughout on a device.
+    pub fn for_profile(plan: &Plan, hw: &HwProfile) -> Numerics {
+        if hw.shared.is_some() {
+            Numerics::cpu_runtime(plan.dtype == DType::Bf16)
+        } else {
+            Numerics::of_plan(plan)
+        }
+    }
 }
 
 /// Time of one phase, seconds.
@@ -317,13 +327,22 @@ pub fn all_reduce_s(link: &super::profile::LinkCosts, p: u64, bytes: f64) -> f64
     super::algorithms::cheapest_all_reduce(link, p, bytes).1
 }
 
-/// Time of one all-gather whose result is `bytes` over `p` ranks (ring).
-fn all_gather_s(link: &super::profile::LinkCosts, p: u64, bytes: f64) -> f64 {
+/// Time of one all-gather whose result is `bytes` (or one reduce-scatter of a `bytes`
+/// input) over `p` ranks, by the cheaper algorithm. Each rank moves (p − 1)/p of the
+/// message either way: around a ring, half of a ring all-reduce (its latency too: a ring
+/// all-reduce is a reduce-scatter then an all-gather, so the two together cost exactly
+/// one); or directly, every rank reading its peers' pieces after one barrier (what the
+/// in-process communicator does, and NVSwitch's direct copies), at the one-shot link's
+/// latency and rate.
+pub fn gather_or_scatter_s(link: &super::profile::LinkCosts, p: u64, bytes: f64) -> f64 {
     if p <= 1 {
         return 0.0;
     }
     let p = p as f64;
-    link.ring.alpha_s * (p - 1.0) + (p - 1.0) / p * bytes / link.ring.beta_bytes_per_s
+    let wire = (p - 1.0) / p * bytes;
+    let ring = link.ring.alpha_s * (p - 1.0) / 2.0 + wire / link.ring.beta_bytes_per_s;
+    let direct = link.one_shot.alpha_s + wire / link.one_shot.beta_bytes_per_s;
+    ring.min(direct)
 }
 
 fn comm_s(
@@ -355,8 +374,7 @@ fn comm_s(
         .map(|c| {
             let bytes = c.bytes_per_token as f64 * tokens * scale;
             match c.kind.as_str() {
-                "all_gather" => all_gather_s(&hw.link, plan.tp, bytes),
-                "reduce_scatter" => all_gather_s(&hw.link, plan.tp, bytes),
+                "all_gather" | "reduce_scatter" => gather_or_scatter_s(&hw.link, plan.tp, bytes),
                 _ => match recorded.get(&c.id).and_then(|r| r.for_bytes(bytes as u64)) {
                     Some(a) => all_reduce_time(&hw.link, a, plan.tp, bytes),
                     None => all_reduce_s(&hw.link, plan.tp, bytes),
@@ -827,6 +845,32 @@ mod tests {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/models/llama3-8b.ron");
         let def = crate::frontend::load::load_model(std::path::Path::new(path)).unwrap();
         crate::pipeline::compile(&def, tp).unwrap().plan
+    }
+
+    #[test]
+    fn a_gather_or_scatter_costs_the_cheaper_of_half_a_ring_and_one_direct_read() {
+        let mut link = flat_hw().link;
+        // 8 ranks, 8 MB: each rank moves 7 MB either way.
+        link.ring = AlphaBeta {
+            alpha_s: 1e-6,
+            beta_bytes_per_s: 1e11,
+        };
+        link.one_shot = AlphaBeta {
+            alpha_s: 5e-6,
+            beta_bytes_per_s: 1e11,
+        };
+        // Ring: half of a ring all-reduce's 7 µs latency (7 steps of 1 µs), + 70 µs.
+        let ring = 7.0 * 1e-6 / 2.0 + 7e6 / 1e11;
+        assert!((gather_or_scatter_s(&link, 8, 8e6) / ring - 1.0).abs() < 1e-12);
+        // A slower ring step makes the direct reads (one 5 µs latency) cheaper.
+        link.ring.alpha_s = 4e-6;
+        let direct = 5e-6 + 7e6 / 1e11;
+        assert!((gather_or_scatter_s(&link, 8, 8e6) / direct - 1.0).abs() < 1e-12);
+        // A reduce-scatter and an all-gather around the ring are one ring all-reduce.
+        link.one_shot.beta_bytes_per_s = 1e9;
+        let ar = all_reduce_time(&link, crate::ir::CollectiveAlgorithm::Ring, 8, 8e6);
+        assert!((2.0 * gather_or_scatter_s(&link, 8, 8e6) - ar).abs() < 1e-12 * ar);
+        assert_eq!(gather_or_scatter_s(&link, 1, 8e6), 0.0);
     }
 
     #[test]

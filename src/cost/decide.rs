@@ -1,0 +1,183 @@
+//! Plan-wide choices made by cost: sequence parallelism is compiled both ways and the
+//! cheaper plan for a workload on a hardware profile is kept.
+//!
+//! Why a whole-workload price: a plan serves the prefill *and* every decode step. Sequence
+//! parallelism moves the same bytes as the all-reduces it replaces (a ring all-reduce is a
+//! reduce-scatter plus an all-gather) and divides the token-wise work (residual adds, norms)
+//! by tp, which pays in a long prefill; in a decode step it adds a second collective latency
+//! per site and pads the step's few rows to a multiple of tp. Which side wins depends on
+//! the prompt, the number of new tokens and the profile's α, so the decision prices
+//! `prefill + gen × decode step` for both plans.
+
+use crate::cost::profile::HwProfile;
+use crate::cost::simulate::{simulate_as, Estimate, Numerics, Workload};
+use crate::error::Result;
+use crate::frontend::ModelDef;
+use crate::passes::ShardOptions;
+use crate::pipeline::{compile_with, Compiled};
+use crate::plan::Plan;
+use serde::Serialize;
+
+/// What the cost model weighed for sequence parallelism, and what it chose.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SequenceParallelDecision {
+    /// True when the plan kept is the sequence-parallel one.
+    pub chosen: bool,
+    /// Seconds for the workload with and without sequence parallelism.
+    pub with_s: f64,
+    pub without_s: f64,
+    pub batch: u64,
+    pub prompt: u64,
+    pub gen: u64,
+    pub hw: String,
+}
+
+impl SequenceParallelDecision {
+    /// One line for the plan's notes and the report.
+    pub fn note(&self) -> String {
+        format!(
+            "sequence parallelism {} by cost on {}: {:.3} ms with, {:.3} ms without, for batch {}, prompt {}, {} new tokens (prefill + each decode step)",
+            if self.chosen { "chosen" } else { "not chosen" },
+            self.hw,
+            self.with_s * 1e3,
+            self.without_s * 1e3,
+            self.batch,
+            self.prompt,
+            self.gen
+        )
+    }
+}
+
+/// Seconds the estimate gives for the whole workload: the prefill and `gen` decode steps.
+pub fn workload_seconds(e: &Estimate, work: Workload) -> f64 {
+    e.prefill.time_s + work.gen as f64 * e.decode_step.time_s
+}
+
+/// Compiles `def` for `tp` ranks with and without sequence parallelism (the rest of
+/// `options` as given), prices both for `work` on `hw` with the number types `numerics`
+/// gives for a plan, and returns the cheaper plan (ties keep the plain one) and the
+/// decision. At tp 1 there is nothing to split: the plain plan, no decision.
+pub fn compile_choosing_sequence_parallel(
+    def: &ModelDef,
+    tp: u64,
+    options: ShardOptions,
+    hw: &HwProfile,
+    work: Workload,
+    numerics: impl Fn(&Plan) -> Numerics,
+) -> Result<(Compiled, Option<SequenceParallelDecision>)> {
+    let plain = compile_with(
+        def,
+        tp,
+        ShardOptions {
+            sequence_parallel: false,
+            ..options
+        },
+    )?;
+    if tp == 1 {
+        return Ok((plain, None));
+    }
+    let split = compile_with(
+        def,
+        tp,
+        ShardOptions {
+            sequence_parallel: true,
+            ..options
+        },
+    )?;
+    let price =
+        |c: &Compiled| workload_seconds(&simulate_as(&c.plan, hw, work, numerics(&c.plan)), work);
+    let (without_s, with_s) = (price(&plain), price(&split));
+    let decision = SequenceParallelDecision {
+        chosen: with_s < without_s,
+        with_s,
+        without_s,
+        batch: work.batch,
+        prompt: work.prompt,
+        gen: work.gen,
+        hw: hw.name.clone(),
+    };
+    let mut kept = if decision.chosen { split } else { plain };
+    kept.plan.notes.push(decision.note());
+    Ok((kept, Some(decision)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frontend::load::load_model;
+    use std::path::Path;
+
+    fn llama8b() -> ModelDef {
+        load_model(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/models/llama3-8b.ron"
+        )))
+        .unwrap()
+    }
+
+    fn nvswitch() -> HwProfile {
+        HwProfile::load(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/models/hw/h100-sxm-nvswitch-8.ron"
+        )))
+        .unwrap()
+    }
+
+    fn decide(work: Workload) -> (Compiled, SequenceParallelDecision) {
+        let (c, d) = compile_choosing_sequence_parallel(
+            &llama8b(),
+            8,
+            ShardOptions::default(),
+            &nvswitch(),
+            work,
+            Numerics::of_plan,
+        )
+        .unwrap();
+        (c, d.unwrap())
+    }
+
+    fn has_reduce_scatter(plan: &Plan) -> bool {
+        plan.collectives.iter().any(|c| c.kind == "reduce_scatter")
+    }
+
+    #[test]
+    fn a_long_prompt_chooses_sequence_parallelism_and_a_long_generation_does_not() {
+        let long_prompt = Workload {
+            batch: 8,
+            prompt: 8192,
+            gen: 1,
+        };
+        let (c, d) = decide(long_prompt);
+        assert!(d.chosen, "{}", d.note());
+        assert!(d.with_s < d.without_s);
+        assert!(has_reduce_scatter(&c.plan));
+        assert!(c.plan.notes.iter().any(|n| n == &d.note()));
+
+        let chat = Workload {
+            batch: 1,
+            prompt: 16,
+            gen: 1024,
+        };
+        let (c, d) = decide(chat);
+        assert!(!d.chosen, "{}", d.note());
+        assert!(d.with_s > d.without_s);
+        assert!(!has_reduce_scatter(&c.plan));
+    }
+
+    #[test]
+    fn the_price_is_the_prefill_plus_every_decode_step() {
+        let work = Workload {
+            batch: 2,
+            prompt: 100,
+            gen: 7,
+        };
+        let plan = compile_with(&llama8b(), 8, ShardOptions::default())
+            .unwrap()
+            .plan;
+        let e = simulate_as(&plan, &nvswitch(), work, Numerics::of_plan(&plan));
+        let want = e.prefill.time_s + 7.0 * e.decode_step.time_s;
+        assert!((workload_seconds(&e, work) - want).abs() <= 1e-12 * want);
+        let (_, d) = decide(work);
+        assert!((d.without_s - want).abs() <= 1e-9 * want);
+    }
+}
