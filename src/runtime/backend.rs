@@ -3,8 +3,9 @@
 //! (`executor.rs`) only schedules: order, liveness, in-place reuse. The CPU backend
 //! (`cpu.rs`) is one implementation; a GPU backend is another, with the same executor.
 
+use super::collectives::{CollectiveError, Collectives};
 use super::weights::WeightSource;
-use crate::ir::{ActivationKind, DType, RopeOp, WeightOrder};
+use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
 use thiserror::Error;
 
@@ -22,6 +23,14 @@ pub enum BackendError {
 }
 
 pub type BackendResult<T> = std::result::Result<T, BackendError>;
+
+/// Why a fused all-reduce + norm failed: its collective (a peer failed, buffers disagree),
+/// or the norm.
+#[derive(Debug)]
+pub enum ReduceNormError {
+    Collective(CollectiveError),
+    Norm(BackendError),
+}
 
 /// A backend's activation buffer: a dense row-major tensor on the device.
 pub trait Activation: Send {
@@ -106,6 +115,27 @@ pub trait Backend: Send + Sync {
         group: usize,
         eps: f32,
     ) -> BackendResult<Self::Act>;
+    /// The fused all-reduce + RMSNorm (`all_reduce_rms_norm`): `sum`, a partial sum, is
+    /// reduced in place over `comm`'s ranks, and its RMSNorm over each `group` columns is
+    /// returned with the all-reduce algorithm that ran. This default is two passes, the
+    /// reduction and then [`Backend::rms_norm`]; a backend may make them one.
+    fn all_reduce_rms_norm(
+        &self,
+        comm: &mut dyn Collectives<Self::Act>,
+        sum: &mut Self::Act,
+        w: &Self::Weight,
+        group: usize,
+        eps: f32,
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<(Self::Act, Option<CollectiveAlgorithm>), ReduceNormError> {
+        let ran = comm
+            .all_reduce_sum_planned(sum, algorithm)
+            .map_err(ReduceNormError::Collective)?;
+        let out = self
+            .rms_norm(sum, w, group, eps)
+            .map_err(ReduceNormError::Norm)?;
+        Ok((out, ran))
+    }
     fn layer_norm(
         &self,
         x: &Self::Act,

@@ -40,6 +40,21 @@ pub trait Collectives<A>: Send {
         let _ = algorithm;
         self.all_reduce_sum(buf).map(|()| None)
     }
+    /// [`Collectives::all_reduce_sum_planned`], then `row(r, x)` on each row `x` (as `f32`)
+    /// of `row_len` elements of the sum, in order — on a host communicator in the same loop
+    /// as the reduction where it can ([`Communicator::all_reduce_sum_rows`]), which is what
+    /// a fused all-reduce + norm needs. `None`: these buffers are not in host memory (a
+    /// device communicator); the caller reduces and reads the sum separately.
+    fn all_reduce_sum_rows(
+        &mut self,
+        buf: &mut A,
+        row_len: usize,
+        algorithm: Option<CollectiveAlgorithm>,
+        row: &mut dyn FnMut(usize, &[f32]),
+    ) -> Option<Result<Option<CollectiveAlgorithm>, CollectiveError>> {
+        let _ = (buf, row_len, algorithm, row);
+        None
+    }
     /// `out` (`world_size` × `local`'s elements) ← every rank's `local`, rank-major.
     fn all_gather(&mut self, local: &A, out: &mut A) -> Result<(), CollectiveError>;
     /// `input` is rank-major pieces; `out` ← the sum over ranks of piece `rank()`.
@@ -110,6 +125,38 @@ impl<A: Activation + HostBuffer, C: Communicator> Collectives<A> for C {
         Ok(match buf.host_data() {
             HostData::F32(b) => Communicator::all_reduce_sum_planned(self, b, algorithm)?,
             HostData::Bf16(b) => Communicator::all_reduce_sum_planned(self, b, algorithm)?,
+        })
+    }
+    fn all_reduce_sum_rows(
+        &mut self,
+        buf: &mut A,
+        row_len: usize,
+        algorithm: Option<CollectiveAlgorithm>,
+        row: &mut dyn FnMut(usize, &[f32]),
+    ) -> Option<Result<Option<CollectiveAlgorithm>, CollectiveError>> {
+        let len = buf.shape().iter().product::<usize>();
+        if row_len == 0 || !len.is_multiple_of(row_len) {
+            return Some(Err(CollectiveError::Buffers {
+                during: "all_reduce_sum_rows (rows must divide the buffer)",
+                dtype: buf.dtype().to_string(),
+                got: len,
+                expected: len.next_multiple_of(row_len.max(1)),
+            }));
+        }
+        Some(match buf.host_data() {
+            HostData::F32(b) => Communicator::all_reduce_sum_rows(self, b, row_len, algorithm, row)
+                .map_err(CollectiveError::from),
+            HostData::Bf16(b) => {
+                // The row handed on in f32, widened once from the rounded sum.
+                let mut wide = vec![0f32; row_len];
+                Communicator::all_reduce_sum_rows(self, b, row_len, algorithm, &mut |r, x| {
+                    for (w, v) in wide.iter_mut().zip(x) {
+                        *w = v.to_f32();
+                    }
+                    row(r, &wide);
+                })
+                .map_err(CollectiveError::from)
+            }
         })
     }
     fn all_gather(&mut self, local: &A, out: &mut A) -> Result<(), CollectiveError> {

@@ -4,8 +4,9 @@
 
 use super::backend::{
     Activation, Backend, BackendError, BackendResult, BinaryOp, HostBuffer, HostData, HostDataRef,
-    Segment, WeightUse,
+    ReduceNormError, Segment, WeightUse,
 };
+use super::collectives::Collectives;
 use super::fastmath;
 use super::kernels::Kernels;
 use super::packed::PackedMatrix;
@@ -15,7 +16,7 @@ use super::simd::with_avx2;
 use super::team::Team;
 use super::tensor::{pool, Tensor};
 use super::weights::{load_slice, load_slice_bf16, WeightSource};
-use crate::ir::{ActivationKind, DType, RopeOp};
+use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp};
 use crate::plan::WeightSlice;
 
 /// Elementwise work at least this long (elements) is split over the team: a prompt's
@@ -220,6 +221,19 @@ fn shape_err(what: String) -> BackendError {
     BackendError::Shape(what)
 }
 
+/// RMSNorm of each group of `w.len()` values of `x` in place: `x ← w ⊙ x / rms(x)`, the
+/// mean square summed in `f64`.
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let group = w.len().max(1);
+    for o in x.chunks_mut(group) {
+        let ms = o.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / group as f64;
+        let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+        for (o, &g) in o.iter_mut().zip(w) {
+            *o = g * (*o * inv);
+        }
+    }
+}
+
 impl Activation for Tensor {
     fn shape(&self) -> &[usize] {
         &self.shape
@@ -391,15 +405,50 @@ impl Backend for CpuBackend {
         let mut out = x.pooled_copy();
         self.team
             .for_each_part(&mut out.data, group, PARALLEL_MIN, &|part, _| {
-                for o in part.chunks_mut(group) {
-                    let ms = o.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / group as f64;
-                    let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
-                    for (o, &g) in o.iter_mut().zip(w) {
-                        *o = g * (*o * inv);
-                    }
-                }
+                rms_norm_in_place(part, w, eps)
             });
         Ok(out)
+    }
+
+    /// One loop over the rows where the communicator can (the in-process one-shot): each
+    /// row is summed over the ranks and normalized while it is in cache. The bits are the
+    /// two-pass path's (the same sum order, the same norm).
+    fn all_reduce_rms_norm(
+        &self,
+        comm: &mut dyn Collectives<Tensor>,
+        sum: &mut Tensor,
+        w: &CpuWeight,
+        group: usize,
+        eps: f32,
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<(Tensor, Option<CollectiveAlgorithm>), ReduceNormError> {
+        let scales = &w.dense().map_err(ReduceNormError::Norm)?.data;
+        let (group, cols) = (group.max(1), sum.cols());
+        if cols == 0 || !cols.is_multiple_of(group) || scales.len() != group {
+            return Err(ReduceNormError::Norm(shape_err(format!(
+                "RMSNorm over groups of {group} with {} scales on rows of {cols}",
+                scales.len()
+            ))));
+        }
+        let mut out = Tensor::zeros(sum.shape.clone());
+        let fused = comm.all_reduce_sum_rows(sum, cols, algorithm, &mut |r, row| {
+            let o = &mut out.data[r * cols..(r + 1) * cols];
+            o.copy_from_slice(row);
+            rms_norm_in_place(o, scales, eps);
+        });
+        match fused {
+            Some(ran) => Ok((out, ran.map_err(ReduceNormError::Collective)?)),
+            None => {
+                self.release(out);
+                let ran = comm
+                    .all_reduce_sum_planned(sum, algorithm)
+                    .map_err(ReduceNormError::Collective)?;
+                let out = self
+                    .rms_norm(sum, w, group, eps)
+                    .map_err(ReduceNormError::Norm)?;
+                Ok((out, ran))
+            }
+        }
     }
 
     fn layer_norm(
@@ -1085,6 +1134,74 @@ mod tests {
         let expect = [3.0 / 12.5f32.sqrt(), 4.0 / 12.5f32.sqrt(), 1.0, 1.0];
         for (a, b) in y.data.iter().zip(expect) {
             assert!((a - b).abs() < 1e-6);
+        }
+    }
+
+    /// The fused all-reduce + RMSNorm gives the bits of the all-reduce followed by the norm,
+    /// for one-shot (one loop over the rows), the ring and the communicator's own choice, and
+    /// leaves the reduced sum in its input.
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "rank threads spin in the communicator's waits: slow under Miri"
+    )]
+    fn fused_all_reduce_rms_norm_equals_the_two_passes() {
+        use crate::runtime::comm::local_group;
+        let choices = [
+            None,
+            Some(CollectiveAlgorithm::OneShot),
+            Some(CollectiveAlgorithm::Ring),
+        ];
+        for n in [1, 2, 3] {
+            let handles: Vec<_> = local_group(n)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, mut comm)| {
+                    std::thread::spawn(move || {
+                        let cpu = CpuBackend::new(1);
+                        let mut out = Vec::new();
+                        for (rows, cols, group) in [(1, 64, 64), (3, 24, 8), (5, 40, 40)] {
+                            let x: Vec<f32> = (0..rows * cols)
+                                .map(|i| ((i * 7 + rank * 13) % 23) as f32 / 7.0 - 1.5)
+                                .collect();
+                            let w = dense(Tensor::new(
+                                vec![group],
+                                (0..group).map(|g| 0.5 + g as f32 / 16.0).collect(),
+                            ));
+                            for choice in choices {
+                                let mut fused_in = Tensor::new(vec![rows, cols], x.clone());
+                                let (fused, ran) = cpu
+                                    .all_reduce_rms_norm(
+                                        &mut comm,
+                                        &mut fused_in,
+                                        &w,
+                                        group,
+                                        1e-5,
+                                        choice,
+                                    )
+                                    .unwrap();
+                                let mut sum = Tensor::new(vec![rows, cols], x.clone());
+                                Collectives::all_reduce_sum_planned(&mut comm, &mut sum, choice)
+                                    .unwrap();
+                                let two_pass = cpu.rms_norm(&sum, &w, group, 1e-5).unwrap();
+                                out.push((fused, fused_in, two_pass, sum, ran, choice));
+                            }
+                        }
+                        out
+                    })
+                })
+                .collect();
+            for h in handles {
+                for (fused, fused_in, two_pass, sum, ran, choice) in h.join().unwrap() {
+                    let bits = |t: &Tensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&fused), bits(&two_pass), "n {n} {choice:?}");
+                    assert_eq!(bits(&fused_in), bits(&sum), "n {n} {choice:?}");
+                    assert_eq!(fused.shape, two_pass.shape);
+                    if choice.is_some() && n > 1 {
+                        assert_eq!(ran, choice);
+                    }
+                }
+            }
         }
     }
 

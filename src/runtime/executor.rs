@@ -6,7 +6,9 @@
 //! A forward call takes a batch of sequences (each with its own KV caches and position):
 //! one prompt, a ragged batch of prompts, or one new token per live sequence.
 
-use super::backend::{Activation, Backend, BackendError, BinaryOp, Segment, WeightUse};
+use super::backend::{
+    Activation, Backend, BackendError, BinaryOp, ReduceNormError, Segment, WeightUse,
+};
 use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
 use super::tensor::Tensor;
@@ -102,6 +104,17 @@ fn bad(i: &Instr, problem: impl Into<String>) -> RunError {
         name: i.name.to_string(),
         problem: problem.into(),
     }
+}
+
+/// The weight `i` reads as input `slot`.
+fn weight_of<'w, W>(weights: &'w HashMap<u32, W>, i: &Instr, slot: usize) -> Result<&'w W> {
+    let id = *i
+        .inputs
+        .get(slot)
+        .ok_or_else(|| bad(i, format!("input {slot} is missing")))?;
+    weights
+        .get(&id)
+        .ok_or_else(|| bad(i, format!("input {slot} (%{id}) is not a weight")))
 }
 
 fn on(i: &Instr) -> impl Fn(BackendError) -> RunError + '_ {
@@ -553,13 +566,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     }
 
     fn weight(&self, i: &Instr, slot: usize) -> Result<&B::Weight> {
-        let id = *i
-            .inputs
-            .get(slot)
-            .ok_or_else(|| bad(i, format!("input {slot} is missing")))?;
-        self.weights
-            .get(&id)
-            .ok_or_else(|| bad(i, format!("input {slot} (%{id}) is not a weight")))
+        weight_of(&self.weights, i, slot)
     }
 
     /// Input 0 of instruction `idx` as an owned buffer: the value itself when this is its
@@ -665,18 +672,25 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     .as_ref()
                     .and_then(|r| r.algorithm.as_ref())
                     .and_then(|c| c.for_bytes(bytes));
-                let ran = self.comm.all_reduce_sum_planned(&mut sum, planned);
-                let out = match ran {
-                    Ok(ran) => {
-                        self.all_reduces.add(ran);
-                        let group = n.group.map(|g| g as usize).unwrap_or(sum.rows_cols().1);
-                        self.weight(i, 1)
-                            .and_then(|w| b.rms_norm(&sum, w, group, n.eps.0 as f32).map_err(err))
-                    }
-                    Err(e) => Err(RunError::from(e)),
-                };
+                let group = n.group.map(|g| g as usize).unwrap_or(sum.rows_cols().1);
+                let out = weight_of(&self.weights, i, 1).and_then(|w| {
+                    b.all_reduce_rms_norm(
+                        &mut self.comm,
+                        &mut sum,
+                        w,
+                        group,
+                        n.eps.0 as f32,
+                        planned,
+                    )
+                    .map_err(|e| match e {
+                        ReduceNormError::Collective(c) => RunError::from(c),
+                        ReduceNormError::Norm(e) => err(e),
+                    })
+                });
                 b.release(sum);
-                out?
+                let (out, ran) = out?;
+                self.all_reduces.add(ran);
+                out
             }
             Op::RmsNorm(n) => {
                 let x = x(0)?;

@@ -94,6 +94,19 @@ impl fmt::Display for AllReduceAlgorithm {
 }
 
 impl AllReduceAlgorithm {
+    /// What this group runs for a plan's choice: one-shot as planned; two-shot and ring both
+    /// as its ring (reduce-scatter then all-gather, moving `2(n − 1)/n` of the buffer, as
+    /// both do), its only algorithm for large messages; no choice: by size.
+    pub(super) fn planned(choice: Option<CollectiveAlgorithm>) -> AllReduceAlgorithm {
+        match choice {
+            None => AllReduceAlgorithm::Auto,
+            Some(CollectiveAlgorithm::OneShot) => AllReduceAlgorithm::OneShot,
+            Some(CollectiveAlgorithm::TwoShot | CollectiveAlgorithm::Ring) => {
+                AllReduceAlgorithm::Ring
+            }
+        }
+    }
+
     /// The algorithm `self` means for `len` elements of `T` in a group with this threshold.
     pub(super) fn resolve<T: Element>(
         self,
@@ -109,6 +122,17 @@ impl AllReduceAlgorithm {
             AllReduceAlgorithm::Auto => AllReduceAlgorithm::Ring,
             forced => forced,
         }
+    }
+}
+
+/// A row length and what to call on each row of a sum.
+type EachRow<'a, T> = (usize, &'a mut dyn FnMut(usize, &[T]));
+
+/// The plan's name for what ran (after `Auto` was resolved).
+fn ran(runs: AllReduceAlgorithm) -> CollectiveAlgorithm {
+    match runs {
+        AllReduceAlgorithm::OneShot => CollectiveAlgorithm::OneShot,
+        _ => CollectiveAlgorithm::Ring,
     }
 }
 
@@ -385,6 +409,25 @@ impl LocalComm {
         buf: &mut [T],
         algorithm: AllReduceAlgorithm,
     ) -> Result<(), CommError> {
+        self.all_reduce_sum_then(buf, algorithm, None)
+    }
+
+    /// [`LocalComm::all_reduce_sum_with`], then `rows` (a row length and what to call on
+    /// each row of the sum): one-shot calls it on each row as soon as that row is summed;
+    /// the ring, after its last step.
+    fn all_reduce_sum_then<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        algorithm: AllReduceAlgorithm,
+        rows: Option<EachRow<'_, T>>,
+    ) -> Result<(), CommError> {
+        let each_row = |buf: &[T], rows: Option<EachRow<'_, T>>| {
+            if let Some((len, row)) = rows {
+                for (r, x) in buf.chunks(len.max(1)).enumerate() {
+                    row(r, x);
+                }
+            }
+        };
         let during = Collective::AllReduceSum;
         let len = buf.len();
         let algorithm = algorithm.resolve::<T>(len, self.shared.one_shot_max_bytes);
@@ -395,12 +438,18 @@ impl LocalComm {
         self.check_usable(during)?;
         if self.n == 1 || len == 0 {
             self.begin(call, ptr::null(), ptr::null_mut(), None)?;
+            each_row(buf, rows);
             return Ok(());
         }
         if algorithm == AllReduceAlgorithm::OneShot {
             let staged = self.stage(buf);
             let parity = self.begin(call, staged.cast(), ptr::null_mut(), None)?;
-            self.one_shot(buf, parity);
+            match rows {
+                Some((row_len, row)) if row_len > 0 => {
+                    self.one_shot_rows(buf, parity, row_len, row)
+                }
+                _ => self.one_shot(buf, parity),
+            }
             return Ok(());
         }
         // From here until `ring` returns, this rank touches `buf` only through `own` and
@@ -424,7 +473,9 @@ impl LocalComm {
             .begin(call, own.cast_const().cast(), acc, None)
             .and_then(|parity| self.ring(own, acc, in_place.is_some(), len, parity));
         self.workspace = workspace;
-        result
+        result?;
+        each_row(buf, rows);
+        Ok(())
     }
 
     fn parity(&self) -> usize {
@@ -639,6 +690,37 @@ impl LocalComm {
         }
     }
 
+    /// [`LocalComm::one_shot`] row by row: each row's elements summed from all staging
+    /// buffers (each element in the order of the chunk it belongs to, so the bits are the
+    /// ones `one_shot` gives), then handed to `row` while they are in cache.
+    fn one_shot_rows<T: Element>(
+        &self,
+        buf: &mut [T],
+        parity: usize,
+        row_len: usize,
+        row: &mut dyn FnMut(usize, &[T]),
+    ) {
+        let (n, len) = (self.n, buf.len());
+        for (r, start) in (0..len).step_by(row_len).enumerate() {
+            let end = start.saturating_add(row_len).min(len);
+            for c in 0..n {
+                let chunk = chunk_range(len, n, c);
+                let part = chunk.start.max(start)..chunk.end.min(end);
+                if part.is_empty() {
+                    continue;
+                }
+                let sources = summation_order(n, c).map(|q| {
+                    // SAFETY: as in `one_shot`: rank `q` published its staging buffer of
+                    // `len` elements for this call, and writes it again only after this
+                    // rank has arrived at the entry wait of its next call.
+                    unsafe { self.peer_data::<T>(q, parity, part.clone()) }
+                });
+                T::sum_into(&mut buf[part.clone()], sources);
+            }
+            row(r, &buf[start..end]);
+        }
+    }
+
     /// Ring data phases, in place in every rank's buffer (`own`, `len` elements) and, for a
     /// type narrower than `f32`, its workspace (`acc`, `len` `f32`s; for `f32`, `acc` is
     /// `own` and `in_place` is true). Chunk `c` travels from rank `c + 1` around the ring and
@@ -759,27 +841,31 @@ impl Communicator for LocalComm {
         self.all_reduce_sum_with(buf, AllReduceAlgorithm::Auto)
     }
 
-    /// One-shot as planned; two-shot and ring both run this group's ring (reduce-scatter
-    /// then all-gather, moving `2(n − 1)/n` of the buffer, as both do), which is the
-    /// in-process group's only algorithm for large messages.
+    /// As [`AllReduceAlgorithm::planned`] says.
     fn all_reduce_sum_planned<T: Element>(
         &mut self,
         buf: &mut [T],
         algorithm: Option<CollectiveAlgorithm>,
     ) -> Result<Option<CollectiveAlgorithm>, CommError> {
-        let asked = match algorithm {
-            None => AllReduceAlgorithm::Auto,
-            Some(CollectiveAlgorithm::OneShot) => AllReduceAlgorithm::OneShot,
-            Some(CollectiveAlgorithm::TwoShot | CollectiveAlgorithm::Ring) => {
-                AllReduceAlgorithm::Ring
-            }
-        };
-        let runs = asked.resolve::<T>(buf.len(), self.shared.one_shot_max_bytes);
-        self.all_reduce_sum_with(buf, runs)?;
-        Ok(Some(match runs {
-            AllReduceAlgorithm::OneShot => CollectiveAlgorithm::OneShot,
-            _ => CollectiveAlgorithm::Ring,
-        }))
+        let runs = AllReduceAlgorithm::planned(algorithm)
+            .resolve::<T>(buf.len(), self.shared.one_shot_max_bytes);
+        self.all_reduce_sum_then(buf, runs, None)?;
+        Ok(Some(ran(runs)))
+    }
+
+    /// One-shot hands each row on as soon as it is summed (one loop for the reduction and
+    /// what reads it); the ring after its last step.
+    fn all_reduce_sum_rows<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        row_len: usize,
+        algorithm: Option<CollectiveAlgorithm>,
+        row: &mut dyn FnMut(usize, &[T]),
+    ) -> Result<Option<CollectiveAlgorithm>, CommError> {
+        let runs = AllReduceAlgorithm::planned(algorithm)
+            .resolve::<T>(buf.len(), self.shared.one_shot_max_bytes);
+        self.all_reduce_sum_then(buf, runs, Some((row_len, row)))?;
+        Ok(Some(ran(runs)))
     }
 
     fn all_gather<T: Element>(&mut self, local: &[T], out: &mut [T]) -> Result<(), CommError> {

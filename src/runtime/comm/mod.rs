@@ -353,6 +353,25 @@ pub trait Communicator: Send {
         self.all_reduce_sum(buf).map(|()| None)
     }
 
+    /// [`Communicator::all_reduce_sum_planned`], then `row(r, x)` on each row `x` of
+    /// `row_len` elements of the sum, in order (`buf.len()` a multiple of `row_len`). A
+    /// communicator that can hands each row on as soon as it is summed, while it is still
+    /// in cache, so that the reduction and what reads it are one loop over the rows (the
+    /// in-process one-shot); this default reduces the whole buffer first.
+    fn all_reduce_sum_rows<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        row_len: usize,
+        algorithm: Option<CollectiveAlgorithm>,
+        row: &mut dyn FnMut(usize, &[T]),
+    ) -> Result<Option<CollectiveAlgorithm>, CommError> {
+        let ran = self.all_reduce_sum_planned(buf, algorithm)?;
+        for (r, x) in buf.chunks(row_len.max(1)).enumerate() {
+            row(r, x);
+        }
+        Ok(ran)
+    }
+
     /// `out` ← every rank's `local`, concatenated in rank order; `local` has the same length
     /// on every rank and `out.len() == world_size() * local.len()`.
     fn all_gather<T: Element>(&mut self, local: &[T], out: &mut [T]) -> Result<(), CommError>;

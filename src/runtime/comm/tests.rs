@@ -1332,3 +1332,87 @@ fn messages_sent_before_a_failure_are_still_received() {
         }
     }
 }
+
+/// The sum, every row handed on (index, values) in the order they came, what ran.
+type SummedRows<T> = (Vec<T>, Vec<(usize, Vec<T>)>, Option<CollectiveAlgorithm>);
+
+/// Runs `all_reduce_sum_rows` with `algorithm` (a plan's choice; `None`: by size).
+fn summed_rows<T: Element>(
+    comm: &mut LocalComm,
+    mut buf: Vec<T>,
+    row_len: usize,
+    algorithm: Option<CollectiveAlgorithm>,
+) -> SummedRows<T> {
+    let mut rows = Vec::new();
+    let ran = comm
+        .all_reduce_sum_rows(&mut buf, row_len, algorithm, &mut |r, x| {
+            rows.push((r, x.to_vec()))
+        })
+        .unwrap();
+    (buf, rows, ran)
+}
+
+/// The row-wise all-reduce (what a fused all-reduce + norm runs on): every algorithm gives
+/// the documented sum bit for bit, and hands on every row of it once, in order, whether
+/// rows straddle the chunks of the ranks (odd row lengths) or not.
+#[test]
+fn rows_of_the_sum_are_handed_on_in_order_with_the_sums_bits() {
+    const CHOICES: [Option<CollectiveAlgorithm>; 3] = [
+        None,
+        Some(CollectiveAlgorithm::OneShot),
+        Some(CollectiveAlgorithm::Ring),
+    ];
+    // (rows, row length): one row, rows cut by chunk boundaries, a message above the
+    // one-shot threshold.
+    let shapes = [
+        (1, 1),
+        (1, 64),
+        (3, 7),
+        (5, 33),
+        (4, 2048),
+        (2, RING_ELEMS + 3),
+    ];
+    for n in [1, 2, 3, 4] {
+        let results = ok(run_group(n, move |mut comm| {
+            let rank = comm.rank();
+            let mut out = Vec::new();
+            for (rows, cols) in shapes {
+                for choice in CHOICES {
+                    let x = order_sensitive_input(rank, rows * cols);
+                    let f32s = summed_rows(&mut comm, x.clone(), cols, choice);
+                    let bf16s = summed_rows(&mut comm, to_bf16(&x), cols, choice);
+                    out.push((f32s, bf16s));
+                }
+            }
+            out
+        }));
+        let mut k = 0;
+        for (rows, cols) in shapes {
+            let len = rows * cols;
+            let inputs: Vec<_> = (0..n).map(|r| order_sensitive_input(r, len)).collect();
+            let want = bits(&canonical_all_reduce(&inputs));
+            let inputs16: Vec<_> = inputs.iter().map(|x| to_bf16(x)).collect();
+            let want16 = bf16_bits(&canonical_bf16_all_reduce(&inputs16));
+            for choice in CHOICES {
+                for (rank, per_rank) in results.iter().enumerate() {
+                    let ((sum, handed, ran), (sum16, handed16, ran16)) = &per_rank[k];
+                    let at = format!("n {n} rank {rank} {rows}x{cols} {choice:?}");
+                    assert_eq!(bits(sum), want, "{at}");
+                    assert_eq!(bf16_bits(sum16), want16, "{at}");
+                    assert!(ran.is_some() && ran == ran16, "{at}");
+                    if choice.is_some() {
+                        assert_eq!(*ran, choice, "{at}");
+                    }
+                    assert_eq!(handed.len(), rows, "{at}");
+                    assert_eq!(handed16.len(), rows, "{at}");
+                    for (r, ((i, x), (i16, x16))) in handed.iter().zip(handed16).enumerate() {
+                        assert_eq!((*i, *i16), (r, r), "{at}");
+                        assert_eq!(bits(x), want[r * cols..(r + 1) * cols], "{at}");
+                        assert_eq!(bf16_bits(x16), want16[r * cols..(r + 1) * cols], "{at}");
+                    }
+                }
+                k += 1;
+            }
+        }
+    }
+}
