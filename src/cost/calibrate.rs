@@ -99,7 +99,7 @@ impl Settings {
             rows: 128,
             seconds: 0.4,
             sweep_mib: 512,
-            comm_sizes: (12..=24).map(|p| 1usize << p).collect(),
+            comm_sizes: (8..=24).map(|p| 1usize << p).collect(),
             comm_iters: 100,
             op_calls: 2000,
             decode_steps: 64,
@@ -191,6 +191,10 @@ pub struct Calibration {
     /// Best decode step of the tiny model through the executor, and its compute ops.
     pub executor_step_s: f64,
     pub executor_ops: f64,
+    /// The per-op cost of a rank with one thread (none when the host has one core), and the
+    /// tiny model's best decode step it comes from.
+    pub op_overhead_one_thread_s: Option<f64>,
+    pub executor_step_one_thread_s: f64,
     /// Linears (and their bf16 weight bytes) in the timed pass.
     pub pass_linears: usize,
     pub pass_bytes: usize,
@@ -568,6 +572,8 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
         bare_op_s,
         executor_step_s: 0.0,
         executor_ops: 0.0,
+        op_overhead_one_thread_s: None,
+        executor_step_one_thread_s: 0.0,
         pass_linears: pass.len(),
         pass_bytes: pass.iter().map(|(n, k)| n * k * 2).sum(),
         attention_flops,
@@ -581,6 +587,17 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
     c.executor_step_s = step;
     c.executor_ops = ops;
     c.op_overhead_s = ((step - priced) / ops.max(1.0)).max(bare_op_s);
+    // A rank of a tp ≥ cores run has one thread: measured apart, at one core's share of the
+    // host's rates.
+    if s.threads > 1 {
+        let one = Settings {
+            threads: 1,
+            ..s.clone()
+        };
+        let (step, ops, priced) = executor_step(&one_core_share(&c.profile(), s.threads), &one)?;
+        c.executor_step_one_thread_s = step;
+        c.op_overhead_one_thread_s = Some(((step - priced) / ops.max(1.0)).max(0.0));
+    }
     Ok(c)
 }
 
@@ -632,6 +649,20 @@ fn executor_step(hw: &HwProfile, s: &Settings) -> Result<(f64, f64, f64), Calibr
         ops,
         e.decode_step.compute_s + e.decode_step.elementwise_s,
     ))
+}
+
+/// `hw` with one of `threads` cores' share of its compute, attention and bandwidth rates.
+fn one_core_share(hw: &HwProfile, threads: usize) -> HwProfile {
+    let k = 1.0 / threads.max(1) as f64;
+    let mut one = hw.clone();
+    one.peak_flops_bf16 *= k;
+    one.peak_flops_f32 *= k;
+    one.memory_bandwidth *= k;
+    one.attention_flops = one.attention_flops.map(|a| a * k);
+    for (_, a) in &mut one.attention_flops_by_head_dim {
+        *a *= k;
+    }
+    one
 }
 
 /// The civil date (UTC, `YYYY-MM-DD`) of a Unix time in seconds.
@@ -700,6 +731,14 @@ impl Calibration {
                 s.op_calls,
                 self.bare_op_s * 1e6
             ),
+            match self.op_overhead_one_thread_s {
+                Some(o) => format!(
+                    "shared.op_overhead_one_thread_s: the same with one thread (a rank of tp >= cores), {:.2} us per step at one core's share of the rates: {:.3} us per op",
+                    self.executor_step_one_thread_s * 1e6,
+                    o * 1e6
+                ),
+                None => "shared.op_overhead_one_thread_s: not measured (one core)".into(),
+            },
             format!(
                 "one_shot / ring: in-process communicator, f32, {} ranks, least squares (relative) of the median times over {}..{} bytes; ring alpha per step",
                 self.comm_world,
@@ -739,6 +778,7 @@ impl Calibration {
             attention_flops_by_head_dim: self.attention_by_head_dim.clone(),
             shared: Some(SharedHost {
                 cores: h.cores.max(1) as u64,
+                op_overhead_one_thread_s: self.op_overhead_one_thread_s,
             }),
         }
     }
@@ -808,6 +848,16 @@ impl Calibration {
                 self.executor_ops
             ),
         );
+        if let Some(o) = self.op_overhead_one_thread_s {
+            row(
+                "per-op overhead, one thread",
+                format!("{:.2} µs", o * 1e6),
+                format!(
+                    "the same step with one thread: {:.1} µs",
+                    self.executor_step_one_thread_s * 1e6
+                ),
+            );
+        }
         for (name, f) in [("one-shot", &self.one_shot), ("ring", &self.ring)] {
             row(
                 &format!("{name} all-reduce α"),

@@ -49,13 +49,27 @@ pub struct HwProfile {
 }
 
 /// One host whose cores and memory bandwidth the ranks of a group share.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SharedHost {
     /// Cores (hardware threads the runtime counts) the peaks above were measured with.
     pub cores: u64,
+    /// The per-op cost when a rank has one thread (tp ≥ cores): no team to wake and wait
+    /// for, so less than `op_overhead_s`, which was measured with every core in one team.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op_overhead_one_thread_s: Option<f64>,
 }
 
 impl SharedHost {
+    /// The per-op cost of one of `tp` ranks: the one-thread figure when the rank gets one
+    /// thread of several cores and the profile has it, else `all_cores` (the profile's).
+    pub fn op_overhead_s(&self, tp: u64, all_cores: f64) -> f64 {
+        let threads = (self.cores / tp.max(1)).max(1);
+        match self.op_overhead_one_thread_s {
+            Some(one) if threads == 1 && self.cores > 1 => one,
+            _ => all_cores,
+        }
+    }
+
     /// The part of the host's compute one of `tp` ranks gets: the runtime gives each rank
     /// max(1, cores / tp) threads (whole cores), and when there are more ranks than cores
     /// they take turns, so a rank never gets more than cores / tp.
@@ -203,6 +217,14 @@ impl HwProfile {
                 ));
             }
         }
+        if let Some(o) = self.shared.and_then(|h| h.op_overhead_one_thread_s) {
+            if !(o.is_finite() && (0.0..1.0).contains(&o)) {
+                return Err(format!(
+                    "shared.op_overhead_one_thread_s is {o}; it must be a finite number of \
+                     seconds, 0 or more and below 1"
+                ));
+            }
+        }
         if let Some(h) = &self.shared {
             if h.cores == 0 || h.cores > 1 << 20 {
                 return Err(format!(
@@ -274,7 +296,10 @@ mod tests {
             op_overhead_s: 1.5e-6,
             attention_flops: Some(5e10),
             attention_flops_by_head_dim: vec![(8, 5e9), (64, 5e10)],
-            shared: Some(SharedHost { cores: 2 }),
+            shared: Some(SharedHost {
+                cores: 2,
+                op_overhead_one_thread_s: None,
+            }),
         }
     }
 
@@ -313,8 +338,22 @@ mod tests {
             assert!(p.check().unwrap_err().contains("attention_flops"));
         }
         let mut p = shared_profile();
-        p.shared = Some(SharedHost { cores: 0 });
+        p.shared = Some(SharedHost {
+            cores: 0,
+            op_overhead_one_thread_s: None,
+        });
         assert!(p.check().unwrap_err().contains("shared.cores"));
+        for bad in [-1e-6, 1.0, f64::NAN, f64::INFINITY] {
+            let mut p = shared_profile();
+            p.shared = Some(SharedHost {
+                cores: 2,
+                op_overhead_one_thread_s: Some(bad),
+            });
+            assert!(p
+                .check()
+                .unwrap_err()
+                .contains("shared.op_overhead_one_thread_s"));
+        }
         // A file written before the shared-host fields reads as a profile without them.
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/models/hw/a100-pcie-8.ron");
         let parsed = HwProfile::load(Path::new(dir)).unwrap();
@@ -333,8 +372,29 @@ mod tests {
         let (c, _) = p.per_rank(3, false);
         assert!((c - 8e11 / 3.0).abs() < 1.0);
         // Three ranks on eight cores get two threads each: two cores stay idle.
-        let h = SharedHost { cores: 8 };
+        let h = SharedHost {
+            cores: 8,
+            op_overhead_one_thread_s: None,
+        };
         assert_eq!(h.compute_share(3), 0.25);
+        // Ranks with one thread pay the one-thread per-op cost, where the profile has it.
+        let h = SharedHost {
+            cores: 2,
+            op_overhead_one_thread_s: Some(1e-7),
+        };
+        assert_eq!(h.op_overhead_s(1, 4e-7), 4e-7);
+        assert_eq!(h.op_overhead_s(2, 4e-7), 1e-7);
+        assert_eq!(h.op_overhead_s(4, 4e-7), 1e-7);
+        let one_core = SharedHost {
+            cores: 1,
+            op_overhead_one_thread_s: Some(1e-7),
+        };
+        assert_eq!(one_core.op_overhead_s(2, 4e-7), 4e-7);
+        let unmeasured = SharedHost {
+            cores: 2,
+            op_overhead_one_thread_s: None,
+        };
+        assert_eq!(unmeasured.op_overhead_s(2, 4e-7), 4e-7);
         let mut d = p.clone();
         d.shared = None;
         assert_eq!(d.per_rank(4, false), (8e11, 2e10));

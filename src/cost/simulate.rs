@@ -453,6 +453,8 @@ struct Rates {
     peak: f64,
     bandwidth: f64,
     attention: f64,
+    /// Fixed cost per compute op of the rank (its thread count decides, on a shared host).
+    op_overhead_s: f64,
 }
 
 fn rates(
@@ -474,10 +476,14 @@ fn rates(
         Some(a) => a * share,
         None => peak,
     };
+    let op_overhead_s = hw.shared.as_ref().map_or(hw.op_overhead_s, |h| {
+        h.op_overhead_s(compute_ranks, hw.op_overhead_s)
+    });
     Rates {
         peak,
         bandwidth,
         attention,
+        op_overhead_s,
     }
 }
 
@@ -493,7 +499,7 @@ fn price(
     act_bytes: f64,
     keep: &dyn Fn(&Collective) -> bool,
 ) -> (PhaseTime, PhaseTime) {
-    let overhead = w.ops * hw.op_overhead_s;
+    let overhead = w.ops * r.op_overhead_s;
     let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
     let attention = |pairs: f64| w.attention_flops_per_pair * pairs / r.attention;
     let elementwise =
@@ -939,7 +945,10 @@ mod tests {
         hw.memory_bandwidth = 2e10;
         hw.memory_bytes = 16e9;
         hw.op_overhead_s = 2e-6;
-        hw.shared = Some(crate::cost::profile::SharedHost { cores: 2 });
+        hw.shared = Some(crate::cost::profile::SharedHost {
+            cores: 2,
+            op_overhead_one_thread_s: None,
+        });
         let work = Workload {
             batch: 1,
             prompt: 128,
