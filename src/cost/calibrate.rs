@@ -195,6 +195,9 @@ pub struct Calibration {
     /// tiny model's best decode step it comes from.
     pub op_overhead_one_thread_s: Option<f64>,
     pub executor_step_one_thread_s: f64,
+    /// GEMM FLOP/s of one of `threads` one-thread ranks running the pass split over them at
+    /// once (bf16, f32 weights); none with one core.
+    pub one_thread_flops: Option<(f64, f64)>,
     /// Linears (and their bf16 weight bytes) in the timed pass.
     pub pass_linears: usize,
     pub pass_bytes: usize,
@@ -315,6 +318,85 @@ fn gemm_rate(kern: Kernels, team: &Team, s: &Settings, bf16: bool) -> Result<f64
         },
         flops / t.as_secs_f64(),
     )
+}
+
+/// FLOP/s one rank reaches when `s.threads` ranks of one thread each run the pass at once,
+/// each over its share of every linear's outputs (what tp = cores runs): each timed pass
+/// starts and ends at a barrier, so it lasts as long as the slowest rank's; the median of
+/// at least five passes.
+fn gemm_rate_one_thread_ranks(
+    kern: Kernels,
+    s: &Settings,
+    bf16: bool,
+) -> Result<f64, CalibrateError> {
+    let ranks = s.threads.max(1);
+    let shapes: Vec<(usize, usize)> = pass_shapes(s)
+        .into_iter()
+        .map(|(n, k)| (n.div_ceil(ranks), k))
+        .collect();
+    let flops: f64 = shapes
+        .iter()
+        .map(|&(n, k)| 2.0 * (s.rows * n * k) as f64)
+        .sum();
+    let barrier = std::sync::Barrier::new(ranks);
+    let passes = 6;
+    let times: Vec<Duration> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let (shapes, barrier) = (&shapes, &barrier);
+                scope.spawn(move || {
+                    let team = Team::new(1);
+                    let mats: Vec<PackedMatrix> = shapes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &(n, k))| {
+                            let w = weight(n, k, i * ranks + rank);
+                            PackedMatrix::pack(&w, WeightOrder::OutIn, bf16)
+                        })
+                        .collect();
+                    let x = |k: usize| {
+                        Tensor::new(
+                            vec![s.rows, k],
+                            (0..s.rows * k)
+                                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                                .collect(),
+                        )
+                    };
+                    let mut inputs = std::collections::HashMap::new();
+                    for &(_, k) in shapes {
+                        inputs.entry(k).or_insert_with(|| x(k));
+                    }
+                    let mut times = Vec::with_capacity(passes);
+                    for _ in 0..passes {
+                        barrier.wait();
+                        let t = Instant::now();
+                        for (m, &(_, k)) in mats.iter().zip(shapes) {
+                            if let Some(x) = inputs.get(&k) {
+                                std::hint::black_box(m.matmul_with(kern, x, &team));
+                            }
+                        }
+                        barrier.wait();
+                        times.push(t.elapsed());
+                    }
+                    times
+                })
+            })
+            .collect();
+        // Every rank waits at the same barriers: rank 0's times are the group's.
+        let mut first = Vec::new();
+        for (rank, w) in workers.into_iter().enumerate() {
+            let t = w.join().unwrap_or_default();
+            if rank == 0 {
+                first = t;
+            }
+        }
+        first
+    });
+    // The first pass warms up (packing done, caches cold): the median of the others.
+    let mut timed: Vec<Duration> = times.into_iter().skip(1).collect();
+    timed.sort_unstable();
+    let t = timed.get(timed.len() / 2).copied().unwrap_or_default();
+    checked("one-thread rank GEMM FLOP/s", flops / t.as_secs_f64())
 }
 
 /// Bytes/s of a one-row product through distinct bf16 weights of about `mib` MiB in all.
@@ -574,6 +656,7 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
         executor_ops: 0.0,
         op_overhead_one_thread_s: None,
         executor_step_one_thread_s: 0.0,
+        one_thread_flops: None,
         pass_linears: pass.len(),
         pass_bytes: pass.iter().map(|(n, k)| n * k * 2).sum(),
         attention_flops,
@@ -590,6 +673,10 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
     // A rank of a tp ≥ cores run has one thread: measured apart, at one core's share of the
     // host's rates.
     if s.threads > 1 {
+        c.one_thread_flops = Some((
+            gemm_rate_one_thread_ranks(kern, s, true)?,
+            gemm_rate_one_thread_ranks(kern, s, false)?,
+        ));
         let one = Settings {
             threads: 1,
             ..s.clone()
@@ -739,6 +826,13 @@ impl Calibration {
                 ),
                 None => "shared.op_overhead_one_thread_s: not measured (one core)".into(),
             },
+            match self.one_thread_flops {
+                Some(_) => format!(
+                    "shared.one_thread_flops_bf16 / _f32: {} ranks of one thread each running the same pass at once, each over 1/{} of every linear's outputs; one rank's FLOPs over the median pass (each pass between two barriers: the slowest rank's)",
+                    self.threads, self.threads
+                ),
+                None => "shared.one_thread_flops_*: not measured (one core)".into(),
+            },
             format!(
                 "one_shot / ring: in-process communicator, f32, {} ranks, least squares (relative) of the median times over {}..{} bytes; ring alpha per step",
                 self.comm_world,
@@ -779,6 +873,8 @@ impl Calibration {
             shared: Some(SharedHost {
                 cores: h.cores.max(1) as u64,
                 op_overhead_one_thread_s: self.op_overhead_one_thread_s,
+                one_thread_flops_bf16: self.one_thread_flops.map(|f| f.0),
+                one_thread_flops_f32: self.one_thread_flops.map(|f| f.1),
             }),
         }
     }
@@ -848,6 +944,16 @@ impl Calibration {
                 self.executor_ops
             ),
         );
+        if let Some((bf16, f32)) = self.one_thread_flops {
+            row(
+                "GEMM, one-thread rank (bf16 / f32)",
+                format!("{:.0} / {:.0} GF/s", bf16 / 1e9, f32 / 1e9),
+                format!(
+                    "{} such ranks at once, the pass split over them",
+                    self.threads
+                ),
+            );
+        }
         if let Some(o) = self.op_overhead_one_thread_s {
             row(
                 "per-op overhead, one thread",

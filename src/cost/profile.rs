@@ -57,16 +57,44 @@ pub struct SharedHost {
     /// for, so less than `op_overhead_s`, which was measured with every core in one team.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub op_overhead_one_thread_s: Option<f64>,
+    /// GEMM FLOP/s (bf16, f32 weights) of a one-thread rank while every core runs one
+    /// (the pass split over `cores` ranks at once): what a rank of tp ≥ cores gets, measured
+    /// rather than taken as 1/cores of the whole host's rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_thread_flops_bf16: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_thread_flops_f32: Option<f64>,
 }
 
 impl SharedHost {
     /// The per-op cost of one of `tp` ranks: the one-thread figure when the rank gets one
     /// thread of several cores and the profile has it, else `all_cores` (the profile's).
     pub fn op_overhead_s(&self, tp: u64, all_cores: f64) -> f64 {
-        let threads = (self.cores / tp.max(1)).max(1);
         match self.op_overhead_one_thread_s {
-            Some(one) if threads == 1 && self.cores > 1 => one,
+            Some(one) if self.one_thread_ranks(tp) => one,
             _ => all_cores,
+        }
+    }
+
+    /// True when each of `tp` ranks gets one thread of a host with several cores.
+    fn one_thread_ranks(&self, tp: u64) -> bool {
+        self.cores > 1 && self.cores / tp.max(1) <= 1
+    }
+
+    /// Compute one of `tp` ranks gets from a host whose whole rate is `host_flops`: the
+    /// measured one-thread rate when ranks have one thread each (a fraction of it when
+    /// ranks outnumber cores and take turns), else [`SharedHost::compute_share`].
+    pub fn rank_flops(&self, tp: u64, host_flops: f64, f32_operands: bool) -> f64 {
+        let one = if f32_operands {
+            self.one_thread_flops_f32
+        } else {
+            self.one_thread_flops_bf16
+        };
+        match one {
+            Some(one) if self.one_thread_ranks(tp) => {
+                one * (self.cores as f64 / tp.max(1) as f64).min(1.0)
+            }
+            _ => host_flops * self.compute_share(tp),
         }
     }
 
@@ -159,7 +187,7 @@ impl HwProfile {
         match &self.shared {
             None => (peak, bandwidth),
             Some(h) => (
-                peak * h.compute_share(tp),
+                h.rank_flops(tp, peak, f32_operands),
                 bandwidth * h.bandwidth_share(tp),
             ),
         }
@@ -215,6 +243,22 @@ impl HwProfile {
                 return Err(format!(
                     "attention_flops is {a}; it must be a finite number above 0"
                 ));
+            }
+        }
+        for (what, v) in [
+            (
+                "shared.one_thread_flops_bf16",
+                self.shared.and_then(|h| h.one_thread_flops_bf16),
+            ),
+            (
+                "shared.one_thread_flops_f32",
+                self.shared.and_then(|h| h.one_thread_flops_f32),
+            ),
+        ] {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(format!("{what} is {v}; it must be a finite number above 0"));
+                }
             }
         }
         if let Some(o) = self.shared.and_then(|h| h.op_overhead_one_thread_s) {
@@ -299,6 +343,8 @@ mod tests {
             shared: Some(SharedHost {
                 cores: 2,
                 op_overhead_one_thread_s: None,
+                one_thread_flops_bf16: None,
+                one_thread_flops_f32: None,
             }),
         }
     }
@@ -341,6 +387,8 @@ mod tests {
         p.shared = Some(SharedHost {
             cores: 0,
             op_overhead_one_thread_s: None,
+            one_thread_flops_bf16: None,
+            one_thread_flops_f32: None,
         });
         assert!(p.check().unwrap_err().contains("shared.cores"));
         for bad in [-1e-6, 1.0, f64::NAN, f64::INFINITY] {
@@ -348,6 +396,8 @@ mod tests {
             p.shared = Some(SharedHost {
                 cores: 2,
                 op_overhead_one_thread_s: Some(bad),
+                one_thread_flops_bf16: None,
+                one_thread_flops_f32: None,
             });
             assert!(p
                 .check()
@@ -375,12 +425,16 @@ mod tests {
         let h = SharedHost {
             cores: 8,
             op_overhead_one_thread_s: None,
+            one_thread_flops_bf16: None,
+            one_thread_flops_f32: None,
         };
         assert_eq!(h.compute_share(3), 0.25);
         // Ranks with one thread pay the one-thread per-op cost, where the profile has it.
         let h = SharedHost {
             cores: 2,
             op_overhead_one_thread_s: Some(1e-7),
+            one_thread_flops_bf16: None,
+            one_thread_flops_f32: None,
         };
         assert_eq!(h.op_overhead_s(1, 4e-7), 4e-7);
         assert_eq!(h.op_overhead_s(2, 4e-7), 1e-7);
@@ -388,11 +442,38 @@ mod tests {
         let one_core = SharedHost {
             cores: 1,
             op_overhead_one_thread_s: Some(1e-7),
+            one_thread_flops_bf16: None,
+            one_thread_flops_f32: None,
         };
         assert_eq!(one_core.op_overhead_s(2, 4e-7), 4e-7);
+        // A one-thread rank's GEMM rate where measured (ranks taking turns when they
+        // outnumber the cores), else the host's rate shared out.
+        let measured = SharedHost {
+            cores: 2,
+            op_overhead_one_thread_s: None,
+            one_thread_flops_bf16: Some(3e11),
+            one_thread_flops_f32: Some(7e10),
+        };
+        assert_eq!(measured.rank_flops(1, 9e11, false), 9e11);
+        assert_eq!(measured.rank_flops(2, 9e11, false), 3e11);
+        assert_eq!(measured.rank_flops(2, 2e11, true), 7e10);
+        assert_eq!(measured.rank_flops(4, 9e11, false), 1.5e11);
+        let mut p = shared_profile();
+        p.shared = Some(measured);
+        assert_eq!(p.per_rank(2, false), (3e11, 1e10));
+        p.shared = Some(SharedHost {
+            one_thread_flops_bf16: Some(f64::NAN),
+            ..measured
+        });
+        assert!(p
+            .check()
+            .unwrap_err()
+            .contains("shared.one_thread_flops_bf16"));
         let unmeasured = SharedHost {
             cores: 2,
             op_overhead_one_thread_s: None,
+            one_thread_flops_bf16: None,
+            one_thread_flops_f32: None,
         };
         assert_eq!(unmeasured.op_overhead_s(2, 4e-7), 4e-7);
         let mut d = p.clone();

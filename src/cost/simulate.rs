@@ -948,6 +948,8 @@ mod tests {
         hw.shared = Some(crate::cost::profile::SharedHost {
             cores: 2,
             op_overhead_one_thread_s: None,
+            one_thread_flops_bf16: None,
+            one_thread_flops_f32: None,
         });
         let work = Workload {
             batch: 1,
