@@ -682,8 +682,11 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
             ..s.clone()
         };
         let (step, ops, priced) = executor_step(&one_core_share(&c.profile(), s.threads), &one)?;
+        // Never below the smallest linear through a one-thread team (a busy host can leave
+        // the residual at or under zero).
+        let bare_one = op_overhead(kern, &Team::new(1), s.op_calls)?;
         c.executor_step_one_thread_s = step;
-        c.op_overhead_one_thread_s = Some(((step - priced) / ops.max(1.0)).max(0.0));
+        c.op_overhead_one_thread_s = Some(((step - priced) / ops.max(1.0)).max(bare_one));
     }
     Ok(c)
 }
@@ -820,7 +823,7 @@ impl Calibration {
             ),
             match self.op_overhead_one_thread_s {
                 Some(o) => format!(
-                    "shared.op_overhead_one_thread_s: the same with one thread (a rank of tp >= cores), {:.2} us per step at one core's share of the rates: {:.3} us per op",
+                    "shared.op_overhead_one_thread_s: the same with one thread (a rank of tp >= cores), {:.2} us per step at one core's share of the rates: {:.3} us per op (floor: the one-row 16x16 linear through a one-thread team)",
                     self.executor_step_one_thread_s * 1e6,
                     o * 1e6
                 ),
