@@ -571,3 +571,60 @@ fn a_plan_whose_algorithm_table_is_broken_is_refused() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--dp D`: D replicas of the tp ranks, the prompts dealt round robin. Every result line
+/// equals the single replica's, in input order, greedy and sampled (each sequence has its
+/// own seeded sampler); more replicas than prompts is fine; --pin with replicas is refused.
+#[test]
+fn data_parallel_replicas_print_what_one_replica_prints() {
+    let dir = scratch("dp");
+    let file = dir.join("p.jsonl");
+    let lines = [
+        format!("{{\"prompt_ids\": [{PROMPT}]}}"),
+        "{\"prompt_ids\": [5, 6], \"max_new_tokens\": 3}".into(),
+        "{\"prompt_ids\": [17, 4, 200, 9, 33]}".into(),
+        "{\"prompt_ids\": [1], \"max_new_tokens\": 6}".into(),
+        "{\"prompt_ids\": [88, 120, 7], \"max_new_tokens\": 1}".into(),
+    ];
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let run = |dp: &str, extra: &[&str]| -> (Vec<serde_json::Value>, serde_json::Value) {
+        let mut args = vec!["run", MODEL, "--tp", "2", "--prompts"];
+        args.extend([file.to_str().unwrap(), "--max-new-tokens", "5", "--json"]);
+        args.extend(["--dp", dp]);
+        args.extend(extra);
+        let out = ok(&tpc(&args));
+        let mut v: Vec<serde_json::Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let summary = v.pop().unwrap()["summary"].clone();
+        (v, summary)
+    };
+    for sampling in [&[][..], &["--temperature", "0.9", "--seed", "11"][..]] {
+        let (one, s1) = run("1", sampling);
+        assert_eq!(one.len(), 5);
+        assert_eq!(s1["dp"], 1);
+        for dp in ["2", "3", "8"] {
+            let (many, s) = run(dp, sampling);
+            assert_eq!(many, one, "--dp {dp} {sampling:?}");
+            assert_eq!(s["dp"].to_string(), dp);
+            assert_eq!(s["generated_tokens"], s1["generated_tokens"]);
+            assert_eq!(s["prompt_tokens"], s1["prompt_tokens"]);
+        }
+    }
+    let e = fails(&tpc(&[
+        "run",
+        MODEL,
+        "--tp",
+        "2",
+        "--prompts",
+        file.to_str().unwrap(),
+        "--dp",
+        "2",
+        "--pin",
+    ]));
+    assert!(e.contains("--pin") && e.contains("--dp 1"), "{e}");
+    let o = tpc(&["run", MODEL, "--prompt-ids", PROMPT, "--dp", "0"]);
+    assert_eq!(o.status.code(), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -17,6 +17,10 @@ pub enum RunError {
     #[error("checkpoint `{path}`: {problem}")]
     CheckpointFile { path: PathBuf, problem: String },
 
+    /// Data-parallel replicas (`--dp`): a bad count, or which replica failed.
+    #[error("data parallelism: {0}")]
+    Replicas(String),
+
     #[error("checkpoint tensor `{tensor}` ({path}): {problem}")]
     CheckpointTensor {
         path: PathBuf,

@@ -18,6 +18,7 @@ pub mod memory;
 pub mod packed;
 pub mod random;
 pub mod rank_groups;
+pub mod replicas;
 pub mod rope;
 pub mod sampling;
 pub mod simd;
