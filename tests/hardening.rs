@@ -412,6 +412,33 @@ fn a_run_that_cannot_fit_in_memory_is_refused_before_allocating() {
 }
 
 #[test]
+fn data_parallel_replicas_that_cannot_fit_in_memory_are_refused_before_allocating() {
+    // 64 copies of Llama-3-8B's 16 GB of bf16 weights: about 1 TB.
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let available_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    if available_kib == 0 || available_kib > 900 << 20 {
+        println!("NOT RUN: this host has no MemAvailable or more than 900 GiB of it");
+        return;
+    }
+    let e = refused(&tpc(&[
+        "bench",
+        "models/llama3-8b.ron",
+        "--dp",
+        "64",
+        "--batch",
+        "64",
+    ]));
+    assert!(
+        e.contains("needs at least") && e.contains("available"),
+        "{e}"
+    );
+}
+
+#[test]
 fn compute_threads_the_system_refuses_are_an_error() {
     // 1024 thread stacks of 2 MiB cannot fit in 1.5 GB of address space.
     let o = Command::new("sh")

@@ -626,5 +626,26 @@ fn data_parallel_replicas_print_what_one_replica_prints() {
     assert!(e.contains("--pin") && e.contains("--dp 1"), "{e}");
     let o = tpc(&["run", MODEL, "--prompt-ids", PROMPT, "--dp", "0"]);
     assert_eq!(o.status.code(), Some(2));
+    // bench deals its batch out the same way.
+    let out = ok(&tpc(&[
+        "bench",
+        MODEL,
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--batch",
+        "3",
+        "--prompt-len",
+        "16",
+        "--max-new-tokens",
+        "2",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(
+        (v["dp"].as_u64(), v["generated"].as_u64()),
+        (Some(2), Some(6)),
+        "{v}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::runtime::generate::{ComputeDtype, Request, RunOptions};
-use tpc::runtime::launch::run_batch;
 use tpc::runtime::random::RandomWeights;
+use tpc::runtime::replicas::run_replicas;
 use tpc::runtime::weights::{Checkpoint, WeightSource};
 
 #[derive(Debug, clap::Args)]
@@ -26,6 +26,10 @@ pub struct Args {
     /// New tokens per sequence, 0 to 2^20 (generation stops early only at the token limit).
     #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 20))]
     max_new_tokens: usize,
+    /// Data-parallel replicas of the tp ranks, each with its own weights; the batch is dealt
+    /// out over them round robin. 1 to 64.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    dp: u64,
     #[command(flatten)]
     shard: super::ShardArgs,
     #[command(flatten)]
@@ -59,13 +63,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         all_prompt_logits: false,
         ..a.exec.options()
     };
-    let out = run_batch(&plan, weights, &requests, &opts)?;
+    let out = run_replicas(&plan, weights, &requests, &opts, a.dp as usize)?;
     if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }
     let json = serde_json::json!({
         "model": plan.model,
         "tp": a.tp,
+        "dp": a.dp,
         "dtype": format!("{dtype:?}").to_lowercase(),
         "batch": a.batch,
         "prompt_tokens": out.prompt_tokens,

@@ -47,10 +47,22 @@ pub fn check_fits(
     bf16: bool,
     tokens: u64,
 ) -> Result<(), crate::runtime::error::RunError> {
+    check_fits_copies(plan, bf16, tokens, 1)
+}
+
+/// [`check_fits`] for `copies` copies of the weights (data-parallel replicas) whose KV
+/// caches hold `tokens` in all.
+pub fn check_fits_copies(
+    plan: &crate::plan::Plan,
+    bf16: bool,
+    tokens: u64,
+    copies: u64,
+) -> Result<(), crate::runtime::error::RunError> {
     let Some(available) = available_bytes() else {
         return Ok(());
     };
     let (weights, kv) = least_run_bytes(plan, bf16, tokens);
+    let weights = weights.saturating_mul(copies.max(1));
     let needed = weights.saturating_add(kv);
     if needed > available {
         return Err(crate::runtime::error::RunError::OutOfMemory {

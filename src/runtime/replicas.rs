@@ -6,7 +6,9 @@
 //! alone), so `--dp D` prints what `--dp 1` prints.
 
 use super::error::{Result, RunError};
-use super::generate::{BatchOutput, OnFinished, Progress, Request, RunOptions, Stage};
+use super::generate::{
+    check_requests, BatchOutput, OnFinished, Progress, Request, RunOptions, Stage,
+};
 use super::launch::run_batch;
 use super::weights::WeightSource;
 use crate::plan::Plan;
@@ -21,7 +23,8 @@ pub fn placement(i: usize, dp: usize) -> (usize, usize) {
 }
 
 /// Runs `requests` over `dp` replicas of `plan` at once. Each rank gets cores / (tp · dp)
-/// threads unless `opts` says. Timings are the batch's wall times (the slowest replica's);
+/// threads unless `opts` says. Timings are the slowest replica's (each replica's best timed
+/// repeat: replicas are not synchronized between repeats);
 /// rank-0 figures (collective bytes, all-reduce tally, weight bytes, profile, kernels) are
 /// replica 0's. `--pin` is not supported with more than one replica (every replica would
 /// pin to the same cores).
@@ -47,6 +50,14 @@ pub fn run_replicas(
             "--pin places every replica's ranks on the same cores; use it with --dp 1".into(),
         ));
     }
+    // Requests are checked by their index in the whole batch, before any replica starts.
+    check_requests(plan, requests, opts)?;
+    // Every replica holds the weights: refuse what cannot fit before any is loaded.
+    let tokens = crate::ir::saturating::sum(requests.iter().map(|r| {
+        let new = r.max_new_tokens.unwrap_or(opts.max_new_tokens) as u64;
+        (r.prompt.len() as u64).saturating_add(new)
+    }));
+    super::memory::check_fits_copies(plan, opts.dtype.bf16_linears(plan), tokens, dp as u64)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let ranks = plan.ranks.len().max(1).saturating_mul(dp);
     let threads = match opts.threads_per_rank {
