@@ -412,7 +412,9 @@ impl Backend for CpuBackend {
 
     /// One loop over the rows where the communicator can (the in-process one-shot): each
     /// row is summed over the ranks and normalized while it is in cache. The bits are the
-    /// two-pass path's (the same sum order, the same norm).
+    /// two-pass path's (the same sum order, the same norm). A sum large enough for the team
+    /// to share the norm (a prefill's, on a rank of several threads) takes the two passes,
+    /// so that the norm stays parallel.
     fn all_reduce_rms_norm(
         &self,
         comm: &mut dyn Collectives<Tensor>,
@@ -430,16 +432,20 @@ impl Backend for CpuBackend {
                 scales.len()
             ))));
         }
-        let mut out = Tensor::zeros(sum.shape.clone());
-        let fused = comm.all_reduce_sum_rows(sum, cols, algorithm, &mut |r, row| {
-            let o = &mut out.data[r * cols..(r + 1) * cols];
-            o.copy_from_slice(row);
-            rms_norm_in_place(o, scales, eps);
-        });
+        let fused = if self.team.size() > 1 && sum.data.len() >= PARALLEL_MIN {
+            None
+        } else {
+            let mut out = Tensor::zeros(sum.shape.clone());
+            comm.all_reduce_sum_rows(sum, cols, algorithm, &mut |r, row| {
+                let o = &mut out.data[r * cols..(r + 1) * cols];
+                o.copy_from_slice(row);
+                rms_norm_in_place(o, scales, eps);
+            })
+            .map(|ran| ran.map(|ran| (out, ran)))
+        };
         match fused {
-            Some(ran) => Ok((out, ran.map_err(ReduceNormError::Collective)?)),
+            Some(done) => done.map_err(ReduceNormError::Collective),
             None => {
-                self.release(out);
                 let ran = comm
                     .all_reduce_sum_planned(sum, algorithm)
                     .map_err(ReduceNormError::Collective)?;
@@ -1139,7 +1145,8 @@ mod tests {
 
     /// The fused all-reduce + RMSNorm gives the bits of the all-reduce followed by the norm,
     /// for one-shot (one loop over the rows), the ring and the communicator's own choice, and
-    /// leaves the reduced sum in its input.
+    /// for a sum large enough to keep the two passes, and leaves the reduced sum in its
+    /// input.
     #[test]
     #[cfg_attr(
         miri,
@@ -1158,9 +1165,11 @@ mod tests {
                 .enumerate()
                 .map(|(rank, mut comm)| {
                     std::thread::spawn(move || {
-                        let cpu = CpuBackend::new(1);
+                        // Two threads: the largest sum takes the two-pass path.
+                        let cpu = CpuBackend::new(2);
                         let mut out = Vec::new();
-                        for (rows, cols, group) in [(1, 64, 64), (3, 24, 8), (5, 40, 40)] {
+                        let shapes = [(1, 64, 64), (3, 24, 8), (5, 40, 40), (16, 2048, 2048)];
+                        for (rows, cols, group) in shapes {
                             let x: Vec<f32> = (0..rows * cols)
                                 .map(|i| ((i * 7 + rank * 13) % 23) as f32 / 7.0 - 1.5)
                                 .collect();
