@@ -391,15 +391,20 @@ fn nan_weights_stop_generation_and_name_the_first_op() {
     }
 }
 
-#[test]
-fn a_run_that_cannot_fit_in_memory_is_refused_before_allocating() {
-    // Llama 3.1 405B in bf16 needs about 756 GiB for the weights alone.
+/// `MemAvailable` of /proc/meminfo in KiB (0 where there is none).
+fn mem_available_kib() -> u64 {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let available_kib: u64 = meminfo
+    meminfo
         .lines()
         .find_map(|l| l.strip_prefix("MemAvailable:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_run_that_cannot_fit_in_memory_is_refused_before_allocating() {
+    // Llama 3.1 405B in bf16 needs about 756 GiB for the weights alone.
+    let available_kib = mem_available_kib();
     if available_kib == 0 || available_kib > 700 << 20 {
         println!("NOT RUN: this host has no MemAvailable or more than 700 GiB of it");
         return;
@@ -414,12 +419,7 @@ fn a_run_that_cannot_fit_in_memory_is_refused_before_allocating() {
 #[test]
 fn data_parallel_replicas_that_cannot_fit_in_memory_are_refused_before_allocating() {
     // 64 copies of Llama-3-8B's 16 GB of bf16 weights: about 1 TB.
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let available_kib: u64 = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
+    let available_kib = mem_available_kib();
     if available_kib == 0 || available_kib > 900 << 20 {
         println!("NOT RUN: this host has no MemAvailable or more than 900 GiB of it");
         return;

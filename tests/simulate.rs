@@ -238,27 +238,8 @@ fn a_quick_calibration_writes_a_profile_that_simulate_accepts() {
 
 #[test]
 fn sequence_parallel_divides_the_token_wise_work_and_prices_its_collectives() {
-    let estimate = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec![
-            "simulate",
-            "models/llama3-8b.ron",
-            "--tp",
-            "8",
-            "--hw",
-            NVSWITCH,
-            "--batch",
-            "1",
-            "--prompt",
-            "4096",
-            "--gen",
-            "16",
-            "--json",
-        ];
-        args.extend(extra);
-        let o = tpc(&args);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice(&o.stdout).unwrap()
-    };
+    let estimate =
+        |extra: &[&str]| llama8b_tp8(&["--batch", "1", "--prompt", "4096", "--gen", "16"], extra);
     let plain = estimate(&["--sequence-parallel=off"]);
     let sp = estimate(&["--sequence-parallel"]);
     let f = |v: &serde_json::Value, phase: &str, key: &str| v[phase][key].as_f64().unwrap();

@@ -1,7 +1,7 @@
 //! `tpc compile MODEL --tp N [--hw PROFILE [--batch B --prompt S --gen N]] [--sequence-parallel[=on|off|auto]] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
 
 use std::path::PathBuf;
-use tpc::cost::simulate::{Numerics, Workload};
+use tpc::cost::simulate::Numerics;
 use tpc::frontend::load::load_model;
 use tpc::plan::report::{render_table, summarize};
 
@@ -28,16 +28,9 @@ pub struct Args {
     /// (models/hw/*.ron or `tpc calibrate`'s); the runtime follows the plan's choice.
     #[arg(long)]
     hw: Option<PathBuf>,
-    /// The workload sequence parallelism is priced for with --hw (`auto`): sequences run
-    /// together, 1 to 4096.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
-    batch: u64,
-    /// Prompt tokens per sequence for that price, 1 to 2^24.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
-    prompt: u64,
-    /// Generated tokens per sequence for that price, 0 to 2^24.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
-    gen: u64,
+    /// The workload sequence parallelism is priced for with --hw (`auto`).
+    #[command(flatten)]
+    work: super::WorkloadArgs,
     #[command(flatten)]
     shard: super::ShardArgs,
 }
@@ -59,16 +52,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .map(tpc::cost::profile::HwProfile::load)
             .transpose()?;
     let def = load_model(&a.model)?;
-    let work = Workload {
-        batch: a.batch,
-        prompt: a.prompt,
-        gen: a.gen,
-    };
-    let (mut compiled, decision) = a.shard.compile(&def, a.tp, hw.as_ref(), work, |plan| {
-        hw.as_ref().map_or(Numerics::of_plan(plan), |hw| {
-            Numerics::for_profile(plan, hw)
-        })
-    })?;
+    let (mut compiled, decision) =
+        a.shard
+            .compile(&def, a.tp, hw.as_ref(), a.work.workload(), |plan| {
+                hw.as_ref().map_or(Numerics::of_plan(plan), |hw| {
+                    Numerics::for_profile(plan, hw)
+                })
+            })?;
     if let Some(hw) = &hw {
         tpc::cost::algorithms::choose_algorithms(&mut compiled.plan, hw);
     }
@@ -81,13 +71,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         tpc::fsio::write_text(path, &text)?;
     }
     if a.json {
-        let mut json = serde_json::to_value(&summary)?;
-        if let (Some(d), Some(fields)) = (&decision, json.as_object_mut()) {
-            fields.insert(
-                "sequence_parallel_decision".into(),
-                serde_json::to_value(d)?,
-            );
-        }
+        let json = super::with_decision(serde_json::to_value(&summary)?, decision.as_ref())?;
         super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&json)?))?;
     } else {
         super::print_stdout(&render_table(&summary))?;

@@ -201,6 +201,44 @@ pub struct ShardArgs {
     pub fuse_norm: bool,
 }
 
+/// The workload a plan is priced for (`simulate`, and `compile --hw`'s choices).
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct WorkloadArgs {
+    /// Sequences run together, 1 to 4096.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    batch: u64,
+    /// Prompt tokens per sequence, 1 to 2^24.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
+    prompt: u64,
+    /// Generated tokens per sequence, 0 to 2^24.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
+    gen: u64,
+}
+
+impl WorkloadArgs {
+    pub fn workload(&self) -> tpc::cost::simulate::Workload {
+        tpc::cost::simulate::Workload {
+            batch: self.batch,
+            prompt: self.prompt,
+            gen: self.gen,
+        }
+    }
+}
+
+/// `json` (an object) with the cost model's sequence-parallelism decision added, if any.
+pub fn with_decision(
+    mut json: serde_json::Value,
+    decision: Option<&tpc::cost::decide::SequenceParallelDecision>,
+) -> serde_json::Result<serde_json::Value> {
+    if let (Some(d), Some(fields)) = (decision, json.as_object_mut()) {
+        fields.insert(
+            "sequence_parallel_decision".into(),
+            serde_json::to_value(d)?,
+        );
+    }
+    Ok(json)
+}
+
 /// Whether sequence parallelism is forced, refused or left to the cost model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SequenceParallelMode {

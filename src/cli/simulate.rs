@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use tpc::cost::profile::HwProfile;
-use tpc::cost::simulate::{simulate_pp, Estimate, Numerics, Workload};
+use tpc::cost::simulate::{simulate_pp, Estimate, Numerics};
 use tpc::frontend::load::load_model;
 use tpc::plan::report::human_bytes;
 
@@ -23,15 +23,8 @@ pub struct Args {
     /// Hardware profile (RON), e.g. models/hw/h100-sxm-nvswitch-8.ron.
     #[arg(long)]
     hw: PathBuf,
-    /// Sequences run together, 1 to 4096.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
-    batch: u64,
-    /// Prompt tokens per sequence, 1 to 2^24.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
-    prompt: u64,
-    /// Generated tokens per sequence, 0 to 2^24.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
-    gen: u64,
+    #[command(flatten)]
+    work: super::WorkloadArgs,
     /// Print the estimate (or the ranking) as JSON.
     #[arg(long)]
     json: bool,
@@ -134,16 +127,12 @@ fn table(e: &Estimate) -> String {
 pub fn execute(a: Args) -> anyhow::Result<()> {
     let hw = HwProfile::load(&a.hw)?;
     let def = load_model(&a.model)?;
-    let work = Workload {
-        batch: a.batch,
-        prompt: a.prompt,
-        gen: a.gen,
+    let work = a.work.workload();
+    // As asked, else what runs the plan on this profile by default.
+    let number_types = |plan: &tpc::plan::Plan| match a.dtype {
+        Some(d) => numerics(d, plan),
+        None => Numerics::for_profile(plan, &hw),
     };
-    let dtype = a.dtype.unwrap_or(if hw.shared.is_some() {
-        SimDtype::Auto
-    } else {
-        SimDtype::Plan
-    });
     if !a.search {
         let devices = a.tp.saturating_mul(a.pp);
         anyhow::ensure!(
@@ -159,19 +148,11 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             hw.name,
             hw.devices
         );
-        let (compiled, decision) = a
-            .shard
-            .compile(&def, a.tp, Some(&hw), work, |plan| numerics(dtype, plan))?;
+        let (compiled, decision) = a.shard.compile(&def, a.tp, Some(&hw), work, number_types)?;
         let plan = compiled.plan;
-        let e = simulate_pp(&plan, &hw, work, numerics(dtype, &plan), a.pp)?;
+        let e = simulate_pp(&plan, &hw, work, number_types(&plan), a.pp)?;
         let text = if a.json {
-            let mut json = serde_json::to_value(&e)?;
-            if let (Some(d), Some(fields)) = (&decision, json.as_object_mut()) {
-                fields.insert(
-                    "sequence_parallel_decision".into(),
-                    serde_json::to_value(d)?,
-                );
-            }
+            let json = super::with_decision(serde_json::to_value(&e)?, decision.as_ref())?;
             format!("{}\n", serde_json::to_string_pretty(&json)?)
         } else {
             let mut t = table(&e);
@@ -186,15 +167,12 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     // then by decode throughput.
     let mut ranked: Vec<Estimate> = Vec::new();
     for tp in 1..=hw.devices.min(tpc::passes::feasibility::MAX_TP) {
-        let Ok((c, _)) = a
-            .shard
-            .compile(&def, tp, Some(&hw), work, |plan| numerics(dtype, plan))
-        else {
+        let Ok((c, _)) = a.shard.compile(&def, tp, Some(&hw), work, number_types) else {
             continue;
         };
         // Every pp the layers allow (an infeasible one is an error: the search stops there).
         for pp in 1..=hw.devices / tp {
-            match simulate_pp(&c.plan, &hw, work, numerics(dtype, &c.plan), pp) {
+            match simulate_pp(&c.plan, &hw, work, number_types(&c.plan), pp) {
                 Ok(e) => ranked.push(e),
                 Err(_) => break,
             }

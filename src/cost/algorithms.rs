@@ -171,14 +171,8 @@ mod tests {
 
     #[test]
     fn every_all_reduce_of_a_plan_gets_the_choice() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/models/tiny-llama.ron");
-        let def = crate::frontend::load::load_model(std::path::Path::new(path)).unwrap();
-        let mut plan = crate::pipeline::compile(&def, 2).unwrap().plan;
-        let hw = HwProfile::load(std::path::Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/models/hw/h100-sxm-nvswitch-8.ron"
-        )))
-        .unwrap();
+        let mut plan = crate::cost::shipped::plan("tiny-llama", 2);
+        let hw = crate::cost::shipped::profile("h100-sxm-nvswitch-8");
         choose_algorithms(&mut plan, &hw);
         let mut sites = 0;
         for r in &plan.ranks {

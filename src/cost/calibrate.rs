@@ -278,45 +278,77 @@ fn pass_shapes(s: &Settings) -> Vec<(usize, usize)> {
     out
 }
 
-/// Achieved FLOP/s of the packed linear over one pass of [`pass_shapes`], each linear with
-/// weights of its own (so they stream from memory as a model's do): total FLOPs over the
-/// median pass.
-fn gemm_rate(kern: Kernels, team: &Team, s: &Settings, bf16: bool) -> Result<f64, CalibrateError> {
-    let shapes = pass_shapes(s);
-    let mats: Vec<PackedMatrix> = shapes
-        .iter()
-        .enumerate()
-        .map(|(i, &(n, k))| PackedMatrix::pack(&weight(n, k, i), WeightOrder::OutIn, bf16))
-        .collect();
-    let mut inputs: std::collections::HashMap<usize, Tensor> = std::collections::HashMap::new();
-    for &(_, k) in &shapes {
-        inputs.entry(k).or_insert_with(|| {
-            Tensor::new(
-                vec![s.rows, k],
-                (0..s.rows * k)
-                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-                    .collect(),
-            )
-        });
+/// One pass of linears at a prompt's rows: each with packed weights of its own (so they
+/// stream from memory as a model's do), the inputs shared by width.
+struct Pass {
+    shapes: Vec<(usize, usize)>,
+    mats: Vec<PackedMatrix>,
+    inputs: std::collections::HashMap<usize, Tensor>,
+    rows: usize,
+}
+
+impl Pass {
+    /// `shapes` (out, in) at `rows` rows; weight `i` is seeded `seed(i)`.
+    fn new(
+        shapes: Vec<(usize, usize)>,
+        rows: usize,
+        bf16: bool,
+        seed: impl Fn(usize) -> usize,
+    ) -> Pass {
+        let mats = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, k))| {
+                PackedMatrix::pack(&weight(n, k, seed(i)), WeightOrder::OutIn, bf16)
+            })
+            .collect();
+        let mut inputs = std::collections::HashMap::new();
+        for &(_, k) in &shapes {
+            inputs.entry(k).or_insert_with(|| {
+                Tensor::new(
+                    vec![rows, k],
+                    (0..rows * k)
+                        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                        .collect(),
+                )
+            });
+        }
+        Pass {
+            shapes,
+            mats,
+            inputs,
+            rows,
+        }
     }
-    let flops: f64 = shapes
-        .iter()
-        .map(|&(n, k)| 2.0 * (s.rows * n * k) as f64)
-        .sum();
-    let t = median(s.seconds, || {
-        for (m, &(_, k)) in mats.iter().zip(&shapes) {
-            if let Some(x) = inputs.get(&k) {
+
+    fn flops(&self) -> f64 {
+        self.shapes
+            .iter()
+            .map(|&(n, k)| 2.0 * (self.rows * n * k) as f64)
+            .sum()
+    }
+
+    fn run(&self, kern: Kernels, team: &Team) {
+        for (m, &(_, k)) in self.mats.iter().zip(&self.shapes) {
+            if let Some(x) = self.inputs.get(&k) {
                 std::hint::black_box(m.matmul_with(kern, x, team));
             }
         }
-    });
+    }
+}
+
+/// Achieved FLOP/s of the packed linear over one [`Pass`] of [`pass_shapes`]: total FLOPs
+/// over the median pass.
+fn gemm_rate(kern: Kernels, team: &Team, s: &Settings, bf16: bool) -> Result<f64, CalibrateError> {
+    let pass = Pass::new(pass_shapes(s), s.rows, bf16, |i| i);
+    let t = median(s.seconds, || pass.run(kern, team));
     checked(
         if bf16 {
             "bf16 GEMM FLOP/s"
         } else {
             "f32 GEMM FLOP/s"
         },
-        flops / t.as_secs_f64(),
+        pass.flops() / t.as_secs_f64(),
     )
 }
 
@@ -334,56 +366,29 @@ fn gemm_rate_one_thread_ranks(
         .into_iter()
         .map(|(n, k)| (n.div_ceil(ranks), k))
         .collect();
-    let flops: f64 = shapes
-        .iter()
-        .map(|&(n, k)| 2.0 * (s.rows * n * k) as f64)
-        .sum();
     let barrier = std::sync::Barrier::new(ranks);
     let passes = 6;
-    let times: Vec<Duration> = std::thread::scope(|scope| {
+    let (times, flops) = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..ranks)
             .map(|rank| {
-                let (shapes, barrier) = (&shapes, &barrier);
+                let (shapes, barrier) = (shapes.clone(), &barrier);
                 scope.spawn(move || {
                     let team = Team::new(1);
-                    let mats: Vec<PackedMatrix> = shapes
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &(n, k))| {
-                            let w = weight(n, k, i * ranks + rank);
-                            PackedMatrix::pack(&w, WeightOrder::OutIn, bf16)
-                        })
-                        .collect();
-                    let x = |k: usize| {
-                        Tensor::new(
-                            vec![s.rows, k],
-                            (0..s.rows * k)
-                                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-                                .collect(),
-                        )
-                    };
-                    let mut inputs = std::collections::HashMap::new();
-                    for &(_, k) in shapes {
-                        inputs.entry(k).or_insert_with(|| x(k));
-                    }
+                    let pass = Pass::new(shapes, s.rows, bf16, |i| i * ranks + rank);
                     let mut times = Vec::with_capacity(passes);
                     for _ in 0..passes {
                         barrier.wait();
                         let t = Instant::now();
-                        for (m, &(_, k)) in mats.iter().zip(shapes) {
-                            if let Some(x) = inputs.get(&k) {
-                                std::hint::black_box(m.matmul_with(kern, x, &team));
-                            }
-                        }
+                        pass.run(kern, &team);
                         barrier.wait();
                         times.push(t.elapsed());
                     }
-                    times
+                    (times, pass.flops())
                 })
             })
             .collect();
         // Every rank waits at the same barriers: rank 0's times are the group's.
-        let mut first = Vec::new();
+        let mut first = (Vec::new(), 0.0);
         for (rank, w) in workers.into_iter().enumerate() {
             let t = w.join().unwrap_or_default();
             if rank == 0 {

@@ -104,23 +104,14 @@ pub fn compile_choosing_sequence_parallel(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::frontend::load::load_model;
-    use std::path::Path;
+    use crate::cost::shipped;
 
     fn llama8b() -> ModelDef {
-        load_model(Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/models/llama3-8b.ron"
-        )))
-        .unwrap()
+        shipped::model("llama3-8b")
     }
 
     fn nvswitch() -> HwProfile {
-        HwProfile::load(Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/models/hw/h100-sxm-nvswitch-8.ron"
-        )))
-        .unwrap()
+        shipped::profile("h100-sxm-nvswitch-8")
     }
 
     fn decide(work: Workload) -> (Compiled, SequenceParallelDecision) {

@@ -5,3 +5,26 @@ pub mod calibrate;
 pub mod decide;
 pub mod profile;
 pub mod simulate;
+
+/// Shipped models and profiles for the cost model's tests.
+#[cfg(test)]
+pub(crate) mod shipped {
+    use std::path::Path;
+
+    /// `models/NAME.ron`.
+    pub fn model(name: &str) -> crate::frontend::ModelDef {
+        let path = format!("{}/models/{name}.ron", env!("CARGO_MANIFEST_DIR"));
+        crate::frontend::load::load_model(Path::new(&path)).unwrap()
+    }
+
+    /// `models/NAME.ron` compiled for `tp` ranks.
+    pub fn plan(name: &str, tp: u64) -> crate::plan::Plan {
+        crate::pipeline::compile(&model(name), tp).unwrap().plan
+    }
+
+    /// `models/hw/NAME.ron`.
+    pub fn profile(name: &str) -> super::profile::HwProfile {
+        let path = format!("{}/models/hw/{name}.ron", env!("CARGO_MANIFEST_DIR"));
+        super::profile::HwProfile::load(Path::new(&path)).unwrap()
+    }
+}

@@ -67,6 +67,16 @@ pub struct SharedHost {
 }
 
 impl SharedHost {
+    /// A host of `cores` cores with nothing measured for one-thread ranks.
+    pub fn new(cores: u64) -> SharedHost {
+        SharedHost {
+            cores,
+            op_overhead_one_thread_s: None,
+            one_thread_flops_bf16: None,
+            one_thread_flops_f32: None,
+        }
+    }
+
     /// The per-op cost of one of `tp` ranks: the one-thread figure when the rank gets one
     /// thread of several cores and the profile has it, else `all_cores` (the profile's).
     pub fn op_overhead_s(&self, tp: u64, all_cores: f64) -> f64 {
@@ -340,12 +350,7 @@ mod tests {
             op_overhead_s: 1.5e-6,
             attention_flops: Some(5e10),
             attention_flops_by_head_dim: vec![(8, 5e9), (64, 5e10)],
-            shared: Some(SharedHost {
-                cores: 2,
-                op_overhead_one_thread_s: None,
-                one_thread_flops_bf16: None,
-                one_thread_flops_f32: None,
-            }),
+            shared: Some(SharedHost::new(2)),
         }
     }
 
@@ -384,20 +389,13 @@ mod tests {
             assert!(p.check().unwrap_err().contains("attention_flops"));
         }
         let mut p = shared_profile();
-        p.shared = Some(SharedHost {
-            cores: 0,
-            op_overhead_one_thread_s: None,
-            one_thread_flops_bf16: None,
-            one_thread_flops_f32: None,
-        });
+        p.shared = Some(SharedHost::new(0));
         assert!(p.check().unwrap_err().contains("shared.cores"));
         for bad in [-1e-6, 1.0, f64::NAN, f64::INFINITY] {
             let mut p = shared_profile();
             p.shared = Some(SharedHost {
-                cores: 2,
                 op_overhead_one_thread_s: Some(bad),
-                one_thread_flops_bf16: None,
-                one_thread_flops_f32: None,
+                ..SharedHost::new(2)
             });
             assert!(p
                 .check()
@@ -422,37 +420,27 @@ mod tests {
         let (c, _) = p.per_rank(3, false);
         assert!((c - 8e11 / 3.0).abs() < 1.0);
         // Three ranks on eight cores get two threads each: two cores stay idle.
-        let h = SharedHost {
-            cores: 8,
-            op_overhead_one_thread_s: None,
-            one_thread_flops_bf16: None,
-            one_thread_flops_f32: None,
-        };
+        let h = SharedHost::new(8);
         assert_eq!(h.compute_share(3), 0.25);
         // Ranks with one thread pay the one-thread per-op cost, where the profile has it.
         let h = SharedHost {
-            cores: 2,
             op_overhead_one_thread_s: Some(1e-7),
-            one_thread_flops_bf16: None,
-            one_thread_flops_f32: None,
+            ..SharedHost::new(2)
         };
         assert_eq!(h.op_overhead_s(1, 4e-7), 4e-7);
         assert_eq!(h.op_overhead_s(2, 4e-7), 1e-7);
         assert_eq!(h.op_overhead_s(4, 4e-7), 1e-7);
         let one_core = SharedHost {
-            cores: 1,
             op_overhead_one_thread_s: Some(1e-7),
-            one_thread_flops_bf16: None,
-            one_thread_flops_f32: None,
+            ..SharedHost::new(1)
         };
         assert_eq!(one_core.op_overhead_s(2, 4e-7), 4e-7);
         // A one-thread rank's GEMM rate where measured (ranks taking turns when they
         // outnumber the cores), else the host's rate shared out.
         let measured = SharedHost {
-            cores: 2,
-            op_overhead_one_thread_s: None,
             one_thread_flops_bf16: Some(3e11),
             one_thread_flops_f32: Some(7e10),
+            ..SharedHost::new(2)
         };
         assert_eq!(measured.rank_flops(1, 9e11, false), 9e11);
         assert_eq!(measured.rank_flops(2, 9e11, false), 3e11);
@@ -469,12 +457,7 @@ mod tests {
             .check()
             .unwrap_err()
             .contains("shared.one_thread_flops_bf16"));
-        let unmeasured = SharedHost {
-            cores: 2,
-            op_overhead_one_thread_s: None,
-            one_thread_flops_bf16: None,
-            one_thread_flops_f32: None,
-        };
+        let unmeasured = SharedHost::new(2);
         assert_eq!(unmeasured.op_overhead_s(2, 4e-7), 4e-7);
         let mut d = p.clone();
         d.shared = None;

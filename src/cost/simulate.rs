@@ -848,9 +848,7 @@ mod tests {
     }
 
     fn plan(tp: u64) -> Plan {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/models/llama3-8b.ron");
-        let def = crate::frontend::load::load_model(std::path::Path::new(path)).unwrap();
-        crate::pipeline::compile(&def, tp).unwrap().plan
+        super::super::shipped::plan("llama3-8b", tp)
     }
 
     #[test]
@@ -931,9 +929,7 @@ mod tests {
     }
 
     fn tinyllama(tp: u64) -> Plan {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/models/tinyllama-1.1b.ron");
-        let def = crate::frontend::load::load_model(std::path::Path::new(path)).unwrap();
-        crate::pipeline::compile(&def, tp).unwrap().plan
+        super::super::shipped::plan("tinyllama-1.1b", tp)
     }
 
     #[test]
@@ -945,12 +941,7 @@ mod tests {
         hw.memory_bandwidth = 2e10;
         hw.memory_bytes = 16e9;
         hw.op_overhead_s = 2e-6;
-        hw.shared = Some(crate::cost::profile::SharedHost {
-            cores: 2,
-            op_overhead_one_thread_s: None,
-            one_thread_flops_bf16: None,
-            one_thread_flops_f32: None,
-        });
+        hw.shared = Some(crate::cost::profile::SharedHost::new(2));
         let work = Workload {
             batch: 1,
             prompt: 128,
@@ -1039,9 +1030,7 @@ mod tests {
     }
 
     fn tiny(tp: u64) -> Plan {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/models/tiny-llama.ron");
-        let def = crate::frontend::load::load_model(std::path::Path::new(path)).unwrap();
-        crate::pipeline::compile(&def, tp).unwrap().plan
+        super::super::shipped::plan("tiny-llama", tp)
     }
 
     #[test]

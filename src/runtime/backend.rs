@@ -24,6 +24,27 @@ pub enum BackendError {
 
 pub type BackendResult<T> = std::result::Result<T, BackendError>;
 
+/// The all-reduce + RMSNorm in two passes: `sum` reduced in place, then normalized
+/// ([`Backend::all_reduce_rms_norm`]'s default, and a backend's path where one loop does
+/// not pay).
+pub fn reduce_then_rms_norm<B: Backend + ?Sized>(
+    backend: &B,
+    comm: &mut dyn Collectives<B::Act>,
+    sum: &mut B::Act,
+    w: &B::Weight,
+    group: usize,
+    eps: f32,
+    algorithm: Option<CollectiveAlgorithm>,
+) -> Result<(B::Act, Option<CollectiveAlgorithm>), ReduceNormError> {
+    let ran = comm
+        .all_reduce_sum_planned(sum, algorithm)
+        .map_err(ReduceNormError::Collective)?;
+    let out = backend
+        .rms_norm(sum, w, group, eps)
+        .map_err(ReduceNormError::Norm)?;
+    Ok((out, ran))
+}
+
 /// Why a fused all-reduce + norm failed: its collective (a peer failed, buffers disagree),
 /// or the norm.
 #[derive(Debug)]
@@ -128,13 +149,7 @@ pub trait Backend: Send + Sync {
         eps: f32,
         algorithm: Option<CollectiveAlgorithm>,
     ) -> Result<(Self::Act, Option<CollectiveAlgorithm>), ReduceNormError> {
-        let ran = comm
-            .all_reduce_sum_planned(sum, algorithm)
-            .map_err(ReduceNormError::Collective)?;
-        let out = self
-            .rms_norm(sum, w, group, eps)
-            .map_err(ReduceNormError::Norm)?;
-        Ok((out, ran))
+        reduce_then_rms_norm(self, comm, sum, w, group, eps, algorithm)
     }
     fn layer_norm(
         &self,

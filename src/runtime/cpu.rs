@@ -3,8 +3,8 @@
 //! matter), and the `gemm` crate for a linear weight that was not packed.
 
 use super::backend::{
-    Activation, Backend, BackendError, BackendResult, BinaryOp, HostBuffer, HostData, HostDataRef,
-    ReduceNormError, Segment, WeightUse,
+    reduce_then_rms_norm, Activation, Backend, BackendError, BackendResult, BinaryOp, HostBuffer,
+    HostData, HostDataRef, ReduceNormError, Segment, WeightUse,
 };
 use super::collectives::Collectives;
 use super::fastmath;
@@ -445,15 +445,7 @@ impl Backend for CpuBackend {
         };
         match fused {
             Some(done) => done.map_err(ReduceNormError::Collective),
-            None => {
-                let ran = comm
-                    .all_reduce_sum_planned(sum, algorithm)
-                    .map_err(ReduceNormError::Collective)?;
-                let out = self
-                    .rms_norm(sum, w, group, eps)
-                    .map_err(ReduceNormError::Norm)?;
-                Ok((out, ran))
-            }
+            None => reduce_then_rms_norm(self, comm, sum, w, group, eps, algorithm),
         }
     }
 

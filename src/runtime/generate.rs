@@ -211,6 +211,14 @@ pub fn plan_vocab(plan: &Plan) -> Result<u64> {
     })
 }
 
+/// Prompt plus new tokens over every request: what the KV caches must hold.
+pub fn total_tokens(requests: &[Request], opts: &RunOptions) -> u64 {
+    crate::ir::saturating::sum(requests.iter().map(|r| {
+        let new = r.max_new_tokens.unwrap_or(opts.max_new_tokens) as u64;
+        (r.prompt.len() as u64).saturating_add(new)
+    }))
+}
+
 /// Every request is runnable on `plan`: non-empty, ids inside the vocabulary, prompt plus
 /// new tokens within the model's positions. Checked before any weight is read.
 pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> Result<()> {

@@ -158,10 +158,7 @@ pub fn run_batch(
     }
     let threads = threads_per_rank(opts, tp);
     let bf16 = opts.dtype.bf16_linears(plan);
-    let tokens = crate::ir::saturating::sum(requests.iter().map(|r| {
-        let new = r.max_new_tokens.unwrap_or(opts.max_new_tokens) as u64;
-        (r.prompt.len() as u64).saturating_add(new)
-    }));
+    let tokens = super::generate::total_tokens(requests, opts);
     super::memory::check_fits(plan, bf16, tokens)?;
     let kernels = Kernels::select(opts.isa)?;
     let make = |rank: usize| -> Result<CpuBackend> {

@@ -7,7 +7,7 @@
 
 use super::error::{Result, RunError};
 use super::generate::{
-    check_requests, BatchOutput, OnFinished, Progress, Request, RunOptions, Stage,
+    check_requests, total_tokens, BatchOutput, OnFinished, Progress, Request, RunOptions, Stage,
 };
 use super::launch::run_batch;
 use super::weights::WeightSource;
@@ -53,10 +53,7 @@ pub fn run_replicas(
     // Requests are checked by their index in the whole batch, before any replica starts.
     check_requests(plan, requests, opts)?;
     // Every replica holds the weights: refuse what cannot fit before any is loaded.
-    let tokens = crate::ir::saturating::sum(requests.iter().map(|r| {
-        let new = r.max_new_tokens.unwrap_or(opts.max_new_tokens) as u64;
-        (r.prompt.len() as u64).saturating_add(new)
-    }));
+    let tokens = total_tokens(requests, opts);
     super::memory::check_fits_copies(plan, opts.dtype.bf16_linears(plan), tokens, dp as u64)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let ranks = plan.ranks.len().max(1).saturating_mul(dp);

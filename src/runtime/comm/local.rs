@@ -128,14 +128,6 @@ impl AllReduceAlgorithm {
 /// A row length and what to call on each row of a sum.
 type EachRow<'a, T> = (usize, &'a mut dyn FnMut(usize, &[T]));
 
-/// The plan's name for what ran (after `Auto` was resolved).
-fn ran(runs: AllReduceAlgorithm) -> CollectiveAlgorithm {
-    match runs {
-        AllReduceAlgorithm::OneShot => CollectiveAlgorithm::OneShot,
-        _ => CollectiveAlgorithm::Ring,
-    }
-}
-
 /// One rank's communicator in an in-process group; move it into the rank's thread.
 ///
 /// Dropping it leaves the group: ranks that still call collectives get
@@ -476,6 +468,23 @@ impl LocalComm {
         result?;
         each_row(buf, rows);
         Ok(())
+    }
+
+    /// [`LocalComm::all_reduce_sum_then`] with a plan's choice ([`AllReduceAlgorithm::planned`]);
+    /// returns what ran.
+    fn all_reduce_sum_planned_then<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        algorithm: Option<CollectiveAlgorithm>,
+        rows: Option<EachRow<'_, T>>,
+    ) -> Result<Option<CollectiveAlgorithm>, CommError> {
+        let runs = AllReduceAlgorithm::planned(algorithm)
+            .resolve::<T>(buf.len(), self.shared.one_shot_max_bytes);
+        self.all_reduce_sum_then(buf, runs, rows)?;
+        Ok(Some(match runs {
+            AllReduceAlgorithm::OneShot => CollectiveAlgorithm::OneShot,
+            _ => CollectiveAlgorithm::Ring,
+        }))
     }
 
     fn parity(&self) -> usize {
@@ -847,10 +856,7 @@ impl Communicator for LocalComm {
         buf: &mut [T],
         algorithm: Option<CollectiveAlgorithm>,
     ) -> Result<Option<CollectiveAlgorithm>, CommError> {
-        let runs = AllReduceAlgorithm::planned(algorithm)
-            .resolve::<T>(buf.len(), self.shared.one_shot_max_bytes);
-        self.all_reduce_sum_then(buf, runs, None)?;
-        Ok(Some(ran(runs)))
+        self.all_reduce_sum_planned_then(buf, algorithm, None)
     }
 
     /// One-shot hands each row on as soon as it is summed (one loop for the reduction and
@@ -862,10 +868,7 @@ impl Communicator for LocalComm {
         algorithm: Option<CollectiveAlgorithm>,
         row: &mut dyn FnMut(usize, &[T]),
     ) -> Result<Option<CollectiveAlgorithm>, CommError> {
-        let runs = AllReduceAlgorithm::planned(algorithm)
-            .resolve::<T>(buf.len(), self.shared.one_shot_max_bytes);
-        self.all_reduce_sum_then(buf, runs, Some((row_len, row)))?;
-        Ok(Some(ran(runs)))
+        self.all_reduce_sum_planned_then(buf, algorithm, Some((row_len, row)))
     }
 
     fn all_gather<T: Element>(&mut self, local: &[T], out: &mut [T]) -> Result<(), CommError> {
