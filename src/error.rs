@@ -52,6 +52,9 @@ pub enum TpcError {
         problems: Vec<Problem>,
     },
 
+    #[error(transparent)]
+    Stages(#[from] crate::plan::stages::StageError),
+
     #[error("pass `{pass}` did not settle within {limit} rounds; this is a bug in tpc, please report it with the model file.")]
     NoFixpoint { pass: &'static str, limit: usize },
 

@@ -55,3 +55,20 @@ fn compile_full(
     plan.attention_window = def.sliding_window();
     Ok(Compiled { sharded, plan })
 }
+
+/// Splits a compiled plan's layers into `pp` pipeline stages (`layers`: the count of each,
+/// else balanced by cost); `pp = 1` without `layers` leaves the plan as it is.
+pub fn split_stages(plan: &mut Plan, pp: u64, layers: Option<&[u64]>) -> Result<()> {
+    if pp == 1 && layers.is_none() {
+        plan.pipeline = None;
+        return Ok(());
+    }
+    let pipeline = crate::plan::stages::split(plan, pp, layers)?;
+    plan.pipeline = (pipeline.stages.len() > 1).then_some(pipeline);
+    // The derived stage programs must hold together (no value read before a stage has it).
+    if let Err(e) = crate::plan::stages::rank0_stages(plan) {
+        plan.pipeline = None;
+        return Err(e.into());
+    }
+    Ok(())
+}

@@ -1,4 +1,4 @@
-//! `tpc compile MODEL --tp N [--hw PROFILE [--batch B --prompt S --gen N]] [--sequence-parallel[=on|off|auto]] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
+//! `tpc compile MODEL --tp N [--pp P [--pp-layers 8,8,…]] [--hw PROFILE [--batch B --prompt S --gen N]] [--sequence-parallel[=on|off|auto]] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
 
 use std::path::PathBuf;
 use tpc::cost::simulate::Numerics;
@@ -33,6 +33,8 @@ pub struct Args {
     work: super::WorkloadArgs,
     #[command(flatten)]
     shard: super::ShardArgs,
+    #[command(flatten)]
+    pipe: super::PipelineArgs,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -62,6 +64,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     if let Some(hw) = &hw {
         tpc::cost::algorithms::choose_algorithms(&mut compiled.plan, hw);
     }
+    a.pipe.apply(&mut compiled.plan)?;
     let summary = summarize(&compiled.plan);
     if let Some(out) = &a.output {
         compiled.plan.save(out)?;

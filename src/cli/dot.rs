@@ -1,4 +1,4 @@
-//! `tpc dot MODEL|PLAN --tp N [-o FILE] [--all-ranks] [--layers A..B]`
+//! `tpc dot MODEL|PLAN --tp N [--pp P] [-o FILE] [--all-ranks] [--layers A..B]`
 
 use anyhow::Context;
 use std::path::PathBuf;
@@ -22,6 +22,8 @@ pub struct Args {
     /// Only these layers, e.g. `0..1` or `3`; others are elided.
     #[arg(long)]
     layers: Option<String>,
+    #[command(flatten)]
+    pipe: super::PipelineArgs,
 }
 
 fn parse_layers(s: &str) -> anyhow::Result<(u32, u32)> {
@@ -62,8 +64,16 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         layers,
     };
     let plan = match tpc::plan::Plan::looks_like_plan(&a.input) {
-        Some(plan) => super::plan_for_tp(plan?, &a.input, a.tp)?,
-        None => compile(&load_model(&a.input)?, a.tp.unwrap_or(1))?.plan,
+        Some(plan) => {
+            let plan = super::plan_for_tp(plan?, &a.input, a.tp)?;
+            a.pipe.check_saved(&plan, &a.input)?;
+            plan
+        }
+        None => {
+            let mut plan = compile(&load_model(&a.input)?, a.tp.unwrap_or(1))?.plan;
+            a.pipe.apply(&mut plan)?;
+            plan
+        }
     };
     let text = render(&plan, &options);
     match &a.output {

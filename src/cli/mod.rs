@@ -201,6 +201,51 @@ pub struct ShardArgs {
     pub fuse_norm: bool,
 }
 
+/// Pipeline stages (`compile`, `run`, `verify`, `bench`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PipelineArgs {
+    /// Pipeline-parallel stages: the decoder layers split into this many contiguous
+    /// stages of tp ranks each (the embedding on the first, the LM head on the last),
+    /// balanced by parameter bytes and compute; pp·tp ranks in all.
+    #[arg(long)]
+    pub pp: Option<u64>,
+    /// Layers of each stage, e.g. `8,8,8,8` (with --pp; they must sum to the model's layers).
+    #[arg(long, value_delimiter = ',', requires = "pp")]
+    pub pp_layers: Option<Vec<u64>>,
+}
+
+impl PipelineArgs {
+    /// Splits a plan compiled now into the stages asked for.
+    pub fn apply(&self, plan: &mut tpc::plan::Plan) -> tpc::error::Result<()> {
+        match self.pp {
+            Some(pp) => tpc::pipeline::split_stages(plan, pp, self.pp_layers.as_deref()),
+            None => Ok(()),
+        }
+    }
+
+    /// A saved plan, refused when `--pp` asks for other stages than it has.
+    pub fn check_saved(
+        &self,
+        plan: &tpc::plan::Plan,
+        path: &std::path::Path,
+    ) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.pp_layers.is_none(),
+            "--pp-layers applies when tpc compiles the model; the plan {} has its stages already: drop --pp-layers",
+            path.display()
+        );
+        if let Some(pp) = self.pp {
+            anyhow::ensure!(
+                pp == plan.pp() as u64,
+                "the plan {} has {} pipeline stage(s), not --pp {pp}; drop --pp or recompile the plan",
+                path.display(),
+                plan.pp()
+            );
+        }
+        Ok(())
+    }
+}
+
 /// The workload a plan is priced for (`simulate`, and `compile --hw`'s choices).
 #[derive(Debug, Clone, Copy, clap::Args)]
 pub struct WorkloadArgs {

@@ -8,7 +8,7 @@
 use super::algorithms::all_reduce_time;
 use super::profile::HwProfile;
 use crate::ir::{DType, Op};
-use crate::plan::{Collective, Plan, RankProgram};
+use crate::plan::{Collective, Plan};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 
@@ -150,33 +150,11 @@ impl std::ops::AddAssign for RankWork {
     }
 }
 
-/// Where an instruction of a rank program lies: before the decoder layers (embedding),
-/// in layer `l`, or after them (final norm, LM head). Segment 0 is "before", 1 + l layer
-/// l, and `layers + 1` "after".
-fn segments(program: &RankProgram, layers: usize) -> Vec<usize> {
-    let mut seen_layer = false;
-    program
-        .instrs
-        .iter()
-        .map(|i| match i.layer {
-            Some(l) => {
-                seen_layer = true;
-                (l as usize).min(layers.saturating_sub(1)) + 1
-            }
-            None if seen_layer => layers + 1,
-            None => 0,
-        })
-        .collect()
-}
-
-/// Decoder layers of the plan (one more than the largest layer index).
+/// Decoder layers of the plan.
 fn layer_count(plan: &Plan) -> usize {
     plan.ranks
-        .iter()
-        .flat_map(|r| &r.instrs)
-        .filter_map(|i| i.layer)
-        .max()
-        .map_or(0, |l| l as usize + 1)
+        .first()
+        .map_or(0, crate::plan::stages::layer_count)
 }
 
 fn per_token(shape: &crate::ir::Shape) -> Option<f64> {
@@ -193,7 +171,7 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
     plan.ranks
         .iter()
         .map(|r| {
-            let seg = segments(r, layers);
+            let seg = crate::plan::stages::segments(r, layers);
             let mut out = vec![RankWork::default(); layers + 2];
             let facts: HashMap<u32, _> = r.instrs.iter().map(|i| (i.id, &i.fact)).collect();
             let elements = |id: Option<&u32>| {
@@ -688,7 +666,7 @@ pub fn simulate_pp(
         .map(|r0| {
             r0.instrs
                 .iter()
-                .zip(segments(r0, layers))
+                .zip(crate::plan::stages::segments(r0, layers))
                 .map(|(i, s)| (i.id, s))
                 .collect()
         })

@@ -2,6 +2,7 @@
 //! layouts and local shapes, collectives highlighted with their bytes per token,
 //! column→row regions boxed, one cluster per layer.
 
+use super::stages::{stage_program, Boundary};
 use super::{Plan, RankProgram};
 use crate::ir::Op;
 use std::collections::{BTreeMap, HashMap};
@@ -98,9 +99,11 @@ fn rank_body(
     prefix: &str,
     o: &DotOptions,
     place: &Placement,
+    recv: &[Boundary],
 ) {
     let weights = weight_notes(r);
     let local: HashMap<u32, &super::Instr> = r.instrs.iter().map(|i| (i.id, i)).collect();
+    let received: HashMap<u32, &Boundary> = recv.iter().map(|b| (b.id, b)).collect();
     // Layer → region → nodes; `None` keys hold nodes outside layers / regions.
     let mut tree: BTreeMap<Option<u32>, BTreeMap<Option<usize>, Vec<String>>> = BTreeMap::new();
     let mut elided = false;
@@ -172,6 +175,14 @@ fn rank_body(
         }
         let is_shared = o.all_ranks && i.op.is_collective();
         for &a in &i.inputs {
+            if let (Some(b), Some(to)) = (received.get(&a), name_of(i.id, prefix)) {
+                let _ = writeln!(
+                    out,
+                    "  \"{prefix}{a}\" -> {to} [label=\"{}\"];",
+                    b.fact.shape
+                );
+                continue;
+            }
             let Some(src) = local.get(&a) else { continue };
             if matches!(src.op, Op::Param(_)) {
                 continue;
@@ -210,7 +221,9 @@ pub fn render(plan: &Plan, o: &DotOptions) -> String {
         plan.tp
     );
     let _ = writeln!(out, "  rankdir=TB; node [fontname=\"Helvetica\", fontsize=10]; edge [fontname=\"Helvetica\", fontsize=8];");
-    if o.all_ranks {
+    if plan.pipeline.is_some() {
+        render_stages(&mut out, plan, o, &place);
+    } else if o.all_ranks {
         for r in &plan.ranks {
             let prefix = format!("r{}_", r.rank);
             let _ = writeln!(
@@ -218,7 +231,7 @@ pub fn render(plan: &Plan, o: &DotOptions) -> String {
                 "subgraph \"cluster_rank_{}\" {{ label=\"rank {}\"; color=\"#34495e\";",
                 r.rank, r.rank
             );
-            rank_body(&mut out, plan, r, &prefix, o, &place);
+            rank_body(&mut out, plan, r, &prefix, o, &place, &[]);
             let _ = writeln!(out, "}}");
         }
         if let Some(r0) = plan.ranks.first() {
@@ -233,8 +246,78 @@ pub fn render(plan: &Plan, o: &DotOptions) -> String {
             }
         }
     } else if let Some(r0) = plan.ranks.first() {
-        rank_body(&mut out, plan, r0, "", o, &place);
+        rank_body(&mut out, plan, r0, "", o, &place, &[]);
     }
     let _ = writeln!(out, "}}");
     out
+}
+
+/// A pipelined plan: one cluster per stage (of tp rank 0, or of every rank), each stage's
+/// received values drawn as its first nodes and joined to the sender on the stage before.
+fn render_stages(out: &mut String, plan: &Plan, o: &DotOptions, place: &Placement) {
+    let tps = if o.all_ranks { plan.ranks.len() } else { 1 };
+    let prefix = |s: usize, t: usize| {
+        if o.all_ranks {
+            format!("r{}_", s * plan.ranks.len() + t)
+        } else {
+            format!("s{s}_")
+        }
+    };
+    for s in 0..plan.pp() {
+        for t in 0..tps {
+            let sp = match stage_program(plan, t, s) {
+                Ok(sp) => sp,
+                Err(e) => {
+                    let _ = writeln!(out, "  // stage {s}, tp rank {t}: {}", esc(&e.to_string()));
+                    continue;
+                }
+            };
+            let p = prefix(s, t);
+            let _ = writeln!(
+                out,
+                "subgraph \"cluster_{p}stage\" {{ label=\"stage {s} — rank {} (tp rank {t})\"; color=\"#8e44ad\"; style=bold;",
+                sp.program.rank
+            );
+            for b in &sp.recv {
+                let _ = writeln!(
+                    out,
+                    "  \"{p}{}\" [label=\"recv {}\\nfrom stage {}\\n{}\", shape=cds, style=filled, fillcolor=\"#d7bde2\"];",
+                    b.id,
+                    esc(&b.name),
+                    s.saturating_sub(1),
+                    b.fact
+                );
+            }
+            rank_body(out, plan, &sp.program, &p, o, place, &sp.recv);
+            let _ = writeln!(out, "}}");
+            if s > 0 {
+                let from = prefix(s - 1, t);
+                for b in &sp.recv {
+                    let _ = writeln!(
+                        out,
+                        "  \"{from}{id}\" -> \"{p}{id}\" [label=\"send/recv {} B/token\", color=\"#8e44ad\", style=bold];",
+                        b.bytes_per_token(),
+                        id = b.id
+                    );
+                }
+            }
+        }
+    }
+    if o.all_ranks {
+        for s in 0..plan.pp() {
+            let Ok(sp) = stage_program(plan, 0, s) else {
+                continue;
+            };
+            let weights = weight_notes(&sp.program);
+            for i in sp
+                .program
+                .instrs
+                .iter()
+                .filter(|i| i.op.is_collective() && shown(i.layer, o))
+            {
+                let (label, style) = node_label(plan, i, &weights);
+                let _ = writeln!(out, "  \"coll_{}\" [label=\"{label}\", {style}];", i.id);
+            }
+        }
+    }
 }

@@ -163,6 +163,8 @@ pub enum Problem {
     RankCount { tp: u64, ranks: usize },
     #[error("the program at position {index} says it is rank {found}; it must be rank {index}")]
     RankNumber { index: usize, found: u64 },
+    #[error("{0}")]
+    Pipeline(String),
 
     // Program structure.
     #[error("id %{id} is already defined by instruction #{first} of this rank; ids must be unique within a rank")]

@@ -5,6 +5,7 @@ pub mod dot;
 pub mod error;
 pub mod partition;
 pub mod report;
+pub mod stages;
 pub mod text;
 pub mod verify;
 
@@ -38,6 +39,10 @@ pub struct Plan {
     /// sequences that fit in the window.
     #[serde(default)]
     pub attention_window: Option<u64>,
+    /// Pipeline stages over the decoder layers (`tpc compile --pp`); none: one stage.
+    /// Each stage's programs are derived from `ranks` ([`stages::stage_program`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<stages::Pipeline>,
 }
 
 /// One collective of the forward pass (the same on every rank).

@@ -137,6 +137,7 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
         ranks,
         max_positions: None,
         attention_window: None,
+        pipeline: None,
     })
 }
 

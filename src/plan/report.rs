@@ -39,6 +39,99 @@ pub struct Summary {
     /// exchanges instead (K f32 (value, index) pairs per rank), per token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_k_exchange: Option<TopKExchange>,
+    /// Pipeline stages (`--pp`), when the plan has more than one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageSummary>,
+}
+
+/// One pipeline stage: its layers and, per tp rank, what its stage program holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageSummary {
+    pub stage: u64,
+    pub first_layer: u32,
+    pub layers: u32,
+    /// Its global ranks (stage · tp + tp rank).
+    pub ranks: Vec<u64>,
+    pub param_count_per_rank: Vec<u64>,
+    pub param_bytes_per_rank: Vec<u64>,
+    pub kv_cache_bytes_per_token_per_rank: Vec<u64>,
+    /// Collectives inside the stage's tensor-parallel group.
+    pub collective_count: u64,
+    /// What each rank sends to its peer on the next stage (0 on the last stage).
+    pub send_bytes_per_token_per_rank: u64,
+    /// The values sent, by name.
+    pub sends: Vec<String>,
+}
+
+fn param_count(program: &super::RankProgram) -> u64 {
+    sum(program.weights.iter().map(|w| w.local_elements()))
+}
+
+fn param_bytes(program: &super::RankProgram) -> u64 {
+    sum(program.weights.iter().map(|w| w.local_bytes()))
+}
+
+/// Key and value bytes one token adds to the program's KV caches.
+fn kv_bytes_per_token(program: &super::RankProgram) -> u64 {
+    let facts: BTreeMap<u32, _> = program.instrs.iter().map(|i| (i.id, &i.fact)).collect();
+    let bytes = |id: &u32| {
+        facts.get(id).map_or(0, |f: &&crate::ir::TensorFact| {
+            f.shape
+                .fixed_elements()
+                .saturating_mul(f.dtype.size_bytes())
+        })
+    };
+    sum(program
+        .instrs
+        .iter()
+        .filter(|i| matches!(i.op, Op::Attention(_)))
+        .map(|i| {
+            let (k, v) = (i.inputs.get(1), i.inputs.get(2));
+            k.map_or(0, bytes).saturating_add(v.map_or(0, bytes))
+        }))
+}
+
+/// Per stage of a pipelined plan, its figures; empty without a pipeline (or when the
+/// stage programs cannot be derived: `Plan::verify` reports that).
+fn stage_summaries(plan: &Plan) -> Vec<StageSummary> {
+    let Some(pipeline) = &plan.pipeline else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (s, span) in pipeline.stages.iter().enumerate() {
+        let programs: Result<Vec<_>, _> = (0..plan.ranks.len())
+            .map(|r| super::stages::stage_program(plan, r, s))
+            .collect();
+        let Ok(programs) = programs else {
+            return Vec::new();
+        };
+        let first = programs.first();
+        out.push(StageSummary {
+            stage: s as u64,
+            first_layer: span.first_layer,
+            layers: span.layers,
+            ranks: programs.iter().map(|p| p.program.rank).collect(),
+            param_count_per_rank: programs.iter().map(|p| param_count(&p.program)).collect(),
+            param_bytes_per_rank: programs.iter().map(|p| param_bytes(&p.program)).collect(),
+            kv_cache_bytes_per_token_per_rank: programs
+                .iter()
+                .map(|p| kv_bytes_per_token(&p.program))
+                .collect(),
+            collective_count: first.map_or(0, |p| {
+                p.program
+                    .instrs
+                    .iter()
+                    .filter(|i| i.op.is_collective())
+                    .count() as u64
+            }),
+            send_bytes_per_token_per_rank: first
+                .map_or(0, |p| sum(p.send.iter().map(|b| b.bytes_per_token()))),
+            sends: first.map_or(Vec::new(), |p| {
+                p.send.iter().map(|b| b.name.to_string()).collect()
+            }),
+        });
+    }
+    out
 }
 
 /// Bytes per token of the logits gather and of the pairs greedy decoding sends instead.
@@ -145,16 +238,8 @@ fn recorded_algorithm(plan: &Plan, id: u32) -> Option<crate::ir::AlgorithmChoice
 }
 
 pub fn summarize(plan: &Plan) -> Summary {
-    let param_count_per_rank = plan
-        .ranks
-        .iter()
-        .map(|r| sum(r.weights.iter().map(|w| w.local_elements())))
-        .collect();
-    let param_bytes_per_rank = plan
-        .ranks
-        .iter()
-        .map(|r| sum(r.weights.iter().map(|w| w.local_bytes())))
-        .collect();
+    let param_count_per_rank = plan.ranks.iter().map(param_count).collect();
+    let param_bytes_per_rank = plan.ranks.iter().map(param_bytes).collect();
     let (model_param_count, model_param_bytes) = plan.ranks.first().map_or((0, 0), |r| {
         r.weights.iter().fold((0u64, 0u64), |(c, b), w| {
             let n = product(w.shape.iter().copied());
@@ -164,28 +249,7 @@ pub fn summarize(plan: &Plan) -> Summary {
             )
         })
     });
-    let kv_cache_bytes_per_token_per_rank = plan
-        .ranks
-        .iter()
-        .map(|r| {
-            let facts: BTreeMap<u32, _> = r.instrs.iter().map(|i| (i.id, &i.fact)).collect();
-            sum(r
-                .instrs
-                .iter()
-                .filter(|i| matches!(i.op, Op::Attention(_)))
-                .map(|i| {
-                    let bytes = |id| {
-                        facts.get(id).map_or(0, |f: &&crate::ir::TensorFact| {
-                            f.shape
-                                .fixed_elements()
-                                .saturating_mul(f.dtype.size_bytes())
-                        })
-                    };
-                    let (k, v) = (i.inputs.get(1), i.inputs.get(2));
-                    k.map_or(0, bytes).saturating_add(v.map_or(0, bytes))
-                }))
-        })
-        .collect();
+    let kv_cache_bytes_per_token_per_rank = plan.ranks.iter().map(kv_bytes_per_token).collect();
     let (per_layer, outside) = count_collectives(plan);
     Summary {
         model: plan.model.clone(),
@@ -222,6 +286,7 @@ pub fn summarize(plan: &Plan) -> Summary {
         notes: plan.notes.clone(),
         greedy_exchange: greedy_exchange(plan),
         top_k_exchange: top_k_exchange(plan),
+        stages: stage_summaries(plan),
     }
 }
 
@@ -394,8 +459,60 @@ pub fn render_table(s: &Summary) -> String {
             t.max_k
         );
     }
+    render_stages(&mut out, s);
     for n in &s.notes {
         let _ = writeln!(out, "note: {n}");
     }
     out
+}
+
+/// The pipeline stages' table: layers, per-rank memory and what crosses to the next stage.
+fn render_stages(out: &mut String, s: &Summary) {
+    use std::fmt::Write;
+    if s.stages.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\npipeline: {} stages of {} rank(s) (global rank = stage·tp + tp rank); per rank, the fullest of the stage's tp ranks:",
+        s.stages.len(),
+        s.tp
+    );
+    let _ = writeln!(
+        out,
+        "{:>5}  {:>9}  {:>10}  {:>12}  {:>12}  {:>14}  {:>11}  {:>16}",
+        "stage",
+        "layers",
+        "ranks",
+        "params",
+        "bytes",
+        "kv bytes/token",
+        "collectives",
+        "send bytes/token"
+    );
+    let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
+    for st in &s.stages {
+        let ranks = match (st.ranks.first(), st.ranks.last()) {
+            (Some(a), Some(b)) if a != b => format!("{a}–{b}"),
+            (Some(a), _) => a.to_string(),
+            _ => String::new(),
+        };
+        let layers = format!(
+            "{}–{}",
+            st.first_layer,
+            u64::from(st.first_layer) + u64::from(st.layers).saturating_sub(1)
+        );
+        let _ = writeln!(
+            out,
+            "{:>5}  {:>9}  {:>10}  {:>12}  {:>12}  {:>14}  {:>11}  {:>16}",
+            st.stage,
+            layers,
+            ranks,
+            human_count(max(&st.param_count_per_rank)),
+            human_bytes(max(&st.param_bytes_per_rank)),
+            max(&st.kv_cache_bytes_per_token_per_rank),
+            st.collective_count,
+            st.send_bytes_per_token_per_rank
+        );
+    }
 }

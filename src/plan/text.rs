@@ -1,5 +1,6 @@
 //! Deterministic text form of a plan (used for golden tests and `--text`).
 
+use super::stages::{stage_program, StageProgram};
 use super::{Plan, RankProgram};
 use std::fmt::Write;
 
@@ -34,11 +35,57 @@ fn weight_line(w: &super::WeightSlice) -> String {
 pub fn render_rank(r: &RankProgram) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "rank {}:", r.rank);
+    render_body(&mut out, r, &[], &[]);
+    out
+}
+
+/// One global rank of a pipelined plan: its stage program between the values it receives
+/// from the previous stage and those it sends to the next.
+pub fn render_stage(sp: &StageProgram, tp_rank: usize) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "rank {} (stage {} of {}, tp rank {tp_rank}):",
+        sp.program.rank, sp.stage, sp.stages
+    );
+    let recv: Vec<String> = sp
+        .recv
+        .iter()
+        .map(|b| {
+            format!(
+                "%{} = recv() {{from stage {}}} : {}  // {}",
+                b.id,
+                sp.stage.saturating_sub(1),
+                b.fact,
+                b.name
+            )
+        })
+        .collect();
+    let send: Vec<String> = sp
+        .send
+        .iter()
+        .map(|b| {
+            format!(
+                "send(%{}) {{to stage {}}}  // {}",
+                b.id,
+                sp.stage + 1,
+                b.name
+            )
+        })
+        .collect();
+    render_body(&mut out, &sp.program, &recv, &send);
+    out
+}
+
+fn render_body(out: &mut String, r: &RankProgram, before: &[String], after: &[String]) {
     let _ = writeln!(out, "  weights:");
     for w in &r.weights {
         let _ = writeln!(out, "    {}", weight_line(w));
     }
     let _ = writeln!(out, "  program:");
+    for line in before {
+        let _ = writeln!(out, "    {line}");
+    }
     for i in &r.instrs {
         let args: Vec<String> = i.inputs.iter().map(|a| format!("%{a}")).collect();
         let attrs = i.op.attrs();
@@ -62,7 +109,9 @@ pub fn render_rank(r: &RankProgram) -> String {
             i.name
         );
     }
-    out
+    for line in after {
+        let _ = writeln!(out, "    {line}");
+    }
 }
 
 /// The whole plan: header, notes, collectives and every rank.
@@ -98,6 +147,27 @@ pub fn render_plan(plan: &Plan) -> String {
             r.columns.join(", "),
             r.rows.join(", ")
         );
+    }
+    if let Some(p) = &plan.pipeline {
+        for (s, span) in p.stages.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "stage {s}: layers {}..{}",
+                span.first_layer,
+                u64::from(span.first_layer) + u64::from(span.layers)
+            );
+        }
+        for s in 0..plan.pp() {
+            for t in 0..plan.ranks.len() {
+                match stage_program(plan, t, s) {
+                    Ok(sp) => out.push_str(&render_stage(&sp, t)),
+                    Err(e) => {
+                        let _ = writeln!(out, "stage {s}, tp rank {t}: {e}");
+                    }
+                }
+            }
+        }
+        return out;
     }
     for r in &plan.ranks {
         out.push_str(&render_rank(r));

@@ -90,6 +90,18 @@ fn check_header(plan: &Plan, found: &mut Found) {
             },
         );
     }
+    // Stage programs are derived from the rank programs, which must then split at the
+    // pipeline's layer boundaries.
+    let stages = match (&plan.pipeline, plan.ranks.is_empty()) {
+        (Some(_), false) => {
+            (0..plan.pp()).try_for_each(|s| super::stages::stage_program(plan, 0, s).map(|_| ()))
+        }
+        (Some(_), true) => super::stages::check_spans(plan),
+        (None, _) => Ok(()),
+    };
+    if let Err(e) = stages {
+        found.say(Place::Plan, Problem::Pipeline(e.to_string()));
+    }
     for (index, program) in plan.ranks.iter().enumerate() {
         if program.rank != index as u64 {
             found.say(
