@@ -377,7 +377,14 @@ fn nan_weights_stop_generation_and_name_the_first_op() {
     }
     let model = broken_checkpoint(&dir, Some(&bytes));
     let m = model.to_str().unwrap();
-    for extra in [&[][..], &["--temperature", "0.7"], &["--tp", "2"]] {
+    for extra in [
+        &[][..],
+        &["--temperature", "0.7"],
+        &["--tp", "2"],
+        // Layer 1 is on the last pipeline stage.
+        &["--pp", "2"],
+        &["--tp", "2", "--pp", "2"],
+    ] {
         let mut args = vec!["run", m, "--prompt-ids", "1,2,3", "--max-new-tokens", "3"];
         args.extend_from_slice(extra);
         let o = tpc(&args);
@@ -479,12 +486,26 @@ fn nan_logits_at_a_decode_step_stop_every_exchange() {
     let model = broken_checkpoint(&dir, Some(&bytes));
     let m = model.to_str().unwrap();
     let sample = ["--temperature", "0.7", "--top-k", "5", "--seed", "1"];
+    let staged = [
+        "--pp",
+        "2",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "5",
+        "--seed",
+        "1",
+    ];
     for (tp, extra) in [
         ("1", &[][..]),
         ("2", &[][..]),
         ("1", &sample[..]),
         ("2", &sample[..]),
         ("4", &sample[..]),
+        // The embedding is on the first pipeline stage: a stage the last one told to
+        // recompute finds the origin.
+        ("1", &["--pp", "2"][..]),
+        ("2", &staged[..]),
     ] {
         for gather in [false, true] {
             let mut args = vec!["run", m, "--tp", tp, "--prompt-ids", "1,2,3"];

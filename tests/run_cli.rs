@@ -649,3 +649,86 @@ fn data_parallel_replicas_print_what_one_replica_prints() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--pp`: compiled stages report per stage, a saved pipelined plan runs as compiled, and
+/// every layout of ranks prints the tokens tp=1 prints.
+#[test]
+fn pipeline_stages_from_compile_to_run() {
+    let dir = scratch("pp");
+    let plan = dir.join("plan.json");
+    let p = plan.to_str().unwrap();
+    let json = ok(&tpc(&[
+        "compile", MODEL, "--tp", "2", "--pp", "2", "--json", "-o", p,
+    ]));
+    let summary: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let stages = summary["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 2);
+    assert_eq!(stages[0]["ranks"], serde_json::json!([0, 1]));
+    assert_eq!(stages[1]["ranks"], serde_json::json!([2, 3]));
+    assert_eq!(stages[0]["first_layer"], 0);
+    assert_eq!(stages[1]["first_layer"], 1);
+    // The hidden state (hidden 64, f32) crosses once; the last stage sends nothing.
+    assert_eq!(stages[0]["send_bytes_per_token_per_rank"], 64 * 4);
+    assert_eq!(stages[1]["send_bytes_per_token_per_rank"], 0);
+    // Each stage holds its own layers: their weights add up to the tp rank's (the embedding
+    // and LM head of this model are separate tensors, each on one stage).
+    let per_rank = |v: &serde_json::Value| v["param_bytes_per_rank"][0].as_u64().unwrap();
+    assert_eq!(
+        per_rank(&stages[0]) + per_rank(&stages[1]),
+        per_rank(&summary)
+    );
+    let tp1 = ok(&tpc(&[
+        "run",
+        MODEL,
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "8",
+    ]));
+    for args in [
+        &["--tp", "1", "--pp", "2"][..],
+        &["--tp", "2", "--pp", "2"],
+        &["--pp", "2", "--pp-layers", "1,1"],
+        &["--plan", p],
+        &["--plan", p, "--pp", "2"],
+        &["--tp", "2", "--pp", "2", "--dp", "2"],
+    ] {
+        let mut all = vec![
+            "run",
+            MODEL,
+            "--prompt-ids",
+            PROMPT,
+            "--max-new-tokens",
+            "8",
+        ];
+        all.extend_from_slice(args);
+        assert_eq!(ok(&tpc(&all)), tp1, "{args:?}");
+    }
+    let text = ok(&tpc(&[
+        "compile", MODEL, "--tp", "2", "--pp", "2", "--text",
+    ]));
+    assert!(text.contains("rank 3 (stage 1 of 2, tp rank 1):"), "{text}");
+    assert!(text.contains("= recv() {from stage 0}"), "{text}");
+    assert!(text.contains("{to stage 1}"), "{text}");
+    let dot = ok(&tpc(&["dot", MODEL, "--tp", "2", "--pp", "2"]));
+    assert!(dot.contains("cluster_s1_stage") && dot.contains("send/recv 256 B/token"));
+    // Refusals: more stages than layers (naming the valid counts), counts that do not add
+    // up, a saved plan asked for other stages.
+    let e = fails(&tpc(&["compile", MODEL, "--pp", "3"]));
+    assert!(e.contains("1 to 2 pipeline stage(s)"), "{e}");
+    let e = fails(&tpc(&["compile", MODEL, "--pp", "2", "--pp-layers", "2,1"]));
+    assert!(e.contains("they sum to 3"), "{e}");
+    let e = fails(&tpc(&[
+        "run",
+        MODEL,
+        "--plan",
+        p,
+        "--pp",
+        "1",
+        "--prompt-ids",
+        "1",
+    ]));
+    assert!(e.contains("has 2 pipeline stage(s), not --pp 1"), "{e}");
+    let e = fails(&tpc(&["compile", MODEL, "--pp", "0"]));
+    assert!(e.contains("--pp 0"), "{e}");
+}

@@ -403,3 +403,56 @@ fn bad_prompts_are_refused() {
         .to_string();
     assert!(e.contains("empty"), "{e}");
 }
+
+#[test]
+fn a_pipeline_stage_failing_mid_run_stops_every_stage_with_its_error() {
+    use tpc::runtime::launch::{launch_stages, local_groups};
+    let def = load_model(Path::new("models/tiny-llama.ron")).unwrap();
+    let mut plan = compile(&def, 2).unwrap().plan;
+    tpc::pipeline::split_stages(&mut plan, 2, None).unwrap();
+    let weights = RandomWeights::new(&compile(&def, 1).unwrap().plan, 3);
+    let (comms, pipes) = local_groups(&plan).unwrap();
+    assert_eq!((comms.len(), pipes.len()), (4, 4));
+    // Global rank 1 (stage 0, tp rank 1) fails at its 2nd all-reduce (layer 0): its tp peer
+    // waits in that all-reduce, and stage 1 waits for stage 0's hidden state.
+    let wrap = |(g, inner): (usize, LocalComm)| FailsAt {
+        inner,
+        rank: if g < 2 { 1 } else { usize::MAX },
+        at: 2,
+        calls: 0,
+    };
+    let comms: Vec<FailsAt> = comms.into_iter().enumerate().map(wrap).collect();
+    let pipes: Vec<FailsAt> = pipes
+        .into_iter()
+        .map(|inner| FailsAt {
+            inner,
+            rank: usize::MAX,
+            at: 0,
+            calls: 0,
+        })
+        .collect();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let request = Request {
+            prompt: vec![1, 2, 3],
+            max_new_tokens: None,
+        };
+        let r = launch_stages(
+            &plan,
+            &weights,
+            comms,
+            pipes,
+            &|_| Ok(CpuBackend::new(1)),
+            &|rt| rt.generate(std::slice::from_ref(&request), &RunOptions::default()),
+        );
+        let _ = tx.send(r.map(|o| o.generated_tokens()));
+    });
+    // A hang detector, not a speed limit: the run takes milliseconds when it works.
+    let result = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("stages hung after one rank failed");
+    match result {
+        Err(RunError::Comm(CommError::Aborted { rank: 1, .. })) => {}
+        other => panic!("expected rank 1's own error, got {other:?}"),
+    }
+}

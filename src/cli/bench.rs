@@ -33,13 +33,16 @@ pub struct Args {
     #[command(flatten)]
     shard: super::ShardArgs,
     #[command(flatten)]
+    pipe: super::PipelineArgs,
+    #[command(flatten)]
     exec: ExecArgs,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
     let dtype: ComputeDtype = a.exec.dtype.into();
     let def = load_model(&a.model)?;
-    let plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
+    let mut plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
+    a.pipe.apply(&mut plan)?;
     let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap_or(1) as usize;
     let requests: Vec<Request> = (0..a.batch as usize)
         .map(|b| Request {
@@ -70,6 +73,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let json = serde_json::json!({
         "model": plan.model,
         "tp": a.tp,
+        "pp": plan.pp(),
         "dp": a.dp,
         "dtype": format!("{dtype:?}").to_lowercase(),
         "batch": a.batch,

@@ -21,6 +21,8 @@ pub struct Args {
     tp: Option<u64>,
     #[command(flatten)]
     shard: super::ShardArgs,
+    #[command(flatten)]
+    pipe: super::PipelineArgs,
     /// Run this saved plan (`tpc compile MODEL -o plan.ron`) instead of compiling the model.
     #[arg(long)]
     plan: Option<PathBuf>,
@@ -173,14 +175,20 @@ fn plan_for(
     saved: Option<&PathBuf>,
     tp: Option<u64>,
     options: tpc::passes::ShardOptions,
+    pipe: &super::PipelineArgs,
 ) -> anyhow::Result<Plan> {
     match saved {
         Some(path) => {
             super::refuse_options_with_plan(options)?;
-            super::plan_for_tp(Plan::load(path)?, path, tp)
+            let plan = super::plan_for_tp(Plan::load(path)?, path, tp)?;
+            pipe.check_saved(&plan, path)?;
+            Ok(plan)
         }
         None => {
-            Ok(tpc::pipeline::compile_with(&load_model(model)?, tp.unwrap_or(1), options)?.plan)
+            let mut plan =
+                tpc::pipeline::compile_with(&load_model(model)?, tp.unwrap_or(1), options)?.plan;
+            pipe.apply(&mut plan)?;
+            Ok(plan)
         }
     }
 }
@@ -233,9 +241,10 @@ impl InOrder {
 }
 
 /// Figures of a run for `--json`.
-fn figures(out: &BatchOutput, tp: u64, a: &Args) -> serde_json::Value {
+fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value {
     serde_json::json!({
         "tp": tp,
+        "pp": pp,
         "dp": a.dp,
         "sequences": out.sequences.len(),
         "prompt_tokens": out.prompt_tokens,
@@ -293,8 +302,23 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             max_new_tokens: None,
         }],
     };
-    let plan = plan_for(&a.model, a.plan.as_ref(), a.tp, a.shard.options())?;
+    let plan = plan_for(&a.model, a.plan.as_ref(), a.tp, a.shard.options(), &a.pipe)?;
     let tp = plan.tp;
+    let pp = plan.pp();
+    // "tp=2", "tp=2 pp=2 dp=2": the ranks' layout, the default 1s left out.
+    let layout = format!(
+        "tp={tp}{}{}",
+        if pp > 1 {
+            format!(" pp={pp}")
+        } else {
+            String::new()
+        },
+        if a.dp > 1 {
+            format!(" dp={}", a.dp)
+        } else {
+            String::new()
+        }
+    );
     let ckpt = Checkpoint::open(&a.model)?;
     let total_new: usize = requests
         .iter()
@@ -305,7 +329,10 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} tokens")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message(format!("loading {} ranks", tp.saturating_mul(a.dp)));
+    bar.set_message(format!(
+        "loading {} ranks",
+        (plan.world() as u64).saturating_mul(a.dp)
+    ));
     bar.enable_steady_tick(std::time::Duration::from_millis(100));
     let progress_bar = bar.clone();
     let tokenizer = Arc::new(tokenizer);
@@ -369,17 +396,12 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             out.sequences.len()
         );
         if a.json {
-            let summary = serde_json::json!({ "summary": figures(&out, tp, &a) });
+            let summary = serde_json::json!({ "summary": figures(&out, tp, pp, &a) });
             super::print_stdout(&format!("{}\n", serde_json::to_string(&summary)?))?;
         }
         if !a.json {
             eprintln!(
-                "tp={tp}{}, {} sequences: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s over the batch",
-                if a.dp > 1 {
-                    format!(" dp={}", a.dp)
-                } else {
-                    String::new()
-                },
+                "{layout}, {} sequences: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s over the batch",
                 out.sequences.len(),
                 out.prefill_tokens_per_s(),
                 out.prompt_tokens,
@@ -393,7 +415,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         .first()
         .context("the run returned no sequence")?;
     if a.json {
-        let mut json = figures(&out, tp, &a);
+        let mut json = figures(&out, tp, pp, &a);
         json["generated"] = serde_json::json!(seq.generated);
         if let Some(text) = text_of(&seq.generated)? {
             json["text"] = serde_json::Value::String(text);
@@ -405,7 +427,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         let ids: Vec<String> = seq.generated.iter().map(i64::to_string).collect();
         super::print_stdout(&format!("{}\n", ids.join(",")))?;
         eprintln!(
-            "tp={tp}: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens after the first)",
+            "{layout}: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens after the first)",
             out.prefill_tokens_per_s(),
             out.prompt_tokens,
             out.decode_tokens_per_s(),

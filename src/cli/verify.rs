@@ -22,6 +22,8 @@ pub struct Args {
     seed: u64,
     #[command(flatten)]
     shard: super::ShardArgs,
+    #[command(flatten)]
+    pipe: super::PipelineArgs,
     /// Prompt length in tokens, 1 to 2^20.
     #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     prompt_len: usize,
@@ -48,11 +50,20 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     let many = match &a.plan {
         Some(path) => {
             super::refuse_options_with_plan(options)?;
-            super::plan_for_tp(tpc::plan::Plan::load(path)?, path, a.tp)?
+            let plan = super::plan_for_tp(tpc::plan::Plan::load(path)?, path, a.tp)?;
+            a.pipe.check_saved(&plan, path)?;
+            plan
         }
-        None => tpc::pipeline::compile_with(&def, a.tp.unwrap_or(1), options)?.plan,
+        None => {
+            let mut plan = tpc::pipeline::compile_with(&def, a.tp.unwrap_or(1), options)?.plan;
+            a.pipe.apply(&mut plan)?;
+            plan
+        }
     };
-    let tp = many.tp;
+    let tp = match many.pp() {
+        1 => many.tp.to_string(),
+        pp => format!("{} pp={pp}", many.tp),
+    };
     let report = verify_plan(
         &def,
         &many,

@@ -210,12 +210,12 @@ pub fn split(plan: &Plan, pp: u64, explicit: Option<&[u64]>) -> Result<Pipeline,
     let stages = counts
         .iter()
         .map(|&c| {
-            // Both fit: they sum to the layer count, itself one more than a u32 index.
+            let layers = u32::try_from(c).unwrap_or(u32::MAX);
             let span = StageSpan {
                 first_layer: first,
-                layers: c as u32,
+                layers,
             };
-            first += c as u32;
+            first = first.saturating_add(layers);
             span
         })
         .collect();

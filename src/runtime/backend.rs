@@ -257,6 +257,8 @@ pub trait Backend: Send + Sync {
     fn release(&self, x: Self::Act);
     /// The values on the host, as f32 (logits for sampling and the user).
     fn to_host(&self, x: Self::Act) -> BackendResult<super::tensor::Tensor>;
+    /// An f32 activation holding `x` (a small control message between pipeline stages).
+    fn upload_host(&self, x: &super::tensor::Tensor) -> BackendResult<Self::Act>;
 }
 
 /// A host buffer's elements, in its dtype.

@@ -882,6 +882,10 @@ impl Backend for CpuBackend {
     fn to_host(&self, x: Tensor) -> BackendResult<Tensor> {
         Ok(x)
     }
+
+    fn upload_host(&self, x: &Tensor) -> BackendResult<Tensor> {
+        Ok(x.pooled_copy())
+    }
 }
 
 #[cfg(test)]

@@ -85,6 +85,9 @@ pub enum RunError {
         io: std::io::Error,
     },
 
+    #[error("pipeline: {0}; this is a bug in tpc")]
+    Pipeline(String),
+
     #[error("bad batch: {problem}")]
     BadBatch { problem: String },
 

@@ -11,11 +11,15 @@ use super::backend::{
 };
 use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
+use super::stage_link::{Control, StageLink};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
 use crate::ir::{op_dims, Groups, InputKind, Op, RopeOp};
 use crate::plan::{Instr, RankProgram};
 use std::collections::HashMap;
+
+/// `last_use` of a value a pipeline stage sends after its last instruction.
+const PINNED: usize = usize::MAX - 1;
 
 enum Value<A> {
     Ids(Vec<i64>),
@@ -68,6 +72,8 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     non_finite: Option<Option<NonFiniteOp>>,
     /// The all-gather of vocabulary-split logits that is the program's output, if any.
     logits_gather: Option<u32>,
+    /// The other pipeline stages, when the program is one stage of a pipeline.
+    pub link: Option<StageLink<C>>,
 }
 
 /// One forward call's inputs: every row's token id and position, the sequences' rows, and
@@ -221,9 +227,53 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             profile: None,
             non_finite: None,
             logits_gather: program.output_gather(),
+            link: None,
         };
         exec.set_sequences(1);
         Ok(exec)
+    }
+
+    /// Makes this executor one stage of a pipeline: it receives `link.recv` from the stage
+    /// before it and sends `link.send` to the stage after it on every forward call.
+    pub fn with_link(mut self, link: StageLink<C>) -> Self {
+        let top = link
+            .recv
+            .iter()
+            .chain(&link.send)
+            .copied()
+            .max()
+            .unwrap_or(0) as usize;
+        if self.last_use.len() <= top {
+            self.last_use.resize(top + 1, usize::MAX);
+        }
+        // Sent after the last instruction: never released or overwritten before.
+        for &id in &link.send {
+            self.last_use[id as usize] = PINNED;
+        }
+        self.link = Some(link);
+        self
+    }
+
+    /// The last stage of a pipeline: tells every earlier stage `control` (nothing without
+    /// a pipeline).
+    pub fn tell(&mut self, control: &Control) -> Result<()> {
+        match self.link.as_mut() {
+            Some(link) => link.tell(&self.backend, control),
+            None => Ok(()),
+        }
+    }
+
+    /// A stage before the last: what the last stage says to run next.
+    pub fn listen(&mut self) -> Result<Control> {
+        match self.link.as_mut() {
+            Some(link) => link.listen(&self.backend),
+            None => Err(RunError::Pipeline("listen without a pipeline".into())),
+        }
+    }
+
+    /// Whether this rank computes the model output (no pipeline, or its last stage).
+    pub fn has_output(&self) -> bool {
+        self.link.as_ref().is_none_or(StageLink::is_last)
     }
 
     /// Makes room for `n` sequences (caches of new ones are empty).
@@ -399,10 +449,12 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     pub fn locate_non_finite(&mut self, tokens: &[i64]) -> Result<Option<NonFiniteOp>> {
         self.reset();
         self.non_finite = Some(None);
-        let out = self.forward_on_device(&[(0, tokens)], OutputRows::LastOfEach);
+        let out = self.forward_inner(&[(0, tokens)], OutputRows::LastOfEach, Exchange::Logits);
         let found = self.non_finite.take().flatten();
         self.reset();
-        self.backend.release(out?);
+        if let Some(out) = out? {
+            self.backend.release(out);
+        }
         Ok(found)
     }
 
@@ -421,6 +473,19 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         rows: OutputRows,
         exchange: Exchange,
     ) -> Result<B::Act> {
+        self.forward_inner(batch, rows, exchange)?
+            .ok_or_else(|| RunError::BadInstruction {
+                name: "program".into(),
+                problem: "this pipeline stage has no output; only the last one does".into(),
+            })
+    }
+
+    fn forward_inner(
+        &mut self,
+        batch: &[(usize, &[i64])],
+        rows: OutputRows,
+        exchange: Exchange,
+    ) -> Result<Option<B::Act>> {
         let mut segments = Vec::with_capacity(batch.len());
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -461,14 +526,28 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         out
     }
 
-    fn run_program(&mut self, call: &Call<'_>) -> Result<B::Act> {
+    /// One forward call of a pipeline stage before the last: it passes its values on and
+    /// has no output.
+    pub fn forward_stage(&mut self, batch: &[(usize, &[i64])]) -> Result<()> {
+        if let Some(out) = self.forward_inner(batch, OutputRows::All, Exchange::Logits)? {
+            self.backend.release(out);
+        }
+        Ok(())
+    }
+
+    fn run_program(&mut self, call: &Call<'_>) -> Result<Option<B::Act>> {
         // The value table is kept between calls (its slots are all empty in between).
         let mut values = std::mem::take(&mut self.values);
         values.resize_with(self.last_use.len(), || None);
         let mut ropes: HashMap<RopeOp, B::RopeTables> = HashMap::new();
         let mut output = None;
-        let mut result = Ok(());
-        for (idx, i) in self.program.instrs.iter().enumerate() {
+        let mut result = self.receive_stage_inputs(&mut values);
+        let instrs = if result.is_ok() {
+            self.program.instrs.as_slice()
+        } else {
+            &[]
+        };
+        for (idx, i) in instrs.iter().enumerate() {
             let value = match &i.op {
                 Op::Param(_) => continue,
                 Op::Input(inp) => Value::Ids(match inp.kind {
@@ -504,9 +583,14 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                             .map_err(on(i))?
                             .is_some()
                     {
+                        let index = self
+                            .link
+                            .as_ref()
+                            .and_then(|l| l.origin.get(idx).copied())
+                            .unwrap_or(idx);
                         self.non_finite = Some(Some(NonFiniteOp {
                             rank: self.rank,
-                            index: idx,
+                            index,
                             name: i.name.to_string(),
                             kind: op.kind(),
                             layer: i.layer,
@@ -526,6 +610,9 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 }
             }
         }
+        if result.is_ok() && output.is_none() {
+            result = self.send_stage_outputs(&mut values);
+        }
         for v in values.iter_mut().filter_map(Option::take) {
             if let Value::Act(t) = v {
                 self.backend.release(t);
@@ -533,10 +620,15 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         }
         self.values = values;
         result?;
-        let output = output.ok_or_else(|| RunError::BadInstruction {
-            name: "program".into(),
-            problem: "it has no output".into(),
-        })?;
+        let Some(output) = output else {
+            if self.has_output() {
+                return Err(RunError::BadInstruction {
+                    name: "program".into(),
+                    problem: "it has no output".into(),
+                });
+            }
+            return Ok(None);
+        };
         // When the LM head could not be narrowed (a non-row-wise op after it), narrow here.
         let output = match call.select {
             Some(rows) if output.rows_cols().0 != rows.len() => {
@@ -546,7 +638,43 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             }
             _ => output,
         };
-        Ok(output)
+        Ok(Some(output))
+    }
+
+    /// A pipeline stage after the first: the values the stage before computed.
+    fn receive_stage_inputs(&mut self, values: &mut [Option<Value<B::Act>>]) -> Result<()> {
+        let Some(link) = self.link.as_mut() else {
+            return Ok(());
+        };
+        let from = link.stage.saturating_sub(1);
+        for k in 0..link.recv.len() {
+            let id = link.recv[k] as usize;
+            let x = link.recv_act(&self.backend, from)?;
+            match values.get_mut(id) {
+                Some(slot) => *slot = Some(Value::Act(x)),
+                None => self.backend.release(x),
+            }
+        }
+        Ok(())
+    }
+
+    /// A pipeline stage before the last: its values the later stages read, to the next.
+    fn send_stage_outputs(&mut self, values: &mut [Option<Value<B::Act>>]) -> Result<()> {
+        let Some(link) = self.link.as_mut() else {
+            return Ok(());
+        };
+        let to = link.stage + 1;
+        for k in 0..link.send.len() {
+            let id = link.send[k];
+            let Some(Some(Value::Act(x))) = values.get(id as usize) else {
+                return Err(RunError::Pipeline(format!(
+                    "stage {} has no value %{id} to send",
+                    link.stage
+                )));
+            };
+            link.send_act(&self.backend, x, to)?;
+        }
+        Ok(())
     }
 
     fn ids<'v>(

@@ -10,9 +10,11 @@ use super::error::{Result, RunError};
 use super::executor::{Candidates, OutputRows, RankExecutor};
 use super::kernels::{Isa, LinearKernels};
 use super::sampling::{pick, pick_from_candidates, Rng, Sampling};
+use super::stage_link::{Control, StageLink};
 use super::tensor::Tensor;
 use super::weights::WeightSource;
 use crate::ir::Op;
+use crate::plan::stages::StageProgram;
 use crate::plan::Plan;
 use std::time::Instant;
 
@@ -140,8 +142,9 @@ pub struct SequenceOutput {
     pub prompt_logits: Tensor,
 }
 
-/// A batch's results, in request order, with rank 0's figures.
-#[derive(Debug, Clone)]
+/// A batch's results, in request order, with the leading rank's figures (rank 0; tp
+/// rank 0 of the last stage in a pipeline).
+#[derive(Debug, Clone, Default)]
 pub struct BatchOutput {
     pub sequences: Vec<SequenceOutput>,
     pub prompt_tokens: usize,
@@ -273,7 +276,11 @@ pub fn check_requests(plan: &Plan, requests: &[Request], opts: &RunOptions) -> R
 /// One rank of a running plan: its program, backend, communicator and loaded weights.
 pub struct RankRuntime<'p, B: Backend, C: Collectives<B::Act>> {
     pub exec: RankExecutor<'p, B, C>,
+    /// The global rank.
     pub rank: usize,
+    /// Whether this rank reports (progress, finished sequences, profile, the result): tp
+    /// rank 0 of the last pipeline stage.
+    pub leads: bool,
     pub load_seconds: f64,
 }
 
@@ -298,6 +305,35 @@ pub fn rank_runtime<'p, B: Backend, C: Collectives<B::Act>>(
     Ok(RankRuntime {
         exec,
         rank,
+        leads: rank == 0,
+        load_seconds: load.elapsed().as_secs_f64(),
+    })
+}
+
+/// [`rank_runtime`] for one stage of a pipeline: `sp`'s weight slices, `comm` its tp
+/// group, `pipe` its PP group (this tp rank on every stage, ranked by stage).
+pub fn stage_runtime<'p, B: Backend, C: Collectives<B::Act>>(
+    sp: &'p StageProgram,
+    backend: B,
+    comm: C,
+    pipe: C,
+    weights: &dyn WeightSource,
+) -> Result<RankRuntime<'p, B, C>> {
+    let load = Instant::now();
+    let tp_rank = comm.rank();
+    let link = StageLink {
+        comm: pipe,
+        stage: sp.stage,
+        stages: sp.stages,
+        recv: sp.recv.iter().map(|b| b.id).collect(),
+        send: sp.send.iter().map(|b| b.id).collect(),
+        origin: sp.origin.clone(),
+    };
+    let exec = RankExecutor::new(&sp.program, weights, backend, comm)?.with_link(link);
+    Ok(RankRuntime {
+        exec,
+        rank: usize::try_from(sp.program.rank).unwrap_or(usize::MAX),
+        leads: tp_rank == 0 && sp.stage + 1 == sp.stages,
         load_seconds: load.elapsed().as_secs_f64(),
     })
 }
@@ -306,16 +342,22 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
     /// Generates for every request (warm-ups and repetitions as `opts` says) and returns the
     /// best timings of the timed runs.
     pub fn generate(&mut self, requests: &[Request], opts: &RunOptions) -> Result<BatchOutput> {
-        let rank = self.rank;
+        let leads = self.leads;
         let report = |stage| {
-            if let (0, Some(p)) = (rank, &opts.progress) {
+            if let (true, Some(p)) = (leads, &opts.progress) {
                 p(stage)
             }
         };
         // Every rank has loaded before anything is timed.
         self.exec.comm.barrier()?;
+        if let Some(link) = self.exec.link.as_mut() {
+            link.comm.barrier()?;
+        }
+        if !self.exec.has_output() {
+            return self.follow(requests, opts);
+        }
         report(Stage::Loaded);
-        if opts.profile && rank == 0 {
+        if opts.profile && leads {
             self.exec.profile = Some(Default::default());
         }
         let mut best: Option<BatchOutput> = None;
@@ -328,7 +370,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
                 }
             }
             let finished = |index: usize, tokens: &[i64]| {
-                if let (0, true, Some(f)) = (rank, run + 1 == runs, &opts.on_finished) {
+                if let (true, true, Some(f)) = (leads, run + 1 == runs, &opts.on_finished) {
                     f(index, tokens)
                 }
             };
@@ -368,6 +410,61 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         profile.sort_by(|a, b| b.1.total_cmp(&a.1));
         out.profile = profile;
         Ok(out)
+    }
+
+    /// A pipeline stage before the last: runs the forward calls the last stage asks for
+    /// (the prompts, then one call per decode step), as many generations as `opts` says.
+    fn follow(&mut self, requests: &[Request], opts: &RunOptions) -> Result<BatchOutput> {
+        let exec = &mut self.exec;
+        for _ in 0..opts.warmup + opts.repeat.max(1) {
+            exec.reset();
+            for (s, r) in requests.iter().enumerate() {
+                let limit = r.max_new_tokens.unwrap_or(opts.max_new_tokens);
+                exec.reserve(s, r.prompt.len().saturating_add(limit));
+            }
+            let batch: Vec<(usize, &[i64])> = requests
+                .iter()
+                .enumerate()
+                .map(|(s, r)| (s, r.prompt.as_slice()))
+                .collect();
+            exec.forward_stage(&batch)?;
+            loop {
+                match exec.listen()? {
+                    Control::Done => break,
+                    Control::Step(pairs) => {
+                        let ids: Vec<[i64; 1]> = pairs.iter().map(|&(_, t)| [t]).collect();
+                        let batch: Vec<(usize, &[i64])> = pairs
+                            .iter()
+                            .zip(&ids)
+                            .map(|(&(s, _), id)| (s, id.as_slice()))
+                            .collect();
+                        exec.forward_stage(&batch)?;
+                    }
+                    Control::Locate {
+                        sequence,
+                        step,
+                        tokens,
+                    } => {
+                        let origin = exec.locate_non_finite(&tokens)?;
+                        return Err(RunError::NonFiniteLogits {
+                            sequence,
+                            step: step_name(step),
+                            origin,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(BatchOutput::default())
+    }
+}
+
+/// "the prompt" (step 0) or "decode step N".
+fn step_name(step: usize) -> String {
+    if step == 0 {
+        "the prompt".into()
+    } else {
+        format!("decode step {step}")
     }
 }
 
@@ -421,12 +518,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
             })
             .unwrap_or(0);
         logits.release();
-        return Err(non_finite(
-            exec,
-            s,
-            "the prompt".into(),
-            &requests[s].prompt,
-        ));
+        return Err(non_finite(exec, s, 0, &requests[s].prompt));
     }
     report(Stage::Prefilled);
     // Row of `logits` each sequence samples its first token from, and its prompt logits.
@@ -526,9 +618,16 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
             let s = still[k];
             let seq = &sequences[s];
             let tokens = [requests[s].prompt.as_slice(), &seq.generated].concat();
-            let step = format!("decode step {}", seq.generated.len());
-            non_finite(exec, s, step, &tokens)
+            non_finite(exec, s, seq.generated.len(), &tokens)
         };
+        // Earlier pipeline stages run the same step.
+        exec.tell(&Control::Step(
+            still
+                .iter()
+                .copied()
+                .zip(next_ids.iter().copied())
+                .collect(),
+        ))?;
         if greedy {
             match exec.forward_argmax(&batch, OutputRows::LastOfEach)? {
                 Ok(picks) => step_picks = Some(picks),
@@ -553,6 +652,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         live = still;
     }
     let decode_seconds = decode.elapsed().as_secs_f64();
+    exec.tell(&Control::Done)?;
     if let Some(old) = step_logits {
         old.release();
     }
@@ -575,18 +675,27 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     })
 }
 
-/// The error for non-finite logits of `sequence`, with the first op producing them found by
-/// recomputing its `tokens` (every rank does this together, as it saw the same logits).
+/// The error for non-finite logits of `sequence` at `step` (0: the prompt), with the first
+/// op producing them found by recomputing its `tokens` (every rank does this together, as
+/// it saw the same logits; earlier pipeline stages are told to).
 fn non_finite<B: Backend, C: Collectives<B::Act>>(
     exec: &mut RankExecutor<'_, B, C>,
     sequence: usize,
-    step: String,
+    step: usize,
     tokens: &[i64],
 ) -> RunError {
+    let locate = Control::Locate {
+        sequence,
+        step,
+        tokens: tokens.to_vec(),
+    };
+    if let Err(e) = exec.tell(&locate) {
+        return e;
+    }
     match exec.locate_non_finite(tokens) {
         Ok(origin) => RunError::NonFiniteLogits {
             sequence,
-            step,
+            step: step_name(step),
             origin,
         },
         Err(e) => e,

@@ -6,19 +6,22 @@
 use super::affinity;
 use super::backend::Backend;
 use super::collectives::Collectives;
-use super::comm::{local_group, CommError, MAX_LOCAL_RANKS};
+use super::comm::{local_group, CommError, LocalComm, MAX_LOCAL_RANKS};
 use super::cpu::CpuBackend;
 use super::error::{Result, RunError};
 use super::generate::{
-    check_requests, rank_runtime, BatchOutput, Request, RunOptions, SequenceOutput,
+    check_requests, rank_runtime, stage_runtime, BatchOutput, Request, RunOptions, SequenceOutput,
 };
 use super::kernels::Kernels;
+use super::rank_groups::rank_groups;
 use super::weights::WeightSource;
+use crate::plan::stages::{stage_program, StageProgram};
 use crate::plan::Plan;
 
 /// Runs `job` on every rank of `plan`, one thread per rank: rank `r` gets the backend
 /// `backend(r)` and communicator `comms[r]`. Returns rank 0's result, or the root cause
-/// of the first failure (a peer's echo of it is not the cause).
+/// of the first failure (a peer's echo of it is not the cause). A plan with pipeline
+/// stages needs [`launch_stages`].
 pub fn launch_threads<B, C, T>(
     plan: &Plan,
     weights: &dyn WeightSource,
@@ -31,35 +34,75 @@ where
     C: Collectives<B::Act>,
     T: Send,
 {
+    launch_stages(plan, weights, comms, Vec::new(), backend, job)
+}
+
+/// [`launch_threads`] for every rank of a pipelined plan (pp · tp, global rank =
+/// stage · tp + tp rank): `comms[g]` is rank g's tensor-parallel group, `pipes[g]` its
+/// pipeline group (empty without stages). Returns the result of tp rank 0 on the last stage.
+pub fn launch_stages<B, C, T>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    comms: Vec<C>,
+    pipes: Vec<C>,
+    backend: &(dyn Fn(usize) -> Result<B> + Sync),
+    job: &(dyn Fn(&mut super::generate::RankRuntime<'_, B, C>) -> Result<T> + Sync),
+) -> Result<T>
+where
+    B: Backend,
+    C: Collectives<B::Act>,
+    T: Send,
+{
     // The plan is a contract: checked before any rank starts.
     plan.verify()?;
-    if comms.len() != plan.ranks.len() {
+    let (tp, pp, world) = (plan.ranks.len(), plan.pp(), plan.world());
+    let expected_pipes = if pp > 1 { world } else { 0 };
+    if comms.len() != world || pipes.len() != expected_pipes {
         return Err(RunError::BadInstruction {
             name: "launch".into(),
             problem: format!(
-                "{} communicators for a plan of {} ranks",
+                "{} communicators and {} pipeline links for a plan of {world} ranks ({pp} stage(s) of {tp})",
                 comms.len(),
-                plan.ranks.len()
+                pipes.len()
             ),
         });
     }
+    let stage_programs: Vec<StageProgram> = if pp > 1 {
+        (0..world)
+            .map(|g| stage_program(plan, g % tp, g / tp))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| RunError::Input(e.into()))?
+    } else {
+        Vec::new()
+    };
+    let mut pipes: Vec<Option<C>> = pipes.into_iter().map(Some).collect();
+    pipes.resize_with(world, || None);
     let results: Vec<std::thread::Result<Result<T>>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
+            .zip(pipes)
             .enumerate()
-            .map(|(rank, comm)| {
+            .map(|(rank, (comm, pipe))| {
+                let sp = stage_programs.get(rank);
                 std::thread::Builder::new()
                     .name(format!("tpc-rank-{rank}"))
                     .spawn_scoped(s, move || {
-                        let mut rt = rank_runtime(plan, rank, backend(rank)?, comm, weights)?;
+                        let b = backend(rank)?;
+                        let mut rt = match (sp, pipe) {
+                            (Some(sp), Some(pipe)) => stage_runtime(sp, b, comm, pipe, weights)?,
+                            _ => rank_runtime(plan, rank, b, comm, weights)?,
+                        };
                         let out = job(&mut rt);
                         if out.is_err() {
-                            // Peers blocked in a collective learn of the failure now.
+                            // Peers blocked in a collective or on a stage learn of it now.
                             rt.exec.comm.abort();
+                            if let Some(link) = rt.exec.link.as_mut() {
+                                link.comm.abort();
+                            }
                         }
                         out
                     })
-                    // A rank that cannot start drops its communicator, which releases the
+                    // A rank that cannot start drops its communicators, which releases the
                     // ranks already started.
                     .map_err(|e| RunError::RankPanicked {
                         rank,
@@ -75,17 +118,51 @@ where
             })
             .collect()
     });
-    root_cause(results)
+    root_cause(results, (pp - 1) * tp)
 }
 
-/// Rank 0's result, or the first failure that is not a peer's echo of another.
-fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>) -> Result<T> {
+/// In-process communicators for every rank of `plan`, built from the rank-group layout
+/// (`tpc ranks`): each rank's tensor-parallel group and, with stages, its pipeline group.
+pub fn local_groups(plan: &Plan) -> Result<(Vec<LocalComm>, Vec<LocalComm>)> {
+    let (tp, pp, world) = (plan.ranks.len(), plan.pp(), plan.world());
+    if world > MAX_LOCAL_RANKS {
+        return Err(RunError::TooManyRanks {
+            tp: world,
+            max: MAX_LOCAL_RANKS,
+        });
+    }
+    let groups = rank_groups(world as u64, tp as u64, pp as u64, 1).map_err(|e| {
+        RunError::BadInstruction {
+            name: "launch".into(),
+            problem: e.to_string(),
+        }
+    })?;
+    let place = |lists: &[Vec<usize>]| -> Vec<LocalComm> {
+        let mut slots: Vec<Option<LocalComm>> = (0..world).map(|_| None).collect();
+        for list in lists {
+            for (&g, comm) in list.iter().zip(local_group(list.len())) {
+                slots[g] = Some(comm);
+            }
+        }
+        slots.into_iter().flatten().collect()
+    };
+    let comms = place(&groups.tp_groups);
+    let pipes = if pp > 1 {
+        place(&groups.pp_groups)
+    } else {
+        Vec::new()
+    };
+    Ok((comms, pipes))
+}
+
+/// Rank `lead`'s result, or the first failure that is not a peer's echo of another.
+fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>, lead: usize) -> Result<T> {
     let mut first_err: Option<RunError> = None;
     let mut output = None;
     for (rank, r) in results.into_iter().enumerate() {
         let err = match r {
             Ok(Ok(out)) => {
-                if rank == 0 {
+                if rank == lead {
                     output = Some(out);
                 }
                 continue;
@@ -122,8 +199,8 @@ fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>) -> Result<T> {
         (Some(e), _) => Err(e),
         (None, Some(out)) => Ok(out),
         (None, None) => Err(RunError::RankPanicked {
-            rank: 0,
-            message: "rank 0 returned nothing".into(),
+            rank: lead,
+            message: format!("rank {lead} returned nothing"),
         }),
     }
 }
@@ -149,14 +226,10 @@ pub fn run_batch(
 ) -> Result<BatchOutput> {
     check_requests(plan, requests, opts)?;
     weights.check(plan)?;
-    let tp = plan.ranks.len();
-    if tp > MAX_LOCAL_RANKS {
-        return Err(RunError::TooManyRanks {
-            tp,
-            max: MAX_LOCAL_RANKS,
-        });
-    }
-    let threads = threads_per_rank(opts, tp);
+    let (comms, pipes) = local_groups(plan)?;
+    // Stages run one after another (no micro-batches), so a rank's threads share the
+    // cores with its tp group only.
+    let threads = threads_per_rank(opts, plan.ranks.len());
     let bf16 = opts.dtype.bf16_linears(plan);
     let tokens = super::generate::total_tokens(requests, opts);
     super::memory::check_fits(plan, bf16, tokens)?;
@@ -174,8 +247,7 @@ pub fn run_batch(
             .map_err(|io| RunError::Threads { rank, threads, io })?;
         Ok(backend.with_bf16_linears(bf16).with_kernels(kernels))
     };
-    let comms = local_group(tp);
-    let mut out = launch_threads(plan, weights, comms, &make, &|rt| {
+    let mut out = launch_stages(plan, weights, comms, pipes, &make, &|rt| {
         rt.generate(requests, opts)
     })?;
     out.linear_kernels = Some(kernels.linear_kernels(bf16));

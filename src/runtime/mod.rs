@@ -22,6 +22,7 @@ pub mod replicas;
 pub mod rope;
 pub mod sampling;
 pub mod simd;
+pub mod stage_link;
 pub mod team;
 pub mod tensor;
 pub mod verify;

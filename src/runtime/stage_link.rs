@@ -1,0 +1,271 @@
+//! A rank's link to the other stages of its pipeline (the ranks of its PP group: the same
+//! tp rank on every stage, ranked by stage). Activations cross between neighbouring
+//! stages, each preceded by a small header with its shape, so the receiver allocates
+//! exactly what comes (a sequence-parallel stream's rows are the sender's to know). The
+//! last stage samples and tells every earlier stage what to run next with
+//! [`Control`] messages: the first stage needs the new token ids, and every stage must run
+//! the same forward calls in the same order.
+
+use super::backend::{Activation, Backend};
+use super::collectives::Collectives;
+use super::error::{Result, RunError};
+use super::tensor::Tensor;
+use crate::ir::DType;
+
+/// Integers sent as f32 are exact below this.
+const EXACT_F32: usize = 1 << 24;
+
+/// One rank's pipeline link.
+pub struct StageLink<C> {
+    /// The PP group: rank `s` is this tp rank on stage `s`.
+    pub comm: C,
+    pub stage: usize,
+    pub stages: usize,
+    /// Value ids received from the previous stage before the program runs, in order.
+    pub recv: Vec<u32>,
+    /// Value ids sent to the next stage after it ran, in order.
+    pub send: Vec<u32>,
+    /// Each instruction's index in the tp program (errors name the same place).
+    pub origin: Vec<usize>,
+}
+
+/// What the last stage tells the earlier ones after the prefill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Control {
+    /// Run one decode step over these (sequence, new token) pairs.
+    Step(Vec<(usize, i64)>),
+    /// The logits of `sequence` at `step` (0: the prompt, k: decode step k) are not finite:
+    /// recompute its `tokens` to find the op they come from.
+    Locate {
+        sequence: usize,
+        step: usize,
+        tokens: Vec<i64>,
+    },
+    /// This generation is over.
+    Done,
+}
+
+fn protocol(problem: impl Into<String>) -> RunError {
+    RunError::Pipeline(problem.into())
+}
+
+fn to_f32(what: &str, v: usize) -> Result<f32> {
+    if v >= EXACT_F32 {
+        return Err(protocol(format!(
+            "{what} {v} is too large to pass between stages (at most {})",
+            EXACT_F32 - 1
+        )));
+    }
+    Ok(v as f32)
+}
+
+fn to_usize(what: &str, v: f32) -> Result<usize> {
+    if !(v >= 0.0 && v < EXACT_F32 as f32 && v.fract() == 0.0) {
+        return Err(protocol(format!("a stage received {v} as {what}")));
+    }
+    Ok(v as usize)
+}
+
+fn token(v: i64) -> Result<usize> {
+    usize::try_from(v).map_err(|_| protocol(format!("token id {v} cannot pass between stages")))
+}
+
+impl Control {
+    fn encode(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        match self {
+            Control::Done => out.push(0.0),
+            Control::Step(pairs) => {
+                out.push(1.0);
+                for &(s, t) in pairs {
+                    out.push(to_f32("a sequence index", s)?);
+                    out.push(to_f32("a token id", token(t)?)?);
+                }
+            }
+            Control::Locate {
+                sequence,
+                step,
+                tokens,
+            } => {
+                out.push(2.0);
+                out.push(to_f32("a sequence index", *sequence)?);
+                out.push(to_f32("a step", *step)?);
+                for &t in tokens {
+                    out.push(to_f32("a token id", token(t)?)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn decode(data: &[f32]) -> Result<Control> {
+        let (&kind, rest) = data
+            .split_first()
+            .ok_or_else(|| protocol("an empty control message"))?;
+        let ints = |xs: &[f32]| -> Result<Vec<usize>> {
+            xs.iter().map(|&x| to_usize("an integer", x)).collect()
+        };
+        match kind as i32 {
+            0 if rest.is_empty() => Ok(Control::Done),
+            1 if rest.len() % 2 == 0 => Ok(Control::Step(
+                ints(rest)?.chunks(2).map(|p| (p[0], p[1] as i64)).collect(),
+            )),
+            2 if rest.len() >= 2 => {
+                let v = ints(rest)?;
+                Ok(Control::Locate {
+                    sequence: v[0],
+                    step: v[1],
+                    tokens: v[2..].iter().map(|&t| t as i64).collect(),
+                })
+            }
+            _ => Err(protocol(format!(
+                "a control message of kind {kind} and {} values",
+                rest.len()
+            ))),
+        }
+    }
+}
+
+impl<C> StageLink<C> {
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 >= self.stages
+    }
+
+    /// Sends `x` to stage `to`: a `[rows, cols, dtype]` header, then the values.
+    pub fn send_act<B: Backend>(&mut self, backend: &B, x: &B::Act, to: usize) -> Result<()>
+    where
+        C: Collectives<B::Act>,
+    {
+        let (rows, cols) = x.rows_cols();
+        let dtype = match x.dtype() {
+            DType::Bf16 => 1.0,
+            _ => 0.0,
+        };
+        let header = [
+            to_f32("a row count", rows)?,
+            to_f32("a column count", cols)?,
+            dtype,
+        ];
+        self.send_floats(backend, &header, to)?;
+        self.comm.send(x, to)?;
+        Ok(())
+    }
+
+    /// Receives what [`StageLink::send_act`] sent from stage `from`.
+    pub fn recv_act<B: Backend>(&mut self, backend: &B, from: usize) -> Result<B::Act>
+    where
+        C: Collectives<B::Act>,
+    {
+        let header = self.recv_floats(backend, 3, from)?;
+        let rows = to_usize("a row count", header[0])?;
+        let cols = to_usize("a column count", header[1])?;
+        let dtype = if header[2] == 1.0 {
+            DType::Bf16
+        } else {
+            DType::F32
+        };
+        let mut x = backend
+            .alloc(&[rows, cols], dtype)
+            .map_err(|source| RunError::Backend {
+                name: "pipeline receive".into(),
+                source,
+            })?;
+        if let Err(e) = self.comm.recv(&mut x, from) {
+            backend.release(x);
+            return Err(e.into());
+        }
+        Ok(x)
+    }
+
+    /// The last stage: tells every earlier stage `control`.
+    pub fn tell<B: Backend>(&mut self, backend: &B, control: &Control) -> Result<()>
+    where
+        C: Collectives<B::Act>,
+    {
+        let body = control.encode()?;
+        let len = [to_f32("a message length", body.len())?];
+        for to in 0..self.stage {
+            self.send_floats(backend, &len, to)?;
+            self.send_floats(backend, &body, to)?;
+        }
+        Ok(())
+    }
+
+    /// An earlier stage: what the last stage says next.
+    pub fn listen<B: Backend>(&mut self, backend: &B) -> Result<Control>
+    where
+        C: Collectives<B::Act>,
+    {
+        let last = self.stages.saturating_sub(1);
+        let len = to_usize("a message length", self.recv_floats(backend, 1, last)?[0])?;
+        Control::decode(&self.recv_floats(backend, len, last)?)
+    }
+
+    fn send_floats<B: Backend>(&mut self, backend: &B, data: &[f32], to: usize) -> Result<()>
+    where
+        C: Collectives<B::Act>,
+    {
+        let x = backend
+            .upload_host(&Tensor::new(vec![data.len()], data.to_vec()))
+            .map_err(|source| RunError::Backend {
+                name: "pipeline message".into(),
+                source,
+            })?;
+        let sent = self.comm.send(&x, to);
+        backend.release(x);
+        Ok(sent?)
+    }
+
+    fn recv_floats<B: Backend>(&mut self, backend: &B, n: usize, from: usize) -> Result<Vec<f32>>
+    where
+        C: Collectives<B::Act>,
+    {
+        let mut x = backend
+            .alloc(&[n], DType::F32)
+            .map_err(|source| RunError::Backend {
+                name: "pipeline message".into(),
+                source,
+            })?;
+        if let Err(e) = self.comm.recv(&mut x, from) {
+            backend.release(x);
+            return Err(e.into());
+        }
+        let host = backend.to_host(x).map_err(|source| RunError::Backend {
+            name: "pipeline message".into(),
+            source,
+        })?;
+        Ok(host.data)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip() {
+        for c in [
+            Control::Done,
+            Control::Step(vec![]),
+            Control::Step(vec![(0, 5), (3, 16_777_215)]),
+            Control::Locate {
+                sequence: 2,
+                step: 7,
+                tokens: vec![1, 2, 3],
+            },
+        ] {
+            assert_eq!(Control::decode(&c.encode().unwrap()).unwrap(), c);
+        }
+    }
+
+    #[test]
+    fn what_f32_cannot_hold_exactly_is_refused() {
+        assert!(Control::Step(vec![(0, 1 << 24)]).encode().is_err());
+        assert!(Control::Step(vec![(0, -1)]).encode().is_err());
+        assert!(Control::decode(&[1.0, 0.5, 2.0]).is_err());
+        assert!(Control::decode(&[1.0, 1.0]).is_err());
+        assert!(Control::decode(&[9.0]).is_err());
+        assert!(Control::decode(&[]).is_err());
+        assert!(Control::decode(&[2.0, f32::NAN, 0.0]).is_err());
+    }
+}
