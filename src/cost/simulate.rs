@@ -605,15 +605,15 @@ pub fn balanced_split(bytes: &[f64], parts: usize) -> Vec<usize> {
 }
 
 /// The estimate with `pp` pipeline stages of `plan.tp` ranks each. The decoder layers
-/// split into `pp` contiguous stages balanced by parameter bytes (the embedding on the
-/// first, the final norm and LM head on the last); each stage runs its part of the plan's
+/// split into the `pp` stages `tpc compile --pp` cuts (the plan's own when it has them;
+/// the embedding on the first, the final norm and LM head on the last); each stage runs its part of the plan's
 /// program (its layers' ops and collectives, read off the fullest rank). At batch 1 the
 /// stages run one after another: a phase takes the sum of the stage times plus `pp − 1`
 /// sends of the hidden state (`link.send_recv`: α + bytes/β). Batches are not micro-batched
 /// (a stage runs the whole batch, then the next). Memory per rank: the fullest stage's
-/// weights and its layers' KV cache. On a shared host every stage's ranks hold threads
-/// (compute shared over tp·pp ranks) while only one stage streams memory at a time
-/// (bandwidth over tp); memory is shared over tp·pp ranks. `pp = 1` is [`simulate_as`].
+/// weights and its layers' KV cache. On a shared host one stage computes at a time, as
+/// the runtime runs them (each rank gets cores / tp threads): compute and bandwidth are
+/// shared over tp ranks; memory over tp·pp ranks. `pp = 1` is [`simulate_as`].
 pub fn simulate_pp(
     plan: &Plan,
     hw: &HwProfile,
@@ -639,14 +639,20 @@ pub fn simulate_pp(
     let parts = pp as usize;
     let summary = crate::plan::report::summarize(plan);
     let segs = segment_work(plan, layers);
-    // Parameter bytes per layer over all ranks; the embedding counts with the first layer,
-    // what follows the layers with the last.
-    let mut bytes: Vec<f64> = (0..layers)
-        .map(|l| segs.iter().map(|r| r[l + 1].weight_bytes).sum())
+    // The stages `tpc compile --pp` would cut (a plan with stages keeps its own).
+    let pipeline = match &plan.pipeline {
+        Some(p) if p.stages.len() == parts => p.clone(),
+        _ => crate::plan::stages::split(plan, pp, None).map_err(|_| SimulateError::Stages {
+            pp,
+            layers: layers as u64,
+            valid: format!("1 to {layers}"),
+        })?,
+    };
+    let starts: Vec<usize> = pipeline
+        .stages
+        .iter()
+        .map(|s| s.first_layer as usize)
         .collect();
-    bytes[0] += segs.iter().map(|r| r[0].weight_bytes).sum::<f64>();
-    bytes[layers - 1] += segs.iter().map(|r| r[layers + 1].weight_bytes).sum::<f64>();
-    let starts = balanced_split(&bytes, parts);
     let stage_of_segment = |seg: usize| -> usize {
         match seg {
             0 => 0,
@@ -725,7 +731,7 @@ pub fn simulate_pp(
         };
         let r = rates(
             hw,
-            ranks,
+            plan.tp,
             plan.tp,
             num.weights == DType::F32,
             w.attention_head_dim,
