@@ -704,6 +704,11 @@ fn pipeline_stages_from_compile_to_run() {
         all.extend_from_slice(args);
         assert_eq!(ok(&tpc(&all)), tp1, "{args:?}");
     }
+    let v = ok(&tpc(&["verify", MODEL, "--tp", "2", "--pp", "2"]));
+    assert!(
+        v.contains("tp=1 vs tp=2 pp=2") && v.contains("greedy tokens equal"),
+        "{v}"
+    );
     let text = ok(&tpc(&[
         "compile", MODEL, "--tp", "2", "--pp", "2", "--text",
     ]));
