@@ -85,7 +85,7 @@ pub enum RunError {
         io: std::io::Error,
     },
 
-    #[error("pipeline: {0}; this is a bug in tpc")]
+    #[error("pipeline stages: {0}")]
     Pipeline(String),
 
     #[error("bad batch: {problem}")]

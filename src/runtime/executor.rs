@@ -267,7 +267,9 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     pub fn listen(&mut self) -> Result<Control> {
         match self.link.as_mut() {
             Some(link) => link.listen(&self.backend),
-            None => Err(RunError::Pipeline("listen without a pipeline".into())),
+            None => Err(RunError::Pipeline(
+                "listen without a pipeline (a bug in tpc)".into(),
+            )),
         }
     }
 
@@ -668,7 +670,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             let id = link.send[k];
             let Some(Some(Value::Act(x))) = values.get(id as usize) else {
                 return Err(RunError::Pipeline(format!(
-                    "stage {} has no value %{id} to send",
+                    "stage {} has no value %{id} to send (a bug in tpc)",
                     link.stage
                 )));
             };

@@ -354,7 +354,9 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
             link.comm.barrier()?;
         }
         if !self.exec.has_output() {
-            return self.follow(requests, opts);
+            self.follow(requests, opts)?;
+            self.leave_together()?;
+            return Ok(BatchOutput::default());
         }
         report(Stage::Loaded);
         if opts.profile && leads {
@@ -397,6 +399,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
                 }
             });
         }
+        self.leave_together()?;
         let mut out = best.ok_or(RunError::EmptyPrompt)?;
         out.load_seconds = self.load_seconds;
         out.weight_bytes = self.exec.weight_bytes;
@@ -412,9 +415,19 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         Ok(out)
     }
 
+    /// Waits for every stage of the pipeline before this one returns: a stage that heard
+    /// `Done` and dropped its link would otherwise fail a stage still waiting for its own
+    /// `Done` (the last stage tells them one after another).
+    fn leave_together(&mut self) -> Result<()> {
+        if let Some(link) = self.exec.link.as_mut() {
+            link.comm.barrier()?;
+        }
+        Ok(())
+    }
+
     /// A pipeline stage before the last: runs the forward calls the last stage asks for
     /// (the prompts, then one call per decode step), as many generations as `opts` says.
-    fn follow(&mut self, requests: &[Request], opts: &RunOptions) -> Result<BatchOutput> {
+    fn follow(&mut self, requests: &[Request], opts: &RunOptions) -> Result<()> {
         let exec = &mut self.exec;
         for _ in 0..opts.warmup + opts.repeat.max(1) {
             exec.reset();
@@ -455,7 +468,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
                 }
             }
         }
-        Ok(BatchOutput::default())
+        Ok(())
     }
 }
 

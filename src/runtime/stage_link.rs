@@ -61,7 +61,9 @@ fn to_f32(what: &str, v: usize) -> Result<f32> {
 
 fn to_usize(what: &str, v: f32) -> Result<usize> {
     if !(v >= 0.0 && v < EXACT_F32 as f32 && v.fract() == 0.0) {
-        return Err(protocol(format!("a stage received {v} as {what}")));
+        return Err(protocol(format!(
+            "a stage received {v} as {what}; the stages disagree, which is a bug in tpc"
+        )));
     }
     Ok(v as usize)
 }
@@ -119,7 +121,7 @@ impl Control {
                 })
             }
             _ => Err(protocol(format!(
-                "a control message of kind {kind} and {} values",
+                "a control message of kind {kind} and {} values (a bug in tpc)",
                 rest.len()
             ))),
         }
