@@ -75,8 +75,32 @@ pub struct Args {
     /// input order. 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     dp: u64,
+    /// Where the ranks run: threads of this process, or MPI processes (one rank each,
+    /// started by `mpirun -np W`; needs a build with `--features mpi`). auto: MPI when an
+    /// MPI launcher started this process with more than one rank, else threads.
+    #[arg(long, value_enum, default_value_t = Launcher::Auto)]
+    launcher: Launcher,
     #[command(flatten)]
     exec: ExecArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Launcher {
+    Auto,
+    Threads,
+    Mpi,
+}
+
+impl Launcher {
+    fn is_mpi(self) -> bool {
+        match self {
+            Launcher::Auto => {
+                tpc::runtime::launch::mpi_launched_world_size().is_some_and(|n| n > 1)
+            }
+            Launcher::Threads => false,
+            Launcher::Mpi => true,
+        }
+    }
 }
 
 /// End-of-sequence ids from the model's config.json (an id or a list).
@@ -207,6 +231,38 @@ fn write_logits(
     Ok(())
 }
 
+/// This MPI process's rank of the run (no progress output: the ranks are processes).
+#[cfg(feature = "mpi")]
+fn run_as_process(
+    world: &MpiWorld,
+    plan: &Plan,
+    ckpt: &Checkpoint,
+    requests: &[Request],
+    opts: RunOptions,
+    dp: usize,
+) -> anyhow::Result<Option<BatchOutput>> {
+    let opts = RunOptions {
+        progress: None,
+        on_finished: None,
+        ..opts
+    };
+    Ok(tpc::runtime::processes::run_batch_mpi(
+        world, plan, ckpt, requests, &opts, dp,
+    )?)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_as_process(
+    world: &MpiWorld,
+    _: &Plan,
+    _: &Checkpoint,
+    _: &[Request],
+    _: RunOptions,
+    _: usize,
+) -> anyhow::Result<Option<BatchOutput>> {
+    match *world {}
+}
+
 /// One `--prompts` result as a JSON line.
 fn result_line(index: usize, tokens: &[i64], tokenizer: Option<&tokenizers::Tokenizer>) -> String {
     let mut line = serde_json::json!({ "index": index, "generated": tokens });
@@ -265,6 +321,44 @@ fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
+    if !a.launcher.is_mpi() {
+        return execute_with(a, None);
+    }
+    execute_mpi(a)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn execute_mpi(_: Args) -> anyhow::Result<()> {
+    anyhow::bail!(
+        "an MPI launcher started this process (or --launcher mpi was given), but this tpc was built without MPI: build it with `cargo build --release --features mpi` (needs Open MPI: libopenmpi-dev, openmpi-bin, libclang-dev), or run without mpirun for ranks as threads"
+    )
+}
+
+/// One MPI process: its rank's part of the run; world rank 0 prints. A rank that fails
+/// prints its error, naming itself, and ends the job (`MPI_Abort`), so no peer waits on it.
+#[cfg(feature = "mpi")]
+fn execute_mpi(a: Args) -> anyhow::Result<()> {
+    use tpc::runtime::processes::{abort_job_on_panic, MpiWorld};
+    let world = MpiWorld::init()?;
+    abort_job_on_panic();
+    let (rank, size) = (world.rank(), world.size());
+    match execute_with(a, Some(&world)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.downcast_ref::<super::ClosedPipe>().is_some() => Ok(()),
+        Err(e) => {
+            eprintln!("error: rank {rank} of {size}: {e:#}");
+            world.abort(1)
+        }
+    }
+}
+
+#[cfg(feature = "mpi")]
+type MpiWorld = tpc::runtime::processes::MpiWorld;
+#[cfg(not(feature = "mpi"))]
+type MpiWorld = std::convert::Infallible;
+
+/// Runs the ranks as threads (`mpi` None) or as this MPI process's rank.
+fn execute_with(a: Args, mpi: Option<&MpiWorld>) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.model.is_dir(),
         "`{}` is not a model directory; `tpc run` needs config.json and model.safetensors",
@@ -365,7 +459,29 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         on_finished,
         ..a.exec.options()
     };
-    let out = run_replicas(&plan, &ckpt, &requests, &opts, a.dp as usize);
+    let out = match mpi {
+        None => run_replicas(&plan, &ckpt, &requests, &opts, a.dp as usize),
+        Some(world) => {
+            bar.finish_and_clear();
+            match run_as_process(world, &plan, &ckpt, &requests, opts, a.dp as usize)? {
+                Some(out) => {
+                    // Results arrive at world rank 0 together: printed in order now.
+                    if a.prompts.is_some() {
+                        if let Ok(mut s) = streamed.lock() {
+                            for (i, seq) in out.sequences.iter().enumerate() {
+                                s.push(
+                                    i,
+                                    result_line(i, &seq.generated, tokenizer.as_ref().as_ref()),
+                                );
+                            }
+                        }
+                    }
+                    Ok(out)
+                }
+                None => return Ok(()),
+            }
+        }
+    };
     bar.finish_and_clear();
     let out = out?;
     if a.exec.profile {

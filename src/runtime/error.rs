@@ -17,6 +17,10 @@ pub enum RunError {
     #[error("checkpoint `{path}`: {problem}")]
     CheckpointFile { path: PathBuf, problem: String },
 
+    /// Ranks as MPI processes: the layout, the MPI library, or a result that did not arrive.
+    #[error("ranks as processes: {0}")]
+    Processes(String),
+
     /// Data-parallel replicas (`--dp`): a bad count, or which replica failed.
     #[error("data parallelism: {0}")]
     Replicas(String),

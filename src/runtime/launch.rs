@@ -205,6 +205,17 @@ fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>, lead: usize) -> R
     }
 }
 
+/// Environment variables an MPI launcher sets in every process it starts (Open MPI, then
+/// the PMI/PMIx ones MPICH and Slurm use), holding the world size.
+const MPI_LAUNCHER_SIZE_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
+
+/// The world size an MPI launcher (`mpirun`, `srun`) gave this process, if one started it.
+pub fn mpi_launched_world_size() -> Option<usize> {
+    MPI_LAUNCHER_SIZE_VARS
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
 /// Compute threads per rank: as asked, or the cores shared out over the ranks.
 pub fn threads_per_rank(opts: &RunOptions, tp: usize) -> usize {
     let cores = std::thread::available_parallelism()
@@ -243,15 +254,30 @@ pub fn run_batch(
         if let Some(Some(core)) = placement.first() {
             affinity::pin_current_thread(*core);
         }
-        let backend = CpuBackend::try_pinned(threads, &placement)
-            .map_err(|io| RunError::Threads { rank, threads, io })?;
-        Ok(backend.with_bf16_linears(bf16).with_kernels(kernels))
+        cpu_backend(rank, threads, &placement, bf16, kernels)
     };
     let mut out = launch_stages(plan, weights, comms, pipes, &make, &|rt| {
         rt.generate(requests, opts)
     })?;
     out.linear_kernels = Some(kernels.linear_kernels(bf16));
     Ok(out)
+}
+
+/// Rank `rank`'s CPU backend: `threads` compute threads (on `placement`'s cores where it
+/// names them), bf16 linear weights or not, and the chosen kernels.
+pub fn cpu_backend(
+    rank: usize,
+    threads: usize,
+    placement: &[Option<usize>],
+    bf16: bool,
+    kernels: Kernels,
+) -> Result<CpuBackend> {
+    let backend = CpuBackend::try_pinned(threads, placement).map_err(|io| RunError::Threads {
+        rank,
+        threads,
+        io,
+    })?;
+    Ok(backend.with_bf16_linears(bf16).with_kernels(kernels))
 }
 
 /// [`run_batch`] for one prompt: its tokens and prompt logits.

@@ -16,6 +16,8 @@ pub mod kernels;
 pub mod launch;
 pub mod memory;
 pub mod packed;
+#[cfg(feature = "mpi")]
+pub mod processes;
 pub mod random;
 pub mod rank_groups;
 pub mod replicas;

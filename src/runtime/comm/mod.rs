@@ -33,6 +33,10 @@ pub use barrier::MAX_WORLD as MAX_LOCAL_RANKS;
 pub mod bench;
 mod local;
 mod mailbox;
+#[cfg(feature = "mpi")]
+mod mpi;
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiComm;
 pub mod reduce;
 
 #[cfg(test)]

@@ -1,0 +1,311 @@
+//! Ranks as processes (`mpirun -np W tpc run …`): each MPI process is one global rank of
+//! the `[ExternalDP, DP, PP, TP]` layout ([`rank_groups`]); its tensor-parallel and pipeline
+//! groups are MPI sub-communicators cut from that layout, it loads only its own weight
+//! slices, and it runs its rank's program on the CPU backend. Every (ExternalDP, DP)
+//! replica takes the requests [`placement`] deals it, and each replica's leading rank (tp
+//! rank 0 of its last stage) sends its results to world rank 0, which returns them in
+//! request order.
+//!
+//! Failure: MPI reports no error to the peers of a failed process. The caller prints a
+//! failed rank's error (naming it) and calls [`MpiWorld::abort`]; `mpirun` then stops every
+//! process, as it does when a process is killed.
+
+use super::comm::MpiComm;
+use super::error::{Result, RunError};
+use super::generate::{
+    check_requests, rank_runtime, stage_runtime, total_tokens, BatchOutput, Request, RunOptions,
+    SequenceOutput,
+};
+use super::kernels::Kernels;
+use super::launch::cpu_backend;
+use super::rank_groups::{rank_groups, RankGroups};
+use super::replicas::placement;
+use super::tensor::Tensor;
+use super::weights::WeightSource;
+use crate::plan::stages::stage_program;
+use crate::plan::Plan;
+use mpi::datatype::Equivalence;
+use mpi::environment::Universe;
+use mpi::point_to_point::{Destination, Source};
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::{Communicator, CommunicatorCollectives};
+use mpi::Threading;
+
+/// The initialized MPI environment of this process (finalized when dropped).
+pub struct MpiWorld {
+    world: SimpleCommunicator,
+    _universe: Universe,
+}
+
+fn processes(problem: impl Into<String>) -> RunError {
+    RunError::Processes(problem.into())
+}
+
+impl MpiWorld {
+    /// Initializes MPI. Communicators move between threads (the rank's runtime is built on
+    /// one thread and may run on another), so calls must be allowed from any thread, one
+    /// at a time: `MPI_THREAD_SERIALIZED`.
+    pub fn init() -> Result<MpiWorld> {
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| processes("MPI was already initialized in this process"))?;
+        if provided < Threading::Serialized {
+            return Err(processes(format!(
+                "the MPI library provides thread level {provided:?}; tpc needs Serialized (build Open MPI with thread support)"
+            )));
+        }
+        Ok(MpiWorld {
+            world: universe.world(),
+            _universe: universe,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    pub fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    /// Ends every process of the job with `code` (`MPI_Abort`); `mpirun` reports it.
+    pub fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+}
+
+/// Ends the whole MPI job when any thread of this process panics, after the usual panic
+/// message: a rank that panicked must not leave its peers waiting.
+pub fn abort_job_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        // SAFETY: MPI_Abort may be called at any time after MPI_Init (and this hook is set
+        // after it); it does not return.
+        unsafe {
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 101);
+        }
+    }));
+}
+
+/// The sub-communicator of the group (one of `groups`) that holds this rank, ranked in the
+/// group's order. Collective over the world: every process calls it with the same lists.
+fn split(world: &SimpleCommunicator, groups: &[Vec<usize>], me: usize) -> Result<MpiComm> {
+    let (color, key) = groups
+        .iter()
+        .enumerate()
+        .find_map(|(g, list)| list.iter().position(|&r| r == me).map(|k| (g, k)))
+        .ok_or_else(|| processes(format!("rank {me} is in no group of the layout")))?;
+    let comm = world
+        .split_by_color_with_key(Color::with_value(color as i32), key as i32)
+        .ok_or_else(|| processes(format!("rank {me}: MPI returned no communicator")))?;
+    Ok(MpiComm::new(comm))
+}
+
+/// The global rank that leads `replica`: tp rank 0 of its last stage.
+fn lead_of(groups: &RankGroups, replica: usize) -> Option<usize> {
+    groups
+        .ranks
+        .iter()
+        .find(|c| c.ext_dp * groups.dp + c.dp == replica && c.pp + 1 == groups.pp && c.tp == 0)
+        .map(|c| c.rank)
+}
+
+/// What a replica's lead sends world rank 0 (its logits follow, one message per sequence).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ReplicaReport {
+    generated: Vec<Vec<i64>>,
+    logits_shapes: Vec<Vec<usize>>,
+    prompt_tokens: usize,
+    load_seconds: f64,
+    prefill_seconds: f64,
+    decode_seconds: f64,
+}
+
+const TAG_REPORT: i32 = 11;
+const TAG_LOGITS: i32 = 12;
+
+fn send_report(world: &SimpleCommunicator, out: &BatchOutput) -> Result<()> {
+    let report = ReplicaReport {
+        generated: out.sequences.iter().map(|s| s.generated.clone()).collect(),
+        logits_shapes: out
+            .sequences
+            .iter()
+            .map(|s| s.prompt_logits.shape.clone())
+            .collect(),
+        prompt_tokens: out.prompt_tokens,
+        load_seconds: out.load_seconds,
+        prefill_seconds: out.prefill_seconds,
+        decode_seconds: out.decode_seconds,
+    };
+    let bytes = serde_json::to_vec(&report).map_err(|e| processes(e.to_string()))?;
+    let root = world.process_at_rank(0);
+    root.send_with_tag(&bytes[..], TAG_REPORT);
+    for s in &out.sequences {
+        root.send_with_tag(&s.prompt_logits.data[..], TAG_LOGITS);
+    }
+    Ok(())
+}
+
+fn receive_report(world: &SimpleCommunicator, from: usize) -> Result<BatchOutput> {
+    let source = world.process_at_rank(from as i32);
+    let (message, status) = source.matched_probe_with_tag(TAG_REPORT);
+    let mut bytes = vec![0u8; status.count(u8::equivalent_datatype()).max(0) as usize];
+    message.matched_receive_into(&mut bytes[..]);
+    let report: ReplicaReport = serde_json::from_slice(&bytes)
+        .map_err(|e| processes(format!("rank {from} sent a malformed result: {e}")))?;
+    let mut sequences = Vec::with_capacity(report.generated.len());
+    for (generated, shape) in report.generated.into_iter().zip(report.logits_shapes) {
+        let (message, status) = source.matched_probe_with_tag(TAG_LOGITS);
+        let got = status.count(f32::equivalent_datatype()).max(0) as usize;
+        let expected = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if expected != Some(got) {
+            return Err(processes(format!(
+                "rank {from} sent {got} logits for a tensor of shape {shape:?}"
+            )));
+        }
+        let mut data = vec![0f32; got];
+        message.matched_receive_into(&mut data[..]);
+        sequences.push(SequenceOutput {
+            generated,
+            prompt_logits: Tensor::new(shape, data),
+        });
+    }
+    Ok(BatchOutput {
+        sequences,
+        prompt_tokens: report.prompt_tokens,
+        load_seconds: report.load_seconds,
+        prefill_seconds: report.prefill_seconds,
+        decode_seconds: report.decode_seconds,
+        ..BatchOutput::default()
+    })
+}
+
+/// A rank that the test of failure handling makes fail: `TPC_FAULT_INJECT=RANK:error` or
+/// `RANK:panic` (global rank), after it has loaded and before it generates.
+fn injected_fault(rank: usize) -> Result<()> {
+    let Ok(spec) = std::env::var("TPC_FAULT_INJECT") else {
+        return Ok(());
+    };
+    let Some((who, what)) = spec.split_once(':') else {
+        return Err(processes(format!(
+            "TPC_FAULT_INJECT={spec}: expected RANK:error or RANK:panic"
+        )));
+    };
+    if who.trim().parse::<usize>().ok() != Some(rank) {
+        return Ok(());
+    }
+    match what.trim() {
+        "error" => Err(processes(format!(
+            "rank {rank}: failed on purpose (TPC_FAULT_INJECT)"
+        ))),
+        "panic" => panic!("rank {rank}: panicked on purpose (TPC_FAULT_INJECT)"),
+        other => Err(processes(format!(
+            "TPC_FAULT_INJECT={spec}: `{other}` is not error or panic"
+        ))),
+    }
+}
+
+/// Runs this process's rank of `plan` over `weights` for `requests`: world rank 0 returns
+/// the whole batch's results in request order, every other rank `None`. The world size must
+/// be a multiple of tp · pp · `dp`; every multiple beyond is an external data-parallel
+/// replica (vLLM's ExternalDP).
+pub fn run_batch_mpi(
+    mpi: &MpiWorld,
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    requests: &[Request],
+    opts: &RunOptions,
+    dp: usize,
+) -> Result<Option<BatchOutput>> {
+    let (me, world) = (mpi.rank(), mpi.size());
+    let (tp, pp) = (plan.ranks.len(), plan.pp());
+    let groups = rank_groups(world as u64, tp as u64, pp as u64, dp as u64)
+        .map_err(|e| processes(format!("mpirun -np {world}: {e}")))?;
+    check_requests(plan, requests, opts)?;
+    weights.check(plan)?;
+    let coords = groups.ranks[me];
+    let replicas = groups.ext_dp * groups.dp;
+    let replica = coords.ext_dp * groups.dp + coords.dp;
+    // Collective over the world, in the same order on every process.
+    let comm = split(&mpi.world, &groups.tp_groups, me)?;
+    let pipe = if pp > 1 {
+        Some(split(&mpi.world, &groups.pp_groups, me)?)
+    } else {
+        None
+    };
+    let on_this_host = mpi.world.split_shared(me as i32).size().max(1) as usize;
+    let mine: Vec<Request> = requests
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| placement(i, replicas).0 == replica)
+        .map(|(_, r)| r.clone())
+        .collect();
+    let mut outcome = Ok(None);
+    if !mine.is_empty() {
+        let bf16 = opts.dtype.bf16_linears(plan);
+        super::memory::check_fits(plan, bf16, total_tokens(&mine, opts))?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = match opts.threads_per_rank {
+            0 => (cores / on_this_host).max(1),
+            t => t,
+        };
+        let kernels = Kernels::select(opts.isa)?;
+        let backend = cpu_backend(me, threads, &[], bf16, kernels)?;
+        let stage;
+        let mut rt = match pipe {
+            Some(pipe) => {
+                stage = stage_program(plan, coords.tp, coords.pp)
+                    .map_err(|e| RunError::Input(e.into()))?;
+                stage_runtime(&stage, backend, comm, pipe, weights)?
+            }
+            None => rank_runtime(plan, coords.tp, backend, comm, weights)?,
+        };
+        injected_fault(me)?;
+        let mut out = rt.generate(&mine, opts)?;
+        out.linear_kernels = Some(kernels.linear_kernels(bf16));
+        outcome = Ok(Some(out));
+    }
+    // Results travel to world rank 0 over the world communicator.
+    let Ok(out) = outcome else { return outcome };
+    let leads: Vec<Option<usize>> = (0..replicas).map(|k| lead_of(&groups, k)).collect();
+    if me != 0 {
+        if let (Some(out), true) = (out, leads.contains(&Some(me))) {
+            send_report(&mpi.world, &out)?;
+        }
+        mpi.world.barrier();
+        return Ok(None);
+    }
+    let mut parts = Vec::with_capacity(replicas);
+    for (k, lead) in leads.iter().enumerate() {
+        let has_requests = k < requests.len();
+        parts.push(match (lead, has_requests) {
+            (_, false) => BatchOutput::default(),
+            (Some(0), true) => out.clone().unwrap_or_default(),
+            (Some(r), true) => receive_report(&mpi.world, *r)?,
+            (None, true) => return Err(processes(format!("replica {k} has no leading rank"))),
+        });
+    }
+    mpi.world.barrier();
+    Ok(Some(merge(parts, requests.len(), out.unwrap_or_default())))
+}
+
+/// The replicas' results in request order; timings are the slowest replica's, the other
+/// figures those of world rank 0 (`own`).
+fn merge(parts: Vec<BatchOutput>, requests: usize, own: BatchOutput) -> BatchOutput {
+    let replicas = parts.len().max(1);
+    let mut merged = BatchOutput {
+        sequences: Vec::with_capacity(requests),
+        ..own
+    };
+    merged.prompt_tokens = parts.iter().map(|p| p.prompt_tokens).sum();
+    merged.load_seconds = parts.iter().map(|p| p.load_seconds).fold(0.0, f64::max);
+    merged.prefill_seconds = parts.iter().map(|p| p.prefill_seconds).fold(0.0, f64::max);
+    merged.decode_seconds = parts.iter().map(|p| p.decode_seconds).fold(0.0, f64::max);
+    let mut iters: Vec<_> = parts.into_iter().map(|p| p.sequences.into_iter()).collect();
+    for i in 0..requests {
+        if let Some(s) = iters[placement(i, replicas).0].next() {
+            merged.sequences.push(s);
+        }
+    }
+    merged
+}

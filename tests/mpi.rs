@@ -1,0 +1,300 @@
+//! Ranks as MPI processes (`mpirun -np W tpc run …`, feature `mpi`): every fixture at
+//! several layouts prints HF's greedy tokens and the threaded run's logits bit for bit, and
+//! a rank that fails — an error, a panic, SIGKILL — ends every process with a non-zero exit
+//! and a message that names it. Needs Open MPI's `mpirun` on PATH (`.ci/run` installs it).
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use common::{fixtures, read_reference};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const TPC: &str = env!("CARGO_BIN_EXE_tpc");
+
+/// Past this a run is hung: the test kills it and fails (a guard, not a speed limit).
+const HANG: Duration = Duration::from_secs(300);
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tpc-mpi-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn mpirun(np: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &np.to_string(),
+        TPC,
+    ]);
+    c
+}
+
+/// Waits for `child`, killing it (and failing) if it outlives [`HANG`].
+fn finish(mut child: Child, what: &str) -> Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > HANG {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{what}: still running after {HANG:?} (hung); stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn run(mut c: Command, what: &str) -> Output {
+    let child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: cannot start ({e}); is Open MPI's mpirun on PATH?"));
+    finish(child, what)
+}
+
+fn ok(o: Output, what: &str) -> String {
+    assert!(
+        o.status.success(),
+        "{what}: {}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+fn logits(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn csv(ids: &[i64]) -> String {
+    ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",")
+}
+
+#[test]
+fn every_fixture_as_processes_equals_threads_and_hf() {
+    let dir = scratch("parity");
+    let mut ran = Vec::new();
+    for fixture in fixtures() {
+        let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
+        let reference = read_reference(&fixture);
+        let n = reference.greedy.len().min(6);
+        // (processes, tp, pp): tp alone, stages alone, both.
+        for (np, tp, pp) in [(2usize, 2u64, 1u64), (2, 1, 2), (4, 2, 2)] {
+            let what = format!("{name} np={np} tp={tp} pp={pp}");
+            let args = |dump: &Path| -> Vec<String> {
+                vec![
+                    "run".into(),
+                    fixture.to_string_lossy().into_owned(),
+                    "--tp".into(),
+                    tp.to_string(),
+                    "--pp".into(),
+                    pp.to_string(),
+                    "--prompt-ids".into(),
+                    csv(&reference.prompt),
+                    "--max-new-tokens".into(),
+                    n.to_string(),
+                    "--threads-per-rank".into(),
+                    "1".into(),
+                    "--dump-logits".into(),
+                    dump.to_string_lossy().into_owned(),
+                ]
+            };
+            let (a, b) = (
+                dir.join(format!("{name}-{np}-threads.safetensors")),
+                dir.join(format!("{name}-{np}-{tp}-{pp}-mpi.safetensors")),
+            );
+            let mut threads = Command::new(TPC);
+            threads.args(args(&a));
+            let threads = ok(run(threads, &what), &what);
+            let mut procs = mpirun(np);
+            procs.args(args(&b));
+            let procs = ok(run(procs, &what), &what);
+            assert_eq!(procs, threads, "{what}: tokens");
+            assert_eq!(
+                procs.trim(),
+                csv(&reference.greedy[..n]),
+                "{what}: HF's tokens"
+            );
+            let (x, y) = (logits(&b), logits(&a));
+            assert_eq!(x.len(), y.len(), "{what}");
+            let differ = x
+                .iter()
+                .zip(&y)
+                .filter(|(p, q)| p.to_bits() != q.to_bits())
+                .count();
+            assert_eq!(differ, 0, "{what}: logits not bit-identical to threads");
+            ran.push(what);
+        }
+    }
+    assert!(ran.len() >= 21, "{ran:?}");
+}
+
+/// Four processes at tp 2: two external data-parallel replicas, the prompts dealt between
+/// them and printed in input order, as one process prints them.
+#[test]
+fn replicas_as_processes_print_in_input_order() {
+    let dir = scratch("replicas");
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt_ids\": [3, 71, 249, 130]}\n{\"prompt_ids\": [5, 9], \"max_new_tokens\": 2}\n{\"prompt_ids\": [200, 1, 2]}\n",
+    )
+    .unwrap();
+    let model = "tests/fixtures/checkpoints/llama-gqa";
+    let args = [
+        "run",
+        model,
+        "--tp",
+        "2",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-new-tokens",
+        "5",
+    ];
+    let mut threads = Command::new(TPC);
+    threads.args(args);
+    let threads = ok(run(threads, "threads"), "threads");
+    for np in [2, 4] {
+        let mut procs = mpirun(np);
+        procs.args(args);
+        let procs = ok(run(procs, "mpi"), &format!("np={np}"));
+        assert_eq!(procs, threads, "np={np}");
+        assert_eq!(procs.lines().count(), 3);
+    }
+}
+
+/// A run of tp 2 × pp 2 as four processes that takes minutes on its own (a batch of 64
+/// prompts, generated 1000 times), so that a rank fails in the middle of it.
+fn long_run(test: &str) -> Command {
+    let prompts = scratch(test).join("prompts.jsonl");
+    let lines: String = (0..64)
+        .map(|i| format!("{{\"prompt_ids\": [{}, 71, 249]}}\n", 3 + i))
+        .collect();
+    std::fs::write(&prompts, lines).unwrap();
+    let mut c = mpirun(4);
+    c.args([
+        "run",
+        "tests/fixtures/checkpoints/llama-gqa",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-new-tokens",
+        "60",
+        "--repeat",
+        "1000",
+    ]);
+    c
+}
+
+#[test]
+fn a_rank_that_errors_or_panics_ends_every_process() {
+    for (rank, kind, says) in [
+        (
+            1,
+            "error",
+            "rank 1 of 4: ranks as processes: rank 1: failed on purpose",
+        ),
+        (3, "panic", "rank 3: panicked on purpose"),
+    ] {
+        let mut c = long_run(kind);
+        c.env("TPC_FAULT_INJECT", format!("{rank}:{kind}"));
+        let o = run(c, kind);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{kind}: exited 0\n{err}");
+        assert!(
+            err.contains(says),
+            "{kind}: stderr does not say `{says}`:\n{err}"
+        );
+    }
+}
+
+/// The processes `mpirun` (pid `parent`) started, with their world ranks.
+fn ranks_of(parent: u32) -> Vec<(u32, usize)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // The parent pid is the second field after the parenthesised name.
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        if after.split_whitespace().nth(1) != Some(&parent.to_string()) {
+            continue;
+        }
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let rank = env
+            .split(|&b| b == 0)
+            .filter_map(|v| std::str::from_utf8(v).ok())
+            .find_map(|v| v.strip_prefix("OMPI_COMM_WORLD_RANK=")?.parse().ok());
+        if let Some(rank) = rank {
+            found.push((pid, rank));
+        }
+    }
+    found
+}
+
+#[test]
+fn a_rank_killed_with_sigkill_ends_every_process() {
+    let child = long_run("sigkill")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun on PATH");
+    let parent = child.id();
+    // Wait until all four ranks run, and a little more so they are inside the generation.
+    let start = Instant::now();
+    let victim = loop {
+        let ranks = ranks_of(parent);
+        if ranks.len() == 4 {
+            break ranks.iter().find(|(_, r)| *r == 1).unwrap().0;
+        }
+        assert!(start.elapsed() < HANG, "the four ranks never started");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = Instant::now();
+    assert!(Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let o = finish(child, "after SIGKILL");
+    let err = String::from_utf8_lossy(&o.stderr);
+    eprintln!(
+        "mpirun exited {} s after rank 1 was killed",
+        killed.elapsed().as_secs_f64()
+    );
+    assert!(
+        !o.status.success(),
+        "exited 0 after a rank was killed\n{err}"
+    );
+    assert!(
+        err.contains("rank 1") && err.contains("signal 9"),
+        "stderr does not name rank 1 and SIGKILL:\n{err}"
+    );
+}
