@@ -298,3 +298,156 @@ fn a_rank_killed_with_sigkill_ends_every_process() {
         "stderr does not name rank 1 and SIGKILL:\n{err}"
     );
 }
+
+/// Two network namespaces joined by a veth pair, standing in for two hosts; removed on drop.
+struct TwoHosts {
+    names: [String; 2],
+    dir: PathBuf,
+}
+
+const HOST_IPS: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
+
+impl TwoHosts {
+    /// `None` where this process may not create namespaces (not root, no CAP_NET_ADMIN).
+    fn new() -> Option<TwoHosts> {
+        let id = std::process::id();
+        let names = [format!("tpc-a-{id}"), format!("tpc-b-{id}")];
+        let veth = [format!("tv{id}a"), format!("tv{id}b")];
+        let ip = |args: &[&str]| -> bool {
+            Command::new("ip")
+                .args(args)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !ip(&["netns", "add", &names[0]]) {
+            return None;
+        }
+        let hosts = TwoHosts {
+            names: names.clone(),
+            dir: scratch("two-hosts"),
+        };
+        assert!(ip(&["netns", "add", &names[1]]));
+        assert!(ip(&[
+            "link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1]
+        ]));
+        for k in 0..2 {
+            assert!(ip(&["link", "set", &veth[k], "netns", &names[k]]));
+            let addr = format!("{}/24", HOST_IPS[k]);
+            assert!(ip(&[
+                "-n", &names[k], "addr", "add", &addr, "dev", &veth[k]
+            ]));
+            assert!(ip(&["-n", &names[k], "link", "set", &veth[k], "up"]));
+            assert!(ip(&["-n", &names[k], "link", "set", "lo", "up"]));
+        }
+        // Open MPI starts its daemon on a "host" through this agent, as it would with ssh.
+        let agent = hosts.dir.join("agent.sh");
+        std::fs::write(
+            &agent,
+            format!(
+                "#!/bin/sh\nwhile [ \"${{1#-}}\" != \"$1\" ]; do shift; done\nhost=$1; shift\ncase \"$host\" in\n  {}) ns={} ;;\n  {}) ns={} ;;\n  *) echo \"agent: unknown host $host\" >&2; exit 1 ;;\nesac\nexec ip netns exec \"$ns\" sh -c \"$*\"\n",
+                HOST_IPS[0], names[0], HOST_IPS[1], names[1]
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(
+            hosts.dir.join("hosts"),
+            format!("{} slots=1\n{} slots=1\n", HOST_IPS[0], HOST_IPS[1]),
+        )
+        .unwrap();
+        Some(hosts)
+    }
+
+    /// `mpirun` in the first namespace, one rank per host, MPI over TCP on the veth pair.
+    fn mpirun(&self) -> Command {
+        let mut c = Command::new("ip");
+        let (agent, hostfile) = (self.dir.join("agent.sh"), self.dir.join("hosts"));
+        c.args([
+            "netns",
+            "exec",
+            &self.names[0],
+            "mpirun",
+            "--allow-run-as-root",
+        ]);
+        c.args(["--hostfile", hostfile.to_str().unwrap(), "-np", "2"]);
+        c.args(["--mca", "plm_rsh_agent", agent.to_str().unwrap()]);
+        for (key, value) in [
+            ("oob_tcp_if_include", "10.77.0.0/24"),
+            ("btl", "tcp,self"),
+            ("btl_tcp_if_include", "10.77.0.0/24"),
+        ] {
+            c.args(["--mca", key, value]);
+        }
+        c.arg(TPC);
+        c
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+/// Two ranks on two "hosts" (network namespaces joined by a veth pair, Open MPI over TCP
+/// between them, its daemon started through `ip netns exec` as ssh would start it): tp 2
+/// and pp 2 across the hosts print HF's tokens and the threaded run's logits bit for bit.
+/// Where namespaces cannot be made (not root) it says so and passes only if
+/// `TPC_REQUIRE_NETNS` is unset; `.ci/run` sets it where it can make them.
+#[test]
+fn ranks_on_two_hosts_over_tcp_equal_threads() {
+    let Some(hosts) = TwoHosts::new() else {
+        assert!(
+            std::env::var_os("TPC_REQUIRE_NETNS").is_none(),
+            "TPC_REQUIRE_NETNS is set but `ip netns add` failed"
+        );
+        eprintln!("SKIPPED: cannot create network namespaces here (needs root and iproute2)");
+        return;
+    };
+    let fixture = std::fs::canonicalize("tests/fixtures/checkpoints/llama-gqa").unwrap();
+    let reference = read_reference(&fixture);
+    for (tp, pp) in [(2, 1), (1, 2)] {
+        let what = format!("two hosts, tp={tp} pp={pp}");
+        let dumps = [
+            hosts.dir.join(format!("threads-{tp}-{pp}.safetensors")),
+            hosts.dir.join(format!("hosts-{tp}-{pp}.safetensors")),
+        ];
+        let args = |dump: &Path| -> Vec<String> {
+            [
+                "run",
+                fixture.to_str().unwrap(),
+                "--tp",
+                &tp.to_string(),
+                "--pp",
+                &pp.to_string(),
+                "--prompt-ids",
+                &csv(&reference.prompt),
+                "--max-new-tokens",
+                "6",
+                "--threads-per-rank",
+                "1",
+                "--dump-logits",
+                dump.to_str().unwrap(),
+            ]
+            .map(String::from)
+            .to_vec()
+        };
+        let mut threads = Command::new(TPC);
+        threads.args(args(&dumps[0]));
+        let threads = ok(run(threads, &what), &what);
+        let mut across = hosts.mpirun();
+        across.args(args(&dumps[1]));
+        let across = ok(run(across, &what), &what);
+        assert_eq!(across, threads, "{what}");
+        assert_eq!(across.trim(), csv(&reference.greedy[..6]), "{what}: HF");
+        let (x, y) = (logits(&dumps[1]), logits(&dumps[0]));
+        assert!(
+            x.len() == y.len() && x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{what}: logits differ from threads"
+        );
+    }
+}

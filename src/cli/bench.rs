@@ -34,11 +34,21 @@ pub struct Args {
     shard: super::ShardArgs,
     #[command(flatten)]
     pipe: super::PipelineArgs,
+    /// Where the ranks run: threads, or MPI processes started by `mpirun -np W` (a build
+    /// with `--features mpi`); auto: MPI when mpirun started this process with W > 1.
+    #[arg(long, value_enum, default_value_t = super::launcher::Launcher::Auto)]
+    launcher: super::launcher::Launcher,
     #[command(flatten)]
     exec: ExecArgs,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
+    super::launcher::with_launcher(a.launcher, |mpi| execute_with(a, mpi))
+}
+
+/// Benchmarks with ranks as threads (`mpi` None) or as this MPI process's rank (world
+/// rank 0 prints).
+fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Result<()> {
     let dtype: ComputeDtype = a.exec.dtype.into();
     let def = load_model(&a.model)?;
     let mut plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
@@ -66,7 +76,22 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         all_prompt_logits: false,
         ..a.exec.options()
     };
-    let out = run_replicas(&plan, weights, &requests, &opts, a.dp as usize)?;
+    let out = match mpi {
+        None => run_replicas(&plan, weights, &requests, &opts, a.dp as usize)?,
+        Some(world) => {
+            match super::launcher::run_as_process(
+                world,
+                &plan,
+                weights,
+                &requests,
+                opts,
+                a.dp as usize,
+            )? {
+                Some(out) => out,
+                None => return Ok(()),
+            }
+        }
+    };
     if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }
@@ -75,6 +100,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "tp": a.tp,
         "pp": plan.pp(),
         "dp": a.dp,
+        "processes": super::launcher::processes(mpi),
         "dtype": format!("{dtype:?}").to_lowercase(),
         "batch": a.batch,
         "prompt_tokens": out.prompt_tokens,

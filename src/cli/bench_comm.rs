@@ -1,6 +1,8 @@
 //! `tpc bench-comm [--tp N] [--dtype f32|bf16]`: barrier and all-reduce latency and bus
 //! bandwidth of the in-process communicator (ring and one-shot) against the memcpy bound,
-//! measured in one run; the numbers behind the one-shot threshold.
+//! measured in one run; the numbers behind the one-shot threshold. Under `mpirun -np W` (a
+//! build with `--features mpi`): the all-reduce over W processes, tpc's exact one and
+//! `MPI_Allreduce`, printed by world rank 0.
 
 use tpc::runtime::comm::bench::{bench_all_reduce, bench_barrier, format_table};
 
@@ -25,9 +27,13 @@ pub struct Args {
     /// Largest message, as a power of two of bytes (24: 16 MiB).
     #[arg(long, default_value_t = 24)]
     to_log2: u32,
-    /// Element type of the all-reduces (message sizes stay in bytes).
+    /// Element type of the all-reduces (message sizes stay in bytes; MPI measures f32).
     #[arg(long, value_enum, default_value = "f32")]
     dtype: Dtype,
+    /// Ranks as threads, or as the MPI processes `mpirun` started (auto: MPI when mpirun
+    /// started this process with W > 1; --tp is then W).
+    #[arg(long, value_enum, default_value_t = super::launcher::Launcher::Auto)]
+    launcher: super::launcher::Launcher,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -36,6 +42,28 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         a.from_log2 <= a.to_log2 && a.to_log2 <= 30,
         "--from-log2 must not exceed --to-log2 (at most 30)"
     );
+    super::launcher::with_launcher(a.launcher, |mpi| match mpi {
+        None => in_process(&a),
+        Some(world) => over_mpi(world, &a),
+    })
+}
+
+#[cfg(feature = "mpi")]
+fn over_mpi(world: &super::launcher::MpiWorld, a: &Args) -> anyhow::Result<()> {
+    let sizes: Vec<usize> = (a.from_log2..=a.to_log2).map(|p| 1usize << p).collect();
+    let rows = tpc::runtime::comm::bench_all_reduce_mpi(&mut world.comm(), &sizes, a.iters);
+    if world.rank() == 0 {
+        super::print_stdout(&format_table(&rows))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+fn over_mpi(world: &super::launcher::MpiWorld, _: &Args) -> anyhow::Result<()> {
+    match *world {}
+}
+
+fn in_process(a: &Args) -> anyhow::Result<()> {
     super::outln!("{:?}", bench_barrier(a.tp, 20_000.min(a.iters * 100)));
     let sizes: Vec<usize> = (a.from_log2..=a.to_log2).map(|p| 1usize << p).collect();
     let iters = a.iters.max(1);

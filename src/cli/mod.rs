@@ -9,6 +9,7 @@ mod compile;
 mod dot;
 mod explain;
 mod import;
+mod launcher;
 mod lower;
 mod ranks;
 mod run;

@@ -78,29 +78,10 @@ pub struct Args {
     /// Where the ranks run: threads of this process, or MPI processes (one rank each,
     /// started by `mpirun -np W`; needs a build with `--features mpi`). auto: MPI when an
     /// MPI launcher started this process with more than one rank, else threads.
-    #[arg(long, value_enum, default_value_t = Launcher::Auto)]
-    launcher: Launcher,
+    #[arg(long, value_enum, default_value_t = super::launcher::Launcher::Auto)]
+    launcher: super::launcher::Launcher,
     #[command(flatten)]
     exec: ExecArgs,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Launcher {
-    Auto,
-    Threads,
-    Mpi,
-}
-
-impl Launcher {
-    fn is_mpi(self) -> bool {
-        match self {
-            Launcher::Auto => {
-                tpc::runtime::launch::mpi_launched_world_size().is_some_and(|n| n > 1)
-            }
-            Launcher::Threads => false,
-            Launcher::Mpi => true,
-        }
-    }
 }
 
 /// End-of-sequence ids from the model's config.json (an id or a list).
@@ -231,38 +212,6 @@ fn write_logits(
     Ok(())
 }
 
-/// This MPI process's rank of the run (no progress output: the ranks are processes).
-#[cfg(feature = "mpi")]
-fn run_as_process(
-    world: &MpiWorld,
-    plan: &Plan,
-    ckpt: &Checkpoint,
-    requests: &[Request],
-    opts: RunOptions,
-    dp: usize,
-) -> anyhow::Result<Option<BatchOutput>> {
-    let opts = RunOptions {
-        progress: None,
-        on_finished: None,
-        ..opts
-    };
-    Ok(tpc::runtime::processes::run_batch_mpi(
-        world, plan, ckpt, requests, &opts, dp,
-    )?)
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_as_process(
-    world: &MpiWorld,
-    _: &Plan,
-    _: &Checkpoint,
-    _: &[Request],
-    _: RunOptions,
-    _: usize,
-) -> anyhow::Result<Option<BatchOutput>> {
-    match *world {}
-}
-
 /// One `--prompts` result as a JSON line.
 fn result_line(index: usize, tokens: &[i64], tokenizer: Option<&tokenizers::Tokenizer>) -> String {
     let mut line = serde_json::json!({ "index": index, "generated": tokens });
@@ -321,44 +270,11 @@ fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    if !a.launcher.is_mpi() {
-        return execute_with(a, None);
-    }
-    execute_mpi(a)
+    super::launcher::with_launcher(a.launcher, |mpi| execute_with(a, mpi))
 }
-
-#[cfg(not(feature = "mpi"))]
-fn execute_mpi(_: Args) -> anyhow::Result<()> {
-    anyhow::bail!(
-        "an MPI launcher started this process (or --launcher mpi was given), but this tpc was built without MPI: build it with `cargo build --release --features mpi` (needs Open MPI: libopenmpi-dev, openmpi-bin, libclang-dev), or run without mpirun for ranks as threads"
-    )
-}
-
-/// One MPI process: its rank's part of the run; world rank 0 prints. A rank that fails
-/// prints its error, naming itself, and ends the job (`MPI_Abort`), so no peer waits on it.
-#[cfg(feature = "mpi")]
-fn execute_mpi(a: Args) -> anyhow::Result<()> {
-    use tpc::runtime::processes::{abort_job_on_panic, MpiWorld};
-    let world = MpiWorld::init()?;
-    abort_job_on_panic();
-    let (rank, size) = (world.rank(), world.size());
-    match execute_with(a, Some(&world)) {
-        Ok(()) => Ok(()),
-        Err(e) if e.downcast_ref::<super::ClosedPipe>().is_some() => Ok(()),
-        Err(e) => {
-            eprintln!("error: rank {rank} of {size}: {e:#}");
-            world.abort(1)
-        }
-    }
-}
-
-#[cfg(feature = "mpi")]
-type MpiWorld = tpc::runtime::processes::MpiWorld;
-#[cfg(not(feature = "mpi"))]
-type MpiWorld = std::convert::Infallible;
 
 /// Runs the ranks as threads (`mpi` None) or as this MPI process's rank.
-fn execute_with(a: Args, mpi: Option<&MpiWorld>) -> anyhow::Result<()> {
+fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.model.is_dir(),
         "`{}` is not a model directory; `tpc run` needs config.json and model.safetensors",
@@ -413,6 +329,10 @@ fn execute_with(a: Args, mpi: Option<&MpiWorld>) -> anyhow::Result<()> {
             String::new()
         }
     );
+    let layout = match super::launcher::processes(mpi) {
+        Some(n) => format!("{layout}, {n} MPI processes"),
+        None => layout,
+    };
     let ckpt = Checkpoint::open(&a.model)?;
     let total_new: usize = requests
         .iter()
@@ -463,7 +383,14 @@ fn execute_with(a: Args, mpi: Option<&MpiWorld>) -> anyhow::Result<()> {
         None => run_replicas(&plan, &ckpt, &requests, &opts, a.dp as usize),
         Some(world) => {
             bar.finish_and_clear();
-            match run_as_process(world, &plan, &ckpt, &requests, opts, a.dp as usize)? {
+            match super::launcher::run_as_process(
+                world,
+                &plan,
+                &ckpt,
+                &requests,
+                opts,
+                a.dp as usize,
+            )? {
                 Some(out) => {
                     // Results arrive at world rank 0 together: printed in order now.
                     if a.prompts.is_some() {

@@ -67,6 +67,11 @@ impl MpiWorld {
         self.world.size() as usize
     }
 
+    /// A communicator over every process of the job (a copy of the world's).
+    pub fn comm(&self) -> MpiComm {
+        MpiComm::new(self.world.duplicate())
+    }
+
     /// Ends every process of the job with `code` (`MPI_Abort`); `mpirun` reports it.
     pub fn abort(&self, code: i32) -> ! {
         self.world.abort(code)

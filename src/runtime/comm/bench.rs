@@ -27,6 +27,10 @@ pub enum BenchKind {
     Ring,
     /// Every rank copying `bytes` at once: the bandwidth bound.
     Memcpy,
+    /// MPI processes, tpc's all-reduce over MPI (`MPI_Allgather` + the fixed-order sum).
+    MpiExact,
+    /// MPI processes, `MPI_Allreduce` itself (for comparison; not bit-reproducible).
+    MpiAllreduce,
 }
 
 /// One measured (world, size, kind).
@@ -171,11 +175,12 @@ pub fn bench_barrier_with(world: usize, iters: usize, backoff: Backoff) -> Barri
 
 /// A plain-text table of all-reduce rows.
 pub fn format_table(rows: &[BenchRow]) -> String {
-    let mut s = String::from("ranks  dtype  bytes      kind      median µs    min µs   bus GB/s\n");
+    let mut s =
+        String::from("ranks  dtype  bytes      kind          median µs    min µs   bus GB/s\n");
     for r in rows {
         let _ = writeln!(
             s,
-            "{:<6} {:<6} {:<10} {:<9} {:>9.2} {:>9.2} {:>10.2}",
+            "{:<6} {:<6} {:<10} {:<13} {:>9.2} {:>9.2} {:>10.2}",
             r.world,
             r.dtype,
             r.bytes,
@@ -188,7 +193,7 @@ pub fn format_table(rows: &[BenchRow]) -> String {
     s
 }
 
-fn time_each(iters: usize, mut f: impl FnMut()) -> Vec<Duration> {
+pub(super) fn time_each(iters: usize, mut f: impl FnMut()) -> Vec<Duration> {
     (0..iters)
         .map(|_| {
             let t = Instant::now();
@@ -199,7 +204,7 @@ fn time_each(iters: usize, mut f: impl FnMut()) -> Vec<Duration> {
 }
 
 /// Median and minimum over iterations of the slowest rank's time, in seconds.
-fn slowest_rank_stats(per_rank: &[&Vec<Duration>]) -> (f64, f64) {
+pub(super) fn slowest_rank_stats(per_rank: &[&Vec<Duration>]) -> (f64, f64) {
     let iters = per_rank.iter().map(|t| t.len()).min().unwrap_or(0);
     let mut slowest: Vec<f64> = (0..iters)
         .map(|i| {

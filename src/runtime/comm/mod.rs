@@ -36,7 +36,7 @@ mod mailbox;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "mpi")]
-pub use self::mpi::MpiComm;
+pub use self::mpi::{bench_all_reduce_mpi, MpiComm};
 pub mod reduce;
 
 #[cfg(test)]

@@ -17,6 +17,7 @@
 //! large (MPI's rendezvous protocol); the pipeline's messages never wait on each other in a
 //! cycle, so this cannot deadlock them.
 
+use super::bench::{slowest_rank_stats, time_each, BenchKind, BenchRow};
 use super::private::PerType;
 use super::reduce::{chunk_range, summation_order};
 use super::{Collective, CommError, Communicator, Element};
@@ -25,6 +26,7 @@ use mpi::datatype::Equivalence;
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::{CommunicatorCollectives, Root};
+use std::time::Duration;
 
 /// One rank of an MPI (sub-)communicator.
 pub struct MpiComm {
@@ -299,4 +301,62 @@ impl Communicator for MpiComm {
     fn abort(&mut self) {
         self.aborted = true;
     }
+}
+
+/// All-reduce latency over MPI processes for each message size in bytes (whole `f32`s), for
+/// tpc's exact all-reduce and for `MPI_Allreduce`: per iteration the slowest rank's time,
+/// median and minimum over `iters` timed calls after a warm-up. Collective: every process
+/// calls it with the same arguments; every rank gets the rows.
+pub fn bench_all_reduce_mpi(
+    comm: &mut MpiComm,
+    sizes_bytes: &[usize],
+    iters: usize,
+) -> Vec<BenchRow> {
+    use mpi::collective::SystemOperation;
+    let n = comm.n;
+    let mut rows = Vec::new();
+    for &bytes in sizes_bytes {
+        let len = bytes / 4;
+        let mut buf = vec![1f32; len];
+        let mut out = vec![0f32; len];
+        for kind in [BenchKind::MpiExact, BenchKind::MpiAllreduce] {
+            let mut call = |c: &mut MpiComm| match kind {
+                BenchKind::MpiAllreduce => {
+                    c.comm
+                        .all_reduce_into(&buf[..], &mut out[..], SystemOperation::sum())
+                }
+                _ => {
+                    let _ = c.all_reduce_sum(&mut buf);
+                    buf.fill(1.0);
+                }
+            };
+            for _ in 0..3 {
+                call(comm);
+            }
+            comm.comm.barrier();
+            let mine: Vec<f64> = time_each(iters, || call(comm))
+                .iter()
+                .map(|d| d.as_secs_f64())
+                .collect();
+            let mut all = vec![0f64; iters * n];
+            comm.comm.all_gather_into(&mine[..], &mut all[..]);
+            let per_rank: Vec<Vec<Duration>> = all
+                .chunks(iters)
+                .map(|c| c.iter().map(|&s| Duration::from_secs_f64(s)).collect())
+                .collect();
+            let refs: Vec<&Vec<Duration>> = per_rank.iter().collect();
+            let (median, min) = slowest_rank_stats(&refs);
+            rows.push(BenchRow {
+                world: n,
+                dtype: DType::F32,
+                bytes: len * 4,
+                kind,
+                iters,
+                median_us: median * 1e6,
+                min_us: min * 1e6,
+                bus_gb_s: 2.0 * (n as f64 - 1.0) / n as f64 * (len * 4) as f64 / median / 1e9,
+            });
+        }
+    }
+    rows
 }
