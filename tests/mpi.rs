@@ -370,6 +370,10 @@ impl TwoHosts {
             &self.names[0],
             "mpirun",
             "--allow-run-as-root",
+            // Both "hosts" are this machine: each daemon would bind its one rank to core 0,
+            // the same core, and the two ranks would take turns by the scheduler's time slice.
+            "--bind-to",
+            "none",
         ]);
         c.args(["--hostfile", hostfile.to_str().unwrap(), "-np", "2"]);
         c.args(["--mca", "plm_rsh_agent", agent.to_str().unwrap()]);
@@ -450,4 +454,69 @@ fn ranks_on_two_hosts_over_tcp_equal_threads() {
             "{what}: logits differ from threads"
         );
     }
+}
+
+/// `tpc bench` and `tpc bench-comm` under `mpirun`: one report from world rank 0, saying
+/// the ranks were processes, with figures in it.
+#[test]
+fn bench_and_bench_comm_run_as_processes() {
+    let mut bench = mpirun(2);
+    bench.args([
+        "bench",
+        "models/tiny-llama.ron",
+        "--tp",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-new-tokens",
+        "3",
+    ]);
+    let out = ok(run(bench, "bench"), "bench");
+    let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one report, from world rank 0:\n{out}");
+    let report: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+    assert_eq!(report["processes"], 2, "{report}");
+    assert_eq!(report["tp"], 2, "{report}");
+    assert_eq!(report["generated"], 3, "{report}");
+    for key in ["prefill_tokens_per_s", "decode_tokens_per_s"] {
+        let v = report[key].as_f64().unwrap_or(f64::NAN);
+        assert!(v.is_finite() && v > 0.0, "{key} in {report}");
+    }
+
+    let mut comm = mpirun(2);
+    comm.args([
+        "bench-comm",
+        "--iters",
+        "3",
+        "--from-log2",
+        "12",
+        "--to-log2",
+        "13",
+    ]);
+    let out = ok(run(comm, "bench-comm"), "bench-comm");
+    for kind in ["MpiExact", "MpiAllreduce"] {
+        let rows: Vec<&str> = out.lines().filter(|l| l.contains(kind)).collect();
+        assert_eq!(
+            rows.len(),
+            2,
+            "{kind}: one row per size (4 and 8 KiB):\n{out}"
+        );
+        for row in rows {
+            let median: f64 = row.split_whitespace().nth(4).unwrap().parse().unwrap();
+            assert!(median > 0.0, "{row}");
+        }
+    }
+    // MPI measures f32 only: asking for bf16 is an error, not a silent f32 run.
+    let mut bf16 = mpirun(2);
+    bf16.args(["bench-comm", "--iters", "1", "--dtype", "bf16"]);
+    let o = run(bf16, "bench-comm bf16");
+    assert!(
+        !o.status.success(),
+        "bench-comm --dtype bf16 over MPI succeeded"
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("f32"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }

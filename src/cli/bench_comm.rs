@@ -44,7 +44,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     );
     super::launcher::with_launcher(a.launcher, |mpi| match mpi {
         None => in_process(&a),
-        Some(world) => over_mpi(world, &a),
+        Some(world) => {
+            anyhow::ensure!(
+                matches!(a.dtype, Dtype::F32),
+                "over MPI bench-comm measures f32 all-reduces only; drop --dtype bf16"
+            );
+            over_mpi(world, &a)
+        }
     })
 }
 
@@ -64,7 +70,15 @@ fn over_mpi(world: &super::launcher::MpiWorld, _: &Args) -> anyhow::Result<()> {
 }
 
 fn in_process(a: &Args) -> anyhow::Result<()> {
-    super::outln!("{:?}", bench_barrier(a.tp, 20_000.min(a.iters * 100)));
+    let barrier = bench_barrier(a.tp, 20_000.min(a.iters * 100));
+    super::outln!(
+        "barrier, {} ranks: {:.2} µs median (std::sync::Barrier: {:.2} µs; spin {}, yields {})",
+        barrier.world,
+        barrier.group_median_us,
+        barrier.std_median_us,
+        barrier.backoff.spin,
+        barrier.backoff.yields
+    );
     let sizes: Vec<usize> = (a.from_log2..=a.to_log2).map(|p| 1usize << p).collect();
     let iters = a.iters.max(1);
     let rows = match a.dtype {

@@ -50,7 +50,8 @@ enum Command {
     Verify(verify::Args),
     /// Measure prefill and decode throughput (checkpoint or random weights).
     Bench(bench::Args),
-    /// Measure the in-process communicator: barrier, all-reduce algorithms, memcpy bound.
+    /// Measure the communicator: barrier, all-reduce algorithms, memcpy bound (threads), or
+    /// tpc's all-reduce next to MPI_Allreduce (under mpirun).
     BenchComm(bench_comm::Args),
     /// Measure the linear kernels (packed bf16 / f32) against the gemm crate and read bandwidth.
     BenchGemm(bench_gemm::Args),
