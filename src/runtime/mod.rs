@@ -8,6 +8,8 @@ pub mod backend;
 pub mod collectives;
 pub mod comm;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod executor;
 pub mod fastmath;

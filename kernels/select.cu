@@ -1,0 +1,46 @@
+// Copies that rearrange an f32 matrix: column blocks, rank-major blocks, chosen rows.
+// Grid-stride loops over the output; any grid size.
+#include "common.cuh"
+
+// Columns offset .. offset + len of each block of `block` columns, concatenated: out has
+// rows * (cols / block) * len values (unfuse; a column block is one block of `cols`).
+extern "C" __global__ void block_columns(float* out, const float* x, i64 rows, i64 cols,
+                                         i64 block, i64 offset, i64 len) {
+    const i64 blocks = cols / block;
+    const i64 out_cols = blocks * len;
+    FOR_EACH(i, rows * out_cols) {
+        const i64 r = i / out_cols;
+        const i64 c = i % out_cols;
+        out[i] = x[r * cols + (c / len) * block + offset + c % len];
+    }
+}
+
+// [rows, parts * n] -> rank-major [parts][rows][n].
+extern "C" __global__ void rows_to_rank_major(float* out, const float* x, i64 rows, i64 parts,
+                                              i64 n) {
+    FOR_EACH(i, rows * parts * n) {
+        const i64 k = i / (rows * n);
+        const i64 r = (i / n) % rows;
+        const i64 c = i % n;
+        out[i] = x[r * parts * n + k * n + c];
+    }
+}
+
+// Rank-major [parts][rows][n] -> [rows, keep], the first `keep` of the parts * n columns.
+extern "C" __global__ void rank_major_to_rows(float* out, const float* x, i64 rows, i64 n,
+                                              i64 keep) {
+    FOR_EACH(i, rows * keep) {
+        const i64 r = i / keep;
+        const i64 j = i % keep;
+        out[i] = x[((j / n) * rows + r) * n + j % n];
+    }
+}
+
+// Row i of out is row index[i] of x, or zeros where index[i] < 0 (padding rows).
+extern "C" __global__ void gather_rows(float* out, const float* x, const i64* index, i64 count,
+                                       i64 cols) {
+    FOR_EACH(i, count * cols) {
+        const i64 src = index[i / cols];
+        out[i] = src >= 0 ? x[src * cols + i % cols] : 0.0f;
+    }
+}

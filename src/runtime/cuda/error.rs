@@ -1,0 +1,23 @@
+//! The CUDA layer's errors: a library that is missing, a kernel that does not compile.
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// A CUDA library could not be loaded (no driver, or its folder not on the loader path).
+    #[error(
+        "the CUDA library `{library}` was not found (tried {tried}); install the NVIDIA driver (libcuda) or the CUDA wheels, and put their `lib` folders on LD_LIBRARY_PATH"
+    )]
+    LibraryMissing { library: String, tried: String },
+
+    /// NVRTC rejected a kernel file, or warned about it (tpc's kernels compile cleanly).
+    #[error("kernel file `kernels/{file}` for {arch}: {problem}\n{log}")]
+    Compile {
+        file: String,
+        arch: String,
+        problem: String,
+        log: String,
+    },
+
+    /// A kernel file name that is not one of `kernels/*.cu` (a bug in tpc).
+    #[error("no kernel file `kernels/{0}` is built into tpc (a bug in tpc)")]
+    UnknownKernelFile(String),
+}

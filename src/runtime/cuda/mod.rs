@@ -1,0 +1,12 @@
+//! The CUDA side of the runtime (feature `cuda`): its kernels (`kernels/*.cu` at the top of
+//! the repository), compiled at start by NVRTC for the device's architecture, and the probe
+//! that finds the CUDA libraries before anything calls into them. cudarc loads the libraries
+//! at run time, so this builds on machines without CUDA; a machine without them gets a
+//! [`CudaError`], never a panic.
+
+mod error;
+pub mod nvrtc;
+pub mod probe;
+pub mod sources;
+
+pub use error::CudaError;
