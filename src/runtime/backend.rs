@@ -18,6 +18,9 @@ pub enum BackendError {
     Unsupported(String),
     #[error("out of memory: {0}")]
     OutOfMemory(String),
+    /// A device call failed (a GPU backend: the driver, a library, a kernel launch).
+    #[error("device: {0}")]
+    Device(String),
     #[error(transparent)]
     Weights(Box<super::error::RunError>),
 }

@@ -17,6 +17,14 @@ pub enum CudaError {
         log: String,
     },
 
+    /// A driver or library call failed.
+    #[error("CUDA: {what}: {error}")]
+    Driver { what: String, error: String },
+
+    /// `--device cuda:N` names a GPU the driver does not see.
+    #[error("GPU {ordinal} does not exist: the driver sees {count} GPU(s) (numbered from 0)")]
+    NoSuchDevice { ordinal: usize, count: usize },
+
     /// A kernel file name that is not one of `kernels/*.cu` (a bug in tpc).
     #[error("no kernel file `kernels/{0}` is built into tpc (a bug in tpc)")]
     UnknownKernelFile(String),

@@ -4,6 +4,8 @@
 //! at run time, so this builds on machines without CUDA; a machine without them gets a
 //! [`CudaError`], never a panic.
 
+pub mod backend;
+pub mod device;
 mod error;
 pub mod nvrtc;
 pub mod probe;

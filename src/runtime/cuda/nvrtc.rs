@@ -86,3 +86,24 @@ impl Drop for Program {
         let _ = unsafe { result::destroy_program(self.0) };
     }
 }
+
+/// The PTX of every kernel file for `target`, compiled once per process and architecture
+/// (ranks and repeated runs reuse it).
+pub fn compiled_all(target: &Target) -> Result<Vec<(&'static str, String)>, CudaError> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    type Cache = Mutex<HashMap<u32, Vec<(&'static str, String)>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    // A panic while compiling leaves no entry behind: the map is usable after a poison.
+    let mut map = cache.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(done) = map.get(&target.compute_capability) {
+        return Ok(done.clone());
+    }
+    let mut all = Vec::with_capacity(super::sources::KERNEL_FILES.len());
+    for (file, _) in super::sources::KERNEL_FILES {
+        all.push((*file, compile(file, target)?.to_src()));
+    }
+    map.insert(target.compute_capability, all.clone());
+    Ok(all)
+}

@@ -1,0 +1,1042 @@
+//! The CUDA backend: one rank's program on a GPU. Activations are f32 on the device; linear
+//! weights stay resident in bf16 (or f32) and go to cuBLAS with f32 accumulation; every other
+//! op is one launch of a kernel from `kernels/`. The executor is the CPU's: this is only the
+//! other side of the [`Backend`] seam.
+//!
+//! Not yet: CUDA graphs for decode, a tiled prefill attention, split-K decode attention for
+//! long contexts (see `kernels/attention.cu`).
+
+use super::device::{blocks_of, grid_for, GpuRank};
+use crate::ir::{ActivationKind, DType, RopeOp, WeightOrder};
+use crate::plan::WeightSlice;
+use crate::runtime::backend::{
+    Activation, Backend, BackendError, BackendResult, BinaryOp, Segment, WeightUse,
+};
+use crate::runtime::cpu::CpuBackend;
+use crate::runtime::tensor::Tensor;
+use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
+use cudarc::cublas::sys as blas;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+/// Pushes the arguments and launches kernel `$name` on the rank's stream.
+macro_rules! launch {
+    ($gpu:expr, $name:literal, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let f = $gpu.kernel($name)?;
+        let mut b = $gpu.stream.launch_builder(f);
+        $( b.arg($arg); )+
+        // SAFETY: the arguments are pushed in the order and with the types of the kernel's
+        // C signature in kernels/, and every size the kernel indexes with was checked
+        // against the buffers' lengths by the caller.
+        unsafe { b.launch($cfg) }
+            .map(|_| ())
+            .map_err(|e| $gpu.fail(concat!("kernel ", $name), None, e))
+    }};
+}
+
+pub struct CudaBackend {
+    gpu: GpuRank,
+    bf16_linears: bool,
+    /// Host fallback for what is small and rare (top-k candidates for sampling).
+    host: CpuBackend,
+}
+
+/// An f32 activation on the device.
+pub struct CudaAct {
+    shape: Vec<usize>,
+    data: CudaSlice<f32>,
+}
+
+impl CudaAct {
+    /// The device buffer (for communicators).
+    pub fn data(&self) -> &CudaSlice<f32> {
+        &self.data
+    }
+    pub fn data_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.data
+    }
+}
+
+impl Activation for CudaAct {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+}
+
+/// A weight on the device, in the layout the checkpoint slice has.
+pub struct CudaWeight {
+    shape: Vec<usize>,
+    data: WeightData,
+    /// How a linear op reads it.
+    order: WeightOrder,
+}
+
+enum WeightData {
+    F32(CudaSlice<f32>),
+    /// bf16 as its bits.
+    Bf16(CudaSlice<u16>),
+}
+
+impl CudaWeight {
+    fn f32(&self, what: &str) -> BackendResult<&CudaSlice<f32>> {
+        match &self.data {
+            WeightData::F32(d) => Ok(d),
+            WeightData::Bf16(_) => Err(BackendError::Unsupported(format!(
+                "{what} of a bf16 weight; the CUDA backend keeps scales and biases in f32"
+            ))),
+        }
+    }
+    fn len(&self) -> usize {
+        match &self.data {
+            WeightData::F32(d) => d.len(),
+            WeightData::Bf16(d) => d.len(),
+        }
+    }
+}
+
+/// One sequence's keys and values for one attention op: `len` of `capacity` positions used.
+pub struct CudaKv {
+    k_width: usize,
+    v_width: usize,
+    len: usize,
+    capacity: usize,
+    k: Option<CudaSlice<f32>>,
+    v: Option<CudaSlice<f32>>,
+}
+
+/// Rotary cos/sin tables on the device, `[rows, half]` each.
+pub struct CudaRope {
+    half: usize,
+    rows: usize,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+fn shape_err(what: String) -> BackendError {
+    BackendError::Shape(what)
+}
+
+fn i64_of(n: usize) -> i64 {
+    // Device buffers are far below 2^63 elements: lengths were allocated.
+    n as i64
+}
+
+fn elements(shape: &[usize]) -> BackendResult<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| BackendError::OutOfMemory(format!("a tensor of shape {shape:?}")))
+}
+
+impl CudaBackend {
+    pub fn new(gpu: GpuRank, bf16_linears: bool) -> CudaBackend {
+        CudaBackend {
+            gpu,
+            bf16_linears,
+            host: CpuBackend::new(1),
+        }
+    }
+
+    pub fn gpu(&self) -> &GpuRank {
+        &self.gpu
+    }
+
+    fn zeros(&self, shape: Vec<usize>) -> BackendResult<CudaAct> {
+        let n = elements(&shape)?;
+        let data = self
+            .gpu
+            .stream
+            .alloc_zeros::<f32>(n.max(1))
+            .map_err(|e| self.gpu.fail("an activation", n.checked_mul(4), e))?;
+        Ok(CudaAct { shape, data })
+    }
+
+    fn upload_f32(&self, values: &[f32], what: &str) -> BackendResult<CudaSlice<f32>> {
+        self.gpu
+            .stream
+            .clone_htod(values)
+            .map_err(|e| self.gpu.fail(what, Some(values.len() * 4), e))
+    }
+
+    fn upload_i64(&self, values: &[i64], what: &str) -> BackendResult<CudaSlice<i64>> {
+        self.gpu
+            .stream
+            .clone_htod(values)
+            .map_err(|e| self.gpu.fail(what, Some(values.len() * 8), e))
+    }
+
+    fn download(&self, x: &CudaSlice<f32>, len: usize) -> BackendResult<Vec<f32>> {
+        let mut all = self
+            .gpu
+            .stream
+            .clone_dtoh(x)
+            .map_err(|e| self.gpu.fail("copying to the host", None, e))?;
+        all.truncate(len);
+        Ok(all)
+    }
+
+    /// `out [m, n] = x [m, k] · Wᵀ` through cuBLAS (column-major: `outᵀ = W · xᵀ`).
+    fn gemm(
+        &self,
+        x: &CudaAct,
+        w: &CudaWeight,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> BackendResult<CudaAct> {
+        let mut out_shape = x.shape.clone();
+        if let Some(last) = out_shape.last_mut() {
+            *last = n;
+        }
+        let mut out = self.zeros(out_shape)?;
+        let dims: Vec<i32> = [m, k, n]
+            .iter()
+            .map(|&d| i32::try_from(d))
+            .collect::<Result<_, _>>()
+            .map_err(|_| {
+                BackendError::Unsupported(format!(
+                    "a product of [{m}, {k}] by [{k}, {n}]: cuBLAS takes dimensions below 2^31"
+                ))
+            })?;
+        let (mi, ki, ni) = (dims[0], dims[1], dims[2]);
+        if m == 0 || n == 0 {
+            return Ok(out);
+        }
+        // W stored [n, k] (out, in) is read transposed; [k, n] (in, out) as it is.
+        let (trans_w, ld_w) = match w.order {
+            WeightOrder::OutIn => (blas::cublasOperation_t::CUBLAS_OP_T, ki),
+            WeightOrder::InOut => (blas::cublasOperation_t::CUBLAS_OP_N, ni),
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let stream = self.gpu.stream.clone();
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| self.gpu.fail("binding the context", None, e))?;
+        // bf16 weights multiply bf16 activations (rounded once, as torch's bf16 does).
+        let rounded: Option<CudaSlice<u16>> = match &w.data {
+            WeightData::F32(_) => None,
+            WeightData::Bf16(_) => {
+                let len = m * k;
+                let mut r = stream
+                    .alloc_zeros::<u16>(len.max(1))
+                    .map_err(|e| self.gpu.fail("bf16 activations", Some(len * 2), e))?;
+                let n64 = i64_of(len);
+                launch!(
+                    self.gpu,
+                    "round_to_bf16",
+                    grid_for(len),
+                    &mut r,
+                    &x.data,
+                    &n64
+                )?;
+                Some(r)
+            }
+        };
+        let (out_ptr, _o) = out.data.device_ptr_mut(&stream);
+        let status = match (&w.data, &rounded) {
+            (WeightData::F32(wd), _) => {
+                let (wp, _w) = wd.device_ptr(&stream);
+                let (xp, _x) = x.data.device_ptr(&stream);
+                // SAFETY: W holds n·k, x m·k and out m·n f32 values (checked by the
+                // caller and allocated here); the handle runs on this rank's stream.
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *self.gpu.blas.handle(),
+                        trans_w,
+                        blas::cublasOperation_t::CUBLAS_OP_N,
+                        ni,
+                        mi,
+                        ki,
+                        &alpha as *const f32 as *const c_void,
+                        wp as *const c_void,
+                        blas::cudaDataType::CUDA_R_32F,
+                        ld_w,
+                        xp as *const c_void,
+                        blas::cudaDataType::CUDA_R_32F,
+                        ki,
+                        &beta as *const f32 as *const c_void,
+                        out_ptr as *mut c_void,
+                        blas::cudaDataType::CUDA_R_32F,
+                        ni,
+                        blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+            }
+            (WeightData::Bf16(wd), Some(r)) => {
+                let (wp, _w) = wd.device_ptr(&stream);
+                let (xp, _x) = r.device_ptr(&stream);
+                // SAFETY: as above, with W and the rounded x in bf16 and out in f32.
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *self.gpu.blas.handle(),
+                        trans_w,
+                        blas::cublasOperation_t::CUBLAS_OP_N,
+                        ni,
+                        mi,
+                        ki,
+                        &alpha as *const f32 as *const c_void,
+                        wp as *const c_void,
+                        blas::cudaDataType::CUDA_R_16BF,
+                        ld_w,
+                        xp as *const c_void,
+                        blas::cudaDataType::CUDA_R_16BF,
+                        ki,
+                        &beta as *const f32 as *const c_void,
+                        out_ptr as *mut c_void,
+                        blas::cudaDataType::CUDA_R_32F,
+                        ni,
+                        blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+            }
+            (WeightData::Bf16(_), None) => unreachable!("bf16 weights always round x"),
+        };
+        drop(_o);
+        status.map_err(|e| {
+            BackendError::Device(format!(
+                "rank {} on GPU {}: cuBLAS GEMM [{m}, {k}] x [{k}, {n}]: {e:?}",
+                self.gpu.rank, self.gpu.ordinal
+            ))
+        })?;
+        Ok(out)
+    }
+
+    /// Makes room for `positions` tokens, keeping what the cache holds.
+    fn grow_kv(&self, kv: &mut CudaKv, positions: usize) -> BackendResult<()> {
+        if positions <= kv.capacity {
+            return Ok(());
+        }
+        let capacity = positions.max(kv.capacity.saturating_mul(2)).max(16);
+        let alloc = |width: usize, old: &Option<CudaSlice<f32>>| -> BackendResult<CudaSlice<f32>> {
+            let n = capacity.checked_mul(width).ok_or_else(|| {
+                BackendError::OutOfMemory(format!("a KV cache of {capacity} positions"))
+            })?;
+            let mut fresh = self
+                .gpu
+                .stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(|e| self.gpu.fail("the KV cache", n.checked_mul(4), e))?;
+            if let Some(old) = old {
+                let used = kv.len * width;
+                if used > 0 {
+                    self.gpu
+                        .stream
+                        .memcpy_dtod(&old.slice(..used), &mut fresh.slice_mut(..used))
+                        .map_err(|e| self.gpu.fail("growing the KV cache", None, e))?;
+                }
+            }
+            Ok(fresh)
+        };
+        let k = alloc(kv.k_width, &kv.k)?;
+        let v = alloc(kv.v_width, &kv.v)?;
+        kv.k = Some(k);
+        kv.v = Some(v);
+        kv.capacity = capacity;
+        Ok(())
+    }
+
+    /// Runs `argmax_pairs` over `x`: `[rows, 2]` (value, index) on the device.
+    fn pairs(
+        &self,
+        x: &CudaAct,
+        valid: usize,
+        offset: usize,
+        mark: bool,
+    ) -> BackendResult<CudaAct> {
+        let (rows, cols) = x.rows_cols();
+        if valid > cols {
+            return Err(shape_err(format!("{valid} valid columns of {cols}")));
+        }
+        let mut out = self.zeros(vec![rows, 2])?;
+        if rows == 0 {
+            return Ok(out);
+        }
+        let (c, v, o, m) = (i64_of(cols), i64_of(valid), i64_of(offset), i32::from(mark));
+        launch!(
+            self.gpu,
+            "argmax_pairs",
+            blocks_of(rows, 256),
+            &mut out.data,
+            &x.data,
+            &c,
+            &v,
+            &o,
+            &m
+        )?;
+        Ok(out)
+    }
+
+    fn gather_rows(&self, x: &CudaAct, index: &[i64]) -> BackendResult<CudaAct> {
+        let cols = x.rows_cols().1;
+        let mut out = self.zeros(vec![index.len(), cols])?;
+        if index.is_empty() || cols == 0 {
+            return Ok(out);
+        }
+        let idx = self.upload_i64(index, "row indices")?;
+        let (count, c) = (i64_of(index.len()), i64_of(cols));
+        let n = index.len() * cols;
+        launch!(
+            self.gpu,
+            "gather_rows",
+            grid_for(n),
+            &mut out.data,
+            &x.data,
+            &idx,
+            &count,
+            &c
+        )?;
+        Ok(out)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = CudaAct;
+    type Weight = CudaWeight;
+    type Kv = CudaKv;
+    type RopeTables = CudaRope;
+
+    fn upload(
+        &self,
+        src: &dyn WeightSource,
+        slice: &WeightSlice,
+        usage: WeightUse,
+    ) -> BackendResult<CudaWeight> {
+        let weights = |e| BackendError::Weights(Box::new(e));
+        let two_d = slice.local_shape.len() == 2;
+        if usage.linear.is_some() && !two_d {
+            return Err(shape_err(format!(
+                "a linear weight of shape {:?}; linear weights are 2-D",
+                slice.local_shape
+            )));
+        }
+        // Matrices (linear weights, embedding tables) in bf16 compute stay bf16; vectors
+        // (norm scales, biases) are f32.
+        let bf16 = self.bf16_linears && two_d;
+        let (shape, data) = if bf16 {
+            let (shape, values) = load_slice_bf16(src, slice).map_err(weights)?;
+            let bits: Vec<u16> = values.iter().map(|v| v.to_bits()).collect();
+            let d = self
+                .gpu
+                .stream
+                .clone_htod(&bits)
+                .map_err(|e| self.gpu.fail("a weight", Some(bits.len() * 2), e))?;
+            (shape, WeightData::Bf16(d))
+        } else {
+            let t = load_slice(src, slice).map_err(weights)?;
+            let d = self.upload_f32(&t.data, "a weight")?;
+            (t.shape, WeightData::F32(d))
+        };
+        Ok(CudaWeight {
+            shape,
+            data,
+            order: usage.linear.unwrap_or_default(),
+        })
+    }
+
+    fn weight_bytes(&self, w: &CudaWeight) -> usize {
+        match &w.data {
+            WeightData::F32(d) => d.len() * 4,
+            WeightData::Bf16(d) => d.len() * 2,
+        }
+    }
+
+    fn embedding(&self, ids: &[i64], table: &CudaWeight, offset: usize) -> BackendResult<CudaAct> {
+        let [rows, cols] = table.shape[..] else {
+            return Err(shape_err(format!(
+                "an embedding table of shape {:?}",
+                table.shape
+            )));
+        };
+        let mut out = self.zeros(vec![ids.len(), cols])?;
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let dev_ids = self.upload_i64(ids, "token ids")?;
+        let (r, c, o) = (i64_of(rows), i64_of(cols), i64_of(offset));
+        let cfg = blocks_of(ids.len(), 256);
+        match &table.data {
+            WeightData::F32(t) => launch!(
+                self.gpu,
+                "embedding_f32",
+                cfg,
+                &mut out.data,
+                t,
+                &dev_ids,
+                &r,
+                &c,
+                &o
+            )?,
+            WeightData::Bf16(t) => launch!(
+                self.gpu,
+                "embedding_bf16",
+                cfg,
+                &mut out.data,
+                t,
+                &dev_ids,
+                &r,
+                &c,
+                &o
+            )?,
+        }
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CudaAct, w: &CudaWeight) -> BackendResult<CudaAct> {
+        let (m, k) = x.rows_cols();
+        let (n, wk) = match (w.order, &w.shape[..]) {
+            (WeightOrder::OutIn, [n, k]) => (*n, *k),
+            (WeightOrder::InOut, [k, n]) => (*n, *k),
+            _ => return Err(shape_err(format!("a linear weight of shape {:?}", w.shape))),
+        };
+        if wk != k || w.len() != n * k {
+            return Err(shape_err(format!(
+                "x [{m}, {k}] times a weight of shape {:?} ({:?})",
+                w.shape, w.order
+            )));
+        }
+        self.gemm(x, w, m, k, n)
+    }
+
+    fn bias_add(&self, x: &mut CudaAct, bias: &CudaWeight) -> BackendResult<()> {
+        let b = bias.f32("a bias")?;
+        let cols = x.rows_cols().1;
+        if b.len() != cols {
+            return Err(shape_err(format!(
+                "a bias of {} on rows of {cols}",
+                b.len()
+            )));
+        }
+        let n = x.elements();
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, c) = (i64_of(n), i64_of(cols));
+        launch!(self.gpu, "bias_add", grid_for(n), &mut x.data, b, &n64, &c)
+    }
+
+    fn binary(&self, x: &mut CudaAct, y: &CudaAct, op: BinaryOp) -> BackendResult<()> {
+        if x.shape != y.shape {
+            return Err(shape_err(format!(
+                "{:?} and {:?} elementwise",
+                x.shape, y.shape
+            )));
+        }
+        let n = x.elements();
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(n);
+        match op {
+            BinaryOp::Add => launch!(self.gpu, "add", grid_for(n), &mut x.data, &y.data, &n64),
+            BinaryOp::Mul => launch!(self.gpu, "mul", grid_for(n), &mut x.data, &y.data, &n64),
+        }
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaAct,
+        w: &CudaWeight,
+        group: usize,
+        eps: f32,
+    ) -> BackendResult<CudaAct> {
+        let scales = w.f32("RMSNorm")?;
+        let group = group.max(1);
+        let cols = x.rows_cols().1;
+        if !cols.is_multiple_of(group) || scales.len() != group {
+            return Err(shape_err(format!(
+                "RMSNorm over groups of {group} with {} scales on rows of {cols}",
+                scales.len()
+            )));
+        }
+        let mut out = self.zeros(x.shape.clone())?;
+        let groups = x.elements() / group;
+        if groups == 0 {
+            return Ok(out);
+        }
+        let threads = (group.next_multiple_of(32)).clamp(32, 256) as u32;
+        let g = i64_of(group);
+        launch!(
+            self.gpu,
+            "rms_norm",
+            blocks_of(groups, threads),
+            &mut out.data,
+            &x.data,
+            scales,
+            &g,
+            &eps
+        )?;
+        Ok(out)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &CudaAct,
+        w: &CudaWeight,
+        b: &CudaWeight,
+        eps: f32,
+    ) -> BackendResult<CudaAct> {
+        let (scales, shifts) = (w.f32("LayerNorm")?, b.f32("LayerNorm")?);
+        let (rows, cols) = x.rows_cols();
+        if scales.len() != cols || shifts.len() != cols {
+            return Err(shape_err(format!(
+                "LayerNorm with {} scales and {} shifts on rows of {cols}",
+                scales.len(),
+                shifts.len()
+            )));
+        }
+        let mut out = self.zeros(x.shape.clone())?;
+        if rows == 0 || cols == 0 {
+            return Ok(out);
+        }
+        let c = i64_of(cols);
+        launch!(
+            self.gpu,
+            "layer_norm",
+            blocks_of(rows, 256),
+            &mut out.data,
+            &x.data,
+            scales,
+            shifts,
+            &c,
+            &eps
+        )?;
+        Ok(out)
+    }
+
+    fn activation(&self, x: &mut CudaAct, kind: ActivationKind) -> BackendResult<()> {
+        let n = x.elements();
+        if n == 0 {
+            return Ok(());
+        }
+        let (cfg, n64) = (grid_for(n), i64_of(n));
+        match kind {
+            ActivationKind::Silu => launch!(self.gpu, "silu", cfg, &mut x.data, &n64),
+            ActivationKind::GeluTanh => launch!(self.gpu, "gelu_tanh", cfg, &mut x.data, &n64),
+            ActivationKind::Gelu => launch!(self.gpu, "gelu_erf", cfg, &mut x.data, &n64),
+            ActivationKind::Relu => launch!(self.gpu, "relu", cfg, &mut x.data, &n64),
+        }
+    }
+
+    fn rope_tables(&self, op: &RopeOp, positions: &[i64]) -> BackendResult<CudaRope> {
+        let t = crate::runtime::rope::tables(op, positions);
+        Ok(CudaRope {
+            half: t.half,
+            rows: positions.len(),
+            cos: self.upload_f32(&t.cos, "rotary tables")?,
+            sin: self.upload_f32(&t.sin, "rotary tables")?,
+        })
+    }
+
+    fn rope(&self, x: &mut CudaAct, head_dim: usize, t: &CudaRope) -> BackendResult<()> {
+        let (rows, cols) = x.rows_cols();
+        let half = t.half;
+        if head_dim == 0 || cols % head_dim != 0 || 2 * half > head_dim || t.rows < rows {
+            return Err(shape_err(format!(
+                "rotary embedding of {half} pairs per head of {head_dim} on {rows} rows of {cols}"
+            )));
+        }
+        let heads = cols / head_dim;
+        if rows == 0 || heads == 0 || half == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, heads as u32, 1),
+            block_dim: (half.next_multiple_of(32).min(128) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (c, d, h) = (i64_of(cols), i64_of(head_dim), i64_of(half));
+        launch!(
+            self.gpu,
+            "rope",
+            cfg,
+            &mut x.data,
+            &t.cos,
+            &t.sin,
+            &c,
+            &d,
+            &h
+        )
+    }
+
+    fn new_kv(&self, k_width: usize, v_width: usize) -> CudaKv {
+        CudaKv {
+            k_width,
+            v_width,
+            len: 0,
+            capacity: 0,
+            k: None,
+            v: None,
+        }
+    }
+
+    fn reserve_kv(&self, kv: &mut CudaKv, positions: usize) {
+        // Best effort: attention grows the cache itself, and reports a failure there.
+        let _ = self.grow_kv(kv, positions);
+    }
+
+    fn clear_kv(&self, kv: &mut CudaKv) {
+        kv.len = 0;
+    }
+
+    fn attention(
+        &self,
+        [q, k, v]: [&CudaAct; 3],
+        caches: &mut [CudaKv],
+        segments: &[Segment],
+        d: usize,
+        scale: f32,
+    ) -> BackendResult<CudaAct> {
+        let (rows, qcols) = q.rows_cols();
+        let (kcols, vcols) = (k.rows_cols().1, v.rows_cols().1);
+        let ok = d > 0
+            && d <= 256
+            && qcols % d == 0
+            && kcols % d == 0
+            && kcols == vcols
+            && kcols > 0
+            && (qcols / d).is_multiple_of(kcols / d)
+            && k.rows_cols().0 == rows
+            && v.rows_cols().0 == rows;
+        if !ok {
+            return Err(shape_err(format!(
+                "attention of q [{rows}, {qcols}], k [{}, {kcols}], v [{}, {vcols}] with heads of {d} (at most 256 on the GPU)",
+                k.rows_cols().0,
+                v.rows_cols().0
+            )));
+        }
+        let (q_heads, kv_heads) = (qcols / d, kcols / d);
+        let mut out = self.zeros(q.shape.clone())?;
+        for s in segments {
+            let cache = caches
+                .get_mut(s.seq)
+                .ok_or_else(|| shape_err(format!("no KV cache for sequence {}", s.seq)))?;
+            if s.rows.end > rows || s.rows.start >= s.rows.end || cache.k_width != kcols {
+                return Err(shape_err(format!(
+                    "segment rows {:?} of {rows} into a cache of width {}",
+                    s.rows, cache.k_width
+                )));
+            }
+            if s.start != cache.len {
+                return Err(shape_err(format!(
+                    "a segment starting at position {} on a cache holding {}",
+                    s.start, cache.len
+                )));
+            }
+            let new = s.rows.len();
+            let end = cache.len + new;
+            self.grow_kv(cache, end)?;
+            let (kc, vc) = match (&mut cache.k, &mut cache.v) {
+                (Some(kc), Some(vc)) => (kc, vc),
+                _ => return Err(shape_err("a KV cache with no storage".into())),
+            };
+            let (from, to) = (s.rows.start * kcols, s.rows.end * kcols);
+            let (at, upto) = (cache.len * kcols, end * kcols);
+            self.gpu
+                .stream
+                .memcpy_dtod(&k.data.slice(from..to), &mut kc.slice_mut(at..upto))
+                .map_err(|e| self.gpu.fail("appending keys", None, e))?;
+            self.gpu
+                .stream
+                .memcpy_dtod(&v.data.slice(from..to), &mut vc.slice_mut(at..upto))
+                .map_err(|e| self.gpu.fail("appending values", None, e))?;
+            let cfg = LaunchConfig {
+                grid_dim: (new as u32, q_heads as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (row0, start) = (i64_of(s.rows.start), i64_of(s.start));
+            let (qh, kh, hd) = (i64_of(q_heads), i64_of(kv_heads), i64_of(d));
+            launch!(
+                self.gpu,
+                "attention",
+                cfg,
+                &mut out.data,
+                &q.data,
+                &*kc,
+                &*vc,
+                &row0,
+                &start,
+                &qh,
+                &kh,
+                &hd,
+                &scale
+            )?;
+            cache.len = end;
+        }
+        Ok(out)
+    }
+
+    fn unfuse(
+        &self,
+        x: &CudaAct,
+        block: usize,
+        offset: usize,
+        len: usize,
+    ) -> BackendResult<CudaAct> {
+        let (rows, n) = x.rows_cols();
+        if block == 0 || offset + len > block || !n.is_multiple_of(block) {
+            return Err(shape_err(format!(
+                "columns {offset}..{} of blocks of {block} from rows of {n}",
+                offset + len
+            )));
+        }
+        let out_cols = n / block * len;
+        let mut shape = x.shape.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = out_cols;
+        }
+        let mut out = self.zeros(shape)?;
+        let total = rows * out_cols;
+        if total == 0 {
+            return Ok(out);
+        }
+        let (r, c, b, o, l) = (
+            i64_of(rows),
+            i64_of(n),
+            i64_of(block),
+            i64_of(offset),
+            i64_of(len),
+        );
+        launch!(
+            self.gpu,
+            "block_columns",
+            grid_for(total),
+            &mut out.data,
+            &x.data,
+            &r,
+            &c,
+            &b,
+            &o,
+            &l
+        )?;
+        Ok(out)
+    }
+
+    fn column_block(&self, x: &CudaAct, k: usize, parts: usize) -> BackendResult<CudaAct> {
+        let n = x.rows_cols().1;
+        if parts == 0 || !n.is_multiple_of(parts) || k >= parts {
+            return Err(shape_err(format!(
+                "column block {k} of {parts} from rows of {n}"
+            )));
+        }
+        let width = n / parts;
+        self.unfuse(x, n, k * width, width)
+    }
+
+    fn rows_to_rank_major(&self, x: &CudaAct, parts: usize) -> BackendResult<CudaAct> {
+        let (rows, n) = x.rows_cols();
+        if parts == 0 || !n.is_multiple_of(parts) {
+            return Err(shape_err(format!("rows of {n} into {parts} parts")));
+        }
+        let mut out = self.zeros(vec![rows * parts, n / parts])?;
+        if rows * n == 0 {
+            return Ok(out);
+        }
+        let (r, p, w) = (i64_of(rows), i64_of(parts), i64_of(n / parts));
+        launch!(
+            self.gpu,
+            "rows_to_rank_major",
+            grid_for(rows * n),
+            &mut out.data,
+            &x.data,
+            &r,
+            &p,
+            &w
+        )?;
+        Ok(out)
+    }
+
+    fn rank_major_to_rows(&self, x: &CudaAct, parts: usize, keep: usize) -> BackendResult<CudaAct> {
+        let (all_rows, n) = x.rows_cols();
+        if parts == 0 || all_rows % parts != 0 || keep > n * parts {
+            return Err(shape_err(format!(
+                "{all_rows} rank-major rows of {n} from {parts} parts, keeping {keep} columns"
+            )));
+        }
+        let rows = all_rows / parts;
+        let mut out = self.zeros(vec![rows, keep])?;
+        if rows * keep == 0 {
+            return Ok(out);
+        }
+        let (r, w, kp) = (i64_of(rows), i64_of(n), i64_of(keep));
+        launch!(
+            self.gpu,
+            "rank_major_to_rows",
+            grid_for(rows * keep),
+            &mut out.data,
+            &x.data,
+            &r,
+            &w,
+            &kp
+        )?;
+        Ok(out)
+    }
+
+    fn argmax_rows(&self, x: &CudaAct) -> BackendResult<Vec<usize>> {
+        let (rows, cols) = x.rows_cols();
+        if cols == 0 {
+            return Err(shape_err("argmax of rows with no columns".into()));
+        }
+        let pairs = self.pairs(x, cols, 0, false)?;
+        let host = self.download(&pairs.data, rows * 2)?;
+        // A row with nothing larger than its first value (all NaN) gives its first column.
+        Ok(host
+            .chunks_exact(2)
+            .map(|p| if p[1] >= 0.0 { p[1] as usize } else { 0 })
+            .collect())
+    }
+
+    fn argmax_pairs(&self, x: &CudaAct, valid: usize, offset: usize) -> BackendResult<CudaAct> {
+        self.pairs(x, valid, offset, true)
+    }
+
+    fn best_of_pairs(&self, pairs: &CudaAct, parts: usize) -> BackendResult<CudaAct> {
+        let (all, cols) = pairs.rows_cols();
+        if cols != 2 || parts == 0 || all % parts != 0 {
+            return Err(shape_err(format!("{all}x{cols} pairs in {parts} parts")));
+        }
+        let rows = all / parts;
+        let mut out = self.zeros(vec![rows, 2])?;
+        if rows == 0 {
+            return Ok(out);
+        }
+        let (r, p) = (i64_of(rows), i64_of(parts));
+        launch!(
+            self.gpu,
+            "best_of_pairs",
+            grid_for(rows),
+            &mut out.data,
+            &pairs.data,
+            &r,
+            &p
+        )?;
+        Ok(out)
+    }
+
+    fn top_k_pairs(
+        &self,
+        x: &CudaAct,
+        k: usize,
+        valid: usize,
+        offset: usize,
+    ) -> BackendResult<CudaAct> {
+        // Sampling with top-k: rare next to greedy decoding, and small; on the host.
+        let host = self.to_host_copy(x)?;
+        let pairs = self.host.top_k_pairs(&host, k, valid, offset)?;
+        self.upload_host(&pairs)
+    }
+
+    fn best_k_of_pairs(&self, pairs: &CudaAct, parts: usize, k: usize) -> BackendResult<CudaAct> {
+        let host = self.to_host_copy(pairs)?;
+        let best = self.host.best_k_of_pairs(&host, parts, k)?;
+        self.upload_host(&best)
+    }
+
+    fn first_non_finite_row(&self, x: &CudaAct) -> BackendResult<Option<usize>> {
+        let (rows, cols) = x.rows_cols();
+        if rows * cols == 0 {
+            return Ok(None);
+        }
+        let mut first = self
+            .gpu
+            .stream
+            .clone_htod(&[u64::MAX])
+            .map_err(|e| self.gpu.fail("a flag", Some(8), e))?;
+        let (r, c) = (i64_of(rows), i64_of(cols));
+        launch!(
+            self.gpu,
+            "first_non_finite_row",
+            grid_for(rows * cols),
+            &mut first,
+            &x.data,
+            &r,
+            &c
+        )?;
+        let host = self
+            .gpu
+            .stream
+            .clone_dtoh(&first)
+            .map_err(|e| self.gpu.fail("reading a flag", None, e))?;
+        Ok(host
+            .first()
+            .filter(|&&row| row != u64::MAX)
+            .map(|&row| row as usize))
+    }
+
+    fn select_rows(&self, x: &CudaAct, rows: &[usize]) -> BackendResult<CudaAct> {
+        let all = x.rows_cols().0;
+        if let Some(&r) = rows.iter().find(|&&r| r >= all) {
+            return Err(shape_err(format!("row {r} of {all}")));
+        }
+        let index: Vec<i64> = rows.iter().map(|&r| i64_of(r)).collect();
+        self.gather_rows(x, &index)
+    }
+
+    fn row_window(&self, x: &CudaAct, from: usize, count: usize) -> BackendResult<CudaAct> {
+        let all = x.rows_cols().0;
+        let index: Vec<i64> = (0..count)
+            .map(|i| match from.checked_add(i) {
+                Some(r) if r < all => i64_of(r),
+                _ => -1,
+            })
+            .collect();
+        self.gather_rows(x, &index)
+    }
+
+    fn alloc(&self, shape: &[usize], dtype: DType) -> BackendResult<CudaAct> {
+        if dtype != DType::F32 {
+            return Err(BackendError::Unsupported(format!(
+                "{dtype:?} activations; the CUDA backend computes activations in f32"
+            )));
+        }
+        self.zeros(shape.to_vec())
+    }
+
+    fn copy(&self, x: &CudaAct) -> BackendResult<CudaAct> {
+        let data = self
+            .gpu
+            .stream
+            .clone_dtod(&x.data)
+            .map_err(|e| self.gpu.fail("a copy", Some(x.data.len() * 4), e))?;
+        Ok(CudaAct {
+            shape: x.shape.clone(),
+            data,
+        })
+    }
+
+    fn release(&self, x: CudaAct) {
+        drop(x);
+    }
+
+    fn to_host(&self, x: CudaAct) -> BackendResult<Tensor> {
+        self.to_host_copy(&x)
+    }
+
+    fn upload_host(&self, x: &Tensor) -> BackendResult<CudaAct> {
+        let data = if x.data.is_empty() {
+            self.gpu
+                .stream
+                .alloc_zeros::<f32>(1)
+                .map_err(|e| self.gpu.fail("an activation", Some(4), e))?
+        } else {
+            self.upload_f32(&x.data, "an activation")?
+        };
+        Ok(CudaAct {
+            shape: x.shape.clone(),
+            data,
+        })
+    }
+}
+
+impl CudaBackend {
+    fn to_host_copy(&self, x: &CudaAct) -> BackendResult<Tensor> {
+        let n = x.elements();
+        Ok(Tensor::new(x.shape.clone(), self.download(&x.data, n)?))
+    }
+}
