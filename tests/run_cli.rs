@@ -737,3 +737,54 @@ fn pipeline_stages_from_compile_to_run() {
     let e = fails(&tpc(&["compile", MODEL, "--pp", "0"]));
     assert!(e.contains("--pp 0"), "{e}");
 }
+
+/// `--device`: cpu is the default and runs; a malformed value is a usage error; cuda in a
+/// build without the `cuda` feature says how to build one (with the feature and no driver,
+/// tests/cuda_device.rs checks the error instead).
+#[test]
+fn device_flag_is_parsed_and_cuda_needs_the_feature() {
+    let cpu = tpc(&[
+        "run",
+        MODEL,
+        "--tp",
+        "2",
+        "--device",
+        "cpu",
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "8",
+    ]);
+    assert_eq!(ok(&cpu).trim(), "59,40,188,239,174,169,126,162");
+    for bad in ["gpu", "cuda:", "cuda:x", "cuda:0,,1", "cuda:4096"] {
+        let o = tpc(&["run", MODEL, "--device", bad, "--prompt-ids", PROMPT]);
+        assert_eq!(o.status.code(), Some(2), "--device {bad}");
+    }
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    for args in [
+        vec![
+            "run",
+            MODEL,
+            "--tp",
+            "2",
+            "--device",
+            "cuda:0",
+            "--prompt-ids",
+            PROMPT,
+        ],
+        vec!["verify", MODEL, "--tp", "2", "--device", "cuda"],
+        vec![
+            "bench",
+            "models/tiny-llama.ron",
+            "--device",
+            "cuda",
+            "--prompt-len",
+            "4",
+        ],
+    ] {
+        let e = fails(&tpc(&args));
+        assert!(e.contains("--features cuda"), "{args:?}: {e}");
+    }
+}

@@ -83,6 +83,10 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
 /// How `run` and `bench` execute a plan: compute type, threads, profiling, repetitions.
 #[derive(Debug, clap::Args)]
 pub struct ExecArgs {
+    /// Where the ranks compute: cpu, cuda (every GPU, ranks round robin) or cuda:0,1,…
+    /// (needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: tpc::runtime::generate::Device,
     /// Compute type: auto (the checkpoint's), f32, or bf16 (bf16 weights, f32 accumulation).
     #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
     pub dtype: DtypeArg,
@@ -107,6 +111,10 @@ pub struct ExecArgs {
     pub isa: Option<tpc::runtime::kernels::Isa>,
 }
 
+pub fn parse_device(s: &str) -> Result<tpc::runtime::generate::Device, String> {
+    s.parse()
+}
+
 pub fn parse_isa(s: &str) -> Result<tpc::runtime::kernels::Isa, String> {
     s.parse()
         .map_err(|e: tpc::runtime::kernels::KernelError| e.to_string())
@@ -128,6 +136,7 @@ impl ExecArgs {
     /// Run options with these settings and defaults for the rest.
     pub fn options(&self) -> tpc::runtime::generate::RunOptions {
         tpc::runtime::generate::RunOptions {
+            device: self.device.clone(),
             dtype: self.dtype.into(),
             threads_per_rank: self.threads_per_rank as usize,
             profile: self.profile,

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::frontend::ModelDef;
-use tpc::runtime::verify::verify_plan;
+use tpc::runtime::verify::verify_plan_on;
 use tpc::runtime::weights::{Checkpoint, WeightSource};
 
 #[derive(Debug, clap::Args)]
@@ -33,6 +33,9 @@ pub struct Args {
     /// Print the comparison as JSON instead of one line.
     #[arg(long)]
     json: bool,
+    /// Where both sides compute: cpu, cuda or cuda:0,1,… (a build with `--features cuda`).
+    #[arg(long, default_value = "cpu", value_parser = super::parse_device)]
+    device: tpc::runtime::generate::Device,
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -64,12 +67,13 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         1 => many.tp.to_string(),
         pp => format!("{} pp={pp}", many.tp),
     };
-    let report = verify_plan(
+    let report = verify_plan_on(
         &def,
         &many,
         ckpt.as_ref().map(|c| c as &dyn WeightSource),
         a.seed,
         a.prompt_len,
+        &a.device,
     )?;
     if a.json {
         super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;

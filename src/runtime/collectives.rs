@@ -21,6 +21,12 @@ pub enum CollectiveError {
     },
     #[error("{during}: the buffers differ in dtype; every buffer of a collective has one dtype")]
     Dtype { during: &'static str },
+    /// Moving a device buffer to or from the host for a host communicator failed.
+    #[error("{during}: {problem}")]
+    Device {
+        during: &'static str,
+        problem: String,
+    },
 }
 
 /// Collective communication of one rank over buffers of type `A`. Every method is a

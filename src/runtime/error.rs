@@ -14,6 +14,15 @@ pub enum RunError {
     #[error(transparent)]
     Kernel(#[from] crate::runtime::kernels::KernelError),
 
+    /// GPUs (feature `cuda`): a missing library or device, a kernel that did not compile.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] crate::runtime::cuda::CudaError),
+
+    /// `--device cuda` where this tpc cannot run it.
+    #[error("{0}")]
+    DeviceUnavailable(String),
+
     #[error("checkpoint `{path}`: {problem}")]
     CheckpointFile { path: PathBuf, problem: String },
 

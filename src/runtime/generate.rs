@@ -56,6 +56,8 @@ impl ComputeDtype {
 
 #[derive(Clone)]
 pub struct RunOptions {
+    /// Where the ranks compute (`--device`): the CPU, or GPUs (feature `cuda`).
+    pub device: Device,
     pub dtype: ComputeDtype,
     /// The linear kernels' variant (`--isa`); `None`: the best this host runs.
     pub isa: Option<Isa>,
@@ -89,6 +91,7 @@ pub struct RunOptions {
 impl std::fmt::Debug for RunOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RunOptions")
+            .field("device", &self.device)
             .field("dtype", &self.dtype)
             .field("isa", &self.isa)
             .field("max_new_tokens", &self.max_new_tokens)
@@ -107,6 +110,7 @@ impl std::fmt::Debug for RunOptions {
 impl Default for RunOptions {
     fn default() -> Self {
         RunOptions {
+            device: Device::Cpu,
             dtype: ComputeDtype::Auto,
             max_new_tokens: 16,
             sampling: Sampling::default(),
@@ -121,6 +125,35 @@ impl Default for RunOptions {
             repeat: 1,
             progress: None,
             on_finished: None,
+        }
+    }
+}
+
+/// Where a run's ranks compute (`--device cpu|cuda|cuda:0,1,…`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// GPUs by ordinal, ranks dealt to them round robin; empty: every GPU the driver sees.
+    Cuda(Vec<usize>),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Device, String> {
+        let bad = || format!("`{s}`: expected cpu, cuda, or cuda:N[,N…] (GPU ordinals)");
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(Vec::new())),
+            _ => {
+                let list = s.strip_prefix("cuda:").ok_or_else(bad)?;
+                let ordinals = list
+                    .split(',')
+                    .map(|n| n.trim().parse::<usize>().ok().filter(|&n| n < 1024))
+                    .collect::<Option<Vec<usize>>>()
+                    .ok_or_else(bad)?;
+                Ok(Device::Cuda(ordinals))
+            }
         }
     }
 }

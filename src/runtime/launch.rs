@@ -10,7 +10,8 @@ use super::comm::{local_group, CommError, LocalComm, MAX_LOCAL_RANKS};
 use super::cpu::CpuBackend;
 use super::error::{Result, RunError};
 use super::generate::{
-    check_requests, rank_runtime, stage_runtime, BatchOutput, Request, RunOptions, SequenceOutput,
+    check_requests, rank_runtime, stage_runtime, BatchOutput, Device, Request, RunOptions,
+    SequenceOutput,
 };
 use super::kernels::Kernels;
 use super::rank_groups::rank_groups;
@@ -235,6 +236,9 @@ pub fn run_batch(
     requests: &[Request],
     opts: &RunOptions,
 ) -> Result<BatchOutput> {
+    if let Device::Cuda(listed) = &opts.device {
+        return run_on_gpus(plan, weights, requests, opts, listed);
+    }
     check_requests(plan, requests, opts)?;
     weights.check(plan)?;
     let (comms, pipes) = local_groups(plan)?;
@@ -261,6 +265,30 @@ pub fn run_batch(
     })?;
     out.linear_kernels = Some(kernels.linear_kernels(bf16));
     Ok(out)
+}
+
+#[cfg(feature = "cuda")]
+fn run_on_gpus(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    requests: &[Request],
+    opts: &RunOptions,
+    listed: &[usize],
+) -> Result<BatchOutput> {
+    super::cuda::launch::run_batch_cuda(plan, weights, requests, opts, listed)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_on_gpus(
+    _: &Plan,
+    _: &dyn WeightSource,
+    _: &[Request],
+    _: &RunOptions,
+    _: &[usize],
+) -> Result<BatchOutput> {
+    Err(RunError::DeviceUnavailable(
+        "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features cuda` (building needs no CUDA; running needs the NVIDIA driver, NVRTC and cuBLAS)".into(),
+    ))
 }
 
 /// Rank `rank`'s CPU backend: `threads` compute threads (on `placement`'s cores where it

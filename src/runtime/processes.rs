@@ -222,6 +222,11 @@ pub fn run_batch_mpi(
     opts: &RunOptions,
     dp: usize,
 ) -> Result<Option<BatchOutput>> {
+    if opts.device != super::generate::Device::Cpu {
+        return Err(RunError::DeviceUnavailable(
+            "--device cuda with ranks as MPI processes is not built yet (NCCL bootstrapped over MPI); run GPU ranks as threads of one process, without mpirun".into(),
+        ));
+    }
     let (me, world) = (mpi.rank(), mpi.size());
     let (tp, pp) = (plan.ranks.len(), plan.pp());
     let groups = rank_groups(world as u64, tp as u64, pp as u64, dp as u64)

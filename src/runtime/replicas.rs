@@ -52,9 +52,12 @@ pub fn run_replicas(
     }
     // Requests are checked by their index in the whole batch, before any replica starts.
     check_requests(plan, requests, opts)?;
-    // Every replica holds the weights: refuse what cannot fit before any is loaded.
-    let tokens = total_tokens(requests, opts);
-    super::memory::check_fits_copies(plan, opts.dtype.bf16_linears(plan), tokens, dp as u64)?;
+    // Every replica holds the weights: refuse what cannot fit before any is loaded (host
+    // memory; GPU ranks report their device's memory when they allocate).
+    if opts.device == super::generate::Device::Cpu {
+        let tokens = total_tokens(requests, opts);
+        super::memory::check_fits_copies(plan, opts.dtype.bf16_linears(plan), tokens, dp as u64)?;
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let ranks = plan.ranks.len().max(1).saturating_mul(dp);
     let threads = match opts.threads_per_rank {

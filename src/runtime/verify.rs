@@ -1,7 +1,7 @@
 //! `tpc verify`: the same inputs through tp=1 and tp=N, compared.
 
 use super::error::Result;
-use super::generate::{plan_vocab, RunOptions};
+use super::generate::{plan_vocab, Device, RunOptions};
 use super::launch::run;
 use super::random::RandomWeights;
 use super::sampling::Rng;
@@ -53,6 +53,18 @@ pub fn verify_plan(
     seed: u64,
     prompt_len: usize,
 ) -> Result<VerifyReport> {
+    verify_plan_on(def, many, weights, seed, prompt_len, &Device::Cpu)
+}
+
+/// [`verify_plan`] with both sides on `device` (`tpc verify --device`).
+pub fn verify_plan_on(
+    def: &ModelDef,
+    many: &Plan,
+    weights: Option<&dyn WeightSource>,
+    seed: u64,
+    prompt_len: usize,
+    device: &Device,
+) -> Result<VerifyReport> {
     let tp = many.tp;
     let one = compile(def, 1)?.plan;
     let random;
@@ -71,6 +83,7 @@ pub fn verify_plan(
     // The sharding is what is checked: kernels that keep activations f32 (see
     // `Kernels::exact`), so that only the order of f32 sums differs between the sides.
     let opts = RunOptions {
+        device: device.clone(),
         max_new_tokens: 4,
         isa: Some(crate::runtime::kernels::Kernels::exact().isa()),
         ..Default::default()
@@ -94,7 +107,10 @@ pub fn verify_plan(
     let rel = (diff2 / norm2.max(f64::MIN_POSITIVE)).sqrt();
     Ok(VerifyReport {
         tp,
-        isa: opts.isa.map_or_else(String::new, |i| i.name().to_string()),
+        isa: match device {
+            Device::Cpu => opts.isa.map_or_else(String::new, |i| i.name().to_string()),
+            Device::Cuda(_) => "cuda".to_string(),
+        },
         prompt,
         max_abs_error: max_abs,
         rel_error: rel,

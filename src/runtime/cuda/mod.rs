@@ -5,8 +5,10 @@
 //! [`CudaError`], never a panic.
 
 pub mod backend;
+pub mod comm;
 pub mod device;
 mod error;
+pub mod launch;
 pub mod nvrtc;
 pub mod probe;
 pub mod sources;
