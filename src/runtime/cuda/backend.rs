@@ -18,6 +18,7 @@ use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
+use std::sync::Arc;
 
 /// Pushes the arguments and launches kernel `$name` on the rank's stream.
 macro_rules! launch {
@@ -35,7 +36,7 @@ macro_rules! launch {
 }
 
 pub struct CudaBackend {
-    gpu: GpuRank,
+    gpu: Arc<GpuRank>,
     bf16_linears: bool,
     /// Host fallback for what is small and rare (top-k candidates for sampling).
     host: CpuBackend,
@@ -132,7 +133,7 @@ fn elements(shape: &[usize]) -> BackendResult<usize> {
 }
 
 impl CudaBackend {
-    pub fn new(gpu: GpuRank, bf16_linears: bool) -> CudaBackend {
+    pub fn new(gpu: Arc<GpuRank>, bf16_linears: bool) -> CudaBackend {
         CudaBackend {
             gpu,
             bf16_linears,

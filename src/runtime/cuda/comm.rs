@@ -1,13 +1,17 @@
 //! Collectives for GPU ranks through a host communicator: each call copies the device
 //! buffers to the host, runs the host collective (threads in one process, or MPI processes)
 //! and copies the result back. Correct on any set of GPUs, one or many, and exactly the host
-//! runtime's sums; slow (two copies per call). NCCL and the same-GPU one-shot kernel
-//! (`kernels/allreduce.cu`) are the fast paths still to come.
+//! runtime's sums; slow (two copies per call). [`GpuComm`] adds the fast path for ranks that
+//! share one GPU: the all-reduce as one kernel per rank ([`super::one_shot`]). NCCL between
+//! GPUs is still to come.
 
 use super::backend::CudaAct;
+use super::device::GpuRank;
+use super::one_shot::{self, OneShotGroup};
 use crate::ir::CollectiveAlgorithm;
 use crate::runtime::collectives::{CollectiveError, Collectives};
 use crate::runtime::comm::Communicator;
+use std::sync::{Arc, OnceLock};
 
 pub struct StagedComm<C> {
     host: C,
@@ -108,5 +112,82 @@ impl<C: Communicator> Collectives<CudaAct> for StagedComm<C> {
     }
     fn abort(&mut self) {
         self.host.abort();
+    }
+}
+
+/// A GPU rank's communicator: every collective staged through the host, except the
+/// all-reduce of a group whose ranks share one GPU, which runs on the device.
+pub struct GpuComm<C> {
+    staged: StagedComm<C>,
+    one_shot: Option<OneShotLink>,
+}
+
+/// This rank's part of a one-GPU group: the shared state, and the rank's GPU once its
+/// backend has opened it (the communicator is made before the rank's thread starts).
+pub struct OneShotLink {
+    pub group: Arc<OneShotGroup>,
+    pub gpu: Arc<OnceLock<Arc<GpuRank>>>,
+}
+
+impl<C: Communicator> GpuComm<C> {
+    pub fn new(host: C, one_shot: Option<OneShotLink>) -> GpuComm<C> {
+        GpuComm {
+            staged: StagedComm::new(host),
+            one_shot,
+        }
+    }
+}
+
+impl<C: Communicator> Collectives<CudaAct> for GpuComm<C> {
+    fn rank(&self) -> usize {
+        self.staged.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.staged.world_size()
+    }
+    fn all_reduce_sum(&mut self, buf: &mut CudaAct) -> Result<(), CollectiveError> {
+        self.all_reduce_sum_planned(buf, None).map(|_| ())
+    }
+    fn all_reduce_sum_planned(
+        &mut self,
+        buf: &mut CudaAct,
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<Option<CollectiveAlgorithm>, CollectiveError> {
+        let link = self
+            .one_shot
+            .as_ref()
+            .and_then(|l| Some((&l.group, l.gpu.get()?)));
+        let Some((group, gpu)) = link else {
+            return self.staged.all_reduce_sum_planned(buf, algorithm);
+        };
+        let rank = self.staged.host.rank();
+        let host = &mut self.staged.host;
+        one_shot::all_reduce(group, gpu, rank, buf, &mut || Ok(host.barrier()?))?;
+        Ok(Some(CollectiveAlgorithm::OneShot))
+    }
+    fn all_gather(&mut self, local: &CudaAct, out: &mut CudaAct) -> Result<(), CollectiveError> {
+        self.staged.all_gather(local, out)
+    }
+    fn reduce_scatter_sum(
+        &mut self,
+        input: &CudaAct,
+        out: &mut CudaAct,
+    ) -> Result<(), CollectiveError> {
+        self.staged.reduce_scatter_sum(input, out)
+    }
+    fn broadcast(&mut self, buf: &mut CudaAct, root: usize) -> Result<(), CollectiveError> {
+        self.staged.broadcast(buf, root)
+    }
+    fn send(&mut self, buf: &CudaAct, to: usize) -> Result<(), CollectiveError> {
+        self.staged.send(buf, to)
+    }
+    fn recv(&mut self, buf: &mut CudaAct, from: usize) -> Result<(), CollectiveError> {
+        self.staged.recv(buf, from)
+    }
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        self.staged.barrier()
+    }
+    fn abort(&mut self) {
+        self.staged.abort();
     }
 }

@@ -1,17 +1,20 @@
 //! GPU ranks as threads of this process: `tpc run --device cuda[:N,…]`. Every rank opens
 //! its GPU (ranks dealt to the listed GPUs round robin, so tp 2…8 fits on one GPU), loads
 //! only its own weight slices there, and talks to its peers through the host communicator
-//! of the threaded runtime, staged ([`super::comm::StagedComm`]).
+//! of the threaded runtime, staged ([`super::comm::StagedComm`]), except that a tp group on
+//! one GPU all-reduces there ([`super::one_shot`]).
 
 use super::backend::CudaBackend;
-use super::comm::StagedComm;
+use super::comm::{GpuComm, OneShotLink};
 use super::device::{device_count, GpuRank};
+use super::one_shot::OneShotGroup;
 use super::CudaError;
 use crate::plan::Plan;
 use crate::runtime::error::Result;
 use crate::runtime::generate::{check_requests, BatchOutput, Request, RunOptions};
 use crate::runtime::launch::{launch_stages, local_groups};
 use crate::runtime::weights::WeightSource;
+use std::sync::{Arc, OnceLock};
 
 /// The GPUs a run uses: the listed ordinals, or every GPU the driver sees.
 pub fn gpus(listed: &[usize]) -> std::result::Result<Vec<usize>, CudaError> {
@@ -42,11 +45,36 @@ pub fn run_batch_cuda(
     let devices = gpus(listed)?;
     weights.check(plan)?;
     let (comms, pipes) = local_groups(plan)?;
-    let comms: Vec<StagedComm<_>> = comms.into_iter().map(StagedComm::new).collect();
-    let pipes: Vec<StagedComm<_>> = pipes.into_iter().map(StagedComm::new).collect();
+    let tp = plan.ranks.len().max(1);
+    let ordinal = |rank: usize| devices[rank % devices.len()];
+    // A tp group whose ranks share one GPU all-reduces on it (global ranks g·tp .. g·tp+tp).
+    let gpus: Vec<Arc<OnceLock<Arc<GpuRank>>>> = (0..comms.len())
+        .map(|_| Arc::new(OnceLock::new()))
+        .collect();
+    let mut groups = Vec::with_capacity(comms.len());
+    for g in 0..comms.len() {
+        let first = g - g % tp;
+        let shared = (first..first + tp).all(|r| ordinal(r) == ordinal(g));
+        if g % tp == 0 {
+            groups.push(if shared { OneShotGroup::new(tp) } else { None });
+        }
+    }
+    let comms: Vec<GpuComm<_>> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(g, host)| {
+            let link = groups[g / tp].clone().map(|group| OneShotLink {
+                group,
+                gpu: gpus[g].clone(),
+            });
+            GpuComm::new(host, link)
+        })
+        .collect();
+    let pipes: Vec<GpuComm<_>> = pipes.into_iter().map(|p| GpuComm::new(p, None)).collect();
     let bf16 = opts.dtype.bf16_linears(plan);
     let make = |rank: usize| -> Result<CudaBackend> {
-        let gpu = GpuRank::open(rank, devices[rank % devices.len()])?;
+        let gpu = Arc::new(GpuRank::open(rank, ordinal(rank))?);
+        let _ = gpus[rank].set(gpu.clone());
         Ok(CudaBackend::new(gpu, bf16))
     };
     launch_stages(plan, weights, comms, pipes, &make, &|rt| {

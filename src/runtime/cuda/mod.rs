@@ -10,6 +10,7 @@ pub mod device;
 mod error;
 pub mod launch;
 pub mod nvrtc;
+pub mod one_shot;
 pub mod probe;
 pub mod sources;
 
