@@ -2,11 +2,12 @@
 //! buffers to the host, runs the host collective (threads in one process, or MPI processes)
 //! and copies the result back. Correct on any set of GPUs, one or many, and exactly the host
 //! runtime's sums; slow (two copies per call). [`GpuComm`] adds the fast path for ranks that
-//! share one GPU: the all-reduce as one kernel per rank ([`super::one_shot`]). NCCL between
-//! GPUs is still to come.
+//! share one GPU: the all-reduce as one kernel per rank ([`super::one_shot`]), and NCCL's
+//! all-reduce for ranks on distinct GPUs ([`super::nccl`]).
 
 use super::backend::CudaAct;
 use super::device::GpuRank;
+use super::nccl::NcclLink;
 use super::one_shot::{self, OneShotGroup};
 use crate::ir::CollectiveAlgorithm;
 use crate::runtime::collectives::{CollectiveError, Collectives};
@@ -120,6 +121,7 @@ impl<C: Communicator> Collectives<CudaAct> for StagedComm<C> {
 pub struct GpuComm<C> {
     staged: StagedComm<C>,
     one_shot: Option<OneShotLink>,
+    nccl: Option<NcclLink>,
 }
 
 /// This rank's part of a one-GPU group: the shared state, and the rank's GPU once its
@@ -130,10 +132,13 @@ pub struct OneShotLink {
 }
 
 impl<C: Communicator> GpuComm<C> {
-    pub fn new(host: C, one_shot: Option<OneShotLink>) -> GpuComm<C> {
+    /// Staged collectives, with the all-reduce on the GPU when the group shares one
+    /// (`one_shot`) or through NCCL when its ranks are on distinct GPUs (`nccl`).
+    pub fn new(host: C, one_shot: Option<OneShotLink>, nccl: Option<NcclLink>) -> GpuComm<C> {
         GpuComm {
             staged: StagedComm::new(host),
             one_shot,
+            nccl,
         }
     }
 }
@@ -153,6 +158,10 @@ impl<C: Communicator> Collectives<CudaAct> for GpuComm<C> {
         buf: &mut CudaAct,
         algorithm: Option<CollectiveAlgorithm>,
     ) -> Result<Option<CollectiveAlgorithm>, CollectiveError> {
+        if let Some(nccl) = &mut self.nccl {
+            nccl.all_reduce(buf)?;
+            return Ok(None);
+        }
         let link = self
             .one_shot
             .as_ref()

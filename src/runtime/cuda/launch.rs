@@ -7,6 +7,7 @@
 use super::backend::CudaBackend;
 use super::comm::{GpuComm, OneShotLink};
 use super::device::{device_count, GpuRank};
+use super::nccl::{new_id, IdBytes, NcclLink};
 use super::one_shot::OneShotGroup;
 use super::CudaError;
 use crate::plan::Plan;
@@ -15,6 +16,13 @@ use crate::runtime::generate::{check_requests, BatchOutput, Request, RunOptions}
 use crate::runtime::launch::{launch_stages, local_groups};
 use crate::runtime::weights::WeightSource;
 use std::sync::{Arc, OnceLock};
+
+/// How a tp group all-reduces.
+enum GroupPath {
+    Staged,
+    OneShot(Arc<OneShotGroup>),
+    Nccl(IdBytes),
+}
 
 /// The GPUs a run uses: the listed ordinals, or every GPU the driver sees.
 pub fn gpus(listed: &[usize]) -> std::result::Result<Vec<usize>, CudaError> {
@@ -51,26 +59,44 @@ pub fn run_batch_cuda(
     let gpus: Vec<Arc<OnceLock<Arc<GpuRank>>>> = (0..comms.len())
         .map(|_| Arc::new(OnceLock::new()))
         .collect();
-    let mut groups = Vec::with_capacity(comms.len());
-    for g in 0..comms.len() {
-        let first = g - g % tp;
-        let shared = (first..first + tp).all(|r| ordinal(r) == ordinal(g));
-        if g % tp == 0 {
-            groups.push(if shared { OneShotGroup::new(tp) } else { None });
-        }
+    // Per tp group: one GPU → the one-shot kernel; distinct GPUs → NCCL; else staged.
+    let mut groups = Vec::with_capacity(comms.len() / tp);
+    for first in (0..comms.len()).step_by(tp) {
+        let mut on: Vec<usize> = (first..first + tp).map(ordinal).collect();
+        on.sort_unstable();
+        on.dedup();
+        groups.push(if tp == 1 {
+            GroupPath::Staged
+        } else if on.len() == 1 {
+            OneShotGroup::new(tp).map_or(GroupPath::Staged, GroupPath::OneShot)
+        } else if on.len() == tp {
+            GroupPath::Nccl(new_id()?)
+        } else {
+            GroupPath::Staged
+        });
     }
     let comms: Vec<GpuComm<_>> = comms
         .into_iter()
         .enumerate()
-        .map(|(g, host)| {
-            let link = groups[g / tp].clone().map(|group| OneShotLink {
-                group,
-                gpu: gpus[g].clone(),
-            });
-            GpuComm::new(host, link)
+        .map(|(g, host)| match &groups[g / tp] {
+            GroupPath::Staged => GpuComm::new(host, None, None),
+            GroupPath::OneShot(group) => {
+                let link = OneShotLink {
+                    group: group.clone(),
+                    gpu: gpus[g].clone(),
+                };
+                GpuComm::new(host, Some(link), None)
+            }
+            GroupPath::Nccl(id) => {
+                let link = NcclLink::new(*id, g % tp, tp, gpus[g].clone());
+                GpuComm::new(host, None, Some(link))
+            }
         })
         .collect();
-    let pipes: Vec<GpuComm<_>> = pipes.into_iter().map(|p| GpuComm::new(p, None)).collect();
+    let pipes: Vec<GpuComm<_>> = pipes
+        .into_iter()
+        .map(|p| GpuComm::new(p, None, None))
+        .collect();
     let bf16 = opts.dtype.bf16_linears(plan);
     let make = |rank: usize| -> Result<CudaBackend> {
         let gpu = Arc::new(GpuRank::open(rank, ordinal(rank))?);

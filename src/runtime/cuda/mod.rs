@@ -9,6 +9,7 @@ pub mod comm;
 pub mod device;
 mod error;
 pub mod launch;
+pub mod nccl;
 pub mod nvrtc;
 pub mod one_shot;
 pub mod probe;
