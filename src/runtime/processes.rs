@@ -13,8 +13,8 @@
 use super::comm::MpiComm;
 use super::error::{Result, RunError};
 use super::generate::{
-    check_requests, rank_runtime, stage_runtime, total_tokens, BatchOutput, Request, RunOptions,
-    SequenceOutput,
+    check_requests, rank_runtime, stage_runtime, total_tokens, BatchOutput, Device, Request,
+    RunOptions, SequenceOutput,
 };
 use super::kernels::Kernels;
 use super::launch::cpu_backend;
@@ -222,11 +222,6 @@ pub fn run_batch_mpi(
     opts: &RunOptions,
     dp: usize,
 ) -> Result<Option<BatchOutput>> {
-    if opts.device != super::generate::Device::Cpu {
-        return Err(RunError::DeviceUnavailable(
-            "--device cuda with ranks as MPI processes is not built yet (NCCL bootstrapped over MPI); run GPU ranks as threads of one process, without mpirun".into(),
-        ));
-    }
     let (me, world) = (mpi.rank(), mpi.size());
     let (tp, pp) = (plan.ranks.len(), plan.pp());
     let groups = rank_groups(world as u64, tp as u64, pp as u64, dp as u64)
@@ -251,7 +246,16 @@ pub fn run_batch_mpi(
         .map(|(_, r)| r.clone())
         .collect();
     let mut outcome = Ok(None);
-    if !mine.is_empty() {
+    if let (false, Device::Cuda(listed)) = (mine.is_empty(), &opts.device) {
+        let gpu = GpuProcess {
+            mpi,
+            me,
+            tp_rank: coords.tp,
+            stage: coords.pp,
+            listed,
+        };
+        outcome = generate_on_gpu(&gpu, plan, weights, &mine, opts, comm, pipe).map(Some);
+    } else if !mine.is_empty() {
         let bf16 = opts.dtype.bf16_linears(plan);
         super::memory::check_fits(plan, bf16, total_tokens(&mine, opts))?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -297,6 +301,91 @@ pub fn run_batch_mpi(
     }
     mpi.world.barrier();
     Ok(Some(merge(parts, requests.len(), out.unwrap_or_default())))
+}
+
+/// A GPU rank's place among the processes (read only by the `cuda` build's path).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct GpuProcess<'a> {
+    mpi: &'a MpiWorld,
+    me: usize,
+    tp_rank: usize,
+    stage: usize,
+    listed: &'a [usize],
+}
+
+/// This process's rank on a GPU: the processes on a host take its GPUs (the listed ones, or
+/// all) in turn by their rank on the host; the tp group all-reduces through NCCL, its unique
+/// id made by tp rank 0 and broadcast over the group's MPI communicator (so every rank of a
+/// tp group needs a GPU of its own); everything else is staged through MPI.
+#[cfg(feature = "cuda")]
+fn generate_on_gpu(
+    p: &GpuProcess<'_>,
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    mine: &[Request],
+    opts: &RunOptions,
+    mut comm: MpiComm,
+    pipe: Option<MpiComm>,
+) -> Result<BatchOutput> {
+    use super::cuda::backend::CudaBackend;
+    use super::cuda::comm::GpuComm;
+    use super::cuda::device::GpuRank;
+    use super::cuda::nccl::{new_id, IdBytes, NcclLink};
+    use std::sync::{Arc, OnceLock};
+    let devices = super::cuda::launch::gpus(p.listed)?;
+    let on_host = p.mpi.world.split_shared(p.me as i32).rank().max(0) as usize;
+    let gpu = Arc::new(GpuRank::open(p.me, devices[on_host % devices.len()])?);
+    let tp = plan.ranks.len();
+    let nccl = if tp > 1 {
+        let mut id: IdBytes = [0; 128];
+        if p.tp_rank == 0 {
+            id = new_id()?;
+        }
+        let mut bytes: Vec<u8> = id.iter().map(|&c| c as u8).collect();
+        comm.broadcast_bytes(&mut bytes, 0)?;
+        for (c, b) in id.iter_mut().zip(&bytes) {
+            *c = *b as std::ffi::c_char;
+        }
+        let slot = Arc::new(OnceLock::new());
+        let _ = slot.set(gpu.clone());
+        Some(NcclLink::new(id, p.tp_rank, tp, slot))
+    } else {
+        None
+    };
+    let comm = GpuComm::new(comm, None, nccl);
+    let backend = CudaBackend::new(gpu, opts.dtype.bf16_linears(plan));
+    let stage;
+    let mut rt = match pipe {
+        Some(pipe) => {
+            stage =
+                stage_program(plan, p.tp_rank, p.stage).map_err(|e| RunError::Input(e.into()))?;
+            stage_runtime(
+                &stage,
+                backend,
+                comm,
+                GpuComm::new(pipe, None, None),
+                weights,
+            )?
+        }
+        None => rank_runtime(plan, p.tp_rank, backend, comm, weights)?,
+    };
+    injected_fault(p.me)?;
+    rt.generate(mine, opts)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn generate_on_gpu(
+    _: &GpuProcess<'_>,
+    _: &Plan,
+    _: &dyn WeightSource,
+    _: &[Request],
+    _: &RunOptions,
+    _: MpiComm,
+    _: Option<MpiComm>,
+) -> Result<BatchOutput> {
+    Err(RunError::DeviceUnavailable(
+        "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features mpi,cuda`".into(),
+    ))
 }
 
 /// The replicas' results in request order; timings are the slowest replica's, the other

@@ -69,6 +69,24 @@ fn tag_of(dtype: DType) -> i32 {
 }
 
 impl MpiComm {
+    /// `buf` ← `buf` of `root`, as bytes (an opaque token such as NCCL's unique id; every
+    /// rank passes a buffer of the same length).
+    pub fn broadcast_bytes(&mut self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        let during = Collective::Broadcast;
+        self.check_usable(during)?;
+        if root >= self.n {
+            return Err(CommError::BadRank {
+                rank: self.rank,
+                during,
+                peer: root,
+                world_size: self.n,
+                what: "it is not in the group",
+            });
+        }
+        self.comm.process_at_rank(root as i32).broadcast_into(buf);
+        Ok(())
+    }
+
     /// This process's rank of `comm` (a communicator of the initialized MPI world).
     pub fn new(comm: SimpleCommunicator) -> MpiComm {
         MpiComm {
