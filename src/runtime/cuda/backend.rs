@@ -6,7 +6,7 @@
 //! Not yet: CUDA graphs for decode, a tiled prefill attention, split-K decode attention for
 //! long contexts (see `kernels/attention.cu`).
 
-use super::device::{blocks_of, grid_for, GpuRank};
+use super::device::{blocks_of, grid_dim, grid_dim_y, grid_for, GpuRank};
 use crate::ir::{ActivationKind, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
 use crate::runtime::backend::{
@@ -362,7 +362,7 @@ impl CudaBackend {
         launch!(
             self.gpu,
             "argmax_pairs",
-            blocks_of(rows, 256),
+            blocks_of(rows, 256)?,
             &mut out.data,
             &x.data,
             &c,
@@ -460,7 +460,7 @@ impl Backend for CudaBackend {
         }
         let dev_ids = self.upload_i64(ids, "token ids")?;
         let (r, c, o) = (i64_of(rows), i64_of(cols), i64_of(offset));
-        let cfg = blocks_of(ids.len(), 256);
+        let cfg = blocks_of(ids.len(), 256)?;
         match &table.data {
             WeightData::F32(t) => launch!(
                 self.gpu,
@@ -565,7 +565,7 @@ impl Backend for CudaBackend {
         launch!(
             self.gpu,
             "rms_norm",
-            blocks_of(groups, threads),
+            blocks_of(groups, threads)?,
             &mut out.data,
             &x.data,
             scales,
@@ -599,7 +599,7 @@ impl Backend for CudaBackend {
         launch!(
             self.gpu,
             "layer_norm",
-            blocks_of(rows, 256),
+            blocks_of(rows, 256)?,
             &mut out.data,
             &x.data,
             scales,
@@ -647,7 +647,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, heads as u32, 1),
+            grid_dim: (grid_dim(rows)?, grid_dim_y(heads)?, 1),
             block_dim: (half.next_multiple_of(32).min(128) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -747,7 +747,7 @@ impl Backend for CudaBackend {
                 .memcpy_dtod(&v.data.slice(from..to), &mut vc.slice_mut(at..upto))
                 .map_err(|e| self.gpu.fail("appending values", None, e))?;
             let cfg = LaunchConfig {
-                grid_dim: (new as u32, q_heads as u32, 1),
+                grid_dim: (grid_dim(new)?, grid_dim_y(q_heads)?, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };

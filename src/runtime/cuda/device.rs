@@ -125,11 +125,27 @@ pub fn grid_for(n: usize) -> LaunchConfig {
     }
 }
 
+/// A grid's x dimension: at most 2^31 − 1 blocks.
+pub fn grid_dim(n: usize) -> Result<u32, BackendError> {
+    u32::try_from(n.max(1))
+        .ok()
+        .filter(|&d| d <= i32::MAX as u32)
+        .ok_or_else(|| BackendError::Unsupported(format!("a launch of {n} blocks")))
+}
+
+/// A grid's y dimension: at most 65535 blocks (heads, in practice).
+pub fn grid_dim_y(n: usize) -> Result<u32, BackendError> {
+    u32::try_from(n.max(1))
+        .ok()
+        .filter(|&d| d <= 65535)
+        .ok_or_else(|| BackendError::Unsupported(format!("a launch of {n} blocks in y")))
+}
+
 /// One block per item (`items` blocks), `threads` threads each (a multiple of 32).
-pub fn blocks_of(items: usize, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (items.max(1) as u32, 1, 1),
+pub fn blocks_of(items: usize, threads: u32) -> Result<LaunchConfig, BackendError> {
+    Ok(LaunchConfig {
+        grid_dim: (grid_dim(items)?, 1, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
-    }
+    })
 }
