@@ -72,6 +72,13 @@ impl MpiComm {
     /// `buf` ← `buf` of `root`, as bytes (an opaque token such as NCCL's unique id; every
     /// rank passes a buffer of the same length).
     pub fn broadcast_bytes(&mut self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        self.check_root(root)?;
+        self.comm.process_at_rank(root as i32).broadcast_into(buf);
+        Ok(())
+    }
+
+    /// A broadcast's root must be a usable member of the group.
+    fn check_root(&self, root: usize) -> Result<(), CommError> {
         let during = Collective::Broadcast;
         self.check_usable(during)?;
         if root >= self.n {
@@ -83,7 +90,6 @@ impl MpiComm {
                 what: "it is not in the group",
             });
         }
-        self.comm.process_at_rank(root as i32).broadcast_into(buf);
         Ok(())
     }
 
@@ -241,18 +247,8 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
-        let during = Collective::Broadcast;
-        self.check_usable(during)?;
-        if root >= self.n {
-            return Err(CommError::BadRank {
-                rank: self.rank,
-                during,
-                peer: root,
-                world_size: self.n,
-                what: "it is not in the group",
-            });
-        }
-        self.count::<T>(buf.len(), 1, during)?;
+        self.check_root(root)?;
+        self.count::<T>(buf.len(), 1, Collective::Broadcast)?;
         self.comm
             .process_at_rank(root as i32)
             .broadcast_into(bytes_mut(buf));

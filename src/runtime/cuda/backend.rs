@@ -237,68 +237,52 @@ impl CudaBackend {
                 Some(r)
             }
         };
-        let (out_ptr, _o) = out.data.device_ptr_mut(&stream);
-        let status = match (&w.data, &rounded) {
-            (WeightData::F32(wd), _) => {
-                let (wp, _w) = wd.device_ptr(&stream);
-                let (xp, _x) = x.data.device_ptr(&stream);
-                // SAFETY: W holds n·k, x m·k and out m·n f32 values (checked by the
-                // caller and allocated here); the handle runs on this rank's stream.
-                unsafe {
-                    cudarc::cublas::result::gemm_ex(
-                        *self.gpu.blas.handle(),
-                        trans_w,
-                        blas::cublasOperation_t::CUBLAS_OP_N,
-                        ni,
-                        mi,
-                        ki,
-                        &alpha as *const f32 as *const c_void,
-                        wp as *const c_void,
-                        blas::cudaDataType::CUDA_R_32F,
-                        ld_w,
-                        xp as *const c_void,
-                        blas::cudaDataType::CUDA_R_32F,
-                        ki,
-                        &beta as *const f32 as *const c_void,
-                        out_ptr as *mut c_void,
-                        blas::cudaDataType::CUDA_R_32F,
-                        ni,
-                        blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                }
+        // The operands' addresses and element type; the guards keep cudarc's stream
+        // ordering until the call is enqueued.
+        let ((wp, _w), (xp, _x), operands) = match (&w.data, &rounded) {
+            (WeightData::F32(wd), _) => (
+                wd.device_ptr(&stream),
+                x.data.device_ptr(&stream),
+                blas::cudaDataType::CUDA_R_32F,
+            ),
+            (WeightData::Bf16(wd), Some(r)) => (
+                wd.device_ptr(&stream),
+                r.device_ptr(&stream),
+                blas::cudaDataType::CUDA_R_16BF,
+            ),
+            (WeightData::Bf16(_), None) => {
+                return Err(BackendError::Device(
+                    "bf16 weights without rounded activations (a bug in tpc)".into(),
+                ))
             }
-            (WeightData::Bf16(wd), Some(r)) => {
-                let (wp, _w) = wd.device_ptr(&stream);
-                let (xp, _x) = r.device_ptr(&stream);
-                // SAFETY: as above, with W and the rounded x in bf16 and out in f32.
-                unsafe {
-                    cudarc::cublas::result::gemm_ex(
-                        *self.gpu.blas.handle(),
-                        trans_w,
-                        blas::cublasOperation_t::CUBLAS_OP_N,
-                        ni,
-                        mi,
-                        ki,
-                        &alpha as *const f32 as *const c_void,
-                        wp as *const c_void,
-                        blas::cudaDataType::CUDA_R_16BF,
-                        ld_w,
-                        xp as *const c_void,
-                        blas::cudaDataType::CUDA_R_16BF,
-                        ki,
-                        &beta as *const f32 as *const c_void,
-                        out_ptr as *mut c_void,
-                        blas::cudaDataType::CUDA_R_32F,
-                        ni,
-                        blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                }
-            }
-            (WeightData::Bf16(_), None) => unreachable!("bf16 weights always round x"),
         };
-        drop(_o);
+        let (out_ptr, _o) = out.data.device_ptr_mut(&stream);
+        // SAFETY: W holds n·k and x m·k values of `operands`' type, out m·n f32 values
+        // (checked by the caller and allocated here); the handle runs on this rank's stream.
+        let status = unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.gpu.blas.handle(),
+                trans_w,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                ni,
+                mi,
+                ki,
+                &alpha as *const f32 as *const c_void,
+                wp as *const c_void,
+                operands,
+                ld_w,
+                xp as *const c_void,
+                operands,
+                ki,
+                &beta as *const f32 as *const c_void,
+                out_ptr as *mut c_void,
+                blas::cudaDataType::CUDA_R_32F,
+                ni,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        drop((_o, _w, _x));
         status.map_err(|e| {
             BackendError::Device(format!(
                 "rank {} on GPU {}: cuBLAS GEMM [{m}, {k}] x [{k}, {n}]: {e:?}",
