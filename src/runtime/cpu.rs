@@ -12,6 +12,7 @@ use super::kernels::Kernels;
 use super::packed::PackedMatrix;
 use super::rope::{self, RopeTables};
 use super::sampling::candidate_order;
+use super::shape_rules;
 use super::simd::with_avx2;
 use super::team::Team;
 use super::tensor::{pool, Tensor};
@@ -394,14 +395,7 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &Tensor, w: &CpuWeight, group: usize, eps: f32) -> BackendResult<Tensor> {
         let w = &w.dense()?.data;
-        let group = group.max(1);
-        if !x.cols().is_multiple_of(group) || w.len() != group {
-            return Err(shape_err(format!(
-                "RMSNorm over groups of {group} with {} scales on rows of {}",
-                w.len(),
-                x.cols()
-            )));
-        }
+        let group = shape_rules::rms_norm_group(x.cols(), group, w.len())?;
         let mut out = x.pooled_copy();
         self.team
             .for_each_part(&mut out.data, group, PARALLEL_MIN, &|part, _| {
@@ -425,12 +419,13 @@ impl Backend for CpuBackend {
         algorithm: Option<CollectiveAlgorithm>,
     ) -> Result<(Tensor, Option<CollectiveAlgorithm>), ReduceNormError> {
         let scales = &w.dense().map_err(ReduceNormError::Norm)?.data;
-        let (group, cols) = (group.max(1), sum.cols());
-        if cols == 0 || !cols.is_multiple_of(group) || scales.len() != group {
-            return Err(ReduceNormError::Norm(shape_err(format!(
-                "RMSNorm over groups of {group} with {} scales on rows of {cols}",
-                scales.len()
-            ))));
+        let cols = sum.cols();
+        let group = shape_rules::rms_norm_group(cols, group, scales.len())
+            .map_err(ReduceNormError::Norm)?;
+        if cols == 0 {
+            return Err(ReduceNormError::Norm(shape_err(
+                "RMSNorm of rows with no columns".into(),
+            )));
         }
         let fused = if self.team.size() > 1 && sum.data.len() >= PARALLEL_MIN {
             None
@@ -458,13 +453,7 @@ impl Backend for CpuBackend {
     ) -> BackendResult<Tensor> {
         let (w, b) = (&w.dense()?.data, &b.dense()?.data);
         let cols = x.cols();
-        if w.len() != cols || b.len() != cols {
-            return Err(shape_err(format!(
-                "LayerNorm with {} scales and {} shifts on rows of {cols}",
-                w.len(),
-                b.len()
-            )));
-        }
+        shape_rules::layer_norm(cols, w.len(), b.len())?;
         let mut out = x.pooled_copy();
         for (row, o) in x.data.chunks(cols).zip(out.data.chunks_mut(cols)) {
             let mean = row.iter().map(|&v| v as f64).sum::<f64>() / cols as f64;
@@ -560,22 +549,8 @@ impl Backend for CpuBackend {
     ) -> BackendResult<Tensor> {
         let (rows, qcols) = q.rows_cols();
         let (kcols, vcols) = (k.cols(), v.cols());
-        let ok = d > 0
-            && qcols % d == 0
-            && kcols % d == 0
-            && kcols == vcols
-            && kcols > 0
-            && (qcols / d).is_multiple_of(kcols / d)
-            && k.rows_cols().0 == rows
-            && v.rows_cols().0 == rows;
-        if !ok {
-            return Err(shape_err(format!(
-                "attention of q [{rows}, {qcols}], k [{}, {kcols}], v [{}, {vcols}] with heads of {d}",
-                k.rows_cols().0,
-                v.rows_cols().0
-            )));
-        }
-        let kv_heads = kcols / d;
+        let (_, kv_heads) =
+            shape_rules::attention_heads((rows, qcols), k.rows_cols(), v.rows_cols(), d)?;
         let single = matches!(segments, [s] if s.rows == (0..rows));
         let mut out = if single {
             None
@@ -630,12 +605,7 @@ impl Backend for CpuBackend {
 
     fn unfuse(&self, x: &Tensor, block: usize, offset: usize, len: usize) -> BackendResult<Tensor> {
         let n = x.cols();
-        if block == 0 || offset + len > block || !n.is_multiple_of(block) {
-            return Err(shape_err(format!(
-                "columns {offset}..{} of blocks of {block} from rows of {n}",
-                offset + len
-            )));
-        }
+        shape_rules::unfuse(n, block, offset, len)?;
         let mut out = pool::empty(x.data.len() / block * len);
         for chunk in x.data.chunks(block) {
             out.extend_from_slice(&chunk[offset..offset + len]);
@@ -645,11 +615,7 @@ impl Backend for CpuBackend {
 
     fn column_block(&self, x: &Tensor, k: usize, parts: usize) -> BackendResult<Tensor> {
         let n = x.cols();
-        if parts == 0 || !n.is_multiple_of(parts) || k >= parts {
-            return Err(shape_err(format!(
-                "column block {k} of {parts} from rows of {n}"
-            )));
-        }
+        shape_rules::column_block(n, k, parts)?;
         let mut out = pool::empty(x.data.len() / parts);
         x.push_column_block(k, parts, &mut out);
         Ok(x.with_cols(n / parts, out))
@@ -657,9 +623,7 @@ impl Backend for CpuBackend {
 
     fn rows_to_rank_major(&self, x: &Tensor, parts: usize) -> BackendResult<Tensor> {
         let n = x.cols();
-        if parts == 0 || !n.is_multiple_of(parts) {
-            return Err(shape_err(format!("rows of {n} into {parts} parts")));
-        }
+        shape_rules::to_rank_major(n, parts)?;
         let mut out = pool::empty(x.data.len());
         for k in 0..parts {
             x.push_column_block(k, parts, &mut out);
@@ -669,12 +633,7 @@ impl Backend for CpuBackend {
 
     fn rank_major_to_rows(&self, x: &Tensor, parts: usize, keep: usize) -> BackendResult<Tensor> {
         let (all_rows, n) = x.rows_cols();
-        if parts == 0 || all_rows % parts != 0 || keep > n * parts {
-            return Err(shape_err(format!(
-                "{all_rows} rank-major rows of {n} from {parts} parts, keeping {keep} columns"
-            )));
-        }
-        let rows = all_rows / parts;
+        let rows = shape_rules::from_rank_major(all_rows, n, parts, keep)?;
         let mut out = pool::empty(rows * keep);
         for r in 0..rows {
             let row_start = out.len();
@@ -717,10 +676,7 @@ impl Backend for CpuBackend {
 
     fn best_of_pairs(&self, pairs: &Tensor, parts: usize) -> BackendResult<Tensor> {
         let (all, cols) = pairs.rows_cols();
-        if cols != 2 || parts == 0 || all % parts != 0 {
-            return Err(shape_err(format!("{all}x{cols} pairs in {parts} parts")));
-        }
-        let rows = all / parts;
+        let rows = shape_rules::pairs(all, cols, parts)?;
         let mut out = pool::empty(rows * 2);
         for r in 0..rows {
             // Parts hold increasing vocabulary ranges: keep the first of equal values.

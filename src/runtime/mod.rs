@@ -25,6 +25,7 @@ pub mod rank_groups;
 pub mod replicas;
 pub mod rope;
 pub mod sampling;
+pub mod shape_rules;
 pub mod simd;
 pub mod stage_link;
 pub mod team;

@@ -13,6 +13,7 @@ use crate::runtime::backend::{
     Activation, Backend, BackendError, BackendResult, BinaryOp, Segment, WeightUse,
 };
 use crate::runtime::cpu::CpuBackend;
+use crate::runtime::shape_rules;
 use crate::runtime::tensor::Tensor;
 use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
 use cudarc::cublas::sys as blas;
@@ -531,14 +532,7 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> BackendResult<CudaAct> {
         let scales = w.f32("RMSNorm")?;
-        let group = group.max(1);
-        let cols = x.rows_cols().1;
-        if !cols.is_multiple_of(group) || scales.len() != group {
-            return Err(shape_err(format!(
-                "RMSNorm over groups of {group} with {} scales on rows of {cols}",
-                scales.len()
-            )));
-        }
+        let group = shape_rules::rms_norm_group(x.rows_cols().1, group, scales.len())?;
         let mut out = self.zeros(x.shape.clone())?;
         let groups = x.elements() / group;
         if groups == 0 {
@@ -568,13 +562,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult<CudaAct> {
         let (scales, shifts) = (w.f32("LayerNorm")?, b.f32("LayerNorm")?);
         let (rows, cols) = x.rows_cols();
-        if scales.len() != cols || shifts.len() != cols {
-            return Err(shape_err(format!(
-                "LayerNorm with {} scales and {} shifts on rows of {cols}",
-                scales.len(),
-                shifts.len()
-            )));
-        }
+        shape_rules::layer_norm(cols, scales.len(), shifts.len())?;
         let mut out = self.zeros(x.shape.clone())?;
         if rows == 0 || cols == 0 {
             return Ok(out);
@@ -678,24 +666,14 @@ impl Backend for CudaBackend {
         scale: f32,
     ) -> BackendResult<CudaAct> {
         let (rows, qcols) = q.rows_cols();
-        let (kcols, vcols) = (k.rows_cols().1, v.rows_cols().1);
-        let ok = d > 0
-            && d <= 256
-            && qcols % d == 0
-            && kcols % d == 0
-            && kcols == vcols
-            && kcols > 0
-            && (qcols / d).is_multiple_of(kcols / d)
-            && k.rows_cols().0 == rows
-            && v.rows_cols().0 == rows;
-        if !ok {
-            return Err(shape_err(format!(
-                "attention of q [{rows}, {qcols}], k [{}, {kcols}], v [{}, {vcols}] with heads of {d} (at most 256 on the GPU)",
-                k.rows_cols().0,
-                v.rows_cols().0
+        let kcols = k.rows_cols().1;
+        let (q_heads, kv_heads) =
+            shape_rules::attention_heads((rows, qcols), k.rows_cols(), v.rows_cols(), d)?;
+        if d > 256 {
+            return Err(BackendError::Unsupported(format!(
+                "attention heads of {d}; the GPU kernel takes at most 256"
             )));
         }
-        let (q_heads, kv_heads) = (qcols / d, kcols / d);
         let mut out = self.zeros(q.shape.clone())?;
         for s in segments {
             let cache = caches
@@ -765,13 +743,7 @@ impl Backend for CudaBackend {
         len: usize,
     ) -> BackendResult<CudaAct> {
         let (rows, n) = x.rows_cols();
-        if block == 0 || offset + len > block || !n.is_multiple_of(block) {
-            return Err(shape_err(format!(
-                "columns {offset}..{} of blocks of {block} from rows of {n}",
-                offset + len
-            )));
-        }
-        let out_cols = n / block * len;
+        let out_cols = shape_rules::unfuse(n, block, offset, len)?;
         let mut shape = x.shape.clone();
         if let Some(last) = shape.last_mut() {
             *last = out_cols;
@@ -805,21 +777,14 @@ impl Backend for CudaBackend {
 
     fn column_block(&self, x: &CudaAct, k: usize, parts: usize) -> BackendResult<CudaAct> {
         let n = x.rows_cols().1;
-        if parts == 0 || !n.is_multiple_of(parts) || k >= parts {
-            return Err(shape_err(format!(
-                "column block {k} of {parts} from rows of {n}"
-            )));
-        }
-        let width = n / parts;
+        let width = shape_rules::column_block(n, k, parts)?;
         self.unfuse(x, n, k * width, width)
     }
 
     fn rows_to_rank_major(&self, x: &CudaAct, parts: usize) -> BackendResult<CudaAct> {
         let (rows, n) = x.rows_cols();
-        if parts == 0 || !n.is_multiple_of(parts) {
-            return Err(shape_err(format!("rows of {n} into {parts} parts")));
-        }
-        let mut out = self.zeros(vec![rows * parts, n / parts])?;
+        let width = shape_rules::to_rank_major(n, parts)?;
+        let mut out = self.zeros(vec![rows * parts, width])?;
         if rows * n == 0 {
             return Ok(out);
         }
@@ -839,12 +804,7 @@ impl Backend for CudaBackend {
 
     fn rank_major_to_rows(&self, x: &CudaAct, parts: usize, keep: usize) -> BackendResult<CudaAct> {
         let (all_rows, n) = x.rows_cols();
-        if parts == 0 || all_rows % parts != 0 || keep > n * parts {
-            return Err(shape_err(format!(
-                "{all_rows} rank-major rows of {n} from {parts} parts, keeping {keep} columns"
-            )));
-        }
-        let rows = all_rows / parts;
+        let rows = shape_rules::from_rank_major(all_rows, n, parts, keep)?;
         let mut out = self.zeros(vec![rows, keep])?;
         if rows * keep == 0 {
             return Ok(out);
@@ -883,10 +843,7 @@ impl Backend for CudaBackend {
 
     fn best_of_pairs(&self, pairs: &CudaAct, parts: usize) -> BackendResult<CudaAct> {
         let (all, cols) = pairs.rows_cols();
-        if cols != 2 || parts == 0 || all % parts != 0 {
-            return Err(shape_err(format!("{all}x{cols} pairs in {parts} parts")));
-        }
-        let rows = all / parts;
+        let rows = shape_rules::pairs(all, cols, parts)?;
         let mut out = self.zeros(vec![rows, 2])?;
         if rows == 0 {
             return Ok(out);

@@ -1,0 +1,146 @@
+//! The shape rules of the [`super::backend::Backend`] contract, in one place: every backend
+//! checks its inputs with these before touching memory, so the CPU and the GPU refuse the
+//! same calls with the same words.
+
+use super::backend::{BackendError, BackendResult};
+
+fn refuse(what: String) -> BackendResult<()> {
+    Err(BackendError::Shape(what))
+}
+
+/// Attention of q `[rows, qcols]`, k and v `[rows, kcols]` with heads of `d`: the query and
+/// kv head counts (query heads a multiple of kv heads).
+pub fn attention_heads(
+    q: (usize, usize),
+    k: (usize, usize),
+    v: (usize, usize),
+    d: usize,
+) -> BackendResult<(usize, usize)> {
+    let ((rows, qcols), (krows, kcols), (vrows, vcols)) = (q, k, v);
+    let ok = d > 0
+        && qcols % d == 0
+        && kcols % d == 0
+        && kcols == vcols
+        && kcols > 0
+        && (qcols / d).is_multiple_of(kcols / d)
+        && krows == rows
+        && vrows == rows;
+    if !ok {
+        refuse(format!(
+            "attention of q [{rows}, {qcols}], k [{krows}, {kcols}], v [{vrows}, {vcols}] with heads of {d}"
+        ))?;
+    }
+    Ok((qcols / d, kcols / d))
+}
+
+/// Columns `offset .. offset + len` of each block of `block` from rows of `n`: the width
+/// of the result.
+pub fn unfuse(n: usize, block: usize, offset: usize, len: usize) -> BackendResult<usize> {
+    if block == 0
+        || offset.checked_add(len).is_none_or(|end| end > block)
+        || !n.is_multiple_of(block)
+    {
+        refuse(format!(
+            "columns {offset}..{} of blocks of {block} from rows of {n}",
+            offset.saturating_add(len)
+        ))?;
+    }
+    Ok(n / block * len)
+}
+
+/// Column block `k` of `parts` from rows of `n`: its width.
+pub fn column_block(n: usize, k: usize, parts: usize) -> BackendResult<usize> {
+    if parts == 0 || !n.is_multiple_of(parts) || k >= parts {
+        refuse(format!("column block {k} of {parts} from rows of {n}"))?;
+    }
+    Ok(n / parts)
+}
+
+/// Rows of `n` into `parts` rank-major blocks: a block's width.
+pub fn to_rank_major(n: usize, parts: usize) -> BackendResult<usize> {
+    if parts == 0 || !n.is_multiple_of(parts) {
+        refuse(format!("rows of {n} into {parts} parts"))?;
+    }
+    Ok(n / parts)
+}
+
+/// `all_rows` rank-major rows of `n` from `parts` parts, keeping `keep` columns: the rows.
+pub fn from_rank_major(
+    all_rows: usize,
+    n: usize,
+    parts: usize,
+    keep: usize,
+) -> BackendResult<usize> {
+    if parts == 0
+        || !all_rows.is_multiple_of(parts)
+        || n.checked_mul(parts).is_none_or(|w| keep > w)
+    {
+        refuse(format!(
+            "{all_rows} rank-major rows of {n} from {parts} parts, keeping {keep} columns"
+        ))?;
+    }
+    Ok(all_rows / parts)
+}
+
+/// RMSNorm over groups of `group` columns with `scales` scales on rows of `cols`: the group.
+pub fn rms_norm_group(cols: usize, group: usize, scales: usize) -> BackendResult<usize> {
+    let group = group.max(1);
+    if !cols.is_multiple_of(group) || scales != group {
+        refuse(format!(
+            "RMSNorm over groups of {group} with {scales} scales on rows of {cols}"
+        ))?;
+    }
+    Ok(group)
+}
+
+/// LayerNorm with `scales` scales and `shifts` shifts on rows of `cols`.
+pub fn layer_norm(cols: usize, scales: usize, shifts: usize) -> BackendResult<()> {
+    if scales != cols || shifts != cols {
+        refuse(format!(
+            "LayerNorm with {scales} scales and {shifts} shifts on rows of {cols}"
+        ))?;
+    }
+    Ok(())
+}
+
+/// `all` rows of `cols` (value, index) pairs in `parts` parts: the rows of one part.
+pub fn pairs(all: usize, cols: usize, parts: usize) -> BackendResult<usize> {
+    if cols != 2 || parts == 0 || !all.is_multiple_of(parts) {
+        refuse(format!("{all}x{cols} pairs in {parts} parts"))?;
+    }
+    Ok(all / parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_accept_what_fits_and_refuse_the_rest() {
+        assert_eq!(attention_heads((3, 8), (3, 4), (3, 4), 2).unwrap(), (4, 2));
+        assert!(
+            attention_heads((3, 8), (3, 6), (3, 6), 2).is_err(),
+            "4 q heads over 3 kv"
+        );
+        assert!(
+            attention_heads((3, 8), (2, 4), (3, 4), 2).is_err(),
+            "rows differ"
+        );
+        assert!(attention_heads((3, 8), (3, 4), (3, 4), 0).is_err());
+        assert_eq!(unfuse(12, 6, 2, 4).unwrap(), 8);
+        assert!(unfuse(12, 6, 3, 4).is_err());
+        assert!(unfuse(12, 0, 0, 0).is_err());
+        assert_eq!(column_block(12, 2, 3).unwrap(), 4);
+        assert!(column_block(12, 3, 3).is_err());
+        assert_eq!(to_rank_major(12, 4).unwrap(), 3);
+        assert!(to_rank_major(12, 5).is_err());
+        assert_eq!(from_rank_major(8, 3, 4, 10).unwrap(), 2);
+        assert!(from_rank_major(8, 3, 4, 13).is_err());
+        assert_eq!(rms_norm_group(8, 4, 4).unwrap(), 4);
+        assert_eq!(rms_norm_group(8, 0, 1).unwrap(), 1);
+        assert!(rms_norm_group(8, 3, 3).is_err());
+        assert!(layer_norm(8, 8, 8).is_ok() && layer_norm(8, 8, 7).is_err());
+        assert_eq!(pairs(6, 2, 3).unwrap(), 2);
+        assert!(pairs(6, 3, 3).is_err() && pairs(7, 2, 3).is_err());
+    }
+}
