@@ -756,6 +756,17 @@ fn device_flag_is_parsed_and_cuda_needs_the_feature() {
         "8",
     ]);
     assert_eq!(ok(&cpu).trim(), "59,40,188,239,174,169,126,162");
+    let json = ok(&tpc(&[
+        "run",
+        MODEL,
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "2",
+        "--json",
+    ]));
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(json["device"], "cpu", "{json}");
     for bad in ["gpu", "cuda:", "cuda:x", "cuda:0,,1", "cuda:4096"] {
         let o = tpc(&["run", MODEL, "--device", bad, "--prompt-ids", PROMPT]);
         assert_eq!(o.status.code(), Some(2), "--device {bad}");

@@ -114,6 +114,7 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         "all_reduce_algorithms_rank0": out.all_reduces,
         "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
         "linear_kernels": super::kernels_json(&out),
+        "device": a.exec.device.to_string(),
     });
     super::print_stdout(&format!("{}\n", serde_json::to_string(&json)?))?;
     Ok(())

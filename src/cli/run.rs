@@ -266,6 +266,7 @@ fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value
         "collective_dtype": "f32",
         "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
         "linear_kernels": super::kernels_json(out),
+        "device": a.exec.device.to_string(),
     })
 }
 

@@ -138,6 +138,20 @@ pub enum Device {
     Cuda(Vec<usize>),
 }
 
+impl std::fmt::Display for Device {
+    /// The `--device` spelling: `cpu`, `cuda`, `cuda:0,1`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(list) if list.is_empty() => write!(f, "cuda"),
+            Device::Cuda(list) => {
+                let list: Vec<String> = list.iter().map(usize::to_string).collect();
+                write!(f, "cuda:{}", list.join(","))
+            }
+        }
+    }
+}
+
 impl std::str::FromStr for Device {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Device, String> {
