@@ -7,7 +7,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
-use common::{fixtures, read_reference, rel_error};
+use common::{fixtures, read_reference, rel_error, BF16_REL_TOL, REL_TOL};
 
 use std::process::Command;
 use tpc::frontend::load::load_model;
@@ -16,9 +16,6 @@ use tpc::runtime::cuda::probe::{require, Library};
 use tpc::runtime::generate::{ComputeDtype, Device, RunOptions};
 use tpc::runtime::launch::run;
 use tpc::runtime::weights::Checkpoint;
-
-const REL_TOL: f64 = 1e-4;
-const BF16_REL_TOL: f64 = 3e-2;
 
 /// Whether a GPU can be used here; prints why not.
 fn gpu_present(test: &str) -> bool {

@@ -5,7 +5,7 @@
 //! `scripts/make_fixtures.py`.
 
 mod common;
-use common::{fixtures, read_reference, rel_error};
+use common::{fixtures, read_reference, rel_error, BF16_REL_TOL, REL_TOL};
 
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
@@ -13,9 +13,6 @@ use tpc::runtime::generate::RunOptions;
 use tpc::runtime::kernels::Isa;
 use tpc::runtime::launch::run;
 use tpc::runtime::weights::Checkpoint;
-
-/// The one tolerance for f32 parity: ‖a − b‖ / ‖b‖ over all prompt logits.
-const REL_TOL: f64 = 1e-4;
 
 /// The best variant on this host that keeps a product's activations f32: f32 parity is a
 /// property of those. (`avx512bf16` and `amx` round a bf16 product's activations to bf16, as
@@ -75,11 +72,6 @@ fn every_fixture_matches_hf_at_every_valid_tp() {
     }
     eprintln!("{}", report.join("\n"));
 }
-
-/// The bf16 compute tolerance: linear weights rounded to bf16 (8 mantissa bits), f32
-/// accumulation, activations f32 or (`avx512bf16`, `amx`) rounded to bf16, against HF's f32
-/// logits of the f32 checkpoint.
-const BF16_REL_TOL: f64 = 3e-2;
 
 #[test]
 fn bf16_compute_stays_within_its_tolerance() {

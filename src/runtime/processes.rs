@@ -246,16 +246,24 @@ pub fn run_batch_mpi(
         .map(|(_, r)| r.clone())
         .collect();
     let mut outcome = Ok(None);
-    if let (false, Device::Cuda(listed)) = (mine.is_empty(), &opts.device) {
-        let gpu = GpuProcess {
-            mpi,
-            me,
-            tp_rank: coords.tp,
-            stage: coords.pp,
-            listed,
-        };
-        outcome = generate_on_gpu(&gpu, plan, weights, &mine, opts, comm, pipe).map(Some);
-    } else if !mine.is_empty() {
+    if !mine.is_empty() {
+        outcome = match &opts.device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(listed) => {
+                let gpu = GpuProcess {
+                    mpi,
+                    me,
+                    tp_rank: coords.tp,
+                    stage: coords.pp,
+                    listed,
+                };
+                generate_on_gpu(&gpu, plan, weights, &mine, opts, comm, pipe).map(Some)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(RunError::DeviceUnavailable(
+                "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features mpi,cuda`".into(),
+            )),
+            Device::Cpu => {
         let bf16 = opts.dtype.bf16_linears(plan);
         super::memory::check_fits(plan, bf16, total_tokens(&mine, opts))?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -277,7 +285,9 @@ pub fn run_batch_mpi(
         injected_fault(me)?;
         let mut out = rt.generate(&mine, opts)?;
         out.linear_kernels = Some(kernels.linear_kernels(bf16));
-        outcome = Ok(Some(out));
+        Ok(Some(out))
+            }
+        };
     }
     // Results travel to world rank 0 over the world communicator.
     let Ok(out) = outcome else { return outcome };
@@ -303,8 +313,8 @@ pub fn run_batch_mpi(
     Ok(Some(merge(parts, requests.len(), out.unwrap_or_default())))
 }
 
-/// A GPU rank's place among the processes (read only by the `cuda` build's path).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// A GPU rank's place among the processes.
+#[cfg(feature = "cuda")]
 struct GpuProcess<'a> {
     mpi: &'a MpiWorld,
     me: usize,
@@ -371,21 +381,6 @@ fn generate_on_gpu(
     };
     injected_fault(p.me)?;
     rt.generate(mine, opts)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn generate_on_gpu(
-    _: &GpuProcess<'_>,
-    _: &Plan,
-    _: &dyn WeightSource,
-    _: &[Request],
-    _: &RunOptions,
-    _: MpiComm,
-    _: Option<MpiComm>,
-) -> Result<BatchOutput> {
-    Err(RunError::DeviceUnavailable(
-        "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features mpi,cuda`".into(),
-    ))
 }
 
 /// The replicas' results in request order; timings are the slowest replica's, the other

@@ -5,6 +5,14 @@ use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use tpc::runtime::generate::Request;
 
+/// The one tolerance for f32 parity with HF: ‖a − b‖ / ‖b‖ over all prompt logits.
+pub const REL_TOL: f64 = 1e-4;
+
+/// The bf16 compute tolerance: linear weights rounded to bf16 (8 mantissa bits), f32
+/// accumulation, activations f32 or rounded to bf16 (`avx512bf16`, `amx`, the GPU's bf16
+/// products), against HF's f32 logits of the f32 checkpoint.
+pub const BF16_REL_TOL: f64 = 3e-2;
+
 /// The tiny HF reference checkpoints (`scripts/make_fixtures.py`), in a fixed order.
 pub fn fixtures() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("tests/fixtures/checkpoints")

@@ -146,6 +146,17 @@ impl CudaBackend {
         &self.gpu
     }
 
+    /// A buffer whose every element the caller's kernel (or cuBLAS, with beta = 0) writes
+    /// before anything reads it: no zero fill, one launch fewer per op on the decode path.
+    fn output(&self, shape: Vec<usize>) -> BackendResult<CudaAct> {
+        let n = elements(&shape)?;
+        // SAFETY: device memory; the contents are written before they are read (above).
+        let data = unsafe { self.gpu.stream.alloc::<f32>(n.max(1)) }
+            .map_err(|e| self.gpu.fail("an activation", n.checked_mul(4), e))?;
+        Ok(CudaAct { shape, data })
+    }
+
+    /// A zero-filled buffer (attention leaves rows outside its segments as zeros).
     fn zeros(&self, shape: Vec<usize>) -> BackendResult<CudaAct> {
         let n = elements(&shape)?;
         let data = self
@@ -193,7 +204,12 @@ impl CudaBackend {
         if let Some(last) = out_shape.last_mut() {
             *last = n;
         }
-        let mut out = self.zeros(out_shape)?;
+        // A product over no depth is zeros, which cuBLAS need not write.
+        let mut out = if k == 0 {
+            self.zeros(out_shape)?
+        } else {
+            self.output(out_shape)?
+        };
         let dims: Vec<i32> = [m, k, n]
             .iter()
             .map(|&d| i32::try_from(d))
@@ -223,8 +239,8 @@ impl CudaBackend {
             WeightData::F32(_) => None,
             WeightData::Bf16(_) => {
                 let len = m * k;
-                let mut r = stream
-                    .alloc_zeros::<u16>(len.max(1))
+                // SAFETY: device memory, written whole by round_to_bf16 below.
+                let mut r = unsafe { stream.alloc::<u16>(len.max(1)) }
                     .map_err(|e| self.gpu.fail("bf16 activations", Some(len * 2), e))?;
                 let n64 = i64_of(len);
                 launch!(
@@ -339,7 +355,7 @@ impl CudaBackend {
         if valid > cols {
             return Err(shape_err(format!("{valid} valid columns of {cols}")));
         }
-        let mut out = self.zeros(vec![rows, 2])?;
+        let mut out = self.output(vec![rows, 2])?;
         if rows == 0 {
             return Ok(out);
         }
@@ -360,7 +376,7 @@ impl CudaBackend {
 
     fn gather_rows(&self, x: &CudaAct, index: &[i64]) -> BackendResult<CudaAct> {
         let cols = x.rows_cols().1;
-        let mut out = self.zeros(vec![index.len(), cols])?;
+        let mut out = self.output(vec![index.len(), cols])?;
         if index.is_empty() || cols == 0 {
             return Ok(out);
         }
@@ -439,7 +455,7 @@ impl Backend for CudaBackend {
                 table.shape
             )));
         };
-        let mut out = self.zeros(vec![ids.len(), cols])?;
+        let mut out = self.output(vec![ids.len(), cols])?;
         if ids.is_empty() {
             return Ok(out);
         }
@@ -533,7 +549,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult<CudaAct> {
         let scales = w.f32("RMSNorm")?;
         let group = shape_rules::rms_norm_group(x.rows_cols().1, group, scales.len())?;
-        let mut out = self.zeros(x.shape.clone())?;
+        let mut out = self.output(x.shape.clone())?;
         let groups = x.elements() / group;
         if groups == 0 {
             return Ok(out);
@@ -563,7 +579,7 @@ impl Backend for CudaBackend {
         let (scales, shifts) = (w.f32("LayerNorm")?, b.f32("LayerNorm")?);
         let (rows, cols) = x.rows_cols();
         shape_rules::layer_norm(cols, scales.len(), shifts.len())?;
-        let mut out = self.zeros(x.shape.clone())?;
+        let mut out = self.output(x.shape.clone())?;
         if rows == 0 || cols == 0 {
             return Ok(out);
         }
@@ -748,7 +764,7 @@ impl Backend for CudaBackend {
         if let Some(last) = shape.last_mut() {
             *last = out_cols;
         }
-        let mut out = self.zeros(shape)?;
+        let mut out = self.output(shape)?;
         let total = rows * out_cols;
         if total == 0 {
             return Ok(out);
@@ -784,7 +800,7 @@ impl Backend for CudaBackend {
     fn rows_to_rank_major(&self, x: &CudaAct, parts: usize) -> BackendResult<CudaAct> {
         let (rows, n) = x.rows_cols();
         let width = shape_rules::to_rank_major(n, parts)?;
-        let mut out = self.zeros(vec![rows * parts, width])?;
+        let mut out = self.output(vec![rows * parts, width])?;
         if rows * n == 0 {
             return Ok(out);
         }
@@ -805,7 +821,7 @@ impl Backend for CudaBackend {
     fn rank_major_to_rows(&self, x: &CudaAct, parts: usize, keep: usize) -> BackendResult<CudaAct> {
         let (all_rows, n) = x.rows_cols();
         let rows = shape_rules::from_rank_major(all_rows, n, parts, keep)?;
-        let mut out = self.zeros(vec![rows, keep])?;
+        let mut out = self.output(vec![rows, keep])?;
         if rows * keep == 0 {
             return Ok(out);
         }
@@ -844,7 +860,7 @@ impl Backend for CudaBackend {
     fn best_of_pairs(&self, pairs: &CudaAct, parts: usize) -> BackendResult<CudaAct> {
         let (all, cols) = pairs.rows_cols();
         let rows = shape_rules::pairs(all, cols, parts)?;
-        let mut out = self.zeros(vec![rows, 2])?;
+        let mut out = self.output(vec![rows, 2])?;
         if rows == 0 {
             return Ok(out);
         }
@@ -937,7 +953,7 @@ impl Backend for CudaBackend {
                 "{dtype:?} activations; the CUDA backend computes activations in f32"
             )));
         }
-        self.zeros(shape.to_vec())
+        self.output(shape.to_vec())
     }
 
     fn copy(&self, x: &CudaAct) -> BackendResult<CudaAct> {

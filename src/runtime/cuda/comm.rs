@@ -1,45 +1,51 @@
-//! Collectives for GPU ranks through a host communicator: each call copies the device
-//! buffers to the host, runs the host collective (threads in one process, or MPI processes)
-//! and copies the result back. Correct on any set of GPUs, one or many, and exactly the host
-//! runtime's sums; slow (two copies per call). [`GpuComm`] adds the fast path for ranks that
-//! share one GPU: the all-reduce as one kernel per rank ([`super::one_shot`]), and NCCL's
-//! all-reduce for ranks on distinct GPUs ([`super::nccl`]).
+//! Collectives for GPU ranks. Every collective can go through a host communicator (threads
+//! in one process, or MPI processes): the device buffers are copied to the host, the host
+//! collective runs, the result is copied back — correct on any set of GPUs and exactly the
+//! host runtime's sums, but two copies per call. The all-reduce, the hot one, has two device
+//! paths: one kernel per rank for ranks that share one GPU ([`super::one_shot`]), and NCCL
+//! for ranks on distinct GPUs ([`super::nccl`]).
 
 use super::backend::CudaAct;
 use super::device::GpuRank;
 use super::nccl::NcclLink;
 use super::one_shot::{self, OneShotGroup};
 use crate::ir::CollectiveAlgorithm;
+use crate::runtime::backend::Activation;
 use crate::runtime::collectives::{CollectiveError, Collectives};
 use crate::runtime::comm::Communicator;
 use std::sync::{Arc, OnceLock};
 
-pub struct StagedComm<C> {
+/// A GPU rank's communicator: the host communicator `host` for everything, except the
+/// all-reduce when the group shares one GPU (`one_shot`) or spans distinct GPUs (`nccl`).
+pub struct GpuComm<C> {
     host: C,
+    one_shot: Option<OneShotLink>,
+    nccl: Option<NcclLink>,
 }
 
-impl<C: Communicator> StagedComm<C> {
-    pub fn new(host: C) -> StagedComm<C> {
-        StagedComm { host }
-    }
+/// This rank's part of a one-GPU group: the shared state, and the rank's GPU once its
+/// backend has opened it (the communicator is made before the rank's thread starts).
+pub struct OneShotLink {
+    pub group: Arc<OneShotGroup>,
+    pub gpu: Arc<OnceLock<Arc<GpuRank>>>,
 }
 
-fn device(during: &'static str, e: impl std::fmt::Debug) -> CollectiveError {
+/// A failed device call during a collective.
+pub(super) fn device_failure(during: &'static str, e: impl std::fmt::Debug) -> CollectiveError {
     CollectiveError::Device {
         during,
-        problem: format!("copying between the GPU and the host: {e:?}"),
+        problem: format!("{e:?}"),
     }
 }
 
 /// The buffer's elements on the host.
 fn down(buf: &CudaAct, during: &'static str) -> Result<Vec<f32>, CollectiveError> {
-    let n: usize = buf.shape().iter().product();
     let data = buf.data();
     let mut host = data
         .stream()
         .clone_dtoh(data)
-        .map_err(|e| device(during, e))?;
-    host.truncate(n);
+        .map_err(|e| device_failure(during, e))?;
+    host.truncate(buf.elements());
     Ok(host)
 }
 
@@ -52,12 +58,20 @@ fn up(values: &[f32], buf: &mut CudaAct, during: &'static str) -> Result<(), Col
     let stream = data.stream().clone();
     stream
         .memcpy_htod(values, &mut data.slice_mut(..values.len()))
-        .map_err(|e| device(during, e))
+        .map_err(|e| device_failure(during, e))
 }
 
-use crate::runtime::backend::Activation;
+impl<C: Communicator> GpuComm<C> {
+    pub fn new(host: C, one_shot: Option<OneShotLink>, nccl: Option<NcclLink>) -> GpuComm<C> {
+        GpuComm {
+            host,
+            one_shot,
+            nccl,
+        }
+    }
+}
 
-impl<C: Communicator> Collectives<CudaAct> for StagedComm<C> {
+impl<C: Communicator> Collectives<CudaAct> for GpuComm<C> {
     fn rank(&self) -> usize {
         self.host.rank()
     }
@@ -72,6 +86,19 @@ impl<C: Communicator> Collectives<CudaAct> for StagedComm<C> {
         buf: &mut CudaAct,
         algorithm: Option<CollectiveAlgorithm>,
     ) -> Result<Option<CollectiveAlgorithm>, CollectiveError> {
+        if let Some(nccl) = &mut self.nccl {
+            nccl.all_reduce(buf)?;
+            return Ok(None);
+        }
+        let link = self
+            .one_shot
+            .as_ref()
+            .and_then(|l| Some((&l.group, l.gpu.get()?)));
+        if let Some((group, gpu)) = link {
+            let (rank, host) = (self.host.rank(), &mut self.host);
+            one_shot::all_reduce(group, gpu, rank, buf, &mut || Ok(host.barrier()?))?;
+            return Ok(Some(CollectiveAlgorithm::OneShot));
+        }
         let mut host = down(buf, "all_reduce_sum")?;
         let ran = self.host.all_reduce_sum_planned(&mut host, algorithm)?;
         up(&host, buf, "all_reduce_sum")?;
@@ -113,90 +140,5 @@ impl<C: Communicator> Collectives<CudaAct> for StagedComm<C> {
     }
     fn abort(&mut self) {
         self.host.abort();
-    }
-}
-
-/// A GPU rank's communicator: every collective staged through the host, except the
-/// all-reduce of a group whose ranks share one GPU, which runs on the device.
-pub struct GpuComm<C> {
-    staged: StagedComm<C>,
-    one_shot: Option<OneShotLink>,
-    nccl: Option<NcclLink>,
-}
-
-/// This rank's part of a one-GPU group: the shared state, and the rank's GPU once its
-/// backend has opened it (the communicator is made before the rank's thread starts).
-pub struct OneShotLink {
-    pub group: Arc<OneShotGroup>,
-    pub gpu: Arc<OnceLock<Arc<GpuRank>>>,
-}
-
-impl<C: Communicator> GpuComm<C> {
-    /// Staged collectives, with the all-reduce on the GPU when the group shares one
-    /// (`one_shot`) or through NCCL when its ranks are on distinct GPUs (`nccl`).
-    pub fn new(host: C, one_shot: Option<OneShotLink>, nccl: Option<NcclLink>) -> GpuComm<C> {
-        GpuComm {
-            staged: StagedComm::new(host),
-            one_shot,
-            nccl,
-        }
-    }
-}
-
-impl<C: Communicator> Collectives<CudaAct> for GpuComm<C> {
-    fn rank(&self) -> usize {
-        self.staged.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.staged.world_size()
-    }
-    fn all_reduce_sum(&mut self, buf: &mut CudaAct) -> Result<(), CollectiveError> {
-        self.all_reduce_sum_planned(buf, None).map(|_| ())
-    }
-    fn all_reduce_sum_planned(
-        &mut self,
-        buf: &mut CudaAct,
-        algorithm: Option<CollectiveAlgorithm>,
-    ) -> Result<Option<CollectiveAlgorithm>, CollectiveError> {
-        if let Some(nccl) = &mut self.nccl {
-            nccl.all_reduce(buf)?;
-            return Ok(None);
-        }
-        let link = self
-            .one_shot
-            .as_ref()
-            .and_then(|l| Some((&l.group, l.gpu.get()?)));
-        let Some((group, gpu)) = link else {
-            return self.staged.all_reduce_sum_planned(buf, algorithm);
-        };
-        let rank = self.staged.host.rank();
-        let host = &mut self.staged.host;
-        one_shot::all_reduce(group, gpu, rank, buf, &mut || Ok(host.barrier()?))?;
-        Ok(Some(CollectiveAlgorithm::OneShot))
-    }
-    fn all_gather(&mut self, local: &CudaAct, out: &mut CudaAct) -> Result<(), CollectiveError> {
-        self.staged.all_gather(local, out)
-    }
-    fn reduce_scatter_sum(
-        &mut self,
-        input: &CudaAct,
-        out: &mut CudaAct,
-    ) -> Result<(), CollectiveError> {
-        self.staged.reduce_scatter_sum(input, out)
-    }
-    fn broadcast(&mut self, buf: &mut CudaAct, root: usize) -> Result<(), CollectiveError> {
-        self.staged.broadcast(buf, root)
-    }
-    fn send(&mut self, buf: &CudaAct, to: usize) -> Result<(), CollectiveError> {
-        self.staged.send(buf, to)
-    }
-    fn recv(&mut self, buf: &mut CudaAct, from: usize) -> Result<(), CollectiveError> {
-        self.staged.recv(buf, from)
-    }
-    fn barrier(&mut self) -> Result<(), CollectiveError> {
-        self.staged.barrier()
-    }
-    fn abort(&mut self) {
-        self.staged.abort();
     }
 }

@@ -35,7 +35,8 @@ impl GpuRank {
     /// Rank `rank` on GPU `ordinal`: the libraries probed first, the kernels compiled (once
     /// per process) for the device's compute capability and loaded.
     pub fn open(rank: usize, ordinal: usize) -> Result<GpuRank, CudaError> {
-        require(Library::Driver)?;
+        // The driver first (device_count probes it), then the libraries the rank needs.
+        let count = device_count()?;
         require(Library::Nvrtc)?;
         require(Library::Cublas)?;
         let driver = |what: String| {
@@ -44,7 +45,6 @@ impl GpuRank {
                 error: format!("{e:?}"),
             }
         };
-        let count = device_count()?;
         if ordinal >= count {
             return Err(CudaError::NoSuchDevice { ordinal, count });
         }

@@ -1,8 +1,8 @@
 //! GPU ranks as threads of this process: `tpc run --device cuda[:N,…]`. Every rank opens
 //! its GPU (ranks dealt to the listed GPUs round robin, so tp 2…8 fits on one GPU), loads
 //! only its own weight slices there, and talks to its peers through the host communicator
-//! of the threaded runtime, staged ([`super::comm::StagedComm`]), except that a tp group on
-//! one GPU all-reduces there ([`super::one_shot`]).
+//! of the threaded runtime ([`super::comm::GpuComm`]: staged through the host, except the
+//! all-reduce of a tp group on one GPU or across distinct ones).
 
 use super::backend::CudaBackend;
 use super::comm::{GpuComm, OneShotLink};

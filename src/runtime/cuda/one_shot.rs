@@ -16,6 +16,7 @@
 //! (a wait binds to the record made before it), and likewise for `done`.
 
 use super::backend::CudaAct;
+use super::comm::device_failure;
 use super::device::{grid_for, GpuRank};
 use crate::runtime::backend::Activation;
 use crate::runtime::collectives::CollectiveError;
@@ -65,13 +66,6 @@ impl OneShotGroup {
     }
 }
 
-fn device(during: &'static str, e: impl std::fmt::Debug) -> CollectiveError {
-    CollectiveError::Device {
-        during,
-        problem: format!("{e:?}"),
-    }
-}
-
 /// Rank `rank`'s part of one all-reduce of `buf` over the group; `barrier` is the group's
 /// host barrier.
 pub fn all_reduce(
@@ -85,7 +79,11 @@ pub fn all_reduce(
     let n = buf.elements();
     let stream = gpu.stream.clone();
     if group.events[rank].get().is_none() {
-        let event = || gpu.ctx.new_event(None).map_err(|e| device(DURING, e));
+        let event = || {
+            gpu.ctx
+                .new_event(None)
+                .map_err(|e| device_failure(DURING, e))
+        };
         let made = RankEvents {
             ready: event()?,
             done: event()?,
@@ -96,7 +94,7 @@ pub fn all_reduce(
         .events(rank)?
         .ready
         .record(&stream)
-        .map_err(|e| device(DURING, e))?;
+        .map_err(|e| device_failure(DURING, e))?;
     {
         let (address, _guard) = buf.data().device_ptr(&stream);
         group.addresses[rank].store(address, Ordering::Release);
@@ -120,18 +118,20 @@ pub fn all_reduce(
     for r in 0..group.ranks() {
         stream
             .wait(&group.events(r)?.ready)
-            .map_err(|e| device(DURING, e))?;
+            .map_err(|e| device_failure(DURING, e))?;
     }
-    let mut sum = stream
-        .alloc_zeros::<f32>(n.max(1))
-        .map_err(|e| device(DURING, e))?;
+    // SAFETY: device memory, written whole by sum_ranks before the copy back reads it.
+    let mut sum =
+        unsafe { stream.alloc::<f32>(n.max(1)) }.map_err(|e| device_failure(DURING, e))?;
     let mut pointers = [0u64; MAX_RANKS];
     for (p, a) in pointers.iter_mut().zip(&group.addresses) {
         *p = a.load(Ordering::Acquire);
     }
     let ranks = group.ranks() as i32;
     let n64 = n as i64;
-    let f = gpu.kernel("sum_ranks").map_err(|e| device(DURING, e))?;
+    let f = gpu
+        .kernel("sum_ranks")
+        .map_err(|e| device_failure(DURING, e))?;
     let mut launch = stream.launch_builder(f);
     launch.arg(&mut sum);
     for p in &pointers {
@@ -142,22 +142,22 @@ pub fn all_reduce(
     // group's buffers of `n` floats each (every rank reduces buffers of one shape, as every
     // collective requires), written before the `ready` events this stream waits on; unused
     // pointers are null and not read (r < ranks).
-    unsafe { launch.launch(grid_for(n)) }.map_err(|e| device(DURING, e))?;
+    unsafe { launch.launch(grid_for(n)) }.map_err(|e| device_failure(DURING, e))?;
     group
         .events(rank)?
         .done
         .record(&stream)
-        .map_err(|e| device(DURING, e))?;
+        .map_err(|e| device_failure(DURING, e))?;
     barrier()?;
     for r in 0..group.ranks() {
         stream
             .wait(&group.events(r)?.done)
-            .map_err(|e| device(DURING, e))?;
+            .map_err(|e| device_failure(DURING, e))?;
     }
     if n > 0 {
         stream
             .memcpy_dtod(&sum.slice(..n), &mut buf.data_mut().slice_mut(..n))
-            .map_err(|e| device(DURING, e))?;
+            .map_err(|e| device_failure(DURING, e))?;
     }
     Ok(())
 }
