@@ -3,6 +3,7 @@
 //! sharding.
 
 pub mod affinity;
+pub mod aligned;
 pub mod attention;
 pub mod backend;
 pub mod collectives;

@@ -15,6 +15,7 @@
 //! once to bf16 rows; each thread takes pairs of weight panels (kept in L2) and runs the tile
 //! kernel over the whole depth for every block of rows.
 
+use super::aligned::{AlignedVec, Plain};
 use super::error::{Result, RunError};
 use super::kernels::{widen, Isa, Kernels, PanelValue, BF16_K_ALIGN, MR, NR};
 use super::team::{SyncPtr, Team};
@@ -36,6 +37,17 @@ const MC_BF16: usize = 1536;
 /// Work chunks per team member: enough for late members to even out, few enough that each
 /// chunk still streams a long run of weights.
 const CHUNKS_PER_MEMBER: usize = 8;
+/// Steps of the depth per slice of the AMX product: a panel pair's slice (16 KiB) stays in
+/// L1 and 512 rows' activations for it (256 KiB) in L2. Measured on TinyLlama's products at
+/// 512 rows (bench-gemm, 2 threads): 256 steps ~1.9 TF/s, 512 ~1.5–1.8, the whole depth
+/// (one slice) ~1.4; the data sizes rather than the call count decide.
+const AMX_SLICE: usize = 256;
+/// Bytes of partial sums a thread keeps in L2 per group of panel pairs in the AMX product
+/// (512 KiB: 8 pairs at 512 rows). A group reads the block's activations once, so larger
+/// groups read them less often, up to where the sums push them out of L2.
+const AMX_SUMS_BYTES: usize = 512 << 10;
+/// Panels per work chunk of the AMX product, at least (see `run_chunks`).
+const AMX_MIN_CHUNK: usize = 16;
 /// Rows at or below which the GEMV path (weights read once, no packing of `x`) is used.
 pub const GEMV_MAX_ROWS: usize = 4;
 /// The largest edge tile of the f32 GEMM (`Kernels::f32_tile_rows`).
@@ -43,8 +55,8 @@ const MAX_TILE_ROWS: usize = 2 * MR;
 
 #[derive(Debug, Clone, PartialEq)]
 enum Panels {
-    Bf16(Vec<u16>),
-    F32(Vec<f32>),
+    Bf16(AlignedVec<u16>),
+    F32(AlignedVec<f32>),
 }
 
 /// A linear weight as `n` output columns by `k` inputs, packed (see the module doc).
@@ -69,12 +81,12 @@ impl PackedMatrix {
             WeightOrder::InOut => w.data[p * n + j],
         };
         // One panel per task: a 1B-parameter model packs in parallel at load time.
-        fn fill<T: PanelValue + Default>(
+        fn fill<T: PanelValue + Plain>(
             n: usize,
             k: usize,
             value: impl Fn(usize, usize) -> T + Sync,
-        ) -> Vec<T> {
-            let mut out = vec![T::default(); n.div_ceil(NR) * T::panel_len(k)];
+        ) -> AlignedVec<T> {
+            let mut out = AlignedVec::zeroed(n.div_ceil(NR) * T::panel_len(k));
             // A weight with no inputs has empty panels (and chunks of zero are not allowed).
             if k == 0 {
                 return out;
@@ -225,8 +237,7 @@ impl PackedMatrix {
                 m
             };
             // Every value is written below (padding included): no zeroing first.
-            xb.resize(rows * lda, 0);
-            xb.truncate(rows * lda);
+            xb.set_len(rows * lda);
             if variant == Isa::Amx {
                 // One share of 16-row groups per member: a prompt's rows are megabytes.
                 let kblocks = lda / BF16_K_ALIGN;
@@ -262,12 +273,19 @@ impl PackedMatrix {
             };
             if gemv {
                 let rows = Bf16Rows(&bf16, kernels);
-                run_chunks(team, threads, panels, 1, &|range| {
+                run_chunks(team, threads, panels, 1, 0, &|range| {
                     gemv_panels(&rows, m, self.n, range.panels, dst)
                 });
             } else {
                 let blocks = m.div_ceil(MC_BF16);
-                run_chunks(team, threads, panels, blocks, &|range| {
+                // AMX reads all the block's activations per chunk: chunks of at least
+                // AMX_MIN_CHUNK panels while every member still gets one.
+                let min_chunk = if variant == Isa::Amx {
+                    AMX_MIN_CHUNK
+                } else {
+                    0
+                };
+                run_chunks(team, threads, panels, blocks, min_chunk, &|range| {
                     bf16.gemm(kernels, variant, range)
                 });
             }
@@ -276,14 +294,14 @@ impl PackedMatrix {
         }
         if gemv {
             let rows = F32Rows(self, kernels, &x.data);
-            run_chunks(team, threads, panels, 1, &|range| {
+            run_chunks(team, threads, panels, 1, 0, &|range| {
                 gemv_panels(&rows, m, self.n, range.panels, dst)
             });
         } else {
             let mut packed_x = PACKED_ROWS.take();
             let group = kernels.f32_tile_rows();
             pack_rows(&x.data, m, k, group, &mut packed_x);
-            run_chunks(team, threads, panels, 1, &|range| {
+            run_chunks(team, threads, panels, 1, 0, &|range| {
                 self.gemm_panels(kernels, &packed_x, m, range.panels, dst)
             });
             PACKED_ROWS.set(packed_x);
@@ -455,10 +473,12 @@ fn run_chunks(
     threads: usize,
     panels: usize,
     blocks: usize,
+    min_chunk: usize,
     work: &(dyn Fn(Chunk) + Sync),
 ) {
     let chunk = panels
         .div_ceil(threads * CHUNKS_PER_MEMBER)
+        .max(min_chunk.min(panels.div_ceil(threads)))
         .max(1)
         .next_multiple_of(2);
     let per_block = panels.div_ceil(chunk);
@@ -566,73 +586,150 @@ impl Bf16Product<'_> {
         }
     }
 
-    /// AMX: 32 × 32 blocks (16-row and 16-column ones at the edges); a block that reaches
-    /// past the output is stored into a scratch block and copied back in part.
+    /// AMX, in three levels (see `AMX_SLICE` and `AMX_SUMS_BYTES` for the sizes):
+    /// - a group of panel pairs whose partial sums for all the chunk's rows stay in L2;
+    /// - a slice of the depth: the rows' activations for it stay in L2 while every pair of
+    ///   the group passes over them;
+    /// - one pair's slice of weights (from memory once, then L1) under every 32-row block,
+    ///   the 2 × 2 tiles adding into the sums.
+    ///
+    /// The sums go to the output when the group's depth is done.
     #[cfg(target_arch = "x86_64")]
     fn gemm_amx(&self, rows: std::ops::Range<usize>, panels: std::ops::Range<usize>) {
         use super::kernels::{AmxTiles, AMX_TILE};
         let kblocks = self.lda / BF16_K_ALIGN;
-        let mut scratch = [0f32; 32 * 32];
+        let slice = AMX_SLICE / BF16_K_ALIGN;
+        let blocks = rows.len().div_ceil(32);
+        let pair_sums = blocks * 32 * 32;
+        let group_pairs = (AMX_SUMS_BYTES / (pair_sums * 4)).max(1);
+        // Every block's first slice overwrites its sums: no zeroing.
+        let mut sums = AMX_SUMS.take();
+        sums.set_len(group_pairs * pair_sums);
+        let panel_len = u16::panel_len(self.k);
+        let w = self.w.as_ptr();
+        // The first value of panel q at k-block t (for prefetches, past the end too).
+        let at =
+            |q: usize, t: usize| w.wrapping_add(q * panel_len + t * BF16_K_ALIGN * NR) as *const u8;
         // SAFETY: `Kernels` holds `Isa::Amx` only where the host supports it.
         let tiles = unsafe { AmxTiles::configure() };
-        for q in panels.clone().step_by(2) {
-            let two = q + 1 < panels.end;
-            let cols = (self.n - q * NR).min(if two { 2 * NR } else { NR });
-            let b0 = self.panel(q).as_ptr();
-            let b1 = if two { self.panel(q + 1).as_ptr() } else { b0 };
-            // The next pair's panels follow this pair's in memory: each 32-row block asks for
-            // its share of them, spread over its steps.
-            let pair_bytes = 2 * 2 * u16::panel_len(self.k);
-            let blocks = rows.len().div_ceil(32);
-            let lines = (pair_bytes / 64).div_ceil(blocks * kblocks);
-            let next = (b0 as *const u8).wrapping_add(pair_bytes);
-            for (i, r0) in rows.clone().step_by(32).enumerate() {
-                let ahead = (next.wrapping_add(i * kblocks * lines * 64), lines);
-                // `a` has whole 16-row tiles of zeros past m.
-                let r16 = if self.m.next_multiple_of(16) - r0 >= 32 {
-                    2
-                } else {
-                    1
-                };
-                let valid = (self.m - r0).min(16 * r16);
-                let direct = valid == 16 * r16 && cols == if two { 2 * NR } else { NR };
-                // SAFETY: `a` holds the row tiles of rows r0.. + 16·r16 (rows rounded up
-                // to 16), kblocks tiles each; each panel kblocks tiles of 1 KiB; the block is stored
-                // into the output only where it lies inside it (rows r0.. + valid, this
-                // thread's panels), else into `scratch` (32 × 32).
-                unsafe {
-                    let a = self.a.as_ptr().add((r0 / 16) * kblocks * AMX_TILE);
-                    let (c, ldc) = if direct {
-                        let span = (valid - 1) * self.n + cols;
-                        (self.dst.span(r0 * self.n + q * NR, span), self.n)
-                    } else {
-                        (scratch.as_mut_ptr(), 32)
-                    };
-                    match (r16, two) {
-                        (2, true) => tiles.block::<2, 2>(a, [b0, b1], kblocks, (c, ldc), ahead),
-                        (2, false) => tiles.block::<2, 1>(a, [b0], kblocks, (c, ldc), ahead),
-                        (_, true) => tiles.block::<1, 2>(a, [b0, b1], kblocks, (c, ldc), ahead),
-                        (_, false) => tiles.block::<1, 1>(a, [b0], kblocks, (c, ldc), ahead),
+        for g0 in panels.clone().step_by(2 * group_pairs) {
+            let group = g0..(g0 + 2 * group_pairs).min(panels.end);
+            let group_len = group.len().div_ceil(2);
+            for k0 in (0..kblocks).step_by(slice) {
+                let kb = slice.min(kblocks - k0);
+                // The activations of the next slice (this group's, else the next group's
+                // first) are asked into L2 while this one computes: from L3 the tile
+                // loads would wait for each line in turn.
+                let a_next = if k0 + kb < kblocks { k0 + kb } else { 0 };
+                let a_next_kb = slice.min(kblocks - a_next);
+                let a_lines = rows.len().div_ceil(16) * a_next_kb * 16;
+                let a_per_call = a_lines.div_ceil(group_len * blocks);
+                let a_first = (rows.start / 16) * kblocks * AMX_TILE;
+                let prefetch_a = |call: usize| {
+                    for li in call * a_per_call..((call + 1) * a_per_call).min(a_lines) {
+                        let (rt, off) = (li / (a_next_kb * 16), li % (a_next_kb * 16));
+                        let tile = a_first + (rt * kblocks + a_next) * AMX_TILE;
+                        prefetch_l2(self.a.as_ptr().wrapping_add(tile + off * 32) as *const u8);
                     }
-                    if !direct {
-                        for r in 0..valid {
-                            std::ptr::copy_nonoverlapping(
-                                scratch.as_ptr().add(r * 32),
-                                self.dst.span((r0 + r) * self.n + q * NR, cols),
-                                cols,
-                            );
+                };
+                for (g, q) in group.clone().step_by(2).enumerate() {
+                    let two = q + 1 < group.end;
+                    let (b0, b1) = (
+                        at(q, k0) as *const u16,
+                        at(q + two as usize, k0) as *const u16,
+                    );
+                    // The weights read next — the group's next pair at this slice, else its
+                    // first at the next slice, else the next group's first — are asked into
+                    // L2 meanwhile, the first half of the row blocks asking for the first
+                    // panel's part, the second half for the second's.
+                    let next = if q + 2 < group.end {
+                        (q + 2, k0)
+                    } else if k0 + kb < kblocks {
+                        (g0, k0 + kb)
+                    } else {
+                        (group.end, 0)
+                    };
+                    let next_kb = slice.min(kblocks.saturating_sub(next.1)).max(1);
+                    let half = blocks.div_ceil(2);
+                    let lines = (next_kb * AMX_TILE * 2 / 64).div_ceil(half * kb);
+                    for (i, r0) in rows.clone().step_by(32).enumerate() {
+                        let (panel, j) = if i < half {
+                            (next.0, i)
+                        } else {
+                            (next.0 + 1, i - half)
+                        };
+                        let ahead = (at(panel, next.1).wrapping_add(j * kb * lines * 64), lines);
+                        // `a` has whole 16-row tiles of zeros past m.
+                        let r16 = if self.m.next_multiple_of(16) - r0 >= 32 {
+                            2
+                        } else {
+                            1
+                        };
+                        let accumulate = k0 > 0;
+                        prefetch_a(g * blocks + i);
+                        // SAFETY: `a` holds the row tiles of rows r0.. + 16·r16 (rows rounded
+                        // up to 16), kblocks tiles each, of which k0.. + kb are read; each
+                        // panel kblocks tiles of 1 KiB, k0.. + kb read; `sums` has 32 × 32
+                        // values for every block of every pair of the group.
+                        unsafe {
+                            let a = self.a.as_ptr().add(((r0 / 16) * kblocks + k0) * AMX_TILE);
+                            let a = (a, kblocks * AMX_TILE);
+                            let c = (sums.as_mut_ptr().add(g * pair_sums + i * 32 * 32), 32);
+                            match (r16, two) {
+                                (2, true) => {
+                                    tiles.block::<2, 2>(a, [b0, b1], kb, c, accumulate, ahead)
+                                }
+                                (2, false) => {
+                                    tiles.block::<2, 1>(a, [b0], kb, c, accumulate, ahead)
+                                }
+                                (_, true) => {
+                                    tiles.block::<1, 2>(a, [b0, b1], kb, c, accumulate, ahead)
+                                }
+                                (_, false) => {
+                                    tiles.block::<1, 1>(a, [b0], kb, c, accumulate, ahead)
+                                }
+                            }
                         }
                     }
                 }
             }
+            for (g, q) in group.clone().step_by(2).enumerate() {
+                let cols = (self.n - q * NR).min(2 * NR);
+                let cols = if q + 1 < group.end {
+                    cols
+                } else {
+                    cols.min(NR)
+                };
+                let pair = &sums[g * pair_sums..(g + 1) * pair_sums];
+                for (r, sum) in rows.clone().zip(pair.chunks_exact(32)) {
+                    // SAFETY: row r < m, the columns of panels q (and q + 1) that exist,
+                    // this thread's.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            sum.as_ptr(),
+                            self.dst.span(r * self.n + q * NR, cols),
+                            cols,
+                        )
+                    };
+                }
+            }
         }
         drop(tiles);
+        AMX_SUMS.set(sums);
     }
+}
+
+/// Asks for the cache line at `p` into L2.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_l2(p: *const u8) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    // SAFETY: a prefetch never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) };
 }
 
 /// What a panel holds: bf16 bits or f32, made from stored bytes or from an f32 value
 /// exactly as [`PackedMatrix::pack`] makes it.
-trait PanelElem: PanelValue + Default {
+trait PanelElem: PanelValue + Plain {
     fn from_stored(s: &StoredTensor, from: usize, out: &mut [Self]) -> Result<()>;
     fn from_f32(v: f32) -> Self;
 }
@@ -707,9 +804,9 @@ fn fill_panels<T: PanelElem>(
     order: WeightOrder,
     n: usize,
     k: usize,
-) -> Result<Vec<T>> {
+) -> Result<AlignedVec<T>> {
     let len = n.div_ceil(NR) * T::panel_len(k);
-    let mut out = vec![T::default(); len];
+    let mut out = AlignedVec::zeroed(len);
     if len == 0 {
         return Ok(out);
     }
@@ -756,17 +853,19 @@ fn fill_panels<T: PanelElem>(
 thread_local! {
     /// The packed activations of the last GEMM on this thread, kept so that the next one
     /// reuses the memory instead of faulting in fresh pages (a prompt's rows are megabytes).
-    static PACKED_ROWS: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    static PACKED_ROWS: std::cell::Cell<AlignedVec<f32>> = const { std::cell::Cell::new(AlignedVec::new()) };
     /// The same for the bf16 activation rows of the bf16 products.
-    static BF16_ROWS: std::cell::Cell<Vec<u16>> = const { std::cell::Cell::new(Vec::new()) };
+    static BF16_ROWS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
+    /// The AMX product's partial sums (`Bf16Product::gemm_amx`), kept the same way.
+    static AMX_SUMS: std::cell::Cell<AlignedVec<f32>> = const { std::cell::Cell::new(AlignedVec::new()) };
 }
 
 /// `x [m, k]` → for each block of `KC` steps, panels `[kc][MR]` for `m` rounded up to
 /// `group` rows (rows past `m` zero), into `out` (resized).
-fn pack_rows(x: &[f32], m: usize, k: usize, group: usize, out: &mut Vec<f32>) {
+fn pack_rows(x: &[f32], m: usize, k: usize, group: usize, out: &mut AlignedVec<f32>) {
     let m_panels = m.div_ceil(group) * (group / MR);
-    out.clear();
-    out.resize(m_panels * MR * k, 0.0);
+    out.set_len(m_panels * MR * k);
+    out.fill(0.0);
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
         let block = &mut out[k0 * m_panels * MR..(k0 + kc) * m_panels * MR];
@@ -854,6 +953,10 @@ mod tests {
             (25, 100, 33),
             (33, 47, 70),
             (200, 80, 96),
+            // AMX groups and depth slices: two groups of panel pairs (the second with an
+            // odd panel count), three slices of the depth (the last partial), a last row
+            // block with 24 rows.
+            (600, 300, 600),
         ];
         for &(m, n, k) in if cfg!(miri) { miri } else { all } {
             for bf16 in [false, true] {

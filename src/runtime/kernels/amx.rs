@@ -7,6 +7,10 @@
 //! Activations are packed the same way, 1 KiB per tile ([`TILE`] values): rows of a
 //! row-major matrix whose length is a multiple of 4 KiB would share L1 sets and evict each
 //! other (measured: 15–18 % of the tile peak with row-major A).
+//!
+//! Every tile must start on a cache line (`runtime::aligned`): on the Xeon this was tuned
+//! on, a tile load whose rows straddle lines took ~48 cycles against ~7, which alone held
+//! the product to a third of the peak.
 
 /// bf16 values in one 16 × 32 tile.
 pub const TILE: usize = 16 * BF16_K_ALIGN;
@@ -53,34 +57,52 @@ impl AmxTiles {
         }
     }
 
-    /// `c[16·R16 rows][16·P cols] = a · w` over `kblocks` blocks of 32 steps: `a` is
-    /// `R16` row tiles of `kblocks` packed A tiles each (zero past the depth), `b` are weight
-    /// panels, `c` rows `ldc` f32 apart.
+    /// `c[16·R16 rows][16·P cols] (+)= a · w` over `kblocks` blocks of 32 steps: `a` is
+    /// `R16` row tiles, `a_next` values apart, of `kblocks` packed A tiles each (zero past the
+    /// depth), `b` are weight panels from the same step on, `c` rows `ldc` f32 apart. With
+    /// `accumulate` the block adds to what `c` holds (an earlier slice of the depth), else
+    /// overwrites it.
     ///
     /// Meanwhile asks for `ahead.1` cache lines per step from `ahead.0` on into L2 (the
     /// weights the next blocks read, so memory streams while the tiles compute).
     ///
     /// # Safety
-    /// `a` holds `R16·kblocks` tiles of [`TILE`] values; each `b` `kblocks` tiles; `c` is
-    /// valid for `16·R16` rows of `16·P` values. (`ahead` may point anywhere: prefetches
-    /// never fault.)
+    /// `a` holds `R16` row tiles of `kblocks` tiles of [`TILE`] values; each `b` `kblocks`
+    /// tiles; `c` is valid for `16·R16` rows of `16·P` values. (`ahead` may point anywhere:
+    /// prefetches never fault.)
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn block<const R16: usize, const P: usize>(
         &self,
-        a: *const u16,
+        (a, a_next): (*const u16, usize),
         b: [*const u16; P],
         kblocks: usize,
         (c, ldc): (*mut f32, usize),
+        accumulate: bool,
         ahead: (*const u8, usize),
     ) {
         let (sa, sb, sc) = (64usize, 64usize, ldc * 4);
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nomem, nostack, preserves_flags)
-        );
-        let a1 = a.add(kblocks * TILE);
+        let c1 = c.add(16 * ldc);
+        if accumulate {
+            asm!("tileloadd tmm0, [{p} + {s}*1]", p = in(reg) c, s = in(reg) sc, options(nostack, readonly, preserves_flags));
+            if P == 2 {
+                asm!("tileloadd tmm1, [{p} + {s}*1]", p = in(reg) c.add(NR), s = in(reg) sc, options(nostack, readonly, preserves_flags));
+            }
+            if R16 == 2 {
+                asm!("tileloadd tmm2, [{p} + {s}*1]", p = in(reg) c1, s = in(reg) sc, options(nostack, readonly, preserves_flags));
+                if P == 2 {
+                    asm!("tileloadd tmm3, [{p} + {s}*1]", p = in(reg) c1.add(NR), s = in(reg) sc, options(nostack, readonly, preserves_flags));
+                }
+            }
+        } else {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nomem, nostack, preserves_flags)
+            );
+        }
+        let a1 = a.add(a_next);
         // Each load is issued right before the first product that needs it. Measured against
         // all four loads first: no difference beyond the noise (bench-gemm, AMX, 128/512
         // rows, two alternations).
@@ -122,7 +144,6 @@ impl AmxTiles {
             asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) c.add(NR), s = in(reg) sc, options(nostack, preserves_flags));
         }
         if R16 == 2 {
-            let c1 = c.add(16 * ldc);
             asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) c1, s = in(reg) sc, options(nostack, preserves_flags));
             if P == 2 {
                 asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) c1.add(NR), s = in(reg) sc, options(nostack, preserves_flags));
