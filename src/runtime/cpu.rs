@@ -226,13 +226,53 @@ fn shape_err(what: String) -> BackendError {
 /// mean square summed in `f64`.
 fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     let group = w.len().max(1);
-    for o in x.chunks_mut(group) {
-        let ms = o.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / group as f64;
-        let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
-        for (o, &g) in o.iter_mut().zip(w) {
-            *o = g * (*o * inv);
+    with_avx2(|| {
+        for o in x.chunks_mut(group) {
+            let inv = inverse_rms(o, eps);
+            for (o, &g) in o.iter_mut().zip(w) {
+                *o = g * (*o * inv);
+            }
+        }
+    })
+}
+
+/// [`rms_norm_in_place`] of `x` into `out` (as long as `x`), the same bits.
+fn rms_norm_rows(x: &[f32], out: &mut [f32], w: &[f32], eps: f32) {
+    let group = w.len().max(1);
+    with_avx2(|| {
+        for (row, o) in x.chunks(group).zip(out.chunks_mut(group)) {
+            let inv = inverse_rms(row, eps);
+            for ((o, &v), &g) in o.iter_mut().zip(row).zip(w) {
+                *o = g * (v * inv);
+            }
+        }
+    })
+}
+
+/// `1 / sqrt(mean(x²) + eps)`, the mean in f64.
+#[inline(always)]
+fn inverse_rms(x: &[f32], eps: f32) -> f32 {
+    let ms = sum_of_squares(x) / x.len().max(1) as f64;
+    (1.0 / (ms + eps as f64).sqrt()) as f32
+}
+
+/// `Σ x²` in f64 over eight running sums, so that it vectorises (one running sum is a
+/// chain of dependent f64 additions: 1.2 ms per 512 × 2048 norm, measured).
+#[inline(always)]
+fn sum_of_squares(x: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            acc[l] += (c[l] as f64) * (c[l] as f64);
         }
     }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for &v in rest {
+        s += (v as f64) * (v as f64);
+    }
+    s
 }
 
 impl Activation for Tensor {
@@ -396,10 +436,11 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &Tensor, w: &CpuWeight, group: usize, eps: f32) -> BackendResult<Tensor> {
         let w = &w.dense()?.data;
         let group = shape_rules::rms_norm_group(x.cols(), group, w.len())?;
-        let mut out = x.pooled_copy();
+        // Read from `x` and written whole: no copy of `x` first.
+        let mut out = Tensor::new(x.shape.clone(), pool::take(x.data.len()));
         self.team
-            .for_each_part(&mut out.data, group, PARALLEL_MIN, &|part, _| {
-                rms_norm_in_place(part, w, eps)
+            .for_each_part(&mut out.data, group, PARALLEL_MIN, &|part, offset| {
+                rms_norm_rows(&x.data[offset..offset + part.len()], part, w, eps)
             });
         Ok(out)
     }
