@@ -15,14 +15,14 @@ use super::tensor::{pool, Tensor};
 /// Keys or output columns summed in registers at once (four 8-wide vectors).
 const LANES: usize = 32;
 /// Query rows up to which keys are read in place rather than transposed first.
-const DIRECT_MAX_ROWS: usize = 4;
+pub(crate) const DIRECT_MAX_ROWS: usize = 4;
 /// Query rows per work item of a prompt: `QB × LANES` sums stay in 16 zmm registers.
 const QB: usize = 8;
 
 /// The largest value, over 16 running maxima so that it vectorises (one running maximum,
 /// or `f32::max` with its NaN rule, stays a scalar chain: seen in a profile).
 #[inline(always)]
-fn max_of(x: &[f32]) -> f32 {
+pub(crate) fn max_of(x: &[f32]) -> f32 {
     let mut m = [f32::NEG_INFINITY; 16];
     let chunks = x.chunks_exact(16);
     let rest = chunks.remainder();
@@ -38,7 +38,7 @@ fn max_of(x: &[f32]) -> f32 {
 
 /// `x[i] = e^(x[i] - max)`, returning their sum over 16 partial sums (see [`max_of`]).
 #[inline(always)]
-fn exp_sum(x: &mut [f32], max: f32) -> f32 {
+pub(crate) fn exp_sum(x: &mut [f32], max: f32) -> f32 {
     let mut acc = [0f32; 16];
     let mut chunks = x.chunks_exact_mut(16);
     for c in &mut chunks {
@@ -445,11 +445,11 @@ mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Softmax attention in f64, written the obvious way.
-    fn reference(
+    pub(crate) fn reference(
         q: &Tensor,
         k: &[f32],
         v: &[f32],

@@ -179,6 +179,30 @@ pub fn gemm_f32(
 }
 
 impl CpuBackend {
+    /// Causal attention of `q` over the cache: on AMX tiles for a prompt in bf16 compute
+    /// (bf16 linears whose activations are rounded to bf16, on a host with AMX), else in f32.
+    fn causal_attention(
+        &self,
+        q: &Tensor,
+        k: &[f32],
+        v: &[f32],
+        d: usize,
+        kv_heads: usize,
+        scale: f32,
+    ) -> Tensor {
+        #[cfg(target_arch = "x86_64")]
+        if self.bf16_linears
+            && self.kernels.gemm_variant(true) == super::kernels::Isa::Amx
+            && q.rows_cols().0 > super::attention::DIRECT_MAX_ROWS
+        {
+            // SAFETY: `Kernels` holds `Isa::Amx` only where the host supports it.
+            return unsafe {
+                super::attention_amx::causal_attention_amx(&self.team, q, k, v, d, kv_heads, scale)
+            };
+        }
+        super::attention::causal_attention(&self.team, q, k, v, d, kv_heads, scale)
+    }
+
     /// `x[i] = f(x[i])`, split over the team for long tensors; `f` is inlined into an
     /// AVX2 loop where the CPU has it (so SiLU's `exp` vectorises).
     fn map_in_place(&self, x: &mut Tensor, f: impl Fn(f32) -> f32 + Sync) {
@@ -635,18 +659,12 @@ impl Backend for CpuBackend {
                 .v
                 .extend_from_slice(&v.data[s.rows.start * vcols..s.rows.end * vcols]);
             match &mut out {
-                None => {
-                    return Ok(super::attention::causal_attention(
-                        &self.team, q, &cache.k, &cache.v, d, kv_heads, scale,
-                    ))
-                }
+                None => return Ok(self.causal_attention(q, &cache.k, &cache.v, d, kv_heads, scale)),
                 Some(out) => {
                     let mut rows_of_q = pool::empty(s.rows.len() * qcols);
                     rows_of_q.extend_from_slice(&q.data[s.rows.start * qcols..s.rows.end * qcols]);
                     let part = Tensor::new(vec![s.rows.len(), qcols], rows_of_q);
-                    let y = super::attention::causal_attention(
-                        &self.team, &part, &cache.k, &cache.v, d, kv_heads, scale,
-                    );
+                    let y = self.causal_attention(&part, &cache.k, &cache.v, d, kv_heads, scale);
                     out.data[s.rows.start * qcols..s.rows.end * qcols].copy_from_slice(&y.data);
                     y.release();
                     part.release();

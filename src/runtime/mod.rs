@@ -5,6 +5,8 @@
 pub mod affinity;
 pub mod aligned;
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+pub mod attention_amx;
 pub mod backend;
 pub mod collectives;
 pub mod comm;

@@ -152,6 +152,36 @@ impl AmxTiles {
     }
 }
 
+/// One-tile products for attention (`runtime::attention_amx`): a C tile summed over
+/// `steps` pairs of 1 KiB A and B tiles, then stored.
+impl AmxTiles {
+    /// `c[16][16] = Σ_s a_s · b_s` for `s < steps`, A tiles `a_next` values apart, B tiles
+    /// `b_next` apart; `c` rows `ldc` f32 apart.
+    ///
+    /// # Safety
+    /// `a` and `b` hold `steps` tiles at those strides, 64-byte aligned for speed; `c` 16
+    /// rows of 16 values.
+    pub unsafe fn product_tile(
+        &self,
+        (a, a_next): (*const u16, usize),
+        (b, b_next): (*const u16, usize),
+        steps: usize,
+        (c, ldc): (*mut f32, usize),
+    ) {
+        let (s, sc) = (64usize, ldc * 4);
+        asm!("tilezero tmm0", options(nomem, nostack, preserves_flags));
+        for t in 0..steps {
+            asm!("tileloadd tmm4, [{p} + {s}*1]", p = in(reg) a.add(t * a_next), s = in(reg) s, options(nostack, readonly, preserves_flags));
+            asm!("tileloadd tmm6, [{p} + {s}*1]", p = in(reg) b.add(t * b_next), s = in(reg) s, options(nostack, readonly, preserves_flags));
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                options(nomem, nostack, preserves_flags)
+            );
+        }
+        asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) c, s = in(reg) sc, options(nostack, preserves_flags));
+    }
+}
+
 impl Drop for AmxTiles {
     fn drop(&mut self) {
         // SAFETY: the tiles were configured by this thread (`configure`), so AMX exists.
