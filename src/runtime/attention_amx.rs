@@ -34,6 +34,9 @@ pub unsafe fn causal_attention_amx(
     scale: f32,
 ) -> Tensor {
     let (t, qcols) = q.rows_cols();
+    if t == 0 {
+        return Tensor::zeros(q.shape.clone());
+    }
     assert!(
         d > 0 && kv_heads > 0 && qcols.is_multiple_of(d) && (qcols / d).is_multiple_of(kv_heads),
         "attention: {qcols} query columns are not whole heads of {d} in groups over {kv_heads} kv heads"

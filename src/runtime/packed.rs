@@ -12,8 +12,9 @@
 //! against every activation panel of the block (which stays in L2).
 //!
 //! Prompt GEMM, bf16 products (`avx512bf16`, `amx`, bf16 weights): activations are rounded
-//! once to bf16 rows; each thread takes pairs of weight panels (kept in L2) and runs the tile
-//! kernel over the whole depth for every block of rows.
+//! once to bf16 rows (AMX: 1 KiB tiles); each thread takes pairs of weight panels and runs
+//! the tile kernel for every block of rows, over the whole depth (`avx512bf16`) or over
+//! depth slices into partial sums kept in L2 (`amx`, see `Bf16Product::gemm_amx`).
 
 use super::aligned::{AlignedVec, Plain};
 use super::error::{Result, RunError};

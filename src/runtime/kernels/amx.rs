@@ -81,7 +81,7 @@ impl AmxTiles {
         ahead: (*const u8, usize),
     ) {
         let (sa, sb, sc) = (64usize, 64usize, ldc * 4);
-        let c1 = c.add(16 * ldc);
+        let c1 = c.wrapping_add(16 * ldc);
         if accumulate {
             asm!("tileloadd tmm0, [{p} + {s}*1]", p = in(reg) c, s = in(reg) sc, options(nostack, readonly, preserves_flags));
             if P == 2 {
@@ -102,7 +102,8 @@ impl AmxTiles {
                 options(nomem, nostack, preserves_flags)
             );
         }
-        let a1 = a.add(a_next);
+        // Only read when R16 = 2 (wrapping: for one row tile it may point past `a`).
+        let a1 = a.wrapping_add(a_next);
         // Each load is issued right before the first product that needs it. Measured against
         // all four loads first: no difference beyond the noise (bench-gemm, AMX, 128/512
         // rows, two alternations).
