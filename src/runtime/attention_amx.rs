@@ -79,7 +79,8 @@ pub unsafe fn causal_attention_amx(
     let mut out = Tensor::zeros(q.shape.clone());
     let dst = SyncPtr::new(&mut out.data);
     let items = t.div_ceil(T) * shape.heads;
-    let members = team.size().min(items);
+    // At least one member (`step_by` refuses 0), even for no items (no heads).
+    let members = team.size().min(items).max(1);
     team.run_on(members, &|member| {
         // SAFETY: AMX is there (this function's contract).
         let tiles = unsafe { AmxTiles::configure() };
