@@ -73,6 +73,48 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// The head layout of an attention call, checked: the fast paths index keys and values
+/// without checks, so it must be exact.
+pub(crate) struct Layout {
+    /// Query rows.
+    pub t: usize,
+    /// Query heads, and query heads per key/value head.
+    pub heads: usize,
+    pub group: usize,
+    /// Values per cached key row, and cached keys.
+    pub kcols: usize,
+    pub n: usize,
+}
+
+impl Layout {
+    pub(crate) fn of(q: &Tensor, k: &[f32], v: &[f32], d: usize, kv_heads: usize) -> Layout {
+        let (t, qcols) = q.rows_cols();
+        assert!(
+            d > 0 && kv_heads > 0 && qcols.is_multiple_of(d) && (qcols / d).is_multiple_of(kv_heads),
+            "attention: {qcols} query columns are not whole heads of {d} in groups over {kv_heads} kv heads"
+        );
+        let heads = qcols / d;
+        let kcols = kv_heads * d;
+        assert!(
+            k.len().is_multiple_of(kcols),
+            "attention: {} cached key values are not whole rows of {kcols}",
+            k.len()
+        );
+        let n = k.len() / kcols;
+        assert!(
+            t <= n && v.len() == k.len(),
+            "attention: {t} queries over {n} cached keys"
+        );
+        Layout {
+            t,
+            heads,
+            group: heads / kv_heads,
+            kcols,
+            n,
+        }
+    }
+}
+
 /// `q [t, hq·d]` over `k, v [n, hk·d]`; query row `i` sits at position `n - t + i` and sees
 /// keys `0..=n - t + i`. Query head `h` reads key/value head `h / (hq / hk)`.
 pub fn causal_attention(
@@ -84,25 +126,13 @@ pub fn causal_attention(
     kv_heads: usize,
     scale: f32,
 ) -> Tensor {
-    let (t, qcols) = q.rows_cols();
-    // The fast paths index keys and values without checks: the head layout must be exact.
-    assert!(
-        d > 0 && kv_heads > 0 && qcols.is_multiple_of(d) && (qcols / d).is_multiple_of(kv_heads),
-        "attention: {qcols} query columns are not whole heads of {d} in groups over {kv_heads} kv heads"
-    );
-    let heads = qcols / d;
-    let group = heads / kv_heads;
-    let kcols = kv_heads * d;
-    assert!(
-        k.len().is_multiple_of(kcols),
-        "attention: {} cached key values are not whole rows of {kcols}",
-        k.len()
-    );
-    let n = k.len() / kcols;
-    assert!(
-        t <= n && v.len() == k.len(),
-        "attention: {t} queries over {n} cached keys"
-    );
+    let Layout {
+        t,
+        heads,
+        group,
+        kcols,
+        n,
+    } = Layout::of(q, k, v, d, kv_heads);
     let mut out = Tensor::zeros(q.shape.clone());
     let items = t * heads;
     // (Under Miri, whose tests can afford only tiny shapes, tiny work is split too.)
@@ -448,6 +478,30 @@ mod avx512 {
 pub(crate) mod tests {
     use super::*;
 
+    /// Queries `[t, hq·d]` and cached keys and values `[n, hk·d]`, varied values of a few
+    /// units.
+    pub(crate) fn operands(
+        t: usize,
+        n: usize,
+        d: usize,
+        hq: usize,
+        hk: usize,
+    ) -> (Tensor, Vec<f32>, Vec<f32>) {
+        let q = Tensor::new(
+            vec![t, hq * d],
+            (0..t * hq * d)
+                .map(|i| ((i * 31 % 17) as f32 - 8.0) / 4.0)
+                .collect(),
+        );
+        let k = (0..n * hk * d)
+            .map(|i| ((i * 13 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        let v = (0..n * hk * d)
+            .map(|i| ((i * 7 % 19) as f32 - 9.0) / 3.0)
+            .collect();
+        (q, k, v)
+    }
+
     /// Softmax attention in f64, written the obvious way.
     pub(crate) fn reference(
         q: &Tensor,
@@ -518,18 +572,7 @@ pub(crate) mod tests {
             (9, 12, 4, 4, 2),
         ];
         for &(t, n, d, hq, hk) in if cfg!(miri) { miri } else { all } {
-            let q = Tensor::new(
-                vec![t, hq * d],
-                (0..t * hq * d)
-                    .map(|i| ((i * 31 % 17) as f32 - 8.0) / 4.0)
-                    .collect(),
-            );
-            let k: Vec<f32> = (0..n * hk * d)
-                .map(|i| ((i * 13 % 23) as f32 - 11.0) / 7.0)
-                .collect();
-            let v: Vec<f32> = (0..n * hk * d)
-                .map(|i| ((i * 7 % 19) as f32 - 9.0) / 3.0)
-                .collect();
+            let (q, k, v) = operands(t, n, d, hq, hk);
             let scale = 1.0 / (d as f32).sqrt();
             let want = reference(&q, &k, &v, d, hk, scale as f64);
             for members in [1, 2, 3] {

@@ -10,6 +10,7 @@
 //! the visible key blocks, then divided by each row's sum.
 
 use super::aligned::AlignedVec;
+use super::attention::Layout;
 use super::kernels::{round_bf16, AmxTiles, AMX_TILE};
 use super::team::{SyncPtr, Team};
 use super::tensor::Tensor;
@@ -33,28 +34,22 @@ pub unsafe fn causal_attention_amx(
     kv_heads: usize,
     scale: f32,
 ) -> Tensor {
-    let (t, qcols) = q.rows_cols();
-    if t == 0 {
+    if q.rows_cols().0 == 0 {
         return Tensor::zeros(q.shape.clone());
     }
-    assert!(
-        d > 0 && kv_heads > 0 && qcols.is_multiple_of(d) && (qcols / d).is_multiple_of(kv_heads),
-        "attention: {qcols} query columns are not whole heads of {d} in groups over {kv_heads} kv heads"
-    );
-    let kcols = kv_heads * d;
-    assert!(
-        k.len().is_multiple_of(kcols) && v.len() == k.len(),
-        "attention: {} cached key values are not whole rows of {kcols}",
-        k.len()
-    );
-    let n = k.len() / kcols;
-    assert!(t <= n, "attention: {t} queries over {n} cached keys");
+    let Layout {
+        t,
+        heads,
+        group,
+        kcols,
+        n,
+    } = Layout::of(q, k, v, d, kv_heads);
     let shape = Shape {
         t,
         n,
         d,
-        heads: qcols / d,
-        group: qcols / d / kv_heads,
+        heads,
+        group,
         kcols,
         dsteps: d.div_ceil(K),
         ctiles: d.div_ceil(T),
@@ -348,7 +343,7 @@ unsafe fn item(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::attention::tests::reference;
+    use crate::runtime::attention::tests::{operands, reference};
     use crate::runtime::kernels::{widen, Isa, Kernels};
 
     #[test]
@@ -371,18 +366,7 @@ mod tests {
         ];
         let bf = |x: f32| widen(round_bf16(x));
         for &(t, n, d, hq, hk) in all {
-            let q = Tensor::new(
-                vec![t, hq * d],
-                (0..t * hq * d)
-                    .map(|i| ((i * 31 % 17) as f32 - 8.0) / 4.0)
-                    .collect(),
-            );
-            let k: Vec<f32> = (0..n * hk * d)
-                .map(|i| ((i * 13 % 23) as f32 - 11.0) / 7.0)
-                .collect();
-            let v: Vec<f32> = (0..n * hk * d)
-                .map(|i| ((i * 7 % 19) as f32 - 9.0) / 3.0)
-                .collect();
+            let (q, k, v) = operands(t, n, d, hq, hk);
             let scale = 1.0 / (d as f32).sqrt();
             let rounded = Tensor::new(q.shape.clone(), q.data.iter().map(|&x| bf(x)).collect());
             let (kr, vr): (Vec<f32>, Vec<f32>) = (

@@ -255,21 +255,8 @@ fn silu_all(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v = fastmath::silu(*v));
 }
 
-/// RMSNorm of each group of `w.len()` values of `x` in place: `x ← w ⊙ x / rms(x)`, the
-/// mean square summed in `f64`.
-fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
-    let group = w.len().max(1);
-    with_avx2(|| {
-        for o in x.chunks_mut(group) {
-            let inv = inverse_rms(o, eps);
-            for (o, &g) in o.iter_mut().zip(w) {
-                *o = g * (*o * inv);
-            }
-        }
-    })
-}
-
-/// [`rms_norm_in_place`] of `x` into `out` (as long as `x`), the same bits.
+/// RMSNorm of each group of `w.len()` values of `x` into `out` (as long as `x`):
+/// `out ← w ⊙ x / rms(x)`, the mean square summed in `f64`.
 fn rms_norm_rows(x: &[f32], out: &mut [f32], w: &[f32], eps: f32) {
     let group = w.len().max(1);
     with_avx2(|| {
@@ -506,9 +493,7 @@ impl Backend for CpuBackend {
         } else {
             let mut out = Tensor::zeros(sum.shape.clone());
             comm.all_reduce_sum_rows(sum, cols, algorithm, &mut |r, row| {
-                let o = &mut out.data[r * cols..(r + 1) * cols];
-                o.copy_from_slice(row);
-                rms_norm_in_place(o, scales, eps);
+                rms_norm_rows(row, &mut out.data[r * cols..(r + 1) * cols], scales, eps);
             })
             .map(|ran| ran.map(|ran| (out, ran)))
         };

@@ -695,12 +695,7 @@ impl Bf16Product<'_> {
                 }
             }
             for (g, q) in group.clone().step_by(2).enumerate() {
-                let cols = (self.n - q * NR).min(2 * NR);
-                let cols = if q + 1 < group.end {
-                    cols
-                } else {
-                    cols.min(NR)
-                };
+                let cols = (self.n - q * NR).min(if q + 1 < group.end { 2 * NR } else { NR });
                 let pair = &sums[g * pair_sums..(g + 1) * pair_sums];
                 for (r, sum) in rows.clone().zip(pair.chunks_exact(32)) {
                     // SAFETY: row r < m, the columns of panels q (and q + 1) that exist,
