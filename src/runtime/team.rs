@@ -117,6 +117,11 @@ impl<'a> SyncPtr<'a> {
     }
 }
 
+/// A helper thread's stack (std's default for spawned threads).
+const HELPER_STACK: usize = 2 << 20;
+/// Address space a helper needs beyond its stack (guard page, signal stack), with margin.
+const SPAWN_HEADROOM: usize = 1 << 20;
+
 pub struct Team {
     size: usize,
     shared: Arc<Shared>,
@@ -165,15 +170,27 @@ impl Team {
         for member in 1..size {
             let shared = team.shared.clone();
             let core = cores.get(member).copied().flatten();
-            // On failure `team` drops here, which stops the helpers started so far.
+            // The new thread maps its signal stack itself, after the spawn succeeded, and std
+            // aborts the process if that fails (seen ~1 in 40 runs near an address-space
+            // limit): ask for the stack and that headroom first, one helper at a time (each
+            // waits until the last one runs), so that a shortage is refused here, as an
+            // error. (On failure `team` drops here, which stops the helpers started so far.)
+            Vec::<u8>::new()
+                .try_reserve_exact(HELPER_STACK + SPAWN_HEADROOM)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
+            let (started, running) = std::sync::mpsc::channel();
             let handle = std::thread::Builder::new()
                 .name(format!("tpc-team-{member}"))
+                .stack_size(HELPER_STACK)
                 .spawn(move || {
+                    // Its signal stack is mapped by now: the next helper's check sees it.
+                    let _ = started.send(());
                     if let Some(core) = core {
                         super::affinity::pin_current_thread(core);
                     }
                     helper(&shared, member)
                 })?;
+            let _ = running.recv();
             team.helpers.push(handle);
         }
         team.size = size;
