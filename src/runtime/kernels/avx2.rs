@@ -3,11 +3,6 @@
 use super::{MR, NR};
 use std::arch::x86_64::*;
 
-/// How far ahead of its reads the GEMV asks for weights. Measured on this project's machine
-/// (GEMV over 40 cold 5632×2048 bf16 matrices, 2 threads): no prefetch 16–23 GB/s, 1–4 KiB
-/// ahead 23–29 GB/s; TinyLlama decode 11.1–12.4 → 12.6–14.9 tok/s (3 alternations).
-pub const PREFETCH_BYTES: usize = 2048;
-
 /// 12 accumulators (6 rows × 2 vectors of 8), two weight vectors and one broadcast:
 /// 15 of the 16 ymm registers.
 ///
@@ -144,14 +139,8 @@ unsafe fn gemv<const R: usize>(
     one: impl Fn(usize) -> (__m256, __m256),
 ) {
     let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
-    for i in 0..k / 2 {
+    super::streams::for_each_pair!(k / 2, base as *const u8, 2 * step_bytes, |i, _s| {
         let p = 2 * i;
-        // Prefetches never fault, so running past the panel's end is harmless.
-        let ahead = base.wrapping_add(p * step_bytes + PREFETCH_BYTES);
-        _mm_prefetch::<_MM_HINT_T0>(ahead);
-        if step_bytes > 32 {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
-        }
         let w = pair(i);
         for (step, [w0, w1]) in w.into_iter().enumerate() {
             let s = if R <= 2 { step } else { 0 };
@@ -161,7 +150,7 @@ unsafe fn gemv<const R: usize>(
                 a[s][1] = _mm256_fmadd_ps(xv, w1, a[s][1]);
             }
         }
-    }
+    });
     if k % 2 == 1 {
         let p = k - 1;
         let (w0, w1) = one(p);

@@ -1,6 +1,5 @@
 //! AVX-512F kernels: 16-wide f32 FMA, one zmm per panel step.
 
-use super::avx2::PREFETCH_BYTES;
 use super::{MR, NR};
 use std::arch::x86_64::*;
 
@@ -114,13 +113,8 @@ unsafe fn gemv<const R: usize>(
     one: impl Fn(usize) -> __m512,
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    for i in 0..k / 2 {
+    super::streams::for_each_pair!(k / 2, base as *const u8, 2 * step_bytes, |i, _s| {
         let p = 2 * i;
-        let ahead = base.wrapping_add(p * step_bytes + PREFETCH_BYTES);
-        _mm_prefetch::<_MM_HINT_T0>(ahead);
-        if step_bytes > 32 {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
-        }
         let (even, odd) = pair(i);
         for (r, a) in acc.iter_mut().enumerate() {
             let x0 = _mm512_set1_ps(*x.get_unchecked(r * ldx + p));
@@ -128,7 +122,7 @@ unsafe fn gemv<const R: usize>(
             a[0] = _mm512_fmadd_ps(x0, even, a[0]);
             a[1] = _mm512_fmadd_ps(x1, odd, a[1]);
         }
-    }
+    });
     if k % 2 == 1 {
         let p = k - 1;
         let w = one(p);

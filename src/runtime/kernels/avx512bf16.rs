@@ -57,15 +57,9 @@ pub unsafe fn tile<const R: usize, const P: usize>(
     }
 }
 
-/// Sequential streams a decode panel is read as: each stream its own run of pages keeps more
-/// lines in flight than one stream does (two threads, 64 KiB panels: one stream 26.1 GB/s,
-/// four 28.7, eight with a prefetch 8 lines ahead 30.3).
-const STREAMS: usize = 8;
-/// Bytes ahead of each stream's load that are prefetched into L1.
-const STREAM_PREFETCH_BYTES: usize = 512;
-
-/// Decode rows: `R` bf16 rows against one panel, read as [`STREAMS`] parts at once, with
-/// four sums per row (streams `s` and `s + 4` share one).
+/// Decode rows: `R` bf16 rows against one panel, read in the order of
+/// [`super::streams::for_each_pair`], with four sums per row (parts `s` and `s + 4` share
+/// one).
 ///
 /// # Safety
 /// AVX512-BF16; `x` holds `R` rows of `2·pairs` values `ldx` apart; `panel` `pairs` pair
@@ -80,25 +74,12 @@ pub unsafe fn gemv<const R: usize>(
 ) {
     let (xp, w) = (x.as_ptr(), panel.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    let part = pairs / STREAMS;
-    for i in 0..part {
-        for s in 0..STREAMS {
-            let j = s * part + i;
-            let line = w.add(j * 2 * NR);
-            _mm_prefetch::<_MM_HINT_T0>((line as *const i8).wrapping_add(STREAM_PREFETCH_BYTES));
-            let wv = weights(line);
-            for (r, a) in acc.iter_mut().enumerate() {
-                a[s % 4] = _mm512_dpbf16_ps(a[s % 4], pair(xp.add(r * ldx + 2 * j)), wv);
-            }
-        }
-    }
-    // The last pairs % STREAMS pair rows.
-    for j in STREAMS * part..pairs {
+    super::streams::for_each_pair!(pairs, w as *const u8, 4 * NR, |j, s| {
         let wv = weights(w.add(j * 2 * NR));
         for (r, a) in acc.iter_mut().enumerate() {
-            a[0] = _mm512_dpbf16_ps(a[0], pair(xp.add(r * ldx + 2 * j)), wv);
+            a[s % 4] = _mm512_dpbf16_ps(a[s % 4], pair(xp.add(r * ldx + 2 * j)), wv);
         }
-    }
+    });
     for (a, o) in acc.iter().zip(out.iter_mut()) {
         let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
         _mm512_storeu_ps(o.as_mut_ptr(), sum);

@@ -1,0 +1,81 @@
+//! The order the decode GEMVs read a weight panel in: as [`STREAMS`] parts at once, each a
+//! sequential run of its own pages. One sequential stream per thread leaves the memory
+//! system idle between the lines the prefetchers ask for; several keep more lines in
+//! flight. Measured on this project's 2-core Xeon (two threads summing 64 KiB panels of a
+//! 1 GiB buffer): one stream with a prefetch 2 KiB ahead 26.1 GB/s, four streams 28.7, eight
+//! streams each with a prefetch 512 B ahead 30.3; TinyLlama bf16 decode 11.3 → 13.0 tok/s.
+
+/// Parts a panel is read as at once.
+pub const STREAMS: usize = 8;
+/// Bytes ahead of each part's read that are asked for in L1.
+pub const PREFETCH_BYTES: usize = 512;
+
+/// Runs `body` for every pair row `j` in `0..pairs`, each once: the first
+/// `STREAMS · (pairs / STREAMS)` rows as `STREAMS` parts read round robin (`s` is the part),
+/// then the rest in order (as part 0). Before each row of a part it prefetches the row
+/// `PREFETCH_BYTES` further on from the panel at `base` (`pair_bytes` per row).
+///
+/// A macro, not a function taking a closure: a closure is compiled without its caller's
+/// `target_feature`s, and one too big to inline then calls every intrinsic out of line
+/// (AVX2 GEMV of 3 rows: 50x slower). The constant part loop also lets `s` index registers.
+macro_rules! for_each_pair {
+    ($pairs:expr, $base:expr, $pair_bytes:expr, |$j:ident, $s:ident| $body:block) => {{
+        use $crate::runtime::kernels::streams::{prefetch_pair, STREAMS};
+        let (pairs, base, pair_bytes): (usize, *const u8, usize) = ($pairs, $base, $pair_bytes);
+        let part = pairs / STREAMS;
+        for i in 0..part {
+            for $s in 0..STREAMS {
+                let $j = $s * part + i;
+                prefetch_pair(base, $j, pair_bytes);
+                $body
+            }
+        }
+        for $j in STREAMS * part..pairs {
+            let $s = 0usize;
+            $body
+        }
+    }};
+}
+pub(super) use for_each_pair;
+
+/// Asks for every 64-byte line of pair row `j + PREFETCH_BYTES / pair_bytes` in L1.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub fn prefetch_pair(base: *const u8, j: usize, pair_bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    // Prefetches never fault: past the panel's end is harmless.
+    let ahead = base.wrapping_add(j * pair_bytes + PREFETCH_BYTES);
+    for line in (0..pair_bytes).step_by(64) {
+        // SAFETY: a prefetch reads nothing architecturally, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8) };
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_pair_row_is_visited_once_with_its_part() {
+        for pairs in [0, 1, 7, 8, 9, 16, 17, 63, 64, 1000] {
+            let mut seen = vec![0u32; pairs];
+            let mut order = Vec::new();
+            for_each_pair!(pairs, std::ptr::null(), 64, |j, s| {
+                seen[j] += 1;
+                order.push((j, s));
+            });
+            assert!(seen.iter().all(|&c| c == 1), "pairs {pairs}: {seen:?}");
+            let part = pairs / STREAMS;
+            for &(j, s) in &order {
+                let expected = if j < STREAMS * part { j / part } else { 0 };
+                assert_eq!(s, expected, "pairs {pairs}, row {j}");
+            }
+            // Round robin: the first STREAMS visits start every part.
+            if part > 0 {
+                let firsts: Vec<usize> = order[..STREAMS].iter().map(|&(j, _)| j).collect();
+                let want: Vec<usize> = (0..STREAMS).map(|s| s * part).collect();
+                assert_eq!(firsts, want);
+            }
+        }
+    }
+}
