@@ -425,30 +425,67 @@ fn gemv_sweep(kern: Kernels, team: &Team, s: &Settings) -> Result<(f64, usize), 
 }
 
 /// Read bandwidth (bytes/s) of `threads` threads summing disjoint parts of a buffer of
-/// `mib` MiB with 16 partial sums (vectorised, like the C sum in
-/// `scripts/bench_vs_torch.sh`); `tpc bench-gemm` reports it too.
+/// `mib` MiB (vectorised, like the C sum in `scripts/bench_vs_torch.sh`), in the faster of
+/// two read orders: one sequential stream per thread, and the decode GEMVs' order (64 KiB
+/// blocks, each read as `STREAMS` parts at once; see `runtime/kernels/streams.rs`), which
+/// reads faster where one stream leaves the memory system idle. `tpc bench-gemm` reports it
+/// too.
 pub fn read_loop_bandwidth(threads: usize, mib: usize, budget: f64) -> f64 {
     let values = vec![1f32; (mib.max(1) << 20) / 4];
     let part = values.len().div_ceil(threads.max(1));
-    let sum = |chunk: &[f32]| {
-        crate::runtime::simd::with_avx2(|| {
-            let mut acc = [0f32; 16];
-            for c in chunk.chunks_exact(16) {
-                for l in 0..16 {
-                    acc[l] += c[l];
+    let time = |sum: fn(&[f32], &mut f32)| {
+        best(budget / 2.0, || {
+            std::thread::scope(|s| {
+                for chunk in values.chunks(part) {
+                    s.spawn(move || {
+                        let mut total = 0.0;
+                        sum(chunk, &mut total);
+                        std::hint::black_box(total)
+                    });
                 }
-            }
-            acc.iter().sum::<f32>()
+            })
         })
     };
-    let t = best(budget, || {
-        std::thread::scope(|s| {
-            for chunk in values.chunks(part) {
-                s.spawn(move || std::hint::black_box(sum(chunk)));
-            }
-        })
-    });
+    let t = time(sum_one_stream).min(time(sum_in_parts));
     (values.len() * 4) as f64 / t.as_secs_f64()
+}
+
+crate::runtime::simd::widest_simd_fn!(fn sum_one_stream(x: &[f32], total: &mut f32) => one_stream);
+crate::runtime::simd::widest_simd_fn!(fn sum_in_parts(x: &[f32], total: &mut f32) => in_parts);
+
+#[inline(always)]
+fn one_stream(x: &[f32], total: &mut f32) {
+    let mut acc = [0f32; 16];
+    for c in x.chunks_exact(16) {
+        for l in 0..16 {
+            acc[l] += c[l];
+        }
+    }
+    *total += acc.iter().sum::<f32>();
+}
+
+#[inline(always)]
+fn in_parts(x: &[f32], total: &mut f32) {
+    use crate::runtime::kernels::streams::STREAMS;
+    const BLOCK: usize = (64 << 10) / 4;
+    const LEN: usize = BLOCK / STREAMS;
+    let mut acc = [[0f32; 16]; 4];
+    let blocks = x.chunks_exact(BLOCK);
+    one_stream(blocks.remainder(), total);
+    for block in blocks {
+        let block: &[f32; BLOCK] = block.try_into().expect("chunks_exact gives BLOCK values");
+        for i in (0..LEN).step_by(16) {
+            for s in 0..STREAMS {
+                let line = &block[s * LEN + i..][..16];
+                #[cfg(target_arch = "x86_64")]
+                crate::runtime::kernels::streams::prefetch_pair(line.as_ptr() as *const u8, 0, 64);
+                for l in 0..16 {
+                    acc[s % 4][l] += line[l];
+                }
+            }
+        }
+    }
+    *total += acc.iter().flatten().sum::<f32>();
 }
 
 fn read_bandwidth(threads: usize, mib: usize, budget: f64) -> Result<f64, CalibrateError> {
@@ -809,7 +846,7 @@ impl Calibration {
                 s.rows,
             ),
             format!(
-                "memory_bandwidth: one-row products (decode GEMV, {} kernels) through {} MiB of distinct bf16 weights, {} threads, median sweep; a plain read loop reached {:.2e} B/s",
+                "memory_bandwidth: one-row products (decode GEMV, {} kernels) through {} MiB of distinct bf16 weights, {} threads, median sweep; the faster of two plain read loops (one stream per thread; the GEMVs' 8-part order) reached {:.2e} B/s",
                 self.isa,
                 self.sweep_bytes >> 20,
                 self.threads,

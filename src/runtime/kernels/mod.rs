@@ -28,7 +28,7 @@ mod detect;
 mod peak;
 mod portable;
 pub(crate) mod self_check;
-mod streams;
+pub(crate) mod streams;
 
 pub use peak::peak_flops;
 
