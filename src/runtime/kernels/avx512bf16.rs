@@ -73,6 +73,11 @@ pub unsafe fn gemv<const R: usize>(
     out: &mut [[f32; NR]; R],
 ) {
     let (xp, w) = (x.as_ptr(), panel.as_ptr());
+    if R == 1 {
+        let sum = gemv_one_row(xp, w, pairs);
+        _mm512_storeu_ps(out[0].as_mut_ptr(), sum);
+        return;
+    }
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     super::streams::for_each_pair!(pairs, w as *const u8, 4 * NR, |j, s| {
         let wv = weights(w.add(j * 2 * NR));
@@ -84,4 +89,44 @@ pub unsafe fn gemv<const R: usize>(
         let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
         _mm512_storeu_ps(o.as_mut_ptr(), sum);
     }
+}
+
+/// One row's sums against one panel, in the order of `gemv`: each part's next 16 activation
+/// pairs are loaded once into a register and broadcast from there (`vpermd`), so a weight
+/// line costs one load instead of two; the loads are what keep a line in flight, and fewer
+/// of them per line leave room for more lines (cold one-row sweep: see the commit).
+///
+/// # Safety
+/// AVX512-BF16; `x` holds `2·pairs` values, `w` `pairs` pair rows.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn gemv_one_row(x: *const u16, w: *const u16, pairs: usize) -> __m512 {
+    use super::streams::{prefetch_pair, STREAMS};
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut xv = [_mm512_setzero_si512(); STREAMS];
+    let part = pairs / STREAMS;
+    for i in 0..part {
+        if i % 16 == 0 {
+            // Pairs i .. i + 16 of every part; the mask stops at the part's end.
+            let mask: __mmask16 = if part - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (part - i)) - 1
+            };
+            for (s, v) in xv.iter_mut().enumerate() {
+                let first = (x as *const i32).add(s * part + i);
+                *v = _mm512_maskz_loadu_epi32(mask, first);
+            }
+        }
+        let lane = _mm512_set1_epi32((i % 16) as i32);
+        for (s, v) in xv.iter().enumerate() {
+            let j = s * part + i;
+            prefetch_pair(w as *const u8, j, 4 * NR);
+            let xb = std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi32(lane, *v));
+            acc[s % 4] = _mm512_dpbf16_ps(acc[s % 4], xb, weights(w.add(j * 2 * NR)));
+        }
+    }
+    for j in STREAMS * part..pairs {
+        acc[0] = _mm512_dpbf16_ps(acc[0], pair(x.add(2 * j)), weights(w.add(j * 2 * NR)));
+    }
+    _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]))
 }
