@@ -555,6 +555,10 @@ pub(crate) mod tests {
             (7, 7, 16, 4, 2),
             (1, 40, 64, 8, 2),
             (3, 50, 64, 4, 2),
+            // Decode over longer caches: a head dim not a multiple of LANES, one kv head.
+            (1, 150, 64, 8, 2),
+            (2, 200, 40, 12, 3),
+            (1, 130, 64, 8, 1),
             (5, 33, 12, 6, 3),
             (64, 64, 64, 4, 4),
             // Prompt blocks: partial last block over a longer cache, head dims not a
