@@ -22,7 +22,7 @@ const QB: usize = 8;
 /// The largest value, over 16 running maxima so that it vectorises (one running maximum,
 /// or `f32::max` with its NaN rule, stays a scalar chain: seen in a profile).
 #[inline(always)]
-pub(crate) fn max_of(x: &[f32]) -> f32 {
+fn max_of(x: &[f32]) -> f32 {
     let mut m = [f32::NEG_INFINITY; 16];
     let chunks = x.chunks_exact(16);
     let rest = chunks.remainder();
@@ -38,7 +38,7 @@ pub(crate) fn max_of(x: &[f32]) -> f32 {
 
 /// `x[i] = e^(x[i] - max)`, returning their sum over 16 partial sums (see [`max_of`]).
 #[inline(always)]
-pub(crate) fn exp_sum(x: &mut [f32], max: f32) -> f32 {
+fn exp_sum(x: &mut [f32], max: f32) -> f32 {
     let mut acc = [0f32; 16];
     let mut chunks = x.chunks_exact_mut(16);
     for c in &mut chunks {
