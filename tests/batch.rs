@@ -187,3 +187,49 @@ fn top_k_sampling_from_exchanged_candidates_equals_sampling_from_gathered_logits
         "only {fewer_bytes} runs exchanged fewer bytes"
     );
 }
+
+/// `--profile` splits rank 0's op time into the prompt's forward call and the decode steps
+/// (each sequence one new token), counting every attention layer once per forward call.
+#[test]
+fn a_profile_splits_prefill_from_decode_steps() {
+    let dir = PathBuf::from("tests/fixtures/checkpoints/llama-gqa");
+    let def = load_model(&dir).unwrap();
+    let plan = compile(&def, 2).unwrap().plan;
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let reqs = [
+        Request {
+            prompt: vec![3, 1, 4, 1, 5],
+            max_new_tokens: Some(5),
+        },
+        Request {
+            prompt: vec![9, 2],
+            max_new_tokens: Some(5),
+        },
+    ];
+    let opts = RunOptions {
+        profile: true,
+        warmup: 1,
+        repeat: 2,
+        ..RunOptions::default()
+    };
+    let out = run_batch(&plan, &ckpt, &reqs, &opts).unwrap();
+    // The timed repetitions only: one prompt call and 4 steps each (the fifth token is
+    // never fed back).
+    assert_eq!(out.profiled_steps, [2, 8]);
+    let (_, attention) = out
+        .profile
+        .iter()
+        .find(|(kind, _)| kind == "attention")
+        .expect("an attention row");
+    // Each attention layer once per forward call, both sequences in one call.
+    let layers = attention.calls[0] / 2;
+    assert!(
+        layers > 0 && attention.calls[0] == 2 * layers,
+        "{:?}",
+        attention.calls
+    );
+    assert_eq!(attention.calls[1], 8 * layers);
+    assert!(attention.seconds.iter().all(|&s| s > 0.0));
+    let table = tpc::runtime::generate::render_profile(&out);
+    assert!(table.contains("2 prefill calls, 8 decode steps"), "{table}");
+}

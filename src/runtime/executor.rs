@@ -67,7 +67,9 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     /// Bytes the weights occupy on the device.
     pub weight_bytes: u64,
     /// Time and calls per op kind, when profiling.
-    pub profile: Option<HashMap<&'static str, (std::time::Duration, u64)>>,
+    pub profile: Option<HashMap<&'static str, OpTime>>,
+    /// Forward calls while profiling, by phase (prefill, decode).
+    pub profiled_steps: [u64; 2],
     /// While locating non-finite values: the first op whose output has one.
     non_finite: Option<Option<NonFiniteOp>>,
     /// The all-gather of vocabulary-split logits that is the program's output, if any.
@@ -85,6 +87,15 @@ struct Call<'c> {
     select: Option<&'c [usize]>,
     /// What the logits gather exchanges.
     exchange: Exchange,
+    /// 1 for a decode step (every sequence one new token after cached ones), 0 otherwise.
+    phase: usize,
+}
+
+/// A profiled op kind's seconds and calls, by phase: [prefill, decode].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpTime {
+    pub seconds: [f64; 2],
+    pub calls: [u64; 2],
 }
 
 /// What a vocabulary-parallel logits gather moves between the ranks.
@@ -225,6 +236,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             all_reduces: AllReduceTally::default(),
             weight_bytes,
             profile: None,
+            profiled_steps: [0; 2],
             non_finite: None,
             logits_gather: program.output_gather(),
             link: None,
@@ -511,7 +523,13 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             positions.extend((start..start + seq_ids.len()).map(|p| p as i64));
         }
         let last_rows: Vec<usize> = segments.iter().map(|s| s.rows.end - 1).collect();
+        // A decode step: one new token after cached ones, for every sequence of the batch.
+        let phase = usize::from(segments.iter().all(|s| s.start > 0 && s.rows.len() == 1));
+        if self.profile.is_some() {
+            self.profiled_steps[phase] += 1;
+        }
         let call = Call {
+            phase,
             select: (rows == OutputRows::LastOfEach && last_rows.len() < ids.len())
                 .then_some(last_rows.as_slice()),
             ids: &ids,
@@ -575,8 +593,8 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     };
                     if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
                         let e = p.entry(op.kind()).or_default();
-                        e.0 += t.elapsed();
-                        e.1 += 1;
+                        e.seconds[call.phase] += t.elapsed().as_secs_f64();
+                        e.calls[call.phase] += 1;
                     }
                     if matches!(self.non_finite, Some(None))
                         && self

@@ -7,7 +7,7 @@
 use super::backend::Backend;
 use super::collectives::{AllReduceTally, Collectives};
 use super::error::{Result, RunError};
-use super::executor::{Candidates, OutputRows, RankExecutor};
+use super::executor::{Candidates, OpTime, OutputRows, RankExecutor};
 use super::kernels::{Isa, LinearKernels};
 use super::sampling::{pick, pick_from_candidates, Rng, Sampling};
 use super::stage_link::{Control, StageLink};
@@ -205,8 +205,10 @@ pub struct BatchOutput {
     pub all_reduces: AllReduceTally,
     /// Bytes rank 0's weights occupy in its backend.
     pub weight_bytes: u64,
-    /// Rank 0's time per op kind (seconds, calls), largest first, when profiled.
-    pub profile: Vec<(String, f64, u64)>,
+    /// Rank 0's time per op kind, largest first, when profiled.
+    pub profile: Vec<(String, OpTime)>,
+    /// Rank 0's profiled forward calls: [prefill, decode steps].
+    pub profiled_steps: [u64; 2],
     /// The linear kernels the CPU ranks ran (set by the CPU launcher).
     pub linear_kernels: Option<LinearKernels>,
 }
@@ -416,6 +418,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
                 // Profile the timed generations only.
                 if let Some(p) = self.exec.profile.as_mut() {
                     p.clear();
+                    self.exec.profiled_steps = [0; 2];
                 }
             }
             let finished = |index: usize, tokens: &[i64]| {
@@ -450,15 +453,17 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         let mut out = best.ok_or(RunError::EmptyPrompt)?;
         out.load_seconds = self.load_seconds;
         out.weight_bytes = self.exec.weight_bytes;
-        let mut profile: Vec<(String, f64, u64)> = self
+        let mut profile: Vec<(String, OpTime)> = self
             .exec
             .profile
             .iter()
             .flatten()
-            .map(|(k, (t, n))| (k.to_string(), t.as_secs_f64(), *n))
+            .map(|(k, t)| (k.to_string(), *t))
             .collect();
-        profile.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let total = |t: &OpTime| t.seconds[0] + t.seconds[1];
+        profile.sort_by(|a, b| total(&b.1).total_cmp(&total(&a.1)));
         out.profile = profile;
+        out.profiled_steps = self.exec.profiled_steps;
         Ok(out)
     }
 
@@ -731,6 +736,7 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         all_reduces: exec.all_reduces.since(&all_reduces_before),
         weight_bytes: 0,
         profile: Vec::new(),
+        profiled_steps: [0; 2],
         linear_kernels: None,
     })
 }
@@ -762,25 +768,44 @@ fn non_finite<B: Backend, C: Collectives<B::Act>>(
     }
 }
 
-/// Rank 0's profile as a table: op kind, seconds, share of the run, calls.
+/// Rank 0's profile as a table: op kind, seconds in prefill and in decode steps, the decode
+/// time per step, share of the run, calls.
 pub fn render_profile(out: &BatchOutput) -> String {
     use std::fmt::Write;
-    let total: f64 = out.profile.iter().map(|p| p.1).sum();
+    let total: f64 = out
+        .profile
+        .iter()
+        .map(|p| p.1.seconds[0] + p.1.seconds[1])
+        .sum();
+    let steps = out.profiled_steps[1].max(1) as f64;
     let mut s = format!(
-        "{:<16} {:>10} {:>7} {:>8}\n",
-        "op (rank 0)", "seconds", "share", "calls"
+        "{:<16} {:>10} {:>10} {:>9} {:>7} {:>8}\n",
+        "op (rank 0)", "prefill s", "decode s", "ms/step", "share", "calls"
     );
-    for (kind, secs, calls) in &out.profile {
+    let mut row = |kind: &str, prefill: f64, decode: f64, calls: u64| {
         let _ = writeln!(
             s,
-            "{kind:<16} {secs:>10.4} {:>6.1}% {calls:>8}",
-            100.0 * secs / total.max(1e-12)
+            "{kind:<16} {prefill:>10.4} {decode:>10.4} {:>9.3} {:>6.1}% {calls:>8}",
+            1e3 * decode / steps,
+            100.0 * (prefill + decode) / total.max(1e-12)
         );
+    };
+    for (kind, t) in &out.profile {
+        row(kind, t.seconds[0], t.seconds[1], t.calls[0] + t.calls[1]);
     }
+    let (prefill, decode) = out.profile.iter().fold((0.0, 0.0), |(p, d), (_, t)| {
+        (p + t.seconds[0], d + t.seconds[1])
+    });
+    row(
+        "all ops",
+        prefill,
+        decode,
+        out.profiled_steps[0] + out.profiled_steps[1],
+    );
     let _ = writeln!(
         s,
-        "{:<16} {total:>10.4} (prefill {:.4} s + decode {:.4} s wall)",
-        "all ops", out.prefill_seconds, out.decode_seconds
+        "{} prefill calls, {} decode steps; wall time of the best run: prefill {:.4} s, decode {:.4} s",
+        out.profiled_steps[0], out.profiled_steps[1], out.prefill_seconds, out.decode_seconds
     );
     if let Some(k) = out.linear_kernels {
         let _ = writeln!(s, "linear kernels: {k}");
