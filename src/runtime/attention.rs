@@ -22,7 +22,7 @@ const QB: usize = 8;
 /// The largest value, over 16 running maxima so that it vectorises (one running maximum,
 /// or `f32::max` with its NaN rule, stays a scalar chain: seen in a profile).
 #[inline(always)]
-fn max_of(x: &[f32]) -> f32 {
+pub(crate) fn max_of(x: &[f32]) -> f32 {
     let mut m = [f32::NEG_INFINITY; 16];
     let chunks = x.chunks_exact(16);
     let rest = chunks.remainder();
@@ -38,7 +38,7 @@ fn max_of(x: &[f32]) -> f32 {
 
 /// `x[i] = e^(x[i] - max)`, returning their sum over 16 partial sums (see [`max_of`]).
 #[inline(always)]
-fn exp_sum(x: &mut [f32], max: f32) -> f32 {
+pub(crate) fn exp_sum(x: &mut [f32], max: f32) -> f32 {
     let mut acc = [0f32; 16];
     let mut chunks = x.chunks_exact_mut(16);
     for c in &mut chunks {
@@ -135,6 +135,10 @@ pub fn causal_attention(
         kcols,
         n,
     } = Layout::of(q, k, v, d, kv_heads);
+    #[cfg(target_arch = "x86_64")]
+    if t <= DIRECT_MAX_ROWS && super::attention_decode::takes(d) {
+        return super::attention_decode::causal_attention_decode(team, q, k, v, d, kv_heads, scale);
+    }
     let mut out = Tensor::zeros(q.shape.clone());
     let items = t * heads;
     // (Under Miri, whose tests can afford only tiny shapes, tiny work is split too.)
@@ -559,6 +563,12 @@ pub(crate) mod tests {
             (1, 150, 64, 8, 2),
             (2, 200, 40, 12, 3),
             (1, 130, 64, 8, 1),
+            // Decode on AVX-512 (`attention_decode`): groups of more than 8 heads split into
+            // items, a group of one, four query rows, head dims 16, 32 and 128.
+            (1, 70, 32, 12, 1),
+            (4, 100, 16, 3, 3),
+            (1, 17, 128, 20, 2),
+            (2, 33, 64, 16, 1),
             (5, 33, 12, 6, 3),
             (64, 64, 64, 4, 4),
             // Prompt blocks: partial last block over a longer cache, head dims not a

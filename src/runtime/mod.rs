@@ -7,6 +7,8 @@ pub mod aligned;
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub mod attention_amx;
+#[cfg(target_arch = "x86_64")]
+pub mod attention_decode;
 pub mod backend;
 pub mod collectives;
 pub mod comm;
