@@ -72,7 +72,7 @@ fn over_mpi(world: &super::launcher::MpiWorld, _: &Args) -> anyhow::Result<()> {
 fn in_process(a: &Args) -> anyhow::Result<()> {
     let barrier = bench_barrier(a.tp, 20_000.min(a.iters * 100));
     super::outln!(
-        "barrier, {} ranks: {:.2} µs median (std::sync::Barrier: {:.2} µs; spin {}, yields {})",
+        "barrier, {} ranks: {:.2} µs median (std::sync::Barrier: {:.2} µs; spin {:?}, yields {})",
         barrier.world,
         barrier.group_median_us,
         barrier.std_median_us,

@@ -37,27 +37,34 @@ use super::FailureCause;
 use std::hint::spin_loop;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 /// Largest group the state word can describe (arrival count and failed rank are 12 bits).
 pub const MAX_WORLD: usize = 1024;
 
-/// Back-off when every rank has its own core: spin about 30 µs (one spin round is ~30 ns
-/// here), long enough to cover the skew of balanced ranks, then give the core away.
+/// Back-off when every rank has its own core: spin 150 µs, long enough to cover the skew of
+/// balanced ranks, then give the core away. (It was 1024 rounds, ~30 µs on the Zen 3 host
+/// but ~9 µs on the Xeon, where a tp=2 decode step then parked and woke ranks on its
+/// all-reduces: TinyLlama at 512 cached keys, --profile's all-reduce 3.5 → 1.2-1.5 ms per
+/// step; 500 µs did no better.)
 pub(super) const DEDICATED: Backoff = Backoff {
-    spin: 1024,
+    spin: Duration::from_micros(150),
     yields: 4,
 };
 
 /// Back-off when there are more ranks than cores: a spinning rank only delays the rank it
 /// waits for, so spin a little, yield a few times (letting runnable ranks run without a
-/// futex round trip), then park. Median wait measured for (spin, yields), µs:
+/// futex round trip), then park. Median wait measured for (spin rounds, yields) on the
+/// Zen 3 host, µs. Now 150 ns, about 16 rounds on the Xeon (`bench-comm` barrier there, 3
+/// runs: 4 ranks 2.07-2.18 µs against 2.26-2.72 with 16 rounds, 8 ranks 4.5-6.1 against
+/// 4.6-5.0; 500 ns measured 0.6 µs slower at 4 ranks):
 ///
 /// | ranks | (0, 0) | (16, 0) | (16, 1) | (16, 4) | (0, 16) | (64, 4) |
 /// |-------|--------|---------|---------|---------|---------|---------|
 /// | 4     | 59     | 55      | 5.2     | 5.7     | 5.4     | 9.6     |
 /// | 8     | 65     | 88      | 16      | 14      | 15      | 18      |
 pub(super) const OVERSUBSCRIBED: Backoff = Backoff {
-    spin: 16,
+    spin: Duration::from_nanos(150),
     yields: 4,
 };
 
@@ -75,12 +82,38 @@ pub(super) enum Phase {
     Inner,
 }
 
-/// How a waiting rank backs off: `spin` rounds of `spin_loop` and a load, then `yields`
-/// rounds of `thread::yield_now` and a load, then it parks.
+/// How a waiting rank backs off: it polls with `spin_loop` for `spin` (a time, since a
+/// `spin_loop` round is ~30 ns on the Zen 3 host and ~8.5 ns on the Xeon), then `yields`
+/// times with `thread::yield_now`, then it parks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backoff {
-    pub spin: u32,
+    pub spin: Duration,
     pub yields: u32,
+}
+
+impl Backoff {
+    /// `poll()` until it returns `Some`, spinning then yielding; `None` once both are spent
+    /// (the caller then parks).
+    pub(super) fn poll<T>(&self, mut poll: impl FnMut() -> Option<T>) -> Option<T> {
+        let started = Instant::now();
+        for round in 1u32.. {
+            if let Some(t) = poll() {
+                return Some(t);
+            }
+            // The clock only every 8 rounds: reading it costs about a round.
+            if self.spin.is_zero() || (round % 8 == 0 && started.elapsed() >= self.spin) {
+                break;
+            }
+            spin_loop();
+        }
+        for _ in 0..self.yields {
+            if let Some(t) = poll() {
+                return Some(t);
+            }
+            std::thread::yield_now();
+        }
+        None
+    }
 }
 
 /// One value on its own cache lines (adjacent-line prefetch pairs lines, hence 128).
@@ -263,17 +296,8 @@ impl GroupBarrier {
 
     /// Spin, then park on the condition variable, until `decide` returns `Some`.
     fn block_until<T>(&self, mut decide: impl FnMut(State) -> Option<T>) -> T {
-        for _ in 0..self.backoff.spin {
-            if let Some(t) = decide(self.load()) {
-                return t;
-            }
-            spin_loop();
-        }
-        for _ in 0..self.backoff.yields {
-            if let Some(t) = decide(self.load()) {
-                return t;
-            }
-            std::thread::yield_now();
+        if let Some(t) = self.backoff.poll(|| decide(self.load())) {
+            return t;
         }
         let mut guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
         // Dekker pair with `wake`: we announce ourselves, then look at the state; a waker
@@ -339,7 +363,10 @@ mod tests {
     /// immediate parking (spin 0), including more ranks than cores.
     #[test]
     fn orders_memory_between_rounds() {
-        let park_at_once = Backoff { spin: 0, yields: 0 };
+        let park_at_once = Backoff {
+            spin: Duration::ZERO,
+            yields: 0,
+        };
         for (n, backoff) in [
             (1, DEDICATED),
             (2, DEDICATED),
@@ -372,7 +399,13 @@ mod tests {
 
     #[test]
     fn failure_releases_entry_waiters_and_first_failure_is_kept() {
-        let b = Arc::new(GroupBarrier::new(3, Backoff { spin: 0, yields: 0 }));
+        let b = Arc::new(GroupBarrier::new(
+            3,
+            Backoff {
+                spin: Duration::ZERO,
+                yields: 0,
+            },
+        ));
         let waiters: Vec<_> = (0..2)
             .map(|_| {
                 let b = b.clone();
@@ -396,7 +429,13 @@ mod tests {
     /// An inner wait ignores a failure until every rank has arrived, then all see it.
     #[test]
     fn inner_wait_completes_before_reporting() {
-        let b = Arc::new(GroupBarrier::new(2, Backoff { spin: 0, yields: 0 }));
+        let b = Arc::new(GroupBarrier::new(
+            2,
+            Backoff {
+                spin: Duration::ZERO,
+                yields: 0,
+            },
+        ));
         let f = b.fail(1, FailureCause::Panicked);
         let b2 = b.clone();
         let waiter = thread::spawn(move || b2.wait(Phase::Inner));

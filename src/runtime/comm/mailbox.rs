@@ -19,7 +19,6 @@ use super::barrier::{Backoff, Failure};
 use super::private::Owned;
 use super::Element;
 use std::collections::VecDeque;
-use std::hint::spin_loop;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
@@ -76,20 +75,16 @@ impl Mailbox {
         failure: impl Fn() -> Option<Failure>,
     ) -> Result<Owned, Failure> {
         let mut seen = None;
-        let rounds = self.backoff.spin + self.backoff.yields;
-        for round in 0..rounds {
+        let polled = self.backoff.poll(|| {
             let now = self.delivered.load(SeqCst);
-            if seen != Some(now) || failure().is_some() {
-                seen = Some(now);
-                if let Some(outcome) = Self::try_take(&mut self.lock(), from, &failure) {
-                    return outcome;
-                }
+            if seen == Some(now) && failure().is_none() {
+                return None;
             }
-            if round < self.backoff.spin {
-                spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            seen = Some(now);
+            Self::try_take(&mut self.lock(), from, &failure)
+        });
+        if let Some(outcome) = polled {
+            return outcome;
         }
         let mut inbox = self.lock();
         loop {
