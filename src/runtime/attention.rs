@@ -5,7 +5,8 @@
 //! of scores and computes them `LANES` keys at a time with `QB × LANES` sums in registers
 //! (each key vector loaded once for `QB` rows), then the outputs `LANES` columns at a time
 //! the same way (each value row loaded once for `QB` rows). A decode step (a few queries):
-//! one (query row, head) per item, reading the cache as it is.
+//! on AVX-512 with head dims a multiple of 16, [`super::attention_decode`]; otherwise one
+//! (query row, head) per item, reading the cache as it is.
 
 use super::fastmath::exp;
 use super::simd::widest_simd_fn;
@@ -563,8 +564,9 @@ pub(crate) mod tests {
             (1, 150, 64, 8, 2),
             (2, 200, 40, 12, 3),
             (1, 130, 64, 8, 1),
-            // Decode on AVX-512 (`attention_decode`): groups of more than 8 heads split into
-            // items, a group of one, four query rows, head dims 16, 32 and 128.
+            // Decode on AVX-512 (`attention_decode`): groups of more than 8 query heads (two
+            // value passes), a group of one, four query rows, head dims 16, 32 and 128, and
+            // (with 3 members) a key range that the first query row does not see.
             (1, 70, 32, 12, 1),
             (4, 100, 16, 3, 3),
             (1, 17, 128, 20, 2),
