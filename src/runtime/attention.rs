@@ -5,8 +5,8 @@
 //! of scores and computes them `LANES` keys at a time with `QB × LANES` sums in registers
 //! (each key vector loaded once for `QB` rows), then the outputs `LANES` columns at a time
 //! the same way (each value row loaded once for `QB` rows). A decode step (a few queries):
-//! on AVX-512 with head dims a multiple of 16, [`super::attention_decode`]; otherwise one
-//! (query row, head) per item, reading the cache as it is.
+//! on AVX-512 or AVX2 with head dims a whole number of vectors, [`super::attention_decode`];
+//! otherwise one (query row, head) per item, reading the cache as it is.
 
 use super::fastmath::exp;
 use super::simd::widest_simd_fn;
@@ -564,13 +564,15 @@ pub(crate) mod tests {
             (1, 150, 64, 8, 2),
             (2, 200, 40, 12, 3),
             (1, 130, 64, 8, 1),
-            // Decode on AVX-512 (`attention_decode`): groups of more than 8 query heads (two
-            // value passes), a group of one, four query rows, head dims 16, 32 and 128, and
-            // (with 3 members) a key range that the first query row does not see.
+            // Decode in `attention_decode` (whose own test runs every width): groups of more
+            // than 8 query heads (two value passes), a group of one, four query rows, head
+            // dims 16, 32 and 128, and (with 3 members) a key range that the first query row
+            // does not see; then the per-(row, head) loop, for a head dim of 12.
             (1, 70, 32, 12, 1),
             (4, 100, 16, 3, 3),
             (1, 17, 128, 20, 2),
             (2, 33, 64, 16, 1),
+            (2, 60, 12, 6, 2),
             (5, 33, 12, 6, 3),
             (64, 64, 64, 4, 4),
             // Prompt blocks: partial last block over a longer cache, head dims not a
