@@ -11,12 +11,20 @@ pub(super) struct Ymm;
 impl BlockKernels for Ymm {
     const KEYS: usize = 8;
 
-    #[inline(always)]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn score_block(q: *const f32, d: usize, keys: *const f32, ld: usize, out: *mut f32) {
-        score_block(q, d, keys, ld, out)
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for c in (0..d).step_by(8) {
+            let qv = _mm256_loadu_ps(q.add(c));
+            for j in 0..8 {
+                let kv = _mm256_loadu_ps(keys.add(j * ld + c));
+                acc[slot(j)] = _mm256_fmadd_ps(qv, kv, acc[slot(j)]);
+            }
+        }
+        _mm256_storeu_ps(out, fold_8(acc));
     }
 
-    #[inline(always)]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn add_weighted_values<const G: usize>(
         p: *const f32,
         ldp: usize,
@@ -26,7 +34,19 @@ impl BlockKernels for Ymm {
         d: usize,
         out: *mut f32,
     ) {
-        add_weighted_values::<G>(p, ldp, v, ldv, keys, d, out)
+        for c in (0..d).step_by(8) {
+            let mut acc = [_mm256_setzero_ps(); G];
+            for j in 0..keys {
+                let x = _mm256_loadu_ps(v.add(j * ldv + c));
+                for (g, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.add(g * ldp + j)), x, *a);
+                }
+            }
+            for (g, a) in acc.iter().enumerate() {
+                let o = out.add(g * d + c);
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), *a));
+            }
+        }
     }
 }
 
@@ -34,24 +54,6 @@ impl BlockKernels for Ymm {
 /// `j`'s score in lane `j`.
 const fn slot(j: usize) -> usize {
     2 * (j % 4) + j / 4
-}
-
-/// `out[j] = q · keys[j]` for the 8 key rows `ld` apart of a block.
-///
-/// # Safety
-/// AVX2 and FMA; `q` holds `d` values (a multiple of 8), `keys` 8 rows `ld` apart of `d`
-/// values, `out` 8 values.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn score_block(q: *const f32, d: usize, keys: *const f32, ld: usize, out: *mut f32) {
-    let mut acc = [_mm256_setzero_ps(); 8];
-    for c in (0..d).step_by(8) {
-        let qv = _mm256_loadu_ps(q.add(c));
-        for j in 0..8 {
-            let kv = _mm256_loadu_ps(keys.add(j * ld + c));
-            acc[slot(j)] = _mm256_fmadd_ps(qv, kv, acc[slot(j)]);
-        }
-    }
-    _mm256_storeu_ps(out, fold_8(acc));
 }
 
 /// The 8 lane sums of `a`: lane `4h + m` of the result is the sum of `a[2m + h]` (the
@@ -76,33 +78,4 @@ unsafe fn fold_8(a: [__m256; 8]) -> __m256 {
         _mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)),
     )
-}
-
-/// See [`BlockKernels::add_weighted_values`]; 8 columns at a time.
-///
-/// # Safety
-/// AVX2 and FMA; as [`BlockKernels::add_weighted_values`] with `d` a multiple of 8.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn add_weighted_values<const G: usize>(
-    p: *const f32,
-    ldp: usize,
-    v: *const f32,
-    ldv: usize,
-    keys: usize,
-    d: usize,
-    out: *mut f32,
-) {
-    for c in (0..d).step_by(8) {
-        let mut acc = [_mm256_setzero_ps(); G];
-        for j in 0..keys {
-            let x = _mm256_loadu_ps(v.add(j * ldv + c));
-            for (g, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.add(g * ldp + j)), x, *a);
-            }
-        }
-        for (g, a) in acc.iter().enumerate() {
-            let o = out.add(g * d + c);
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), *a));
-        }
-    }
 }

@@ -10,12 +10,20 @@ pub(super) struct Zmm;
 impl BlockKernels for Zmm {
     const KEYS: usize = 16;
 
-    #[inline(always)]
+    #[target_feature(enable = "avx512f")]
     unsafe fn score_block(q: *const f32, d: usize, keys: *const f32, ld: usize, out: *mut f32) {
-        score_block(q, d, keys, ld, out)
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for c in (0..d).step_by(16) {
+            let qv = _mm512_loadu_ps(q.add(c));
+            for j in 0..16 {
+                let kv = _mm512_loadu_ps(keys.add(j * ld + c));
+                acc[slot(j)] = _mm512_fmadd_ps(qv, kv, acc[slot(j)]);
+            }
+        }
+        _mm512_storeu_ps(out, fold_16(acc));
     }
 
-    #[inline(always)]
+    #[target_feature(enable = "avx512f")]
     unsafe fn add_weighted_values<const G: usize>(
         p: *const f32,
         ldp: usize,
@@ -25,7 +33,19 @@ impl BlockKernels for Zmm {
         d: usize,
         out: *mut f32,
     ) {
-        add_weighted_values::<G>(p, ldp, v, ldv, keys, d, out)
+        for c in (0..d).step_by(16) {
+            let mut acc = [_mm512_setzero_ps(); G];
+            for j in 0..keys {
+                let x = _mm512_loadu_ps(v.add(j * ldv + c));
+                for (g, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_set1_ps(*p.add(g * ldp + j)), x, *a);
+                }
+            }
+            for (g, a) in acc.iter().enumerate() {
+                let o = out.add(g * d + c);
+                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), *a));
+            }
+        }
     }
 }
 
@@ -33,24 +53,6 @@ impl BlockKernels for Zmm {
 /// leaves key `j`'s score in lane `j`.
 const fn slot(j: usize) -> usize {
     4 * (j % 4) + j / 4
-}
-
-/// `out[j] = q · keys[j]` for the 16 key rows `ld` apart of a block.
-///
-/// # Safety
-/// AVX-512F; `q` holds `d` values (a multiple of 16), `keys` 16 rows `ld` apart of `d`
-/// values, `out` 16 values.
-#[target_feature(enable = "avx512f")]
-unsafe fn score_block(q: *const f32, d: usize, keys: *const f32, ld: usize, out: *mut f32) {
-    let mut acc = [_mm512_setzero_ps(); 16];
-    for c in (0..d).step_by(16) {
-        let qv = _mm512_loadu_ps(q.add(c));
-        for j in 0..16 {
-            let kv = _mm512_loadu_ps(keys.add(j * ld + c));
-            acc[slot(j)] = _mm512_fmadd_ps(qv, kv, acc[slot(j)]);
-        }
-    }
-    _mm512_storeu_ps(out, fold_16(acc));
 }
 
 /// The 16 lane sums of `a`: lane `4r + m` of the result is the sum of `a[4m + r]` (a 4 × 4
@@ -84,33 +86,4 @@ unsafe fn fold_16(a: [__m512; 16]) -> __m512 {
         _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
     )
-}
-
-/// See [`BlockKernels::add_weighted_values`]; 16 columns at a time.
-///
-/// # Safety
-/// AVX-512F; as [`BlockKernels::add_weighted_values`] with `d` a multiple of 16.
-#[target_feature(enable = "avx512f")]
-unsafe fn add_weighted_values<const G: usize>(
-    p: *const f32,
-    ldp: usize,
-    v: *const f32,
-    ldv: usize,
-    keys: usize,
-    d: usize,
-    out: *mut f32,
-) {
-    for c in (0..d).step_by(16) {
-        let mut acc = [_mm512_setzero_ps(); G];
-        for j in 0..keys {
-            let x = _mm512_loadu_ps(v.add(j * ldv + c));
-            for (g, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(_mm512_set1_ps(*p.add(g * ldp + j)), x, *a);
-            }
-        }
-        for (g, a) in acc.iter().enumerate() {
-            let o = out.add(g * d + c);
-            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), *a));
-        }
-    }
 }
