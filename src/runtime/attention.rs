@@ -129,16 +129,21 @@ pub fn causal_attention(
     kv_heads: usize,
     scale: f32,
 ) -> Tensor {
+    let layout = Layout::of(q, k, v, d, kv_heads);
     let Layout {
         t,
         heads,
         group,
         kcols,
         n,
-    } = Layout::of(q, k, v, d, kv_heads);
+    } = layout;
     #[cfg(target_arch = "x86_64")]
-    if t <= DIRECT_MAX_ROWS && super::attention_decode::takes(d) {
-        return super::attention_decode::causal_attention_decode(team, q, k, v, d, kv_heads, scale);
+    if let Some(width) = super::attention_decode::Width::for_host(d) {
+        if t <= DIRECT_MAX_ROWS {
+            return super::attention_decode::causal_attention_decode(
+                width, team, q, k, v, d, layout, scale,
+            );
+        }
     }
     let mut out = Tensor::zeros(q.shape.clone());
     let items = t * heads;

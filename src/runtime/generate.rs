@@ -772,11 +772,10 @@ fn non_finite<B: Backend, C: Collectives<B::Act>>(
 /// time per step, share of the run, calls.
 pub fn render_profile(out: &BatchOutput) -> String {
     use std::fmt::Write;
-    let total: f64 = out
-        .profile
-        .iter()
-        .map(|p| p.1.seconds[0] + p.1.seconds[1])
-        .sum();
+    let (prefill, decode) = out.profile.iter().fold((0.0, 0.0), |(p, d), (_, t)| {
+        (p + t.seconds[0], d + t.seconds[1])
+    });
+    let total = prefill + decode;
     let steps = out.profiled_steps[1].max(1) as f64;
     let mut s = format!(
         "{:<16} {:>10} {:>10} {:>9} {:>7} {:>8}\n",
@@ -793,9 +792,6 @@ pub fn render_profile(out: &BatchOutput) -> String {
     for (kind, t) in &out.profile {
         row(kind, t.seconds[0], t.seconds[1], t.calls[0] + t.calls[1]);
     }
-    let (prefill, decode) = out.profile.iter().fold((0.0, 0.0), |(p, d), (_, t)| {
-        (p + t.seconds[0], d + t.seconds[1])
-    });
     row(
         "all ops",
         prefill,

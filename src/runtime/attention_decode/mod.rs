@@ -93,43 +93,24 @@ trait BlockKernels {
     );
 }
 
-/// Whether this path takes heads of `d` values on this host.
-pub(crate) fn takes(d: usize) -> bool {
-    Width::for_host(d).is_some()
-}
-
-/// `q [t, hq·d]` over `k, v [n, hk·d]`, as [`super::attention::causal_attention`], for a few
-/// query rows, at the widest width the host runs (see [`takes`]).
-pub(crate) fn causal_attention_decode(
-    team: &Team,
-    q: &Tensor,
-    k: &[f32],
-    v: &[f32],
-    d: usize,
-    kv_heads: usize,
-    scale: f32,
-) -> Tensor {
-    let width = Width::for_host(d).expect("decode attention: no vector width for these heads");
-    causal_attention_decode_at(width, team, q, k, v, d, kv_heads, scale)
-}
-
-/// [`causal_attention_decode`] at `width`, which must run here for `d`.
+/// `q [t, hq·d]` over `k, v [n, hk·d]` (of `layout`, checked by [`Layout::of`]), as
+/// [`super::attention::causal_attention`], for a few query rows at `width`, which must run
+/// here for `d`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn causal_attention_decode_at(
+pub(crate) fn causal_attention_decode(
     width: Width,
     team: &Team,
     q: &Tensor,
     k: &[f32],
     v: &[f32],
     d: usize,
-    kv_heads: usize,
+    layout: Layout,
     scale: f32,
 ) -> Tensor {
     assert!(
         width.runs_here(d),
         "decode attention: {width:?} for heads of {d} on this host"
     );
-    let layout = Layout::of(q, k, v, d, kv_heads);
     let Layout { t, heads, n, .. } = layout;
     let members = if t * heads * n * d < 1 << 15 {
         1
@@ -138,12 +119,14 @@ pub(crate) fn causal_attention_decode_at(
     };
     // Each member takes a range of whole key blocks.
     let span = n.div_ceil(members).next_multiple_of(SPAN_STEP);
+    // The queries scaled once for every member, so that a score block needs no multiply.
+    let mut qs = pool::empty(q.data.len());
+    qs.extend(q.data.iter().map(|&x| x * scale));
     let work = Work {
-        q,
+        qs: &qs,
         k,
         v,
         d,
-        scale,
         layout,
         span,
     };
@@ -169,6 +152,7 @@ pub(crate) fn causal_attention_decode_at(
     });
     let mut out = Tensor::zeros(q.shape.clone());
     merge(&sums, &stats, members, d, &mut out.data);
+    pool::give(qs);
     pool::give(sums);
     pool::give(stats);
     out
@@ -184,10 +168,7 @@ fn merge(sums: &[f32], stats: &[f32], members: usize, d: usize, out: &mut [f32])
         let max = (0..members).fold(f32::NEG_INFINITY, |a, m| a.max(stats[at(m)]));
         let mut total = 0.0;
         for m in 0..members {
-            // A member whose keys this row does not see has no sum (its maximum is -inf).
-            if stats[at(m) + 1] == 0.0 {
-                continue;
-            }
+            // A member whose keys this row does not see has maximum -inf: weight 0.
             let w = (stats[at(m)] - max).exp();
             total += w * stats[at(m) + 1];
             for (x, &y) in o.iter_mut().zip(&sums[(m * count + r) * d..][..d]) {
@@ -201,11 +182,11 @@ fn merge(sums: &[f32], stats: &[f32], members: usize, d: usize, out: &mut [f32])
 
 /// The operands of a call (see the module doc).
 struct Work<'a> {
-    q: &'a Tensor,
+    /// The queries `[t, hq·d]`, scaled.
+    qs: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
     d: usize,
-    scale: f32,
     layout: Layout,
     /// Keys per member (a multiple of `SPAN_STEP`).
     span: usize,
@@ -237,16 +218,12 @@ impl Work<'_> {
         let (d, span) = (self.d, self.span);
         let (start, end) = (keys.start, keys.end);
         let rows = t * heads;
-        // Scores [row·head][span], the queries scaled (so that a score block needs no
-        // multiply) [row·head][d], and room for a last partial block of keys: its rows past the end hold
-        // stale or zero values whose scores land past `end` and are never read.
-        let mut scratch = pool::take(rows * span + rows * d + K::KEYS * kcols);
-        let (scores, rest) = scratch.split_at_mut(rows * span);
-        let (qs, tail) = rest.split_at_mut(rows * d);
-        for (x, &y) in qs.iter_mut().zip(&self.q.data) {
-            *x = y * self.scale;
-        }
-        // Keys in one sweep, 16 rows at a time, each block read by every (row, head).
+        // Scores [row·head][span], and room for a last partial block of keys: its rows past
+        // the end hold stale or zero values whose scores land past `end` and are never read.
+        let mut scratch = pool::take(rows * span + K::KEYS * kcols);
+        let (scores, tail) = scratch.split_at_mut(rows * span);
+        // Keys in one sweep, a block of `K::KEYS` rows at a time, each read by every
+        // (row, head).
         for jb in (start..end).step_by(K::KEYS) {
             prefetch_rows(
                 self.k.as_ptr(),
@@ -254,16 +231,16 @@ impl Work<'_> {
                 jb + K::KEYS,
                 (jb + 2 * K::KEYS).min(end),
             );
-            let (block, ld) = if jb + K::KEYS <= end {
-                (self.k[jb * kcols..].as_ptr(), kcols)
+            let block = if jb + K::KEYS <= end {
+                self.k[jb * kcols..].as_ptr()
             } else {
                 tail[..(end - jb) * kcols].copy_from_slice(&self.k[jb * kcols..end * kcols]);
-                (tail.as_ptr(), kcols)
+                tail.as_ptr()
             };
             for r in 0..rows {
                 let kh = r % heads / group;
                 let out = scores[r * span + jb - start..].as_mut_ptr();
-                K::score_block(qs[r * d..].as_ptr(), d, block.add(kh * d), ld, out);
+                K::score_block(self.qs[r * d..].as_ptr(), d, block.add(kh * d), kcols, out);
             }
         }
         // Softmax over the keys each query row sees (up to its own position).
@@ -273,12 +250,9 @@ impl Work<'_> {
             let (visible, hidden) = row.split_at_mut(seen);
             hidden.fill(0.0);
             let max = max_of(visible);
+            // (No key seen: maximum -inf and sum 0.)
             *stats.add(2 * r) = max;
-            *stats.add(2 * r + 1) = if seen == 0 {
-                0.0
-            } else {
-                exp_sum(visible, max)
-            };
+            *stats.add(2 * r + 1) = exp_sum(visible, max);
         }
         // Values in one sweep: per block, each kv head's value vectors are loaded once for
         // up to `HEADS` of its query heads.
@@ -379,7 +353,8 @@ mod tests {
                 let want = reference(&q, &k, &v, d, hk, scale as f64);
                 for members in [1, 2, 3] {
                     let team = Team::new(members);
-                    let got = causal_attention_decode_at(width, &team, &q, &k, &v, d, hk, scale);
+                    let layout = Layout::of(&q, &k, &v, d, hk);
+                    let got = causal_attention_decode(width, &team, &q, &k, &v, d, layout, scale);
                     for (a, b) in got.data.iter().zip(&want) {
                         assert!(
                             (*a as f64 - b).abs() < 1e-5 * (1.0 + b.abs()),
