@@ -141,43 +141,156 @@ const ATTENTION_SHAPES: &[AttentionShape] = &[
     },
 ];
 
-#[test]
-fn attention_matches_an_f64_reference() {
+/// How the backend may run one segment's attention (kernels/attention.cu).
+#[derive(Clone, Copy, Debug)]
+enum Way {
+    /// `attention`: a block per (row, head).
+    OnePass,
+    /// `attention_split` over chunks of this many positions, then `attention_merge` (whose
+    /// blocks have this many threads).
+    Split { chunk: usize, merge_threads: u32 },
+    /// `attention_tiled`: 16 rows a block.
+    Tiled,
+}
+
+/// Runs one segment's attention the given way; the whole output batch.
+fn run_attention(
+    way: Way,
+    s: &AttentionShape,
+    row0: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+) -> Vec<f32> {
     let file = kernel_file("attention.cu");
+    let qc = s.q_heads * s.d;
+    let scale = 1.0 / (s.d as f32).sqrt();
+    let mut bufs = Buffers::default();
+    let out = bufs.f32(&vec![0.0; q.len()]);
+    let (qb, kb, vb) = (bufs.f32(q), bufs.f32(k), bufs.f32(v));
+    let heads = [
+        Arg::I64(s.q_heads as i64),
+        Arg::I64(s.kv_heads as i64),
+        Arg::I64(s.d as i64),
+        Arg::F32(scale),
+    ];
+    let (rows, q_heads) = (s.new as u32, s.q_heads as u32);
+    let operands = [
+        Arg::Buf(qb),
+        Arg::Buf(kb),
+        Arg::Buf(vb),
+        Arg::I64(row0 as i64),
+    ];
+    let launched = match way {
+        Way::OnePass => {
+            let args = [
+                &[Arg::Buf(out)][..],
+                &operands,
+                &[Arg::I64(s.start as i64)],
+                &heads,
+            ]
+            .concat();
+            file.launch(
+                "attention",
+                dims(rows, q_heads),
+                dims(128, 1),
+                &args,
+                &mut bufs,
+            )
+        }
+        Way::Tiled => {
+            let args = [
+                &[Arg::Buf(out)][..],
+                &operands,
+                &[Arg::I64(s.new as i64), Arg::I64(s.start as i64)],
+                &heads,
+            ]
+            .concat();
+            let tiles = s.new.div_ceil(16) as u32;
+            file.launch(
+                "attention_tiled",
+                dims(tiles, q_heads),
+                dims(128, 1),
+                &args,
+                &mut bufs,
+            )
+        }
+        Way::Split {
+            chunk,
+            merge_threads,
+        } => {
+            let chunks = (s.start + s.new).div_ceil(chunk);
+            let slots = s.new * s.q_heads * chunks;
+            let part_max = bufs.f32(&vec![0.0; slots]);
+            let part_sum = bufs.f32(&vec![0.0; slots]);
+            let part_values = bufs.f32(&vec![0.0; slots * s.d]);
+            let parts = [
+                Arg::Buf(part_max),
+                Arg::Buf(part_sum),
+                Arg::Buf(part_values),
+            ];
+            let args = [
+                &parts[..],
+                &operands,
+                &[Arg::I64(s.start as i64)],
+                &heads,
+                &[Arg::I64(chunk as i64)],
+            ]
+            .concat();
+            let grid = emulator::Dims {
+                x: rows,
+                y: q_heads,
+                z: chunks as u32,
+            };
+            file.launch("attention_split", grid, dims(128, 1), &args, &mut bufs)
+                .and_then(|_| {
+                    let args = [
+                        &[Arg::Buf(out)][..],
+                        &parts,
+                        &[
+                            Arg::I64(row0 as i64),
+                            heads[0],
+                            heads[2],
+                            Arg::I64(chunks as i64),
+                        ],
+                    ]
+                    .concat();
+                    file.launch(
+                        "attention_merge",
+                        dims(rows, q_heads),
+                        dims(merge_threads, 1),
+                        &args,
+                        &mut bufs,
+                    )
+                })
+        }
+    };
+    launched.unwrap_or_else(|e| panic!("{way:?}: {e}"));
+    let got = bufs.read_f32(out);
+    let untouched = |r: &[f32]| r.iter().all(|&x| x == 0.0);
+    assert!(
+        untouched(&got[..row0 * qc]),
+        "{way:?}: wrote rows before the segment"
+    );
+    assert!(
+        untouched(&got[(row0 + s.new) * qc..]),
+        "{way:?}: wrote rows after the segment"
+    );
+    got
+}
+
+fn check_attention(way: Way, shapes: &[AttentionShape]) {
     let mut values = Values(0x1234_5678_9abc_def1);
-    for s in ATTENTION_SHAPES {
+    for s in shapes {
         let positions = s.start + s.new;
         let (qc, kc) = (s.q_heads * s.d, s.kv_heads * s.d);
         // The segment's rows sit at batch row 2 of a batch with one more row after it.
         let row0 = 2;
-        let batch = row0 + s.new + 1;
-        let q = values.take(batch * qc);
+        let q = values.take((row0 + s.new + 1) * qc);
         let k = values.take(positions * kc);
         let v = values.take(positions * kc);
+        let got = run_attention(way, s, row0, &q, &k, &v);
         let scale = 1.0 / (s.d as f32).sqrt();
-        let mut bufs = Buffers::default();
-        let out = bufs.f32(&vec![0.0; batch * qc]);
-        let (qb, kb, vb) = (bufs.f32(&q), bufs.f32(&k), bufs.f32(&v));
-        file.launch(
-            "attention",
-            dims(s.new as u32, s.q_heads as u32),
-            dims(128, 1),
-            &[
-                Arg::Buf(out),
-                Arg::Buf(qb),
-                Arg::Buf(kb),
-                Arg::Buf(vb),
-                Arg::I64(row0 as i64),
-                Arg::I64(s.start as i64),
-                Arg::I64(s.q_heads as i64),
-                Arg::I64(s.kv_heads as i64),
-                Arg::I64(s.d as i64),
-                Arg::F32(scale),
-            ],
-            &mut bufs,
-        )
-        .unwrap();
-        let got = bufs.read_f32(out);
         let want = attention_reference(
             &q[row0 * qc..],
             &k,
@@ -189,18 +302,72 @@ fn attention_matches_an_f64_reference() {
             s.d,
             scale,
         );
-        let what = format!("attention new {} start {} d {}", s.new, s.start, s.d);
+        let what = format!("{way:?}: new {} start {} d {}", s.new, s.start, s.d);
         assert_close(&what, &got[row0 * qc..(row0 + s.new) * qc], &want, 1e-5);
-        // Rows outside the segment are left as they were.
-        assert!(
-            got[..row0 * qc].iter().all(|&x| x == 0.0),
-            "{what}: wrote rows before"
-        );
-        assert!(
-            got[(row0 + s.new) * qc..].iter().all(|&x| x == 0.0),
-            "{what}: wrote rows after"
+    }
+}
+
+#[test]
+fn one_pass_attention_matches_an_f64_reference() {
+    check_attention(Way::OnePass, ATTENTION_SHAPES);
+}
+
+#[test]
+fn split_attention_matches_an_f64_reference() {
+    // Chunks that split the cache evenly, unevenly, and past the last row's positions.
+    for (chunk, merge_threads) in [(16, 128), (32, 32), (64, 128), (1, 64)] {
+        check_attention(
+            Way::Split {
+                chunk,
+                merge_threads,
+            },
+            ATTENTION_SHAPES,
         );
     }
+}
+
+#[test]
+fn tiled_attention_matches_an_f64_reference() {
+    let prompts = [
+        // one full tile, one short tile, two tiles and a bit, continued prompts
+        AttentionShape {
+            new: 16,
+            start: 0,
+            q_heads: 4,
+            kv_heads: 2,
+            d: 64,
+        },
+        AttentionShape {
+            new: 5,
+            start: 0,
+            q_heads: 2,
+            kv_heads: 1,
+            d: 128,
+        },
+        AttentionShape {
+            new: 37,
+            start: 0,
+            q_heads: 2,
+            kv_heads: 2,
+            d: 40,
+        },
+        AttentionShape {
+            new: 20,
+            start: 13,
+            q_heads: 8,
+            kv_heads: 2,
+            d: 64,
+        },
+        AttentionShape {
+            new: 17,
+            start: 3,
+            q_heads: 1,
+            kv_heads: 1,
+            d: 256,
+        },
+    ];
+    check_attention(Way::Tiled, &prompts);
+    check_attention(Way::Tiled, ATTENTION_SHAPES);
 }
 
 #[test]
