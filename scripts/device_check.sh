@@ -11,7 +11,10 @@
 #     `tpc run --dump-logits` checked by scripts/check_logits.py against transformers'
 #     logits: f32 relative error <= 1e-4 and the greedy tokens equal, bf16 <= 3e-2 (tokens
 #     shown, not required); tp=2 must give tp=1's tokens. A tp that tpc refuses (it does not
-#     divide the heads) is reported, not failed;
+#     divide the heads) is reported, not failed. The fixtures' prompts are short, so the
+#     backend would pick the one-pass attention kernel for every segment: the f32 runs are
+#     repeated with TPC_CUDA_ATTENTION=tiled and =split (rows "f32/tiled", "f32/split"), so
+#     each attention kernel meets transformers' logits;
 #  3. speed: `tpc bench` (tp 1, bf16) against transformers (scripts/bench_torch_gpu.py) for
 #     each model in SPEED_MODELS at each batch in BATCHES, and tpc's decode as a % of the
 #     memory-bandwidth bound (batch x copy bandwidth / weight bytes: every decode step reads
@@ -39,7 +42,8 @@ OUT=${OUT:-target/device-check}
 PYTHON=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-330}
 TPS=${TPS:-"1 2 4 8"}
-DTYPES="f32 bf16"
+# Compute dtypes, then f32 with each forced attention way (dtype/way).
+DTYPES="f32 bf16 f32/tiled f32/split"
 PARITY_JOBS=${PARITY_JOBS:-4}
 RUN_TIMEOUT=${RUN_TIMEOUT:-60}
 TEST_TIMEOUT=${TEST_TIMEOUT:-120}
@@ -205,18 +209,22 @@ fi
 # One tpc run and its check; writes one TSV record to $OUT/parity/TAG.row:
 # case, tp, dtype, status, rel_err, tokens state, tokens, note.
 parity_one() {
-    local dir=$1 tp=$2 dtype=$3 ids=$4 n=$5
-    local name tag base t rc=0 tokens verdict status rel tokstate note tol
+    local dir=$1 tp=$2 label=$3 ids=$4 n=$5
+    local name tag base t rc=0 tokens verdict status rel tokstate note tol dtype way
     local extra=()
+    # label: a dtype, or dtype/way with the attention kernel forced (src/runtime/cuda/backend.rs)
+    dtype=${label%%/*}
+    way=""
+    [ "$label" = "$dtype" ] || way=${label#*/}
     name=$(basename "$dir")
-    tag=$name-tp$tp-$dtype
+    tag=$name-tp$tp-${label//\//-}
     base=$OUT/parity/$tag
     t=$(limit "$RUN_TIMEOUT")
     if [ "$t" -lt 5 ]; then
-        printf '%s\t%s\t%s\tNOT RUN\t\t\t\ttime budget spent\n' "$name" "$tp" "$dtype" >"$base.row"
+        printf '%s\t%s\t%s\tNOT RUN\t\t\t\ttime budget spent\n' "$name" "$tp" "$label" >"$base.row"
         return
     fi
-    timeout -k 5 "$t" "$TPC" run "$dir" --tp "$tp" ${RUN_DEV[@]+"${RUN_DEV[@]}"} --dtype "$dtype" \
+    TPC_CUDA_ATTENTION=$way timeout -k 5 "$t" "$TPC" run "$dir" --tp "$tp" ${RUN_DEV[@]+"${RUN_DEV[@]}"} --dtype "$dtype" \
         --prompt-ids "$ids" --max-new-tokens "$n" --dump-logits "$base.safetensors" \
         >"$base.stdout" 2>"$base.stderr" || rc=$?
     # The generated ids are the first non-empty stdout line.
@@ -244,7 +252,7 @@ parity_one() {
     else
         status=ERROR note="exit $rc: $(last_line "$base.stderr" | clean)"
     fi
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$tp" "$dtype" "$status" "$rel" "$tokstate" "$tokens" "$note" >"$base.row"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$tp" "$label" "$status" "$rel" "$tokstate" "$tokens" "$note" >"$base.row"
 }
 
 fixtures=()
@@ -272,7 +280,7 @@ wait
 for dir in "${fixtures[@]}"; do
     for tp in $TPS; do
         for dtype in $DTYPES; do
-            row=$OUT/parity/$(basename "$dir")-tp$tp-$dtype.row
+            row=$OUT/parity/$(basename "$dir")-tp$tp-${dtype//\//-}.row
             if [ -s "$row" ]; then
                 cat "$row" >>"$OUT/parity.tsv"
             else
@@ -398,7 +406,7 @@ w("| case | dtype | " + " | ".join(f"tp={tp}" for tp in tps) + " | tp=2 tokens =
 w("|---|---|" + "---|" * len(tps) + "---|")
 details = []
 for case in cases:
-    for dtype in ("f32", "bf16"):
+    for dtype in dict.fromkeys(r[2] for r in runs.values()):
         cells = []
         for tp in tps:
             r = runs.get((case, tp, dtype))

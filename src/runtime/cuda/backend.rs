@@ -3,8 +3,7 @@
 //! op is one launch of a kernel from `kernels/`. The executor is the CPU's: this is only the
 //! other side of the [`Backend`] seam.
 //!
-//! Not yet: CUDA graphs for decode, a tiled prefill attention, split-K decode attention for
-//! long contexts (see `kernels/attention.cu`).
+//! Not yet: CUDA graphs for decode.
 
 use super::device::{blocks_of, grid_dim, grid_dim_y, grid_for, GpuRank};
 use crate::ir::{ActivationKind, DType, RopeOp, WeightOrder};
@@ -19,7 +18,7 @@ use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Pushes the arguments and launches kernel `$name` on the rank's stream.
 macro_rules! launch {
@@ -41,6 +40,81 @@ pub struct CudaBackend {
     bf16_linears: bool,
     /// Host fallback for what is small and rare (top-k candidates for sampling).
     host: CpuBackend,
+}
+
+/// Threads of every attention kernel's block (`32 * ATTENTION_WARPS` in attention.cu).
+const ATTENTION_THREADS: u32 = 128;
+/// Query rows per block of `attention_tiled` (`TILE_ROWS` in attention.cu).
+const TILE_ROWS: usize = 16;
+/// The fewest positions a chunk of `attention_split` takes, and the most chunks.
+const SPLIT_MIN_CHUNK: usize = 64;
+const SPLIT_MAX_CHUNKS: usize = 64;
+
+/// A segment's attention heads: query and kv head counts, head size, score scale.
+#[derive(Clone, Copy)]
+struct Heads {
+    q: usize,
+    kv: usize,
+    dim: usize,
+    scale: f32,
+}
+
+/// How one segment's attention runs on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AttentionWay {
+    /// One block per (row, head) over every position it sees.
+    OnePass,
+    /// A prompt: blocks of [`TILE_ROWS`] rows sharing keys and values in shared memory.
+    Tiled,
+    /// A few rows over a long cache: one block per (row, head, chunk of `chunk`
+    /// positions), then a merge, so a decode step keeps the GPU busy.
+    Split { chunk: usize, chunks: usize },
+}
+
+/// Names a way for every segment (`one-pass`, `tiled`, `split`: chunks of at least 4
+/// positions; empty or unset: the usual choice), so the GPU checks can run the tiny
+/// fixtures through each kernel (scripts/device_check.sh).
+const FORCE_ATTENTION: &str = "TPC_CUDA_ATTENTION";
+
+impl AttentionWay {
+    /// The way for `new` rows whose last sees `positions` positions.
+    fn of(new: usize, positions: usize) -> AttentionWay {
+        if new >= TILE_ROWS {
+            return AttentionWay::Tiled;
+        }
+        match AttentionWay::split(SPLIT_MIN_CHUNK, positions) {
+            split @ AttentionWay::Split { chunks: 2.., .. } => split,
+            _ => AttentionWay::OnePass,
+        }
+    }
+
+    /// Chunks of at least `min_chunk` positions, at most [`SPLIT_MAX_CHUNKS`] of them.
+    fn split(min_chunk: usize, positions: usize) -> AttentionWay {
+        let chunk = min_chunk.max(positions.div_ceil(SPLIT_MAX_CHUNKS));
+        AttentionWay::Split {
+            chunk,
+            chunks: positions.div_ceil(chunk),
+        }
+    }
+
+    /// The way [`FORCE_ATTENTION`] names, if set, else [`AttentionWay::of`].
+    fn chosen(new: usize, positions: usize) -> BackendResult<AttentionWay> {
+        static FORCED: OnceLock<Option<String>> = OnceLock::new();
+        let forced = FORCED.get_or_init(|| {
+            std::env::var(FORCE_ATTENTION)
+                .ok()
+                .filter(|v| !v.is_empty())
+        });
+        match forced.as_deref() {
+            None => Ok(AttentionWay::of(new, positions)),
+            Some("one-pass") => Ok(AttentionWay::OnePass),
+            Some("tiled") => Ok(AttentionWay::Tiled),
+            Some("split") => Ok(AttentionWay::split(4, positions)),
+            Some(other) => Err(BackendError::Unsupported(format!(
+                "{FORCE_ATTENTION}={other}: the ways are one-pass, tiled and split (or leave it unset)"
+            ))),
+        }
+    }
 }
 
 /// An f32 activation on the device.
@@ -344,6 +418,122 @@ impl CudaBackend {
     }
 
     /// Runs `argmax_pairs` over `x`: `[rows, 2]` (value, index) on the device.
+    /// One segment's attention over its cache (its keys and values already appended): the
+    /// way [`AttentionWay::of`] picks, each a kernel of `kernels/attention.cu`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_segment(
+        &self,
+        out: &mut CudaAct,
+        q: &CudaAct,
+        (kc, vc): (&CudaSlice<f32>, &CudaSlice<f32>),
+        row0: usize,
+        new: usize,
+        start: usize,
+        h: Heads,
+    ) -> BackendResult<()> {
+        let block = (ATTENTION_THREADS, 1, 1);
+        let (row0, start64) = (i64_of(row0), i64_of(start));
+        let (qh, kh, hd) = (i64_of(h.q), i64_of(h.kv), i64_of(h.dim));
+        let heads_y = grid_dim_y(h.q)?;
+        match AttentionWay::chosen(new, start + new)? {
+            AttentionWay::OnePass => {
+                let cfg = LaunchConfig {
+                    grid_dim: (grid_dim(new)?, heads_y, 1),
+                    block_dim: block,
+                    shared_mem_bytes: 0,
+                };
+                launch!(
+                    self.gpu,
+                    "attention",
+                    cfg,
+                    &mut out.data,
+                    &q.data,
+                    kc,
+                    vc,
+                    &row0,
+                    &start64,
+                    &qh,
+                    &kh,
+                    &hd,
+                    &h.scale
+                )
+            }
+            AttentionWay::Tiled => {
+                let cfg = LaunchConfig {
+                    grid_dim: (grid_dim(new.div_ceil(TILE_ROWS))?, heads_y, 1),
+                    block_dim: block,
+                    shared_mem_bytes: 0,
+                };
+                let rows = i64_of(new);
+                launch!(
+                    self.gpu,
+                    "attention_tiled",
+                    cfg,
+                    &mut out.data,
+                    &q.data,
+                    kc,
+                    vc,
+                    &row0,
+                    &rows,
+                    &start64,
+                    &qh,
+                    &kh,
+                    &hd,
+                    &h.scale
+                )
+            }
+            AttentionWay::Split { chunk, chunks } => {
+                // Partial softmax sums per (row, head, chunk), merged by a second kernel.
+                let slots = new * h.q * chunks;
+                let mut part_max = self.output(vec![slots])?;
+                let mut part_sum = self.output(vec![slots])?;
+                let mut part_values = self.output(vec![slots, h.dim])?;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid_dim(new)?, heads_y, chunks as u32),
+                    block_dim: block,
+                    shared_mem_bytes: 0,
+                };
+                let (chunk64, chunks64) = (i64_of(chunk), i64_of(chunks));
+                launch!(
+                    self.gpu,
+                    "attention_split",
+                    cfg,
+                    &mut part_max.data,
+                    &mut part_sum.data,
+                    &mut part_values.data,
+                    &q.data,
+                    kc,
+                    vc,
+                    &row0,
+                    &start64,
+                    &qh,
+                    &kh,
+                    &hd,
+                    &h.scale,
+                    &chunk64
+                )?;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid_dim(new)?, heads_y, 1),
+                    block_dim: block,
+                    shared_mem_bytes: 0,
+                };
+                launch!(
+                    self.gpu,
+                    "attention_merge",
+                    cfg,
+                    &mut out.data,
+                    &part_max.data,
+                    &part_sum.data,
+                    &part_values.data,
+                    &row0,
+                    &qh,
+                    &hd,
+                    &chunks64
+                )
+            }
+        }
+    }
+
     fn pairs(
         &self,
         x: &CudaAct,
@@ -724,27 +914,20 @@ impl Backend for CudaBackend {
                 .stream
                 .memcpy_dtod(&v.data.slice(from..to), &mut vc.slice_mut(at..upto))
                 .map_err(|e| self.gpu.fail("appending values", None, e))?;
-            let cfg = LaunchConfig {
-                grid_dim: (grid_dim(new)?, grid_dim_y(q_heads)?, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
+            let heads = Heads {
+                q: q_heads,
+                kv: kv_heads,
+                dim: d,
+                scale,
             };
-            let (row0, start) = (i64_of(s.rows.start), i64_of(s.start));
-            let (qh, kh, hd) = (i64_of(q_heads), i64_of(kv_heads), i64_of(d));
-            launch!(
-                self.gpu,
-                "attention",
-                cfg,
-                &mut out.data,
-                &q.data,
-                &*kc,
-                &*vc,
-                &row0,
-                &start,
-                &qh,
-                &kh,
-                &hd,
-                &scale
+            self.attend_segment(
+                &mut out,
+                q,
+                (&*kc, &*vc),
+                s.rows.start,
+                new,
+                cache.len,
+                heads,
             )?;
             cache.len = end;
         }
@@ -996,5 +1179,48 @@ impl CudaBackend {
     fn to_host_copy(&self, x: &CudaAct) -> BackendResult<Tensor> {
         let n = x.elements();
         Ok(Tensor::new(x.shape.clone(), self.download(&x.data, n)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AttentionWay;
+
+    #[test]
+    fn prompts_tile_decode_steps_split_long_caches_and_short_ones_run_in_one_pass() {
+        assert_eq!(AttentionWay::of(16, 16), AttentionWay::Tiled);
+        assert_eq!(AttentionWay::of(512, 600), AttentionWay::Tiled);
+        assert_eq!(AttentionWay::of(1, 64), AttentionWay::OnePass);
+        assert_eq!(AttentionWay::of(15, 40), AttentionWay::OnePass);
+        assert_eq!(AttentionWay::of(1, 1), AttentionWay::OnePass);
+        assert_eq!(
+            AttentionWay::of(1, 65),
+            AttentionWay::Split {
+                chunk: 64,
+                chunks: 2
+            }
+        );
+        assert_eq!(
+            AttentionWay::of(1, 512),
+            AttentionWay::Split {
+                chunk: 64,
+                chunks: 8
+            }
+        );
+        // Long contexts keep at most 64 chunks, each longer.
+        assert_eq!(
+            AttentionWay::of(4, 32768),
+            AttentionWay::Split {
+                chunk: 512,
+                chunks: 64
+            }
+        );
+        assert_eq!(
+            AttentionWay::of(1, 4097),
+            AttentionWay::Split {
+                chunk: 65,
+                chunks: 64
+            }
+        );
     }
 }
