@@ -6,49 +6,7 @@
 
 mod emulator;
 
-use emulator::{dims, kernel_file, Arg, Buffers};
-
-/// Deterministic values in [-1, 1).
-struct Values(u64);
-
-impl Values {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-    }
-    fn take(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
-
-/// Largest |a - b| / max(1, |b|) over the values, with the index of the worst.
-fn worst(got: &[f32], want: &[f64]) -> (f64, usize) {
-    assert_eq!(got.len(), want.len());
-    got.iter()
-        .zip(want)
-        .enumerate()
-        .map(|(i, (&g, &w))| {
-            let e = if g.is_finite() {
-                (g as f64 - w).abs() / w.abs().max(1.0)
-            } else {
-                f64::INFINITY
-            };
-            (e, i)
-        })
-        .fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a })
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
-    let (e, i) = worst(got, want);
-    assert!(
-        e <= tol,
-        "{what}: error {e:.3e} > {tol:.0e} at {i}: got {} want {}",
-        got[i],
-        want[i]
-    );
-}
+use emulator::{assert_close, dims, kernel_file, Arg, Buffers, Values};
 
 /// Causal attention of `new` rows at positions start.. over a cache of start + new
 /// positions, grouped heads: out [new, q_heads * d].

@@ -105,3 +105,80 @@ fn kernel_names_are_read_from_the_source() {
         .sum();
     assert!(all >= 20, "{all} kernels");
 }
+
+/// Bytes of static shared memory a PTX module declares (`.shared` variables at module scope,
+/// where NVRTC puts every kernel's `__shared__` arrays).
+fn static_shared_bytes(ptx: &str) -> Result<usize, String> {
+    let mut total = 0;
+    for line in ptx.lines().map(str::trim) {
+        let Some(rest) = line.strip_prefix(".shared") else {
+            continue;
+        };
+        let words: Vec<&str> = rest.trim_end_matches(';').split_whitespace().collect();
+        let ty = words
+            .iter()
+            .find(|w| {
+                w.starts_with(".b")
+                    || w.starts_with(".f")
+                    || w.starts_with(".u")
+                    || w.starts_with(".s")
+            })
+            .ok_or_else(|| format!("no type in `{line}`"))?;
+        let bits: usize = ty[2..]
+            .parse()
+            .map_err(|_| format!("type {ty} in `{line}`"))?;
+        let name = words.last().ok_or_else(|| format!("no name in `{line}`"))?;
+        let count = match name.split_once('[') {
+            Some((_, n)) => n
+                .trim_end_matches(']')
+                .parse::<usize>()
+                .map_err(|_| format!("array size in `{line}`"))?,
+            None => 1,
+        };
+        total += count * bits / 8;
+    }
+    Ok(total)
+}
+
+#[test]
+fn every_kernel_file_fits_the_static_shared_memory_limit() {
+    // 48 KiB is what a block may declare statically on every GPU from sm_80 on (more needs
+    // dynamic shared memory and an opt-in); the whole file's total bounds each kernel's.
+    const LIMIT: usize = 48 * 1024;
+    if let Err(e) = require(Library::Nvrtc) {
+        assert!(
+            std::env::var_os("TPC_REQUIRE_NVRTC").is_none(),
+            "TPC_REQUIRE_NVRTC is set but NVRTC cannot be loaded: {e}"
+        );
+        eprintln!("SKIP every_kernel_file_fits_the_static_shared_memory_limit: {e}");
+        return;
+    }
+    let target = Target {
+        compute_capability: 80,
+    };
+    let mut report = Vec::new();
+    for (file, _) in KERNEL_FILES {
+        let ptx = compile(file, &target).unwrap().to_src();
+        let bytes = static_shared_bytes(&ptx).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(
+            bytes <= LIMIT,
+            "{file}: {bytes} bytes of static shared memory"
+        );
+        report.push(format!("{file} {bytes}"));
+    }
+    eprintln!("static shared bytes: {}", report.join(", "));
+    // attention_tiled's two tiles of 16 keys x 256 dims alone are 32 KiB: the parse sees them.
+    let attention = report
+        .iter()
+        .find(|r| r.starts_with("attention.cu"))
+        .unwrap();
+    let bytes: usize = attention.split(' ').nth(1).unwrap().parse().unwrap();
+    assert!(bytes >= 32 * 1024, "{attention}");
+}
+
+#[test]
+fn shared_declarations_are_read_from_ptx() {
+    let ptx = "\t.shared .align 4 .b8 _ZZ15attention_tiledE6tile_k[16384];\n\
+               .shared .align 8 .u64 flag;\n.visible .entry k(\n";
+    assert_eq!(static_shared_bytes(ptx), Ok(16384 + 8));
+}

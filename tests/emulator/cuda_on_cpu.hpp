@@ -53,7 +53,7 @@ struct Fiber {
     std::vector<char> stack;
 };
 
-constexpr size_t STACK_BYTES = 256 * 1024;
+constexpr size_t STACK_BYTES = 64 * 1024;  // the kernels keep a few hundred bytes of locals
 
 struct Block {
     std::vector<Fiber> fibers;

@@ -283,3 +283,37 @@ impl KernelFile {
         Ok(())
     }
 }
+
+/// Deterministic values in [-1, 1), and raw bit patterns.
+pub struct Values(pub u64);
+
+impl Values {
+    pub fn bits(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn next(&mut self) -> f32 {
+        ((self.bits() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+    }
+    pub fn take(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+    /// One of `n` choices.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.bits() >> 33) as usize % n
+    }
+}
+
+/// |got - want| / max(1, |want|) at most `tol` everywhere (a non-finite `got` never is).
+pub fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let e = (g as f64 - w).abs() / w.abs().max(1.0);
+        assert!(
+            e <= tol,
+            "{what}: error {e:.3e} > {tol:.0e} at {i}: got {g} want {w}"
+        );
+    }
+}
