@@ -1,6 +1,9 @@
 // Shared by every kernel file: NVRTC gets one source per file, so the runtime pastes this
 // header in where a file says `#include "common.cuh"` (src/runtime/cuda/kernels.rs).
 // No CUDA headers: NVRTC then needs no include folder on the machine that runs tpc.
+// Guarded: the CPU emulator's fake driver (tests/emulator) includes every kernel file at once.
+#ifndef TPC_COMMON_CUH
+#define TPC_COMMON_CUH
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -59,3 +62,5 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 __device__ __forceinline__ bool is_finite_value(float x) {
     return isfinite(x);
 }
+
+#endif  // TPC_COMMON_CUH

@@ -7,6 +7,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod emulator;
 use common::{fixtures, read_reference, rel_error, BF16_REL_TOL, REL_TOL};
 
 use std::process::Command;
@@ -100,4 +101,73 @@ fn every_fixture_on_one_gpu_matches_hf_at_every_valid_tp() {
         }
     }
     eprintln!("{}", report.join("\n"));
+}
+
+/// The GPU parity test above, on the CPU: this test binary runs it again in a child process
+/// whose `libcuda` and `libcublas` are the emulator's stand-ins (tests/emulator; NVRTC is
+/// the real one and must be present). Every line of the CUDA backend runs — cudarc's calls,
+/// launch arguments, cuBLAS parameters, KV caches, the one-shot all-reduce of ranks sharing
+/// the GPU — with kernels executed by the emulator. Not shown: speed, the GPU's own
+/// rounding, and anything that needs two streams to run at once. It runs once with the
+/// backend's choice of attention kernel and once with each other kernel forced.
+#[test]
+fn every_fixture_matches_hf_on_the_emulated_gpu() {
+    let test = "every_fixture_matches_hf_on_the_emulated_gpu";
+    if std::env::var_os("TPC_REQUIRE_GPU").is_some() {
+        eprintln!("SKIP {test}: this run is on a real GPU");
+        return;
+    }
+    if let Err(e) = require(Library::Nvrtc) {
+        assert!(
+            std::env::var_os("TPC_REQUIRE_NVRTC").is_none(),
+            "TPC_REQUIRE_NVRTC is set but NVRTC cannot be loaded: {e}"
+        );
+        eprintln!("SKIP {test}: {e}");
+        return;
+    }
+    let fake = emulator::fake_cuda_libraries().unwrap_or_else(|e| panic!("{e}"));
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(p) if !p.is_empty() => format!("{}:{p}", fake.display()),
+        _ => fake.display().to_string(),
+    };
+    // The backend's own choice of attention kernel (the one-pass one, for these short
+    // prompts), then each other kernel forced; three children at once.
+    let children: Vec<(&str, std::process::Child)> = ["", "tiled", "split"]
+        .into_iter()
+        .map(|way| {
+            let child = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "every_fixture_on_one_gpu_matches_hf_at_every_valid_tp",
+                    "--nocapture",
+                ])
+                .env("LD_LIBRARY_PATH", &path)
+                .env("TPC_REQUIRE_GPU", "1")
+                .env("TPC_CUDA_ATTENTION", way)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            (way, child)
+        })
+        .collect();
+    for (way, child) in children {
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        let way = if way.is_empty() { "chosen" } else { way };
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "the parity test on the emulated GPU failed (attention {way}):\n{stdout}\n{stderr}"
+        );
+        // The child ran every case (it fails rather than skips without a GPU).
+        let runs = stderr.lines().filter(|l| l.contains(": rel err")).count();
+        assert!(
+            runs >= 2 * fixtures().len(),
+            "attention {way}: {runs} runs:\n{stderr}"
+        );
+        eprintln!("attention {way}: {runs} runs passed");
+    }
 }

@@ -66,6 +66,7 @@ struct Block {
 };
 
 inline Block* running = nullptr;
+inline Block block_pool;
 inline std::string last_error;
 
 inline void fail(const std::string& why) {
@@ -199,11 +200,15 @@ int launch(void (*kernel)(A...), Dims grid, Dims block, void** args, int reverse
                      std::to_string(n) + " threads";
         return 1;
     }
-    Block b;
-    b.fibers.resize(n);
+    // Fibers and their stacks are kept from launch to launch (launches never overlap).
+    Block& b = block_pool;
+    b.error.clear();
+    if (b.fibers.size() < n) {
+        b.fibers.resize(n);
+    }
     b.lanes.assign(n, 0);
-    for (Fiber& f : b.fibers) {
-        f.stack.resize(STACK_BYTES);
+    for (unsigned long long t = 0; t < n; ++t) {
+        b.fibers[t].stack.resize(STACK_BYTES);
     }
     auto body = [&]() { call(kernel, args, std::index_sequence_for<A...>{}); };
     b.body = [](void* c) { (*static_cast<decltype(body)*>(c))(); };

@@ -143,23 +143,28 @@ fn kernel_names(text: &str) -> Vec<String> {
         .collect()
 }
 
-fn compile(file: &str) -> Result<KernelFile, String> {
-    let source = repo().join("kernels").join(file);
-    let text = std::fs::read_to_string(&source).map_err(|e| format!("{file}: {e}"))?;
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels");
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let stem = file.trim_end_matches(".cu");
-    let driver = dir.join(format!("{stem}.cpp"));
-    let mut cpp = format!(
-        "#include \"cuda_on_cpu.hpp\"\n#include \"{}\"\n",
-        source.display()
-    );
-    for name in kernel_names(&text) {
+/// The C++ that includes kernel files (paths under `kernels/`) after the emulator header
+/// and exports a launcher for each of their kernels; their names, in order.
+fn kernels_source(files: &[&str]) -> Result<(String, Vec<String>), String> {
+    let mut cpp = String::from("#include \"cuda_on_cpu.hpp\"\n");
+    let mut names = Vec::new();
+    for file in files {
+        let source = repo().join("kernels").join(file);
+        let text = std::fs::read_to_string(&source).map_err(|e| format!("{file}: {e}"))?;
+        cpp.push_str(&format!("#include \"{}\"\n", source.display()));
+        names.extend(kernel_names(&text));
+    }
+    for name in &names {
         cpp.push_str(&format!("EMU_EXPORT({name})\n"));
     }
-    std::fs::write(&driver, cpp).map_err(|e| e.to_string())?;
-    // A per-process name: test binaries built at different times never load a stale copy.
-    let lib = dir.join(format!("lib{stem}-{}.so", std::process::id()));
+    Ok((cpp, names))
+}
+
+/// Compiles `cpp` (written to `stem`.cpp in `dir`) into the shared library `lib`.
+fn build(dir: &Path, stem: &str, cpp: &str, lib: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let source = dir.join(format!("{stem}.cpp"));
+    std::fs::write(&source, cpp).map_err(|e| e.to_string())?;
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let out = Command::new(&cxx)
         .args(["-std=c++20", "-O2", "-shared", "-fPIC", "-Wall", "-Werror"])
@@ -168,17 +173,32 @@ fn compile(file: &str) -> Result<KernelFile, String> {
         .arg(repo().join("tests/emulator"))
         .arg("-I")
         .arg(repo().join("kernels"))
-        .arg(&driver)
+        .arg(&source)
         .arg("-o")
-        .arg(&lib)
+        .arg(lib)
         .output()
         .map_err(|e| format!("running {cxx} (a C++20 compiler is needed): {e}"))?;
     if !out.status.success() {
         return Err(format!(
-            "{cxx} could not compile {file} for the CPU:\n{}",
+            "{cxx} could not compile {} for the CPU:\n{}",
+            source.display(),
             String::from_utf8_lossy(&out.stderr)
         ));
     }
+    Ok(())
+}
+
+fn scratch() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+}
+
+fn compile(file: &str) -> Result<KernelFile, String> {
+    let (cpp, _) = kernels_source(&[file])?;
+    let stem = file.trim_end_matches(".cu");
+    let dir = scratch().join("emulated-kernels");
+    // A per-process name: test binaries built at different times never load a stale copy.
+    let lib = dir.join(format!("lib{stem}-{}.so", std::process::id()));
+    build(&dir, stem, &cpp, &lib)?;
     // SAFETY: a library built just now from our own sources; its initialisers only set up
     // the emulator's globals.
     let lib = unsafe { Library::new(&lib) }.map_err(|e| e.to_string())?;
@@ -186,6 +206,33 @@ fn compile(file: &str) -> Result<KernelFile, String> {
         lib,
         file: file.to_string(),
     })
+}
+
+/// Builds a stand-in `libcuda.so` (every kernel of `kernels/` on the emulator behind the
+/// driver calls tpc makes, `fake_driver.hpp`) and `libcublas.so` (`fake_cublas.cpp`) into a
+/// fresh folder, and returns it: put first on `LD_LIBRARY_PATH` of a process, it is that
+/// process's GPU.
+pub fn fake_cuda_libraries() -> Result<PathBuf, String> {
+    let dir = scratch().join(format!("fake-cuda-{}", std::process::id()));
+    let mut files: Vec<String> = std::fs::read_dir(repo().join("kernels"))
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".cu"))
+        .collect();
+    files.sort();
+    let files: Vec<&str> = files.iter().map(String::as_str).collect();
+    let (mut cpp, names) = kernels_source(&files)?;
+    cpp.push_str("#include \"fake_driver.hpp\"\nextern const FakeKernel KERNELS[] = {\n");
+    for name in &names {
+        cpp.push_str(&format!("    {{\"{name}\", emu_launch_{name}}},\n"));
+    }
+    cpp.push_str("};\nextern const size_t KERNEL_COUNT = sizeof KERNELS / sizeof KERNELS[0];\n");
+    build(&dir, "fake_driver", &cpp, &dir.join("libcuda.so"))?;
+    let cublas = std::fs::read_to_string(repo().join("tests/emulator/fake_cublas.cpp"))
+        .map_err(|e| e.to_string())?;
+    build(&dir, "fake_cublas", &cublas, &dir.join("libcublas.so"))?;
+    Ok(dir)
 }
 
 /// The kernel file compiled for the CPU, once per test process.
