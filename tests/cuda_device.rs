@@ -103,13 +103,57 @@ fn every_fixture_on_one_gpu_matches_hf_at_every_valid_tp() {
     eprintln!("{}", report.join("\n"));
 }
 
+/// Ranks on two GPUs: at tp=2 each rank has its own GPU and the group all-reduces through
+/// NCCL; at tp=4 two ranks share each GPU and the group goes through the host communicator.
+/// Every fixture, f32, against HF's logits and tokens. Skips with fewer than two GPUs.
+#[test]
+fn every_fixture_on_two_gpus_matches_hf() {
+    if !gpu_present("every_fixture_on_two_gpus_matches_hf") {
+        return;
+    }
+    let count = tpc::runtime::cuda::device::device_count().unwrap();
+    if count < 2 {
+        eprintln!("SKIP every_fixture_on_two_gpus_matches_hf: {count} GPU");
+        return;
+    }
+    let mut report = Vec::new();
+    for dir in fixtures() {
+        let reference = read_reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for tp in [2u64, 4] {
+            let Ok(compiled) = compile(&def, tp) else {
+                continue;
+            };
+            let opts = RunOptions {
+                device: Device::Cuda(vec![0, 1]),
+                dtype: ComputeDtype::F32,
+                max_new_tokens: reference.greedy.len(),
+                ..Default::default()
+            };
+            let what = format!("{} tp={tp} on GPUs 0, 1", dir.display());
+            let out = run(&compiled.plan, &ckpt, &reference.prompt, &opts)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let err = rel_error(&out.prompt_logits.data, &reference.logits);
+            report.push(format!("{what}: rel err {err:.2e}"));
+            assert!(
+                err <= REL_TOL,
+                "{what}: relative error {err:.3e} > {REL_TOL}"
+            );
+            assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
+        }
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
 /// The GPU parity test above, on the CPU: this test binary runs it again in a child process
 /// whose `libcuda` and `libcublas` are the emulator's stand-ins (tests/emulator; NVRTC is
 /// the real one and must be present). Every line of the CUDA backend runs — cudarc's calls,
 /// launch arguments, cuBLAS parameters, KV caches, the one-shot all-reduce of ranks sharing
 /// the GPU — with kernels executed by the emulator. Not shown: speed, the GPU's own
 /// rounding, and anything that needs two streams to run at once. It runs once with the
-/// backend's choice of attention kernel and once with each other kernel forced.
+/// backend's choice of attention kernel and once with each other kernel forced, and the
+/// two-GPU test (NCCL, through the stand-in libnccl) once.
 #[test]
 fn every_fixture_matches_hf_on_the_emulated_gpu() {
     let test = "every_fixture_matches_hf_on_the_emulated_gpu";
@@ -132,15 +176,18 @@ fn every_fixture_matches_hf_on_the_emulated_gpu() {
     };
     // The backend's own choice of attention kernel (the one-pass one, for these short
     // prompts), then each other kernel forced; three children at once.
-    let children: Vec<(&str, std::process::Child)> = ["", "tiled", "split"]
+    let one_gpu = "every_fixture_on_one_gpu_matches_hf_at_every_valid_tp";
+    let runs = [
+        (one_gpu, ""),
+        (one_gpu, "tiled"),
+        (one_gpu, "split"),
+        ("every_fixture_on_two_gpus_matches_hf", ""),
+    ];
+    let children: Vec<(&str, &str, std::process::Child)> = runs
         .into_iter()
-        .map(|way| {
+        .map(|(test, way)| {
             let child = Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "every_fixture_on_one_gpu_matches_hf_at_every_valid_tp",
-                    "--nocapture",
-                ])
+                .args(["--exact", test, "--nocapture"])
                 .env("LD_LIBRARY_PATH", &path)
                 .env("TPC_REQUIRE_GPU", "1")
                 .env("TPC_CUDA_ATTENTION", way)
@@ -148,10 +195,10 @@ fn every_fixture_matches_hf_on_the_emulated_gpu() {
                 .stderr(std::process::Stdio::piped())
                 .spawn()
                 .unwrap();
-            (way, child)
+            (test, way, child)
         })
         .collect();
-    for (way, child) in children {
+    for (test, way, child) in children {
         let out = child.wait_with_output().unwrap();
         let (stdout, stderr) = (
             String::from_utf8_lossy(&out.stdout),
@@ -160,14 +207,14 @@ fn every_fixture_matches_hf_on_the_emulated_gpu() {
         let way = if way.is_empty() { "chosen" } else { way };
         assert!(
             out.status.success() && stdout.contains("1 passed"),
-            "the parity test on the emulated GPU failed (attention {way}):\n{stdout}\n{stderr}"
+            "{test} on the emulated GPUs failed (attention {way}):\n{stdout}\n{stderr}"
         );
         // The child ran every case (it fails rather than skips without a GPU).
         let runs = stderr.lines().filter(|l| l.contains(": rel err")).count();
         assert!(
-            runs >= 2 * fixtures().len(),
-            "attention {way}: {runs} runs:\n{stderr}"
+            runs >= fixtures().len(),
+            "{test}, attention {way}: {runs} runs:\n{stderr}"
         );
-        eprintln!("attention {way}: {runs} runs passed");
+        eprintln!("{test}, attention {way}: {runs} runs passed");
     }
 }

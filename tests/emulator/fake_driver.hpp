@@ -4,7 +4,8 @@
 // LD_LIBRARY_PATH, so cudarc loads it as "libcuda.so"; the translation unit that includes
 // this first includes every kernel file and defines KERNELS, the name -> launcher table.
 //
-// One GPU of compute capability 8.0. Device pointers are host pointers. Work runs when it
+// Two GPUs of compute capability 8.0 (so ranks on distinct GPUs, with the fake libnccl,
+// can be run too), sharing the host's memory: device pointers are host pointers. Work runs when it
 // is enqueued (every stream is synchronous), so stream order, events and cross-stream waits
 // hold trivially; a global lock serialises ranks' threads. cuModuleLoadData accepts NVRTC's
 // PTX (compiled for real by the caller) and the module's functions are the emulated kernels
@@ -89,14 +90,14 @@ FAKE_API CUresult cuDriverGetVersion(int* v) {
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuDeviceGetCount(int* n) {
-    *n = 1;
+    *n = 2;
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuDeviceGet(CUdevice* d, int ordinal) {
-    if (ordinal != 0) {
+    if (ordinal < 0 || ordinal > 1) {
         return fake::INVALID_DEVICE;
     }
-    *d = 0;
+    *d = ordinal;
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuDeviceGetAttribute(int* v, int attribute, CUdevice) {

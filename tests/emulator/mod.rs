@@ -209,8 +209,8 @@ fn compile(file: &str) -> Result<KernelFile, String> {
 }
 
 /// Builds a stand-in `libcuda.so` (every kernel of `kernels/` on the emulator behind the
-/// driver calls tpc makes, `fake_driver.hpp`) and `libcublas.so` (`fake_cublas.cpp`) into a
-/// fresh folder, and returns it: put first on `LD_LIBRARY_PATH` of a process, it is that
+/// driver calls tpc makes, two GPUs: `fake_driver.hpp`), `libcublas.so` (`fake_cublas.cpp`)
+/// and `libnccl.so` (`fake_nccl.cpp`) into a fresh folder, and returns it: put first on `LD_LIBRARY_PATH` of a process, it is that
 /// process's GPU.
 pub fn fake_cuda_libraries() -> Result<PathBuf, String> {
     let dir = scratch().join(format!("fake-cuda-{}", std::process::id()));
@@ -229,9 +229,11 @@ pub fn fake_cuda_libraries() -> Result<PathBuf, String> {
     }
     cpp.push_str("};\nextern const size_t KERNEL_COUNT = sizeof KERNELS / sizeof KERNELS[0];\n");
     build(&dir, "fake_driver", &cpp, &dir.join("libcuda.so"))?;
-    let cublas = std::fs::read_to_string(repo().join("tests/emulator/fake_cublas.cpp"))
-        .map_err(|e| e.to_string())?;
-    build(&dir, "fake_cublas", &cublas, &dir.join("libcublas.so"))?;
+    for (stem, lib) in [("fake_cublas", "libcublas.so"), ("fake_nccl", "libnccl.so")] {
+        let cpp = std::fs::read_to_string(repo().join(format!("tests/emulator/{stem}.cpp")))
+            .map_err(|e| e.to_string())?;
+        build(&dir, stem, &cpp, &dir.join(lib))?;
+    }
     Ok(dir)
 }
 
