@@ -15,7 +15,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <map>
 #include <mutex>
+#include <string>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -53,8 +55,36 @@ struct Event {
     int recorded;
 };
 
+// With TPC_FAKE_CUDA_STATS set, what the process asked of the GPU is counted and printed
+// to stderr at exit: launches per kernel, allocations, copies (how launch-bound a step is).
+struct Stats {
+    std::map<std::string, unsigned long long> launches;
+    unsigned long long allocations = 0, frees = 0, copies = 0, fills = 0;
+    ~Stats() {
+        if (getenv("TPC_FAKE_CUDA_STATS") == nullptr) {
+            return;
+        }
+        unsigned long long total = 0;
+        for (const auto& [name, n] : launches) {
+            fprintf(stderr, "fake libcuda: %llu launches of %s\n", n, name.c_str());
+            total += n;
+        }
+        fprintf(stderr,
+                "fake libcuda: %llu launches, %llu allocations, %llu frees, %llu copies, "
+                "%llu fills\n",
+                total, allocations, frees, copies, fills);
+    }
+};
+inline Stats stats;
+
+inline void count_copy() {
+    std::lock_guard<std::mutex> g(lock);
+    stats.copies += 1;
+}
+
 inline CUresult allocate(CUdeviceptr* p, size_t bytes) {
     std::lock_guard<std::mutex> g(lock);
+    stats.allocations += 1;
     if (bytes > TOTAL_BYTES - used_bytes) {
         return OUT_OF_MEMORY;
     }
@@ -74,6 +104,7 @@ inline CUresult release(CUdeviceptr p) {
         return SUCCESS;
     }
     std::lock_guard<std::mutex> g(lock);
+    stats.frees += 1;
     size_t* block = reinterpret_cast<size_t*>(p) - 2;
     used_bytes -= block[0];
     free(block);
@@ -184,30 +215,43 @@ FAKE_API CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) {
+    {
+        std::lock_guard<std::mutex> g(fake::lock);
+        fake::stats.fills += 1;
+    }
     memset(reinterpret_cast<void*>(p), v, n);
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) {
+    {
+        std::lock_guard<std::mutex> g(fake::lock);
+        fake::stats.fills += 1;
+    }
     memset(reinterpret_cast<void*>(p), v, n);
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream) {
+    fake::count_copy();
     memcpy(reinterpret_cast<void*>(dst), src, n);
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream) {
+    fake::count_copy();
     memcpy(dst, reinterpret_cast<const void*>(src), n);
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
+    fake::count_copy();
     memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+    fake::count_copy();
     memcpy(reinterpret_cast<void*>(dst), src, n);
     return fake::SUCCESS;
 }
 FAKE_API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+    fake::count_copy();
     memcpy(dst, reinterpret_cast<const void*>(src), n);
     return fake::SUCCESS;
 }
@@ -246,6 +290,7 @@ FAKE_API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz,
         return fake::INVALID_VALUE;
     }
     std::lock_guard<std::mutex> g(fake::lock);
+    fake::stats.launches[k->name] += 1;
     if (k->launch({gx, gy, gz}, {bx, by, bz}, params, 0) != 0) {
         fprintf(stderr, "fake libcuda: kernel %s: %s\n", k->name, emu_last_error());
         return fake::LAUNCH_FAILED;

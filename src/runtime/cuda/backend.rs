@@ -5,6 +5,7 @@
 //!
 //! Not yet: CUDA graphs for decode.
 
+use super::act::CudaAct;
 use super::device::{blocks_of, grid_dim, grid_dim_y, grid_for, GpuRank};
 use crate::ir::{ActivationKind, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
@@ -117,31 +118,6 @@ impl AttentionWay {
     }
 }
 
-/// An f32 activation on the device.
-pub struct CudaAct {
-    shape: Vec<usize>,
-    data: CudaSlice<f32>,
-}
-
-impl CudaAct {
-    /// The device buffer (for communicators).
-    pub fn data(&self) -> &CudaSlice<f32> {
-        &self.data
-    }
-    pub fn data_mut(&mut self) -> &mut CudaSlice<f32> {
-        &mut self.data
-    }
-}
-
-impl Activation for CudaAct {
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn dtype(&self) -> DType {
-        DType::F32
-    }
-}
-
 /// A weight on the device, in the layout the checkpoint slice has.
 pub struct CudaWeight {
     shape: Vec<usize>,
@@ -227,7 +203,7 @@ impl CudaBackend {
         // SAFETY: device memory; the contents are written before they are read (above).
         let data = unsafe { self.gpu.stream.alloc::<f32>(n.max(1)) }
             .map_err(|e| self.gpu.fail("an activation", n.checked_mul(4), e))?;
-        Ok(CudaAct { shape, data })
+        Ok(CudaAct::new(shape, data))
     }
 
     /// A zero-filled buffer (attention leaves rows outside its segments as zeros).
@@ -238,7 +214,7 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<f32>(n.max(1))
             .map_err(|e| self.gpu.fail("an activation", n.checked_mul(4), e))?;
-        Ok(CudaAct { shape, data })
+        Ok(CudaAct::new(shape, data))
     }
 
     fn upload_f32(&self, values: &[f32], what: &str) -> BackendResult<CudaSlice<f32>> {
@@ -274,7 +250,7 @@ impl CudaBackend {
         k: usize,
         n: usize,
     ) -> BackendResult<CudaAct> {
-        let mut out_shape = x.shape.clone();
+        let mut out_shape = x.shape().to_vec();
         if let Some(last) = out_shape.last_mut() {
             *last = n;
         }
@@ -308,32 +284,26 @@ impl CudaBackend {
             .ctx
             .bind_to_thread()
             .map_err(|e| self.gpu.fail("binding the context", None, e))?;
-        // bf16 weights multiply bf16 activations (rounded once, as torch's bf16 does).
-        let rounded: Option<CudaSlice<u16>> = match &w.data {
+        // bf16 weights multiply bf16 activations (rounded once, as torch's bf16 does; the
+        // rounded copy is kept with the activation for the next product that reads it).
+        let rounded: Option<&CudaSlice<u16>> = match &w.data {
             WeightData::F32(_) => None,
-            WeightData::Bf16(_) => {
+            WeightData::Bf16(_) => Some(x.rounded(|data| -> BackendResult<CudaSlice<u16>> {
                 let len = m * k;
                 // SAFETY: device memory, written whole by round_to_bf16 below.
                 let mut r = unsafe { stream.alloc::<u16>(len.max(1)) }
                     .map_err(|e| self.gpu.fail("bf16 activations", Some(len * 2), e))?;
                 let n64 = i64_of(len);
-                launch!(
-                    self.gpu,
-                    "round_to_bf16",
-                    grid_for(len),
-                    &mut r,
-                    &x.data,
-                    &n64
-                )?;
-                Some(r)
-            }
+                launch!(self.gpu, "round_to_bf16", grid_for(len), &mut r, data, &n64)?;
+                Ok(r)
+            })?),
         };
         // The operands' addresses and element type; the guards keep cudarc's stream
         // ordering until the call is enqueued.
-        let ((wp, _w), (xp, _x), operands) = match (&w.data, &rounded) {
+        let ((wp, _w), (xp, _x), operands) = match (&w.data, rounded) {
             (WeightData::F32(wd), _) => (
                 wd.device_ptr(&stream),
-                x.data.device_ptr(&stream),
+                x.data().device_ptr(&stream),
                 blas::cudaDataType::CUDA_R_32F,
             ),
             (WeightData::Bf16(wd), Some(r)) => (
@@ -347,7 +317,7 @@ impl CudaBackend {
                 ))
             }
         };
-        let (out_ptr, _o) = out.data.device_ptr_mut(&stream);
+        let (out_ptr, _o) = out.data_mut().device_ptr_mut(&stream);
         // SAFETY: W holds n·k and x m·k values of `operands`' type, out m·n f32 values
         // (checked by the caller and allocated here); the handle runs on this rank's stream.
         let status = unsafe {
@@ -446,8 +416,8 @@ impl CudaBackend {
                     self.gpu,
                     "attention",
                     cfg,
-                    &mut out.data,
-                    &q.data,
+                    out.data_mut(),
+                    q.data(),
                     kc,
                     vc,
                     &row0,
@@ -469,8 +439,8 @@ impl CudaBackend {
                     self.gpu,
                     "attention_tiled",
                     cfg,
-                    &mut out.data,
-                    &q.data,
+                    out.data_mut(),
+                    q.data(),
                     kc,
                     vc,
                     &row0,
@@ -498,10 +468,10 @@ impl CudaBackend {
                     self.gpu,
                     "attention_split",
                     cfg,
-                    &mut part_max.data,
-                    &mut part_sum.data,
-                    &mut part_values.data,
-                    &q.data,
+                    part_max.data_mut(),
+                    part_sum.data_mut(),
+                    part_values.data_mut(),
+                    q.data(),
                     kc,
                     vc,
                     &row0,
@@ -521,10 +491,10 @@ impl CudaBackend {
                     self.gpu,
                     "attention_merge",
                     cfg,
-                    &mut out.data,
-                    &part_max.data,
-                    &part_sum.data,
-                    &part_values.data,
+                    out.data_mut(),
+                    part_max.data(),
+                    part_sum.data(),
+                    part_values.data(),
                     &row0,
                     &qh,
                     &hd,
@@ -554,8 +524,8 @@ impl CudaBackend {
             self.gpu,
             "argmax_pairs",
             blocks_of(rows, 256)?,
-            &mut out.data,
-            &x.data,
+            out.data_mut(),
+            x.data(),
             &c,
             &v,
             &o,
@@ -577,8 +547,8 @@ impl CudaBackend {
             self.gpu,
             "gather_rows",
             grid_for(n),
-            &mut out.data,
-            &x.data,
+            out.data_mut(),
+            x.data(),
             &idx,
             &count,
             &c
@@ -657,7 +627,7 @@ impl Backend for CudaBackend {
                 self.gpu,
                 "embedding_f32",
                 cfg,
-                &mut out.data,
+                out.data_mut(),
                 t,
                 &dev_ids,
                 &r,
@@ -668,7 +638,7 @@ impl Backend for CudaBackend {
                 self.gpu,
                 "embedding_bf16",
                 cfg,
-                &mut out.data,
+                out.data_mut(),
                 t,
                 &dev_ids,
                 &r,
@@ -709,14 +679,15 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (n64, c) = (i64_of(n), i64_of(cols));
-        launch!(self.gpu, "bias_add", grid_for(n), &mut x.data, b, &n64, &c)
+        launch!(self.gpu, "bias_add", grid_for(n), x.data_mut(), b, &n64, &c)
     }
 
     fn binary(&self, x: &mut CudaAct, y: &CudaAct, op: BinaryOp) -> BackendResult<()> {
-        if x.shape != y.shape {
+        if x.shape() != y.shape() {
             return Err(shape_err(format!(
                 "{:?} and {:?} elementwise",
-                x.shape, y.shape
+                x.shape(),
+                y.shape()
             )));
         }
         let n = x.elements();
@@ -725,8 +696,8 @@ impl Backend for CudaBackend {
         }
         let n64 = i64_of(n);
         match op {
-            BinaryOp::Add => launch!(self.gpu, "add", grid_for(n), &mut x.data, &y.data, &n64),
-            BinaryOp::Mul => launch!(self.gpu, "mul", grid_for(n), &mut x.data, &y.data, &n64),
+            BinaryOp::Add => launch!(self.gpu, "add", grid_for(n), x.data_mut(), y.data(), &n64),
+            BinaryOp::Mul => launch!(self.gpu, "mul", grid_for(n), x.data_mut(), y.data(), &n64),
         }
     }
 
@@ -739,7 +710,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult<CudaAct> {
         let scales = w.f32("RMSNorm")?;
         let group = shape_rules::rms_norm_group(x.rows_cols().1, group, scales.len())?;
-        let mut out = self.output(x.shape.clone())?;
+        let mut out = self.output(x.shape().to_vec())?;
         let groups = x.elements() / group;
         if groups == 0 {
             return Ok(out);
@@ -750,8 +721,8 @@ impl Backend for CudaBackend {
             self.gpu,
             "rms_norm",
             blocks_of(groups, threads)?,
-            &mut out.data,
-            &x.data,
+            out.data_mut(),
+            x.data(),
             scales,
             &g,
             &eps
@@ -769,7 +740,7 @@ impl Backend for CudaBackend {
         let (scales, shifts) = (w.f32("LayerNorm")?, b.f32("LayerNorm")?);
         let (rows, cols) = x.rows_cols();
         shape_rules::layer_norm(cols, scales.len(), shifts.len())?;
-        let mut out = self.output(x.shape.clone())?;
+        let mut out = self.output(x.shape().to_vec())?;
         if rows == 0 || cols == 0 {
             return Ok(out);
         }
@@ -778,8 +749,8 @@ impl Backend for CudaBackend {
             self.gpu,
             "layer_norm",
             blocks_of(rows, 256)?,
-            &mut out.data,
-            &x.data,
+            out.data_mut(),
+            x.data(),
             scales,
             shifts,
             &c,
@@ -795,10 +766,10 @@ impl Backend for CudaBackend {
         }
         let (cfg, n64) = (grid_for(n), i64_of(n));
         match kind {
-            ActivationKind::Silu => launch!(self.gpu, "silu", cfg, &mut x.data, &n64),
-            ActivationKind::GeluTanh => launch!(self.gpu, "gelu_tanh", cfg, &mut x.data, &n64),
-            ActivationKind::Gelu => launch!(self.gpu, "gelu_erf", cfg, &mut x.data, &n64),
-            ActivationKind::Relu => launch!(self.gpu, "relu", cfg, &mut x.data, &n64),
+            ActivationKind::Silu => launch!(self.gpu, "silu", cfg, x.data_mut(), &n64),
+            ActivationKind::GeluTanh => launch!(self.gpu, "gelu_tanh", cfg, x.data_mut(), &n64),
+            ActivationKind::Gelu => launch!(self.gpu, "gelu_erf", cfg, x.data_mut(), &n64),
+            ActivationKind::Relu => launch!(self.gpu, "relu", cfg, x.data_mut(), &n64),
         }
     }
 
@@ -834,7 +805,7 @@ impl Backend for CudaBackend {
             self.gpu,
             "rope",
             cfg,
-            &mut x.data,
+            x.data_mut(),
             &t.cos,
             &t.sin,
             &c,
@@ -880,7 +851,7 @@ impl Backend for CudaBackend {
                 "attention heads of {d}; the GPU kernel takes at most 256"
             )));
         }
-        let mut out = self.zeros(q.shape.clone())?;
+        let mut out = self.zeros(q.shape().to_vec())?;
         for s in segments {
             let cache = caches
                 .get_mut(s.seq)
@@ -908,11 +879,11 @@ impl Backend for CudaBackend {
             let (at, upto) = (cache.len * kcols, end * kcols);
             self.gpu
                 .stream
-                .memcpy_dtod(&k.data.slice(from..to), &mut kc.slice_mut(at..upto))
+                .memcpy_dtod(&k.data().slice(from..to), &mut kc.slice_mut(at..upto))
                 .map_err(|e| self.gpu.fail("appending keys", None, e))?;
             self.gpu
                 .stream
-                .memcpy_dtod(&v.data.slice(from..to), &mut vc.slice_mut(at..upto))
+                .memcpy_dtod(&v.data().slice(from..to), &mut vc.slice_mut(at..upto))
                 .map_err(|e| self.gpu.fail("appending values", None, e))?;
             let heads = Heads {
                 q: q_heads,
@@ -943,7 +914,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult<CudaAct> {
         let (rows, n) = x.rows_cols();
         let out_cols = shape_rules::unfuse(n, block, offset, len)?;
-        let mut shape = x.shape.clone();
+        let mut shape = x.shape().to_vec();
         if let Some(last) = shape.last_mut() {
             *last = out_cols;
         }
@@ -963,8 +934,8 @@ impl Backend for CudaBackend {
             self.gpu,
             "block_columns",
             grid_for(total),
-            &mut out.data,
-            &x.data,
+            out.data_mut(),
+            x.data(),
             &r,
             &c,
             &b,
@@ -992,8 +963,8 @@ impl Backend for CudaBackend {
             self.gpu,
             "rows_to_rank_major",
             grid_for(rows * n),
-            &mut out.data,
-            &x.data,
+            out.data_mut(),
+            x.data(),
             &r,
             &p,
             &w
@@ -1013,8 +984,8 @@ impl Backend for CudaBackend {
             self.gpu,
             "rank_major_to_rows",
             grid_for(rows * keep),
-            &mut out.data,
-            &x.data,
+            out.data_mut(),
+            x.data(),
             &r,
             &w,
             &kp
@@ -1028,7 +999,7 @@ impl Backend for CudaBackend {
             return Err(shape_err("argmax of rows with no columns".into()));
         }
         let pairs = self.pairs(x, cols, 0, false)?;
-        let host = self.download(&pairs.data, rows * 2)?;
+        let host = self.download(pairs.data(), rows * 2)?;
         // A row with nothing larger than its first value (all NaN) gives its first column.
         Ok(host
             .chunks_exact(2)
@@ -1052,8 +1023,8 @@ impl Backend for CudaBackend {
             self.gpu,
             "best_of_pairs",
             grid_for(rows),
-            &mut out.data,
-            &pairs.data,
+            out.data_mut(),
+            pairs.data(),
             &r,
             &p
         )?;
@@ -1095,7 +1066,7 @@ impl Backend for CudaBackend {
             "first_non_finite_row",
             grid_for(rows * cols),
             &mut first,
-            &x.data,
+            x.data(),
             &r,
             &c
         )?;
@@ -1143,12 +1114,9 @@ impl Backend for CudaBackend {
         let data = self
             .gpu
             .stream
-            .clone_dtod(&x.data)
-            .map_err(|e| self.gpu.fail("a copy", Some(x.data.len() * 4), e))?;
-        Ok(CudaAct {
-            shape: x.shape.clone(),
-            data,
-        })
+            .clone_dtod(x.data())
+            .map_err(|e| self.gpu.fail("a copy", Some(x.data().len() * 4), e))?;
+        Ok(CudaAct::new(x.shape().to_vec(), data))
     }
 
     fn release(&self, x: CudaAct) {
@@ -1168,17 +1136,14 @@ impl Backend for CudaBackend {
         } else {
             self.upload_f32(&x.data, "an activation")?
         };
-        Ok(CudaAct {
-            shape: x.shape.clone(),
-            data,
-        })
+        Ok(CudaAct::new(x.shape().to_vec(), data))
     }
 }
 
 impl CudaBackend {
     fn to_host_copy(&self, x: &CudaAct) -> BackendResult<Tensor> {
         let n = x.elements();
-        Ok(Tensor::new(x.shape.clone(), self.download(&x.data, n)?))
+        Ok(Tensor::new(x.shape().to_vec(), self.download(x.data(), n)?))
     }
 }
 

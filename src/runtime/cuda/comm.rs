@@ -5,7 +5,7 @@
 //! paths: one kernel per rank for ranks that share one GPU ([`super::one_shot`]), and NCCL
 //! for ranks on distinct GPUs ([`super::nccl`]).
 
-use super::backend::CudaAct;
+use super::act::CudaAct;
 use super::device::GpuRank;
 use super::nccl::NcclLink;
 use super::one_shot::{self, OneShotGroup};

@@ -4,6 +4,7 @@
 //! at run time, so this builds on machines without CUDA; a machine without them gets a
 //! [`CudaError`], never a panic.
 
+mod act;
 pub mod backend;
 pub mod comm;
 pub mod device;
@@ -15,4 +16,5 @@ pub mod one_shot;
 pub mod probe;
 pub mod sources;
 
+pub use act::CudaAct;
 pub use error::CudaError;

@@ -4,7 +4,7 @@
 //! once): one process makes the id with [`new_id`]; ranks in several processes would receive
 //! it over MPI ([`NcclLink::new`] takes it as bytes) — not wired yet.
 
-use super::backend::CudaAct;
+use super::act::CudaAct;
 use super::device::GpuRank;
 use super::probe::{require, Library};
 use super::CudaError;

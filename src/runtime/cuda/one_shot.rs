@@ -15,7 +15,7 @@
 //! second barrier of the previous call, by which time every rank has issued its wait on it
 //! (a wait binds to the record made before it), and likewise for `done`.
 
-use super::backend::CudaAct;
+use super::act::CudaAct;
 use super::comm::device_failure;
 use super::device::{grid_for, GpuRank};
 use crate::runtime::backend::Activation;
