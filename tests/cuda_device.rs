@@ -64,31 +64,31 @@ fn without_a_driver_device_cuda_is_a_clear_error() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
-#[test]
-fn every_fixture_on_one_gpu_matches_hf_at_every_valid_tp() {
-    if !gpu_present("every_fixture_on_one_gpu_matches_hf_at_every_valid_tp") {
-        return;
-    }
+/// Every fixture at each of `tps` that divides it, with each of `dtypes` (and its tolerance),
+/// ranks on `gpus`: HF's prefill logits within the tolerance, and its greedy tokens in f32.
+/// One report line per run.
+fn every_fixture_matches_hf(
+    tps: &[u64],
+    gpus: &[usize],
+    dtypes: &[(ComputeDtype, f64)],
+) -> Vec<String> {
     let mut report = Vec::new();
     for dir in fixtures() {
         let reference = read_reference(&dir);
         let def = load_model(&dir).unwrap();
         let ckpt = Checkpoint::open(&dir).unwrap();
-        for tp in [1u64, 2, 4, 8] {
+        for &tp in tps {
             let Ok(compiled) = compile(&def, tp) else {
                 continue;
             };
-            for (dtype, tol) in [
-                (ComputeDtype::F32, REL_TOL),
-                (ComputeDtype::Bf16, BF16_REL_TOL),
-            ] {
+            for &(dtype, tol) in dtypes {
                 let opts = RunOptions {
-                    device: Device::Cuda(vec![0]),
+                    device: Device::Cuda(gpus.to_vec()),
                     dtype,
                     max_new_tokens: reference.greedy.len(),
                     ..Default::default()
                 };
-                let what = format!("{} tp={tp} {dtype:?}", dir.display());
+                let what = format!("{} tp={tp} {dtype:?} on GPUs {gpus:?}", dir.display());
                 let out = run(&compiled.plan, &ckpt, &reference.prompt, &opts)
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
                 let err = rel_error(&out.prompt_logits.data, &reference.logits);
@@ -100,6 +100,19 @@ fn every_fixture_on_one_gpu_matches_hf_at_every_valid_tp() {
             }
         }
     }
+    report
+}
+
+#[test]
+fn every_fixture_on_one_gpu_matches_hf_at_every_valid_tp() {
+    if !gpu_present("every_fixture_on_one_gpu_matches_hf_at_every_valid_tp") {
+        return;
+    }
+    let dtypes = [
+        (ComputeDtype::F32, REL_TOL),
+        (ComputeDtype::Bf16, BF16_REL_TOL),
+    ];
+    let report = every_fixture_matches_hf(&[1, 2, 4, 8], &[0], &dtypes);
     eprintln!("{}", report.join("\n"));
 }
 
@@ -116,33 +129,7 @@ fn every_fixture_on_two_gpus_matches_hf() {
         eprintln!("SKIP every_fixture_on_two_gpus_matches_hf: {count} GPU");
         return;
     }
-    let mut report = Vec::new();
-    for dir in fixtures() {
-        let reference = read_reference(&dir);
-        let def = load_model(&dir).unwrap();
-        let ckpt = Checkpoint::open(&dir).unwrap();
-        for tp in [2u64, 4] {
-            let Ok(compiled) = compile(&def, tp) else {
-                continue;
-            };
-            let opts = RunOptions {
-                device: Device::Cuda(vec![0, 1]),
-                dtype: ComputeDtype::F32,
-                max_new_tokens: reference.greedy.len(),
-                ..Default::default()
-            };
-            let what = format!("{} tp={tp} on GPUs 0, 1", dir.display());
-            let out = run(&compiled.plan, &ckpt, &reference.prompt, &opts)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let err = rel_error(&out.prompt_logits.data, &reference.logits);
-            report.push(format!("{what}: rel err {err:.2e}"));
-            assert!(
-                err <= REL_TOL,
-                "{what}: relative error {err:.3e} > {REL_TOL}"
-            );
-            assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
-        }
-    }
+    let report = every_fixture_matches_hf(&[2, 4], &[0, 1], &[(ComputeDtype::F32, REL_TOL)]);
     eprintln!("{}", report.join("\n"));
 }
 
