@@ -20,7 +20,9 @@
 #include <string.h>
 #include <ucontext.h>
 
+#include <functional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -232,6 +234,23 @@ int launch(void (*kernel)(A...), Dims grid, Dims block, void** args, int reverse
     return 0;
 }
 
+// `kernel` with its arguments' values copied now (as cuLaunchKernel copies them), to launch
+// later: what the fake driver queues on a stream.
+template <class... A, size_t... I>
+std::function<int()> bind_args(void (*kernel)(A...), Dims grid, Dims block, void** args,
+                               std::index_sequence<I...>) {
+    auto values = std::make_tuple(*static_cast<std::remove_cv_t<A>*>(args[I])...);
+    return [kernel, grid, block, values]() mutable {
+        void* pointers[sizeof...(A) + 1] = {static_cast<void*>(&std::get<I>(values))...};
+        return launch(kernel, grid, block, pointers, 0);
+    };
+}
+
+template <class... A>
+std::function<int()> bind(void (*kernel)(A...), Dims grid, Dims block, void** args) {
+    return bind_args(kernel, grid, block, args, std::index_sequence_for<A...>{});
+}
+
 // A warp shuffle: every lane of the warp posts its value, waits for the others, reads its
 // source lane's, and waits again so no slot is overwritten before every lane has read it.
 template <class T>
@@ -261,6 +280,10 @@ extern "C" const char* emu_last_error() { return emu::last_error.c_str(); }
     extern "C" int emu_launch_##name(emu::Dims grid, emu::Dims block, void** args,      \
                                      int reverse) {                                     \
         return emu::launch(name, grid, block, args, reverse);                           \
+    }                                                                                   \
+    inline std::function<int()> emu_bind_##name(emu::Dims grid, emu::Dims block,        \
+                                                void** args) {                          \
+        return emu::bind(name, grid, block, args);                                      \
     }
 
 inline void __syncthreads() { emu::wait_at(emu::State::AtBlockBarrier); }

@@ -1,7 +1,9 @@
 // A stand-in libcublas for machines without a GPU (see fake_driver.hpp): the handle calls
 // cudarc makes and cublasGemmEx for what tpc asks of it (f32 or bf16 operands, f32 output,
 // f32 compute), over host memory, column-major as cuBLAS defines it:
-// C = alpha * op(A) * op(B) + beta * C, op(A) m x k, op(B) k x n, C m x n.
+// C = alpha * op(A) * op(B) + beta * C, op(A) m x k, op(B) k x n, C m x n. A product is
+// queued on the handle's stream in the fake libcuda, as cuBLAS enqueues its kernels.
+#include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -14,14 +16,22 @@ constexpr int OP_N = 0, OP_T = 1;
 constexpr int R_32F = 0, R_16BF = 14;
 constexpr int COMPUTE_32F = 68;
 
-static int handle_tag;
+struct Handle {
+    void* stream;
+};
 
-FAKE_API cublasStatus_t cublasCreate_v2(void** handle) {
-    *handle = &handle_tag;
+FAKE_API cublasStatus_t cublasCreate_v2(Handle** handle) {
+    *handle = new Handle{nullptr};
     return SUCCESS;
 }
-FAKE_API cublasStatus_t cublasDestroy_v2(void*) { return SUCCESS; }
-FAKE_API cublasStatus_t cublasSetStream_v2(void*, void*) { return SUCCESS; }
+FAKE_API cublasStatus_t cublasDestroy_v2(Handle* handle) {
+    delete handle;
+    return SUCCESS;
+}
+FAKE_API cublasStatus_t cublasSetStream_v2(Handle* handle, void* stream) {
+    handle->stream = stream;
+    return SUCCESS;
+}
 FAKE_API cublasStatus_t cublasSetMathMode(void*, int) { return SUCCESS; }
 FAKE_API cublasStatus_t cublasSetWorkspace_v2(void*, void*, size_t) { return SUCCESS; }
 
@@ -37,10 +47,53 @@ static float element(const void* p, int type, int64_t row, int64_t col, int64_t 
     return f;
 }
 
-FAKE_API cublasStatus_t cublasGemmEx(void*, int transa, int transb, int m, int n, int k,
-                                     const void* alpha, const void* a, int atype, int lda,
-                                     const void* b, int btype, int ldb, const void* beta,
-                                     void* c, int ctype, int ldc, int compute, int) {
+struct Product {
+    int transa, transb, m, n, k;
+    float alpha, beta;
+    const void* a;
+    int atype, lda;
+    const void* b;
+    int btype, ldb;
+    float* c;
+    int ldc;
+};
+
+static void multiply(void* context) {
+    const Product* p = static_cast<const Product*>(context);
+    for (int64_t j = 0; j < p->n; ++j) {
+        for (int64_t i = 0; i < p->m; ++i) {
+            float sum = 0.0f;
+            for (int64_t l = 0; l < p->k; ++l) {
+                const float x = p->transa == OP_N ? element(p->a, p->atype, i, l, p->lda)
+                                                  : element(p->a, p->atype, l, i, p->lda);
+                const float y = p->transb == OP_N ? element(p->b, p->btype, l, j, p->ldb)
+                                                  : element(p->b, p->btype, j, l, p->ldb);
+                sum += x * y;
+            }
+            // beta = 0 must not read C (it may hold anything, NaN included).
+            float& out = p->c[i + j * p->ldc];
+            out = p->beta == 0.0f ? p->alpha * sum : p->alpha * sum + p->beta * out;
+        }
+    }
+    delete p;
+}
+
+typedef void (*Enqueue)(void* stream, void (*run)(void*), void* context);
+
+// The fake libcuda's queue, if that is the libcuda this process loaded.
+static Enqueue driver_queue() {
+    static Enqueue found = [] {
+        void* driver = dlopen("libcuda.so", RTLD_NOW | RTLD_NOLOAD);
+        return driver ? reinterpret_cast<Enqueue>(dlsym(driver, "tpc_fake_enqueue")) : nullptr;
+    }();
+    return found;
+}
+
+FAKE_API cublasStatus_t cublasGemmEx(Handle* handle, int transa, int transb, int m, int n,
+                                     int k, const void* alpha, const void* a, int atype,
+                                     int lda, const void* b, int btype, int ldb,
+                                     const void* beta, void* c, int ctype, int ldc, int compute,
+                                     int) {
     const bool types_ok = (atype == R_32F || atype == R_16BF) && atype == btype &&
                           ctype == R_32F && compute == COMPUTE_32F;
     const bool ops_ok = (transa == OP_N || transa == OP_T) && (transb == OP_N || transb == OP_T);
@@ -50,22 +103,15 @@ FAKE_API cublasStatus_t cublasGemmEx(void*, int transa, int transb, int m, int n
     if (!types_ok || !ops_ok || !ld_ok) {
         return NOT_SUPPORTED;
     }
-    const float al = *static_cast<const float*>(alpha);
-    const float be = *static_cast<const float*>(beta);
-    float* out = static_cast<float*>(c);
-    for (int64_t j = 0; j < n; ++j) {
-        for (int64_t i = 0; i < m; ++i) {
-            float sum = 0.0f;
-            for (int64_t l = 0; l < k; ++l) {
-                const float x = transa == OP_N ? element(a, atype, i, l, lda)
-                                               : element(a, atype, l, i, lda);
-                const float y = transb == OP_N ? element(b, btype, l, j, ldb)
-                                               : element(b, btype, j, l, ldb);
-                sum += x * y;
-            }
-            // beta = 0 must not read C (it may hold anything, NaN included).
-            out[i + j * ldc] = be == 0.0f ? al * sum : al * sum + be * out[i + j * ldc];
-        }
+    // alpha and beta are host values, read now (host pointer mode); the operands when the
+    // product runs.
+    Product* p = new Product{transa, transb, m, n, k, *static_cast<const float*>(alpha),
+                             *static_cast<const float*>(beta), a, atype, lda, b, btype, ldb,
+                             static_cast<float*>(c), ldc};
+    if (Enqueue enqueue = driver_queue()) {
+        enqueue(handle->stream, multiply, p);
+    } else {
+        multiply(p);
     }
     return SUCCESS;
 }

@@ -225,7 +225,7 @@ pub fn fake_cuda_libraries() -> Result<PathBuf, String> {
     let (mut cpp, names) = kernels_source(&files)?;
     cpp.push_str("#include \"fake_driver.hpp\"\nextern const FakeKernel KERNELS[] = {\n");
     for name in &names {
-        cpp.push_str(&format!("    {{\"{name}\", emu_launch_{name}}},\n"));
+        cpp.push_str(&format!("    {{\"{name}\", emu_bind_{name}}},\n"));
     }
     cpp.push_str("};\nextern const size_t KERNEL_COUNT = sizeof KERNELS / sizeof KERNELS[0];\n");
     build(&dir, "fake_driver", &cpp, &dir.join("libcuda.so"))?;
