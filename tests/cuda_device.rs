@@ -133,6 +133,59 @@ fn every_fixture_on_two_gpus_matches_hf() {
     eprintln!("{}", report.join("\n"));
 }
 
+/// Whether the emulated-GPU tests run here: not on a real GPU run (`TPC_REQUIRE_GPU`), and
+/// only with NVRTC (required where `TPC_REQUIRE_NVRTC` is set). Prints why not.
+fn emulation_wanted(test: &str) -> bool {
+    if std::env::var_os("TPC_REQUIRE_GPU").is_some() {
+        eprintln!("SKIP {test}: this run is on a real GPU");
+        return false;
+    }
+    if let Err(e) = require(Library::Nvrtc) {
+        assert!(
+            std::env::var_os("TPC_REQUIRE_NVRTC").is_none(),
+            "TPC_REQUIRE_NVRTC is set but NVRTC cannot be loaded: {e}"
+        );
+        eprintln!("SKIP {test}: {e}");
+        return false;
+    }
+    true
+}
+
+/// `LD_LIBRARY_PATH` with the stand-in CUDA libraries (tests/emulator) first.
+fn emulated_gpu_path() -> String {
+    let fake = emulator::fake_cuda_libraries().unwrap_or_else(|e| panic!("{e}"));
+    match std::env::var("LD_LIBRARY_PATH") {
+        Ok(p) if !p.is_empty() => format!("{}:{p}", fake.display()),
+        _ => fake.display().to_string(),
+    }
+}
+
+/// A GPU too small for the model: `tpc run` exits 1 with an error that names the rank, the
+/// GPU and the bytes asked for and free (the emulated GPU, given 64 KiB).
+#[test]
+fn out_of_memory_on_a_gpu_names_the_rank_the_gpu_and_the_bytes() {
+    if !emulation_wanted("out_of_memory_on_a_gpu_names_the_rank_the_gpu_and_the_bytes") {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_tpc"))
+        .args(["run", "tests/fixtures/checkpoints/llama-gqa", "--tp", "2"])
+        .args(["--device", "cuda:0", "--prompt-ids", "1,2,3"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("LD_LIBRARY_PATH", emulated_gpu_path())
+        .env("TPC_FAKE_CUDA_BYTES", "65536")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let said =
+        err.contains("on GPU 0: ") && err.contains("asked for ") && err.contains(" bytes free");
+    assert!(said && err.contains("rank "), "{err}");
+    // Said once: the instruction's error is in its message, not again as its cause.
+    assert_eq!(err.matches("asked for").count(), 1, "{err}");
+    eprintln!("{}", err.trim());
+}
+
 /// The GPU parity test above, on the CPU: this test binary runs it again in a child process
 /// whose `libcuda` and `libcublas` are the emulator's stand-ins (tests/emulator; NVRTC is
 /// the real one and must be present). Every line of the CUDA backend runs — cudarc's calls,
@@ -143,24 +196,10 @@ fn every_fixture_on_two_gpus_matches_hf() {
 /// two-GPU test (NCCL, through the stand-in libnccl) once.
 #[test]
 fn every_fixture_matches_hf_on_the_emulated_gpu() {
-    let test = "every_fixture_matches_hf_on_the_emulated_gpu";
-    if std::env::var_os("TPC_REQUIRE_GPU").is_some() {
-        eprintln!("SKIP {test}: this run is on a real GPU");
+    if !emulation_wanted("every_fixture_matches_hf_on_the_emulated_gpu") {
         return;
     }
-    if let Err(e) = require(Library::Nvrtc) {
-        assert!(
-            std::env::var_os("TPC_REQUIRE_NVRTC").is_none(),
-            "TPC_REQUIRE_NVRTC is set but NVRTC cannot be loaded: {e}"
-        );
-        eprintln!("SKIP {test}: {e}");
-        return;
-    }
-    let fake = emulator::fake_cuda_libraries().unwrap_or_else(|e| panic!("{e}"));
-    let path = match std::env::var("LD_LIBRARY_PATH") {
-        Ok(p) if !p.is_empty() => format!("{}:{p}", fake.display()),
-        _ => fake.display().to_string(),
-    };
+    let path = emulated_gpu_path();
     // The backend's own choice of attention kernel (the one-pass one, for these short
     // prompts), then each other kernel forced; three children at once.
     let one_gpu = "every_fixture_on_one_gpu_matches_hf_at_every_valid_tp";

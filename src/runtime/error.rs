@@ -59,10 +59,11 @@ pub enum RunError {
     #[error("rank {rank} failed: {message}")]
     RankPanicked { rank: usize, message: String },
 
-    #[error("instruction `{name}`: {source}")]
+    // `error` is in the message and deliberately not a `source` (no second copy in chains).
+    #[error("instruction `{name}`: {error}")]
     Backend {
         name: String,
-        source: super::backend::BackendError,
+        error: super::backend::BackendError,
     },
 
     #[error("{0}")]

@@ -135,17 +135,17 @@ fn weight_of<'w, W>(weights: &'w HashMap<u32, W>, i: &Instr, slot: usize) -> Res
 }
 
 fn on(i: &Instr) -> impl Fn(BackendError) -> RunError + '_ {
-    move |source| RunError::Backend {
+    move |error| RunError::Backend {
         name: i.name.to_string(),
-        source,
+        error,
     }
 }
 
 /// A backend failure on the program's output.
-fn at_output(source: BackendError) -> RunError {
+fn at_output(error: BackendError) -> RunError {
     RunError::Backend {
         name: "output".into(),
-        source,
+        error,
     }
 }
 

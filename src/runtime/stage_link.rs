@@ -168,9 +168,9 @@ impl<C> StageLink<C> {
         };
         let mut x = backend
             .alloc(&[rows, cols], dtype)
-            .map_err(|source| RunError::Backend {
+            .map_err(|error| RunError::Backend {
                 name: "pipeline receive".into(),
-                source,
+                error,
             })?;
         if let Err(e) = self.comm.recv(&mut x, from) {
             backend.release(x);
@@ -209,9 +209,9 @@ impl<C> StageLink<C> {
     {
         let x = backend
             .upload_host(&Tensor::new(vec![data.len()], data.to_vec()))
-            .map_err(|source| RunError::Backend {
+            .map_err(|error| RunError::Backend {
                 name: "pipeline message".into(),
-                source,
+                error,
             })?;
         let sent = self.comm.send(&x, to);
         backend.release(x);
@@ -224,17 +224,17 @@ impl<C> StageLink<C> {
     {
         let mut x = backend
             .alloc(&[n], DType::F32)
-            .map_err(|source| RunError::Backend {
+            .map_err(|error| RunError::Backend {
                 name: "pipeline message".into(),
-                source,
+                error,
             })?;
         if let Err(e) = self.comm.recv(&mut x, from) {
             backend.release(x);
             return Err(e.into());
         }
-        let host = backend.to_host(x).map_err(|source| RunError::Backend {
+        let host = backend.to_host(x).map_err(|error| RunError::Backend {
             name: "pipeline message".into(),
-            source,
+            error,
         })?;
         Ok(host.data)
     }

@@ -54,8 +54,12 @@ constexpr CUresult INVALID_DEVICE = 101;
 constexpr CUresult NOT_FOUND = 500;
 constexpr CUresult LAUNCH_FAILED = 719;
 
-// Memory the fake GPU offers: enough for the fixtures, small enough to catch a runaway.
-constexpr size_t TOTAL_BYTES = size_t(4) << 30;
+// Memory the fake GPU offers: enough for the fixtures, small enough to catch a runaway;
+// TPC_FAKE_CUDA_BYTES sets another amount (to see tpc run out of it).
+inline const size_t TOTAL_BYTES = [] {
+    const char* bytes = getenv("TPC_FAKE_CUDA_BYTES");
+    return bytes ? size_t(strtoull(bytes, nullptr, 10)) : size_t(4) << 30;
+}();
 
 // Recursive: queued work that frees memory runs with the lock already held.
 inline std::recursive_mutex lock;

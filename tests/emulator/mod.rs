@@ -213,6 +213,12 @@ fn compile(file: &str) -> Result<KernelFile, String> {
 /// and `libnccl.so` (`fake_nccl.cpp`) into a fresh folder, and returns it: put first on `LD_LIBRARY_PATH` of a process, it is that
 /// process's GPU.
 pub fn fake_cuda_libraries() -> Result<PathBuf, String> {
+    // Once per test process: its tests share the folder.
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BUILT.get_or_init(build_fake_cuda_libraries).clone()
+}
+
+fn build_fake_cuda_libraries() -> Result<PathBuf, String> {
     let dir = scratch().join(format!("fake-cuda-{}", std::process::id()));
     let mut files: Vec<String> = std::fs::read_dir(repo().join("kernels"))
         .map_err(|e| e.to_string())?
