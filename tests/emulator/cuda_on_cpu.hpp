@@ -20,6 +20,7 @@
 #include <string.h>
 #include <ucontext.h>
 
+#include <bit>
 #include <functional>
 #include <string>
 #include <tuple>
@@ -338,26 +339,10 @@ T atomicOr(T* p, T v) {
     return old;
 }
 
-inline float __int_as_float(int i) {
-    float f;
-    memcpy(&f, &i, 4);
-    return f;
-}
-inline float __uint_as_float(unsigned u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-inline unsigned __float_as_uint(float f) {
-    unsigned u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-inline int __float_as_int(float f) {
-    int i;
-    memcpy(&i, &f, 4);
-    return i;
-}
+inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
+inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
+inline unsigned __float_as_uint(float f) { return std::bit_cast<unsigned>(f); }
+inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
