@@ -3,9 +3,10 @@
 // f32 compute), over host memory, column-major as cuBLAS defines it:
 // C = alpha * op(A) * op(B) + beta * C, op(A) m x k, op(B) k x n, C m x n. A product is
 // queued on the handle's stream in the fake libcuda, as cuBLAS enqueues its kernels.
-#include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "fake_hooks.hpp"
 
 #define FAKE_API extern "C" __attribute__((visibility("default")))
 
@@ -82,10 +83,7 @@ typedef void (*Enqueue)(void* stream, void (*run)(void*), void* context);
 
 // The fake libcuda's queue, if that is the libcuda this process loaded.
 static Enqueue driver_queue() {
-    static Enqueue found = [] {
-        void* driver = dlopen("libcuda.so", RTLD_NOW | RTLD_NOLOAD);
-        return driver ? reinterpret_cast<Enqueue>(dlsym(driver, "tpc_fake_enqueue")) : nullptr;
-    }();
+    static Enqueue found = fake_driver_hook<Enqueue>("tpc_fake_enqueue");
     return found;
 }
 

@@ -103,15 +103,11 @@ inline void run_every_stream() {
     }
 }
 
-inline void enqueue(CUstream s, std::function<void()> op) {
+inline void enqueue_locked(CUstream s, std::function<void()> op) {
+    std::lock_guard<std::recursive_mutex> g(lock);
     Stream* q = stream_of(s);
     q->pending.push_back(std::move(op));
     q->enqueued += 1;
-}
-
-inline void enqueue_locked(CUstream s, std::function<void()> op) {
-    std::lock_guard<std::recursive_mutex> g(lock);
-    enqueue(s, std::move(op));
 }
 
 // What a call that waited for work returns: a queued kernel's failure, once.

@@ -3,7 +3,6 @@
 // in-place f32 sum all-reduce tpc uses, added in rank order so every rank gets the same
 // bits. Device pointers are host pointers, as in the fake driver; a rank's stream is run
 // (its queue in the fake libcuda) before its buffer is read, and the sum written at once.
-#include <dlfcn.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -12,6 +11,8 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "fake_hooks.hpp"
 
 #define FAKE_API extern "C" __attribute__((visibility("default")))
 
@@ -99,11 +100,7 @@ typedef void (*RunStream)(void* stream);
 
 // The fake libcuda's stream runner, if that is the libcuda this process loaded.
 static RunStream driver_run_stream() {
-    static RunStream found = [] {
-        void* driver = dlopen("libcuda.so", RTLD_NOW | RTLD_NOLOAD);
-        return driver ? reinterpret_cast<RunStream>(dlsym(driver, "tpc_fake_run_stream"))
-                      : nullptr;
-    }();
+    static RunStream found = fake_driver_hook<RunStream>("tpc_fake_run_stream");
     return found;
 }
 

@@ -401,17 +401,19 @@ impl CudaBackend {
         start: usize,
         h: Heads,
     ) -> BackendResult<()> {
-        let block = (ATTENTION_THREADS, 1, 1);
         let (row0, start64) = (i64_of(row0), i64_of(start));
         let (qh, kh, hd) = (i64_of(h.q), i64_of(h.kv), i64_of(h.dim));
         let heads_y = grid_dim_y(h.q)?;
+        // Every attention kernel: blocks of ATTENTION_THREADS over (x, heads, z).
+        let grid = |x: u32, z: u32| LaunchConfig {
+            grid_dim: (x, heads_y, z),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let rows = grid_dim(new)?;
         match AttentionWay::chosen(new, start + new)? {
             AttentionWay::OnePass => {
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_dim(new)?, heads_y, 1),
-                    block_dim: block,
-                    shared_mem_bytes: 0,
-                };
+                let cfg = grid(rows, 1);
                 launch!(
                     self.gpu,
                     "attention",
@@ -429,12 +431,8 @@ impl CudaBackend {
                 )
             }
             AttentionWay::Tiled => {
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_dim(new.div_ceil(TILE_ROWS))?, heads_y, 1),
-                    block_dim: block,
-                    shared_mem_bytes: 0,
-                };
-                let rows = i64_of(new);
+                let cfg = grid(grid_dim(new.div_ceil(TILE_ROWS))?, 1);
+                let rows64 = i64_of(new);
                 launch!(
                     self.gpu,
                     "attention_tiled",
@@ -444,7 +442,7 @@ impl CudaBackend {
                     kc,
                     vc,
                     &row0,
-                    &rows,
+                    &rows64,
                     &start64,
                     &qh,
                     &kh,
@@ -458,11 +456,7 @@ impl CudaBackend {
                 let mut part_max = self.output(vec![slots])?;
                 let mut part_sum = self.output(vec![slots])?;
                 let mut part_values = self.output(vec![slots, h.dim])?;
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_dim(new)?, heads_y, chunks as u32),
-                    block_dim: block,
-                    shared_mem_bytes: 0,
-                };
+                let cfg = grid(rows, chunks as u32);
                 let (chunk64, chunks64) = (i64_of(chunk), i64_of(chunks));
                 launch!(
                     self.gpu,
@@ -482,11 +476,7 @@ impl CudaBackend {
                     &h.scale,
                     &chunk64
                 )?;
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_dim(new)?, heads_y, 1),
-                    block_dim: block,
-                    shared_mem_bytes: 0,
-                };
+                let cfg = grid(rows, 1);
                 launch!(
                     self.gpu,
                     "attention_merge",
