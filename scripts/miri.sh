@@ -30,15 +30,15 @@ start=$SECONDS
 
 echo "== Miri 1/2 (Stacked Borrows): team, attention, gemm_f32's checks"
 MIRIFLAGS="$extra" cargo +nightly miri test --lib -- \
-    runtime::team::tests:: \
-    runtime::attention::tests:: \
-    runtime::cpu::tests::gemm_refuses \
-    runtime::cpu::tests::gemm_over_an_empty_sum
+    runtime::cpu::team::tests:: \
+    runtime::cpu::attention::tests:: \
+    runtime::cpu::backend::tests::gemm_refuses \
+    runtime::cpu::backend::tests::gemm_over_an_empty_sum
 
 echo "== Miri 2/2 (Tree Borrows, rayon's threads may outlive main): packed products, CPU backend"
 MIRIFLAGS="-Zmiri-tree-borrows -Zmiri-ignore-leaks -Zmiri-permissive-provenance $extra" \
     cargo +nightly miri test --lib -- \
-    runtime::packed::tests:: \
-    runtime::cpu::tests::
+    runtime::cpu::packed::tests:: \
+    runtime::cpu::backend::tests::
 
 echo "miri.sh: no undefined behaviour found ($((SECONDS - start)) s)"

@@ -9,8 +9,8 @@ use common::{fixtures, read_reference, rel_error, BF16_REL_TOL, REL_TOL};
 
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
+use tpc::runtime::cpu::isa::Isa;
 use tpc::runtime::generate::RunOptions;
-use tpc::runtime::kernels::Isa;
 use tpc::runtime::launch::run;
 use tpc::runtime::weights::Checkpoint;
 
@@ -18,7 +18,7 @@ use tpc::runtime::weights::Checkpoint;
 /// property of those. (`avx512bf16` and `amx` round a bf16 product's activations to bf16, as
 /// torch's bf16 does, and are held to the bf16 tolerance.)
 fn exact_isa() -> Isa {
-    tpc::runtime::kernels::Kernels::exact().isa()
+    tpc::runtime::cpu::isa::Kernels::exact().isa()
 }
 
 /// Every variant this host runs; the others are printed as not run, never counted.

@@ -25,7 +25,7 @@ const HF_REL_TOL: f64 = 1e-4;
 
 fn exact() -> RunOptions {
     RunOptions {
-        isa: Some(tpc::runtime::kernels::Kernels::exact().isa()),
+        isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
         ..Default::default()
     }
 }

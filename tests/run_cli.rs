@@ -244,7 +244,7 @@ fn run_json_reports_load_time_and_bytes() {
 
 #[test]
 fn isa_forces_a_kernel_variant_or_says_why_it_cannot() {
-    use tpc::runtime::kernels::Isa;
+    use tpc::runtime::cpu::isa::Isa;
     for isa in Isa::ALL {
         let o = tpc(&[
             "run",

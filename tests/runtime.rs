@@ -48,7 +48,7 @@ fn tp_n_reproduces_tp_1_on_every_tiny_preset() {
             let r = verify(&def, tp, None, 7, 9).unwrap();
             assert!(r.passed, "{model} tp={tp}: {r:?}");
             // Both sides ran kernels that keep activations f32 (see `Kernels::exact`).
-            let isa: tpc::runtime::kernels::Isa = r.isa.parse().unwrap();
+            let isa: tpc::runtime::cpu::isa::Isa = r.isa.parse().unwrap();
             assert!(!isa.bf16_activations(), "{model}: {isa}");
             assert!(r.rel_error < 1e-5, "{model} tp={tp}: {}", r.rel_error);
         }

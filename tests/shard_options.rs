@@ -51,7 +51,7 @@ fn matches_hf_with(options: ShardOptions, check: impl Fn(&Plan, &Plan, &str)) {
             check(&plain.plan, &plan, &ctx);
             let opts = RunOptions {
                 max_new_tokens: greedy.len(),
-                isa: Some(tpc::runtime::kernels::Kernels::exact().isa()),
+                isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
                 ..Default::default()
             };
             let out = run(&plan, &ckpt, &prompt, &opts).unwrap();

@@ -7,9 +7,9 @@ use std::time::Duration;
 use tpc::cost::calibrate::best;
 use tpc::ir::WeightOrder;
 use tpc::runtime::cpu::gemm_f32;
-use tpc::runtime::kernels::{peak_flops, Isa, Kernels};
-use tpc::runtime::packed::PackedMatrix;
-use tpc::runtime::team::Team;
+use tpc::runtime::cpu::isa::{peak_flops, Isa, Kernels};
+use tpc::runtime::cpu::packed::PackedMatrix;
+use tpc::runtime::cpu::team::Team;
 use tpc::runtime::tensor::Tensor;
 
 #[derive(Debug, clap::Args)]
@@ -157,7 +157,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             // computes: GFLOP/s against the peak of the variant that ran.
             let cell = |t: Duration, bytes: usize, ran: Isa| {
                 let s = t.as_secs_f64();
-                if m <= tpc::runtime::packed::GEMV_MAX_ROWS {
+                if m <= tpc::runtime::cpu::packed::GEMV_MAX_ROWS {
                     let gbs = bytes as f64 / s;
                     format!(
                         "{:>7.1} µs {:>5.1} GB/s {:>3.0}% bw {:<6}",
@@ -185,7 +185,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 let t_f32 = best(a.seconds, || {
                     std::hint::black_box(f32w.matmul_with(kern, &x, &team));
                 });
-                let (ran_bf16, ran_f32) = if m <= tpc::runtime::packed::GEMV_MAX_ROWS {
+                let (ran_bf16, ran_f32) = if m <= tpc::runtime::cpu::packed::GEMV_MAX_ROWS {
                     (kern.gemv_variant(true), kern.gemv_variant(false))
                 } else {
                     (kern.gemm_variant(true), kern.gemm_variant(false))

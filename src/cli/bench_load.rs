@@ -9,9 +9,9 @@ use tpc::frontend::load::load_model;
 use tpc::ir::{Op, WeightOrder};
 use tpc::pipeline::compile;
 use tpc::plan::{Plan, WeightSlice};
+use tpc::runtime::cpu::packed::PackedMatrix;
 use tpc::runtime::executor::weight_uses;
 use tpc::runtime::memory::{peak_resident_bytes, resident_bytes};
-use tpc::runtime::packed::PackedMatrix;
 use tpc::runtime::weights::{load_slice, Checkpoint, StoredTensor, WeightSource};
 
 #[derive(Debug, clap::Args)]

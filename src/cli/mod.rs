@@ -108,16 +108,16 @@ pub struct ExecArgs {
     /// Linear kernels to use: portable, avx2, avx512, avx512bf16 or amx (default: the best this
     /// CPU runs whose start-up self-check passes); one the CPU lacks is an error.
     #[arg(long, value_parser = parse_isa)]
-    pub isa: Option<tpc::runtime::kernels::Isa>,
+    pub isa: Option<tpc::runtime::cpu::isa::Isa>,
 }
 
 pub fn parse_device(s: &str) -> Result<tpc::runtime::generate::Device, String> {
     s.parse()
 }
 
-pub fn parse_isa(s: &str) -> Result<tpc::runtime::kernels::Isa, String> {
+pub fn parse_isa(s: &str) -> Result<tpc::runtime::cpu::isa::Isa, String> {
     s.parse()
-        .map_err(|e: tpc::runtime::kernels::KernelError| e.to_string())
+        .map_err(|e: tpc::runtime::cpu::isa::KernelError| e.to_string())
 }
 
 /// `--json`'s description of the linear kernels a run used.

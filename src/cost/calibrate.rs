@@ -22,9 +22,9 @@
 use super::profile::{AlphaBeta, HwProfile, LinkCosts, SharedHost};
 use crate::ir::WeightOrder;
 use crate::runtime::comm::bench::{bench_all_reduce, BenchKind, BenchRow};
-use crate::runtime::kernels::{Isa, KernelError, Kernels};
-use crate::runtime::packed::PackedMatrix;
-use crate::runtime::team::Team;
+use crate::runtime::cpu::isa::{Isa, KernelError, Kernels};
+use crate::runtime::cpu::packed::PackedMatrix;
+use crate::runtime::cpu::team::Team;
 use crate::runtime::tensor::Tensor;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -427,7 +427,7 @@ fn gemv_sweep(kern: Kernels, team: &Team, s: &Settings) -> Result<(f64, usize), 
 /// Read bandwidth (bytes/s) of `threads` threads summing disjoint parts of a buffer of
 /// `mib` MiB (vectorised, like the C sum in `scripts/bench_vs_torch.sh`), in the faster of
 /// two read orders: one sequential stream per thread, and the decode GEMVs' order (64 KiB
-/// blocks, each read as `STREAMS` parts at once; see `runtime/kernels/streams.rs`), which
+/// blocks, each read as `STREAMS` parts at once; see `runtime/cpu/isa/streams.rs`), which
 /// reads faster where one stream leaves the memory system idle. `tpc bench-gemm` reports it
 /// too.
 pub fn read_loop_bandwidth(threads: usize, mib: usize, budget: f64) -> f64 {
@@ -450,8 +450,8 @@ pub fn read_loop_bandwidth(threads: usize, mib: usize, budget: f64) -> f64 {
     (values.len() * 4) as f64 / t.as_secs_f64()
 }
 
-crate::runtime::simd::widest_simd_fn!(fn sum_one_stream(x: &[f32], total: &mut f32) => one_stream);
-crate::runtime::simd::widest_simd_fn!(fn sum_in_parts(x: &[f32], total: &mut f32) => in_parts);
+crate::runtime::cpu::simd::widest_simd_fn!(fn sum_one_stream(x: &[f32], total: &mut f32) => one_stream);
+crate::runtime::cpu::simd::widest_simd_fn!(fn sum_in_parts(x: &[f32], total: &mut f32) => in_parts);
 
 #[inline(always)]
 fn one_stream(x: &[f32], total: &mut f32) {
@@ -466,7 +466,7 @@ fn one_stream(x: &[f32], total: &mut f32) {
 
 #[inline(always)]
 fn in_parts(x: &[f32], total: &mut f32) {
-    use crate::runtime::kernels::streams::STREAMS;
+    use crate::runtime::cpu::isa::streams::STREAMS;
     const BLOCK: usize = (64 << 10) / 4;
     const LEN: usize = BLOCK / STREAMS;
     let mut acc = [[0f32; 16]; 4];
@@ -478,7 +478,7 @@ fn in_parts(x: &[f32], total: &mut f32) {
             for s in 0..STREAMS {
                 let line = &block[s * LEN + i..][..16];
                 #[cfg(target_arch = "x86_64")]
-                crate::runtime::kernels::streams::prefetch_pair(line.as_ptr() as *const u8, 0, 64);
+                crate::runtime::cpu::isa::streams::prefetch_pair(line.as_ptr() as *const u8, 0, 64);
                 for l in 0..16 {
                     acc[s % 4][l] += line[l];
                 }
@@ -509,7 +509,7 @@ fn attention_rate(team: &Team, s: &Settings, d: usize) -> Result<f64, CalibrateE
         .collect();
     let scale = 1.0 / (d as f32).sqrt();
     let time = median(s.seconds, || {
-        std::hint::black_box(crate::runtime::attention::causal_attention(
+        std::hint::black_box(crate::runtime::cpu::attention::causal_attention(
             team, &q, &kv, &kv, d, kv_heads, scale,
         ));
     });

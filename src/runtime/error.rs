@@ -12,7 +12,7 @@ pub enum RunError {
     Plan(#[from] crate::plan::PlanError),
 
     #[error(transparent)]
-    Kernel(#[from] crate::runtime::kernels::KernelError),
+    Kernel(#[from] crate::runtime::cpu::isa::KernelError),
 
     /// GPUs (feature `cuda`): a missing library or device, a kernel that did not compile.
     #[cfg(feature = "cuda")]

@@ -6,9 +6,9 @@
 
 use super::backend::Backend;
 use super::collectives::{AllReduceTally, Collectives};
+use super::cpu::isa::{Isa, LinearKernels};
 use super::error::{Result, RunError};
 use super::executor::{Candidates, OpTime, OutputRows, RankExecutor};
-use super::kernels::{Isa, LinearKernels};
 use super::sampling::{pick, pick_from_candidates, Rng, Sampling};
 use super::stage_link::{Control, StageLink};
 use super::tensor::Tensor;

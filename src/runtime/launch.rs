@@ -3,17 +3,17 @@
 //! choice (CPU backend, in-process communicator) that `tpc run`, `bench` and `verify` use.
 //! A process launcher (MPI) and GPU backends are further choices of the same seam.
 
-use super::affinity;
 use super::backend::Backend;
 use super::collectives::Collectives;
 use super::comm::{local_group, CommError, LocalComm, MAX_LOCAL_RANKS};
+use super::cpu::affinity;
+use super::cpu::isa::Kernels;
 use super::cpu::CpuBackend;
 use super::error::{Result, RunError};
 use super::generate::{
     check_requests, rank_runtime, stage_runtime, BatchOutput, Device, Request, RunOptions,
     SequenceOutput,
 };
-use super::kernels::Kernels;
 use super::rank_groups::rank_groups;
 use super::weights::WeightSource;
 use crate::plan::stages::{stage_program, StageProgram};

@@ -1,14 +1,13 @@
-//! Runtime: executes per-rank plans on a backend (CPU today) with real collectives, ranks
-//! started by a launcher (threads today). Plans are its only input; it never re-derives
-//! sharding.
+//! Runtime: executes per-rank plans with real collectives. Plans are its only input; it never
+//! re-derives sharding.
+//!
+//! The root holds the device-neutral core: the [`backend::Backend`] contract, the
+//! [`executor`] that runs a rank's program over it, [`generate`] (prefill, decode steps,
+//! sampling), the collectives and communicators ([`collectives`], [`comm`]), weights, and the
+//! launchers that place ranks (threads: [`launch`]; MPI processes: `processes`, feature
+//! `mpi`; data-parallel replicas: [`replicas`]). Each device is a folder: [`cpu`] (always
+//! built) and `cuda` (feature `cuda`; its kernel sources are the top-level `kernels/`).
 
-pub mod affinity;
-pub mod aligned;
-pub mod attention;
-#[cfg(target_arch = "x86_64")]
-pub mod attention_amx;
-#[cfg(target_arch = "x86_64")]
-pub mod attention_decode;
 pub mod backend;
 pub mod collectives;
 pub mod comm;
@@ -17,12 +16,9 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod executor;
-pub mod fastmath;
 pub mod generate;
-pub mod kernels;
 pub mod launch;
 pub mod memory;
-pub mod packed;
 #[cfg(feature = "mpi")]
 pub mod processes;
 pub mod random;
@@ -31,9 +27,7 @@ pub mod replicas;
 pub mod rope;
 pub mod sampling;
 pub mod shape_rules;
-pub mod simd;
 pub mod stage_link;
-pub mod team;
 pub mod tensor;
 pub mod verify;
 pub mod weights;

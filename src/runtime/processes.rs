@@ -11,12 +11,12 @@
 //! process, as it does when a process is killed.
 
 use super::comm::MpiComm;
+use super::cpu::isa::Kernels;
 use super::error::{Result, RunError};
 use super::generate::{
     check_requests, rank_runtime, stage_runtime, total_tokens, BatchOutput, Device, Request,
     RunOptions, SequenceOutput,
 };
-use super::kernels::Kernels;
 use super::launch::cpu_backend;
 use super::rank_groups::{rank_groups, RankGroups};
 use super::replicas::placement;

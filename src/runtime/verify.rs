@@ -85,7 +85,7 @@ pub fn verify_plan_on(
     let opts = RunOptions {
         device: device.clone(),
         max_new_tokens: 4,
-        isa: Some(crate::runtime::kernels::Kernels::exact().isa()),
+        isa: Some(crate::runtime::cpu::isa::Kernels::exact().isa()),
         ..Default::default()
     };
     // tp=1 first: a request the model cannot run (its window, its positions) is refused by

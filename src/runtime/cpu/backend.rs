@@ -2,23 +2,23 @@
 //! rank's team, norms and activations as f32 loops (f64 where accumulated error would
 //! matter), and the `gemm` crate for a linear weight that was not packed.
 
-use super::backend::{
+use super::fastmath;
+use super::isa::Kernels;
+use super::packed::PackedMatrix;
+use super::simd::{widest_simd_fn, with_avx2};
+use super::team::Team;
+use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp};
+use crate::plan::WeightSlice;
+use crate::runtime::backend::{
     reduce_then_rms_norm, Activation, Backend, BackendError, BackendResult, BinaryOp, HostBuffer,
     HostData, HostDataRef, ReduceNormError, Segment, WeightUse,
 };
-use super::collectives::Collectives;
-use super::fastmath;
-use super::kernels::Kernels;
-use super::packed::PackedMatrix;
-use super::rope::{self, RopeTables};
-use super::sampling::candidate_order;
-use super::shape_rules;
-use super::simd::{widest_simd_fn, with_avx2};
-use super::team::Team;
-use super::tensor::{pool, Tensor};
-use super::weights::{load_slice, load_slice_bf16, WeightSource};
-use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp};
-use crate::plan::WeightSlice;
+use crate::runtime::collectives::Collectives;
+use crate::runtime::rope::{self, RopeTables};
+use crate::runtime::sampling::candidate_order;
+use crate::runtime::shape_rules;
+use crate::runtime::tensor::{pool, Tensor};
+use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
 
 /// Elementwise work at least this long (elements) is split over the team: a prompt's
 /// activations are, a decode step's are not (waking a helper would cost more than it saves).
@@ -192,12 +192,12 @@ impl CpuBackend {
     ) -> Tensor {
         #[cfg(target_arch = "x86_64")]
         if self.bf16_linears
-            && self.kernels.gemm_variant(true) == super::kernels::Isa::Amx
+            && self.kernels.gemm_variant(true) == super::isa::Isa::Amx
             && q.rows_cols().0 > super::attention::DIRECT_MAX_ROWS
         {
             // SAFETY: `Kernels` holds `Isa::Amx` only where the host supports it.
             return unsafe {
-                super::attention_amx::causal_attention_amx(&self.team, q, k, v, d, kv_heads, scale)
+                super::attention::amx::causal_attention_amx(&self.team, q, k, v, d, kv_heads, scale)
             };
         }
         super::attention::causal_attention(&self.team, q, k, v, d, kv_heads, scale)
@@ -706,7 +706,10 @@ impl Backend for CpuBackend {
         if cols == 0 {
             return Err(shape_err("argmax of rows with no columns".into()));
         }
-        Ok(x.data.chunks(cols).map(super::sampling::argmax).collect())
+        Ok(x.data
+            .chunks(cols)
+            .map(crate::runtime::sampling::argmax)
+            .collect())
     }
 
     fn argmax_pairs(&self, x: &Tensor, valid: usize, offset: usize) -> BackendResult<Tensor> {
@@ -721,7 +724,7 @@ impl Backend for CpuBackend {
             } else if valid == 0 {
                 (f32::NEG_INFINITY, -1.0)
             } else {
-                let i = super::sampling::argmax(&row[..valid]);
+                let i = crate::runtime::sampling::argmax(&row[..valid]);
                 // Exact: vocabularies are at most 2^24 (the model validation's limit).
                 (row[i], (offset + i) as f32)
             };
@@ -1369,7 +1372,7 @@ mod tests {
         ignore = "safe code, and too slow under Miri; top_k_pairs_mark_missing_entries_and_non_finite_rows covers the ops there"
     )]
     fn vocab_parallel_top_k_matches_the_whole_row_and_samples_the_same_tokens() {
-        use super::super::sampling::{pick, pick_from_candidates, Rng, Sampling};
+        use crate::runtime::sampling::{pick, pick_from_candidates, Rng, Sampling};
         let cpu = CpuBackend::new(1);
         let vocab = 23;
         for seed in 0..60u64 {

@@ -8,7 +8,7 @@
 //! row-major matrix whose length is a multiple of 4 KiB would share L1 sets and evict each
 //! other (measured: 15–18 % of the tile peak with row-major A).
 //!
-//! Every tile must start on a cache line (`runtime::aligned`): on the Xeon this was tuned
+//! Every tile must start on a cache line (`runtime::cpu::aligned`): on the Xeon this was tuned
 //! on, a tile load whose rows straddle lines took ~48 cycles against ~7, which alone held
 //! the product to a third of the peak.
 
@@ -153,7 +153,7 @@ impl AmxTiles {
     }
 }
 
-/// One-tile products for attention (`runtime::attention_amx`): a C tile summed over
+/// One-tile products for attention (`runtime::cpu::attention::amx`): a C tile summed over
 /// `steps` pairs of 1 KiB A and B tiles, then stored.
 impl AmxTiles {
     /// `c[16][16] = Σ_s a_s · b_s` for `s < steps`, A tiles `a_next` values apart, B tiles

@@ -13,7 +13,7 @@
 //! summed. The block kernels are per width (`avx512.rs`: 16 keys; `avx2.rs`: 8).
 //!
 //! Measured on the 2-core Xeon, TinyLlama's 32 query / 4 kv heads of 64, 512 cached keys,
-//! two threads, against the per-(row, head) loop of [`super::attention`] (compiled for
+//! two threads, against the per-(row, head) loop of [`super::super::direct`] (compiled for
 //! AVX-512): per call with every call's cache in DRAM (1000 distinct caches) 181–199 µs →
 //! 93–97 (AVX2 width) and 74–80 µs (AVX-512), where plainly summing the same 1 MiB takes
 //! 55–59 µs; with the cache in L2 100–109 → 54–55 and 34–36 µs. In the model, attention per
@@ -21,9 +21,9 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::attention::{exp_sum, max_of, Layout};
-use super::team::{SyncPtr, Team};
-use super::tensor::{pool, Tensor};
+use super::{exp_sum, max_of, Layout};
+use crate::runtime::cpu::team::{SyncPtr, Team};
+use crate::runtime::tensor::{pool, Tensor};
 use std::arch::x86_64::*;
 
 mod avx2;
@@ -55,7 +55,7 @@ impl Width {
     /// Whether this host runs this width for heads of `d` values (a whole number of
     /// vectors).
     pub(crate) fn runs_here(self, d: usize) -> bool {
-        let host = super::kernels::host();
+        let host = crate::runtime::cpu::isa::host();
         match self {
             Width::Avx2 => host.avx2_fma && d.is_multiple_of(8),
             Width::Avx512 => host.avx512f && d.is_multiple_of(16),
@@ -94,7 +94,7 @@ trait BlockKernels {
 }
 
 /// `q [t, hq·d]` over `k, v [n, hk·d]` (of `layout`, checked by [`Layout::of`]), as
-/// [`super::attention::causal_attention`], for a few query rows at `width`, which must run
+/// [`super::causal_attention`], for a few query rows at `width`, which must run
 /// here for `d`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn causal_attention_decode(
@@ -320,8 +320,8 @@ unsafe fn prefetch_rows(base: *const f32, ld: usize, from: usize, to: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention::tests::{operands, reference};
     use super::*;
+    use crate::runtime::cpu::attention::reference::{operands, reference};
 
     /// Every width the host runs, against the f64 reference, on decode shapes: partial key
     /// blocks, more than 8 query heads per kv head (two value passes), a group of one, four

@@ -105,7 +105,7 @@ mod x86 {
     /// AMX-BF16 with the tile state granted.
     pub unsafe fn amx() -> f64 {
         use std::arch::asm;
-        let tiles = crate::runtime::kernels::AmxTiles::configure();
+        let tiles = crate::runtime::cpu::isa::AmxTiles::configure();
         asm!(
             "tilezero tmm4",
             "tilezero tmm5",

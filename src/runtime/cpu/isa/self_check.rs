@@ -5,8 +5,8 @@
 
 use super::{round_bf16, widen, Kernels};
 use crate::ir::WeightOrder;
-use crate::runtime::packed::PackedMatrix;
-use crate::runtime::team::Team;
+use crate::runtime::cpu::packed::PackedMatrix;
+use crate::runtime::cpu::team::Team;
 use crate::runtime::tensor::Tensor;
 use std::cmp::Ordering::{Equal, Less};
 
@@ -86,7 +86,7 @@ fn compare(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::kernels::Isa;
+    use crate::runtime::cpu::isa::Isa;
 
     #[test]
     fn every_host_variant_passes_and_a_wrong_product_fails() {

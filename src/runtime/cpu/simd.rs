@@ -39,7 +39,7 @@ macro_rules! widest_simd_fn {
                 unsafe fn narrow($($arg: $ty),*) {
                     $body($($arg),*)
                 }
-                let host = $crate::runtime::kernels::host();
+                let host = $crate::runtime::cpu::isa::host();
                 if host.avx512f {
                     // SAFETY: AVX-512F (and with it AVX2 and FMA) was detected.
                     return unsafe { wide($($arg),*) };

@@ -17,13 +17,13 @@
 //! depth slices into partial sums kept in L2 (`amx`, see `Bf16Product::gemm_amx`).
 
 use super::aligned::{AlignedVec, Plain};
-use super::error::{Result, RunError};
-use super::kernels::{widen, Isa, Kernels, PanelValue, BF16_K_ALIGN, MR, NR};
+use super::isa::{widen, Isa, Kernels, PanelValue, BF16_K_ALIGN, MR, NR};
 use super::team::{SyncPtr, Team};
-use super::tensor::Tensor;
-use super::weights::{Piece, SliceLayout, StoredTensor, WeightSource};
 use crate::ir::WeightOrder;
 use crate::plan::WeightSlice;
+use crate::runtime::error::{Result, RunError};
+use crate::runtime::tensor::Tensor;
+use crate::runtime::weights::{Piece, SliceLayout, StoredTensor, WeightSource};
 use rayon::prelude::*;
 
 /// Reduction steps per block: a widened weight block (`KC·NR` f32 = 16 KiB) stays in L1.
@@ -112,7 +112,7 @@ impl PackedMatrix {
     }
 
     /// Packs one rank's slice `w` of a linear weight straight from `src`, as
-    /// [`PackedMatrix::pack`] of [`load_slice`](super::weights::load_slice) would, bit for
+    /// [`PackedMatrix::pack`] of [`load_slice`](crate::runtime::weights::load_slice) would, bit for
     /// bit, but without the f32 copy: each panel reads its 16 output columns (16 stored rows
     /// for `OutIn`, a 16-wide window of every row for `InOut`) into at most a `16 × k`
     /// scratch, from the stored bytes when the source has them (bf16 is copied). The
@@ -201,7 +201,7 @@ impl PackedMatrix {
             return Tensor::zeros(shape);
         }
         let len = m * self.n;
-        let mut data = super::tensor::pool::empty(len);
+        let mut data = crate::runtime::tensor::pool::empty(len);
         // Not zeroed first (a prompt's outputs are tens of MB per product): every path below
         // writes every output value and none reads one before writing it.
         let dst = SyncPtr::uninit(&mut data.spare_capacity_mut()[..len]);
@@ -597,7 +597,7 @@ impl Bf16Product<'_> {
     /// The sums go to the output when the group's depth is done.
     #[cfg(target_arch = "x86_64")]
     fn gemm_amx(&self, rows: std::ops::Range<usize>, panels: std::ops::Range<usize>) {
-        use super::kernels::{AmxTiles, AMX_TILE};
+        use super::isa::{AmxTiles, AMX_TILE};
         let kblocks = self.lda / BF16_K_ALIGN;
         let slice = AMX_SLICE / BF16_K_ALIGN;
         let blocks = rows.len().div_ceil(32);
@@ -879,7 +879,7 @@ fn pack_rows(x: &[f32], m: usize, k: usize, group: usize, out: &mut AlignedVec<f
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::kernels::self_check::{operands, reference};
+    use crate::runtime::cpu::isa::self_check::{operands, reference};
 
     /// Every variant this host runs; the others are printed, not counted.
     fn host_variants() -> Vec<Kernels> {

@@ -20,7 +20,7 @@ pub const PREFETCH_BYTES: usize = 512;
 /// (AVX2 GEMV of 3 rows: 50x slower). The constant part loop also lets `s` index registers.
 macro_rules! for_each_pair {
     ($pairs:expr, $base:expr, $pair_bytes:expr, |$j:ident, $s:ident| $body:block) => {{
-        use $crate::runtime::kernels::streams::{prefetch_pair, STREAMS};
+        use $crate::runtime::cpu::isa::streams::{prefetch_pair, STREAMS};
         let (pairs, base, pair_bytes): (usize, *const u8, usize) = ($pairs, $base, $pair_bytes);
         let part = pairs / STREAMS;
         for i in 0..part {

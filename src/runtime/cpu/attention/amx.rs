@@ -9,22 +9,22 @@
 //! algorithm, 16 lanes wide), the probabilities are rounded into A tiles, and the output
 //! tiles are summed over the visible key blocks, then divided by each row's sum.
 
-use super::aligned::AlignedVec;
-use super::attention::Layout;
-use super::kernels::{round_bf16, AmxTiles, AMX_TILE};
-use super::team::{SyncPtr, Team};
-use super::tensor::Tensor;
+use super::Layout;
+use crate::runtime::cpu::aligned::AlignedVec;
+use crate::runtime::cpu::isa::{round_bf16, AmxTiles, AMX_TILE};
+use crate::runtime::cpu::team::{SyncPtr, Team};
+use crate::runtime::tensor::Tensor;
 
 /// Query rows, keys per score tile, output columns per tile.
 const T: usize = 16;
 /// Head dims per A tile of queries, keys per A tile of probabilities.
 const K: usize = 32;
 
-/// `q [t, hq·d]` over `k, v [n, hk·d]` as [`super::attention::causal_attention`], on AMX.
+/// `q [t, hq·d]` over `k, v [n, hk·d]` as [`super::causal_attention`], on AMX.
 ///
 /// # Safety
 /// The host has AMX-BF16 and the process was granted the tile state
-/// ([`super::kernels::Isa::Amx`] is supported).
+/// ([`crate::runtime::cpu::isa::Isa::Amx`] is supported).
 pub unsafe fn causal_attention_amx(
     team: &Team,
     q: &Tensor,
@@ -346,8 +346,8 @@ unsafe fn item(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::attention::tests::{operands, reference};
-    use crate::runtime::kernels::{widen, Isa, Kernels};
+    use crate::runtime::cpu::attention::reference::{operands, reference};
+    use crate::runtime::cpu::isa::{widen, Isa, Kernels};
 
     #[test]
     fn matches_an_f64_reference_of_the_rounded_operands() {
