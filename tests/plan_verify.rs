@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use tpc::plan::error::{Place, Problem};
+use tpc::error::plan::{Place, Problem};
 use tpc::plan::Plan;
 use tpc::TpcError;
 

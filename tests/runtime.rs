@@ -16,11 +16,11 @@ use tpc::runtime::comm::{local_group, Collective, CommError, LocalComm};
 use tpc::runtime::cpu::CpuBackend;
 use tpc::runtime::error::RunError;
 use tpc::runtime::generate::Request;
-use tpc::runtime::generate::RunOptions;
+use tpc::runtime::generate::{Device, RunOptions};
 use tpc::runtime::launch::{launch_threads, run};
 use tpc::runtime::random::RandomWeights;
 use tpc::runtime::tensor::Tensor;
-use tpc::runtime::verify::verify;
+use tpc::runtime::verify::{verify_plans, VerifyReport};
 use tpc::runtime::weights::Checkpoint;
 
 fn scratch(name: &str) -> PathBuf {
@@ -45,7 +45,7 @@ fn tp_n_reproduces_tp_1_on_every_tiny_preset() {
             if compile(&def, tp).is_err() {
                 continue;
             }
-            let r = verify(&def, tp, None, 7, 9).unwrap();
+            let r = verify(&def, tp, 7, 9);
             assert!(r.passed, "{model} tp={tp}: {r:?}");
             // Both sides ran kernels that keep activations f32 (see `Kernels::exact`).
             let isa: tpc::runtime::cpu::isa::Isa = r.isa.parse().unwrap();
@@ -67,7 +67,7 @@ fn real_presets_cut_to_few_layers_verify() {
         if let ModelDef::Preset(p) = &mut def {
             p.num_hidden_layers = layers;
         }
-        let r = verify(&def, tp, None, 1, 5).unwrap();
+        let r = verify(&def, tp, 1, 5);
         assert!(r.passed, "{model} tp={tp}: {r:?}");
     }
 }
@@ -455,4 +455,11 @@ fn a_pipeline_stage_failing_mid_run_stops_every_stage_with_its_error() {
         Err(RunError::Comm(CommError::Aborted { rank: 1, .. })) => {}
         other => panic!("expected rank 1's own error, got {other:?}"),
     }
+}
+
+/// tp=1 against tp=`tp` of `def` on the CPU, seeded random weights (as `tpc verify`).
+fn verify(def: &ModelDef, tp: u64, seed: u64, prompt_len: usize) -> VerifyReport {
+    let one = compile(def, 1).unwrap().plan;
+    let many = compile(def, tp).unwrap().plan;
+    verify_plans(&one, &many, None, seed, prompt_len, &Device::Cpu).unwrap()
 }

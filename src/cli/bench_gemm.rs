@@ -4,8 +4,8 @@
 //! its multiply-add instruction) for prompt rows, the read bandwidth for decode rows.
 
 use std::time::Duration;
-use tpc::cost::calibrate::best;
 use tpc::ir::WeightOrder;
+use tpc::runtime::calibrate::best;
 use tpc::runtime::cpu::gemm_f32;
 use tpc::runtime::cpu::isa::{peak_flops, Isa, Kernels};
 use tpc::runtime::cpu::packed::PackedMatrix;
@@ -44,7 +44,7 @@ fn parse_shape(s: &str) -> anyhow::Result<(usize, usize)> {
 
 /// The CPU's model name and the flags of the instruction sets the kernels use.
 fn host_line() -> String {
-    let host = tpc::cost::calibrate::host_info(0);
+    let host = tpc::runtime::calibrate::host_info(0);
     format!("host: {}; flags: {}", host.model, host.flags.join(" "))
 }
 
@@ -114,7 +114,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let bw = tpc::cost::calibrate::read_loop_bandwidth(threads, 256, a.seconds);
+    let bw = tpc::runtime::calibrate::read_loop_bandwidth(threads, 256, a.seconds);
     super::outln!(
         "read bandwidth, {} thread(s): {:.1} GB/s; {} thread(s) per product, best of {:.1} s each",
         threads,

@@ -1,9 +1,9 @@
 //! `tpc calibrate -o host.ron [--quick] [--model MODEL]`: measures this host with the
-//! runtime's own kernels and communicator (`tpc::cost::calibrate`) and writes a hardware
+//! runtime's own kernels and communicator (`tpc::runtime::calibrate`) and writes a hardware
 //! profile for `tpc simulate --hw`.
 
 use std::path::PathBuf;
-use tpc::cost::calibrate::{measure, Settings, MAX_SHAPE_ELEMENTS};
+use tpc::runtime::calibrate::{measure, Settings, MAX_SHAPE_ELEMENTS};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -76,7 +76,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         anyhow::ensure!(
             !shapes.is_empty(),
             "{}",
-            tpc::cost::calibrate::CalibrateError::NoShapes {
+            tpc::runtime::calibrate::CalibrateError::NoShapes {
                 max: MAX_SHAPE_ELEMENTS
             }
         );

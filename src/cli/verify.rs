@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::frontend::ModelDef;
-use tpc::runtime::verify::verify_plan_on;
+use tpc::runtime::verify::verify_plans;
 use tpc::runtime::weights::{Checkpoint, WeightSource};
 
 #[derive(Debug, clap::Args)]
@@ -67,8 +67,9 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         1 => many.tp.to_string(),
         pp => format!("{} pp={pp}", many.tp),
     };
-    let report = verify_plan_on(
-        &def,
+    let one = tpc::pipeline::compile(&def, 1)?.plan;
+    let report = verify_plans(
+        &one,
         &many,
         ckpt.as_ref().map(|c| c as &dyn WeightSource),
         a.seed,

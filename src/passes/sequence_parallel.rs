@@ -345,7 +345,16 @@ mod tests {
             .filter(|n| matches!(n.op, Op::LocalSlice(ref l) if l.dim == 1))
             .count();
         assert_eq!(slices, 1);
-        let report = crate::runtime::verify::verify_plan(&def, &compiled.plan, None, 3, 9).unwrap();
+        let one = crate::pipeline::compile(&def, 1).unwrap().plan;
+        let report = crate::runtime::verify::verify_plans(
+            &one,
+            &compiled.plan,
+            None,
+            3,
+            9,
+            &crate::runtime::generate::Device::Cpu,
+        )
+        .unwrap();
         assert!(report.rel_error <= report.tolerance, "{report:?}");
         assert!(
             report.passed && report.tokens_tp1 == report.tokens_tpn,

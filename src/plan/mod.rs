@@ -1,18 +1,18 @@
 //! The plan: a versioned artifact with one program per rank, the weight-slice manifest and
 //! every collective. The runtime consumes only plans.
 
+pub mod balance;
 pub mod dot;
-pub mod error;
 pub mod partition;
 pub mod report;
 pub mod stages;
 pub mod text;
 pub mod verify;
 
+pub use crate::error::{PlanError, PlanProblem};
 use crate::error::{Result, TpcError};
 use crate::frontend::load::{parse_json, parse_ron, read_text, ron_options};
 use crate::ir::{DType, Layout, Name, Op, SliceRange, TensorFact};
-pub use error::PlanError;
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 use std::path::Path;

@@ -9,10 +9,10 @@
 //! compute exactly what it computes, op for op.
 
 use super::{Instr, Plan, RankProgram};
+pub use crate::error::StageError;
 use crate::ir::{Name, Op, TensorFact};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
-use thiserror::Error;
 
 /// The most pipeline stages a plan may have.
 pub const MAX_PP: u64 = 256;
@@ -29,42 +29,6 @@ pub struct Pipeline {
 pub struct StageSpan {
     pub first_layer: u32,
     pub layers: u32,
-}
-
-#[derive(Debug, Error, PartialEq, Eq)]
-pub enum StageError {
-    #[error("--pp {pp}: {model} has {layers} decoder layer(s), so it splits into {valid} pipeline stage(s); choose one of those")]
-    Count {
-        model: String,
-        pp: u64,
-        layers: u64,
-        valid: String,
-    },
-    #[error("--pp-layers {given}: {problem}; give one positive count per stage, summing to the model's {layers} layer(s)")]
-    Layers {
-        given: String,
-        layers: u64,
-        problem: String,
-    },
-    #[error("pipeline stage {stage}: `{name}` (%{id}) reads %{input} which stage {defined} computes later; the model's program does not split at these layer boundaries")]
-    Backward {
-        stage: usize,
-        name: String,
-        id: u32,
-        input: u32,
-        defined: usize,
-    },
-    #[error(
-        "pipeline stage {stage} of tp rank {rank}: the plan has {stages} stage(s) of {tp} rank(s)"
-    )]
-    NoSuchStage {
-        stage: usize,
-        rank: usize,
-        stages: usize,
-        tp: u64,
-    },
-    #[error("the plan's pipeline {problem}; recompile it with `tpc compile --pp`")]
-    Spans { problem: String },
 }
 
 /// A value that crosses a stage boundary: computed on an earlier stage, read on a later.
@@ -192,8 +156,7 @@ pub fn split(plan: &Plan, pp: u64, explicit: Option<&[u64]>) -> Result<Pipeline,
         Some(c) => c.to_vec(),
         None => {
             let costs = program.map(|p| layer_costs(p, layers as usize));
-            let starts =
-                crate::cost::simulate::balanced_split(&costs.unwrap_or_default(), pp as usize);
+            let starts = super::balance::balanced_split(&costs.unwrap_or_default(), pp as usize);
             let mut ends: Vec<u64> = starts.iter().skip(1).map(|&s| s as u64).collect();
             ends.push(layers);
             let mut prev = 0;

@@ -5,8 +5,8 @@
 //! tensor, the same collectives in the same order). Every problem is collected; nothing
 //! here trusts a size or an id from the plan to allocate or index.
 
-use super::error::{Issued, Place, PlanError, PlanProblem, Problem, WeightKey, MAX_LISTED};
 use super::{Instr, Plan, RankProgram, WeightSlice, PLAN_VERSION};
+use crate::error::plan::{Issued, Place, PlanError, PlanProblem, Problem, WeightKey, MAX_LISTED};
 use crate::ir::shape::infer;
 use crate::ir::{
     AllGatherOp, Dim, LocalSliceOp, Op, ReduceScatterOp, Shape, SliceRange, TensorFact,

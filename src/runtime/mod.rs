@@ -9,6 +9,7 @@
 //! built) and `cuda` (feature `cuda`; its kernel sources are the top-level `kernels/`).
 
 pub mod backend;
+pub mod calibrate;
 pub mod collectives;
 pub mod comm;
 pub mod cpu;

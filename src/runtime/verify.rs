@@ -6,8 +6,6 @@ use super::launch::run;
 use super::random::RandomWeights;
 use super::sampling::Rng;
 use super::weights::WeightSource;
-use crate::frontend::ModelDef;
-use crate::pipeline::compile;
 use crate::plan::Plan;
 use serde::Serialize;
 
@@ -31,34 +29,11 @@ pub struct VerifyReport {
     pub passed: bool,
 }
 
-/// Compares tp=1 and tp=`tp` on a seeded prompt of `prompt_len` tokens, with the given
-/// weights or seeded random ones.
-pub fn verify(
-    def: &ModelDef,
-    tp: u64,
-    weights: Option<&dyn WeightSource>,
-    seed: u64,
-    prompt_len: usize,
-) -> Result<VerifyReport> {
-    let many = compile(def, tp)?.plan;
-    verify_plan(def, &many, weights, seed, prompt_len)
-}
-
-/// As [`verify`] with a given plan (a saved one) as the tp=N side; tp=1 is compiled from
-/// `def`.
-pub fn verify_plan(
-    def: &ModelDef,
-    many: &Plan,
-    weights: Option<&dyn WeightSource>,
-    seed: u64,
-    prompt_len: usize,
-) -> Result<VerifyReport> {
-    verify_plan_on(def, many, weights, seed, prompt_len, &Device::Cpu)
-}
-
-/// [`verify_plan`] with both sides on `device` (`tpc verify --device`).
-pub fn verify_plan_on(
-    def: &ModelDef,
+/// Compares the tp=1 plan `one` with `many` (any tp, stages or not) on a seeded prompt of
+/// `prompt_len` tokens, both on `device`, with the given weights or seeded random ones. The
+/// caller compiles (or loads) both plans: the runtime takes plans only.
+pub fn verify_plans(
+    one: &Plan,
     many: &Plan,
     weights: Option<&dyn WeightSource>,
     seed: u64,
@@ -66,16 +41,15 @@ pub fn verify_plan_on(
     device: &Device,
 ) -> Result<VerifyReport> {
     let tp = many.tp;
-    let one = compile(def, 1)?.plan;
     let random;
     let weights: &dyn WeightSource = match weights {
         Some(w) => w,
         None => {
-            random = RandomWeights::new(&one, seed);
+            random = RandomWeights::new(one, seed);
             &random
         }
     };
-    let vocab = plan_vocab(&one)?;
+    let vocab = plan_vocab(one)?;
     let mut rng = Rng::new(seed ^ 0x5EED);
     let prompt: Vec<i64> = (0..prompt_len.max(1))
         .map(|_| (rng.next_f64() * vocab as f64) as i64)
@@ -90,7 +64,7 @@ pub fn verify_plan_on(
     };
     // tp=1 first: a request the model cannot run (its window, its positions) is refused by
     // the plan compiled from the model before anything is loaded.
-    let b = run(&one, weights, &prompt, &opts)?;
+    let b = run(one, weights, &prompt, &opts)?;
     let a = run(many, weights, &prompt, &opts)?;
     let (x, y) = (&a.prompt_logits.data, &b.prompt_logits.data);
     let max_b = y.iter().fold(0f64, |m, v| m.max(v.abs() as f64));

@@ -1,8 +1,8 @@
 //! Every check of `Plan::verify`, each on a real compiled plan corrupted in one way.
 
 use super::*;
+use crate::error::PlanProblem;
 use crate::ir::{AddOp, AllGatherOp, DType, Groups, SliceRange};
-use crate::plan::error::PlanProblem;
 use std::path::Path;
 
 fn models_dir() -> std::path::PathBuf {

@@ -1,4 +1,4 @@
-//! What [`Plan::verify`](super::Plan::verify) reports: every problem of a plan, each at
+//! What [`Plan::verify`](crate::plan::Plan::verify) reports: every problem of a plan, each at
 //! its place (rank, instruction, weight entry or listed collective), saying what is wrong
 //! and what would be right.
 

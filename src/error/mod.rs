@@ -1,5 +1,14 @@
-//! The compiler's errors (frontend, passes, plan files). Each message names the place and
-//! says what would be right. The runtime has its own type, `runtime::error::RunError`.
+//! The compiler's errors, one type per layer: [`TpcError`] (frontend, passes, files),
+//! [`PlanError`] (a plan that does not hold together), [`StageError`] (pipeline stages).
+//! They sit below every layer that returns them, so the layers form a one-way chain. Each
+//! message names the place and says what would be right. The runtime has its own type,
+//! `runtime::error::RunError`.
+
+pub mod plan;
+pub mod stage;
+
+pub use plan::{PlanError, PlanProblem};
+pub use stage::StageError;
 
 use crate::ir::verify::Problem;
 use std::path::PathBuf;
@@ -53,7 +62,7 @@ pub enum TpcError {
     },
 
     #[error(transparent)]
-    Stages(#[from] crate::plan::stages::StageError),
+    Stages(#[from] StageError),
 
     #[error("pass `{pass}` did not settle within {limit} rounds; this is a bug in tpc, please report it with the model file.")]
     NoFixpoint { pass: &'static str, limit: usize },
@@ -90,7 +99,7 @@ pub enum TpcError {
     },
 
     #[error(transparent)]
-    Plan(#[from] crate::plan::PlanError),
+    Plan(#[from] PlanError),
 
     #[error("cannot serialize the plan: {0}")]
     Serialize(String),

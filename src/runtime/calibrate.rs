@@ -19,7 +19,7 @@
 //! of repeated calls, what a whole prefill or decode sustains; the per-op cost is taken from
 //! best times (the floor the executor reaches).
 
-use super::profile::{AlphaBeta, HwProfile, LinkCosts, SharedHost};
+use crate::cost::profile::{AlphaBeta, HwProfile, LinkCosts, SharedHost};
 use crate::ir::WeightOrder;
 use crate::runtime::comm::bench::{bench_all_reduce, BenchKind, BenchRow};
 use crate::runtime::cpu::isa::{Isa, KernelError, Kernels};
