@@ -278,11 +278,12 @@ fn edited_checkpoint(
 
 fn run_error(dir: &Path) -> String {
     let plan = compile(&load_model(dir).unwrap(), 2).unwrap().plan;
-    let err = match Checkpoint::open(dir) {
-        Err(e) => e,
-        Ok(ckpt) => run(&plan, &ckpt, &[1, 2], &RunOptions::default()).unwrap_err(),
-    };
-    err.to_string()
+    match Checkpoint::open(dir) {
+        Err(e) => e.to_string(),
+        Ok(ckpt) => run(&plan, &ckpt, &[1, 2], &RunOptions::default())
+            .unwrap_err()
+            .to_string(),
+    }
 }
 
 #[test]

@@ -50,7 +50,7 @@ enum Method {
 struct KeepMapped<'a>(&'a Checkpoint);
 
 impl WeightSource for KeepMapped<'_> {
-    fn check(&self, plan: &Plan) -> tpc::runtime::error::Result<()> {
+    fn check(&self, plan: &Plan) -> tpc::runtime::weights::WeightResult<()> {
         self.0.check(plan)
     }
     fn read(
@@ -59,10 +59,13 @@ impl WeightSource for KeepMapped<'_> {
         from: usize,
         count: usize,
         out: &mut Vec<f32>,
-    ) -> tpc::runtime::error::Result<()> {
+    ) -> tpc::runtime::weights::WeightResult<()> {
         self.0.read(tensor, from, count, out)
     }
-    fn stored(&self, tensor: &str) -> tpc::runtime::error::Result<Option<StoredTensor<'_>>> {
+    fn stored(
+        &self,
+        tensor: &str,
+    ) -> tpc::runtime::weights::WeightResult<Option<StoredTensor<'_>>> {
         self.0.stored(tensor)
     }
 }

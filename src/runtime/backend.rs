@@ -1,8 +1,9 @@
 //! The device seam: everything a rank computes goes through a [`Backend`], which owns the
 //! memory (activation buffers, weights in its own layout and dtype, KV caches). The executor
 //! (`executor.rs`) only schedules: order, liveness, in-place reuse. The CPU backend
-//! (`cpu.rs`) is one implementation; a GPU backend is another, with the same executor.
+//! (`cpu/`) is one implementation; the CUDA backend (`cuda/`) another, with the same executor.
 
+pub use super::activation::{Activation, HostBuffer, HostData, HostDataRef};
 use super::collectives::{CollectiveError, Collectives};
 use super::weights::WeightSource;
 use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp, WeightOrder};
@@ -22,7 +23,7 @@ pub enum BackendError {
     #[error("device: {0}")]
     Device(String),
     #[error(transparent)]
-    Weights(Box<super::error::RunError>),
+    Weights(super::weights::WeightError),
 }
 
 pub type BackendResult<T> = std::result::Result<T, BackendError>;
@@ -54,22 +55,6 @@ pub fn reduce_then_rms_norm<B: Backend + ?Sized>(
 pub enum ReduceNormError {
     Collective(CollectiveError),
     Norm(BackendError),
-}
-
-/// A backend's activation buffer: a dense row-major tensor on the device.
-pub trait Activation: Send {
-    fn shape(&self) -> &[usize];
-    fn dtype(&self) -> DType;
-    /// Rows and columns when seen as a matrix over the last dim.
-    fn rows_cols(&self) -> (usize, usize) {
-        let shape = self.shape();
-        let cols = shape.last().copied().unwrap_or(1);
-        let elements: usize = shape.iter().product();
-        (elements.checked_div(cols).unwrap_or(0), cols)
-    }
-    fn elements(&self) -> usize {
-        self.shape().iter().product()
-    }
 }
 
 /// How the program reads a weight, so the backend can store it in the layout that use wants.
@@ -262,22 +247,4 @@ pub trait Backend: Send + Sync {
     fn to_host(&self, x: Self::Act) -> BackendResult<super::tensor::Tensor>;
     /// An f32 activation holding `x` (a small control message between pipeline stages).
     fn upload_host(&self, x: &super::tensor::Tensor) -> BackendResult<Self::Act>;
-}
-
-/// A host buffer's elements, in its dtype.
-pub enum HostData<'a> {
-    F32(&'a mut [f32]),
-    Bf16(&'a mut [half::bf16]),
-}
-
-/// A host buffer's elements, read only.
-pub enum HostDataRef<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [half::bf16]),
-}
-
-/// Buffers that live in host memory, so any host communicator can move them.
-pub trait HostBuffer {
-    fn host_data(&mut self) -> HostData<'_>;
-    fn host_data_ref(&self) -> HostDataRef<'_>;
 }

@@ -450,8 +450,8 @@ pub fn read_loop_bandwidth(threads: usize, mib: usize, budget: f64) -> f64 {
     (values.len() * 4) as f64 / t.as_secs_f64()
 }
 
-crate::runtime::cpu::simd::widest_simd_fn!(fn sum_one_stream(x: &[f32], total: &mut f32) => one_stream);
-crate::runtime::cpu::simd::widest_simd_fn!(fn sum_in_parts(x: &[f32], total: &mut f32) => in_parts);
+crate::runtime::simd::widest_simd_fn!(fn sum_one_stream(x: &[f32], total: &mut f32) => one_stream);
+crate::runtime::simd::widest_simd_fn!(fn sum_in_parts(x: &[f32], total: &mut f32) => in_parts);
 
 #[inline(always)]
 fn one_stream(x: &[f32], total: &mut f32) {

@@ -3,7 +3,7 @@
 //! communicator ([`Communicator`]: threads today, MPI next) serves every backend whose
 //! buffers live in host memory through the blanket implementation below.
 
-use super::backend::{Activation, HostBuffer, HostData, HostDataRef};
+use super::activation::{Activation, HostBuffer, HostData, HostDataRef};
 use super::comm::{CommError, Communicator};
 use crate::ir::CollectiveAlgorithm;
 use thiserror::Error;

@@ -1,8 +1,6 @@
 //! The runtime's errors: everything that can go wrong running a plan. Compile-layer errors
 //! (a model file, a config, a saved plan's text) come through [`RunError::Input`].
 
-use std::path::PathBuf;
-
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     #[error(transparent)]
@@ -12,19 +10,19 @@ pub enum RunError {
     Plan(#[from] crate::plan::PlanError),
 
     #[error(transparent)]
+    Weights(#[from] super::weights::WeightError),
+    #[error(transparent)]
     Kernel(#[from] crate::runtime::cpu::isa::KernelError),
 
-    /// GPUs (feature `cuda`): a missing library or device, a kernel that did not compile.
-    #[cfg(feature = "cuda")]
+    /// A device backend's own failure before or outside any instruction (the CUDA backend: a
+    /// missing library or device, a kernel that did not compile). Each backend converts its
+    /// error type into this, so the generic error names no device.
     #[error(transparent)]
-    Cuda(#[from] crate::runtime::cuda::CudaError),
+    Device(Box<dyn std::error::Error + Send + Sync + 'static>),
 
     /// `--device cuda` where this tpc cannot run it.
     #[error("{0}")]
     DeviceUnavailable(String),
-
-    #[error("checkpoint `{path}`: {problem}")]
-    CheckpointFile { path: PathBuf, problem: String },
 
     /// Ranks as MPI processes: the layout, the MPI library, or a result that did not arrive.
     #[error("ranks as processes: {0}")]
@@ -33,13 +31,6 @@ pub enum RunError {
     /// Data-parallel replicas (`--dp`): a bad count, or which replica failed.
     #[error("data parallelism: {0}")]
     Replicas(String),
-
-    #[error("checkpoint tensor `{tensor}` ({path}): {problem}")]
-    CheckpointTensor {
-        path: PathBuf,
-        tensor: String,
-        problem: String,
-    },
 
     #[error(
         "prompt token id {id} at position {position} is outside the vocabulary of {vocab} tokens"

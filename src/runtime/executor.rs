@@ -184,7 +184,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     .ok_or_else(|| bad(i, "its weight is not in the rank's manifest"))?;
                 let usage = uses.get(&i.id).copied().unwrap_or_default();
                 let weight = backend.upload(weights, w, usage).map_err(|e| match e {
-                    BackendError::Weights(e) => *e,
+                    BackendError::Weights(e) => e.into(),
                     e => on(i)(e),
                 })?;
                 weight_bytes += backend.weight_bytes(&weight) as u64;

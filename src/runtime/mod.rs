@@ -8,6 +8,7 @@
 //! `mpi`; data-parallel replicas: [`replicas`]). Each device is a folder: [`cpu`] (always
 //! built) and `cuda` (feature `cuda`; its kernel sources are the top-level `kernels/`).
 
+pub mod activation;
 pub mod backend;
 pub mod calibrate;
 pub mod collectives;
@@ -28,6 +29,7 @@ pub mod replicas;
 pub mod rope;
 pub mod sampling;
 pub mod shape_rules;
+pub mod simd;
 pub mod stage_link;
 pub mod tensor;
 pub mod verify;

@@ -2,7 +2,9 @@
 //! element is a pure function of (seed, tensor name, flat index), so tp=1 and tp=N read
 //! the same model whatever slices they take.
 
-use super::error::{Result, RunError};
+use super::weights::WeightError;
+
+type Result<T, E = WeightError> = std::result::Result<T, E>;
 use super::weights::WeightSource;
 use crate::ir::Op;
 use crate::plan::Plan;
@@ -80,7 +82,7 @@ impl WeightSource for RandomWeights {
     fn check(&self, plan: &Plan) -> Result<()> {
         for w in plan.ranks.iter().flat_map(|r| &r.weights) {
             if !self.tensors.contains_key(&*w.tensor) {
-                return Err(RunError::CheckpointTensor {
+                return Err(WeightError::Tensor {
                     path: "random weights".into(),
                     tensor: w.tensor.to_string(),
                     problem: "was not in the plan the random weights were made for".into(),
@@ -93,7 +95,7 @@ impl WeightSource for RandomWeights {
     fn read(&self, tensor: &str, from: usize, count: usize, out: &mut Vec<f32>) -> Result<()> {
         let kind = self.tensors.get(tensor).copied().unwrap_or(Kind::Bias);
         let base = mix(self.seed ^ name_hash(tensor));
-        let bad = |problem: String| RunError::CheckpointTensor {
+        let bad = |problem: String| WeightError::Tensor {
             path: "random weights".into(),
             tensor: tensor.to_string(),
             problem,

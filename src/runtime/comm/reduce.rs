@@ -27,7 +27,7 @@
 //! specified by Rust, so only non-NaN results are promised bit for bit.)
 
 use super::Element;
-use crate::runtime::cpu::simd::with_avx2;
+use crate::runtime::simd::with_avx2;
 use std::ops::Range;
 
 /// Chunk boundaries are multiples of this many elements (one 64-byte cache line of `f32`, so

@@ -5,7 +5,6 @@
 use super::fastmath;
 use super::isa::Kernels;
 use super::packed::PackedMatrix;
-use super::simd::{widest_simd_fn, with_avx2};
 use super::team::Team;
 use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp};
 use crate::plan::WeightSlice;
@@ -17,6 +16,7 @@ use crate::runtime::collectives::Collectives;
 use crate::runtime::rope::{self, RopeTables};
 use crate::runtime::sampling::candidate_order;
 use crate::runtime::shape_rules;
+use crate::runtime::simd::{widest_simd_fn, with_avx2};
 use crate::runtime::tensor::{pool, Tensor};
 use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
 
@@ -325,7 +325,7 @@ impl Backend for CpuBackend {
         slice: &WeightSlice,
         usage: WeightUse,
     ) -> BackendResult<CpuWeight> {
-        let weights = |e| BackendError::Weights(Box::new(e));
+        let weights = BackendError::Weights;
         // Linear weights go from the memory map straight into packed panels, in the compute
         // dtype (no f32 copy of a bf16 weight); only other uses get a plain f32 tensor.
         let packed = match usage.linear {
@@ -1250,7 +1250,7 @@ mod tests {
     struct Table;
 
     impl WeightSource for Table {
-        fn check(&self, _: &crate::plan::Plan) -> crate::runtime::error::Result<()> {
+        fn check(&self, _: &crate::plan::Plan) -> crate::runtime::weights::WeightResult<()> {
             Ok(())
         }
         fn read(
@@ -1259,7 +1259,7 @@ mod tests {
             from: usize,
             count: usize,
             out: &mut Vec<f32>,
-        ) -> crate::runtime::error::Result<()> {
+        ) -> crate::runtime::weights::WeightResult<()> {
             out.extend((from..from + count).map(|i| i as f32 + 1.0 / 3.0));
             Ok(())
         }

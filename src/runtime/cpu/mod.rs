@@ -11,7 +11,6 @@ pub mod backend;
 pub mod fastmath;
 pub mod isa;
 pub mod packed;
-pub mod simd;
 pub mod team;
 
 pub use backend::{gemm_f32, CpuBackend};

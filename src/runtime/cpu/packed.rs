@@ -21,7 +21,9 @@ use super::isa::{widen, Isa, Kernels, PanelValue, BF16_K_ALIGN, MR, NR};
 use super::team::{SyncPtr, Team};
 use crate::ir::WeightOrder;
 use crate::plan::WeightSlice;
-use crate::runtime::error::{Result, RunError};
+use crate::runtime::weights::WeightError;
+
+type Result<T, E = WeightError> = std::result::Result<T, E>;
 use crate::runtime::tensor::Tensor;
 use crate::runtime::weights::{Piece, SliceLayout, StoredTensor, WeightSource};
 use rayon::prelude::*;
@@ -135,7 +137,7 @@ impl PackedMatrix {
                     .unwrap_or(usize::MAX),
             )
             .and_then(|v| v.checked_mul(NR))
-            .ok_or_else(|| RunError::BadInstruction {
+            .ok_or_else(|| WeightError::Slice {
                 name: w.tensor.to_string(),
                 problem: format!("a {n}×{k} weight overflows the address space"),
             })?;
@@ -778,7 +780,7 @@ impl Reader<'_> {
                         f32s.clear();
                         self.src.read(self.tensor, from, len, f32s)?;
                         if f32s.len() != len {
-                            return Err(RunError::CheckpointTensor {
+                            return Err(WeightError::Tensor {
                                 path: "weight source".into(),
                                 tensor: self.tensor.to_string(),
                                 problem: format!("gave {} elements for {len} asked", f32s.len()),
@@ -840,7 +842,7 @@ fn fill_panels<T: PanelElem>(
                         }
                     }
                 }
-                Ok::<(), RunError>(())
+                Ok::<(), WeightError>(())
             },
         )?;
     Ok(out)
@@ -1329,7 +1331,7 @@ mod slice_tests {
         one_d.local_shape = vec![12];
         for w in [past, wrong_local, one_d] {
             let e = PackedMatrix::pack_slice(&src, &w, WeightOrder::OutIn, true).unwrap_err();
-            assert!(matches!(e, RunError::BadInstruction { .. }), "{e}");
+            assert!(matches!(e, WeightError::Slice { .. }), "{e}");
         }
     }
 }

@@ -559,7 +559,7 @@ impl Backend for CudaBackend {
         slice: &WeightSlice,
         usage: WeightUse,
     ) -> BackendResult<CudaWeight> {
-        let weights = |e| BackendError::Weights(Box::new(e));
+        let weights = BackendError::Weights;
         let two_d = slice.local_shape.len() == 2;
         if usage.linear.is_some() && !two_d {
             return Err(shape_err(format!(

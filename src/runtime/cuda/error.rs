@@ -29,3 +29,9 @@ pub enum CudaError {
     #[error("no kernel file `kernels/{0}` is built into tpc (a bug in tpc)")]
     UnknownKernelFile(String),
 }
+
+impl From<CudaError> for crate::runtime::error::RunError {
+    fn from(e: CudaError) -> Self {
+        crate::runtime::error::RunError::Device(Box::new(e))
+    }
+}

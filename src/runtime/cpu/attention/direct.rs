@@ -3,8 +3,8 @@
 
 use super::softmax::{dot, exp_sum, max_of};
 use super::{work_members, Layout, LANES};
-use crate::runtime::cpu::simd::widest_simd_fn;
 use crate::runtime::cpu::team::{SyncPtr, Team};
+use crate::runtime::simd::widest_simd_fn;
 use crate::runtime::tensor::{pool, Tensor};
 
 /// `q` over `k, v` as [`super::causal_attention`], for a few query rows.

@@ -6,8 +6,8 @@
 
 use super::softmax::{exp_sum, max_of};
 use super::{work_members, Layout, LANES};
-use crate::runtime::cpu::simd::widest_simd_fn;
 use crate::runtime::cpu::team::{SyncPtr, Team};
+use crate::runtime::simd::widest_simd_fn;
 use crate::runtime::tensor::{pool, Tensor};
 
 /// Query rows per work item of a prompt: `QB × LANES` sums stay in 16 zmm registers.

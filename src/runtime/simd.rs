@@ -1,5 +1,6 @@
 //! Runs plain Rust loops compiled for AVX2 + FMA when the CPU has them (chosen at run time),
-//! so that they vectorise 8 wide instead of the 4 of the baseline x86-64 target.
+//! so that they vectorise 8 wide instead of the 4 of the baseline x86-64 target. Host code of
+//! two parts uses it: the CPU backend and the host communicators' sums (`comm/reduce.rs`).
 
 /// Calls `f` from a function compiled with AVX2 + FMA enabled when this CPU has both; `f`
 /// and what it inlines are then compiled for them too — if LLVM inlines `f`, which it does
@@ -39,12 +40,13 @@ macro_rules! widest_simd_fn {
                 unsafe fn narrow($($arg: $ty),*) {
                     $body($($arg),*)
                 }
-                let host = $crate::runtime::cpu::isa::host();
-                if host.avx512f {
+                let avx2_fma = std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma");
+                if avx2_fma && std::is_x86_feature_detected!("avx512f") {
                     // SAFETY: AVX-512F (and with it AVX2 and FMA) was detected.
                     return unsafe { wide($($arg),*) };
                 }
-                if host.avx2_fma {
+                if avx2_fma {
                     // SAFETY: AVX2 and FMA were detected.
                     return unsafe { narrow($($arg),*) };
                 }

@@ -3,8 +3,15 @@
 //! before any compute; each rank then reads only its slices, converting straight from the
 //! map (see [`StoredTensor`]) and letting each tensor's pages go once it is read.
 
-use super::error::{Result, RunError};
+mod error;
+
+pub use error::WeightError;
+
 use super::tensor::Tensor;
+
+/// What reading weights returns.
+pub type WeightResult<T> = std::result::Result<T, WeightError>;
+type Result<T> = WeightResult<T>;
 use crate::plan::{Plan, WeightSlice};
 use half::slice::HalfFloatSliceExt;
 use memmap2::Mmap;
@@ -29,8 +36,8 @@ pub struct Checkpoint {
     index: HashMap<String, usize>,
 }
 
-fn file_err(path: &Path, problem: impl Into<String>) -> RunError {
-    RunError::CheckpointFile {
+fn file_err(path: &Path, problem: impl Into<String>) -> WeightError {
+    WeightError::File {
         path: path.to_path_buf(),
         problem: problem.into(),
     }
@@ -67,7 +74,7 @@ fn open_file(path: &Path) -> Result<File> {
     for (name, info) in meta.tensors() {
         let (start, end) = info.data_offsets;
         if start > end || end > data_len {
-            return Err(RunError::CheckpointTensor {
+            return Err(WeightError::Tensor {
                 path: path.to_path_buf(),
                 tensor: name,
                 problem: format!(
@@ -208,24 +215,19 @@ impl Checkpoint {
     }
 
     fn info(&self, tensor: &str) -> Result<(&File, &TensorInfo)> {
-        let (name, f) = self
-            .resolve(tensor)
-            .ok_or_else(|| RunError::CheckpointTensor {
-                path: self.dir.clone(),
-                tensor: tensor.to_string(),
-                problem:
-                    "missing from the checkpoint; the model definition does not match these weights"
-                        .into(),
-            })?;
+        let (name, f) = self.resolve(tensor).ok_or_else(|| WeightError::Tensor {
+            path: self.dir.clone(),
+            tensor: tensor.to_string(),
+            problem:
+                "missing from the checkpoint; the model definition does not match these weights"
+                    .into(),
+        })?;
         let file = &self.files[f];
-        let info = file
-            .meta
-            .info(name)
-            .ok_or_else(|| RunError::CheckpointTensor {
-                path: file.path.clone(),
-                tensor: tensor.to_string(),
-                problem: "listed in the index but missing from its file".into(),
-            })?;
+        let info = file.meta.info(name).ok_or_else(|| WeightError::Tensor {
+            path: file.path.clone(),
+            tensor: tensor.to_string(),
+            problem: "listed in the index but missing from its file".into(),
+        })?;
         Ok((file, info))
     }
 
@@ -238,7 +240,7 @@ impl Checkpoint {
         info: &TensorInfo,
         dtype: StoredDtype,
     ) -> Result<&'a [u8]> {
-        let bad = |problem: String| RunError::CheckpointTensor {
+        let bad = |problem: String| WeightError::Tensor {
             path: file.path.clone(),
             tensor: tensor.to_string(),
             problem,
@@ -277,7 +279,7 @@ impl Checkpoint {
                 continue;
             }
             let (file, info) = self.info(&w.tensor)?;
-            let bad = |problem: String| RunError::CheckpointTensor {
+            let bad = |problem: String| WeightError::Tensor {
                 path: file.path.clone(),
                 tensor: w.tensor.to_string(),
                 problem,
@@ -340,7 +342,7 @@ impl WeightSource for Checkpoint {
 impl Checkpoint {
     fn stored_tensor(&self, tensor: &str) -> Result<StoredTensor<'_>> {
         let (file, info) = self.info(tensor)?;
-        let dtype = StoredDtype::of(info.dtype).ok_or_else(|| RunError::CheckpointTensor {
+        let dtype = StoredDtype::of(info.dtype).ok_or_else(|| WeightError::Tensor {
             path: file.path.clone(),
             tensor: tensor.to_string(),
             problem: format!("has dtype {:?}; tpc reads F32, BF16 and F16", info.dtype),
@@ -471,7 +473,7 @@ impl StoredTensor<'_> {
             .map(|end| from * size..end * size);
         range
             .map(|r| &self.bytes[r])
-            .ok_or_else(|| RunError::CheckpointTensor {
+            .ok_or_else(|| WeightError::Tensor {
                 path: self.path.to_path_buf(),
                 tensor: self.tensor.clone(),
                 problem: format!(
@@ -607,7 +609,7 @@ fn load_slice_as<T: Copy + Default>(
             }
         }
         (Some(d), rank) => {
-            return Err(RunError::BadInstruction {
+            return Err(WeightError::Slice {
                 name: w.tensor.to_string(),
                 problem: format!(
                 "the plan splits dim {d} of a rank-{rank} tensor, which the loader cannot slice"
@@ -629,8 +631,8 @@ fn load_slice_as<T: Copy + Default>(
     Ok((local, out))
 }
 
-fn slice_err(w: &WeightSlice, problem: String) -> RunError {
-    RunError::BadInstruction {
+fn slice_err(w: &WeightSlice, problem: String) -> WeightError {
+    WeightError::Slice {
         name: w.tensor.to_string(),
         problem,
     }
