@@ -14,7 +14,7 @@ use crate::runtime::backend::{
 };
 use crate::runtime::collectives::Collectives;
 use crate::runtime::rope::{self, RopeTables};
-use crate::runtime::sampling::candidate_order;
+use crate::runtime::sampling::{host_best_k_of_pairs, host_top_k_pairs};
 use crate::runtime::shape_rules;
 use crate::runtime::simd::{widest_simd_fn, with_avx2};
 use crate::runtime::tensor::{pool, Tensor};
@@ -763,81 +763,11 @@ impl Backend for CpuBackend {
         valid: usize,
         offset: usize,
     ) -> BackendResult<Tensor> {
-        let (rows, cols) = x.rows_cols();
-        if valid > cols || k == 0 || k > cols {
-            return Err(shape_err(format!(
-                "top {k} of {valid} valid columns of {cols}"
-            )));
-        }
-        let mut out = pool::empty(rows * 2 * k);
-        let mut order: Vec<(f32, usize)> = Vec::with_capacity(valid);
-        for row in x.data.chunks(cols).take(rows) {
-            let row = &row[..valid];
-            let start = out.len();
-            if row.iter().any(|v| !v.is_finite()) {
-                out.extend_from_slice(&[f32::NAN, 0.0]);
-            } else {
-                order.clear();
-                order.extend(row.iter().copied().zip(0..));
-                let m = k.min(valid);
-                if m > 0 && m < valid {
-                    order.select_nth_unstable_by(m - 1, candidate_order);
-                }
-                order[..m].sort_unstable_by(candidate_order);
-                for &(v, i) in &order[..m] {
-                    // Exact: vocabularies are at most 2^24 (the model validation's limit).
-                    out.extend_from_slice(&[v, (offset + i) as f32]);
-                }
-            }
-            while out.len() < start + 2 * k {
-                out.extend_from_slice(&[f32::NEG_INFINITY, -1.0]);
-            }
-        }
-        Ok(Tensor::new(vec![rows, 2 * k], out))
+        host_top_k_pairs(x, k, valid, offset).map_err(shape_err)
     }
 
     fn best_k_of_pairs(&self, pairs: &Tensor, parts: usize, k: usize) -> BackendResult<Tensor> {
-        let (all, cols) = pairs.rows_cols();
-        let per = cols / 2;
-        if cols % 2 != 0 || parts == 0 || all % parts != 0 || k == 0 || k > per * parts {
-            return Err(shape_err(format!(
-                "best {k} of {all}x{cols} pairs in {parts} parts"
-            )));
-        }
-        let rows = all / parts;
-        let mut out = pool::empty(rows * 2 * k);
-        let mut union: Vec<(f32, usize)> = Vec::with_capacity(per * parts);
-        for r in 0..rows {
-            let start = out.len();
-            union.clear();
-            let mut nan = false;
-            for p in 0..parts {
-                let at = (p * rows + r) * cols;
-                let part = &pairs.data[at..at + cols];
-                if part[0].is_nan() {
-                    nan = true;
-                    break;
-                }
-                // Indices are whole numbers below 2^24; -1 marks an empty entry.
-                union.extend(
-                    part.chunks(2)
-                        .filter(|e| e[1] >= 0.0)
-                        .map(|e| (e[0], e[1] as usize)),
-                );
-            }
-            if nan {
-                out.extend_from_slice(&[f32::NAN, 0.0]);
-            } else {
-                union.sort_unstable_by(candidate_order);
-                for &(v, i) in union.iter().take(k) {
-                    out.extend_from_slice(&[v, i as f32]);
-                }
-            }
-            while out.len() < start + 2 * k {
-                out.extend_from_slice(&[f32::NEG_INFINITY, -1.0]);
-            }
-        }
-        Ok(Tensor::new(vec![rows, 2 * k], out))
+        host_best_k_of_pairs(pairs, parts, k).map_err(shape_err)
     }
 
     fn first_non_finite_row(&self, x: &Tensor) -> BackendResult<Option<usize>> {

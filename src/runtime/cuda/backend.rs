@@ -12,7 +12,7 @@ use crate::plan::WeightSlice;
 use crate::runtime::backend::{
     Activation, Backend, BackendError, BackendResult, BinaryOp, Segment, WeightUse,
 };
-use crate::runtime::cpu::CpuBackend;
+use crate::runtime::sampling::{host_best_k_of_pairs, host_top_k_pairs};
 use crate::runtime::shape_rules;
 use crate::runtime::tensor::Tensor;
 use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
@@ -39,8 +39,6 @@ macro_rules! launch {
 pub struct CudaBackend {
     gpu: Arc<GpuRank>,
     bf16_linears: bool,
-    /// Host fallback for what is small and rare (top-k candidates for sampling).
-    host: CpuBackend,
 }
 
 /// Threads of every attention kernel's block (`32 * ATTENTION_WARPS` in attention.cu).
@@ -185,11 +183,7 @@ fn elements(shape: &[usize]) -> BackendResult<usize> {
 
 impl CudaBackend {
     pub fn new(gpu: Arc<GpuRank>, bf16_linears: bool) -> CudaBackend {
-        CudaBackend {
-            gpu,
-            bf16_linears,
-            host: CpuBackend::new(1),
-        }
+        CudaBackend { gpu, bf16_linears }
     }
 
     pub fn gpu(&self) -> &GpuRank {
@@ -1030,13 +1024,13 @@ impl Backend for CudaBackend {
     ) -> BackendResult<CudaAct> {
         // Sampling with top-k: rare next to greedy decoding, and small; on the host.
         let host = self.to_host_copy(x)?;
-        let pairs = self.host.top_k_pairs(&host, k, valid, offset)?;
+        let pairs = host_top_k_pairs(&host, k, valid, offset).map_err(BackendError::Shape)?;
         self.upload_host(&pairs)
     }
 
     fn best_k_of_pairs(&self, pairs: &CudaAct, parts: usize, k: usize) -> BackendResult<CudaAct> {
         let host = self.to_host_copy(pairs)?;
-        let best = self.host.best_k_of_pairs(&host, parts, k)?;
+        let best = host_best_k_of_pairs(&host, parts, k).map_err(BackendError::Shape)?;
         self.upload_host(&best)
     }
 
