@@ -837,6 +837,7 @@ impl Backend for CpuBackend {
 mod tests {
     use super::*;
     use crate::ir::WeightOrder;
+    use crate::runtime::sampling::candidate_order;
 
     fn naive(x: &Tensor, w: &Tensor, order: WeightOrder) -> Vec<f32> {
         let (m, k) = x.rows_cols();
