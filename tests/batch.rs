@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::runtime::generate::{Request, RunOptions};
-use tpc::runtime::launch::{run, run_batch};
+use tpc::runtime::run::{run, run_batch};
 use tpc::runtime::weights::Checkpoint;
 
 /// Batched rows go through the prompt GEMM where a lone decode step takes the GEMV, so sums
@@ -151,7 +151,10 @@ fn top_k_sampling_from_exchanged_candidates_equals_sampling_from_gathered_logits
                             seed,
                         },
                         all_prompt_logits: false,
-                        threads_per_rank: 1,
+                        device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+                            threads_per_rank: 1,
+                            ..Default::default()
+                        }),
                         ..RunOptions::default()
                     };
                     let exchanged = run_batch(&plan, &ckpt, &reqs, &opts).unwrap();

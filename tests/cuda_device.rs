@@ -15,7 +15,7 @@ use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::runtime::cuda::probe::{require, Library};
 use tpc::runtime::generate::{ComputeDtype, Device, RunOptions};
-use tpc::runtime::launch::run;
+use tpc::runtime::run::run;
 use tpc::runtime::weights::Checkpoint;
 
 /// Whether a GPU can be used here; prints why not.

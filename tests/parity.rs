@@ -11,7 +11,7 @@ use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::runtime::cpu::isa::Isa;
 use tpc::runtime::generate::RunOptions;
-use tpc::runtime::launch::run;
+use tpc::runtime::run::run;
 use tpc::runtime::weights::Checkpoint;
 
 /// The best variant on this host that keeps a product's activations f32: f32 parity is a
@@ -50,7 +50,10 @@ fn every_fixture_matches_hf_at_every_valid_tp() {
             ran += 1;
             let opts = RunOptions {
                 max_new_tokens: reference.greedy.len(),
-                isa: Some(exact_isa()),
+                device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+                    isa: Some(exact_isa()),
+                    ..Default::default()
+                }),
                 ..Default::default()
             };
             let out = run(&compiled.plan, &ckpt, &reference.prompt, &opts).unwrap();
@@ -89,7 +92,10 @@ fn bf16_compute_stays_within_its_tolerance() {
             let opts = RunOptions {
                 dtype: ComputeDtype::Bf16,
                 max_new_tokens: 1,
-                isa: Some(isa),
+                device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+                    isa: Some(isa),
+                    ..Default::default()
+                }),
                 ..Default::default()
             };
             let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();

@@ -12,9 +12,9 @@ use tpc::frontend::load::load_model;
 use tpc::frontend::ModelDef;
 use tpc::pipeline::{compile, split_stages};
 use tpc::runtime::generate::{Request, RunOptions};
-use tpc::runtime::launch::{run, run_batch};
 use tpc::runtime::random::RandomWeights;
 use tpc::runtime::replicas::run_replicas;
+use tpc::runtime::run::{run, run_batch};
 use tpc::runtime::sampling::Sampling;
 use tpc::runtime::weights::Checkpoint;
 
@@ -25,7 +25,10 @@ const HF_REL_TOL: f64 = 1e-4;
 
 fn exact() -> RunOptions {
     RunOptions {
-        isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
+        device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+            isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }

@@ -17,8 +17,9 @@ use tpc::runtime::cpu::CpuBackend;
 use tpc::runtime::error::RunError;
 use tpc::runtime::generate::Request;
 use tpc::runtime::generate::{Device, RunOptions};
-use tpc::runtime::launch::{launch_threads, run};
+use tpc::runtime::launch::launch_threads;
 use tpc::runtime::random::RandomWeights;
+use tpc::runtime::run::run;
 use tpc::runtime::tensor::Tensor;
 use tpc::runtime::verify::{verify_plans, VerifyReport};
 use tpc::runtime::weights::Checkpoint;
@@ -462,5 +463,5 @@ fn a_pipeline_stage_failing_mid_run_stops_every_stage_with_its_error() {
 fn verify(def: &ModelDef, tp: u64, seed: u64, prompt_len: usize) -> VerifyReport {
     let one = compile(def, 1).unwrap().plan;
     let many = compile(def, tp).unwrap().plan;
-    verify_plans(&one, &many, None, seed, prompt_len, &Device::Cpu).unwrap()
+    verify_plans(&one, &many, None, seed, prompt_len, &Device::cpu()).unwrap()
 }

@@ -12,7 +12,7 @@ use tpc::passes::ShardOptions;
 use tpc::pipeline::{compile, compile_with};
 use tpc::plan::Plan;
 use tpc::runtime::generate::RunOptions;
-use tpc::runtime::launch::{run, run_batch};
+use tpc::runtime::run::{run, run_batch};
 use tpc::runtime::weights::Checkpoint;
 
 /// The f32 parity tolerance of `tests/parity.rs`: ‖a − b‖ / ‖b‖ over all prompt logits.
@@ -51,7 +51,10 @@ fn matches_hf_with(options: ShardOptions, check: impl Fn(&Plan, &Plan, &str)) {
             check(&plain.plan, &plan, &ctx);
             let opts = RunOptions {
                 max_new_tokens: greedy.len(),
-                isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
+                device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+                    isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
+                    ..Default::default()
+                }),
                 ..Default::default()
             };
             let out = run(&plan, &ckpt, &prompt, &opts).unwrap();

@@ -17,6 +17,8 @@ mod simulate;
 mod verify;
 
 use clap::{Parser, Subcommand};
+use tpc::runtime::cpu::CpuOptions;
+use tpc::runtime::device::Device;
 
 pub use verify::Mismatch;
 
@@ -136,14 +138,18 @@ impl ExecArgs {
     /// Run options with these settings and defaults for the rest.
     pub fn options(&self) -> tpc::runtime::generate::RunOptions {
         tpc::runtime::generate::RunOptions {
-            device: self.device.clone(),
+            device: match &self.device {
+                Device::Cpu(_) => Device::Cpu(CpuOptions {
+                    isa: self.isa,
+                    threads_per_rank: self.threads_per_rank as usize,
+                    pin_threads: self.pin,
+                }),
+                gpus => gpus.clone(),
+            },
             dtype: self.dtype.into(),
-            threads_per_rank: self.threads_per_rank as usize,
             profile: self.profile,
-            pin_threads: self.pin,
             warmup: self.warmup as usize,
             repeat: self.repeat as usize,
-            isa: self.isa,
             ..Default::default()
         }
     }

@@ -352,7 +352,7 @@ mod tests {
             None,
             3,
             9,
-            &crate::runtime::generate::Device::Cpu,
+            &crate::runtime::generate::Device::cpu(),
         )
         .unwrap();
         assert!(report.rel_error <= report.tolerance, "{report:?}");

@@ -755,14 +755,17 @@ fn executor_step(hw: &HwProfile, s: &Settings) -> Result<(f64, f64, f64), Calibr
     let opts = crate::runtime::generate::RunOptions {
         dtype: crate::runtime::generate::ComputeDtype::F32,
         max_new_tokens: steps + 1,
-        threads_per_rank: s.threads,
+        device: crate::runtime::device::Device::Cpu(crate::runtime::cpu::CpuOptions {
+            threads_per_rank: s.threads,
+            ..Default::default()
+        }),
         all_prompt_logits: false,
         warmup: 1,
         repeat: 3,
         ..Default::default()
     };
-    let out = crate::runtime::launch::run_batch(&plan, &weights, &[request], &opts)
-        .map_err(|e| err(&e))?;
+    let out =
+        crate::runtime::run::run_batch(&plan, &weights, &[request], &opts).map_err(|e| err(&e))?;
     let decoded = out.generated_tokens().saturating_sub(1).max(1);
     let step = checked("executor decode step", out.decode_seconds / decoded as f64)?;
     let mut bare = hw.clone();

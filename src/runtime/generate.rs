@@ -6,7 +6,8 @@
 
 use super::backend::Backend;
 use super::collectives::{AllReduceTally, Collectives};
-use super::cpu::isa::{Isa, LinearKernels};
+use super::cpu::isa::LinearKernels;
+pub use super::device::Device;
 use super::error::{Result, RunError};
 use super::executor::{Candidates, OpTime, OutputRows, RankExecutor};
 use super::sampling::{pick, pick_from_candidates, Rng, Sampling};
@@ -56,26 +57,20 @@ impl ComputeDtype {
 
 #[derive(Clone)]
 pub struct RunOptions {
-    /// Where the ranks compute (`--device`): the CPU, or GPUs (feature `cuda`).
+    /// Where the ranks compute (`--device`) and that device's own settings: the CPU's
+    /// kernels and threads, or GPUs (feature `cuda`).
     pub device: Device,
     pub dtype: ComputeDtype,
-    /// The linear kernels' variant (`--isa`); `None`: the best this host runs.
-    pub isa: Option<Isa>,
     /// New tokens per sequence unless its request says otherwise.
     pub max_new_tokens: usize,
     pub sampling: Sampling,
     /// Stop when one of these is generated.
     pub eos: Vec<i64>,
-    /// GEMM threads per rank; 0 = cores / tp.
-    pub threads_per_rank: usize,
     /// Time every op kind on rank 0.
     pub profile: bool,
     /// Keep the logits of every prompt position (`--dump-logits`, parity checks); otherwise
     /// the LM head runs on the last position only, the one generation needs.
     pub all_prompt_logits: bool,
-    /// Pin every rank's compute threads to cores, round robin (`affinity.rs`; `--pin`).
-    /// Off by default: on this project's 2-vCPU machine it measured no gain beyond noise.
-    pub pin_threads: bool,
     /// Decode steps gather the whole logits and pick on the host, even where exchanging each
     /// rank's candidates would do (greedy decoding: its argmax; `--top-k K` sampling: its K
     /// best). The tokens are the same; for comparisons and tests (`tpc run --gather-logits`).
@@ -93,13 +88,10 @@ impl std::fmt::Debug for RunOptions {
         f.debug_struct("RunOptions")
             .field("device", &self.device)
             .field("dtype", &self.dtype)
-            .field("isa", &self.isa)
             .field("max_new_tokens", &self.max_new_tokens)
             .field("sampling", &self.sampling)
             .field("eos", &self.eos)
-            .field("threads_per_rank", &self.threads_per_rank)
             .field("all_prompt_logits", &self.all_prompt_logits)
-            .field("pin_threads", &self.pin_threads)
             .field("gather_logits", &self.gather_logits)
             .field("warmup", &self.warmup)
             .field("repeat", &self.repeat)
@@ -110,64 +102,18 @@ impl std::fmt::Debug for RunOptions {
 impl Default for RunOptions {
     fn default() -> Self {
         RunOptions {
-            device: Device::Cpu,
+            device: Device::default(),
             dtype: ComputeDtype::Auto,
             max_new_tokens: 16,
             sampling: Sampling::default(),
             eos: vec![],
-            threads_per_rank: 0,
             profile: false,
-            isa: None,
             all_prompt_logits: true,
-            pin_threads: false,
             gather_logits: false,
             warmup: 0,
             repeat: 1,
             progress: None,
             on_finished: None,
-        }
-    }
-}
-
-/// Where a run's ranks compute (`--device cpu|cuda|cuda:0,1,…`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum Device {
-    #[default]
-    Cpu,
-    /// GPUs by ordinal, ranks dealt to them round robin; empty: every GPU the driver sees.
-    Cuda(Vec<usize>),
-}
-
-impl std::fmt::Display for Device {
-    /// The `--device` spelling: `cpu`, `cuda`, `cuda:0,1`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => write!(f, "cpu"),
-            Device::Cuda(list) if list.is_empty() => write!(f, "cuda"),
-            Device::Cuda(list) => {
-                let list: Vec<String> = list.iter().map(usize::to_string).collect();
-                write!(f, "cuda:{}", list.join(","))
-            }
-        }
-    }
-}
-
-impl std::str::FromStr for Device {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Device, String> {
-        let bad = || format!("`{s}`: expected cpu, cuda, or cuda:N[,N…] (GPU ordinals)");
-        match s {
-            "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda(Vec::new())),
-            _ => {
-                let list = s.strip_prefix("cuda:").ok_or_else(bad)?;
-                let ordinals = list
-                    .split(',')
-                    .map(|n| n.trim().parse::<usize>().ok().filter(|&n| n < 1024))
-                    .collect::<Option<Vec<usize>>>()
-                    .ok_or_else(bad)?;
-                Ok(Device::Cuda(ordinals))
-            }
         }
     }
 }

@@ -1,19 +1,15 @@
-//! Launchers: where ranks live. [`launch_threads`] runs every rank of a plan as a thread of
-//! this process with any backend and communicator; [`run`] and [`run_batch`] are the CPU
-//! choice (CPU backend, in-process communicator) that `tpc run`, `bench` and `verify` use.
-//! A process launcher (MPI) and GPU backends are further choices of the same seam.
+//! Ranks as threads of this process, for any backend: [`launch_stages`] runs every rank of a
+//! plan (stages or not) on its own thread with the backend a device's rank factory makes
+//! (`cpu/launch.rs`, `cuda/launch.rs`) and in-process communicators ([`local_groups`]), and
+//! reports the root cause of a failure. [`check_before_start`] and [`check_host_memory`] are
+//! the start-up checks every launcher (threads, MPI processes, replicas) shares; `run.rs`
+//! picks the device.
 
 use super::backend::Backend;
 use super::collectives::Collectives;
 use super::comm::{local_group, CommError, LocalComm, MAX_LOCAL_RANKS};
-use super::cpu::affinity;
-use super::cpu::isa::Kernels;
-use super::cpu::CpuBackend;
 use super::error::{Result, RunError};
-use super::generate::{
-    check_requests, rank_runtime, stage_runtime, BatchOutput, Device, Request, RunOptions,
-    SequenceOutput,
-};
+use super::generate::{check_requests, rank_runtime, stage_runtime, Request, RunOptions};
 use super::rank_groups::rank_groups;
 use super::weights::WeightSource;
 use crate::plan::stages::{stage_program, StageProgram};
@@ -217,110 +213,31 @@ pub fn mpi_launched_world_size() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
 }
 
-/// Compute threads per rank: as asked, or the cores shared out over the ranks.
-pub fn threads_per_rank(opts: &RunOptions, tp: usize) -> usize {
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    if opts.threads_per_rank > 0 {
-        opts.threads_per_rank
-    } else {
-        (cores / tp.max(1)).max(1)
-    }
-}
-
-/// Runs `plan` on CPU ranks (threads) over `weights` and generates for every request.
-pub fn run_batch(
+/// The checks every launcher makes before any rank loads a weight: the requests fit the plan
+/// (by their index in the whole batch), and the checkpoint holds every slice it names.
+pub fn check_before_start(
     plan: &Plan,
     weights: &dyn WeightSource,
     requests: &[Request],
     opts: &RunOptions,
-) -> Result<BatchOutput> {
-    if let Device::Cuda(listed) = &opts.device {
-        return run_on_gpus(plan, weights, requests, opts, listed);
-    }
+) -> Result<()> {
     check_requests(plan, requests, opts)?;
     weights.check(plan)?;
-    let (comms, pipes) = local_groups(plan)?;
-    // Stages run one after another (no micro-batches), so a rank's threads share the
-    // cores with its tp group only.
-    let threads = threads_per_rank(opts, plan.ranks.len());
-    let bf16 = opts.dtype.bf16_linears(plan);
-    let tokens = super::generate::total_tokens(requests, opts);
-    super::memory::check_fits(plan, bf16, tokens)?;
-    let kernels = Kernels::select(opts.isa)?;
-    let make = |rank: usize| -> Result<CpuBackend> {
-        let placement = if opts.pin_threads {
-            affinity::placement(rank, threads)
-        } else {
-            Vec::new()
-        };
-        if let Some(Some(core)) = placement.first() {
-            affinity::pin_current_thread(*core);
-        }
-        cpu_backend(rank, threads, &placement, bf16, kernels)
-    };
-    let mut out = launch_stages(plan, weights, comms, pipes, &make, &|rt| {
-        rt.generate(requests, opts)
-    })?;
-    out.linear_kernels = Some(kernels.linear_kernels(bf16));
-    Ok(out)
+    Ok(())
 }
 
-#[cfg(feature = "cuda")]
-fn run_on_gpus(
+/// For ranks that compute in this host's memory (the CPU): refuses before any weight is
+/// loaded what cannot fit, `copies` copies of the weights (data-parallel replicas) and KV
+/// caches for `requests`. GPU ranks report their device's memory when they allocate.
+pub fn check_host_memory(
     plan: &Plan,
-    weights: &dyn WeightSource,
     requests: &[Request],
     opts: &RunOptions,
-    listed: &[usize],
-) -> Result<BatchOutput> {
-    super::cuda::launch::run_batch_cuda(plan, weights, requests, opts, listed)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_on_gpus(
-    _: &Plan,
-    _: &dyn WeightSource,
-    _: &[Request],
-    _: &RunOptions,
-    _: &[usize],
-) -> Result<BatchOutput> {
-    Err(RunError::DeviceUnavailable(
-        "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features cuda` (building needs no CUDA; running needs the NVIDIA driver, NVRTC and cuBLAS)".into(),
-    ))
-}
-
-/// Rank `rank`'s CPU backend: `threads` compute threads (on `placement`'s cores where it
-/// names them), bf16 linear weights or not, and the chosen kernels.
-pub fn cpu_backend(
-    rank: usize,
-    threads: usize,
-    placement: &[Option<usize>],
-    bf16: bool,
-    kernels: Kernels,
-) -> Result<CpuBackend> {
-    let backend = CpuBackend::try_pinned(threads, placement).map_err(|io| RunError::Threads {
-        rank,
-        threads,
-        io,
-    })?;
-    Ok(backend.with_bf16_linears(bf16).with_kernels(kernels))
-}
-
-/// [`run_batch`] for one prompt: its tokens and prompt logits.
-pub fn run(
-    plan: &Plan,
-    weights: &dyn WeightSource,
-    prompt: &[i64],
-    opts: &RunOptions,
-) -> Result<SequenceOutput> {
-    let request = Request {
-        prompt: prompt.to_vec(),
-        max_new_tokens: None,
-    };
-    run_batch(plan, weights, std::slice::from_ref(&request), opts)?
-        .sequences
-        .pop()
-        .ok_or(RunError::EmptyPrompt)
+    copies: u64,
+) -> Result<()> {
+    if opts.device.cpu_options().is_none() {
+        return Ok(());
+    }
+    let tokens = super::generate::total_tokens(requests, opts);
+    super::memory::check_fits_copies(plan, opts.dtype.bf16_linears(plan), tokens, copies)
 }

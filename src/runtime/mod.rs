@@ -16,6 +16,7 @@ pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod error;
 pub mod executor;
 pub mod generate;
@@ -27,6 +28,7 @@ pub mod random;
 pub mod rank_groups;
 pub mod replicas;
 pub mod rope;
+pub mod run;
 pub mod sampling;
 pub mod shape_rules;
 pub mod simd;

@@ -12,12 +12,12 @@
 
 use super::comm::MpiComm;
 use super::cpu::isa::Kernels;
+use super::cpu::launch::cpu_backend;
 use super::error::{Result, RunError};
 use super::generate::{
-    check_requests, rank_runtime, stage_runtime, total_tokens, BatchOutput, Device, Request,
-    RunOptions, SequenceOutput,
+    rank_runtime, stage_runtime, BatchOutput, Device, Request, RunOptions, SequenceOutput,
 };
-use super::launch::cpu_backend;
+use super::launch::{check_before_start, check_host_memory};
 use super::rank_groups::{rank_groups, RankGroups};
 use super::replicas::placement;
 use super::tensor::Tensor;
@@ -226,8 +226,7 @@ pub fn run_batch_mpi(
     let (tp, pp) = (plan.ranks.len(), plan.pp());
     let groups = rank_groups(world as u64, tp as u64, pp as u64, dp as u64)
         .map_err(|e| processes(format!("mpirun -np {world}: {e}")))?;
-    check_requests(plan, requests, opts)?;
-    weights.check(plan)?;
+    check_before_start(plan, weights, requests, opts)?;
     let coords = groups.ranks[me];
     let replicas = groups.ext_dp * groups.dp;
     let replica = coords.ext_dp * groups.dp + coords.dp;
@@ -263,15 +262,11 @@ pub fn run_batch_mpi(
             Device::Cuda(_) => Err(RunError::DeviceUnavailable(
                 "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features mpi,cuda`".into(),
             )),
-            Device::Cpu => {
+            Device::Cpu(cpu) => {
         let bf16 = opts.dtype.bf16_linears(plan);
-        super::memory::check_fits(plan, bf16, total_tokens(&mine, opts))?;
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = match opts.threads_per_rank {
-            0 => (cores / on_this_host).max(1),
-            t => t,
-        };
-        let kernels = Kernels::select(opts.isa)?;
+        check_host_memory(plan, &mine, opts, 1)?;
+        let threads = cpu.threads_per_rank(on_this_host);
+        let kernels = Kernels::select(cpu.isa)?;
         let backend = cpu_backend(me, threads, &[], bf16, kernels)?;
         let stage;
         let mut rt = match pipe {

@@ -5,11 +5,13 @@
 //! samples from its own seeded generator, and a batch gives each sequence what it gives it
 //! alone), so `--dp D` prints what `--dp 1` prints.
 
+use super::cpu::CpuOptions;
 use super::error::{Result, RunError};
 use super::generate::{
-    check_requests, total_tokens, BatchOutput, OnFinished, Progress, Request, RunOptions, Stage,
+    check_requests, BatchOutput, Device, OnFinished, Progress, Request, RunOptions, Stage,
 };
-use super::launch::run_batch;
+use super::launch::check_host_memory;
+use super::run::run_batch;
 use super::weights::WeightSource;
 use crate::plan::Plan;
 use std::sync::{Arc, Mutex};
@@ -45,24 +47,23 @@ pub fn run_replicas(
     if dp == 1 {
         return run_batch(plan, weights, requests, opts);
     }
-    if opts.pin_threads {
+    if opts.device.cpu_options().is_some_and(|c| c.pin_threads) {
         return Err(RunError::Replicas(
             "--pin places every replica's ranks on the same cores; use it with --dp 1".into(),
         ));
     }
     // Requests are checked by their index in the whole batch, before any replica starts.
     check_requests(plan, requests, opts)?;
-    // Every replica holds the weights: refuse what cannot fit before any is loaded (host
-    // memory; GPU ranks report their device's memory when they allocate).
-    if opts.device == super::generate::Device::Cpu {
-        let tokens = total_tokens(requests, opts);
-        super::memory::check_fits_copies(plan, opts.dtype.bf16_linears(plan), tokens, dp as u64)?;
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Every replica holds the weights: refuse what cannot fit before any is loaded.
+    check_host_memory(plan, requests, opts, dp as u64)?;
+    // Every replica's ranks share this host's cores.
     let ranks = plan.ranks.len().max(1).saturating_mul(dp);
-    let threads = match opts.threads_per_rank {
-        0 => (cores / ranks).max(1),
-        t => t,
+    let device = match &opts.device {
+        Device::Cpu(cpu) => Device::Cpu(CpuOptions {
+            threads_per_rank: cpu.threads_per_rank(ranks),
+            ..cpu.clone()
+        }),
+        other => other.clone(),
     };
     let mut parts: Vec<Vec<Request>> = vec![Vec::new(); dp];
     for (i, r) in requests.iter().enumerate() {
@@ -76,7 +77,7 @@ pub fn run_replicas(
             .enumerate()
             .map(|(replica, part)| {
                 let mut o = opts.clone();
-                o.threads_per_rank = threads;
+                o.device = device.clone();
                 o.on_finished = opts.on_finished.as_ref().map(|f| {
                     let f = f.clone();
                     Arc::new(move |j: usize, t: &[i64]| f(j * dp + replica, t)) as OnFinished

@@ -1,9 +1,10 @@
 //! `tpc verify`: the same inputs through tp=1 and tp=N, compared.
 
+use super::cpu::CpuOptions;
 use super::error::Result;
 use super::generate::{plan_vocab, Device, RunOptions};
-use super::launch::run;
 use super::random::RandomWeights;
+use super::run::run;
 use super::sampling::Rng;
 use super::weights::WeightSource;
 use crate::plan::Plan;
@@ -56,10 +57,16 @@ pub fn verify_plans(
         .collect();
     // The sharding is what is checked: kernels that keep activations f32 (see
     // `Kernels::exact`), so that only the order of f32 sums differs between the sides.
+    let device = match device {
+        Device::Cpu(cpu) => Device::Cpu(CpuOptions {
+            isa: Some(crate::runtime::cpu::isa::Kernels::exact().isa()),
+            ..cpu.clone()
+        }),
+        other => other.clone(),
+    };
     let opts = RunOptions {
-        device: device.clone(),
+        device,
         max_new_tokens: 4,
-        isa: Some(crate::runtime::cpu::isa::Kernels::exact().isa()),
         ..Default::default()
     };
     // tp=1 first: a request the model cannot run (its window, its positions) is refused by
@@ -81,8 +88,8 @@ pub fn verify_plans(
     let rel = (diff2 / norm2.max(f64::MIN_POSITIVE)).sqrt();
     Ok(VerifyReport {
         tp,
-        isa: match device {
-            Device::Cpu => opts.isa.map_or_else(String::new, |i| i.name().to_string()),
+        isa: match &opts.device {
+            Device::Cpu(cpu) => cpu.isa.map_or_else(String::new, |i| i.name().to_string()),
             Device::Cuda(_) => "cuda".to_string(),
         },
         prompt,

@@ -9,8 +9,8 @@ use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::plan::Plan;
 use tpc::runtime::generate::RunOptions;
-use tpc::runtime::launch::run;
 use tpc::runtime::random::RandomWeights;
+use tpc::runtime::run::run;
 
 /// The seeds: tiny models at tps that shard differently (replicated kv heads, padding).
 const SEEDS: &[(&str, u64)] = &[
@@ -119,7 +119,10 @@ fn run_one_token(plan: &Plan) {
     let weights = RandomWeights::new(plan, 7);
     let opts = RunOptions {
         max_new_tokens: 1,
-        threads_per_rank: 1,
+        device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+            threads_per_rank: 1,
+            ..Default::default()
+        }),
         all_prompt_logits: false,
         ..RunOptions::default()
     };

@@ -10,7 +10,10 @@ pub mod attention;
 pub mod backend;
 pub mod fastmath;
 pub mod isa;
+pub mod launch;
+pub mod options;
 pub mod packed;
 pub mod team;
 
 pub use backend::{gemm_f32, CpuBackend};
+pub use options::CpuOptions;

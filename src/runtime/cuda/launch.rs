@@ -12,8 +12,8 @@ use super::one_shot::OneShotGroup;
 use super::CudaError;
 use crate::plan::Plan;
 use crate::runtime::error::Result;
-use crate::runtime::generate::{check_requests, BatchOutput, Request, RunOptions};
-use crate::runtime::launch::{launch_stages, local_groups};
+use crate::runtime::generate::{BatchOutput, Request, RunOptions};
+use crate::runtime::launch::{check_before_start, launch_stages, local_groups};
 use crate::runtime::weights::WeightSource;
 use std::sync::{Arc, OnceLock};
 
@@ -40,7 +40,7 @@ pub fn gpus(listed: &[usize]) -> std::result::Result<Vec<usize>, CudaError> {
     })
 }
 
-/// [`crate::runtime::launch::run_batch`] with every rank on a GPU.
+/// [`crate::runtime::run::run_batch`] with every rank on a GPU.
 pub fn run_batch_cuda(
     plan: &Plan,
     weights: &dyn WeightSource,
@@ -48,10 +48,9 @@ pub fn run_batch_cuda(
     opts: &RunOptions,
     listed: &[usize],
 ) -> Result<BatchOutput> {
-    check_requests(plan, requests, opts)?;
     // The devices first: a machine without a driver is told so before any weight is read.
     let devices = gpus(listed)?;
-    weights.check(plan)?;
+    check_before_start(plan, weights, requests, opts)?;
     let (comms, pipes) = local_groups(plan)?;
     let tp = plan.ranks.len().max(1);
     let ordinal = |rank: usize| devices[rank % devices.len()];

@@ -1,0 +1,61 @@
+//! A run on the chosen device: [`run_batch`] hands the plan to the device's launcher (CPU
+//! ranks as threads, or GPU ranks as threads with feature `cuda`); [`run`] is one prompt.
+
+use super::error::{Result, RunError};
+use super::generate::{BatchOutput, Device, Request, RunOptions, SequenceOutput};
+use super::weights::WeightSource;
+use crate::plan::Plan;
+
+/// Runs `plan` over `weights` on `opts.device` and generates for every request.
+pub fn run_batch(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    requests: &[Request],
+    opts: &RunOptions,
+) -> Result<BatchOutput> {
+    match &opts.device {
+        Device::Cpu(cpu) => super::cpu::launch::run_batch_cpu(plan, weights, requests, opts, cpu),
+        Device::Cuda(listed) => run_on_gpus(plan, weights, requests, opts, listed),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run_on_gpus(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    requests: &[Request],
+    opts: &RunOptions,
+    listed: &[usize],
+) -> Result<BatchOutput> {
+    super::cuda::launch::run_batch_cuda(plan, weights, requests, opts, listed)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_on_gpus(
+    _: &Plan,
+    _: &dyn WeightSource,
+    _: &[Request],
+    _: &RunOptions,
+    _: &[usize],
+) -> Result<BatchOutput> {
+    Err(RunError::DeviceUnavailable(
+        "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features cuda` (building needs no CUDA; running needs the NVIDIA driver, NVRTC and cuBLAS)".into(),
+    ))
+}
+
+/// [`run_batch`] for one prompt: its tokens and prompt logits.
+pub fn run(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    prompt: &[i64],
+    opts: &RunOptions,
+) -> Result<SequenceOutput> {
+    let request = Request {
+        prompt: prompt.to_vec(),
+        max_new_tokens: None,
+    };
+    run_batch(plan, weights, std::slice::from_ref(&request), opts)?
+        .sequences
+        .pop()
+        .ok_or(RunError::EmptyPrompt)
+}
