@@ -9,6 +9,8 @@ pub mod explain;
 pub mod frontend;
 pub mod fsio;
 pub mod ir;
+#[cfg(test)]
+mod layering;
 pub mod passes;
 pub mod pipeline;
 pub mod plan;

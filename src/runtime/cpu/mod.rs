@@ -13,6 +13,7 @@ pub mod isa;
 pub mod launch;
 pub mod options;
 pub mod packed;
+pub(crate) mod self_check;
 pub mod team;
 
 pub use backend::{gemm_f32, CpuBackend};

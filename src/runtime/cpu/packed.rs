@@ -881,7 +881,7 @@ fn pack_rows(x: &[f32], m: usize, k: usize, group: usize, out: &mut AlignedVec<f
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::cpu::isa::self_check::{operands, reference};
+    use crate::runtime::cpu::self_check::{operands, reference};
 
     /// Every variant this host runs; the others are printed, not counted.
     fn host_variants() -> Vec<Kernels> {

@@ -7,6 +7,7 @@
 
 use super::act::CudaAct;
 use super::device::GpuRank;
+use super::error::device_failure;
 use super::nccl::NcclLink;
 use super::one_shot::{self, OneShotGroup};
 use crate::ir::CollectiveAlgorithm;
@@ -28,14 +29,6 @@ pub struct GpuComm<C> {
 pub struct OneShotLink {
     pub group: Arc<OneShotGroup>,
     pub gpu: Arc<OnceLock<Arc<GpuRank>>>,
-}
-
-/// A failed device call during a collective.
-pub(super) fn device_failure(during: &'static str, e: impl std::fmt::Debug) -> CollectiveError {
-    CollectiveError::Device {
-        during,
-        problem: format!("{e:?}"),
-    }
 }
 
 /// The buffer's elements on the host.

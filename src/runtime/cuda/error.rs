@@ -35,3 +35,14 @@ impl From<CudaError> for crate::runtime::error::RunError {
         crate::runtime::error::RunError::Device(Box::new(e))
     }
 }
+
+/// A failed device call during a collective.
+pub(super) fn device_failure(
+    during: &'static str,
+    e: impl std::fmt::Debug,
+) -> crate::runtime::collectives::CollectiveError {
+    crate::runtime::collectives::CollectiveError::Device {
+        during,
+        problem: format!("{e:?}"),
+    }
+}

@@ -16,8 +16,8 @@
 //! (a wait binds to the record made before it), and likewise for `done`.
 
 use super::act::CudaAct;
-use super::comm::device_failure;
 use super::device::{grid_for, GpuRank};
+use super::error::device_failure;
 use crate::runtime::backend::Activation;
 use crate::runtime::collectives::CollectiveError;
 use cudarc::driver::{CudaEvent, DevicePtr, PushKernelArg};

@@ -27,7 +27,6 @@ mod avx512bf16;
 mod detect;
 mod peak;
 mod portable;
-pub(crate) mod self_check;
 pub(crate) mod streams;
 
 pub use peak::peak_flops;
@@ -35,7 +34,6 @@ pub use peak::peak_flops;
 pub use detect::{host, HostFeatures};
 
 use std::fmt;
-use std::sync::OnceLock;
 
 /// Output columns per weight panel.
 pub const NR: usize = 16;
@@ -149,42 +147,8 @@ fn rows_fit(len: usize, rows: usize, stride: usize, width: usize) -> bool {
 }
 
 impl Kernels {
-    /// The best variant this host supports whose self-check passed (chosen once).
-    pub fn detect() -> Kernels {
-        static BEST: OnceLock<Kernels> = OnceLock::new();
-        *BEST.get_or_init(|| Kernels::best_where(|_| true))
-    }
-
-    /// The best variant whose self-check passes among those that keep a product's
-    /// activations f32 (not `avx512bf16` or `amx`): results then differ between tp values
-    /// only by the order of f32 sums, which is what `tpc verify` and the f32 parity tests
-    /// hold to 1e-4. (Rounding activations to bf16 makes a tiny difference upstream flip a
-    /// rounding downstream: 7.8e-3 between tp=1 and tp=2 on a TinyLlama-size bf16 model.)
-    pub fn exact() -> Kernels {
-        static EXACT: OnceLock<Kernels> = OnceLock::new();
-        *EXACT.get_or_init(|| Kernels::best_where(|isa| !isa.bf16_activations()))
-    }
-
-    /// The most preferred variant `keep` accepts whose self-check passes (portable at worst).
-    fn best_where(keep: impl Fn(Isa) -> bool) -> Kernels {
-        Isa::ALL
-            .into_iter()
-            .rev()
-            .filter(|&isa| keep(isa))
-            .find_map(|isa| Kernels::select(Some(isa)).ok())
-            .unwrap_or(Kernels { isa: Isa::Portable })
-    }
-
-    /// `isa` (after its self-check), or the best when `None`.
-    pub fn select(isa: Option<Isa>) -> Result<Kernels, KernelError> {
-        let Some(isa) = isa else {
-            return Ok(Kernels::detect());
-        };
-        let kernels = Kernels::unchecked(isa)?;
-        self_check::passed(kernels)
-            .map_err(|detail| KernelError::SelfCheckFailed { isa, detail })?;
-        Ok(kernels)
-    }
+    /// The portable kernels, which every host runs.
+    pub(crate) const PORTABLE: Kernels = Kernels { isa: Isa::Portable };
 
     /// `isa` if the host supports it, without the self-check (for tests and the check
     /// itself).

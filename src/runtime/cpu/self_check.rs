@@ -1,14 +1,55 @@
 //! The start-up self-check a variant passes before it is used: small products through its
 //! prompt GEMM and decode GEMV, for both weight types, against an f64 reference of the same
 //! (rounded, where the variant rounds) operands. A wrong result here means a kernel bug or a
-//! CPU/OS that misreports a feature: the variant is then not used.
+//! CPU/OS that misreports a feature: the variant is then not used. The checked choices of
+//! [`Kernels`] (`select`, `detect`, `exact`) live here, above both the kernels and the
+//! packed weights the check multiplies.
 
-use super::{round_bf16, widen, Kernels};
+use super::isa::{round_bf16, widen, Isa, KernelError, Kernels};
 use crate::ir::WeightOrder;
 use crate::runtime::cpu::packed::PackedMatrix;
 use crate::runtime::cpu::team::Team;
 use crate::runtime::tensor::Tensor;
 use std::cmp::Ordering::{Equal, Less};
+use std::sync::OnceLock;
+
+impl Kernels {
+    /// The best variant this host supports whose self-check passed (chosen once).
+    pub fn detect() -> Kernels {
+        static BEST: OnceLock<Kernels> = OnceLock::new();
+        *BEST.get_or_init(|| Kernels::best_where(|_| true))
+    }
+
+    /// The best variant whose self-check passes among those that keep a product's
+    /// activations f32 (not `avx512bf16` or `amx`): results then differ between tp values
+    /// only by the order of f32 sums, which is what `tpc verify` and the f32 parity tests
+    /// hold to 1e-4. (Rounding activations to bf16 makes a tiny difference upstream flip a
+    /// rounding downstream: 7.8e-3 between tp=1 and tp=2 on a TinyLlama-size bf16 model.)
+    pub fn exact() -> Kernels {
+        static EXACT: OnceLock<Kernels> = OnceLock::new();
+        *EXACT.get_or_init(|| Kernels::best_where(|isa| !isa.bf16_activations()))
+    }
+
+    /// The most preferred variant `keep` accepts whose self-check passes (portable at worst).
+    fn best_where(keep: impl Fn(Isa) -> bool) -> Kernels {
+        Isa::ALL
+            .into_iter()
+            .rev()
+            .filter(|&isa| keep(isa))
+            .find_map(|isa| Kernels::select(Some(isa)).ok())
+            .unwrap_or(Kernels::PORTABLE)
+    }
+
+    /// `isa` (after its self-check), or the best when `None`.
+    pub fn select(isa: Option<Isa>) -> Result<Kernels, KernelError> {
+        let Some(isa) = isa else {
+            return Ok(Kernels::detect());
+        };
+        let kernels = Kernels::unchecked(isa)?;
+        passed(kernels).map_err(|detail| KernelError::SelfCheckFailed { isa, detail })?;
+        Ok(kernels)
+    }
+}
 
 /// Shapes across the GEMV limit and every tile edge: 37 rows (12-, 16- and 32-row tiles all
 /// partial), 40 columns (a partial panel), 70 steps (a partial 32-step block, odd pairs).
