@@ -1,5 +1,5 @@
-//! `tpc bench MODEL --tp N`: prefill and decode throughput of a model on N CPU ranks, with
-//! its checkpoint or with seeded random weights when it has none.
+//! `tpc bench MODEL --tp N`: prefill and decode throughput of a model on N ranks (threads,
+//! MPI processes or GPUs), with its checkpoint or with seeded random weights when it has none.
 
 use super::ExecArgs;
 use std::path::PathBuf;
@@ -14,7 +14,7 @@ use tpc::runtime::weights::{Checkpoint, WeightSource};
 pub struct Args {
     /// A model (.ron, HF directory, config.json); a directory with weights uses them.
     model: PathBuf,
-    /// Number of tensor-parallel ranks (threads).
+    /// Number of tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     tp: u64,
     /// Sequences generated together (each with the same prompt length, different ids).

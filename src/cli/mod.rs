@@ -42,7 +42,7 @@ enum Command {
     Import(import::Args),
     /// Write a preset out as the equivalent explicit graph.
     Lower(lower::Args),
-    /// Run a model on N CPU ranks and generate tokens.
+    /// Run a model on N ranks (threads, MPI processes or GPUs) and generate tokens.
     Run(run::Args),
     /// Lay out global ranks as [ExternalDP, DP, PP, TP] and list the TP/PP/DP/EP groups.
     Ranks(ranks::Args),

@@ -16,7 +16,7 @@ use tpc::runtime::weights::Checkpoint;
 pub struct Args {
     /// An HF model directory: config.json and model.safetensors (or a sharded index).
     model: PathBuf,
-    /// Number of tensor-parallel ranks (threads); default 1, or the plan's with --plan.
+    /// Number of tensor-parallel ranks; default 1, or the plan's with --plan.
     #[arg(long)]
     tp: Option<u64>,
     #[command(flatten)]

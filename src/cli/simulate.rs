@@ -15,9 +15,9 @@ pub struct Args {
     /// Tensor-parallel ranks (ignored with --search).
     #[arg(long, default_value_t = 1)]
     tp: u64,
-    /// Pipeline stages of --tp ranks each, modelled (tpc does not compile stages yet): the
-    /// layers split into P contiguous stages balanced by parameter bytes, run one after
-    /// another (ignored with --search).
+    /// Pipeline stages of --tp ranks each: the layers split into the P contiguous stages
+    /// `compile --pp` cuts (balanced by parameter bytes and compute), run one after another
+    /// (ignored with --search).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pp: u64,
     /// Hardware profile (RON), e.g. models/hw/h100-sxm-nvswitch-8.ron.
