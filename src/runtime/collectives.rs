@@ -1,6 +1,6 @@
 //! Collectives on a backend's own buffers: what the executor calls. A device communicator
 //! (NCCL, a same-GPU one) implements [`Collectives`] for its backend's buffers; every host
-//! communicator ([`Communicator`]: threads today, MPI next) serves every backend whose
+//! communicator ([`Communicator`]: threads, MPI processes, GPUs) serves every backend whose
 //! buffers live in host memory through the blanket implementation below.
 
 use super::activation::{Activation, HostBuffer, HostData, HostDataRef};

@@ -1,4 +1,4 @@
-//! The CPU kernel set: packed linears (`packed.rs`) and attention (`attention.rs`) on the
+//! The CPU kernel set: packed linears (`packed.rs`) and attention (`attention/`) on the
 //! rank's team, norms and activations as f32 loops (f64 where accumulated error would
 //! matter), and the `gemm` crate for a linear weight that was not packed.
 

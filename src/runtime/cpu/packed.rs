@@ -1,5 +1,5 @@
 //! Linear weights packed once at load time into panels of 16 output columns, kept as bf16
-//! bits or f32 (layouts in `kernels/mod.rs`), and the GEMM / GEMV that multiply activations
+//! bits or f32 (layouts in `isa/mod.rs`), and the GEMM / GEMV that multiply activations
 //! by them with the kernel variant chosen at run time.
 //!
 //! Why packed: every kernel then reads a weight panel front to back, contiguous, which is what
