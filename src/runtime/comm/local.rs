@@ -13,7 +13,9 @@
 //!    memory that peers published for this call and that no rank writes in the same phase,
 //!    and writes only its own memory. The last inner wait guarantees no peer still reads a
 //!    rank's buffer when that rank returns. The one-shot all-reduce reads only staging
-//!    buffers owned by the group, so it needs no wait after its data phase.
+//!    buffers owned by the group, so it needs no wait after its data phase; the two-shot
+//!    reads peers' buffers in its first phase and only staging buffers in its second, so it
+//!    needs one inner wait, between the two.
 //!
 //! Why a slot or staging buffer of parity `p` is never written while a peer reads it: a peer
 //! reads it between the entry wait of call `k` and its own arrival at the entry wait of call
@@ -78,6 +80,11 @@ pub enum AllReduceAlgorithm {
     /// Every rank copies its buffer to a group-owned staging buffer, one wait, then every
     /// rank sums all staging buffers itself: 1 wait, `n × len` reads per rank.
     OneShot,
+    /// Reduce-scatter then all-gather, each one phase over the one-shot's direct reads: rank
+    /// `r` sums its chunk `r` from every rank's buffer into its group-owned staging buffer,
+    /// one wait, then every rank copies each rank's summed chunk from that rank's staging
+    /// buffer: 2 waits, about `2 len` reads per rank.
+    TwoShot,
     /// Ring reduce-scatter then ring all-gather over `n` chunks, in place in the ranks'
     /// buffers: `2(n − 1)` steps, each reading one chunk from the previous rank.
     Ring,
@@ -88,22 +95,30 @@ impl fmt::Display for AllReduceAlgorithm {
         f.write_str(match self {
             AllReduceAlgorithm::Auto => "auto",
             AllReduceAlgorithm::OneShot => "one-shot",
+            AllReduceAlgorithm::TwoShot => "two-shot",
             AllReduceAlgorithm::Ring => "ring",
         })
     }
 }
 
 impl AllReduceAlgorithm {
-    /// What this group runs for a plan's choice: one-shot as planned; two-shot and ring both
-    /// as its ring (reduce-scatter then all-gather, moving `2(n − 1)/n` of the buffer, as
-    /// both do), its only algorithm for large messages; no choice: by size.
+    /// What this group runs for a plan's choice: the algorithm planned; no choice: by size.
     pub(super) fn planned(choice: Option<CollectiveAlgorithm>) -> AllReduceAlgorithm {
         match choice {
             None => AllReduceAlgorithm::Auto,
             Some(CollectiveAlgorithm::OneShot) => AllReduceAlgorithm::OneShot,
-            Some(CollectiveAlgorithm::TwoShot | CollectiveAlgorithm::Ring) => {
-                AllReduceAlgorithm::Ring
-            }
+            Some(CollectiveAlgorithm::TwoShot) => AllReduceAlgorithm::TwoShot,
+            Some(CollectiveAlgorithm::Ring) => AllReduceAlgorithm::Ring,
+        }
+    }
+
+    /// The plan's name for what ran (`Auto` is resolved before anything runs; it reads as
+    /// the ring, its choice for large messages).
+    fn as_planned(self) -> CollectiveAlgorithm {
+        match self {
+            AllReduceAlgorithm::OneShot => CollectiveAlgorithm::OneShot,
+            AllReduceAlgorithm::TwoShot => CollectiveAlgorithm::TwoShot,
+            AllReduceAlgorithm::Auto | AllReduceAlgorithm::Ring => CollectiveAlgorithm::Ring,
         }
     }
 
@@ -146,6 +161,9 @@ pub struct LocalComm {
     /// Test hook: panic inside the given ring step, after touching the data.
     #[cfg(test)]
     pub(super) panic_in_ring_step: Option<usize>,
+    /// Test hook: panic in the two-shot's reduce-scatter phase, after reading peers' data.
+    #[cfg(test)]
+    pub(super) panic_in_two_shot_reduce: bool,
 }
 
 /// What the ranks of one group share.
@@ -155,11 +173,11 @@ struct Shared {
     one_shot_max_bytes: usize,
     /// `rank * 2 + parity`.
     slots: Box<[Slot]>,
-    /// `rank * 2 + parity`: where a rank copies its buffer for a one-shot all-reduce, one
-    /// buffer per element type. Owned by the group so it outlives any rank that leaves while
-    /// peers still read it. Only its rank locks it (to resize and fill it); peers read it
-    /// through the pointer published in the slot, under the protocol described in the
-    /// module documentation.
+    /// `rank * 2 + parity`: where a rank copies its buffer for a one-shot all-reduce, or
+    /// sums its chunk in a two-shot one, one buffer per element type. Owned by the group so
+    /// it outlives any rank that leaves while peers still read it. Only its rank locks it (to
+    /// resize and fill it); peers read it through the pointer published in the slot, under
+    /// the protocol described in the module documentation.
     staging: Box<[CachePadded<Mutex<PerType>>]>,
     /// Per receiving rank: its point-to-point messages.
     mailboxes: Box<[CachePadded<Mailbox>]>,
@@ -187,8 +205,10 @@ struct Slot {
     root: AtomicUsize,
     /// The rank's data for this call, elements of the published type.
     ptr: AtomicPtr<()>,
-    /// Ring all-reduce: where the rank keeps its `f32` partial sums (`ptr` itself for `f32`).
-    acc: AtomicPtr<f32>,
+    /// What the all-reduce's algorithm publishes besides `ptr`: the ring, where the rank
+    /// keeps its `f32` partial sums (`ptr` itself for `f32`); the two-shot, its summed chunk
+    /// (elements of the published type, in its staging buffer).
+    aux: AtomicPtr<()>,
 }
 
 /// The call a rank publishes, encoded into `Slot::code` (and `len`, `root`).
@@ -232,6 +252,7 @@ impl Call {
             None | Some(AllReduceAlgorithm::Auto) => 0,
             Some(AllReduceAlgorithm::OneShot) => 1,
             Some(AllReduceAlgorithm::Ring) => 2,
+            Some(AllReduceAlgorithm::TwoShot) => 3,
         };
         let dtype = match self.dtype {
             None => 0,
@@ -256,7 +277,8 @@ impl Call {
         let algorithm = match (code >> 4) & 0xf {
             0 => None,
             1 => Some(AllReduceAlgorithm::OneShot),
-            _ => Some(AllReduceAlgorithm::Ring),
+            2 => Some(AllReduceAlgorithm::Ring),
+            _ => Some(AllReduceAlgorithm::TwoShot),
         };
         let dtype = match (code >> 12) & 0xf {
             0 => None,
@@ -344,6 +366,8 @@ pub(super) fn group_with(world_size: usize, tuning: Tuning) -> Vec<LocalComm> {
             workspace: Vec::new(),
             #[cfg(test)]
             panic_in_ring_step: None,
+            #[cfg(test)]
+            panic_in_two_shot_reduce: false,
         })
         .collect()
 }
@@ -406,7 +430,7 @@ impl LocalComm {
 
     /// [`LocalComm::all_reduce_sum_with`], then `rows` (a row length and what to call on
     /// each row of the sum): one-shot calls it on each row as soon as that row is summed;
-    /// the ring, after its last step.
+    /// the two-shot and the ring, after their last phase.
     fn all_reduce_sum_then<T: Element>(
         &mut self,
         buf: &mut [T],
@@ -444,6 +468,13 @@ impl LocalComm {
             }
             return Ok(());
         }
+        if algorithm == AllReduceAlgorithm::TwoShot {
+            let reduced = self.reduce_target::<T>(chunk_range(len, self.n, self.rank).len());
+            let parity = self.begin(call, buf.as_ptr().cast(), reduced.cast(), None)?;
+            self.two_shot(buf, reduced, parity)?;
+            each_row(buf, rows);
+            return Ok(());
+        }
         // From here until `ring` returns, this rank touches `buf` only through `own` and
         // `acc`, the pointers its peers use too. `f32` partial sums travel in `buf` itself
         // (`acc` is `own`), narrower types' in the workspace, widened. The workspace is
@@ -462,7 +493,7 @@ impl LocalComm {
             }
         };
         let result = self
-            .begin(call, own.cast_const().cast(), acc, None)
+            .begin(call, own.cast_const().cast(), acc.cast(), None)
             .and_then(|parity| self.ring(own, acc, in_place.is_some(), len, parity));
         self.workspace = workspace;
         result?;
@@ -481,10 +512,7 @@ impl LocalComm {
         let runs = AllReduceAlgorithm::planned(algorithm)
             .resolve::<T>(buf.len(), self.shared.one_shot_max_bytes);
         self.all_reduce_sum_then(buf, runs, rows)?;
-        Ok(Some(match runs {
-            AllReduceAlgorithm::OneShot => CollectiveAlgorithm::OneShot,
-            _ => CollectiveAlgorithm::Ring,
-        }))
+        Ok(Some(runs.as_planned()))
     }
 
     fn parity(&self) -> usize {
@@ -554,14 +582,27 @@ impl LocalComm {
         staging.as_ptr()
     }
 
+    /// This rank's staging buffer for the coming call, `len` elements of `T`: where a
+    /// two-shot all-reduce sums its chunk. Returns where.
+    fn reduce_target<T: Element>(&self, len: usize) -> *mut T {
+        let mut staging = self.shared.staging[self.rank * 2 + self.parity()]
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let staging = T::of(&mut staging);
+        // No peer reads this buffer now, as in `stage`.
+        staging.resize(len, T::default());
+        staging.as_mut_ptr()
+    }
+
     /// Steps 1 and 2 of the protocol: publishes `call`, its data `ptr` (elements of
-    /// `call.dtype`) and, for a ring all-reduce, its partial sums `acc`. Returns the parity
-    /// of this call.
+    /// `call.dtype`) and what its all-reduce algorithm publishes besides (`aux`, see
+    /// [`Slot::aux`]). Returns the parity of this call.
     fn begin(
         &mut self,
         call: Call,
         ptr: *const (),
-        acc: *mut f32,
+        aux: *mut (),
         local_error: Option<CommError>,
     ) -> Result<usize, CommError> {
         self.check_usable(call.during)?;
@@ -577,7 +618,7 @@ impl LocalComm {
         slot.len.store(call.len, Relaxed);
         slot.root.store(call.root, Relaxed);
         slot.ptr.store(ptr.cast_mut(), Relaxed);
-        slot.acc.store(acc, Relaxed);
+        slot.aux.store(aux, Relaxed);
         // The entry wait orders these stores before every peer's loads below.
         self.wait(Phase::Entry, call.during)?;
         if let Some(e) = local_error {
@@ -673,11 +714,93 @@ impl LocalComm {
     ///
     /// As for [`Self::peer_data`], in a ring all-reduce, which publishes `len` partial sums.
     unsafe fn peer_acc(&self, peer: usize, parity: usize, range: Range<usize>) -> &[f32] {
-        let base = self.slot(peer, parity).acc.load(Relaxed).cast_const();
-        // SAFETY: as in `peer_data`; `acc` points to `len` `f32`s (the peer's buffer itself
+        let base = self
+            .slot(peer, parity)
+            .aux
+            .load(Relaxed)
+            .cast_const()
+            .cast::<f32>();
+        // SAFETY: as in `peer_data`; `aux` points to `len` `f32`s (the peer's buffer itself
         // for `f32`, else its workspace, resized to `len` whenever `ring` reads it: with more
         // than two ranks).
         unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
+    }
+
+    /// The `len` summed elements `peer` published for the current two-shot all-reduce.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Self::peer_data`], in a two-shot all-reduce, after its inner wait completed
+    /// without error, with `len` the length of `peer`'s chunk.
+    unsafe fn peer_reduced<T: Element>(&self, peer: usize, parity: usize, len: usize) -> &[T] {
+        let base = self
+            .slot(peer, parity)
+            .aux
+            .load(Relaxed)
+            .cast_const()
+            .cast::<T>();
+        // SAFETY: as in `peer_data`; `aux` points to `peer`'s staging buffer, which it sized
+        // to its chunk's `len` elements of the call's type before publishing it and filled
+        // before the inner wait.
+        unsafe { std::slice::from_raw_parts(base, len) }
+    }
+
+    /// Two-shot data phases. Reduce-scatter: this rank sums its chunk of every rank's `buf`,
+    /// in the fixed order, into its staging buffer (`reduced`, the chunk's length). One
+    /// inner wait. All-gather: it copies every rank's summed chunk from that rank's staging
+    /// buffer into its `buf`.
+    ///
+    /// In the first phase every rank reads the ranks' buffers and writes only its staging
+    /// buffer, which nobody reads before the wait; in the second it writes only its `buf`,
+    /// which nobody reads after the wait, and reads only staging buffers, which belong to
+    /// the group and are written again two calls later (as the one-shot's are): so no rank
+    /// waits for the others before returning.
+    fn two_shot<T: Element>(
+        &self,
+        buf: &mut [T],
+        reduced: *mut T,
+        parity: usize,
+    ) -> Result<(), CommError> {
+        let (n, rank, len) = (self.n, self.rank, buf.len());
+        let mine = chunk_range(len, n, rank);
+        let guard = UnwindGuard::new(&self.shared, rank);
+        if !mine.is_empty() {
+            let input: &[T] = buf;
+            let sources = summation_order(n, rank).map(|q| {
+                if q == rank {
+                    &input[mine.clone()]
+                } else {
+                    // SAFETY: rank `q` published its `buf` of `len` elements of `T` (length
+                    // and type agreed in `begin`); it only reads it until it passes the inner
+                    // wait below, which needs this rank's arrival.
+                    unsafe { self.peer_data::<T>(q, parity, mine.clone()) }
+                }
+            });
+            // SAFETY: `reduced` is this rank's staging buffer for this call, sized to
+            // `mine.len()` elements of `T` by `reduce_target`; only this rank writes it, and
+            // nobody reads it before the inner wait below.
+            let dst = unsafe { std::slice::from_raw_parts_mut(reduced, mine.len()) };
+            T::sum_into(dst, sources);
+        }
+        #[cfg(test)]
+        if self.panic_in_two_shot_reduce {
+            panic!("injected panic in the two-shot reduce-scatter on rank {rank}");
+        }
+        self.wait(Phase::Inner, Collective::AllReduceSum)?;
+        drop(guard);
+        for q in 0..n {
+            let chunk = chunk_range(len, n, q);
+            if chunk.is_empty() {
+                continue;
+            }
+            // SAFETY: rank `q` published its staging buffer of its chunk's length and filled
+            // it before the inner wait that just completed cleanly; the group keeps it
+            // alive, and rank `q` writes it again only after this rank has arrived at the
+            // entry wait of its next call.
+            let theirs = unsafe { self.peer_reduced::<T>(q, parity, chunk.len()) };
+            copy(&mut buf[chunk], theirs);
+        }
+        Ok(())
     }
 
     /// One-shot data phase: every chunk summed from all staging buffers, in the fixed order.

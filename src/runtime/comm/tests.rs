@@ -127,9 +127,10 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-const ALGORITHMS: [AllReduceAlgorithm; 3] = [
+const ALGORITHMS: [AllReduceAlgorithm; 4] = [
     AllReduceAlgorithm::Auto,
     AllReduceAlgorithm::OneShot,
+    AllReduceAlgorithm::TwoShot,
     AllReduceAlgorithm::Ring,
 ];
 
@@ -241,24 +242,27 @@ fn small_failures_release_everyone() {
         assert!(matches!(first, Err(CommError::PeerFailed { peer: 1, .. })));
         assert!(matches!(second, Err(CommError::PeerFailed { peer: 1, .. })));
     }
-    let outcomes = run_group(3, |mut comm| {
-        let mut buf = exact_input(comm.rank(), 40, 0);
-        comm.all_reduce_sum(&mut buf).unwrap();
-        if comm.rank() == 0 {
-            comm.abort();
+    for algorithm in ALGORITHMS {
+        let outcomes = run_group(3, move |mut comm| {
+            let mut buf = exact_input(comm.rank(), 40, 0);
+            comm.all_reduce_sum(&mut buf).unwrap();
+            if comm.rank() == 0 {
+                comm.abort();
+            }
+            comm.all_reduce_sum_with(&mut buf, algorithm)
+        });
+        for (rank, outcome) in ok(outcomes).into_iter().enumerate().skip(1) {
+            assert_eq!(
+                outcome,
+                Err(CommError::PeerFailed {
+                    rank,
+                    peer: 0,
+                    cause: FailureCause::Aborted,
+                    during: Collective::AllReduceSum
+                }),
+                "{algorithm}"
+            );
         }
-        comm.all_reduce_sum_with(&mut buf, AllReduceAlgorithm::Ring)
-    });
-    for (rank, outcome) in ok(outcomes).into_iter().enumerate().skip(1) {
-        assert_eq!(
-            outcome,
-            Err(CommError::PeerFailed {
-                rank,
-                peer: 0,
-                cause: FailureCause::Aborted,
-                during: Collective::AllReduceSum
-            })
-        );
     }
 }
 
@@ -512,6 +516,128 @@ fn a_panic_inside_a_ring_step_fails_the_collective_everywhere() {
             );
         }
     }
+}
+
+/// Two-shot at the edges of its split: no element, one, fewer than the ranks, lengths that
+/// leave chunks short or empty, and a large message; `f32` and `bf16`, bit for bit the
+/// documented order (what one-shot and ring give) on every rank.
+#[test]
+fn two_shot_gives_the_documented_bits_for_every_split() {
+    let two_shot = AllReduceAlgorithm::TwoShot;
+    for n in 2..=8 {
+        let mut lengths = vec![0, 1, n - 1, n, n + 1, 16 * n - 1, 16 * n + 1, 48 * n + 7];
+        if [2, 3, 4, 8].contains(&n) {
+            lengths.push((1 << 20) + 3);
+        }
+        let ls = lengths.clone();
+        let results = ok(run_group(n, move |mut comm| {
+            let rank = comm.rank();
+            ls.iter()
+                .map(|&len| {
+                    let mut f = order_sensitive_input(rank, len);
+                    comm.all_reduce_sum_with(&mut f, two_shot).unwrap();
+                    let mut h = bf16_input(rank, len);
+                    comm.all_reduce_sum_with(&mut h, two_shot).unwrap();
+                    (bits(&f), bf16_bits(&h))
+                })
+                .collect::<Vec<_>>()
+        }));
+        for (k, &len) in lengths.iter().enumerate() {
+            let inputs: Vec<_> = (0..n).map(|r| order_sensitive_input(r, len)).collect();
+            let want = if len == 0 {
+                Vec::new()
+            } else {
+                bits(&canonical_all_reduce(&inputs))
+            };
+            let inputs16: Vec<_> = (0..n).map(|r| bf16_input(r, len)).collect();
+            let want16 = if len == 0 {
+                Vec::new()
+            } else {
+                bf16_bits(&canonical_bf16_all_reduce(&inputs16))
+            };
+            for (rank, per_rank) in results.iter().enumerate() {
+                assert!(
+                    per_rank[k].0 == want,
+                    "n {n} rank {rank} len {len}: f32 bits"
+                );
+                assert!(
+                    per_rank[k].1 == want16,
+                    "n {n} rank {rank} len {len}: bf16 bits"
+                );
+            }
+        }
+    }
+}
+
+/// A panic in the two-shot's reduce-scatter (after reading peers' buffers, before the
+/// wait): the panicking rank still makes that wait, the others get `PeerFailed` from it.
+/// The plan's choice of two-shot is what reaches the two-shot code.
+#[test]
+fn a_panic_inside_the_two_shot_fails_the_collective_everywhere() {
+    for (n, bad) in [(2, 0), (3, 1), (8, 5)] {
+        let mut comms = local_group(n);
+        comms[bad].panic_in_two_shot_reduce = true;
+        let outcomes = run_comms(comms, move |mut comm| {
+            let mut buf = exact_input(comm.rank(), 3 * RING_ELEMS, 1);
+            let first = comm.all_reduce_sum_planned(&mut buf, Some(CollectiveAlgorithm::TwoShot));
+            let second = comm.barrier();
+            (first, second)
+        });
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            if rank == bad {
+                assert!(outcome.unwrap_err().contains("injected panic"));
+                continue;
+            }
+            let failed = |during| CommError::PeerFailed {
+                rank,
+                peer: bad,
+                cause: FailureCause::Panicked,
+                during,
+            };
+            assert_eq!(
+                outcome.unwrap(),
+                (
+                    Err(failed(Collective::AllReduceSum)),
+                    Err(failed(Collective::Barrier))
+                ),
+                "n {n}"
+            );
+        }
+    }
+}
+
+/// Ranks that force different algorithms, two-shot among them, all get the mismatch naming
+/// both, and the group keeps working.
+#[test]
+fn a_forced_two_shot_must_match_on_every_rank() {
+    use AllReduceAlgorithm::{OneShot, Ring, TwoShot};
+    let outcomes = ok(run_group(2, |mut comm| {
+        let rank = comm.rank();
+        let mut errors = Vec::new();
+        for pair in [[TwoShot, Ring], [OneShot, TwoShot]] {
+            errors.push(
+                comm.all_reduce_sum_with(&mut [1.0; 40], pair[rank])
+                    .unwrap_err(),
+            );
+        }
+        let mut buf = vec![rank as f32 + 1.0; 40];
+        comm.all_reduce_sum_with(&mut buf, TwoShot).unwrap();
+        assert_eq!(buf, vec![3.0; 40]);
+        errors
+    }));
+    for (rank, errors) in outcomes.iter().enumerate() {
+        let mismatch = |mine: [AllReduceAlgorithm; 2]| CommError::AlgorithmMismatch {
+            rank,
+            peer: 1 - rank,
+            algorithm: mine[rank],
+            peer_algorithm: mine[1 - rank],
+        };
+        assert_eq!(
+            errors,
+            &[mismatch([TwoShot, Ring]), mismatch([OneShot, TwoShot])]
+        );
+    }
+    assert!(outcomes[0][0].to_string().contains("two-shot"));
 }
 
 /// Disagreements are reported on every rank, and the group keeps working afterwards.
@@ -1357,9 +1483,10 @@ fn summed_rows<T: Element>(
 /// rows straddle the chunks of the ranks (odd row lengths) or not.
 #[test]
 fn rows_of_the_sum_are_handed_on_in_order_with_the_sums_bits() {
-    const CHOICES: [Option<CollectiveAlgorithm>; 3] = [
+    const CHOICES: [Option<CollectiveAlgorithm>; 4] = [
         None,
         Some(CollectiveAlgorithm::OneShot),
+        Some(CollectiveAlgorithm::TwoShot),
         Some(CollectiveAlgorithm::Ring),
     ];
     // (rows, row length): one row, rows cut by chunk boundaries, a message above the
