@@ -901,8 +901,9 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             Op::AllGather(g)
                 if call.exchange != Exchange::Logits && self.logits_gather == Some(i.id) =>
             {
+                // Each rank's best candidates of its vocabulary slice, then the best of all.
                 let x = x(0)?;
-                let (rows, n) = x.rows_cols();
+                let n = x.rows_cols().1;
                 let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
                 let offset = self.rank * n;
                 let valid = keep.saturating_sub(offset).min(n);
@@ -911,56 +912,55 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     _ => b.argmax_pairs(x, valid, offset),
                 }
                 .map_err(&err)?;
-                let width = local.rows_cols().1;
-                let mut gathered = b
-                    .alloc(&[rows * self.tp, width], local.dtype())
-                    .map_err(&err)?;
-                self.collective_bytes += message_bytes(&gathered);
-                let sent = self
-                    .comm
-                    .all_gather(&local, &mut gathered)
-                    .map_err(RunError::from);
+                let tp = self.tp;
+                let out = gather_then(
+                    b,
+                    &mut self.comm,
+                    &mut self.collective_bytes,
+                    tp,
+                    &local,
+                    &err,
+                    |all| {
+                        match call.exchange {
+                            Exchange::TopK(k) => b.best_k_of_pairs(all, tp, k),
+                            _ => b.best_of_pairs(all, tp),
+                        }
+                        .map_err(&err)
+                    },
+                );
                 b.release(local);
-                let out = sent.and_then(|()| {
-                    match call.exchange {
-                        Exchange::TopK(k) => b.best_k_of_pairs(&gathered, self.tp, k),
-                        _ => b.best_of_pairs(&gathered, self.tp),
-                    }
-                    .map_err(&err)
-                });
-                b.release(gathered);
                 out?
             }
             Op::AllGather(g) if i.fact.shape.is_sequence(g.dim) => {
                 // Every rank's block of tokens, in rank order, padding dropped.
-                let x = x(0)?;
-                let (block, n) = x.rows_cols();
-                let mut gathered = b.alloc(&[block * self.tp, n], x.dtype()).map_err(&err)?;
-                self.collective_bytes += message_bytes(&gathered);
-                let sent = self
-                    .comm
-                    .all_gather(x, &mut gathered)
-                    .map_err(RunError::from);
                 let tokens = call.ids.len();
-                let out = sent.and_then(|()| b.row_window(&gathered, 0, tokens).map_err(&err));
-                b.release(gathered);
-                out?
+                gather_then(
+                    b,
+                    &mut self.comm,
+                    &mut self.collective_bytes,
+                    self.tp,
+                    x(0)?,
+                    &err,
+                    |all| b.row_window(all, 0, tokens).map_err(&err),
+                )?
             }
             Op::AllGather(g) => {
-                let x = x(0)?;
-                let (rows, n) = x.rows_cols();
-                let mut gathered = b.alloc(&[rows * self.tp, n], x.dtype()).map_err(&err)?;
-                self.collective_bytes += message_bytes(&gathered);
-                let sent = self
-                    .comm
-                    .all_gather(x, &mut gathered)
-                    .map_err(RunError::from);
                 // Rank-major pieces [tp][rows][n] → [rows][tp·n], then drop vocab padding.
-                let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
-                let out = sent
-                    .and_then(|()| b.rank_major_to_rows(&gathered, self.tp, keep).map_err(&err));
-                b.release(gathered);
-                out?
+                let x = x(0)?;
+                let keep = g
+                    .unpad_to
+                    .map(|u| u as usize)
+                    .unwrap_or(x.rows_cols().1 * self.tp);
+                let tp = self.tp;
+                gather_then(
+                    b,
+                    &mut self.comm,
+                    &mut self.collective_bytes,
+                    tp,
+                    x,
+                    &err,
+                    |all| b.rank_major_to_rows(all, tp, keep).map_err(&err),
+                )?
             }
             Op::ReduceScatter(r) if i.fact.shape.is_sequence(r.dim) => {
                 // The call's tokens padded to tp equal blocks; this rank keeps the sum of
@@ -969,29 +969,29 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let (rows, n) = x.rows_cols();
                 let block = rows.div_ceil(self.tp);
                 let padded = b.row_window(x, 0, block * self.tp).map_err(&err)?;
-                let mut out = b.alloc(&[block, n], x.dtype()).map_err(&err)?;
-                self.collective_bytes += message_bytes(&padded);
-                let sent = self
-                    .comm
-                    .reduce_scatter_sum(&padded, &mut out)
-                    .map_err(RunError::from);
-                b.release(padded);
-                sent?;
-                out
+                scatter_sum(
+                    b,
+                    &mut self.comm,
+                    &mut self.collective_bytes,
+                    padded,
+                    &[block, n],
+                    &err,
+                )?
             }
             Op::ReduceScatter(_) => {
+                // Column blocks to rank-major row blocks, one per rank, each rank keeping its sum.
                 let x = x(0)?;
                 let (rows, n) = x.rows_cols();
                 let arranged = b.rows_to_rank_major(x, self.tp).map_err(&err)?;
-                let mut out = b.alloc(&[rows, n / self.tp], x.dtype()).map_err(&err)?;
-                self.collective_bytes += message_bytes(&arranged);
-                let sent = self
-                    .comm
-                    .reduce_scatter_sum(&arranged, &mut out)
-                    .map_err(RunError::from);
-                b.release(arranged);
-                sent?;
-                out
+                let shape = [rows, n / self.tp];
+                scatter_sum(
+                    b,
+                    &mut self.comm,
+                    &mut self.collective_bytes,
+                    arranged,
+                    &shape,
+                    &err,
+                )?
             }
             Op::LocalSlice(l) if i.fact.shape.is_sequence(l.dim) => {
                 let x = x(0)?;
@@ -1004,6 +1004,61 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             }
         })
     }
+}
+
+/// All-gathers `local` from every rank into a new rank-major `[rows · tp, cols]` buffer,
+/// counting its bytes, and returns what `finish` makes of it; the gathered buffer is
+/// released whatever happens.
+fn gather_then<B, C, T>(
+    b: &B,
+    comm: &mut C,
+    bytes: &mut u64,
+    tp: usize,
+    local: &B::Act,
+    err: &dyn Fn(BackendError) -> RunError,
+    finish: impl FnOnce(&B::Act) -> Result<T>,
+) -> Result<T>
+where
+    B: Backend,
+    C: Collectives<B::Act>,
+{
+    let (rows, n) = local.rows_cols();
+    let mut all = b.alloc(&[rows * tp, n], local.dtype()).map_err(err)?;
+    *bytes += message_bytes(&all);
+    let out = comm
+        .all_gather(local, &mut all)
+        .map_err(RunError::from)
+        .and_then(|()| finish(&all));
+    b.release(all);
+    out
+}
+
+/// Reduce-scatters `arranged` (one block of rows per rank, in rank order) into a new buffer
+/// of `shape`, this rank's block summed over the ranks, counting the bytes sent; `arranged`
+/// is released whatever happens.
+fn scatter_sum<B, C>(
+    b: &B,
+    comm: &mut C,
+    bytes: &mut u64,
+    arranged: B::Act,
+    shape: &[usize],
+    err: &dyn Fn(BackendError) -> RunError,
+) -> Result<B::Act>
+where
+    B: Backend,
+    C: Collectives<B::Act>,
+{
+    *bytes += message_bytes(&arranged);
+    let out = b
+        .alloc(shape, arranged.dtype())
+        .map_err(err)
+        .and_then(|mut out| {
+            comm.reduce_scatter_sum(&arranged, &mut out)
+                .map_err(RunError::from)
+                .map(|()| out)
+        });
+    b.release(arranged);
+    out
 }
 
 fn message_bytes<A: Activation>(a: &A) -> u64 {

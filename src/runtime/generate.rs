@@ -479,8 +479,9 @@ fn step_name(step: usize) -> String {
     }
 }
 
-/// One generation from empty caches: a ragged prefill of every prompt, then decode steps
-/// over the sequences still live until each meets EOS or its token limit.
+/// One generation from empty caches: [`prefill`] of every prompt, then, while any sequence is
+/// live, [`pick_next`] (sample each one's token and [`retire`] the finished) and
+/// [`decode_step`] (one forward call over the sequences still live).
 fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     exec: &mut RankExecutor<'_, B, C>,
     requests: &[Request],
@@ -489,188 +490,57 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
     finished: &dyn Fn(usize, &[i64]),
 ) -> Result<BatchOutput> {
     let n = requests.len();
-    exec.reset();
-    let limits: Vec<usize> = requests
-        .iter()
-        .map(|r| r.max_new_tokens.unwrap_or(opts.max_new_tokens))
-        .collect();
-    for (s, r) in requests.iter().enumerate() {
-        exec.reserve(s, r.prompt.len().saturating_add(limits[s]));
-    }
     let bytes_before = exec.collective_bytes;
     let all_reduces_before = exec.all_reduces;
-    let mut rngs: Vec<Rng> = (0..n).map(|_| Rng::new(opts.sampling.seed)).collect();
-    let rows = if opts.all_prompt_logits {
-        OutputRows::All
-    } else {
-        OutputRows::LastOfEach
+    let mut run = Generation {
+        requests,
+        opts,
+        limits: requests
+            .iter()
+            .map(|r| r.max_new_tokens.unwrap_or(opts.max_new_tokens))
+            .collect(),
+        rngs: (0..n).map(|_| Rng::new(opts.sampling.seed)).collect(),
+        sequences: Vec::new(),
+        finished,
     };
-    let batch: Vec<(usize, &[i64])> = requests
-        .iter()
-        .enumerate()
-        .map(|(s, r)| (s, r.prompt.as_slice()))
-        .collect();
     let start = Instant::now();
-    let logits = exec.forward(&batch, rows)?;
+    let prompt = prefill(exec, &mut run)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
-    let vocab = logits.cols();
-    if let Some(row) = logits.first_non_finite_row() {
-        // Rows are each sequence's prompt rows (or its last row), in batch order.
-        let mut end = 0;
-        let s = requests
-            .iter()
-            .position(|r| {
-                end += if rows == OutputRows::All {
-                    r.prompt.len()
-                } else {
-                    1
-                };
-                row < end
-            })
-            .unwrap_or(0);
-        logits.release();
-        return Err(non_finite(exec, s, 0, &requests[s].prompt));
-    }
     report(Stage::Prefilled);
-    // Row of `logits` each sequence samples its first token from, and its prompt logits.
-    let mut row_of = Vec::with_capacity(n);
-    let mut prompt_logits = Vec::with_capacity(n);
-    let mut offset = 0;
-    for r in requests {
-        let len = if rows == OutputRows::All {
-            r.prompt.len()
-        } else {
-            1
-        };
-        row_of.push(offset + len - 1);
-        prompt_logits.push((offset, len));
-        offset += len;
+    let mut live: Vec<usize> = (0..n).filter(|&s| run.limits[s] > 0).collect();
+    for s in (0..n).filter(|&s| run.limits[s] == 0) {
+        retire(&run, s);
     }
-    let mut sequences: Vec<SequenceOutput> = if n == 1 {
-        // The common case keeps the (pooled) logits as they are.
-        vec![SequenceOutput {
-            generated: Vec::new(),
-            prompt_logits: Tensor::default(),
-        }]
-    } else {
-        prompt_logits
-            .iter()
-            .map(|&(o, len)| SequenceOutput {
-                generated: Vec::new(),
-                prompt_logits: Tensor::new(
-                    vec![len, vocab],
-                    logits.data[o * vocab..(o + len) * vocab].to_vec(),
-                ),
-            })
-            .collect()
-    };
-    let mut live: Vec<usize> = (0..n).filter(|&s| limits[s] > 0).collect();
-    for s in (0..n).filter(|&s| limits[s] == 0) {
-        finished(s, &[]);
-    }
-    let mut step_logits: Option<Tensor> = None;
-    // Greedy decode picks on the device: only token ids come back from a decode step.
-    let greedy = opts.sampling.temperature <= 0.0 && !opts.gather_logits;
-    let mut step_picks: Option<Vec<usize>> = None;
-    // Top-k sampling needs each row's k best logits only: they come back from a decode step
-    // (exchanged between the ranks instead of the logits when that is fewer bytes). Without
-    // a top-k, exact sampling needs the whole distribution, so the logits are gathered.
-    let top_k = opts
-        .sampling
-        .top_k
-        .filter(|&k| k > 0 && opts.sampling.temperature > 0.0 && !opts.gather_logits);
-    let mut step_candidates: Option<Vec<Candidates>> = None;
-    let mut next_ids: Vec<i64> = Vec::with_capacity(n);
+    let mode = DecodeMode::of(opts);
+    let mut from = NextFrom::Prompt;
     let mut total = 0;
     let decode = Instant::now();
-    while !live.is_empty() {
-        let current = step_logits.as_ref().unwrap_or(&logits);
-        next_ids.clear();
-        let mut still = Vec::with_capacity(live.len());
-        for (k, &s) in live.iter().enumerate() {
-            let next = match (&step_picks, &step_candidates) {
-                (Some(picks), _) => picks[k] as i64,
-                (None, Some(candidates)) => {
-                    pick_from_candidates(&candidates[k], &opts.sampling, &mut rngs[s]).ok_or_else(
-                        || RunError::BadInstruction {
-                            name: "output".into(),
-                            problem: "a row of the logits has no candidate token".into(),
-                        },
-                    )? as i64
-                }
-                (None, None) => {
-                    // A decode step's logits have one row per live sequence, in order.
-                    let r = if step_logits.is_some() { k } else { row_of[s] };
-                    let row = &current.data[r * vocab..(r + 1) * vocab];
-                    pick(row, &opts.sampling, &mut rngs[s]) as i64
-                }
-            };
-            let seq = &mut sequences[s];
-            seq.generated.push(next);
-            total += 1;
-            if !(opts.eos.contains(&next) || seq.generated.len() >= limits[s]) {
-                still.push(s);
-                next_ids.push(next);
-            } else {
-                finished(s, &seq.generated);
+    let outcome: Result<()> = (|| {
+        while !live.is_empty() {
+            let (still, next_ids) = pick_next(&mut run, &prompt, &from, &live)?;
+            total += live.len();
+            report(Stage::Token(total));
+            if still.is_empty() {
+                break;
             }
+            let last = std::mem::replace(&mut from, NextFrom::Prompt);
+            from = decode_step(exec, &run, mode, &still, &next_ids, last)?;
+            live = still;
         }
-        report(Stage::Token(total));
-        if still.is_empty() {
-            break;
-        }
-        let batch: Vec<(usize, &[i64])> = still
-            .iter()
-            .zip(&next_ids)
-            .map(|(&s, id)| (s, std::slice::from_ref(id)))
-            .collect();
-        // A row that is not finite stops generation with the op it comes from.
-        let stop = |exec: &mut RankExecutor<'_, B, C>, k: usize| {
-            let s = still[k];
-            let seq = &sequences[s];
-            let tokens = [requests[s].prompt.as_slice(), &seq.generated].concat();
-            non_finite(exec, s, seq.generated.len(), &tokens)
-        };
-        // Earlier pipeline stages run the same step.
-        exec.tell(&Control::Step(
-            still
-                .iter()
-                .copied()
-                .zip(next_ids.iter().copied())
-                .collect(),
-        ))?;
-        if greedy {
-            match exec.forward_argmax(&batch, OutputRows::LastOfEach)? {
-                Ok(picks) => step_picks = Some(picks),
-                Err(k) => return Err(stop(exec, k)),
-            }
-        } else if let Some(top_k) = top_k {
-            match exec.forward_top_k(&batch, OutputRows::LastOfEach, top_k)? {
-                Ok(candidates) => step_candidates = Some(candidates),
-                Err(k) => return Err(stop(exec, k)),
-            }
-        } else {
-            let fresh = exec.forward(&batch, OutputRows::LastOfEach)?;
-            if let Some(k) = fresh.first_non_finite_row() {
-                fresh.release();
-                return Err(stop(exec, k));
-            }
-            // The previous step's logits go back to the pool for the next step's to reuse.
-            if let Some(old) = step_logits.replace(fresh) {
-                old.release();
-            }
-        }
-        live = still;
-    }
-    let decode_seconds = decode.elapsed().as_secs_f64();
-    exec.tell(&Control::Done)?;
-    if let Some(old) = step_logits {
+        Ok(())
+    })();
+    // The last step's logits go back to the pool whatever happened.
+    if let NextFrom::Logits(old) = from {
         old.release();
     }
+    outcome?;
+    let decode_seconds = decode.elapsed().as_secs_f64();
+    exec.tell(&Control::Done)?;
+    let mut sequences = run.sequences;
     if n == 1 {
-        sequences[0].prompt_logits = logits;
+        sequences[0].prompt_logits = prompt.logits;
     } else {
-        logits.release();
+        prompt.logits.release();
     }
     Ok(BatchOutput {
         sequences,
@@ -684,6 +554,238 @@ fn generate_batch<B: Backend, C: Collectives<B::Act>>(
         profile: Vec::new(),
         profiled_steps: [0; 2],
         linear_kernels: None,
+    })
+}
+
+/// The state of one generation that its phases share.
+struct Generation<'r> {
+    requests: &'r [Request],
+    opts: &'r RunOptions,
+    /// New tokens each sequence may generate.
+    limits: Vec<usize>,
+    /// One sampler per sequence, all from the run's seed.
+    rngs: Vec<Rng>,
+    sequences: Vec<SequenceOutput>,
+    finished: &'r dyn Fn(usize, &[i64]),
+}
+
+/// The prefill's logits and the row each sequence samples its first token from.
+struct PromptLogits {
+    logits: Tensor,
+    row_of: Vec<usize>,
+}
+
+/// What the next tokens are picked from.
+enum NextFrom {
+    /// The prefill's logits, at each sequence's [`PromptLogits::row_of`].
+    Prompt,
+    /// A decode step's logits, one row per live sequence in order.
+    Logits(Tensor),
+    /// A decode step's picks, made on the device (greedy decoding).
+    Picks(Vec<usize>),
+    /// A decode step's best candidates per live sequence (top-k sampling).
+    Candidates(Vec<Candidates>),
+}
+
+/// How decode steps return their result.
+#[derive(Clone, Copy)]
+enum DecodeMode {
+    /// Greedy decode picks on the device: only token ids come back from a decode step.
+    Greedy,
+    /// Top-k sampling needs each row's k best logits only: they come back from a decode
+    /// step (exchanged between the ranks instead of the logits when that is fewer bytes).
+    TopK(usize),
+    /// Exact sampling without a top-k needs the whole distribution: the logits.
+    Logits,
+}
+
+impl DecodeMode {
+    fn of(opts: &RunOptions) -> DecodeMode {
+        let sampling = opts.sampling.temperature > 0.0;
+        match opts.sampling.top_k {
+            _ if opts.gather_logits => DecodeMode::Logits,
+            _ if !sampling => DecodeMode::Greedy,
+            Some(k) if k > 0 => DecodeMode::TopK(k),
+            _ => DecodeMode::Logits,
+        }
+    }
+}
+
+/// Empties the caches, reserves each sequence's positions and runs every prompt in one
+/// ragged forward call; keeps each sequence's prompt logits (all rows with
+/// `all_prompt_logits`, else the last).
+fn prefill<B: Backend, C: Collectives<B::Act>>(
+    exec: &mut RankExecutor<'_, B, C>,
+    run: &mut Generation<'_>,
+) -> Result<PromptLogits> {
+    let requests = run.requests;
+    exec.reset();
+    for (s, r) in requests.iter().enumerate() {
+        exec.reserve(s, r.prompt.len().saturating_add(run.limits[s]));
+    }
+    let rows = if run.opts.all_prompt_logits {
+        OutputRows::All
+    } else {
+        OutputRows::LastOfEach
+    };
+    let rows_of = |r: &Request| {
+        if rows == OutputRows::All {
+            r.prompt.len()
+        } else {
+            1
+        }
+    };
+    let batch: Vec<(usize, &[i64])> = requests
+        .iter()
+        .enumerate()
+        .map(|(s, r)| (s, r.prompt.as_slice()))
+        .collect();
+    let logits = exec.forward(&batch, rows)?;
+    let vocab = logits.cols();
+    if let Some(row) = logits.first_non_finite_row() {
+        // Rows are each sequence's prompt rows (or its last row), in batch order.
+        let mut end = 0;
+        let s = requests
+            .iter()
+            .position(|r| {
+                end += rows_of(r);
+                row < end
+            })
+            .unwrap_or(0);
+        logits.release();
+        return Err(non_finite(exec, s, 0, &requests[s].prompt));
+    }
+    let mut row_of = Vec::with_capacity(requests.len());
+    let mut spans = Vec::with_capacity(requests.len());
+    let mut offset = 0;
+    for r in requests {
+        let len = rows_of(r);
+        row_of.push(offset + len - 1);
+        spans.push((offset, len));
+        offset += len;
+    }
+    run.sequences = if requests.len() == 1 {
+        // The common case keeps the (pooled) logits as they are.
+        vec![SequenceOutput {
+            generated: Vec::new(),
+            prompt_logits: Tensor::default(),
+        }]
+    } else {
+        spans
+            .iter()
+            .map(|&(o, len)| SequenceOutput {
+                generated: Vec::new(),
+                prompt_logits: Tensor::new(
+                    vec![len, vocab],
+                    logits.data[o * vocab..(o + len) * vocab].to_vec(),
+                ),
+            })
+            .collect()
+    };
+    Ok(PromptLogits { logits, row_of })
+}
+
+/// Picks each live sequence's next token from `from`, retires those that meet EOS or their
+/// limit, and returns the sequences still live with their new tokens.
+fn pick_next(
+    run: &mut Generation<'_>,
+    prompt: &PromptLogits,
+    from: &NextFrom,
+    live: &[usize],
+) -> Result<(Vec<usize>, Vec<i64>)> {
+    let vocab = prompt.logits.cols();
+    let mut still = Vec::with_capacity(live.len());
+    let mut next_ids = Vec::with_capacity(live.len());
+    for (k, &s) in live.iter().enumerate() {
+        let sampling = &run.opts.sampling;
+        let next = match from {
+            NextFrom::Picks(picks) => picks[k] as i64,
+            NextFrom::Candidates(candidates) => {
+                pick_from_candidates(&candidates[k], sampling, &mut run.rngs[s]).ok_or_else(
+                    || RunError::BadInstruction {
+                        name: "output".into(),
+                        problem: "a row of the logits has no candidate token".into(),
+                    },
+                )? as i64
+            }
+            NextFrom::Logits(step) => pick(
+                &step.data[k * vocab..(k + 1) * vocab],
+                sampling,
+                &mut run.rngs[s],
+            ) as i64,
+            NextFrom::Prompt => {
+                let r = prompt.row_of[s];
+                let row = &prompt.logits.data[r * vocab..(r + 1) * vocab];
+                pick(row, sampling, &mut run.rngs[s]) as i64
+            }
+        };
+        let seq = &mut run.sequences[s];
+        seq.generated.push(next);
+        if !(run.opts.eos.contains(&next) || seq.generated.len() >= run.limits[s]) {
+            still.push(s);
+            next_ids.push(next);
+        } else {
+            retire(run, s);
+        }
+    }
+    Ok((still, next_ids))
+}
+
+/// A sequence leaves the batch: its tokens go to the caller at once.
+fn retire(run: &Generation<'_>, s: usize) {
+    (run.finished)(s, &run.sequences[s].generated);
+}
+
+/// One decode step: the sequences `still` live, each with its newest token, through one
+/// forward call (earlier pipeline stages told to run it too). A row that is not finite stops
+/// generation with the op it comes from. `last` (the previous step's result) is released
+/// once the new one exists, so the pool reuses its logits.
+fn decode_step<B: Backend, C: Collectives<B::Act>>(
+    exec: &mut RankExecutor<'_, B, C>,
+    run: &Generation<'_>,
+    mode: DecodeMode,
+    still: &[usize],
+    next_ids: &[i64],
+    last: NextFrom,
+) -> Result<NextFrom> {
+    if let NextFrom::Logits(old) = last {
+        old.release();
+    }
+    let batch: Vec<(usize, &[i64])> = still
+        .iter()
+        .zip(next_ids)
+        .map(|(&s, id)| (s, std::slice::from_ref(id)))
+        .collect();
+    let stop = |exec: &mut RankExecutor<'_, B, C>, k: usize| {
+        let s = still[k];
+        let seq = &run.sequences[s];
+        let tokens = [run.requests[s].prompt.as_slice(), &seq.generated].concat();
+        non_finite(exec, s, seq.generated.len(), &tokens)
+    };
+    exec.tell(&Control::Step(
+        still
+            .iter()
+            .copied()
+            .zip(next_ids.iter().copied())
+            .collect(),
+    ))?;
+    Ok(match mode {
+        DecodeMode::Greedy => match exec.forward_argmax(&batch, OutputRows::LastOfEach)? {
+            Ok(picks) => NextFrom::Picks(picks),
+            Err(k) => return Err(stop(exec, k)),
+        },
+        DecodeMode::TopK(k) => match exec.forward_top_k(&batch, OutputRows::LastOfEach, k)? {
+            Ok(candidates) => NextFrom::Candidates(candidates),
+            Err(k) => return Err(stop(exec, k)),
+        },
+        DecodeMode::Logits => {
+            let fresh = exec.forward(&batch, OutputRows::LastOfEach)?;
+            if let Some(k) = fresh.first_non_finite_row() {
+                fresh.release();
+                return Err(stop(exec, k));
+            }
+            NextFrom::Logits(fresh)
+        }
     })
 }
 
