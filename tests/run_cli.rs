@@ -934,3 +934,59 @@ fn missing_text_settings_fall_back_and_malformed_ones_are_refused() {
         assert!(e.contains(name) && e.contains(says), "{name} {text}: {e}");
     }
 }
+
+/// What a progress bar leaves in captured output: carriage returns and ANSI escapes.
+fn has_progress_bytes(stderr: &[u8]) -> bool {
+    stderr.iter().any(|&b| b == b'\r' || b == 0x1b)
+}
+
+#[test]
+fn no_progress_bar_reaches_a_pipe() {
+    let r = text_reference();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            TEXT_MODEL,
+            "--prompt",
+            r["prompt"].as_str().unwrap(),
+            "--max-new-tokens",
+            "4",
+            "--warmup",
+            "1",
+            "--repeat",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        tpc(&args)
+    };
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            MODEL,
+            "--prompt-len",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--warmup",
+            "1",
+            "--repeat",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        tpc(&args)
+    };
+    for (what, o) in [
+        ("run", run(&[])),
+        ("run --json", run(&["--json"])),
+        ("run --tp 2 --dp 2", run(&["--tp", "2", "--dp", "2"])),
+        ("bench", bench(&[])),
+        ("bench --tp 2", bench(&["--tp", "2"])),
+    ] {
+        ok(&o);
+        assert!(
+            !has_progress_bytes(&o.stderr) && !has_progress_bytes(&o.stdout),
+            "{what}: {:?}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}

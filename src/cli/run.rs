@@ -2,14 +2,13 @@
 
 use super::ExecArgs;
 use anyhow::Context;
-use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::sync::Arc;
 use tpc::frontend::load::load_model;
 use tpc::frontend::stop_ids::stop_ids;
 use tpc::frontend::text::TextTokenizer;
 use tpc::plan::Plan;
-use tpc::runtime::generate::{BatchOutput, Request, RunOptions, Stage};
+use tpc::runtime::generate::{BatchOutput, Request, RunOptions};
 use tpc::runtime::replicas::run_replicas;
 use tpc::runtime::sampling::Sampling;
 use tpc::runtime::weights::Checkpoint;
@@ -314,17 +313,8 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         .iter()
         .map(|r| r.max_new_tokens.unwrap_or(a.max_new_tokens))
         .sum();
-    let bar = ProgressBar::new(total_new as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} tokens")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_message(format!(
-        "loading {} ranks",
-        (plan.world() as u64).saturating_mul(a.dp)
-    ));
-    bar.enable_steady_tick(std::time::Duration::from_millis(100));
-    let progress_bar = bar.clone();
+    let ranks = (plan.world() as u64).saturating_mul(a.dp);
+    let bar = super::progress::bar(total_new, ranks, a.json);
     let tokenizer = Arc::new(tokenizer);
     let streamed = Arc::new(std::sync::Mutex::new(InOrder::default()));
     let on_finished: Option<tpc::runtime::generate::OnFinished> = a.prompts.as_ref().map(|_| {
@@ -347,11 +337,11 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         eos,
         all_prompt_logits: a.dump_logits.is_some(),
         gather_logits: a.gather_logits,
-        progress: Some(Arc::new(move |stage| match stage {
-            Stage::Loaded => progress_bar.set_message("prefill"),
-            Stage::Prefilled => progress_bar.set_message("decode"),
-            Stage::Token(n) => progress_bar.set_position(n as u64),
-        })),
+        progress: Some(super::progress::reporter(
+            &bar,
+            a.exec.warmup as usize,
+            a.exec.repeat as usize,
+        )),
         on_finished,
         ..a.exec.options()
     };
@@ -364,7 +354,10 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
                 &plan,
                 &ckpt,
                 &requests,
-                opts,
+                RunOptions {
+                    progress: None,
+                    ..opts
+                },
                 a.dp as usize,
             )? {
                 Some(out) => {
