@@ -888,6 +888,7 @@ fn missing_text_settings_fall_back_and_malformed_ones_are_refused() {
     let dir = text_model_copy("no-tokenizer-config", &["tokenizer_config.json"], &[]);
     let v = run_text(dir.to_str().unwrap(), &[]);
     assert_eq!(v["prompt_ids"], r["prompt_ids"], "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
     // add_bos_token false: no <s>.
     let no_bos = r#"{"add_bos_token": false, "bos_token": "<s>"}"#;
     let dir = text_model_copy("no-bos", &[], &[("tokenizer_config.json", no_bos)]);
@@ -896,6 +897,7 @@ fn missing_text_settings_fall_back_and_malformed_ones_are_refused() {
         v["prompt_ids"], r["prompt_ids_without_special_tokens"],
         "{v}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
     // No generation_config.json: only config.json's </s> stops, so the same tokens run on
     // past the list's second id to the token limit.
     let dir = text_model_copy("no-generation-config", &["generation_config.json"], &[]);
@@ -907,6 +909,7 @@ fn missing_text_settings_fall_back_and_malformed_ones_are_refused() {
         "{v}"
     );
     assert_eq!(longer[..generated.len()], generated[..], "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
     // Malformed files: exit 1 naming the file and the fix.
     for (name, text, says) in [
         ("tokenizer_config.json", "{\"add_bos_token\": ", "JSON"),
@@ -932,6 +935,7 @@ fn missing_text_settings_fall_back_and_malformed_ones_are_refused() {
             "1",
         ]));
         assert!(e.contains(name) && e.contains(says), "{name} {text}: {e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
