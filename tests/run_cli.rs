@@ -799,3 +799,198 @@ fn device_flag_is_parsed_and_cuda_needs_the_feature() {
         assert!(e.contains("--features cuda"), "{args:?}: {e}");
     }
 }
+
+/// A Llama-2-style folder (`scripts/make_text_fixture.py`): a BPE tokenizer whose
+/// tokenizer_config.json adds `<s>`, and a generation_config.json whose `eos_token_id` is a
+/// list; `text_reference.json` holds what HF's tokenizer and `generate` made of its prompt.
+const TEXT_MODEL: &str = "tests/fixtures/text/llama";
+
+fn text_reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(format!("{TEXT_MODEL}/text_reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// `tpc run DIR --prompt TEXT --json` with the reference's prompt and token limit.
+fn run_text(dir: &str, extra: &[&str]) -> serde_json::Value {
+    let r = text_reference();
+    let max_new = r["max_new_tokens"].to_string();
+    let mut args = vec![
+        "run",
+        dir,
+        "--prompt",
+        r["prompt"].as_str().unwrap(),
+        "--max-new-tokens",
+        &max_new,
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    serde_json::from_str(&ok(&tpc(&args))).unwrap()
+}
+
+#[test]
+fn a_text_prompt_matches_hf_tokenizer_and_generate_token_for_token() {
+    let r = text_reference();
+    assert_eq!(r["prompt_ids"][0], 1, "HF put <s> first: {r}");
+    for tp in ["1", "2"] {
+        let v = run_text(TEXT_MODEL, &["--tp", tp]);
+        assert_eq!(v["prompt_ids"], r["prompt_ids"], "tp={tp}: {v}");
+        assert_eq!(
+            v["prompt_tokens"],
+            r["prompt_ids"].as_array().unwrap().len()
+        );
+        assert_eq!(v["generated"], r["generated_ids"], "tp={tp}: {v}");
+        assert_eq!(v["text"], r["generated_text"], "tp={tp}: {v}");
+    }
+    // The second id of generation_config.json's list stopped it before the token limit.
+    let generated = r["generated_ids"].as_array().unwrap();
+    assert!(generated.len() < r["max_new_tokens"].as_u64().unwrap() as usize);
+    assert_eq!(generated.last(), r["eos_token_id"].get(1));
+    // A `prompt` line of a --prompts file is encoded the same way.
+    let dir = scratch("text-prompts");
+    let file = dir.join("p.jsonl");
+    let line = serde_json::json!({ "prompt": r["prompt"] });
+    std::fs::write(&file, format!("{line}\n")).unwrap();
+    let max_new = r["max_new_tokens"].to_string();
+    let out = ok(&tpc(&[
+        "run",
+        TEXT_MODEL,
+        "--prompts",
+        file.to_str().unwrap(),
+        "--max-new-tokens",
+        &max_new,
+    ]));
+    let v: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(v["generated"], r["generated_ids"], "{out}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A copy of the text fixture folder, less `drop`, with `replace`'s files written over.
+fn text_model_copy(test: &str, drop: &[&str], replace: &[(&str, &str)]) -> PathBuf {
+    let dir = scratch(test);
+    for entry in std::fs::read_dir(TEXT_MODEL).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !drop.contains(&name.as_str()) {
+            std::fs::copy(&path, dir.join(&name)).unwrap();
+        }
+    }
+    for (name, text) in replace {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn missing_text_settings_fall_back_and_malformed_ones_are_refused() {
+    let r = text_reference();
+    let generated: Vec<serde_json::Value> = r["generated_ids"].as_array().unwrap().clone();
+    // No tokenizer_config.json: tokenizer.json's post-processor still puts <s> first.
+    let dir = text_model_copy("no-tokenizer-config", &["tokenizer_config.json"], &[]);
+    let v = run_text(dir.to_str().unwrap(), &[]);
+    assert_eq!(v["prompt_ids"], r["prompt_ids"], "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+    // add_bos_token false: no <s>.
+    let no_bos = r#"{"add_bos_token": false, "bos_token": "<s>"}"#;
+    let dir = text_model_copy("no-bos", &[], &[("tokenizer_config.json", no_bos)]);
+    let v = run_text(dir.to_str().unwrap(), &[]);
+    assert_eq!(
+        v["prompt_ids"], r["prompt_ids_without_special_tokens"],
+        "{v}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    // No generation_config.json: only config.json's </s> stops, so the same tokens run on
+    // past the list's second id to the token limit.
+    let dir = text_model_copy("no-generation-config", &["generation_config.json"], &[]);
+    let v = run_text(dir.to_str().unwrap(), &[]);
+    let longer = v["generated"].as_array().unwrap();
+    assert_eq!(
+        longer.len() as u64,
+        r["max_new_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
+    assert_eq!(longer[..generated.len()], generated[..], "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+    // Malformed files: exit 1 naming the file and the fix.
+    for (name, text, says) in [
+        ("tokenizer_config.json", "{\"add_bos_token\": ", "JSON"),
+        (
+            "tokenizer_config.json",
+            r#"{"add_bos_token": "yes"}"#,
+            "true or false",
+        ),
+        ("generation_config.json", "[2", "JSON"),
+        (
+            "generation_config.json",
+            r#"{"eos_token_id": "2"}"#,
+            "list of token ids",
+        ),
+    ] {
+        let dir = text_model_copy("malformed", &[], &[(name, text)]);
+        let e = fails(&tpc(&[
+            "run",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "the cat",
+            "--max-new-tokens",
+            "1",
+        ]));
+        assert!(e.contains(name) && e.contains(says), "{name} {text}: {e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// What a progress bar leaves in captured output: carriage returns and ANSI escapes.
+fn has_progress_bytes(stderr: &[u8]) -> bool {
+    stderr.iter().any(|&b| b == b'\r' || b == 0x1b)
+}
+
+#[test]
+fn no_progress_bar_reaches_a_pipe() {
+    let r = text_reference();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            TEXT_MODEL,
+            "--prompt",
+            r["prompt"].as_str().unwrap(),
+            "--max-new-tokens",
+            "4",
+            "--warmup",
+            "1",
+            "--repeat",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        tpc(&args)
+    };
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            MODEL,
+            "--prompt-len",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--warmup",
+            "1",
+            "--repeat",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        tpc(&args)
+    };
+    for (what, o) in [
+        ("run", run(&[])),
+        ("run --json", run(&["--json"])),
+        ("run --tp 2 --dp 2", run(&["--tp", "2", "--dp", "2"])),
+        ("bench", bench(&[])),
+        ("bench --tp 2", bench(&["--tp", "2"])),
+    ] {
+        ok(&o);
+        assert!(
+            !has_progress_bytes(&o.stderr) && !has_progress_bytes(&o.stdout),
+            "{what}: {:?}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}

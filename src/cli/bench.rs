@@ -71,27 +71,46 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
             &random
         }
     };
+    // Its stdout is always JSON; the bar is on stderr, for a person at a terminal.
+    let ranks = (plan.world() as u64).saturating_mul(a.dp);
+    let bar = super::progress::bar(
+        requests.len().saturating_mul(a.max_new_tokens),
+        ranks,
+        false,
+    );
     let opts = RunOptions {
         max_new_tokens: a.max_new_tokens,
         all_prompt_logits: false,
+        progress: Some(super::progress::reporter(
+            &bar,
+            a.exec.warmup as usize,
+            a.exec.repeat as usize,
+        )),
         ..a.exec.options()
     };
     let out = match mpi {
-        None => run_replicas(&plan, weights, &requests, &opts, a.dp as usize)?,
+        None => run_replicas(&plan, weights, &requests, &opts, a.dp as usize),
         Some(world) => {
+            // Every process would draw its own bar over the others'.
+            bar.finish_and_clear();
             match super::launcher::run_as_process(
                 world,
                 &plan,
                 weights,
                 &requests,
-                opts,
+                RunOptions {
+                    progress: None,
+                    ..opts
+                },
                 a.dp as usize,
             )? {
-                Some(out) => out,
+                Some(out) => Ok(out),
                 None => return Ok(()),
             }
         }
     };
+    bar.finish_and_clear();
+    let out = out?;
     if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }

@@ -11,6 +11,7 @@ mod explain;
 mod import;
 mod launcher;
 mod lower;
+mod progress;
 mod ranks;
 mod run;
 mod simulate;

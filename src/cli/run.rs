@@ -2,12 +2,13 @@
 
 use super::ExecArgs;
 use anyhow::Context;
-use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::sync::Arc;
 use tpc::frontend::load::load_model;
+use tpc::frontend::stop_ids::stop_ids;
+use tpc::frontend::text::TextTokenizer;
 use tpc::plan::Plan;
-use tpc::runtime::generate::{BatchOutput, Request, RunOptions, Stage};
+use tpc::runtime::generate::{BatchOutput, Request, RunOptions};
 use tpc::runtime::replicas::run_replicas;
 use tpc::runtime::sampling::Sampling;
 use tpc::runtime::weights::Checkpoint;
@@ -34,7 +35,9 @@ pub struct Args {
         conflicts_with_all = ["prompt", "prompts"]
     )]
     prompt_ids: Vec<i64>,
-    /// Prompt text, encoded with the model directory's tokenizer.json; the output is decoded.
+    /// Prompt text, encoded with the model directory's tokenizer.json and the special tokens
+    /// Hugging Face adds by default (tokenizer_config.json's add_bos_token / add_eos_token,
+    /// else tokenizer.json's post-processor); the output is decoded.
     #[arg(long, conflicts_with = "prompts")]
     prompt: Option<String>,
     /// JSONL file of prompts run as one batch: one object per line with `prompt_ids` (a list)
@@ -42,8 +45,8 @@ pub struct Args {
     /// out, in input order.
     #[arg(long)]
     prompts: Option<PathBuf>,
-    /// New tokens to generate per prompt, 0 to 2^24 (fewer if the model emits its
-    /// end-of-sequence id).
+    /// New tokens to generate per prompt, 0 to 2^24 (fewer if the model emits an
+    /// end-of-sequence id: `eos_token_id` of config.json or generation_config.json).
     #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 24))]
     max_new_tokens: usize,
     /// Write the prompt's logits ([prompt_len, vocab], f32) to this safetensors file.
@@ -84,45 +87,14 @@ pub struct Args {
     exec: ExecArgs,
 }
 
-/// End-of-sequence ids from the model's config.json (an id or a list).
-fn eos_ids(dir: &std::path::Path) -> Vec<i64> {
-    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
-        return vec![];
-    };
-    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return vec![];
-    };
-    match json.get("eos_token_id") {
-        Some(serde_json::Value::Number(n)) => n.as_i64().into_iter().collect(),
-        Some(serde_json::Value::Array(v)) => v.iter().filter_map(|x| x.as_i64()).collect(),
-        _ => vec![],
+/// The model folder's tokenizer; where its two files disagree about special tokens, a note
+/// on stderr says which one tpc follows.
+fn open_tokenizer(dir: &std::path::Path) -> anyhow::Result<TextTokenizer> {
+    let t = TextTokenizer::open(dir)?;
+    if let Some(note) = t.note() {
+        eprintln!("note: {note}");
     }
-}
-
-fn decode(t: &tokenizers::Tokenizer, ids: &[i64]) -> anyhow::Result<String> {
-    let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
-    t.decode(&ids, true)
-        .map_err(|e| anyhow::anyhow!("cannot decode the output: {e}"))
-}
-
-fn tokenizer_for(dir: &std::path::Path) -> anyhow::Result<tokenizers::Tokenizer> {
-    let path = dir.join("tokenizer.json");
-    anyhow::ensure!(
-        path.exists(),
-        "a text prompt needs {}; give token ids instead",
-        path.display()
-    );
-    tokenizers::Tokenizer::from_file(&path)
-        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))
-}
-
-fn encode(t: &tokenizers::Tokenizer, text: &str) -> anyhow::Result<Vec<i64>> {
-    Ok(t.encode(text, false)
-        .map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?
-        .get_ids()
-        .iter()
-        .map(|&i| i as i64)
-        .collect())
+    Ok(t)
 }
 
 /// One line of a `--prompts` file.
@@ -138,7 +110,7 @@ struct PromptLine {
 fn read_prompts(
     path: &std::path::Path,
     dir: &std::path::Path,
-    tokenizer: &mut Option<tokenizers::Tokenizer>,
+    tokenizer: &mut Option<TextTokenizer>,
 ) -> anyhow::Result<Vec<Request>> {
     let text = tpc::fsio::read_text(path)?;
     let mut requests = Vec::new();
@@ -154,10 +126,10 @@ fn read_prompts(
             (Some(ids), None) => ids,
             (None, Some(text)) => {
                 if tokenizer.is_none() {
-                    *tokenizer = Some(tokenizer_for(dir).with_context(|| place.clone())?);
+                    *tokenizer = Some(open_tokenizer(dir).with_context(|| place.clone())?);
                 }
                 let t = tokenizer.as_ref().context("tokenizer")?;
-                encode(t, &text).with_context(|| place.clone())?
+                t.encode(&text).with_context(|| place.clone())?
             }
             _ => anyhow::bail!("{place}: give exactly one of `prompt_ids` and `prompt`"),
         };
@@ -213,9 +185,9 @@ fn write_logits(
 }
 
 /// One `--prompts` result as a JSON line.
-fn result_line(index: usize, tokens: &[i64], tokenizer: Option<&tokenizers::Tokenizer>) -> String {
+fn result_line(index: usize, tokens: &[i64], tokenizer: Option<&TextTokenizer>) -> String {
     let mut line = serde_json::json!({ "index": index, "generated": tokens });
-    match tokenizer.map(|t| decode(t, tokens)) {
+    match tokenizer.map(|t| t.decode(tokens)) {
         Some(Ok(text)) => line["text"] = serde_json::Value::String(text),
         Some(Err(e)) => line["text_error"] = serde_json::Value::String(e.to_string()),
         None => {}
@@ -299,13 +271,13 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         tpc::fsio::check_output("--dump-logits", path, &inputs)?;
     }
     let mut tokenizer = match &a.prompt {
-        Some(_) => Some(tokenizer_for(&a.model)?),
+        Some(_) => Some(open_tokenizer(&a.model)?),
         None => None,
     };
     let requests: Vec<Request> = match (&a.prompts, &a.prompt) {
         (Some(file), _) => read_prompts(file, &a.model, &mut tokenizer)?,
         (None, Some(text)) => vec![Request {
-            prompt: encode(tokenizer.as_ref().context("tokenizer")?, text)?,
+            prompt: tokenizer.as_ref().context("tokenizer")?.encode(text)?,
             max_new_tokens: None,
         }],
         (None, None) => vec![Request {
@@ -313,6 +285,8 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
             max_new_tokens: None,
         }],
     };
+    // Checked before any long work: a malformed config is refused now.
+    let eos = stop_ids(&a.model)?;
     let plan = plan_for(&a.model, a.plan.as_ref(), a.tp, a.shard.options(), &a.pipe)?;
     let tp = plan.tp;
     let pp = plan.pp();
@@ -339,17 +313,8 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         .iter()
         .map(|r| r.max_new_tokens.unwrap_or(a.max_new_tokens))
         .sum();
-    let bar = ProgressBar::new(total_new as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} tokens")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_message(format!(
-        "loading {} ranks",
-        (plan.world() as u64).saturating_mul(a.dp)
-    ));
-    bar.enable_steady_tick(std::time::Duration::from_millis(100));
-    let progress_bar = bar.clone();
+    let ranks = (plan.world() as u64).saturating_mul(a.dp);
+    let bar = super::progress::bar(total_new, ranks, a.json);
     let tokenizer = Arc::new(tokenizer);
     let streamed = Arc::new(std::sync::Mutex::new(InOrder::default()));
     let on_finished: Option<tpc::runtime::generate::OnFinished> = a.prompts.as_ref().map(|_| {
@@ -369,14 +334,14 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
             top_p: a.top_p,
             seed: a.seed,
         },
-        eos: eos_ids(&a.model),
+        eos,
         all_prompt_logits: a.dump_logits.is_some(),
         gather_logits: a.gather_logits,
-        progress: Some(Arc::new(move |stage| match stage {
-            Stage::Loaded => progress_bar.set_message("prefill"),
-            Stage::Prefilled => progress_bar.set_message("decode"),
-            Stage::Token(n) => progress_bar.set_position(n as u64),
-        })),
+        progress: Some(super::progress::reporter(
+            &bar,
+            a.exec.warmup as usize,
+            a.exec.repeat as usize,
+        )),
         on_finished,
         ..a.exec.options()
     };
@@ -389,7 +354,10 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
                 &plan,
                 &ckpt,
                 &requests,
-                opts,
+                RunOptions {
+                    progress: None,
+                    ..opts
+                },
                 a.dp as usize,
             )? {
                 Some(out) => {
@@ -422,8 +390,9 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         tokenizer
             .as_ref()
             .as_ref()
-            .map(|t| decode(t, ids))
+            .map(|t| t.decode(ids))
             .transpose()
+            .map_err(anyhow::Error::from)
     };
     if a.prompts.is_some() {
         let mut streamed = streamed
@@ -461,6 +430,10 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     if a.json {
         let mut json = figures(&out, tp, pp, &a);
         json["generated"] = serde_json::json!(seq.generated);
+        // What the prompt became: its ids, special tokens included.
+        if let Some(r) = requests.first() {
+            json["prompt_ids"] = serde_json::json!(r.prompt);
+        }
         if let Some(text) = text_of(&seq.generated)? {
             json["text"] = serde_json::Value::String(text);
         }

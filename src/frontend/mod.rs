@@ -1,10 +1,13 @@
-//! Frontend: model files (RON presets, explicit graphs, HF configs) → IR graph.
+//! Frontend: model files (RON presets, explicit graphs, HF configs) → IR graph; and the
+//! text side of an HF model folder (its tokenizer, the ids that end generation).
 
 pub mod build;
 pub mod hf_config;
 pub mod load;
 pub mod preset;
 pub mod spec;
+pub mod stop_ids;
+pub mod text;
 pub mod validate;
 
 use crate::error::Result;
