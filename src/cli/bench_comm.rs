@@ -1,6 +1,6 @@
 //! `tpc bench-comm [--tp N] [--dtype f32|bf16]`: barrier and all-reduce latency and bus
-//! bandwidth of the in-process communicator (ring and one-shot) against the memcpy bound,
-//! measured in one run; the numbers behind the one-shot threshold. Under `mpirun -np W` (a
+//! bandwidth of the in-process communicator (one-shot, two-shot and ring) against the memcpy
+//! bound, measured in one run; the numbers behind the one-shot threshold. Under `mpirun -np W` (a
 //! build with `--features mpi`): the all-reduce over W processes, tpc's exact one and
 //! `MPI_Allreduce`, printed by world rank 0.
 

@@ -3,7 +3,7 @@
 //! Every measurement runs one thread per rank of a fresh group. A latency is, per
 //! iteration, the slowest rank's time for that call; the table reports the median and the
 //! minimum over iterations. Bus bandwidth follows the NCCL convention,
-//! `2(n − 1)/n · bytes / time`, so ring and one-shot compare against the same yardstick. The
+//! `2(n − 1)/n · bytes / time`, so the three algorithms compare against the same yardstick. The
 //! memcpy row is the bound: every rank copies `bytes` between two private buffers at the
 //! same time (the memory system is shared as it is during a collective) with the copy
 //! kernel the collectives use (`reduce::copy`, not glibc `memcpy`, see there), and its
@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BenchKind {
     OneShot,
+    TwoShot,
     Ring,
     /// Every rank copying `bytes` at once: the bandwidth bound.
     Memcpy,
@@ -47,7 +48,7 @@ pub struct BenchRow {
     pub bus_gb_s: f64,
 }
 
-/// All-reduce latency and bus bandwidth of both algorithms, and the memcpy bound, for each
+/// All-reduce latency and bus bandwidth of the three algorithms, and the memcpy bound, for each
 /// message size in bytes (rounded down to whole elements of `T`), `iters` timed calls each
 /// after a warm-up.
 pub fn bench_all_reduce<T: Element>(
@@ -76,7 +77,11 @@ pub fn bench_all_reduce_with<T: Element>(
         let mut times = Vec::new();
         for &len in &sizes {
             let mut buf = vec![T::from_f32(0.0); len];
-            for algorithm in [AllReduceAlgorithm::OneShot, AllReduceAlgorithm::Ring] {
+            for algorithm in [
+                AllReduceAlgorithm::OneShot,
+                AllReduceAlgorithm::TwoShot,
+                AllReduceAlgorithm::Ring,
+            ] {
                 let warmup = (iters / 10).clamp(2, 50);
                 for _ in 0..warmup {
                     comm.all_reduce_sum_with(&mut buf, algorithm)
@@ -100,7 +105,12 @@ pub fn bench_all_reduce_with<T: Element>(
         times
     });
     let mut rows = Vec::new();
-    let kinds = [BenchKind::OneShot, BenchKind::Ring, BenchKind::Memcpy];
+    let kinds = [
+        BenchKind::OneShot,
+        BenchKind::TwoShot,
+        BenchKind::Ring,
+        BenchKind::Memcpy,
+    ];
     for (s, &bytes) in sizes_bytes.iter().enumerate() {
         for (k, kind) in kinds.into_iter().enumerate() {
             let series: Vec<&Vec<Duration>> =
@@ -249,14 +259,15 @@ mod tests {
     #[test]
     fn bench_runs() {
         let rows = bench_all_reduce::<f32>(2, &[4096, 100_000], 3);
-        assert_eq!(rows.len(), 6);
+        assert_eq!(rows.len(), 8);
+        assert!(rows.iter().any(|r| r.kind == BenchKind::TwoShot));
         let half = bench_all_reduce::<half::bf16>(2, &[4096], 3);
-        assert_eq!(half.len(), 3);
+        assert_eq!(half.len(), 4);
         assert!(half
             .iter()
             .all(|r| r.dtype == DType::Bf16 && r.bus_gb_s > 0.0));
         assert!(rows.iter().all(|r| r.median_us > 0.0 && r.bus_gb_s > 0.0));
-        assert!(format_table(&rows).lines().count() == 7);
+        assert!(format_table(&rows).lines().count() == 9);
         let b = bench_barrier(2, 10);
         assert!(b.group_median_us > 0.0 && b.std_median_us > 0.0);
     }

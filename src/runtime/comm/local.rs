@@ -469,9 +469,13 @@ impl LocalComm {
             return Ok(());
         }
         if algorithm == AllReduceAlgorithm::TwoShot {
+            // Until `two_shot` returns, this rank touches `buf` only through `own`, the
+            // pointer its peers read too (a reference passed on would assert, on entry, that
+            // nobody else reads it).
+            let own = buf.as_mut_ptr();
             let reduced = self.reduce_target::<T>(chunk_range(len, self.n, self.rank).len());
-            let parity = self.begin(call, buf.as_ptr().cast(), reduced.cast(), None)?;
-            self.two_shot(buf, reduced, parity)?;
+            let parity = self.begin(call, own.cast_const().cast(), reduced.cast(), None)?;
+            self.two_shot(own, len, reduced, parity)?;
             each_row(buf, rows);
             return Ok(());
         }
@@ -745,10 +749,10 @@ impl LocalComm {
         unsafe { std::slice::from_raw_parts(base, len) }
     }
 
-    /// Two-shot data phases. Reduce-scatter: this rank sums its chunk of every rank's `buf`,
-    /// in the fixed order, into its staging buffer (`reduced`, the chunk's length). One
-    /// inner wait. All-gather: it copies every rank's summed chunk from that rank's staging
-    /// buffer into its `buf`.
+    /// Two-shot data phases over this rank's `buf` (`own`, `len` elements). Reduce-scatter:
+    /// this rank sums its chunk of every rank's `buf`, in the fixed order, into its staging
+    /// buffer (`reduced`, the chunk's length). One inner wait. All-gather: it copies every
+    /// rank's summed chunk from that rank's staging buffer into its `buf`.
     ///
     /// In the first phase every rank reads the ranks' buffers and writes only its staging
     /// buffer, which nobody reads before the wait; in the second it writes only its `buf`,
@@ -757,18 +761,21 @@ impl LocalComm {
     /// waits for the others before returning.
     fn two_shot<T: Element>(
         &self,
-        buf: &mut [T],
+        own: *mut T,
+        len: usize,
         reduced: *mut T,
         parity: usize,
     ) -> Result<(), CommError> {
-        let (n, rank, len) = (self.n, self.rank, buf.len());
+        let (n, rank) = (self.n, self.rank);
         let mine = chunk_range(len, n, rank);
         let guard = UnwindGuard::new(&self.shared, rank);
         if !mine.is_empty() {
-            let input: &[T] = buf;
+            // SAFETY: `own` is this rank's `buf` of `len` elements, borrowed mutably for the
+            // whole call and accessed only through `own`; in this phase nobody writes it.
+            let own_chunk = unsafe { std::slice::from_raw_parts(own.add(mine.start), mine.len()) };
             let sources = summation_order(n, rank).map(|q| {
                 if q == rank {
-                    &input[mine.clone()]
+                    own_chunk
                 } else {
                     // SAFETY: rank `q` published its `buf` of `len` elements of `T` (length
                     // and type agreed in `begin`); it only reads it until it passes the inner
@@ -798,7 +805,10 @@ impl LocalComm {
             // alive, and rank `q` writes it again only after this rank has arrived at the
             // entry wait of its next call.
             let theirs = unsafe { self.peer_reduced::<T>(q, parity, chunk.len()) };
-            copy(&mut buf[chunk], theirs);
+            // SAFETY: `own` is this rank's `buf` of `len` elements, accessed only through
+            // `own`; after the inner wait nobody else reads it.
+            let dst = unsafe { std::slice::from_raw_parts_mut(own.add(chunk.start), chunk.len()) };
+            copy(dst, theirs);
         }
         Ok(())
     }
