@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn eight_ranks_tp2_pp4_pair_neighbours_and_stride_stages() {
-        // The seed's 8-GPU picture: TP pairs, PP groups of the same TP rank across stages.
+        // vLLM's 8-GPU example (tp 2, pp 4): TP pairs, PP groups of the same TP rank across stages.
         let g = rank_groups(8, 2, 4, 1).unwrap();
         assert_eq!(g.tp_groups[0], vec![0, 1]);
         assert_eq!(g.pp_groups, vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]);
