@@ -4,6 +4,10 @@
 //! and a message that names it. Needs Open MPI's `mpirun` on PATH (`.ci/run` installs it).
 #![cfg(feature = "mpi")]
 
+#[allow(
+    dead_code,
+    reason = "the MPI tests read the fixtures, not the tolerances or batches"
+)]
 mod common;
 
 use common::{fixtures, read_reference};

@@ -1,5 +1,6 @@
-//! Helpers shared by the integration tests (each test crate uses some of them).
-#![allow(dead_code)]
+//! Helpers shared by the integration tests: the reference checkpoints and HF's outputs for
+//! them, the tolerances, a ragged batch. Included by the `runtime`, `cuda` and `mpi` test
+//! targets (`#[path]`); a target that uses only part says so where it includes it.
 
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};

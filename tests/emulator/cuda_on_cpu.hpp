@@ -1,6 +1,6 @@
 // The CUDA C++ that kernels/ uses, on the CPU, so tests can run the kernels with no GPU.
 //
-// g++ compiles a kernel file with this header forced in front (tests/cuda_emulated.rs).
+// g++ compiles a kernel file with this header forced in front (tests/emulator/mod.rs).
 // Every thread of a block is a fiber (ucontext) on one OS thread; the blocks of a grid run
 // one after another, so `__shared__` variables are function statics. A fiber runs until it
 // reaches __syncthreads, __syncwarp or a warp shuffle, where it waits; the scheduler then

@@ -1,4 +1,3 @@
-#![allow(dead_code)] // each test crate that includes this module uses part of it
 //! The kernels of `kernels/` run on the CPU: g++ compiles a kernel file with
 //! `cuda_on_cpu.hpp` (CUDA's thread model as fibers) into a shared library, loaded here, and
 //! a launch takes its arguments as `cuLaunchKernel` does. Every launch runs twice, threads

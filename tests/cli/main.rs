@@ -1,0 +1,9 @@
+//! The command line as users and scripts drive it (the built `tpc` binary), one module per
+//! command or concern. One test binary, so one link step (see `[[test]]` in Cargo.toml).
+
+mod cli;
+mod explain;
+mod hardening;
+mod ranks;
+mod run_cli;
+mod simulate;

@@ -1,0 +1,255 @@
+//! The CUDA backend on a GPU (feature `cuda`): every reference checkpoint at every valid tp
+//! in {1, 2, 4, 8}, all ranks on GPU 0 (the host communicator between them), reproduces HF's
+//! prefill logits within the f32 tolerance and its greedy tokens; bf16 compute stays within
+//! the bf16 tolerance. Where no driver is present these print a skip line (a failure with
+//! `TPC_REQUIRE_GPU` set, as `scripts/device_check.sh` sets it), and `--device cuda` is
+//! checked to be a clear error instead.
+#![cfg(feature = "cuda")]
+
+use crate::common;
+use crate::emulator;
+use common::{fixtures, read_reference, rel_error, BF16_REL_TOL, REL_TOL};
+
+use std::process::Command;
+use tpc::frontend::load::load_model;
+use tpc::pipeline::compile;
+use tpc::runtime::cuda::probe::{require, Library};
+use tpc::runtime::generate::{ComputeDtype, Device, RunOptions};
+use tpc::runtime::run::run;
+use tpc::runtime::weights::Checkpoint;
+
+/// Whether a GPU can be used here; prints why not.
+fn gpu_present(test: &str) -> bool {
+    let why = match require(Library::Driver) {
+        Ok(()) => match tpc::runtime::cuda::device::device_count() {
+            Ok(n) if n > 0 => return true,
+            Ok(_) => "the driver sees no GPU".to_string(),
+            Err(e) => e.to_string(),
+        },
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        std::env::var_os("TPC_REQUIRE_GPU").is_none(),
+        "TPC_REQUIRE_GPU is set but no GPU can be used: {why}"
+    );
+    eprintln!("SKIP {test}: {why}");
+    false
+}
+
+#[test]
+fn without_a_driver_device_cuda_is_a_clear_error() {
+    if require(Library::Driver).is_ok() {
+        eprintln!("SKIP without_a_driver_device_cuda_is_a_clear_error: a driver is present");
+        return;
+    }
+    let dir = fixtures().into_iter().next().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tpc"))
+        .args([
+            "run",
+            dir.to_str().unwrap(),
+            "--tp",
+            "2",
+            "--device",
+            "cuda",
+        ])
+        .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("libcuda") && err.contains("not found"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Every fixture at each of `tps` that divides it, with each of `dtypes` (and its tolerance),
+/// ranks on `gpus`: HF's prefill logits within the tolerance, and its greedy tokens in f32.
+/// One report line per run.
+fn every_fixture_matches_hf(
+    tps: &[u64],
+    gpus: &[usize],
+    dtypes: &[(ComputeDtype, f64)],
+) -> Vec<String> {
+    let mut report = Vec::new();
+    for dir in fixtures() {
+        let reference = read_reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for &tp in tps {
+            let Ok(compiled) = compile(&def, tp) else {
+                continue;
+            };
+            for &(dtype, tol) in dtypes {
+                let opts = RunOptions {
+                    device: Device::Cuda(gpus.to_vec()),
+                    dtype,
+                    max_new_tokens: reference.greedy.len(),
+                    ..Default::default()
+                };
+                let what = format!("{} tp={tp} {dtype:?} on GPUs {gpus:?}", dir.display());
+                let out = run(&compiled.plan, &ckpt, &reference.prompt, &opts)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let err = rel_error(&out.prompt_logits.data, &reference.logits);
+                report.push(format!("{what}: rel err {err:.2e}"));
+                assert!(err <= tol, "{what}: relative error {err:.3e} > {tol}");
+                if dtype == ComputeDtype::F32 {
+                    assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
+                }
+            }
+        }
+    }
+    report
+}
+
+#[test]
+fn every_fixture_on_one_gpu_matches_hf_at_every_valid_tp() {
+    if !gpu_present("every_fixture_on_one_gpu_matches_hf_at_every_valid_tp") {
+        return;
+    }
+    let dtypes = [
+        (ComputeDtype::F32, REL_TOL),
+        (ComputeDtype::Bf16, BF16_REL_TOL),
+    ];
+    let report = every_fixture_matches_hf(&[1, 2, 4, 8], &[0], &dtypes);
+    eprintln!("{}", report.join("\n"));
+}
+
+/// Ranks on two GPUs: at tp=2 each rank has its own GPU and the group all-reduces through
+/// NCCL; at tp=4 two ranks share each GPU and the group goes through the host communicator.
+/// Every fixture, f32, against HF's logits and tokens. Skips with fewer than two GPUs.
+#[test]
+fn every_fixture_on_two_gpus_matches_hf() {
+    if !gpu_present("every_fixture_on_two_gpus_matches_hf") {
+        return;
+    }
+    let count = tpc::runtime::cuda::device::device_count().unwrap();
+    if count < 2 {
+        eprintln!("SKIP every_fixture_on_two_gpus_matches_hf: {count} GPU");
+        return;
+    }
+    let report = every_fixture_matches_hf(&[2, 4], &[0, 1], &[(ComputeDtype::F32, REL_TOL)]);
+    eprintln!("{}", report.join("\n"));
+}
+
+/// A test of this module by the name the harness knows it (`device::test`, in the `cuda`
+/// test target), for `--exact`.
+fn in_this_module(test: &str) -> String {
+    match module_path!().split_once("::") {
+        Some((_crate, module)) => format!("{module}::{test}"),
+        None => test.to_string(),
+    }
+}
+
+/// Whether the emulated-GPU tests run here: not on a real GPU run (`TPC_REQUIRE_GPU`), and
+/// only with NVRTC (required where `TPC_REQUIRE_NVRTC` is set). Prints why not.
+fn emulation_wanted(test: &str) -> bool {
+    if std::env::var_os("TPC_REQUIRE_GPU").is_some() {
+        eprintln!("SKIP {test}: this run is on a real GPU");
+        return false;
+    }
+    if let Err(e) = require(Library::Nvrtc) {
+        assert!(
+            std::env::var_os("TPC_REQUIRE_NVRTC").is_none(),
+            "TPC_REQUIRE_NVRTC is set but NVRTC cannot be loaded: {e}"
+        );
+        eprintln!("SKIP {test}: {e}");
+        return false;
+    }
+    true
+}
+
+/// `LD_LIBRARY_PATH` with the stand-in CUDA libraries (tests/emulator) first.
+fn emulated_gpu_path() -> String {
+    let fake = emulator::fake_cuda_libraries().unwrap_or_else(|e| panic!("{e}"));
+    match std::env::var("LD_LIBRARY_PATH") {
+        Ok(p) if !p.is_empty() => format!("{}:{p}", fake.display()),
+        _ => fake.display().to_string(),
+    }
+}
+
+/// A GPU too small for the model: `tpc run` exits 1 with an error that names the rank, the
+/// GPU and the bytes asked for and free (the emulated GPU, given 64 KiB).
+#[test]
+fn out_of_memory_on_a_gpu_names_the_rank_the_gpu_and_the_bytes() {
+    if !emulation_wanted("out_of_memory_on_a_gpu_names_the_rank_the_gpu_and_the_bytes") {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_tpc"))
+        .args(["run", "tests/fixtures/checkpoints/llama-gqa", "--tp", "2"])
+        .args(["--device", "cuda:0", "--prompt-ids", "1,2,3"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("LD_LIBRARY_PATH", emulated_gpu_path())
+        .env("TPC_FAKE_CUDA_BYTES", "65536")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let said =
+        err.contains("on GPU 0: ") && err.contains("asked for ") && err.contains(" bytes free");
+    assert!(said && err.contains("rank "), "{err}");
+    // Said once: the instruction's error is in its message, not again as its cause.
+    assert_eq!(err.matches("asked for").count(), 1, "{err}");
+    eprintln!("{}", err.trim());
+}
+
+/// The GPU parity test above, on the CPU: this test binary runs it again in a child process
+/// whose `libcuda` and `libcublas` are the emulator's stand-ins (tests/emulator; NVRTC is
+/// the real one and must be present). Every line of the CUDA backend runs — cudarc's calls,
+/// launch arguments, cuBLAS parameters, KV caches, the one-shot all-reduce of ranks sharing
+/// the GPU — with kernels executed by the emulator. Not shown: speed, the GPU's own
+/// rounding, and anything that needs two streams to run at once. It runs once with the
+/// backend's choice of attention kernel and once with each other kernel forced, and the
+/// two-GPU test (NCCL, through the stand-in libnccl) once.
+#[test]
+fn every_fixture_matches_hf_on_the_emulated_gpu() {
+    if !emulation_wanted("every_fixture_matches_hf_on_the_emulated_gpu") {
+        return;
+    }
+    let path = emulated_gpu_path();
+    // The backend's own choice of attention kernel (the one-pass one, for these short
+    // prompts), then each other kernel forced; three children at once.
+    let one_gpu = "every_fixture_on_one_gpu_matches_hf_at_every_valid_tp";
+    let runs = [
+        (one_gpu, ""),
+        (one_gpu, "tiled"),
+        (one_gpu, "split"),
+        ("every_fixture_on_two_gpus_matches_hf", ""),
+    ];
+    let children: Vec<(&str, &str, std::process::Child)> = runs
+        .into_iter()
+        .map(|(test, way)| {
+            let child = Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", &in_this_module(test), "--nocapture"])
+                .env("LD_LIBRARY_PATH", &path)
+                .env("TPC_REQUIRE_GPU", "1")
+                .env("TPC_CUDA_ATTENTION", way)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            (test, way, child)
+        })
+        .collect();
+    for (test, way, child) in children {
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        let way = if way.is_empty() { "chosen" } else { way };
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{test} on the emulated GPUs failed (attention {way}):\n{stdout}\n{stderr}"
+        );
+        // The child ran every case (it fails rather than skips without a GPU).
+        let runs = stderr.lines().filter(|l| l.contains(": rel err")).count();
+        assert!(
+            runs >= fixtures().len(),
+            "{test}, attention {way}: {runs} runs:\n{stderr}"
+        );
+        eprintln!("{test}, attention {way}: {runs} runs passed");
+    }
+}

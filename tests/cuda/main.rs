@@ -1,0 +1,22 @@
+//! The CUDA backend (feature `cuda`; without it this binary has no tests): the kernels
+//! through NVRTC, and the backend on a GPU or, where there is none, on the emulated GPUs
+//! of `tests/emulator` in a child process. `scripts/device_check.sh` runs this binary on a
+//! real GPU.
+
+#[cfg(feature = "cuda")]
+#[path = "../common/mod.rs"]
+#[allow(
+    dead_code,
+    reason = "the GPU tests read the fixtures, not the batch helpers"
+)]
+mod common;
+#[cfg(feature = "cuda")]
+#[path = "../emulator/mod.rs"]
+#[allow(
+    dead_code,
+    reason = "only the stand-in libraries; the kernel launcher is for cuda_emulated"
+)]
+mod emulator;
+
+mod device;
+mod kernels;

@@ -1,0 +1,392 @@
+//! The CUDA kernels of `kernels/`, run on the CPU (`tests/emulator`: g++ and fibers for
+//! CUDA threads), against plain f64 references, with the launch shapes the CUDA backend
+//! uses (`src/runtime/cuda/backend.rs`). This is what shows the kernels right with no GPU;
+//! it does not show them fast, nor that the GPU's expf and FMA round like the CPU's (the
+//! tolerances allow for that).
+
+use crate::emulator;
+
+use emulator::{assert_close, dims, kernel_file, Arg, Buffers, Values};
+
+/// Causal attention of `new` rows at positions start.. over a cache of start + new
+/// positions, grouped heads: out [new, q_heads * d].
+#[allow(clippy::too_many_arguments)]
+fn attention_reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    new: usize,
+    start: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    d: usize,
+    scale: f32,
+) -> Vec<f64> {
+    let (qc, kc) = (q_heads * d, kv_heads * d);
+    let mut out = vec![0.0; new * qc];
+    for r in 0..new {
+        for h in 0..q_heads {
+            let kh = h / (q_heads / kv_heads);
+            let seen = start + r + 1;
+            let scores: Vec<f64> = (0..seen)
+                .map(|p| {
+                    (0..d)
+                        .map(|i| q[r * qc + h * d + i] as f64 * k[p * kc + kh * d + i] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for i in 0..d {
+                out[r * qc + h * d + i] = (0..seen)
+                    .map(|p| weights[p] * v[p * kc + kh * d + i] as f64)
+                    .sum::<f64>()
+                    / total;
+            }
+        }
+    }
+    out
+}
+
+struct AttentionShape {
+    new: usize,
+    start: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    d: usize,
+}
+
+const ATTENTION_SHAPES: &[AttentionShape] = &[
+    // a prompt: every row sees a different number of positions
+    AttentionShape {
+        new: 7,
+        start: 0,
+        q_heads: 4,
+        kv_heads: 2,
+        d: 64,
+    },
+    // decode: one row over a longer cache, grouped heads 8:1
+    AttentionShape {
+        new: 1,
+        start: 70,
+        q_heads: 8,
+        kv_heads: 1,
+        d: 128,
+    },
+    // a continued prompt, head dims not a multiple of 32 or beyond one word per lane
+    AttentionShape {
+        new: 3,
+        start: 5,
+        q_heads: 2,
+        kv_heads: 2,
+        d: 40,
+    },
+    AttentionShape {
+        new: 2,
+        start: 9,
+        q_heads: 3,
+        kv_heads: 1,
+        d: 256,
+    },
+    AttentionShape {
+        new: 1,
+        start: 0,
+        q_heads: 1,
+        kv_heads: 1,
+        d: 8,
+    },
+];
+
+/// How the backend may run one segment's attention (kernels/attention.cu).
+#[derive(Clone, Copy, Debug)]
+enum Way {
+    /// `attention`: a block per (row, head).
+    OnePass,
+    /// `attention_split` over chunks of this many positions, then `attention_merge` (whose
+    /// blocks have this many threads).
+    Split { chunk: usize, merge_threads: u32 },
+    /// `attention_tiled`: 16 rows a block.
+    Tiled,
+}
+
+/// Runs one segment's attention the given way; the whole output batch.
+fn run_attention(
+    way: Way,
+    s: &AttentionShape,
+    row0: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+) -> Vec<f32> {
+    let file = kernel_file("attention.cu");
+    let qc = s.q_heads * s.d;
+    let scale = 1.0 / (s.d as f32).sqrt();
+    let mut bufs = Buffers::default();
+    let out = bufs.f32(&vec![0.0; q.len()]);
+    let (qb, kb, vb) = (bufs.f32(q), bufs.f32(k), bufs.f32(v));
+    let heads = [
+        Arg::I64(s.q_heads as i64),
+        Arg::I64(s.kv_heads as i64),
+        Arg::I64(s.d as i64),
+        Arg::F32(scale),
+    ];
+    let (rows, q_heads) = (s.new as u32, s.q_heads as u32);
+    let operands = [
+        Arg::Buf(qb),
+        Arg::Buf(kb),
+        Arg::Buf(vb),
+        Arg::I64(row0 as i64),
+    ];
+    let launched = match way {
+        Way::OnePass => {
+            let args = [
+                &[Arg::Buf(out)][..],
+                &operands,
+                &[Arg::I64(s.start as i64)],
+                &heads,
+            ]
+            .concat();
+            file.launch(
+                "attention",
+                dims(rows, q_heads),
+                dims(128, 1),
+                &args,
+                &mut bufs,
+            )
+        }
+        Way::Tiled => {
+            let args = [
+                &[Arg::Buf(out)][..],
+                &operands,
+                &[Arg::I64(s.new as i64), Arg::I64(s.start as i64)],
+                &heads,
+            ]
+            .concat();
+            let tiles = s.new.div_ceil(16) as u32;
+            file.launch(
+                "attention_tiled",
+                dims(tiles, q_heads),
+                dims(128, 1),
+                &args,
+                &mut bufs,
+            )
+        }
+        Way::Split {
+            chunk,
+            merge_threads,
+        } => {
+            let chunks = (s.start + s.new).div_ceil(chunk);
+            let slots = s.new * s.q_heads * chunks;
+            let part_max = bufs.f32(&vec![0.0; slots]);
+            let part_sum = bufs.f32(&vec![0.0; slots]);
+            let part_values = bufs.f32(&vec![0.0; slots * s.d]);
+            let parts = [
+                Arg::Buf(part_max),
+                Arg::Buf(part_sum),
+                Arg::Buf(part_values),
+            ];
+            let args = [
+                &parts[..],
+                &operands,
+                &[Arg::I64(s.start as i64)],
+                &heads,
+                &[Arg::I64(chunk as i64)],
+            ]
+            .concat();
+            let grid = emulator::Dims {
+                x: rows,
+                y: q_heads,
+                z: chunks as u32,
+            };
+            file.launch("attention_split", grid, dims(128, 1), &args, &mut bufs)
+                .and_then(|_| {
+                    let args = [
+                        &[Arg::Buf(out)][..],
+                        &parts,
+                        &[
+                            Arg::I64(row0 as i64),
+                            heads[0],
+                            heads[2],
+                            Arg::I64(chunks as i64),
+                        ],
+                    ]
+                    .concat();
+                    file.launch(
+                        "attention_merge",
+                        dims(rows, q_heads),
+                        dims(merge_threads, 1),
+                        &args,
+                        &mut bufs,
+                    )
+                })
+        }
+    };
+    launched.unwrap_or_else(|e| panic!("{way:?}: {e}"));
+    let got = bufs.read_f32(out);
+    let untouched = |r: &[f32]| r.iter().all(|&x| x == 0.0);
+    assert!(
+        untouched(&got[..row0 * qc]),
+        "{way:?}: wrote rows before the segment"
+    );
+    assert!(
+        untouched(&got[(row0 + s.new) * qc..]),
+        "{way:?}: wrote rows after the segment"
+    );
+    got
+}
+
+fn check_attention(way: Way, shapes: &[AttentionShape]) {
+    let mut values = Values(0x1234_5678_9abc_def1);
+    for s in shapes {
+        let positions = s.start + s.new;
+        let (qc, kc) = (s.q_heads * s.d, s.kv_heads * s.d);
+        // The segment's rows sit at batch row 2 of a batch with one more row after it.
+        let row0 = 2;
+        let q = values.take((row0 + s.new + 1) * qc);
+        let k = values.take(positions * kc);
+        let v = values.take(positions * kc);
+        let got = run_attention(way, s, row0, &q, &k, &v);
+        let scale = 1.0 / (s.d as f32).sqrt();
+        let want = attention_reference(
+            &q[row0 * qc..],
+            &k,
+            &v,
+            s.new,
+            s.start,
+            s.q_heads,
+            s.kv_heads,
+            s.d,
+            scale,
+        );
+        let what = format!("{way:?}: new {} start {} d {}", s.new, s.start, s.d);
+        assert_close(&what, &got[row0 * qc..(row0 + s.new) * qc], &want, 1e-5);
+    }
+}
+
+#[test]
+fn one_pass_attention_matches_an_f64_reference() {
+    check_attention(Way::OnePass, ATTENTION_SHAPES);
+}
+
+#[test]
+fn split_attention_matches_an_f64_reference() {
+    // Chunks that split the cache evenly, unevenly, and past the last row's positions.
+    for (chunk, merge_threads) in [(16, 128), (32, 32), (64, 128), (1, 64)] {
+        check_attention(
+            Way::Split {
+                chunk,
+                merge_threads,
+            },
+            ATTENTION_SHAPES,
+        );
+    }
+}
+
+#[test]
+fn tiled_attention_matches_an_f64_reference() {
+    let prompts = [
+        // one full tile, one short tile, two tiles and a bit, continued prompts
+        AttentionShape {
+            new: 16,
+            start: 0,
+            q_heads: 4,
+            kv_heads: 2,
+            d: 64,
+        },
+        AttentionShape {
+            new: 5,
+            start: 0,
+            q_heads: 2,
+            kv_heads: 1,
+            d: 128,
+        },
+        AttentionShape {
+            new: 37,
+            start: 0,
+            q_heads: 2,
+            kv_heads: 2,
+            d: 40,
+        },
+        AttentionShape {
+            new: 20,
+            start: 13,
+            q_heads: 8,
+            kv_heads: 2,
+            d: 64,
+        },
+        AttentionShape {
+            new: 17,
+            start: 3,
+            q_heads: 1,
+            kv_heads: 1,
+            d: 256,
+        },
+    ];
+    check_attention(Way::Tiled, &prompts);
+    check_attention(Way::Tiled, ATTENTION_SHAPES);
+}
+
+#[test]
+fn rms_norms_match_an_f64_reference() {
+    let file = kernel_file("norm.cu");
+    let mut values = Values(42);
+    // (groups, group): TinyLlama's hidden size, a q-norm head, and one not a multiple of 32
+    for (groups, group) in [(3usize, 2048usize), (8, 64), (2, 77)] {
+        let x = values.take(groups * group);
+        let residual = values.take(groups * group);
+        let w = values.take(group);
+        let eps = 1e-5f32;
+        let threads = (group.next_multiple_of(32)).clamp(32, 256) as u32;
+        let norm = |x: &[f32]| -> Vec<f64> {
+            x.chunks(group)
+                .flat_map(|g| {
+                    let ms = g.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / group as f64;
+                    let inv = 1.0 / (ms + eps as f64).sqrt();
+                    g.iter()
+                        .zip(&w)
+                        .map(move |(&v, &s)| s as f64 * v as f64 * inv)
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let mut bufs = Buffers::default();
+        let (out, xb, wb) = (bufs.f32(&vec![0.0; x.len()]), bufs.f32(&x), bufs.f32(&w));
+        let rb = bufs.f32(&residual);
+        file.launch(
+            "rms_norm",
+            dims(groups as u32, 1),
+            dims(threads, 1),
+            &[
+                Arg::Buf(out),
+                Arg::Buf(xb),
+                Arg::Buf(wb),
+                Arg::I64(group as i64),
+                Arg::F32(eps),
+            ],
+            &mut bufs,
+        )
+        .unwrap();
+        assert_close("rms_norm", &bufs.read_f32(out), &norm(&x), 1e-5);
+
+        file.launch(
+            "add_rms_norm",
+            dims(groups as u32, 1),
+            dims(threads, 1),
+            &[
+                Arg::Buf(out),
+                Arg::Buf(rb),
+                Arg::Buf(xb),
+                Arg::Buf(wb),
+                Arg::I64(group as i64),
+                Arg::F32(eps),
+            ],
+            &mut bufs,
+        )
+        .unwrap();
+        let sum: Vec<f32> = residual.iter().zip(&x).map(|(a, b)| a + b).collect();
+        assert_eq!(bufs.read_f32(rb), sum, "add_rms_norm: the residual");
+        assert_close("add_rms_norm", &bufs.read_f32(out), &norm(&sum), 1e-5);
+    }
+}

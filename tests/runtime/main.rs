@@ -1,0 +1,12 @@
+//! The runtime's tests, one module per subject: parity with HF, batches, pipeline stages,
+//! sharding options, failure handling. One test binary, so one link step (see `[[test]]`
+//! in Cargo.toml).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod batch;
+mod parity;
+mod pipeline;
+mod runtime;
+mod shard_options;
