@@ -70,8 +70,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         compiled.plan.save(out)?;
     }
     if let Some(path) = &a.dot {
-        let text = tpc::plan::dot::render(&compiled.plan, &tpc::plan::dot::DotOptions::default());
-        tpc::fsio::write_text(path, &text)?;
+        let picture = tpc::plan::dot::draw(&compiled.plan, &tpc::plan::dot::DotOptions::default());
+        if picture.too_large() {
+            super::dot::warn_too_large(
+                &picture,
+                "`tpc dot MODEL --tp N --layers 0..1` draws fewer layers",
+            );
+        }
+        tpc::fsio::write_text(path, &picture.text)?;
     }
     if a.json {
         let json = super::with_decision(serde_json::to_value(&summary)?, decision.as_ref())?;
