@@ -22,7 +22,7 @@ fn json_has_the_contract_fields() {
         NVSWITCH,
         "--batch",
         "4",
-        "--prompt",
+        "--prompt-len",
         "512",
         "--gen",
         "64",
@@ -49,6 +49,45 @@ fn json_has_the_contract_fields() {
     let expect = 4.0 * 512.0 / v["prefill"]["time_s"].as_f64().unwrap();
     assert!((prefill / expect - 1.0).abs() < 1e-9);
     assert!(tps["decode"].as_f64().unwrap() > 0.0);
+}
+
+/// A token count is `--prompt-len` (as in `bench` and `verify`; `run --prompt` is text);
+/// `--prompt`, its old name in `simulate` and `compile`, still works but is not shown.
+#[test]
+fn the_prompt_token_count_is_prompt_len_and_the_old_spelling_still_works() {
+    for command in ["simulate", "compile"] {
+        let decision = |flag: &[&str]| {
+            let args = [
+                &[
+                    command,
+                    "models/tiny-llama.ron",
+                    "--tp",
+                    "2",
+                    "--hw",
+                    NVSWITCH,
+                ][..],
+                flag,
+                &["--json"],
+            ]
+            .concat();
+            let o = tpc(&args);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            v["sequence_parallel_decision"].clone()
+        };
+        let new = decision(&["--prompt-len", "300"]);
+        assert_eq!(new["prompt"], 300, "{command}: {new}");
+        assert_eq!(decision(&["--prompt", "300"]), new, "{command}");
+        assert_eq!(decision(&[])["prompt"], 128, "{command}");
+        let o = tpc(&[command, "--help"]);
+        let help = String::from_utf8_lossy(&o.stdout);
+        assert!(help.contains("--prompt-len <PROMPT_LEN>"), "{help}");
+        assert_eq!(
+            help.matches("--prompt").count(),
+            help.matches("--prompt-len").count(),
+            "{command} --help shows only --prompt-len: {help}"
+        );
+    }
 }
 
 #[test]
@@ -248,8 +287,12 @@ fn a_quick_calibration_writes_a_profile_that_simulate_accepts() {
 
 #[test]
 fn sequence_parallel_divides_the_token_wise_work_and_prices_its_collectives() {
-    let estimate =
-        |extra: &[&str]| llama8b_tp8(&["--batch", "1", "--prompt", "4096", "--gen", "16"], extra);
+    let estimate = |extra: &[&str]| {
+        llama8b_tp8(
+            &["--batch", "1", "--prompt-len", "4096", "--gen", "16"],
+            extra,
+        )
+    };
     let plain = estimate(&["--sequence-parallel=off"]);
     let sp = estimate(&["--sequence-parallel"]);
     let f = |v: &serde_json::Value, phase: &str, key: &str| v[phase][key].as_f64().unwrap();
@@ -291,8 +334,8 @@ fn llama8b_tp8(workload: &[&str], extra: &[&str]) -> serde_json::Value {
 
 #[test]
 fn the_cost_model_chooses_sequence_parallelism_for_long_prompts_only() {
-    let long = ["--batch", "8", "--prompt", "8192", "--gen", "1"];
-    let chat = ["--batch", "1", "--prompt", "16", "--gen", "1024"];
+    let long = ["--batch", "8", "--prompt-len", "8192", "--gen", "1"];
+    let chat = ["--batch", "1", "--prompt-len", "16", "--gen", "1024"];
     let workload_s = |v: &serde_json::Value, gen: f64| {
         v["prefill"]["time_s"].as_f64().unwrap()
             + gen * v["decode_step"]["time_s"].as_f64().unwrap()
@@ -340,7 +383,14 @@ fn compile_with_a_profile_keeps_the_cheaper_plan_and_says_why() {
             .collect()
     };
     let long = [
-        "--hw", NVSWITCH, "--batch", "8", "--prompt", "8192", "--gen", "1",
+        "--hw",
+        NVSWITCH,
+        "--batch",
+        "8",
+        "--prompt-len",
+        "8192",
+        "--gen",
+        "1",
     ];
     let v = compile(&long);
     assert!(kinds(&v).iter().any(|k| k == "reduce_scatter"), "{v}");

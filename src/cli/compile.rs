@@ -1,4 +1,4 @@
-//! `tpc compile MODEL --tp N [--pp P [--pp-layers 8,8,…]] [--hw PROFILE [--batch B --prompt S --gen N]] [--sequence-parallel[=on|off|auto]] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
+//! `tpc compile MODEL --tp N [--pp P [--pp-layers 8,8,…]] [--hw PROFILE [--batch B --prompt-len S --gen N]] [--sequence-parallel[=on|off|auto]] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
 
 use std::path::PathBuf;
 use tpc::cost::simulate::Numerics;

@@ -1,4 +1,4 @@
-//! `tpc simulate MODEL --tp T [--pp P] --hw PROFILE --batch B --prompt S --gen N [--json]
+//! `tpc simulate MODEL --tp T [--pp P] --hw PROFILE --batch B --prompt-len S --gen N [--json]
 //! [--search]`: what a plan costs on a hardware profile, by the α-β model of `tpc::cost`;
 //! pipeline stages are modelled there (tpc does not compile them yet).
 
