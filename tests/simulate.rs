@@ -90,6 +90,48 @@ fn the_prompt_token_count_is_prompt_len_and_the_old_spelling_still_works() {
     }
 }
 
+/// `--hw` takes a shipped profile's name (from any folder: the profiles are built in) or a
+/// file; an unknown one is an error that lists the names.
+#[test]
+fn hw_takes_a_shipped_name_and_an_unknown_one_lists_them() {
+    let elsewhere = std::env::temp_dir();
+    let model = std::fs::canonicalize("models/tiny-llama.ron").unwrap();
+    let model = model.to_str().unwrap();
+    let json = |command: &str, hw: &str, dir: &std::path::Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_tpc"))
+            .args([command, model, "--tp", "2", "--hw", hw, "--json"])
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let here = std::env::current_dir().unwrap();
+    for command in ["simulate", "compile"] {
+        let by_path = json(command, NVSWITCH, &here);
+        assert_eq!(json(command, "h100-sxm-nvswitch-8", &elsewhere), by_path);
+        assert_eq!(
+            json(command, "h100-sxm-nvswitch-8.ron", &elsewhere),
+            by_path
+        );
+    }
+    let v = json("simulate", "a100-pcie-8", &elsewhere);
+    assert_eq!(v["hw"], "8x A100 80GB PCIe, PCIe Gen4");
+    for unknown in ["h100", "models/hw/h200.ron"] {
+        for command in ["simulate", "compile"] {
+            let o = tpc(&[command, "models/tiny-llama.ron", "--hw", unknown]);
+            assert_eq!(o.status.code(), Some(1));
+            let e = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                e.contains(&format!("`{unknown}`"))
+                    && e.contains("a100-pcie-8, h100-ib400-2x8, h100-sxm-nvswitch-8")
+                    && !e.contains("panicked"),
+                "{e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_plan_that_does_not_fit_says_by_how_much_and_search_ranks_fitting_plans_first() {
     let o = tpc(&["simulate", "models/llama3-70b.ron", "--hw", NVSWITCH]);
@@ -241,6 +283,45 @@ fn a_quick_calibration_writes_a_profile_that_simulate_accepts() {
         text.contains("shared") && text.contains("tpc calibrate --quick"),
         "{text}"
     );
+    assert!(text.contains("rough: true"), "{text}");
+    // simulate says the estimate is rough: in the table, in --json, in --search.
+    let simulate = |hw: &str, extra: &[&str]| {
+        let args = [
+            &["simulate", "models/tiny-llama.ron", "--hw", hw][..],
+            extra,
+        ]
+        .concat();
+        let o = tpc(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let quick = out.to_str().unwrap();
+    assert!(
+        simulate(quick, &[]).contains("rough profile:") && simulate(quick, &[]).contains("--quick"),
+        "{}",
+        simulate(quick, &[])
+    );
+    assert!(simulate(quick, &["--search"]).contains("rough profile:"));
+    let v: serde_json::Value = serde_json::from_str(&simulate(quick, &["--json"])).unwrap();
+    assert_eq!(v["rough_profile"], true, "{v}");
+    let ranked: serde_json::Value =
+        serde_json::from_str(&simulate(quick, &["--search", "--json"])).unwrap();
+    assert!(ranked
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|e| e["rough_profile"] == true));
+    // A quick profile written before the field: its first source line says --quick.
+    let old = dir.join("old-quick.ron");
+    std::fs::write(&old, text.replace("rough: true,", "")).unwrap();
+    assert_ne!(std::fs::read_to_string(&old).unwrap(), text);
+    let v: serde_json::Value =
+        serde_json::from_str(&simulate(old.to_str().unwrap(), &["--json"])).unwrap();
+    assert_eq!(v["rough_profile"], true, "{v}");
+    // A shipped profile is not rough.
+    assert!(!simulate(NVSWITCH, &[]).contains("rough"));
+    let v: serde_json::Value = serde_json::from_str(&simulate(NVSWITCH, &["--json"])).unwrap();
+    assert_eq!(v["rough_profile"], false, "{v}");
     for tp in ["1", "2"] {
         let o = tpc(&[
             "simulate",

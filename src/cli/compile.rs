@@ -24,8 +24,9 @@ pub struct Args {
     /// Print the plan's programs as text after the table.
     #[arg(long)]
     text: bool,
-    /// Choose each all-reduce's algorithm by message size for this hardware profile
-    /// (models/hw/*.ron or `tpc calibrate`'s); the runtime follows the plan's choice.
+    /// Choose each all-reduce's algorithm by message size for this hardware profile: a
+    /// shipped one by name (a file of models/hw/ without `.ron`, e.g. h100-sxm-nvswitch-8)
+    /// or a profile file (e.g. `tpc calibrate`'s); the runtime follows the plan's choice.
     #[arg(long)]
     hw: Option<PathBuf>,
     /// The workload sequence parallelism is priced for with --hw (`auto`).
@@ -51,7 +52,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     }
     let hw =
         a.hw.as_deref()
-            .map(tpc::cost::profile::HwProfile::load)
+            .map(tpc::cost::shipped_profiles::find_profile)
             .transpose()?;
     let def = load_model(&a.model)?;
     let (mut compiled, decision) =

@@ -4,6 +4,7 @@ pub mod algorithms;
 pub mod calibrate;
 pub mod decide;
 pub mod profile;
+pub mod shipped_profiles;
 pub mod simulate;
 
 /// Shipped models and profiles for the cost model's tests.

@@ -91,6 +91,9 @@ pub struct Estimate {
     /// Pipeline stages (1: none).
     pub pp: u64,
     pub hw: String,
+    /// True when the profile is a rough one (`tpc calibrate --quick`): the figures are for
+    /// trying the command, not predictions.
+    pub rough_profile: bool,
     /// Types of the weights and of the activations (KV cache, collectives) priced.
     pub weight_dtype: DType,
     pub activation_dtype: DType,
@@ -551,6 +554,7 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
         tp: plan.tp,
         pp: 1,
         hw: hw.name.clone(),
+        rough_profile: hw.is_rough(),
         weight_dtype: num.weights,
         activation_dtype: num.activations,
         prefill,
@@ -781,6 +785,7 @@ pub fn simulate_pp(
         tp: plan.tp,
         pp,
         hw: hw.name.clone(),
+        rough_profile: hw.is_rough(),
         weight_dtype: num.weights,
         activation_dtype: num.activations,
         prefill,
@@ -828,6 +833,7 @@ mod tests {
             attention_flops: None,
             attention_flops_by_head_dim: vec![],
             shared: None,
+            rough: false,
         }
     }
 
