@@ -161,6 +161,19 @@ fn a_plan_that_does_not_fit_says_by_how_much_and_search_ranks_fitting_plans_firs
         .all(|e| e["tp"].as_u64().unwrap() * e["pp"].as_u64().unwrap() <= 8));
     assert!(ranked.iter().any(|e| e["tp"] == 4 && e["pp"] == 2));
     assert_eq!(ranked.last().unwrap()["fits"], false);
+    // What a tie is broken by: the collectives a pass runs, with one send per stage boundary.
+    let collectives = |tp: u64, pp: u64| {
+        ranked
+            .iter()
+            .find(|e| e["tp"] == tp && e["pp"] == pp)
+            .unwrap()["collectives_per_pass"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(collectives(1, 1), 0);
+    assert_eq!(collectives(1, 2), 1);
+    assert!(collectives(4, 1) > 80, "two all-reduces per layer");
+    assert_eq!(collectives(4, 2), collectives(4, 1) + 1);
 }
 
 #[test]

@@ -30,7 +30,7 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// Rank every feasible (tp, pp) with tp·pp up to the profile's device count by decode
-    /// throughput.
+    /// throughput (on a tie, fewer collectives first).
     #[arg(long)]
     search: bool,
     #[command(flatten)]
@@ -180,7 +180,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         return super::print_stdout(&text);
     }
     // Every tp the model splits into and the profile has devices for, fitting ones first,
-    // then by decode throughput.
+    // then by decode throughput, then by fewer collectives.
     let mut ranked: Vec<Estimate> = Vec::new();
     for tp in 1..=hw.devices.min(tpc::passes::feasibility::MAX_TP) {
         let Ok((c, _)) = a.shard.compile(&def, tp, Some(&hw), work, number_types) else {
@@ -195,11 +195,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         }
     }
     anyhow::ensure!(!ranked.is_empty(), "no tp value splits this model");
-    ranked.sort_by(|x, y| {
-        y.fits
-            .cmp(&x.fits)
-            .then(y.tokens_per_s.decode.total_cmp(&x.tokens_per_s.decode))
-    });
+    tpc::cost::prefer::rank(&mut ranked);
     let text = if a.json {
         format!("{}\n", serde_json::to_string_pretty(&ranked)?)
     } else {

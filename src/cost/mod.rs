@@ -3,6 +3,7 @@
 pub mod algorithms;
 pub mod calibrate;
 pub mod decide;
+pub mod prefer;
 pub mod profile;
 pub mod shipped_profiles;
 pub mod simulate;

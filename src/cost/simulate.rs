@@ -106,6 +106,9 @@ pub struct Estimate {
     pub device_memory_bytes: u64,
     pub fits: bool,
     pub tokens_per_s: TokensPerS,
+    /// Communication calls a forward pass waits on: every tensor-parallel collective of
+    /// the plan, and the `pp − 1` sends between pipeline stages.
+    pub collectives_per_pass: u64,
     /// Per pipeline stage, when `pp > 1`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stages: Vec<StageEstimate>,
@@ -568,6 +571,7 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
             prefill: b * s / prefill.time_s,
             decode: b / decode_step.time_s,
         },
+        collectives_per_pass: plan.collectives.len() as u64,
         stages: Vec::new(),
     }
 }
@@ -799,6 +803,7 @@ pub fn simulate_pp(
             prefill: b * s / prefill.time_s,
             decode: b / decode_step.time_s,
         },
+        collectives_per_pass: plan.collectives.len() as u64 + (pp - 1),
         stages,
     })
 }
