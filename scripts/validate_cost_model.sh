@@ -23,7 +23,7 @@ for r in $(seq 1 "$rounds"); do
     for tp in 1 2; do
         "$tpc" bench "$model" --tp "$tp" --prompt-len 128 --max-new-tokens "$gen" \
             --warmup 1 --repeat 1 2>/dev/null | tail -1 >"$work/bench-$r-$tp.json"
-        "$tpc" simulate "$model" --tp "$tp" --hw "$work/host-$r.ron" --prompt 128 \
+        "$tpc" simulate "$model" --tp "$tp" --hw "$work/host-$r.ron" --prompt-len 128 \
             --gen "$gen" --sequence-parallel=off --json >"$work/sim-$r-$tp.json"
     done
 done

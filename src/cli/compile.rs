@@ -1,4 +1,4 @@
-//! `tpc compile MODEL --tp N [--pp P [--pp-layers 8,8,…]] [--hw PROFILE [--batch B --prompt S --gen N]] [--sequence-parallel[=on|off|auto]] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
+//! `tpc compile MODEL --tp N [--pp P [--pp-layers 8,8,…]] [--hw PROFILE [--batch B --prompt-len S --gen N]] [--sequence-parallel[=on|off|auto]] [-o plan.ron|plan.json] [--dot FILE] [--json] [--text]`
 
 use std::path::PathBuf;
 use tpc::cost::simulate::Numerics;
@@ -24,8 +24,9 @@ pub struct Args {
     /// Print the plan's programs as text after the table.
     #[arg(long)]
     text: bool,
-    /// Choose each all-reduce's algorithm by message size for this hardware profile
-    /// (models/hw/*.ron or `tpc calibrate`'s); the runtime follows the plan's choice.
+    /// Choose each all-reduce's algorithm by message size for this hardware profile: a
+    /// shipped one by name (a file of models/hw/ without `.ron`, e.g. h100-sxm-nvswitch-8)
+    /// or a profile file (e.g. `tpc calibrate`'s); the runtime follows the plan's choice.
     #[arg(long)]
     hw: Option<PathBuf>,
     /// The workload sequence parallelism is priced for with --hw (`auto`).
@@ -51,7 +52,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     }
     let hw =
         a.hw.as_deref()
-            .map(tpc::cost::profile::HwProfile::load)
+            .map(tpc::cost::shipped_profiles::find_profile)
             .transpose()?;
     let def = load_model(&a.model)?;
     let (mut compiled, decision) =
@@ -70,8 +71,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         compiled.plan.save(out)?;
     }
     if let Some(path) = &a.dot {
-        let text = tpc::plan::dot::render(&compiled.plan, &tpc::plan::dot::DotOptions::default());
-        tpc::fsio::write_text(path, &text)?;
+        let picture = tpc::plan::dot::draw(&compiled.plan, &tpc::plan::dot::DotOptions::default());
+        if picture.too_large() {
+            super::dot::warn_too_large(
+                &picture,
+                "`tpc dot MODEL --tp N --layers 0..1` draws fewer layers",
+            );
+        }
+        tpc::fsio::write_text(path, &picture.text)?;
     }
     if a.json {
         let json = super::with_decision(serde_json::to_value(&summary)?, decision.as_ref())?;

@@ -4,7 +4,7 @@ use anyhow::Context;
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
-use tpc::plan::dot::{render, DotOptions};
+use tpc::plan::dot::{draw, DotOptions, Picture, READABLE_NODES};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -75,10 +75,27 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             plan
         }
     };
-    let text = render(&plan, &options);
+    let picture = draw(&plan, &options);
+    if picture.too_large() {
+        let fewer = if a.all_ranks {
+            "draw fewer layers (`--layers 0..1`) or one rank (without --all-ranks)"
+        } else {
+            "draw fewer layers, e.g. `--layers 0..1`"
+        };
+        warn_too_large(&picture, fewer);
+    }
     match &a.output {
-        Some(p) => tpc::fsio::write_text(p, &text)?,
-        None => super::print_stdout(&text)?,
+        Some(p) => tpc::fsio::write_text(p, &picture.text)?,
+        None => super::print_stdout(&picture.text)?,
     }
     Ok(())
+}
+
+/// Says on stderr that `picture` is too large to be useful and how to draw less.
+pub fn warn_too_large(picture: &Picture, fewer: &str) {
+    eprintln!(
+        "warning: the picture has {} nodes, too many to read (Graphviz may also take minutes \
+         to lay out more than {READABLE_NODES}); {fewer}",
+        picture.nodes
+    );
 }

@@ -271,8 +271,9 @@ pub struct WorkloadArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
     batch: u64,
     /// Prompt tokens per sequence, 1 to 2^24.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
-    prompt: u64,
+    // `--prompt` was its name; a hidden alias now, as `run --prompt` is text.
+    #[arg(long, alias = "prompt", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
+    prompt_len: u64,
     /// Generated tokens per sequence, 0 to 2^24.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
     gen: u64,
@@ -282,7 +283,7 @@ impl WorkloadArgs {
     pub fn workload(&self) -> tpc::cost::simulate::Workload {
         tpc::cost::simulate::Workload {
             batch: self.batch,
-            prompt: self.prompt,
+            prompt: self.prompt_len,
             gen: self.gen,
         }
     }

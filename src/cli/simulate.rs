@@ -1,9 +1,9 @@
-//! `tpc simulate MODEL --tp T [--pp P] --hw PROFILE --batch B --prompt S --gen N [--json]
+//! `tpc simulate MODEL --tp T [--pp P] --hw PROFILE --batch B --prompt-len S --gen N [--json]
 //! [--search]`: what a plan costs on a hardware profile, by the α-β model of `tpc::cost`;
 //! pipeline stages are modelled there (tpc does not compile them yet).
 
 use std::path::PathBuf;
-use tpc::cost::profile::HwProfile;
+use tpc::cost::shipped_profiles::find_profile;
 use tpc::cost::simulate::{simulate_pp, Estimate, Numerics};
 use tpc::frontend::load::load_model;
 use tpc::plan::report::human_bytes;
@@ -20,7 +20,8 @@ pub struct Args {
     /// (ignored with --search).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pp: u64,
-    /// Hardware profile (RON), e.g. models/hw/h100-sxm-nvswitch-8.ron.
+    /// Hardware profile: a shipped one by name (a file of models/hw/ without `.ron`, e.g.
+    /// h100-sxm-nvswitch-8) or a profile file (RON, e.g. `tpc calibrate`'s).
     #[arg(long)]
     hw: PathBuf,
     #[command(flatten)]
@@ -29,7 +30,7 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// Rank every feasible (tp, pp) with tp·pp up to the profile's device count by decode
-    /// throughput.
+    /// throughput (on a tie, fewer collectives first).
     #[arg(long)]
     search: bool,
     #[command(flatten)]
@@ -124,8 +125,23 @@ fn table(e: &Estimate) -> String {
     out
 }
 
+/// A line saying the estimate is rough when the profile is (`tpc calibrate --quick`), else
+/// nothing.
+fn rough_note(hw: &tpc::cost::profile::HwProfile) -> String {
+    if hw.is_rough() {
+        format!(
+            "rough profile: {} was measured by `tpc calibrate --quick` (small products, a \
+             second of timing); these figures are for trying the command: measure with \
+             `tpc calibrate` (no --quick) for estimates to go by\n",
+            hw.name
+        )
+    } else {
+        String::new()
+    }
+}
+
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    let hw = HwProfile::load(&a.hw)?;
+    let hw = find_profile(&a.hw)?;
     let def = load_model(&a.model)?;
     let work = a.work.workload();
     // As asked, else what runs the plan on this profile by default.
@@ -159,12 +175,12 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             if let Some(d) = &decision {
                 t += &format!("{}\n", d.note());
             }
-            t
+            t + &rough_note(&hw)
         };
         return super::print_stdout(&text);
     }
     // Every tp the model splits into and the profile has devices for, fitting ones first,
-    // then by decode throughput.
+    // then by decode throughput, then by fewer collectives.
     let mut ranked: Vec<Estimate> = Vec::new();
     for tp in 1..=hw.devices.min(tpc::passes::feasibility::MAX_TP) {
         let Ok((c, _)) = a.shard.compile(&def, tp, Some(&hw), work, number_types) else {
@@ -179,11 +195,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         }
     }
     anyhow::ensure!(!ranked.is_empty(), "no tp value splits this model");
-    ranked.sort_by(|x, y| {
-        y.fits
-            .cmp(&x.fits)
-            .then(y.tokens_per_s.decode.total_cmp(&x.tokens_per_s.decode))
-    });
+    tpc::cost::prefer::rank(&mut ranked);
     let text = if a.json {
         format!("{}\n", serde_json::to_string_pretty(&ranked)?)
     } else {
@@ -202,7 +214,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 if e.fits { "yes" } else { "no" }
             );
         }
-        s
+        s + &rough_note(&hw)
     };
     super::print_stdout(&text)
 }

@@ -9,6 +9,7 @@
 //! the prompt, the number of new tokens and the profile's α, so the decision prices
 //! `prefill + gen × decode step` for both plans.
 
+use crate::cost::prefer::{better_first, Price};
 use crate::cost::profile::HwProfile;
 use crate::cost::simulate::{simulate_as, Estimate, Numerics, Workload};
 use crate::error::Result;
@@ -17,6 +18,7 @@ use crate::passes::ShardOptions;
 use crate::pipeline::{compile_with, Compiled};
 use crate::plan::Plan;
 use serde::Serialize;
+use std::cmp::Ordering;
 
 /// What the cost model weighed for sequence parallelism, and what it chose.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -48,6 +50,17 @@ impl SequenceParallelDecision {
     }
 }
 
+/// Collectives a forward pass of `plan` runs.
+fn collectives(plan: &Plan) -> u64 {
+    plan.collectives.len() as u64
+}
+
+/// True when the sequence-parallel plan is preferred to the plain one: cheaper, or as cheap
+/// with fewer collectives ([`better_first`]); a full tie keeps the plain plan.
+pub fn keeps_split(split: Price, plain: Price) -> bool {
+    better_first(&split, &plain) == Ordering::Less
+}
+
 /// Seconds the estimate gives for the whole workload: the prefill and `gen` decode steps.
 pub fn workload_seconds(e: &Estimate, work: Workload) -> f64 {
     e.prefill.time_s + work.gen as f64 * e.decode_step.time_s
@@ -55,8 +68,8 @@ pub fn workload_seconds(e: &Estimate, work: Workload) -> f64 {
 
 /// Compiles `def` for `tp` ranks with and without sequence parallelism (the rest of
 /// `options` as given), prices both for `work` on `hw` with the number types `numerics`
-/// gives for a plan, and returns the cheaper plan (ties keep the plain one) and the
-/// decision. At tp 1 there is nothing to split: the plain plan, no decision.
+/// gives for a plan, and returns the preferred plan ([`keeps_split`]) and the decision.
+/// At tp 1 there is nothing to split: the plain plan, no decision.
 pub fn compile_choosing_sequence_parallel(
     def: &ModelDef,
     tp: u64,
@@ -88,7 +101,16 @@ pub fn compile_choosing_sequence_parallel(
         |c: &Compiled| workload_seconds(&simulate_as(&c.plan, hw, work, numerics(&c.plan)), work);
     let (without_s, with_s) = (price(&plain), price(&split));
     let decision = SequenceParallelDecision {
-        chosen: with_s < without_s,
+        chosen: keeps_split(
+            Price {
+                seconds: with_s,
+                collectives: collectives(&split.plan),
+            },
+            Price {
+                seconds: without_s,
+                collectives: collectives(&plain.plan),
+            },
+        ),
         with_s,
         without_s,
         batch: work.batch,
@@ -153,6 +175,35 @@ mod tests {
         assert!(!d.chosen, "{}", d.note());
         assert!(d.with_s > d.without_s);
         assert!(!has_reduce_scatter(&c.plan));
+    }
+
+    #[test]
+    fn a_tie_keeps_the_plan_with_fewer_collectives() {
+        // llama3-8b at tp 8: the split plan runs a reduce-scatter and an all-gather where
+        // the plain one runs one all-reduce.
+        let plain = compile_with(&llama8b(), 8, ShardOptions::default()).unwrap();
+        let split = compile_with(
+            &llama8b(),
+            8,
+            ShardOptions {
+                sequence_parallel: true,
+                ..ShardOptions::default()
+            },
+        )
+        .unwrap();
+        let (p, s) = (collectives(&plain.plan), collectives(&split.plan));
+        assert!(s > p, "{s} {p}");
+        let at = |seconds, collectives| Price {
+            seconds,
+            collectives,
+        };
+        assert!(!keeps_split(at(1e-3, s), at(1e-3, p)));
+        // Were the split plan the one with fewer collectives, the tie would keep it.
+        assert!(keeps_split(at(1e-3, p), at(1e-3, s)));
+        // A full tie keeps the plain plan.
+        assert!(!keeps_split(at(1e-3, p), at(1e-3, p)));
+        // Cheaper wins whatever it communicates.
+        assert!(keeps_split(at(0.9e-3, s), at(1e-3, p)));
     }
 
     #[test]

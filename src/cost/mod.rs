@@ -2,7 +2,9 @@
 
 pub mod algorithms;
 pub mod decide;
+pub mod prefer;
 pub mod profile;
+pub mod shipped_profiles;
 pub mod simulate;
 
 /// Shipped models and profiles for the cost model's tests.

@@ -7,6 +7,9 @@ use crate::error::{Result, TpcError};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// How the first source line of a `tpc calibrate --quick` profile begins.
+pub const QUICK_SOURCE: &str = "tpc calibrate --quick";
+
 /// One machine (or group of machines) that a plan's ranks run on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HwProfile {
@@ -46,6 +49,11 @@ pub struct HwProfile {
     /// The peaks and the bandwidth above are then the whole host's.
     #[serde(default)]
     pub shared: Option<SharedHost>,
+    /// Set by `tpc calibrate --quick`: figures from a second's measurement of small
+    /// products, for trying the commands; what is priced with them is a rough estimate.
+    /// Absent (false) in other profiles and in files written before the field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rough: bool,
 }
 
 /// One host whose cores and memory bandwidth the ranks of a group share.
@@ -145,12 +153,27 @@ impl HwProfile {
     /// Reads and checks a profile file.
     pub fn load(path: &Path) -> Result<HwProfile> {
         let text = crate::fsio::read_text(path)?;
-        let profile: HwProfile = crate::frontend::load::parse_ron(path, &text)?;
+        HwProfile::parse(path, &text)
+    }
+
+    /// Parses and checks a profile's text; `path` names it in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<HwProfile> {
+        let profile: HwProfile = crate::frontend::load::parse_ron(path, text)?;
         profile.check().map_err(|message| TpcError::HwProfile {
             path: path.to_path_buf(),
             message,
         })?;
         Ok(profile)
+    }
+
+    /// True for a rough profile: marked [`HwProfile::rough`], or written by `tpc calibrate
+    /// --quick` before that field existed (its first source line says so).
+    pub fn is_rough(&self) -> bool {
+        self.rough
+            || self
+                .sources
+                .first()
+                .is_some_and(|s| s.starts_with(QUICK_SOURCE))
     }
 
     /// The profile as RON, in the form [`HwProfile::load`] reads.
@@ -351,12 +374,33 @@ mod tests {
             attention_flops: Some(5e10),
             attention_flops_by_head_dim: vec![(8, 5e9), (64, 5e10)],
             shared: Some(SharedHost::new(2)),
+            rough: false,
         }
     }
 
     #[test]
+    fn a_rough_profile_says_so_in_its_field_or_in_an_older_quick_file() {
+        let mut p = shared_profile();
+        assert!(!p.is_rough());
+        p.rough = true;
+        assert!(p.is_rough());
+        let text = p.to_ron().unwrap();
+        assert!(text.contains("rough: true"), "{text}");
+        // Before the field, only the first source line said `--quick`.
+        let mut old = shared_profile();
+        old.sources = vec![format!("{QUICK_SOURCE} (rough: small products), tpc 0.1.0")];
+        assert!(old.is_rough());
+        old.sources.push(old.sources[0].clone());
+        old.sources[0] = "tpc calibrate, tpc 0.1.0".into();
+        assert!(!old.is_rough());
+        // A profile that is not rough does not write the field.
+        assert!(!shared_profile().to_ron().unwrap().contains("rough"));
+    }
+
+    #[test]
     fn a_calibrated_profile_round_trips_through_its_file() {
-        let p = shared_profile();
+        let mut p = shared_profile();
+        p.rough = true;
         let dir = std::env::temp_dir().join(format!("tpc-profile-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("host.ron");

@@ -91,6 +91,9 @@ pub struct Estimate {
     /// Pipeline stages (1: none).
     pub pp: u64,
     pub hw: String,
+    /// True when the profile is a rough one (`tpc calibrate --quick`): the figures are for
+    /// trying the command, not predictions.
+    pub rough_profile: bool,
     /// Types of the weights and of the activations (KV cache, collectives) priced.
     pub weight_dtype: DType,
     pub activation_dtype: DType,
@@ -103,6 +106,9 @@ pub struct Estimate {
     pub device_memory_bytes: u64,
     pub fits: bool,
     pub tokens_per_s: TokensPerS,
+    /// Communication calls a forward pass waits on: every tensor-parallel collective of
+    /// the plan, and the `pp − 1` sends between pipeline stages.
+    pub collectives_per_pass: u64,
     /// Per pipeline stage, when `pp > 1`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stages: Vec<StageEstimate>,
@@ -551,6 +557,7 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
         tp: plan.tp,
         pp: 1,
         hw: hw.name.clone(),
+        rough_profile: hw.is_rough(),
         weight_dtype: num.weights,
         activation_dtype: num.activations,
         prefill,
@@ -564,6 +571,7 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
             prefill: b * s / prefill.time_s,
             decode: b / decode_step.time_s,
         },
+        collectives_per_pass: plan.collectives.len() as u64,
         stages: Vec::new(),
     }
 }
@@ -745,6 +753,7 @@ pub fn simulate_pp(
         tp: plan.tp,
         pp,
         hw: hw.name.clone(),
+        rough_profile: hw.is_rough(),
         weight_dtype: num.weights,
         activation_dtype: num.activations,
         prefill,
@@ -758,6 +767,7 @@ pub fn simulate_pp(
             prefill: b * s / prefill.time_s,
             decode: b / decode_step.time_s,
         },
+        collectives_per_pass: plan.collectives.len() as u64 + (pp - 1),
         stages,
     })
 }
@@ -792,6 +802,7 @@ mod tests {
             attention_flops: None,
             attention_flops_by_head_dim: vec![],
             shared: None,
+            rough: false,
         }
     }
 

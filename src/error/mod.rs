@@ -48,6 +48,9 @@ pub enum TpcError {
     #[error("hardware profile `{path}`: {message}; fix the profile")]
     HwProfile { path: PathBuf, message: String },
 
+    #[error("`{given}` is neither a hardware profile file nor the name of one tpc ships. Shipped profiles (models/hw/): {}. Give one of those names or the path of a profile (RON, e.g. one `tpc calibrate -o host.ron` wrote).", names.join(", "))]
+    UnknownHwProfile { given: PathBuf, names: Vec<String> },
+
     #[error("model `{model}`, {place}: {message}")]
     Model {
         model: String,

@@ -16,6 +16,26 @@ pub struct DotOptions {
     pub layers: Option<(u32, u32)>,
 }
 
+/// Nodes above which a picture is too large to be useful: nobody reads it, and Graphviz
+/// takes seconds to minutes over it (Graphviz 2.43 on a shared 2-core host: one rank of
+/// Llama-3-8B's first 16 layers, 297 nodes, 4 s; both ranks of its first 12, 400 nodes, 2 min).
+/// Every tiny model at tp ≤ 8, every rank, stays below it.
+pub const READABLE_NODES: usize = 300;
+
+/// A rendered picture and the number of nodes in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Picture {
+    pub text: String,
+    pub nodes: usize,
+}
+
+impl Picture {
+    /// True when the picture has more than [`READABLE_NODES`] nodes.
+    pub fn too_large(&self) -> bool {
+        self.nodes > READABLE_NODES
+    }
+}
+
 fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
 }
@@ -92,6 +112,8 @@ fn weight_notes(r: &RankProgram) -> HashMap<u32, String> {
         .collect()
 }
 
+/// Draws one rank's program (its layers as clusters, column→row regions boxed) and its
+/// edges; returns the number of nodes drawn.
 fn rank_body(
     out: &mut String,
     plan: &Plan,
@@ -100,13 +122,14 @@ fn rank_body(
     o: &DotOptions,
     place: &Placement,
     recv: &[Boundary],
-) {
+) -> usize {
     let weights = weight_notes(r);
     let local: HashMap<u32, &super::Instr> = r.instrs.iter().map(|i| (i.id, i)).collect();
     let received: HashMap<u32, &Boundary> = recv.iter().map(|b| (b.id, b)).collect();
     // Layer → region → nodes; `None` keys hold nodes outside layers / regions.
     let mut tree: BTreeMap<Option<u32>, BTreeMap<Option<usize>, Vec<String>>> = BTreeMap::new();
     let mut elided = false;
+    let mut nodes = 0;
     for i in &r.instrs {
         if matches!(i.op, Op::Param(_)) {
             continue;
@@ -120,6 +143,7 @@ fn rank_body(
         }
         let (label, style) = node_label(plan, i, &weights);
         let line = format!("\"{prefix}{}\" [label=\"{label}\", {style}];", i.id);
+        nodes += 1;
         let region = place.region_of.get(&*i.name).copied();
         tree.entry(i.layer)
             .or_default()
@@ -153,6 +177,7 @@ fn rank_body(
         }
     }
     if elided {
+        nodes += 1;
         let _ = writeln!(
             out,
             "  \"{prefix}elided\" [label=\"… other layers …\", shape=plaintext];"
@@ -202,12 +227,19 @@ fn rank_body(
             let _ = writeln!(out, "  {from} -> {to} [label=\"{label}\"{color}];");
         }
     }
+    nodes
 }
 
-/// Renders the picture.
+/// Renders the picture as DOT text.
 pub fn render(plan: &Plan, o: &DotOptions) -> String {
+    draw(plan, o).text
+}
+
+/// Renders the picture and counts its nodes.
+pub fn draw(plan: &Plan, o: &DotOptions) -> Picture {
     let place = Placement::new(plan);
     let mut out = String::new();
+    let mut nodes = 0;
     let _ = writeln!(out, "digraph tpc {{");
     let view = if o.all_ranks {
         "all ranks".to_string()
@@ -221,8 +253,14 @@ pub fn render(plan: &Plan, o: &DotOptions) -> String {
         plan.tp
     );
     let _ = writeln!(out, "  rankdir=TB; node [fontname=\"Helvetica\", fontsize=10]; edge [fontname=\"Helvetica\", fontsize=8];");
+    if o.all_ranks {
+        // Collectives sit outside the rank clusters and join them; Graphviz 2.43's
+        // per-cluster ranking fails on that ("trouble in init_rank"), one global ranking
+        // does not. Only here: on one rank's tall chain of layers it is many times slower.
+        let _ = writeln!(out, "  newrank=true;");
+    }
     if plan.pipeline.is_some() {
-        render_stages(&mut out, plan, o, &place);
+        nodes += render_stages(&mut out, plan, o, &place);
     } else if o.all_ranks {
         for r in &plan.ranks {
             let prefix = format!("r{}_", r.rank);
@@ -231,7 +269,7 @@ pub fn render(plan: &Plan, o: &DotOptions) -> String {
                 "subgraph \"cluster_rank_{}\" {{ label=\"rank {}\"; color=\"#34495e\";",
                 r.rank, r.rank
             );
-            rank_body(&mut out, plan, r, &prefix, o, &place, &[]);
+            nodes += rank_body(&mut out, plan, r, &prefix, o, &place, &[]);
             let _ = writeln!(out, "}}");
         }
         if let Some(r0) = plan.ranks.first() {
@@ -243,18 +281,21 @@ pub fn render(plan: &Plan, o: &DotOptions) -> String {
             {
                 let (label, style) = node_label(plan, i, &weights);
                 let _ = writeln!(out, "  \"coll_{}\" [label=\"{label}\", {style}];", i.id);
+                nodes += 1;
             }
         }
     } else if let Some(r0) = plan.ranks.first() {
-        rank_body(&mut out, plan, r0, "", o, &place, &[]);
+        nodes += rank_body(&mut out, plan, r0, "", o, &place, &[]);
     }
     let _ = writeln!(out, "}}");
-    out
+    Picture { text: out, nodes }
 }
 
 /// A pipelined plan: one cluster per stage (of tp rank 0, or of every rank), each stage's
 /// received values drawn as its first nodes and joined to the sender on the stage before.
-fn render_stages(out: &mut String, plan: &Plan, o: &DotOptions, place: &Placement) {
+/// Returns the number of nodes drawn.
+fn render_stages(out: &mut String, plan: &Plan, o: &DotOptions, place: &Placement) -> usize {
+    let mut nodes = 0;
     let tps = if o.all_ranks { plan.ranks.len() } else { 1 };
     let prefix = |s: usize, t: usize| {
         if o.all_ranks {
@@ -278,6 +319,7 @@ fn render_stages(out: &mut String, plan: &Plan, o: &DotOptions, place: &Placemen
                 "subgraph \"cluster_{p}stage\" {{ label=\"stage {s} — rank {} (tp rank {t})\"; color=\"#8e44ad\"; style=bold;",
                 sp.program.rank
             );
+            nodes += sp.recv.len();
             for b in &sp.recv {
                 let _ = writeln!(
                     out,
@@ -288,7 +330,7 @@ fn render_stages(out: &mut String, plan: &Plan, o: &DotOptions, place: &Placemen
                     b.fact
                 );
             }
-            rank_body(out, plan, &sp.program, &p, o, place, &sp.recv);
+            nodes += rank_body(out, plan, &sp.program, &p, o, place, &sp.recv);
             let _ = writeln!(out, "}}");
             if s > 0 {
                 let from = prefix(s - 1, t);
@@ -317,7 +359,9 @@ fn render_stages(out: &mut String, plan: &Plan, o: &DotOptions, place: &Placemen
             {
                 let (label, style) = node_label(plan, i, &weights);
                 let _ = writeln!(out, "  \"coll_{}\" [label=\"{label}\", {style}];", i.id);
+                nodes += 1;
             }
         }
     }
+    nodes
 }

@@ -19,7 +19,7 @@
 //! of repeated calls, what a whole prefill or decode sustains; the per-op cost is taken from
 //! best times (the floor the executor reaches).
 
-use crate::cost::profile::{AlphaBeta, HwProfile, LinkCosts, SharedHost};
+use crate::cost::profile::{AlphaBeta, HwProfile, LinkCosts, SharedHost, QUICK_SOURCE};
 use crate::ir::WeightOrder;
 use crate::runtime::comm::bench::{bench_all_reduce, BenchKind, BenchRow};
 use crate::runtime::cpu::isa::{Isa, KernelError, Kernels};
@@ -71,6 +71,8 @@ pub struct Settings {
     pub decode_steps: usize,
     /// Threads for compute and bandwidth: every core the runtime would use.
     pub threads: usize,
+    /// A quick measurement: the profile is marked rough ([`HwProfile::rough`]).
+    pub rough: bool,
 }
 
 /// One layer of TinyLlama-1.1B's linears (q, k, v, o, gate, up, down): the CPU benchmark's.
@@ -104,6 +106,7 @@ impl Settings {
             op_calls: 2000,
             decode_steps: 64,
             threads: threads.max(1),
+            rough: false,
         }
     }
 
@@ -121,6 +124,7 @@ impl Settings {
             op_calls: 100,
             decode_steps: 8,
             threads: threads.max(1),
+            rough: true,
         }
     }
 }
@@ -825,10 +829,11 @@ impl Calibration {
         );
         let s = &self.settings;
         let h = &self.host;
-        let kind = if s == &Settings::quick(self.threads) {
-            "tpc calibrate --quick (rough: small products, a sweep that may fit in cache)"
+        // Quick settings with another model's shapes are still a quick measurement.
+        let kind = if s.rough {
+            format!("{QUICK_SOURCE} (rough: small products, a sweep that may fit in cache)")
         } else {
-            "tpc calibrate"
+            "tpc calibrate".into()
         };
         let sources = vec![
             format!(
@@ -924,6 +929,7 @@ impl Calibration {
                 one_thread_flops_bf16: self.one_thread_flops.map(|f| f.0),
                 one_thread_flops_f32: self.one_thread_flops.map(|f| f.1),
             }),
+            rough: s.rough,
         }
     }
 

@@ -263,6 +263,23 @@ fn dot_files_render_with_graphviz() {
     assert!(text.contains("B/token"), "collectives carry their bytes");
     graphviz_renders(&rank0);
 
+    // Every rank of whole models: Graphviz 2.43's default ranking fails on these
+    // ("trouble in init_rank") where the picture does not ask for one global ranking.
+    for (model, tp) in [("tiny-llama", "2"), ("tiny-gpt2", "8")] {
+        let all = dir.join(format!("{model}-all.dot"));
+        let o = tpc(&[
+            "dot",
+            &format!("models/{model}.ron"),
+            "--tp",
+            tp,
+            "--all-ranks",
+            "-o",
+            all.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        graphviz_renders(&all);
+    }
+
     // From a plan file, every rank, one layer of an 80-layer model.
     let plan = dir.join("plan.ron");
     let o = tpc(&[
@@ -293,10 +310,89 @@ fn dot_files_render_with_graphviz() {
         text.contains("cluster_rank_3") && text.contains("layer 4") && !text.contains("layer 5\"")
     );
     graphviz_renders(&all);
+    // Two layers of every rank of Llama-3-8B at tp 8 failed the same way.
+    let eight = dir.join("8b-all.dot");
+    let o = tpc(&[
+        "dot",
+        "models/llama3-8b.ron",
+        "--tp",
+        "8",
+        "--all-ranks",
+        "--layers",
+        "3..4",
+        "-o",
+        eight.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("warning"), "{}", stderr(&o));
+    graphviz_renders(&eight);
     let e = fails_cleanly(&tpc(&["dot", plan.to_str().unwrap(), "--tp", "2"]));
     assert!(e.contains("tp=4"), "{e}");
     let e = fails_cleanly(&tpc(&["dot", "models/tiny-llama.ron", "--layers", "5..x"]));
     assert!(e.contains("--layers"), "{e}");
+}
+
+#[test]
+fn a_picture_too_large_to_read_gets_a_warning_that_suggests_layers() {
+    let dir = scratch("dot-large");
+    let warned = |o: &Output| {
+        assert!(o.status.success(), "{}", stderr(o));
+        let e = stderr(o);
+        e.contains("warning: the picture has") && e.contains("--layers")
+    };
+    // A whole 8B model (32 layers, 584 nodes at tp 2): warned, and still drawn.
+    let big = dir.join("big.dot");
+    let whole = ["dot", "models/llama3-8b.ron", "--tp", "2"];
+    let o = tpc(&[&whole[..], &["-o", big.to_str().unwrap()]].concat());
+    assert!(warned(&o), "{}", stderr(&o));
+    assert!(std::fs::read_to_string(&big)
+        .unwrap()
+        .starts_with("digraph"));
+    // On stdout the picture stays clean: the warning goes to stderr.
+    let o = tpc(&whole);
+    assert!(warned(&o));
+    assert!(stdout(&o).starts_with("digraph"), "{}", stdout(&o));
+    // Every rank of it: the warning says how to draw one rank too.
+    let o = tpc(&[&whole[..], &["--all-ranks", "--layers", "0..9"]].concat());
+    assert!(
+        warned(&o) && stderr(&o).contains("one rank"),
+        "{}",
+        stderr(&o)
+    );
+    // On either side of the threshold (300 nodes): 16 layers (297 nodes), 17 layers.
+    let o = tpc(&[&whole[..], &["--layers", "0..15"]].concat());
+    assert!(!warned(&o), "{}", stderr(&o));
+    let o = tpc(&[&whole[..], &["--layers", "0..16"]].concat());
+    assert!(warned(&o), "{}", stderr(&o));
+    // A few layers, or a tiny model: quiet.
+    let o = tpc(&[&whole[..], &["--layers", "0..1"]].concat());
+    assert!(!warned(&o) && stderr(&o).is_empty(), "{}", stderr(&o));
+    let o = tpc(&["dot", "models/tiny-llama.ron", "--tp", "8", "--all-ranks"]);
+    assert!(!warned(&o) && stderr(&o).is_empty(), "{}", stderr(&o));
+    // `compile --dot` draws the whole model: the same warning, pointing at `tpc dot`.
+    let o = tpc(&[
+        "compile",
+        "models/llama3-8b.ron",
+        "--tp",
+        "2",
+        "--dot",
+        dir.join("c.dot").to_str().unwrap(),
+    ]);
+    assert!(
+        warned(&o) && stderr(&o).contains("tpc dot"),
+        "{}",
+        stderr(&o)
+    );
+    let o = tpc(&[
+        "compile",
+        "models/tiny-llama.ron",
+        "--tp",
+        "2",
+        "--dot",
+        dir.join("t.dot").to_str().unwrap(),
+    ]);
+    assert!(!warned(&o), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn with_overrides(dir: &Path, plan: &str) -> PathBuf {

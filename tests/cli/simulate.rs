@@ -22,7 +22,7 @@ fn json_has_the_contract_fields() {
         NVSWITCH,
         "--batch",
         "4",
-        "--prompt",
+        "--prompt-len",
         "512",
         "--gen",
         "64",
@@ -49,6 +49,87 @@ fn json_has_the_contract_fields() {
     let expect = 4.0 * 512.0 / v["prefill"]["time_s"].as_f64().unwrap();
     assert!((prefill / expect - 1.0).abs() < 1e-9);
     assert!(tps["decode"].as_f64().unwrap() > 0.0);
+}
+
+/// A token count is `--prompt-len` (as in `bench` and `verify`; `run --prompt` is text);
+/// `--prompt`, its old name in `simulate` and `compile`, still works but is not shown.
+#[test]
+fn the_prompt_token_count_is_prompt_len_and_the_old_spelling_still_works() {
+    for command in ["simulate", "compile"] {
+        let decision = |flag: &[&str]| {
+            let args = [
+                &[
+                    command,
+                    "models/tiny-llama.ron",
+                    "--tp",
+                    "2",
+                    "--hw",
+                    NVSWITCH,
+                ][..],
+                flag,
+                &["--json"],
+            ]
+            .concat();
+            let o = tpc(&args);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            v["sequence_parallel_decision"].clone()
+        };
+        let new = decision(&["--prompt-len", "300"]);
+        assert_eq!(new["prompt"], 300, "{command}: {new}");
+        assert_eq!(decision(&["--prompt", "300"]), new, "{command}");
+        assert_eq!(decision(&[])["prompt"], 128, "{command}");
+        let o = tpc(&[command, "--help"]);
+        let help = String::from_utf8_lossy(&o.stdout);
+        assert!(help.contains("--prompt-len <PROMPT_LEN>"), "{help}");
+        assert_eq!(
+            help.matches("--prompt").count(),
+            help.matches("--prompt-len").count(),
+            "{command} --help shows only --prompt-len: {help}"
+        );
+    }
+}
+
+/// `--hw` takes a shipped profile's name (from any folder: the profiles are built in) or a
+/// file; an unknown one is an error that lists the names.
+#[test]
+fn hw_takes_a_shipped_name_and_an_unknown_one_lists_them() {
+    let elsewhere = std::env::temp_dir();
+    let model = std::fs::canonicalize("models/tiny-llama.ron").unwrap();
+    let model = model.to_str().unwrap();
+    let json = |command: &str, hw: &str, dir: &std::path::Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_tpc"))
+            .args([command, model, "--tp", "2", "--hw", hw, "--json"])
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let here = std::env::current_dir().unwrap();
+    for command in ["simulate", "compile"] {
+        let by_path = json(command, NVSWITCH, &here);
+        assert_eq!(json(command, "h100-sxm-nvswitch-8", &elsewhere), by_path);
+        assert_eq!(
+            json(command, "h100-sxm-nvswitch-8.ron", &elsewhere),
+            by_path
+        );
+    }
+    let v = json("simulate", "a100-pcie-8", &elsewhere);
+    assert_eq!(v["hw"], "8x A100 80GB PCIe, PCIe Gen4");
+    for unknown in ["h100", "models/hw/h200.ron"] {
+        for command in ["simulate", "compile"] {
+            let o = tpc(&[command, "models/tiny-llama.ron", "--hw", unknown]);
+            assert_eq!(o.status.code(), Some(1));
+            let e = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                e.contains(&format!("`{unknown}`"))
+                    && e.contains("a100-pcie-8, h100-ib400-2x8, h100-sxm-nvswitch-8")
+                    && !e.contains("panicked"),
+                "{e}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -80,6 +161,19 @@ fn a_plan_that_does_not_fit_says_by_how_much_and_search_ranks_fitting_plans_firs
         .all(|e| e["tp"].as_u64().unwrap() * e["pp"].as_u64().unwrap() <= 8));
     assert!(ranked.iter().any(|e| e["tp"] == 4 && e["pp"] == 2));
     assert_eq!(ranked.last().unwrap()["fits"], false);
+    // What a tie is broken by: the collectives a pass runs, with one send per stage boundary.
+    let collectives = |tp: u64, pp: u64| {
+        ranked
+            .iter()
+            .find(|e| e["tp"] == tp && e["pp"] == pp)
+            .unwrap()["collectives_per_pass"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(collectives(1, 1), 0);
+    assert_eq!(collectives(1, 2), 1);
+    assert!(collectives(4, 1) > 80, "two all-reduces per layer");
+    assert_eq!(collectives(4, 2), collectives(4, 1) + 1);
 }
 
 #[test]
@@ -202,6 +296,45 @@ fn a_quick_calibration_writes_a_profile_that_simulate_accepts() {
         text.contains("shared") && text.contains("tpc calibrate --quick"),
         "{text}"
     );
+    assert!(text.contains("rough: true"), "{text}");
+    // simulate says the estimate is rough: in the table, in --json, in --search.
+    let simulate = |hw: &str, extra: &[&str]| {
+        let args = [
+            &["simulate", "models/tiny-llama.ron", "--hw", hw][..],
+            extra,
+        ]
+        .concat();
+        let o = tpc(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let quick = out.to_str().unwrap();
+    assert!(
+        simulate(quick, &[]).contains("rough profile:") && simulate(quick, &[]).contains("--quick"),
+        "{}",
+        simulate(quick, &[])
+    );
+    assert!(simulate(quick, &["--search"]).contains("rough profile:"));
+    let v: serde_json::Value = serde_json::from_str(&simulate(quick, &["--json"])).unwrap();
+    assert_eq!(v["rough_profile"], true, "{v}");
+    let ranked: serde_json::Value =
+        serde_json::from_str(&simulate(quick, &["--search", "--json"])).unwrap();
+    assert!(ranked
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|e| e["rough_profile"] == true));
+    // A quick profile written before the field: its first source line says --quick.
+    let old = dir.join("old-quick.ron");
+    std::fs::write(&old, text.replace("rough: true,", "")).unwrap();
+    assert_ne!(std::fs::read_to_string(&old).unwrap(), text);
+    let v: serde_json::Value =
+        serde_json::from_str(&simulate(old.to_str().unwrap(), &["--json"])).unwrap();
+    assert_eq!(v["rough_profile"], true, "{v}");
+    // A shipped profile is not rough.
+    assert!(!simulate(NVSWITCH, &[]).contains("rough"));
+    let v: serde_json::Value = serde_json::from_str(&simulate(NVSWITCH, &["--json"])).unwrap();
+    assert_eq!(v["rough_profile"], false, "{v}");
     for tp in ["1", "2"] {
         let o = tpc(&[
             "simulate",
@@ -248,8 +381,12 @@ fn a_quick_calibration_writes_a_profile_that_simulate_accepts() {
 
 #[test]
 fn sequence_parallel_divides_the_token_wise_work_and_prices_its_collectives() {
-    let estimate =
-        |extra: &[&str]| llama8b_tp8(&["--batch", "1", "--prompt", "4096", "--gen", "16"], extra);
+    let estimate = |extra: &[&str]| {
+        llama8b_tp8(
+            &["--batch", "1", "--prompt-len", "4096", "--gen", "16"],
+            extra,
+        )
+    };
     let plain = estimate(&["--sequence-parallel=off"]);
     let sp = estimate(&["--sequence-parallel"]);
     let f = |v: &serde_json::Value, phase: &str, key: &str| v[phase][key].as_f64().unwrap();
@@ -291,8 +428,8 @@ fn llama8b_tp8(workload: &[&str], extra: &[&str]) -> serde_json::Value {
 
 #[test]
 fn the_cost_model_chooses_sequence_parallelism_for_long_prompts_only() {
-    let long = ["--batch", "8", "--prompt", "8192", "--gen", "1"];
-    let chat = ["--batch", "1", "--prompt", "16", "--gen", "1024"];
+    let long = ["--batch", "8", "--prompt-len", "8192", "--gen", "1"];
+    let chat = ["--batch", "1", "--prompt-len", "16", "--gen", "1024"];
     let workload_s = |v: &serde_json::Value, gen: f64| {
         v["prefill"]["time_s"].as_f64().unwrap()
             + gen * v["decode_step"]["time_s"].as_f64().unwrap()
@@ -340,7 +477,14 @@ fn compile_with_a_profile_keeps_the_cheaper_plan_and_says_why() {
             .collect()
     };
     let long = [
-        "--hw", NVSWITCH, "--batch", "8", "--prompt", "8192", "--gen", "1",
+        "--hw",
+        NVSWITCH,
+        "--batch",
+        "8",
+        "--prompt-len",
+        "8192",
+        "--gen",
+        "1",
     ];
     let v = compile(&long);
     assert!(kinds(&v).iter().any(|k| k == "reduce_scatter"), "{v}");

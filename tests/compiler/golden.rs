@@ -5,7 +5,7 @@
 use std::path::Path;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
-use tpc::plan::dot::{render, DotOptions};
+use tpc::plan::dot::{draw, render, DotOptions, Picture, READABLE_NODES};
 use tpc::plan::text::render_plan;
 
 const MODELS: [&str; 5] = [
@@ -49,6 +49,36 @@ fn dot_snapshots() {
         },
     );
     insta::assert_snapshot!("dot_tiny-llama_tp2_all_ranks_layer1", all);
+}
+
+/// The node count `draw` reports is the number of node statements in its text, in every
+/// view (one rank, every rank, some layers, pipeline stages).
+#[test]
+fn pictures_count_their_nodes() {
+    let statements = |text: &str| {
+        text.lines()
+            .filter(|l| l.trim_start().starts_with('"') && !l.contains(" -> "))
+            .count()
+    };
+    let mut staged = plan("tiny-llama", 2);
+    tpc::pipeline::split_stages(&mut staged, 2, None).unwrap();
+    for p in [plan("tiny-llama", 2), plan("tiny-gpt2", 4), staged] {
+        for all_ranks in [false, true] {
+            for layers in [None, Some((1, 1))] {
+                let o = DotOptions { all_ranks, layers };
+                let picture = draw(&p, &o);
+                assert_eq!(picture.text, render(&p, &o));
+                assert_eq!(picture.nodes, statements(&picture.text), "{o:?}");
+                assert!(picture.nodes > 10 && !picture.too_large(), "{o:?}");
+            }
+        }
+    }
+    let at = |nodes| Picture {
+        text: String::new(),
+        nodes,
+    };
+    assert!(!at(READABLE_NODES).too_large());
+    assert!(at(READABLE_NODES + 1).too_large());
 }
 
 #[test]
