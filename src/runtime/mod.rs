@@ -16,6 +16,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod executor;
+pub mod fused;
 pub mod generate;
 pub mod launch;
 pub mod memory;
