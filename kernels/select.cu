@@ -15,6 +15,27 @@ extern "C" __global__ void block_columns(float* out, const float* x, i64 rows, i
     }
 }
 
+// Columns from..to of each row of x [rows, cols] into up to three outputs side by side (a
+// fused product's outputs): a takes columns from..at_b, b at_b..at_c, c at_c..to, each as
+// its own [rows, width]. An output past the blocks asked for gets no columns and is never
+// written (any pointer will do).
+extern "C" __global__ void split_columns(float* a, float* b, float* c, const float* x, i64 rows,
+                                         i64 cols, i64 from, i64 at_b, i64 at_c, i64 to) {
+    const i64 width = to - from;
+    FOR_EACH(i, rows * width) {
+        const i64 r = i / width;
+        const i64 col = from + i % width;
+        const float v = x[r * cols + col];
+        if (col < at_b) {
+            a[r * (at_b - from) + col - from] = v;
+        } else if (col < at_c) {
+            b[r * (at_c - at_b) + col - at_b] = v;
+        } else {
+            c[r * (to - at_c) + col - at_c] = v;
+        }
+    }
+}
+
 // [rows, parts * n] -> rank-major [parts][rows][n].
 extern "C" __global__ void rows_to_rank_major(float* out, const float* x, i64 rows, i64 parts,
                                               i64 n) {

@@ -4,6 +4,7 @@
 //! message names the place and says what would be right. The runtime has its own type,
 //! `runtime::error::RunError`.
 
+pub mod fuse;
 pub mod plan;
 pub mod stage;
 

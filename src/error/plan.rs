@@ -336,4 +336,11 @@ pub enum Problem {
         listed: String,
         actual: String,
     },
+
+    // Fused products.
+    #[error("fused product #{index}: {problem}")]
+    Fused {
+        index: usize,
+        problem: super::fuse::FuseProblem,
+    },
 }

@@ -3,6 +3,7 @@
 
 pub mod balance;
 pub mod dot;
+pub mod fuse;
 pub mod partition;
 pub mod report;
 pub mod stages;
@@ -17,7 +18,11 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 use std::path::Path;
 
-/// Bumped whenever the plan's meaning or fields change.
+/// Bumped whenever a plan's meaning changes, so that no tpc runs a plan it would read
+/// wrongly. A field added with a default that keeps older plans meaning what they meant
+/// (`max_positions`, `pipeline`, a rank's `fused` products) does not bump it: a plan without
+/// the field loads as it always did, and a tpc that predates the field ignores it and runs
+/// the plan as it was (fused products: as separate products, the same values).
 pub const PLAN_VERSION: u32 = 1;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -76,6 +81,22 @@ pub struct RankProgram {
     pub rank: u64,
     pub weights: Vec<WeightSlice>,
     pub instrs: Vec<Instr>,
+    /// Linear ops that run as one product on this rank ([`fuse`]); absent in plans
+    /// written before fusion, which then run each linear on its own.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fused: Vec<FusedLinears>,
+}
+
+/// Linear ops of one rank that read the same input and run as one product: the runtime
+/// loads their weight slices side by side (concatenated along the output features, in the
+/// order listed) and each op's value is its block of the product's columns. Q/K/V and
+/// gate/up of a Llama-like layer, one GEMM (or GEMV) per rank instead of three or two.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FusedLinears {
+    /// The linear instructions' ids, in program order.
+    pub linears: Vec<u32>,
+    /// Each one's output columns on this rank: the product's column blocks, in order.
+    pub columns: Vec<u64>,
 }
 
 impl RankProgram {

@@ -258,11 +258,14 @@ fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankPr
         });
     }
     drop_dead(&mut instrs, &mut weights);
-    Ok(RankProgram {
+    let mut program = RankProgram {
         rank,
         weights,
         instrs,
-    })
+        fused: Vec::new(),
+    };
+    program.fused = super::fuse::find(&program);
+    Ok(program)
 }
 
 /// Removes what no output depends on on this rank (e.g. the bias another rank adds), so a

@@ -30,6 +30,12 @@ pub struct Summary {
     pub bytes_per_token_total: u64,
     pub ring_wire_bytes_per_token_total: u64,
     pub column_row_pairs: u64,
+    /// Per rank, its fused products (linears that read one input run as one product:
+    /// q|k|v, gate|up) and the linears they run.
+    #[serde(default)]
+    pub fused_products_per_rank: Vec<u64>,
+    #[serde(default)]
+    pub fused_linears_per_rank: Vec<u64>,
     pub notes: Vec<String>,
     /// When the output is gathered vocab-split logits: what greedy decoding exchanges
     /// instead (one f32 (value, index) pair per rank), per token.
@@ -283,6 +289,12 @@ pub fn summarize(plan: &Plan) -> Summary {
             .iter()
             .map(|c| c.ring_wire_bytes_per_token)),
         column_row_pairs: plan.regions.len() as u64,
+        fused_products_per_rank: plan.ranks.iter().map(|r| r.fused.len() as u64).collect(),
+        fused_linears_per_rank: plan
+            .ranks
+            .iter()
+            .map(|r| sum(r.fused.iter().map(|g| g.linears.len() as u64)))
+            .collect(),
         notes: plan.notes.clone(),
         greedy_exchange: greedy_exchange(plan),
         top_k_exchange: top_k_exchange(plan),
@@ -442,6 +454,7 @@ pub fn render_table(s: &Summary) -> String {
         "column→row pairs (no communication inside): {}",
         s.column_row_pairs
     );
+    render_fused(&mut out, s);
     if let Some(g) = s.greedy_exchange {
         let _ = writeln!(
             out,
@@ -464,6 +477,38 @@ pub fn render_table(s: &Summary) -> String {
         let _ = writeln!(out, "note: {n}");
     }
     out
+}
+
+/// How many linears run as fused products, per rank (one figure when every rank has it).
+fn render_fused(out: &mut String, s: &Summary) {
+    use std::fmt::Write;
+    let pairs: Vec<(u64, u64)> = s
+        .fused_products_per_rank
+        .iter()
+        .copied()
+        .zip(s.fused_linears_per_rank.iter().copied())
+        .collect();
+    let Some(&first) = pairs.first() else { return };
+    if first.0 == 0 && pairs.iter().all(|&p| p == first) {
+        return;
+    }
+    let counts = if pairs.iter().all(|&p| p == first) {
+        format!(
+            "{} products running {} linears on each rank",
+            first.0, first.1
+        )
+    } else {
+        let each: Vec<String> = pairs
+            .iter()
+            .enumerate()
+            .map(|(r, (p, l))| format!("rank {r}: {p} running {l}"))
+            .collect();
+        each.join(", ")
+    };
+    let _ = writeln!(
+        out,
+        "fused products (linears that read one input run as one product): {counts}"
+    );
 }
 
 /// The pipeline stages' table: layers, per-rank memory and what crosses to the next stage.
@@ -514,5 +559,42 @@ fn render_stages(out: &mut String, s: &Summary) {
             st.collective_count,
             st.send_bytes_per_token_per_rank
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(model: &str, tp: u64) -> Plan {
+        let def = crate::frontend::load::load_model(std::path::Path::new(model)).unwrap();
+        crate::pipeline::compile(&def, tp).unwrap().plan
+    }
+
+    #[test]
+    fn the_summary_counts_fused_products_per_rank() {
+        let s = summarize(&plan("models/tiny-llama.ron", 2));
+        // Two layers of q|k|v and gate|up.
+        assert_eq!(s.fused_products_per_rank, vec![4, 4]);
+        assert_eq!(s.fused_linears_per_rank, vec![10, 10]);
+        let table = render_table(&s);
+        assert!(
+            table.contains("run as one product): 4 products running 10 linears on each rank"),
+            "{table}"
+        );
+        // GPT-2's c_attn is one linear already: nothing to say.
+        let s = summarize(&plan("models/tiny-gpt2.ron", 2));
+        assert_eq!(s.fused_products_per_rank, vec![0, 0]);
+        assert!(!render_table(&s).contains("fused products"));
+        // A summary written before the fields existed still reads.
+        let mut json = serde_json::to_value(&s).unwrap();
+        json.as_object_mut()
+            .unwrap()
+            .remove("fused_products_per_rank");
+        json.as_object_mut()
+            .unwrap()
+            .remove("fused_linears_per_rank");
+        let back: Summary = serde_json::from_value(json).unwrap();
+        assert!(back.fused_products_per_rank.is_empty());
     }
 }

@@ -399,6 +399,7 @@ pub fn stage_program(plan: &Plan, rank: usize, stage: usize) -> Result<StageProg
                 .saturating_mul(plan.tp)
                 .saturating_add(rank as u64),
             weights,
+            fused: super::fuse::within(&full.fused, &instrs),
             instrs,
         },
         origin: keep,

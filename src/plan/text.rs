@@ -112,6 +112,39 @@ fn render_body(out: &mut String, r: &RankProgram, before: &[String], after: &[St
     for line in after {
         let _ = writeln!(out, "    {line}");
     }
+    render_fused(out, r);
+}
+
+/// The products that run several linears at once: which, on what, and their columns.
+fn render_fused(out: &mut String, r: &RankProgram) {
+    if r.fused.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "  fused products:");
+    for g in &r.fused {
+        let find = |id: &u32| r.instrs.iter().find(|i| i.id == *id);
+        let ids: Vec<String> = g.linears.iter().map(|id| format!("%{id}")).collect();
+        let names: Vec<&str> = g
+            .linears
+            .iter()
+            .filter_map(|id| find(id).map(|i| &*i.name))
+            .collect();
+        let input = g
+            .linears
+            .first()
+            .and_then(find)
+            .and_then(|i| i.inputs.first())
+            .map(|x| format!("%{x}"))
+            .unwrap_or_default();
+        let columns: Vec<String> = g.columns.iter().map(u64::to_string).collect();
+        let _ = writeln!(
+            out,
+            "    {} = one linear of {input}, columns {}  // {}",
+            ids.join(" | "),
+            columns.join(" | "),
+            super::fuse::describe(&names)
+        );
+    }
 }
 
 /// The whole plan: header, notes, collectives and every rank.

@@ -265,6 +265,9 @@ fn check_rank<'a>(
             Problem::OutputCount { found: outputs },
         );
     }
+    for (index, problem) in super::fuse::problems(program) {
+        found.say(Place::Rank { rank }, Problem::Fused { index, problem });
+    }
     for w in &program.weights {
         if !used.contains(&*w.tensor) {
             found.say(

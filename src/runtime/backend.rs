@@ -4,29 +4,11 @@
 //! (`cpu/`) is one implementation; the CUDA backend (`cuda/`) another, with the same executor.
 
 pub use super::activation::{Activation, HostBuffer, HostData, HostDataRef};
+pub use super::backend_error::{BackendError, BackendResult};
 use super::collectives::{CollectiveError, Collectives};
 use super::weights::WeightSource;
 use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
-use thiserror::Error;
-
-/// Why a backend could not do what the executor asked. The executor adds the instruction.
-#[derive(Debug, Error)]
-pub enum BackendError {
-    #[error("{0}")]
-    Shape(String),
-    #[error("{0}")]
-    Unsupported(String),
-    #[error("out of memory: {0}")]
-    OutOfMemory(String),
-    /// A device call failed (a GPU backend: the driver, a library, a kernel launch).
-    #[error("device: {0}")]
-    Device(String),
-    #[error(transparent)]
-    Weights(super::weights::WeightError),
-}
-
-pub type BackendResult<T> = std::result::Result<T, BackendError>;
 
 /// The all-reduce + RMSNorm in two passes: `sum` reduced in place, then normalized
 /// ([`Backend::all_reduce_rms_norm`]'s default, and a backend's path where one loop does
@@ -98,6 +80,16 @@ pub trait Backend: Send + Sync {
         src: &dyn WeightSource,
         slice: &WeightSlice,
         usage: WeightUse,
+    ) -> BackendResult<Self::Weight>;
+    /// Loads the weights of linear ops that read the same input as one linear weight: one
+    /// rank's `slices`, each stored in `order`, side by side along the output features in
+    /// the order given, so that one [`Backend::linear`] computes all their outputs as
+    /// column blocks (a fused product, `plan::fuse`).
+    fn upload_linears(
+        &self,
+        src: &dyn WeightSource,
+        slices: &[&WeightSlice],
+        order: WeightOrder,
     ) -> BackendResult<Self::Weight>;
     /// Bytes the weight occupies on the device.
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
@@ -183,6 +175,31 @@ pub trait Backend: Send + Sync {
         offset: usize,
         len: usize,
     ) -> BackendResult<Self::Act>;
+    /// `x [.., Σ widths]` as its column blocks of `widths`, in order (a fused product's
+    /// outputs). `x` is consumed, so a backend may keep its memory for a block. This default
+    /// copies each block out.
+    fn split_columns(&self, x: Self::Act, widths: &[usize]) -> BackendResult<Vec<Self::Act>> {
+        let n = x.rows_cols().1;
+        if let Err(e) = super::shape_rules::split_columns(n, widths) {
+            self.release(x);
+            return Err(e);
+        }
+        let mut parts = Vec::with_capacity(widths.len());
+        let mut offset = 0;
+        for &w in widths {
+            match self.unfuse(&x, n, offset, w) {
+                Ok(p) => parts.push(p),
+                Err(e) => {
+                    parts.into_iter().for_each(|p| self.release(p));
+                    self.release(x);
+                    return Err(e);
+                }
+            }
+            offset += w;
+        }
+        self.release(x);
+        Ok(parts)
+    }
     /// Column block `k` of `parts` equal blocks.
     fn column_block(&self, x: &Self::Act, k: usize, parts: usize) -> BackendResult<Self::Act>;
     /// `[rows, parts·n]` → rank-major `[parts][rows][n]` (what a reduce-scatter takes).

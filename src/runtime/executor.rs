@@ -48,6 +48,8 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     rank: usize,
     /// Weights by value id, in the backend's layout.
     weights: HashMap<u32, B::Weight>,
+    /// Linears that run as one product (`plan::fuse`), with their weights.
+    fused: super::fused::FusedProducts<B::Weight, B::Act>,
     /// Per attention op, its caches.
     caches: HashMap<u32, AttentionCaches<B::Kv>>,
     /// Tokens already cached, per sequence.
@@ -176,8 +178,12 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             program.weights.iter().map(|w| (&*w.tensor, w)).collect();
         let uses = weight_uses(program);
         let mut loaded = HashMap::new();
-        let mut weight_bytes = 0u64;
+        let (fused, in_products, mut weight_bytes) =
+            super::fused::FusedProducts::load(program, weights, &backend)?;
         for i in &program.instrs {
+            if in_products.contains(&i.id) {
+                continue;
+            }
             if let Op::Param(p) = &i.op {
                 let w = slices
                     .get(&*p.tensor)
@@ -227,6 +233,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             backend,
             comm,
             weights: loaded,
+            fused,
             caches,
             positions: Vec::new(),
             head_linears: program.head_linears(),
@@ -770,6 +777,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let err = on(i);
         let x = |slot| act(values, i, slot);
         Ok(match op {
+            Op::Linear(_) if self.fused.covers(i.id) => self.fused.output(b, i, x(0)?)?,
             Op::Embedding(e) => {
                 let offset = e.vocab_range.map(|(o, _)| o as usize).unwrap_or(0);
                 b.embedding(self.ids(values, i, 0)?, self.weight(i, 1)?, offset)

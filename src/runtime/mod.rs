@@ -10,6 +10,7 @@
 
 pub mod activation;
 pub mod backend;
+pub mod backend_error;
 pub mod calibrate;
 pub mod collectives;
 pub mod comm;
@@ -19,6 +20,7 @@ pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod executor;
+pub mod fused;
 pub mod generate;
 pub mod launch;
 pub mod memory;

@@ -2,7 +2,7 @@
 //! checks its inputs with these before touching memory, so the CPU and the GPU refuse the
 //! same calls with the same words.
 
-use super::backend::{BackendError, BackendResult};
+use super::backend_error::{BackendError, BackendResult};
 
 fn refuse(what: String) -> BackendResult<()> {
     Err(BackendError::Shape(what))
@@ -46,6 +46,18 @@ pub fn unfuse(n: usize, block: usize, offset: usize, len: usize) -> BackendResul
         ))?;
     }
     Ok(n / block * len)
+}
+
+/// Rows of `n` as column blocks of `widths` (a fused product's outputs): at least one
+/// block, adding up to `n`.
+pub fn split_columns(n: usize, widths: &[usize]) -> BackendResult<()> {
+    let total = widths.iter().try_fold(0usize, |a, &w| a.checked_add(w));
+    if widths.is_empty() || total != Some(n) {
+        refuse(format!(
+            "column blocks of {widths:?} from rows of {n}; they must add up to {n}"
+        ))?;
+    }
+    Ok(())
 }
 
 /// Column block `k` of `parts` from rows of `n`: its width.
@@ -142,5 +154,9 @@ mod tests {
         assert!(layer_norm(8, 8, 8).is_ok() && layer_norm(8, 8, 7).is_err());
         assert_eq!(pairs(6, 2, 3).unwrap(), 2);
         assert!(pairs(6, 3, 3).is_err() && pairs(7, 2, 3).is_err());
+        assert!(split_columns(12, &[8, 2, 2]).is_ok() && split_columns(4, &[4]).is_ok());
+        assert!(split_columns(12, &[8, 2, 3]).is_err());
+        assert!(split_columns(12, &[]).is_err());
+        assert!(split_columns(3, &[usize::MAX, 4]).is_err(), "overflow");
     }
 }

@@ -397,6 +397,56 @@ fn block_columns_takes_each_blocks_slice() {
 }
 
 #[test]
+fn split_columns_gives_each_output_its_block() {
+    let mut values = Values(31);
+    // (rows, cols, from, at_b, at_c, to): q|k|v from the first column, k|v after a first
+    // block kept in place (a decode step), gate|up's up alone, and blocks of one column.
+    for (rows, cols, from, at_b, at_c, to) in [
+        (5usize, 48usize, 0usize, 32usize, 40usize, 48usize),
+        (1, 48, 32, 40, 48, 48),
+        (1, 64, 32, 64, 64, 64),
+        (3, 3, 0, 1, 2, 3),
+    ] {
+        let x = values.take(rows * cols);
+        let block = |a: usize, b: usize| -> Vec<f32> {
+            (0..rows)
+                .flat_map(|r| x[r * cols + a..r * cols + b].to_vec())
+                .collect()
+        };
+        let want = [block(from, at_b), block(at_b, at_c), block(at_c, to)];
+        for shape in stride_shapes(rows * (to - from)) {
+            let mut bufs = Buffers::default();
+            // Outputs without columns get the input, as the backend passes it.
+            let input = bufs.f32(&x);
+            let outs: Vec<_> = want
+                .iter()
+                .map(|w| {
+                    if w.is_empty() {
+                        input
+                    } else {
+                        bufs.f32(&vec![UNWRITTEN; w.len()])
+                    }
+                })
+                .collect();
+            let mut args: Vec<Arg> = outs.iter().map(|&o| Arg::Buf(o)).collect();
+            args.push(Arg::Buf(input));
+            args.extend([rows, cols, from, at_b, at_c, to].map(|v| Arg::I64(v as i64)));
+            launch("select.cu", "split_columns", shape, &args, &mut bufs);
+            let what = format!(
+                "{} {rows}x{cols} {from}..{at_b}..{at_c}..{to}",
+                label("split_columns", shape)
+            );
+            for (k, (o, w)) in outs.iter().zip(&want).enumerate() {
+                if !w.is_empty() {
+                    assert_same(&format!("{what}: output {k}"), &bufs.read_f32(*o), w);
+                }
+            }
+            assert_same(&format!("{what}: input"), &bufs.read_f32(input), &x);
+        }
+    }
+}
+
+#[test]
 fn rank_major_layouts_round_trip() {
     let mut values = Values(31);
     let (rows, parts, n) = (7usize, 3usize, 50usize);

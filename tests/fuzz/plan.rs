@@ -55,6 +55,9 @@ const DICT: &[&str] = &[
     "start",
     "end",
     "layer",
+    "fused",
+    "linears",
+    "columns",
 ];
 
 /// A plan run only when its weights are small: a plan that verifies may still describe a

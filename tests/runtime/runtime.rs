@@ -16,10 +16,10 @@ use tpc::runtime::comm::{local_group, Collective, CommError, LocalComm};
 use tpc::runtime::cpu::CpuBackend;
 use tpc::runtime::error::RunError;
 use tpc::runtime::generate::Request;
-use tpc::runtime::generate::{Device, RunOptions};
+use tpc::runtime::generate::{ComputeDtype, Device, RunOptions};
 use tpc::runtime::launch::launch_threads;
 use tpc::runtime::random::RandomWeights;
-use tpc::runtime::run::run;
+use tpc::runtime::run::{run, run_batch};
 use tpc::runtime::tensor::Tensor;
 use tpc::runtime::verify::{verify_plans, VerifyReport};
 use tpc::runtime::weights::Checkpoint;
@@ -142,6 +142,105 @@ fn repeated_generations_in_one_run_match_a_single_one() {
     let many = run(&plan, &ckpt, &[3, 71, 249, 130], &opts).unwrap();
     assert_eq!(once.generated, many.generated);
     assert_eq!(once.prompt_logits, many.prompt_logits);
+}
+
+/// The plan as a tpc before fused products wrote it: every linear its own product.
+fn without_fused_products(plan: &tpc::plan::Plan) -> tpc::plan::Plan {
+    let mut plan = plan.clone();
+    plan.ranks.iter_mut().for_each(|r| r.fused.clear());
+    plan
+}
+
+#[test]
+fn fused_products_give_the_bits_of_separate_linears() {
+    // Q/K/V and gate/up run as one product per rank; the values must not change at all:
+    // prompts (the GEMM path), decode steps of one and of three sequences (GEMV), f32 and
+    // bf16 weights, tensor and pipeline parallel.
+    let requests: Vec<Request> = [&[3i64, 1, 4, 1, 5][..], &[9, 2, 6], &[5, 3, 5, 8, 9, 7, 9]]
+        .iter()
+        .map(|p| Request {
+            prompt: p.to_vec(),
+            max_new_tokens: None,
+        })
+        .collect();
+    for name in ["llama-gqa", "qwen2-bias", "qwen3-tied", "llama-bf16"] {
+        let dir = Path::new("tests/fixtures/checkpoints").join(name);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for (tp, pp) in [(1, 1), (2, 1), (2, 2)] {
+            let mut plan = compile(&def, tp).unwrap().plan;
+            tpc::pipeline::split_stages(&mut plan, pp, None).unwrap();
+            assert!(plan.ranks.iter().all(|r| r.fused.len() == 2 * 2), "{name}");
+            for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+                let opts = RunOptions {
+                    max_new_tokens: 4,
+                    all_prompt_logits: true,
+                    dtype,
+                    ..Default::default()
+                };
+                let fused = run_batch(&plan, &ckpt, &requests, &opts).unwrap();
+                let separate =
+                    run_batch(&without_fused_products(&plan), &ckpt, &requests, &opts).unwrap();
+                let what = format!("{name} tp={tp} pp={pp} {dtype:?}");
+                for (f, s) in fused.sequences.iter().zip(&separate.sequences) {
+                    let bits = |t: &Tensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&f.prompt_logits), bits(&s.prompt_logits), "{what}");
+                    assert_eq!(f.generated, s.generated, "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_weights_are_packed_as_one() {
+    // llama-gqa at tp=2: q 32, k 8 and v 8 columns per rank. Packed apart they fill 2 + 1 +
+    // 1 panels of 16 columns; side by side, 3.
+    let dir = Path::new("tests/fixtures/checkpoints/llama-gqa");
+    let plan = compile(&load_model(dir).unwrap(), 2).unwrap().plan;
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let opts = RunOptions {
+        max_new_tokens: 1,
+        dtype: ComputeDtype::F32,
+        ..Default::default()
+    };
+    let request = [Request {
+        prompt: vec![1, 2],
+        max_new_tokens: None,
+    }];
+    let fused = run_batch(&plan, &ckpt, &request, &opts).unwrap();
+    let separate = run_batch(&without_fused_products(&plan), &ckpt, &request, &opts).unwrap();
+    // One panel of 16 columns by 64 inputs in f32, saved per layer (2 layers).
+    assert_eq!(separate.weight_bytes - fused.weight_bytes, 2 * 16 * 64 * 4);
+}
+
+#[test]
+fn a_plan_file_records_its_fused_products_and_one_without_them_still_loads() {
+    let dir = scratch("fused-plan");
+    let def = load_model(Path::new("tests/fixtures/checkpoints/llama-gqa")).unwrap();
+    let plan = compile(&def, 2).unwrap().plan;
+    for ext in ["ron", "json"] {
+        let path = dir.join(format!("plan.{ext}"));
+        plan.save(&path).unwrap();
+        assert!(std::fs::read_to_string(&path).unwrap().contains("fused"));
+        assert_eq!(tpc::plan::Plan::load(&path).unwrap(), plan, "{ext}");
+    }
+    // A plan written before fused products existed: no `fused` field anywhere.
+    let path = dir.join("plan.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for rank in json["ranks"].as_array_mut().unwrap() {
+        rank.as_object_mut().unwrap().remove("fused").unwrap();
+    }
+    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
+    let old = tpc::plan::Plan::load(&path).unwrap();
+    assert_eq!(old, without_fused_products(&plan));
+    // A record that does not hold is refused on load, saying which and why.
+    json["ranks"][1]["fused"] = serde_json::json!([{"linears": [7, 8], "columns": [1, 2]}]);
+    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
+    let e = tpc::plan::Plan::load(&path).unwrap_err().to_string();
+    assert!(e.contains("rank 1: fused product #0: "), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A communicator that fails on one rank at its `at`-th all-reduce (counting from 1).

@@ -6,7 +6,7 @@ use super::fastmath;
 use super::isa::Kernels;
 use super::packed::PackedMatrix;
 use super::team::Team;
-use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp};
+use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
 use crate::runtime::backend::{
     reduce_then_rms_norm, Activation, Backend, BackendError, BackendResult, BinaryOp, HostBuffer,
@@ -360,6 +360,21 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn upload_linears(
+        &self,
+        src: &dyn WeightSource,
+        slices: &[&WeightSlice],
+        order: WeightOrder,
+    ) -> BackendResult<CpuWeight> {
+        let packed = PackedMatrix::pack_slices(src, slices, order, self.bf16_linears)
+            .map_err(BackendError::Weights)?;
+        Ok(CpuWeight {
+            packed: Some(packed),
+            dense: None,
+            table_bf16: None,
+        })
+    }
+
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
         w.packed.as_ref().map_or(0, PackedMatrix::bytes)
             + w.dense.as_ref().map_or(0, |t| t.data.len() * 4)
@@ -667,6 +682,39 @@ impl Backend for CpuBackend {
             out.extend_from_slice(&chunk[offset..offset + len]);
         }
         Ok(x.with_cols(n / block * len, out))
+    }
+
+    fn split_columns(&self, mut x: Tensor, widths: &[usize]) -> BackendResult<Vec<Tensor>> {
+        let (rows, n) = x.rows_cols();
+        if let Err(e) = shape_rules::split_columns(n, widths) {
+            x.release();
+            return Err(e);
+        }
+        // The blocks after the first are copied out; the first then moves to the front of
+        // each row in place and keeps the product's memory (one row, a decode step: it
+        // is there already).
+        let mut parts = Vec::with_capacity(widths.len());
+        parts.push(Tensor::default());
+        let mut offset = widths[0];
+        for &w in &widths[1..] {
+            let mut out = pool::empty(rows * w);
+            // (No columns at all: no rows to read either.)
+            for row in x.data.chunks_exact(n.max(1)) {
+                out.extend_from_slice(&row[offset..offset + w]);
+            }
+            parts.push(x.with_cols(w, out));
+            offset += w;
+        }
+        let first = widths[0];
+        for r in 1..rows {
+            x.data.copy_within(r * n..r * n + first, r * first);
+        }
+        x.data.truncate(rows * first);
+        if let Some(last) = x.shape.last_mut() {
+            *last = first;
+        }
+        parts[0] = x;
+        Ok(parts)
     }
 
     fn column_block(&self, x: &Tensor, k: usize, parts: usize) -> BackendResult<Tensor> {
@@ -1175,6 +1223,33 @@ mod tests {
         let part = cpu.unfuse(&x, 3, 1, 2).unwrap();
         assert_eq!(part.data, vec![1., 2., 4., 5., 7., 8., 10., 11.]);
         assert!(cpu.unfuse(&x, 4, 1, 2).is_err());
+    }
+
+    #[test]
+    fn split_columns_gives_each_block_and_keeps_the_products_memory_for_the_first() {
+        let cpu = CpuBackend::new(1);
+        for rows in [0usize, 1, 3] {
+            let x = Tensor::new(vec![rows, 7], (0..rows * 7).map(|i| i as f32).collect());
+            let want = |from: usize, w: usize| -> Vec<f32> {
+                (0..rows)
+                    .flat_map(|r| (from..from + w).map(move |c| (r * 7 + c) as f32))
+                    .collect()
+            };
+            let memory = x.data.as_ptr();
+            let parts = cpu.split_columns(x, &[4, 1, 2]).unwrap();
+            let shapes: Vec<Vec<usize>> = parts.iter().map(|p| p.shape.clone()).collect();
+            assert_eq!(shapes, vec![vec![rows, 4], vec![rows, 1], vec![rows, 2]]);
+            assert_eq!(parts[0].data, want(0, 4), "rows={rows}");
+            assert_eq!(parts[1].data, want(4, 1), "rows={rows}");
+            assert_eq!(parts[2].data, want(5, 2), "rows={rows}");
+            // The first block is the product's buffer, compacted in place: no copy.
+            if rows > 0 {
+                assert_eq!(parts[0].data.as_ptr(), memory);
+            }
+        }
+        let x = Tensor::new(vec![2, 3], vec![0.0; 6]);
+        assert!(cpu.split_columns(x.clone(), &[1, 1]).is_err());
+        assert!(cpu.split_columns(x, &[]).is_err());
     }
 
     /// A 4×3 table whose element `i` is `i + 1/3` (not representable in bf16).

@@ -125,11 +125,56 @@ impl PackedMatrix {
         order: WeightOrder,
         bf16: bool,
     ) -> Result<PackedMatrix> {
-        let layout = SliceLayout::new(w)?;
-        let (n, k) = match order {
-            WeightOrder::OutIn => (layout.rows, layout.cols),
-            WeightOrder::InOut => (layout.cols, layout.rows),
+        Self::pack_slices(src, &[w], order, bf16)
+    }
+
+    /// Packs one rank's slices of several linear weights that read the same input as one
+    /// matrix, their output columns side by side in the order given (a fused product's
+    /// weight, `plan::fuse`), as [`PackedMatrix::pack_slice`] packs one and in one pass: a
+    /// panel that straddles two weights reads its columns from both, so no weight is packed
+    /// twice and none needs its output count to fill whole panels.
+    pub fn pack_slices(
+        src: &dyn WeightSource,
+        slices: &[&WeightSlice],
+        order: WeightOrder,
+        bf16: bool,
+    ) -> Result<PackedMatrix> {
+        let bad = |w: &WeightSlice, what: String| WeightError::Slice {
+            name: w.tensor.to_string(),
+            problem: what,
         };
+        let Some(&first) = slices.first() else {
+            return Err(WeightError::Slice {
+                name: "a fused product".into(),
+                problem: "it has no weights to pack".into(),
+            });
+        };
+        let layouts = slices
+            .iter()
+            .map(|w| SliceLayout::new(w))
+            .collect::<Result<Vec<_>>>()?;
+        // Each weight's output columns and depth.
+        let dims: Vec<(usize, usize)> = layouts
+            .iter()
+            .map(|l| match order {
+                WeightOrder::OutIn => (l.rows, l.cols),
+                WeightOrder::InOut => (l.cols, l.rows),
+            })
+            .collect();
+        let k = dims[0].1;
+        if let Some((w, &(_, depth))) = slices.iter().zip(&dims).find(|(_, d)| d.1 != k) {
+            return Err(bad(
+                w,
+                format!(
+                    "it takes {depth} inputs but `{}` beside it in one product takes {k}",
+                    first.tensor
+                ),
+            ));
+        }
+        let n = dims
+            .iter()
+            .try_fold(0usize, |a, d| a.checked_add(d.0))
+            .ok_or_else(|| bad(first, "the product's columns overflow".into()))?;
         // Both layouts fit in the bf16 one's size (it pads the steps; f32 does not).
         n.div_ceil(NR)
             .checked_mul(
@@ -137,22 +182,40 @@ impl PackedMatrix {
                     .unwrap_or(usize::MAX),
             )
             .and_then(|v| v.checked_mul(NR))
-            .ok_or_else(|| WeightError::Slice {
-                name: w.tensor.to_string(),
-                problem: format!("a {n}×{k} weight overflows the address space"),
+            .ok_or_else(|| {
+                bad(
+                    first,
+                    format!("a {n}×{k} weight overflows the address space"),
+                )
             })?;
-        let reader = Reader {
-            src,
-            tensor: &w.tensor,
-            stored: src.stored(&w.tensor)?,
-            layout: &layout,
+        let mut parts = Vec::with_capacity(slices.len());
+        let mut start = 0;
+        for ((w, layout), &(cols, _)) in slices.iter().zip(&layouts).zip(&dims) {
+            parts.push((
+                start,
+                Reader {
+                    src,
+                    tensor: &w.tensor,
+                    stored: src.stored(&w.tensor)?,
+                    layout,
+                },
+            ));
+            start += cols;
+        }
+        let stack = Stack {
+            parts,
+            order,
+            outputs: n,
         };
         let panels = if bf16 {
-            Panels::Bf16(fill_panels(&reader, order, n, k)?)
+            Panels::Bf16(fill_panels(&stack, order, n, k)?)
         } else {
-            Panels::F32(fill_panels(&reader, order, n, k)?)
+            Panels::F32(fill_panels(&stack, order, n, k)?)
         };
-        src.release(&w.tensor);
+        drop(stack);
+        for w in slices {
+            src.release(&w.tensor);
+        }
         Ok(PackedMatrix { n, k, panels })
     }
 
@@ -796,9 +859,57 @@ impl Reader<'_> {
     }
 }
 
+/// Weights side by side along the output features: each reader with the first output
+/// column it fills. Rows and columns are those of the stored orientation of the whole
+/// (`OutIn`: the weights' rows one after another; `InOut`: each row the weights' rows side
+/// by side).
+struct Stack<'a> {
+    parts: Vec<(usize, Reader<'a>)>,
+    order: WeightOrder,
+    /// Output columns of the whole.
+    outputs: usize,
+}
+
+impl Stack<'_> {
+    /// The part holding output column `j`, with its first column and its last + 1.
+    fn part_of(&self, j: usize) -> (usize, usize, &Reader<'_>) {
+        let at = self.parts.partition_point(|(start, _)| *start <= j) - 1;
+        let end = self.parts.get(at + 1).map_or(self.outputs, |p| p.0);
+        let (start, reader) = &self.parts[at];
+        (*start, end, reader)
+    }
+
+    /// Row `r` of the whole, columns `[c0, c0 + out.len())`, into `out`.
+    fn row<T: PanelElem>(
+        &self,
+        r: usize,
+        c0: usize,
+        out: &mut [T],
+        f32s: &mut Vec<f32>,
+    ) -> Result<()> {
+        match self.order {
+            WeightOrder::OutIn => {
+                let (start, _, reader) = self.part_of(r);
+                reader.row(r - start, c0, out, f32s)
+            }
+            // A run of output columns may cross from one weight into the next.
+            WeightOrder::InOut => {
+                let mut done = 0;
+                while done < out.len() {
+                    let (start, end, reader) = self.part_of(c0 + done);
+                    let len = (end - (c0 + done)).min(out.len() - done);
+                    reader.row(r, c0 + done - start, &mut out[done..done + len], f32s)?;
+                    done += len;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// The panels of an `n × k` weight (layout of `T`), one panel per task.
 fn fill_panels<T: PanelElem>(
-    reader: &Reader,
+    reader: &Stack,
     order: WeightOrder,
     n: usize,
     k: usize,
@@ -1183,6 +1294,105 @@ mod slice_tests {
             drop(ckpt);
             std::fs::remove_dir_all(&dir).unwrap();
         }
+    }
+
+    /// One part of a fused product: `n` outputs of depth `k`, stored in `order`, whole or
+    /// a few ranges (plus padding) of its output dim.
+    fn part(
+        order: WeightOrder,
+        k: usize,
+        n: usize,
+        raw: &[(usize, usize)],
+        padding: usize,
+        split: bool,
+    ) -> WeightSlice {
+        let ranges: Vec<(usize, usize)> = raw
+            .iter()
+            .map(|&(a, b)| {
+                let offset = a % n;
+                (offset, b % (n - offset + 1))
+            })
+            .collect();
+        match (order, split) {
+            (WeightOrder::OutIn, true) => slice_of([n, k], Some(0), &ranges, padding),
+            (WeightOrder::OutIn, false) => slice_of([n, k], None, &[], 0),
+            (WeightOrder::InOut, true) => slice_of([k, n], Some(1), &ranges, padding),
+            (WeightOrder::InOut, false) => slice_of([k, n], None, &[], 0),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        /// Weights packed side by side in one pass equal the packing of their slices joined
+        /// on the host, bit for bit, wherever the weights meet inside a panel.
+        #[test]
+        fn pack_slices_equals_pack_of_the_slices_side_by_side(
+            k in 1usize..40,
+            parts in prop::collection::vec(
+                (1usize..40, prop::collection::vec((any::<usize>(), any::<usize>()), 1..3), 0usize..6, any::<bool>()),
+                1..4,
+            ),
+            in_out in any::<bool>(),
+            dtype in prop::sample::select(vec![StoredDtype::F32, StoredDtype::Bf16]),
+            seed in any::<u64>(),
+        ) {
+            let order = if in_out { WeightOrder::InOut } else { WeightOrder::OutIn };
+            let slices: Vec<WeightSlice> = parts
+                .iter()
+                .enumerate()
+                .map(|(i, (n, raw, padding, split))| WeightSlice {
+                    tensor: format!("w{i}").into(),
+                    ..part(order, k, *n, raw, *padding, *split)
+                })
+                .collect();
+            let tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = slices
+                .iter()
+                .enumerate()
+                .map(|(i, w)| {
+                    let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
+                    let values: Vec<u32> = (0..shape.iter().product::<usize>() as u64)
+                        .map(|e| bits_at(seed ^ i as u64, e))
+                        .collect();
+                    let (st, bytes) = encode(dtype, &values);
+                    (w.tensor.to_string(), st, shape, bytes)
+                })
+                .collect();
+            let dir = write_checkpoint(&tensors);
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            let refs: Vec<&WeightSlice> = slices.iter().collect();
+            let names: Vec<&str> = slices.iter().map(|w| &*w.tensor).collect();
+            let loaded = slices
+                .iter()
+                .map(|w| load_slice(&ckpt, w).map(|t| (t.shape, t.data)))
+                .collect::<Result<Vec<_>>>()
+                .unwrap();
+            let (shape, joined) =
+                crate::runtime::weights::side_by_side(loaded, order, &names).unwrap();
+            for bf16 in [false, true] {
+                let old = PackedMatrix::pack(&Tensor::new(shape.clone(), joined.clone()), order, bf16);
+                let new = PackedMatrix::pack_slices(&ckpt, &refs, order, bf16).unwrap();
+                prop_assert!(bits(&old) == bits(&new), "{order:?} bf16={bf16}: panels differ");
+            }
+            drop(ckpt);
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn weights_of_different_depths_are_not_packed_together() {
+        let a = WeightSlice {
+            tensor: "a".into(),
+            ..slice_of([4, 3], None, &[], 0)
+        };
+        let b = WeightSlice {
+            tensor: "b".into(),
+            ..slice_of([4, 5], None, &[], 0)
+        };
+        let src = Computed(vec![0.5; 20]);
+        let e = PackedMatrix::pack_slices(&src, &[&a, &b], WeightOrder::OutIn, false).unwrap_err();
+        assert!(e.to_string().contains("takes 5 inputs but `a`"), "{e}");
+        assert!(PackedMatrix::pack_slices(&src, &[], WeightOrder::OutIn, false).is_err());
     }
 
     fn plans() -> Vec<Plan> {

@@ -37,6 +37,11 @@ impl CudaAct {
         &mut self.data
     }
 
+    /// The device buffer, to keep under another shape (its bf16 copy, if any, is dropped).
+    pub fn into_data(self) -> CudaSlice<f32> {
+        self.data
+    }
+
     /// The bf16 copy, made by `round` from the f32 values if there is none yet.
     pub fn rounded<E>(
         &self,

@@ -15,7 +15,7 @@ use crate::runtime::backend::{
 use crate::runtime::sampling::{host_best_k_of_pairs, host_top_k_pairs};
 use crate::runtime::shape_rules;
 use crate::runtime::tensor::Tensor;
-use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
+use crate::runtime::weights::{load_slice, load_slice_bf16, side_by_side, WeightSource};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
@@ -585,6 +585,44 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn upload_linears(
+        &self,
+        src: &dyn WeightSource,
+        slices: &[&WeightSlice],
+        order: WeightOrder,
+    ) -> BackendResult<CudaWeight> {
+        let weights = |e| BackendError::Weights(e);
+        let names: Vec<&str> = slices.iter().map(|w| &*w.tensor).collect();
+        // Joined on the host, in the dtype the weight keeps, then one upload.
+        let (shape, data) = if self.bf16_linears {
+            let parts = slices
+                .iter()
+                .map(|w| load_slice_bf16(src, w))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(weights)?;
+            let (shape, values) = side_by_side(parts, order, &names).map_err(weights)?;
+            let bits: Vec<u16> = values.iter().map(|v| v.to_bits()).collect();
+            let d = self
+                .gpu
+                .stream
+                .clone_htod(&bits)
+                .map_err(|e| self.gpu.fail("a fused weight", Some(bits.len() * 2), e))?;
+            (shape, WeightData::Bf16(d))
+        } else {
+            let parts = slices
+                .iter()
+                .map(|w| load_slice(src, w).map(|t| (t.shape, t.data)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(weights)?;
+            let (shape, values) = side_by_side(parts, order, &names).map_err(weights)?;
+            (
+                shape,
+                WeightData::F32(self.upload_f32(&values, "a fused weight")?),
+            )
+        };
+        Ok(CudaWeight { shape, data, order })
+    }
+
     fn weight_bytes(&self, w: &CudaWeight) -> usize {
         match &w.data {
             WeightData::F32(d) => d.len() * 4,
@@ -927,6 +965,70 @@ impl Backend for CudaBackend {
             &l
         )?;
         Ok(out)
+    }
+
+    fn split_columns(&self, x: CudaAct, widths: &[usize]) -> BackendResult<Vec<CudaAct>> {
+        let (rows, n) = x.rows_cols();
+        shape_rules::split_columns(n, widths)?;
+        let shape_with = |w: usize| {
+            let mut shape = x.shape().to_vec();
+            if let Some(last) = shape.last_mut() {
+                *last = w;
+            }
+            shape
+        };
+        // One row (a decode step): the first block is the front of the product already and
+        // keeps its memory; the others are copied out, three per launch.
+        let keep_first = rows == 1;
+        let first_shape = shape_with(widths[0]);
+        let copied = usize::from(keep_first);
+        let mut outs = Vec::with_capacity(widths.len());
+        for &w in &widths[copied..] {
+            outs.push(self.output(shape_with(w))?);
+        }
+        let mut from: usize = widths[..copied].iter().sum();
+        for (blocks, widths) in outs.chunks_mut(3).zip(widths[copied..].chunks(3)) {
+            let at = |k: usize| from + widths.iter().take(k).sum::<usize>();
+            let to = at(3);
+            if rows * (to - from) > 0 {
+                let (r, c) = (i64_of(rows), i64_of(n));
+                let bounds = [from, at(1), at(2), to].map(i64_of);
+                let [a, rest @ ..] = blocks else { continue };
+                // Outputs past the blocks get no columns: the input stands in for them.
+                let (b, c_out) = match rest {
+                    [b, c_out] => (Some(b), Some(c_out)),
+                    [b] => (Some(b), None),
+                    _ => (None, None),
+                };
+                let f = self.gpu.kernel("split_columns")?;
+                let mut launch = self.gpu.stream.launch_builder(f);
+                launch.arg(a.data_mut());
+                match b {
+                    Some(b) => launch.arg(b.data_mut()),
+                    None => launch.arg(x.data()),
+                };
+                match c_out {
+                    Some(c_out) => launch.arg(c_out.data_mut()),
+                    None => launch.arg(x.data()),
+                };
+                launch.arg(x.data());
+                launch.arg(&r);
+                launch.arg(&c);
+                for bound in &bounds {
+                    launch.arg(bound);
+                }
+                // SAFETY: the arguments follow split_columns' C signature in select.cu; each
+                // output holds rows × its block's width, and x rows × n with to ≤ n.
+                unsafe { launch.launch(grid_for(rows * (to - from))) }
+                    .map_err(|e| self.gpu.fail("kernel split_columns", None, e))?;
+            }
+            from = to;
+        }
+        if keep_first {
+            let first = CudaAct::new(first_shape, x.into_data());
+            outs.insert(0, first);
+        }
+        Ok(outs)
     }
 
     fn column_block(&self, x: &CudaAct, k: usize, parts: usize) -> BackendResult<CudaAct> {

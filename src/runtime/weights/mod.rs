@@ -566,6 +566,73 @@ pub fn load_slice_bf16(
     })
 }
 
+/// Several rank slices of linear weights (local shape and values, as [`load_slice`] or
+/// [`load_slice_bf16`] give them) as one weight, their output features side by side in
+/// order: `[n_i, k]` rows one after another for `OutIn`, each row of `[k, n_i]` joined for
+/// `InOut`. `names` are the tensors', for the error when the depths differ.
+pub fn side_by_side<T: Copy>(
+    parts: Vec<(Vec<usize>, Vec<T>)>,
+    order: crate::ir::WeightOrder,
+    names: &[&str],
+) -> Result<(Vec<usize>, Vec<T>)> {
+    use crate::ir::WeightOrder;
+    let name = |i: usize| {
+        names
+            .get(i)
+            .copied()
+            .unwrap_or("a fused weight")
+            .to_string()
+    };
+    // Each part's (outputs, depth).
+    let mut dims = Vec::with_capacity(parts.len());
+    for (i, (shape, values)) in parts.iter().enumerate() {
+        let (&[r, c], true) = (
+            &shape[..],
+            shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) == Some(values.len()),
+        ) else {
+            return Err(WeightError::Slice {
+                name: name(i),
+                problem: format!(
+                    "a linear weight must be 2-D here with one value per element; its local shape is {shape:?} with {} values",
+                    values.len()
+                ),
+            });
+        };
+        dims.push(match order {
+            WeightOrder::OutIn => (r, c),
+            WeightOrder::InOut => (c, r),
+        });
+    }
+    let k = dims.first().map_or(0, |d| d.1);
+    if let Some(i) = dims.iter().position(|d| d.1 != k) {
+        return Err(WeightError::Slice {
+            name: name(i),
+            problem: format!(
+                "it takes {} inputs but `{}` beside it in one product takes {k}",
+                dims[i].1,
+                name(0)
+            ),
+        });
+    }
+    let n: usize = dims.iter().map(|d| d.0).sum();
+    let mut out = Vec::with_capacity(n.saturating_mul(k));
+    match order {
+        WeightOrder::OutIn => parts.iter().for_each(|(_, v)| out.extend_from_slice(v)),
+        WeightOrder::InOut => {
+            for p in 0..k {
+                for ((_, v), &(cols, _)) in parts.iter().zip(&dims) {
+                    out.extend_from_slice(&v[p * cols..(p + 1) * cols]);
+                }
+            }
+        }
+    }
+    let shape = match order {
+        WeightOrder::OutIn => vec![n, k],
+        WeightOrder::InOut => vec![k, n],
+    };
+    Ok((shape, out))
+}
+
 /// The slicing of [`load_slice`] for any element type, reading runs with `read`.
 fn load_slice_as<T: Copy + Default>(
     src: &dyn WeightSource,
@@ -816,6 +883,31 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn side_by_side_joins_output_features_in_either_order() {
+        use crate::ir::WeightOrder;
+        // [2, 3] and [1, 3] stored [out, in]: rows one after another.
+        let a = (vec![2, 3], vec![1, 2, 3, 4, 5, 6]);
+        let b = (vec![1, 3], vec![7, 8, 9]);
+        let (shape, v) = side_by_side(vec![a, b], WeightOrder::OutIn, &["a", "b"]).unwrap();
+        assert_eq!((shape, v), (vec![3, 3], (1..=9).collect::<Vec<_>>()));
+        // The same stored [in, out]: each input's row joined.
+        let a = (vec![3, 2], vec![1, 4, 2, 5, 3, 6]);
+        let b = (vec![3, 1], vec![7, 8, 9]);
+        let (shape, v) = side_by_side(vec![a, b], WeightOrder::InOut, &["a", "b"]).unwrap();
+        assert_eq!((shape, v), (vec![3, 3], vec![1, 4, 7, 2, 5, 8, 3, 6, 9]));
+        // Depths that differ, a weight that is not 2-D, values that do not fill the shape.
+        let e = side_by_side(
+            vec![(vec![2, 3], vec![0; 6]), (vec![2, 2], vec![0; 4])],
+            WeightOrder::OutIn,
+            &["a", "b"],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("takes 2 inputs but `a`"), "{e}");
+        assert!(side_by_side(vec![(vec![6], vec![0; 6])], WeightOrder::OutIn, &["a"]).is_err());
+        assert!(side_by_side(vec![(vec![2, 3], vec![0; 5])], WeightOrder::InOut, &["a"]).is_err());
+    }
 
     fn temp_dir() -> PathBuf {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
