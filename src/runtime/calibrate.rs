@@ -12,8 +12,9 @@
 //! - per-op cost: decode steps of the shipped tiny model (`models/tiny-llama.ron`, random
 //!   weights) through the executor, less the compute and elementwise time the other
 //!   figures price for them, per op (never below the smallest linear through the team);
-//! - collectives: α and β of the in-process communicator's one-shot and ring all-reduce,
-//!   fitted by least squares to `bench-comm`'s measurements over 4 KiB..16 MiB at 2 ranks.
+//! - collectives: α and β of the in-process communicator's one-shot, two-shot and ring
+//!   all-reduce, fitted by least squares to `bench-comm`'s measurements at 2 ranks (256 B
+//!   to 16 MiB by default).
 //!
 //! The figures are achieved rates, so the profile's efficiencies are 1. Rates are the median
 //! of repeated calls, what a whole prefill or decode sustains; the per-op cost is taken from
@@ -211,6 +212,7 @@ pub struct Calibration {
     pub attention_by_head_dim: Vec<(u64, f64)>,
     pub comm_world: usize,
     pub one_shot: CommFit,
+    pub two_shot: CommFit,
     pub ring: CommFit,
     pub settings: Settings,
 }
@@ -594,7 +596,7 @@ pub fn fit_alpha_beta(points: &[(f64, f64)]) -> Result<AlphaBeta, CalibrateError
 }
 
 /// Points of one algorithm: bytes each rank moves by the cost model's formula for `world`
-/// ranks (ring: 2(p−1)/p · K; one-shot: (p−1) · K), against the median time.
+/// ranks (ring and two-shot: 2(p−1)/p · K; one-shot: (p−1) · K), against the median time.
 fn comm_points(rows: &[BenchRow], kind: BenchKind, world: usize) -> Vec<(f64, f64)> {
     let p = world as f64;
     rows.iter()
@@ -602,7 +604,7 @@ fn comm_points(rows: &[BenchRow], kind: BenchKind, world: usize) -> Vec<(f64, f6
         .map(|r| {
             let k = r.bytes as f64;
             let wire = match kind {
-                BenchKind::Ring => 2.0 * (p - 1.0) / p * k,
+                BenchKind::Ring | BenchKind::TwoShot => 2.0 * (p - 1.0) / p * k,
                 _ => (p - 1.0) * k,
             };
             (wire, r.median_us * 1e-6)
@@ -681,6 +683,7 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
         Ok(CommFit { fit, points, note })
     };
     let one_shot = fit(BenchKind::OneShot)?;
+    let two_shot = fit(BenchKind::TwoShot)?;
     let mut ring = fit(BenchKind::Ring)?;
     // The ring pays its latency once per step, (p − 1) steps: α per step.
     ring.fit.alpha_s /= (world - 1) as f64;
@@ -709,6 +712,7 @@ pub fn measure(s: &Settings) -> Result<Calibration, CalibrateError> {
         attention_by_head_dim,
         comm_world: world,
         one_shot,
+        two_shot,
         ring,
         settings: s.clone(),
     };
@@ -887,17 +891,18 @@ impl Calibration {
                 None => "shared.one_thread_flops_*: not measured (one core)".into(),
             },
             format!(
-                "one_shot / ring: in-process communicator, f32, {} ranks, least squares (relative) of the median times over {}..{} bytes; ring alpha per step",
+                "one_shot / two_shot / ring: in-process communicator, f32, {} ranks, least squares (relative) of the median times over {}..{} bytes; ring alpha per step",
                 self.comm_world,
                 s.comm_sizes.first().copied().unwrap_or(0),
                 s.comm_sizes.last().copied().unwrap_or(0)
             ),
             format!(
-                "fit notes: one_shot: {}; ring: {}",
+                "fit notes: one_shot: {}; two_shot: {}; ring: {}",
                 self.one_shot.note.as_deref().unwrap_or("least squares"),
+                self.two_shot.note.as_deref().unwrap_or("least squares"),
                 self.ring.note.as_deref().unwrap_or("least squares")
             ),
-            "two_shot: the runtime has none; the ring's figures (the same cost at 2 ranks); send_recv: the one-shot's".into(),
+            "send_recv: the one-shot's figures".into(),
             "compute_efficiency, memory_efficiency: 1, the figures are achieved rates; shared: ranks share this host's cores and bandwidth".into(),
         ];
         HwProfile {
@@ -917,7 +922,7 @@ impl Calibration {
             link: LinkCosts {
                 ring: self.ring.fit,
                 one_shot: self.one_shot.fit,
-                two_shot: self.ring.fit,
+                two_shot: self.two_shot.fit,
                 send_recv: self.one_shot.fit,
             },
             op_overhead_s: self.op_overhead_s,
@@ -931,6 +936,15 @@ impl Calibration {
             }),
             rough: s.rough,
         }
+    }
+
+    /// The fitted all-reduce algorithms, by name.
+    fn comm_fits(&self) -> [(&'static str, &CommFit); 3] {
+        [
+            ("one-shot", &self.one_shot),
+            ("two-shot", &self.two_shot),
+            ("ring", &self.ring),
+        ]
     }
 
     /// A plain-text summary of what was measured.
@@ -1018,7 +1032,7 @@ impl Calibration {
                 ),
             );
         }
-        for (name, f) in [("one-shot", &self.one_shot), ("ring", &self.ring)] {
+        for (name, f) in self.comm_fits() {
             row(
                 &format!("{name} all-reduce α"),
                 format!("{:.2} µs", f.fit.alpha_s * 1e6),
@@ -1030,7 +1044,7 @@ impl Calibration {
                 "bytes each rank moves per second".into(),
             );
         }
-        for (name, f) in [("one-shot", &self.one_shot), ("ring", &self.ring)] {
+        for (name, f) in self.comm_fits() {
             if let Some(note) = &f.note {
                 let _ = writeln!(out, "note, {name}: {note}");
             }
@@ -1102,12 +1116,71 @@ mod tests {
             min_us: 1.0,
             bus_gb_s: 1.0,
         };
-        let rows = [row(BenchKind::Ring, 4096), row(BenchKind::OneShot, 4096)];
+        let rows = [
+            row(BenchKind::Ring, 4096),
+            row(BenchKind::OneShot, 4096),
+            row(BenchKind::TwoShot, 8192),
+        ];
         assert_eq!(comm_points(&rows, BenchKind::Ring, 4), vec![(6144.0, 1e-6)]);
+        assert_eq!(
+            comm_points(&rows, BenchKind::TwoShot, 4),
+            vec![(12288.0, 1e-6)]
+        );
         assert_eq!(
             comm_points(&rows, BenchKind::OneShot, 4),
             vec![(12288.0, 1e-6)]
         );
+    }
+
+    /// Each all-reduce algorithm of the profile is priced from its own measurement.
+    #[test]
+    fn the_profile_prices_each_algorithm_from_its_own_fit() {
+        let fit = |alpha_s: f64| CommFit {
+            fit: AlphaBeta {
+                alpha_s,
+                beta_bytes_per_s: 1e10,
+            },
+            points: vec![(4096.0, alpha_s)],
+            note: None,
+        };
+        let c = Calibration {
+            host: HostInfo {
+                model: "test cpu".into(),
+                flags: Vec::new(),
+                cores: 2,
+                memory_bytes: 1 << 30,
+            },
+            threads: 2,
+            isa: Isa::Portable,
+            gemm_bf16_variant: Isa::Portable,
+            gemm_f32_variant: Isa::Portable,
+            gemm_bf16_flops: 1e11,
+            gemm_f32_flops: 1e11,
+            gemv_bandwidth: 1e10,
+            sweep_bytes: 1 << 20,
+            read_bandwidth: 1e10,
+            op_overhead_s: 1e-6,
+            bare_op_s: 1e-6,
+            executor_step_s: 1e-4,
+            executor_ops: 35.0,
+            op_overhead_one_thread_s: None,
+            executor_step_one_thread_s: 0.0,
+            one_thread_flops: None,
+            pass_linears: 2,
+            pass_bytes: 1 << 20,
+            attention_flops: 1e10,
+            attention_by_head_dim: vec![(64, 1e10)],
+            comm_world: 2,
+            one_shot: fit(1e-6),
+            two_shot: fit(2e-6),
+            ring: fit(3e-6),
+            settings: Settings::quick(2),
+        };
+        let link = c.profile().link;
+        assert_eq!(link.one_shot.alpha_s, 1e-6);
+        assert_eq!(link.two_shot.alpha_s, 2e-6);
+        assert_eq!(link.ring.alpha_s, 3e-6);
+        assert!(c.summary().contains("two-shot all-reduce α"));
     }
 
     #[test]

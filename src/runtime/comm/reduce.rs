@@ -170,6 +170,45 @@ fn sum_widened_blocks<'a, T: Element>(
     }
 }
 
+/// The two-shot's reduce-scatter at a chunk's owner:
+/// `own[i] ← round(((p₀[i] + p₁[i]) + …) + own[i])` for the `peers` in the order given (the
+/// owner adds last, as [`summation_order`] says), summed in `f32`, and the result copied to
+/// `out` too. The sums are those of [`sum_into`] and [`sum_widened_into`] with the owner as
+/// the last source, bit for bit (the same `f32` additions in the same order, rounded once),
+/// but `own` is read and written in one pass, block by block, with the partial sums in L1.
+pub(super) fn sum_peers_into_own<'a, T: Element>(
+    own: &mut [T],
+    out: &mut [T],
+    peers: impl Iterator<Item = &'a [T]> + Clone,
+) {
+    debug_assert_eq!(own.len(), out.len());
+    with_avx2(|| {
+        let mut acc = [0.0f32; BLOCK];
+        for (b, (o, d)) in own.chunks_mut(BLOCK).zip(out.chunks_mut(BLOCK)).enumerate() {
+            let range = b * BLOCK..b * BLOCK + o.len();
+            let acc = &mut acc[..o.len()];
+            let mut peers = peers.clone();
+            match peers.next() {
+                Some(first) => {
+                    for (a, x) in acc.iter_mut().zip(&first[range.clone()]) {
+                        *a = x.to_f32();
+                    }
+                    for src in peers {
+                        for (a, x) in acc.iter_mut().zip(&src[range.clone()]) {
+                            *a += x.to_f32();
+                        }
+                    }
+                    for ((o, d), a) in o.iter_mut().zip(d.iter_mut()).zip(acc.iter()) {
+                        *o = T::from_f32(*a + o.to_f32());
+                        *d = *o;
+                    }
+                }
+                None => copy(d, o),
+            }
+        }
+    })
+}
+
 /// `acc[i] = partial[i] + own[i]` in `f32`: a ring step that carries a widened partial sum
 /// on. `partial` is the previous rank's input (first step) or its `f32` partial sum.
 #[inline]
@@ -262,6 +301,56 @@ mod tests {
             let mut own = b.clone();
             add_round(&mut own, &a);
             assert!(own.iter().all(|&x| x == one), "a tie rounds to even");
+        }
+    }
+
+    /// The two-shot's owner kernel gives the bits of the one-shot's kernels with the owner
+    /// added last, for `f32` and `bf16`, across block boundaries, with 0 to 3 peers.
+    #[test]
+    fn sum_into_own_matches_the_one_shot_kernels() {
+        use half::bf16;
+        let value = |k: usize, i: usize| {
+            let x = ((i * 7919 + k * 104_729) % 2003) as f32 - 1001.0;
+            x * 2f32.powi((i % 23) as i32 - 11)
+        };
+        for len in [0, 1, 17, 255, 256, 257, 1000] {
+            for peers in 0..=3 {
+                let srcs: Vec<Vec<f32>> = (0..=peers)
+                    .map(|k| (0..len).map(|i| value(k, i)).collect())
+                    .collect();
+                let mut want = vec![0.0f32; len];
+                sum_into(&mut want, srcs.iter().map(|v| &v[..]));
+                let mut own = srcs[peers].clone();
+                let mut out = vec![f32::NAN; len];
+                sum_peers_into_own(&mut own, &mut out, srcs[..peers].iter().map(|v| &v[..]));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&own), bits(&want), "f32 len {len} peers {peers}");
+                assert_eq!(bits(&out), bits(&want), "f32 len {len} peers {peers}");
+                let srcs16: Vec<Vec<bf16>> = srcs
+                    .iter()
+                    .map(|v| v.iter().map(|&x| bf16::from_f32(x)).collect())
+                    .collect();
+                let mut want16 = vec![bf16::ZERO; len];
+                sum_widened_into(&mut want16, srcs16.iter().map(|v| &v[..]));
+                let mut own16 = srcs16[peers].clone();
+                let mut out16 = vec![bf16::NAN; len];
+                sum_peers_into_own(
+                    &mut own16,
+                    &mut out16,
+                    srcs16[..peers].iter().map(|v| &v[..]),
+                );
+                let bits16 = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits16(&own16),
+                    bits16(&want16),
+                    "bf16 len {len} peers {peers}"
+                );
+                assert_eq!(
+                    bits16(&out16),
+                    bits16(&want16),
+                    "bf16 len {len} peers {peers}"
+                );
+            }
         }
     }
 
