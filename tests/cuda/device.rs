@@ -19,7 +19,7 @@ use tpc::runtime::run::run;
 use tpc::runtime::weights::Checkpoint;
 
 /// Whether a GPU can be used here; prints why not.
-fn gpu_present(test: &str) -> bool {
+pub(super) fn gpu_present(test: &str) -> bool {
     let why = match require(Library::Driver) {
         Ok(()) => match tpc::runtime::cuda::device::device_count() {
             Ok(n) if n > 0 => return true,
@@ -144,7 +144,7 @@ fn in_this_module(test: &str) -> String {
 
 /// Whether the emulated-GPU tests run here: not on a real GPU run (`TPC_REQUIRE_GPU`), and
 /// only with NVRTC (required where `TPC_REQUIRE_NVRTC` is set). Prints why not.
-fn emulation_wanted(test: &str) -> bool {
+pub(super) fn emulation_wanted(test: &str) -> bool {
     if std::env::var_os("TPC_REQUIRE_GPU").is_some() {
         eprintln!("SKIP {test}: this run is on a real GPU");
         return false;
@@ -161,7 +161,7 @@ fn emulation_wanted(test: &str) -> bool {
 }
 
 /// `LD_LIBRARY_PATH` with the stand-in CUDA libraries (tests/emulator) first.
-fn emulated_gpu_path() -> String {
+pub(super) fn emulated_gpu_path() -> String {
     let fake = emulator::fake_cuda_libraries().unwrap_or_else(|e| panic!("{e}"));
     match std::env::var("LD_LIBRARY_PATH") {
         Ok(p) if !p.is_empty() => format!("{}:{p}", fake.display()),

@@ -11,6 +11,9 @@
 )]
 mod common;
 #[cfg(feature = "cuda")]
+#[path = "../contract/mod.rs"]
+mod contract;
+#[cfg(feature = "cuda")]
 #[path = "../emulator/mod.rs"]
 #[allow(
     dead_code,
@@ -18,5 +21,6 @@ mod common;
 )]
 mod emulator;
 
+mod backend_contract;
 mod device;
 mod kernels;

@@ -4,7 +4,10 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../contract/mod.rs"]
+mod contract;
 
+mod backend_contract;
 mod batch;
 mod parity;
 mod pipeline;
