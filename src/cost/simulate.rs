@@ -193,6 +193,12 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                 .map(|s| (&*s.tensor, s.local_bytes() as f64))
                 .collect();
             let heads = r.head_linears();
+            // A fused product's linears after its first run inside its one product: one op.
+            let in_product: HashSet<u32> = r
+                .fused
+                .iter()
+                .flat_map(|g| g.linears.iter().skip(1).copied())
+                .collect();
             for (i, &s) in r.instrs.iter().zip(&seg) {
                 let w = &mut out[s];
                 if let Op::Param(p) = &i.op {
@@ -235,7 +241,7 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                     }
                     _ => {}
                 }
-                if is_compute_op(&i.op) {
+                if is_compute_op(&i.op) && !in_product.contains(&i.id) {
                     w.ops += 1.0;
                 }
             }
@@ -833,6 +839,15 @@ mod tests {
 
     fn plan(tp: u64) -> Plan {
         super::super::shipped::plan("llama3-8b", tp)
+    }
+
+    #[test]
+    fn a_fused_product_pays_the_per_op_cost_once() {
+        let fused = plan(1);
+        let mut separate = fused.clone();
+        separate.ranks.iter_mut().for_each(|r| r.fused.clear());
+        // 32 layers of q|k|v (2 linears ride along) and gate|up (1).
+        assert_eq!(ops_per_pass(&separate) - ops_per_pass(&fused), 32.0 * 3.0);
     }
 
     #[test]
