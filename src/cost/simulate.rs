@@ -199,6 +199,12 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                 .map(|s| (&*s.tensor, s.local_bytes() as f64))
                 .collect();
             let heads = r.head_linears();
+            // A fused product's linears after its first run inside its one product: one op.
+            let in_product: HashSet<u32> = r
+                .fused
+                .iter()
+                .flat_map(|g| g.linears.iter().skip(1).copied())
+                .collect();
             for (i, &s) in r.instrs.iter().zip(&seg) {
                 let w = &mut out[s];
                 if let Op::Param(p) = &i.op {
@@ -241,7 +247,7 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                     }
                     _ => {}
                 }
-                if is_compute_op(&i.op) {
+                if is_compute_op(&i.op) && !in_product.contains(&i.id) {
                     w.ops += 1.0;
                 }
             }
@@ -811,6 +817,15 @@ mod tests {
     }
 
     #[test]
+    fn a_fused_product_pays_the_per_op_cost_once() {
+        let fused = plan(1);
+        let mut separate = fused.clone();
+        separate.ranks.iter_mut().for_each(|r| r.fused.clear());
+        // 32 layers of q|k|v (2 linears ride along) and gate|up (1).
+        assert_eq!(ops_per_pass(&separate) - ops_per_pass(&fused), 32.0 * 3.0);
+    }
+
+    #[test]
     fn a_gather_or_scatter_costs_the_cheaper_of_half_a_ring_and_one_direct_read() {
         let mut link = flat_hw().link;
         // 8 ranks, 8 MB: each rank moves 7 MB either way.
@@ -935,10 +950,11 @@ mod tests {
             + 4.0 * (22 * 2048) as f64 * 128.0 * 129.0 / 2.0;
         assert!((one.prefill.compute_s / (flops1 / 8e11) - 1.0).abs() < 1e-12);
         assert!((two.prefill.compute_s / (flops1 / 2.0 / 4e11) - 1.0).abs() < 1e-12);
-        // 355 ops per pass (7 linears, 2 norms, 2 ropes, 2 adds, attention, activation,
-        // mul per layer; embedding, final norm, head), 2 µs each.
+        // 289 ops per pass (4 products: q|k|v fused, o, gate|up fused, down; 2 norms, 2
+        // ropes, 2 adds, attention, activation, mul per layer; embedding, final norm,
+        // head), 2 µs each.
         assert!(
-            (one.decode_step.overhead_s - 355.0 * 2e-6).abs() < 1e-12,
+            (one.decode_step.overhead_s - 289.0 * 2e-6).abs() < 1e-12,
             "{one:?}"
         );
         assert_eq!(one.decode_step.comm_s, 0.0);

@@ -176,30 +176,9 @@ pub trait Backend: Send + Sync {
         len: usize,
     ) -> BackendResult<Self::Act>;
     /// `x [.., Σ widths]` as its column blocks of `widths`, in order (a fused product's
-    /// outputs). `x` is consumed, so a backend may keep its memory for a block. This default
-    /// copies each block out.
-    fn split_columns(&self, x: Self::Act, widths: &[usize]) -> BackendResult<Vec<Self::Act>> {
-        let n = x.rows_cols().1;
-        if let Err(e) = super::shape_rules::split_columns(n, widths) {
-            self.release(x);
-            return Err(e);
-        }
-        let mut parts = Vec::with_capacity(widths.len());
-        let mut offset = 0;
-        for &w in widths {
-            match self.unfuse(&x, n, offset, w) {
-                Ok(p) => parts.push(p),
-                Err(e) => {
-                    parts.into_iter().for_each(|p| self.release(p));
-                    self.release(x);
-                    return Err(e);
-                }
-            }
-            offset += w;
-        }
-        self.release(x);
-        Ok(parts)
-    }
+    /// outputs; `shape_rules::split_columns`). `x` is consumed, so that a backend may keep
+    /// its memory for a block instead of copying it.
+    fn split_columns(&self, x: Self::Act, widths: &[usize]) -> BackendResult<Vec<Self::Act>>;
     /// Column block `k` of `parts` equal blocks.
     fn column_block(&self, x: &Self::Act, k: usize, parts: usize) -> BackendResult<Self::Act>;
     /// `[rows, parts·n]` → rank-major `[parts][rows][n]` (what a reduce-scatter takes).

@@ -104,7 +104,11 @@ impl<W, A: super::backend::Activation> FusedProducts<W, A> {
             if widths.len() != parts.len() {
                 return Err(bad(
                     &first,
-                    "its fused product lists a width per linear, and does not",
+                    format!(
+                        "its fused product lists {} widths for {} linears; it needs one per linear",
+                        widths.len(),
+                        parts.len()
+                    ),
                 ));
             }
             let slices: Vec<&WeightSlice> = parts.iter().map(|(_, s)| *s).collect();
