@@ -1,6 +1,6 @@
 //! Ranks as threads of this process, for any backend: [`launch_stages`] runs every rank of a
 //! plan (stages or not) on its own thread with the backend a device's rank factory makes
-//! (`cpu/launch.rs`, `cuda/launch.rs`) and in-process communicators ([`local_groups`]), and
+//! (`cpu_launch.rs`, `cuda/launch.rs`) and in-process communicators ([`local_groups`]), and
 //! reports the root cause of a failure. [`check_before_start`] and [`check_host_memory`] are
 //! the start-up checks every launcher (threads, MPI processes, replicas) shares; `run.rs`
 //! picks the device.

@@ -15,6 +15,7 @@ pub mod calibrate;
 pub mod collectives;
 pub mod comm;
 pub mod cpu;
+pub mod cpu_launch;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;

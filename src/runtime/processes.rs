@@ -12,7 +12,7 @@
 
 use super::comm::MpiComm;
 use super::cpu::isa::Kernels;
-use super::cpu::launch::cpu_backend;
+use super::cpu_launch::cpu_backend;
 use super::error::{Result, RunError};
 use super::generate::{
     rank_runtime, stage_runtime, BatchOutput, Device, Request, RunOptions, SequenceOutput,

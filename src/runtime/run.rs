@@ -14,7 +14,7 @@ pub fn run_batch(
     opts: &RunOptions,
 ) -> Result<BatchOutput> {
     match &opts.device {
-        Device::Cpu(cpu) => super::cpu::launch::run_batch_cpu(plan, weights, requests, opts, cpu),
+        Device::Cpu(cpu) => super::cpu_launch::run_batch_cpu(plan, weights, requests, opts, cpu),
         Device::Cuda(listed) => run_on_gpus(plan, weights, requests, opts, listed),
     }
 }

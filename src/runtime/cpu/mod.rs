@@ -10,7 +10,6 @@ pub mod attention;
 pub mod backend;
 pub mod fastmath;
 pub mod isa;
-pub mod launch;
 pub mod options;
 pub mod packed;
 pub(crate) mod self_check;

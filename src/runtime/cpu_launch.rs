@@ -1,10 +1,11 @@
-//! CPU ranks as threads of this process: the CPU's rank factory ([`cpu_backend`]: compute
+//! CPU ranks as threads of this process (beside, not inside, `cpu/`: the launcher sits above
+//! the generic launcher and generation, which the CPU backend's kernels sit below): the CPU's rank factory ([`cpu_backend`]: compute
 //! threads, pinned or not, bf16 linear weights or not, the chosen kernels) and the threaded
 //! run over it with in-process communicators.
 
-use super::affinity;
-use super::isa::Kernels;
-use super::{CpuBackend, CpuOptions};
+use super::cpu::affinity;
+use super::cpu::isa::Kernels;
+use super::cpu::{CpuBackend, CpuOptions};
 use crate::plan::Plan;
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::generate::{BatchOutput, Request, RunOptions};
