@@ -14,6 +14,7 @@ mod layering;
 pub mod passes;
 pub mod pipeline;
 pub mod plan;
+pub mod provenance;
 pub mod runtime;
 
 pub use error::{Result, TpcError};

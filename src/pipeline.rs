@@ -6,6 +6,7 @@ use crate::frontend::{to_graph, ModelDef};
 use crate::passes::feasibility::MAX_TP;
 use crate::passes::{shard_with, ShardOptions, Sharded};
 use crate::plan::partition::partition;
+use crate::plan::source::PlanSource;
 use crate::plan::Plan;
 use std::collections::BTreeMap;
 
@@ -35,7 +36,8 @@ pub fn compile_forcing(
     compile_full(def, tp, forced, ShardOptions::default())
 }
 
-fn compile_full(
+/// [`compile`] with everything a plan's source records: `forced` overrides and options.
+pub fn compile_full(
     def: &ModelDef,
     tp: u64,
     forced: &BTreeMap<String, TpWord>,
@@ -53,6 +55,13 @@ fn compile_full(
     let mut plan = partition(&sharded)?;
     plan.max_positions = def.max_positions();
     plan.attention_window = def.sliding_window();
+    plan.source = Some(PlanSource {
+        model: def.clone(),
+        sequence_parallel: options.sequence_parallel,
+        fuse_norm: options.fuse_norm,
+        forced: forced.clone(),
+        algorithms: None,
+    });
     Ok(Compiled { sharded, plan })
 }
 

@@ -159,6 +159,9 @@ fn plan_for(
             super::refuse_options_with_plan(options)?;
             let plan = super::plan_for_tp(Plan::load(path)?, path, tp)?;
             pipe.check_saved(&plan, path)?;
+            // A plan that holds together may still compute another model or another split:
+            // it runs only if it is what tpc compiles for this checkpoint.
+            tpc::provenance::check_saved(&plan, &load_model(model)?, path)?;
             Ok(plan)
         }
         None => {

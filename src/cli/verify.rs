@@ -55,6 +55,11 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             super::refuse_options_with_plan(options)?;
             let plan = super::plan_for_tp(tpc::plan::Plan::load(path)?, path, a.tp)?;
             a.pipe.check_saved(&plan, path)?;
+            // `run` refuses a plan that is not the compiler's; verify computes it anyway, so
+            // an edited plan can be judged by its logits, and says what differs.
+            if let Err(e) = tpc::provenance::check_saved(&plan, &def, path) {
+                eprintln!("note: {e}");
+            }
             plan
         }
         None => {

@@ -90,6 +90,15 @@ pub fn choose_algorithms(plan: &mut Plan, hw: &HwProfile) {
         profile: hw.name.clone(),
         by_size: algorithm_table(&hw.link, plan.tp),
     };
+    apply_algorithms(plan, &choice);
+    // Recorded with the plan's source, so a loaded plan compiles again to the same choices.
+    if let Some(source) = &mut plan.source {
+        source.algorithms = Some(choice);
+    }
+}
+
+/// Sets `choice` on every all-reduce of every rank (a fused norm's too).
+pub fn apply_algorithms(plan: &mut Plan, choice: &AlgorithmChoice) {
     for rank in &mut plan.ranks {
         for i in &mut rank.instrs {
             match &mut i.op {

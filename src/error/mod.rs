@@ -6,9 +6,11 @@
 
 pub mod fuse;
 pub mod plan;
+pub mod provenance;
 pub mod stage;
 
 pub use plan::{PlanError, PlanProblem};
+pub use provenance::ProvenanceError;
 pub use stage::StageError;
 
 use crate::ir::verify::Problem;
@@ -105,6 +107,11 @@ pub enum TpcError {
     #[error(transparent)]
     Plan(#[from] PlanError),
 
+    // Boxed: its messages carry whole plan places, and every `Result` pays for the
+    // largest variant.
+    #[error(transparent)]
+    Provenance(Box<ProvenanceError>),
+
     #[error("cannot serialize the plan: {0}")]
     Serialize(String),
 
@@ -114,6 +121,12 @@ pub enum TpcError {
         pattern: String,
         examples: Vec<String>,
     },
+}
+
+impl From<ProvenanceError> for TpcError {
+    fn from(e: ProvenanceError) -> TpcError {
+        TpcError::Provenance(Box::new(e))
+    }
 }
 
 fn fmt_list(v: &[u64]) -> String {

@@ -2,10 +2,12 @@
 //! every collective. The runtime consumes only plans.
 
 pub mod balance;
+pub mod diff;
 pub mod dot;
 pub mod fuse;
 pub mod partition;
 pub mod report;
+pub mod source;
 pub mod stages;
 pub mod text;
 pub mod verify;
@@ -48,6 +50,12 @@ pub struct Plan {
     /// Each stage's programs are derived from `ranks` ([`stages::stage_program`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<stages::Pipeline>,
+    /// What the plan was compiled from (the model as the compiler read it and every choice
+    /// that shaped the plan), so that a loaded plan can be compiled again and compared
+    /// (`tpc::provenance`): an edit that keeps the plan well-formed but computes something
+    /// else is then refused. Absent in plans written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<source::PlanSource>,
 }
 
 /// One collective of the forward pass (the same on every rank).
@@ -189,34 +197,74 @@ pub struct Instr {
     pub layer: Option<u32>,
 }
 
+/// The two text forms a plan is saved in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanFormat {
+    Ron,
+    Json,
+}
+
+impl PlanFormat {
+    /// The form a plan is written in: JSON when the name ends in `.json` in any case.
+    pub fn for_output(path: &Path) -> PlanFormat {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some(e) if e.eq_ignore_ascii_case("json") => PlanFormat::Json,
+            _ => PlanFormat::Ron,
+        }
+    }
+
+    /// The form a plan's text is in, from its content, not its name (a JSON plan renamed
+    /// `.txt` or `.JSON` is still JSON): JSON starts with `{`, a RON plan with `(`.
+    pub fn of_text(text: &str) -> PlanFormat {
+        let first = text
+            .lines()
+            .map(str::trim_start)
+            .find(|l| !l.is_empty() && !l.starts_with("//") && !l.starts_with("#!"));
+        match first {
+            Some(l) if l.starts_with('{') => PlanFormat::Json,
+            _ => PlanFormat::Ron,
+        }
+    }
+
+    fn parse<T: serde::de::DeserializeOwned>(self, path: &Path, text: &str) -> Result<T> {
+        match self {
+            PlanFormat::Json => parse_json(path, text),
+            PlanFormat::Ron => parse_ron(path, text),
+        }
+    }
+}
+
 impl Plan {
-    /// Writes RON, or JSON when the path ends in `.json`.
+    /// Writes RON, or JSON when the path ends in `.json` (any case).
     pub fn save(&self, path: &Path) -> Result<()> {
-        let text = if path.extension().is_some_and(|e| e == "json") {
-            serde_json::to_string_pretty(self).map_err(|e| TpcError::Serialize(e.to_string()))?
-        } else {
-            let cfg = ron::ser::PrettyConfig::new().depth_limit(6);
-            ron_options()
-                .to_string_pretty(self, cfg)
-                .map_err(|e| TpcError::Serialize(e.to_string()))?
+        let text = match PlanFormat::for_output(path) {
+            PlanFormat::Json => serde_json::to_string_pretty(self)
+                .map_err(|e| TpcError::Serialize(e.to_string()))?,
+            PlanFormat::Ron => {
+                let cfg = ron::ser::PrettyConfig::new().depth_limit(6);
+                ron_options()
+                    .to_string_pretty(self, cfg)
+                    .map_err(|e| TpcError::Serialize(e.to_string()))?
+            }
         };
         crate::fsio::write_text(path, &text)
     }
 
-    /// Reads a plan written by [`Plan::save`], checking its version and then
-    /// [`Plan::verify`].
+    /// Reads a plan written by [`Plan::save`] (RON or JSON, told apart by content), checking
+    /// its version and then [`Plan::verify`].
     pub fn load(path: &Path) -> Result<Plan> {
         let text = read_text(path)?;
+        Plan::from_text(path, &text)
+    }
+
+    /// [`Plan::load`] of text already read from `path`.
+    pub fn from_text(path: &Path, text: &str) -> Result<Plan> {
         #[derive(Deserialize)]
         struct Header {
             version: u32,
         }
-        let json = path.extension().is_some_and(|e| e == "json");
-        let header: Header = if json {
-            parse_json(path, &text)?
-        } else {
-            parse_ron(path, &text)?
-        };
+        let format = PlanFormat::of_text(text);
+        let header: Header = format.parse(path, text)?;
         if header.version != PLAN_VERSION {
             return Err(TpcError::PlanVersion {
                 path: path.to_path_buf(),
@@ -224,33 +272,31 @@ impl Plan {
                 expected: PLAN_VERSION,
             });
         }
-        let plan: Plan = if json {
-            parse_json(path, &text)?
-        } else {
-            parse_ron(path, &text)?
-        };
+        let plan: Plan = format.parse(path, text)?;
         // A corrupted or hand-edited plan never reaches the runtime.
         plan.verify().map_err(|e| e.at(path))?;
         Ok(plan)
     }
 
-    /// If `path` holds a plan (not a model definition), reads it.
+    /// If `path` holds a plan (not a model definition), reads it. Told by content: a JSON
+    /// object with `ranks` and `version`, or RON that opens with `(` (model files open with
+    /// an enum variant, `Preset(` / `Graph(`).
     pub fn looks_like_plan(path: &Path) -> Option<Result<Plan>> {
-        let ext = path.extension()?.to_str()?;
-        if !path.is_file() || !(ext == "ron" || ext == "json") {
+        if !path.is_file() {
             return None;
         }
-        let text = std::fs::read_to_string(path).ok()?;
-        let is_plan = if ext == "json" {
-            let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-            v.get("ranks").is_some() && v.get("version").is_some()
-        } else {
-            // Model files start with an enum variant (`Preset(` / `Graph(`); plans with `(`.
-            text.lines()
+        let text = read_text(path).ok()?;
+        let is_plan = match PlanFormat::of_text(&text) {
+            PlanFormat::Json => {
+                let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+                v.get("ranks").is_some() && v.get("version").is_some()
+            }
+            PlanFormat::Ron => text
+                .lines()
                 .map(str::trim)
                 .find(|l| !l.is_empty() && !l.starts_with("//") && !l.starts_with("#!"))
-                .is_some_and(|l| l.starts_with('('))
+                .is_some_and(|l| l.starts_with('(')),
         };
-        is_plan.then(|| Plan::load(path))
+        is_plan.then(|| Plan::from_text(path, &text))
     }
 }

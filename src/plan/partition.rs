@@ -138,6 +138,7 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
         max_positions: None,
         attention_window: None,
         pipeline: None,
+        source: None,
     })
 }
 

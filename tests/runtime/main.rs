@@ -11,5 +11,10 @@ mod backend_contract;
 mod batch;
 mod parity;
 mod pipeline;
+mod plan_provenance;
+// The fuzzers' seeded generator, for the structural plan fuzzer; not every helper is used.
+#[allow(dead_code)]
+#[path = "../fuzz/rng.rs"]
+mod rng;
 mod runtime;
 mod shard_options;

@@ -1,0 +1,101 @@
+//! Issue 35, items 1 and 2 at the command line: `tpc run --plan` refuses an edited plan or
+//! a plan of another model before loading anything, naming the place; `tpc verify --plan`
+//! says what differs and judges the plan by computing.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn tpc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tpc"))
+        .args(args)
+        .output()
+        .expect("tpc runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "exit {:?}: {}",
+        o.status.code(),
+        stderr(o)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Exit 1 with a message, not a panic.
+fn fails_cleanly(o: &Output) -> String {
+    let e = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+    e
+}
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tpc-plans-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+const GQA: &str = "tests/fixtures/checkpoints/llama-gqa";
+
+#[test]
+fn run_refuses_an_edited_plan_and_a_plan_of_another_model() {
+    let dir = scratch("plans-provenance");
+    let plan = dir.join("plan.json");
+    let p = plan.to_str().unwrap();
+    ok(&tpc(&["compile", GQA, "--tp", "2", "-o", p]));
+    let run = |model: &str, plan: &str| {
+        tpc(&[
+            "run",
+            model,
+            "--plan",
+            plan,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "2",
+        ])
+    };
+    // The unedited plan runs.
+    ok(&run(GQA, p));
+    // Another checkpoint of the same shapes (llama3 rope scaling): refused, the field named.
+    let o = run("tests/fixtures/checkpoints/llama3-scaled", p);
+    let e = fails_cleanly(&o);
+    assert!(o.stdout.is_empty());
+    assert!(e.contains("`rope_scaling`"), "{e}");
+    // Two ranks' k_proj ranges exchanged: Plan::verify accepts it, the run does not.
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let k = v["ranks"][0]["weights"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|w| w["tensor"] == "model.layers.1.self_attn.k_proj.weight")
+        .unwrap();
+    let a = v["ranks"][0]["weights"][k]["ranges"].take();
+    let b = v["ranks"][1]["weights"][k]["ranges"].take();
+    v["ranks"][0]["weights"][k]["ranges"] = b;
+    v["ranks"][1]["weights"][k]["ranges"] = a;
+    let edited = dir.join("edited.txt");
+    std::fs::write(&edited, serde_json::to_string(&v).unwrap()).unwrap();
+    let edited = edited.to_str().unwrap();
+    let o = run(GQA, edited);
+    let e = fails_cleanly(&o);
+    assert!(o.stdout.is_empty());
+    assert!(
+        e.contains(
+            "rank 0, weight `model.layers.1.self_attn.k_proj.weight`, field `ranges[0].offset`"
+        ),
+        "{e}"
+    );
+    // verify computes it anyway: exit 3, with the difference as a note.
+    let o = tpc(&["verify", GQA, "--plan", edited]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("note: the plan"), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
