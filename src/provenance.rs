@@ -26,11 +26,21 @@ pub enum Accepted {
 }
 
 /// Checks that `plan`, read from `path`, is what tpc compiles for `model`, the model of
-/// the checkpoint it is about to run on.
-pub fn check_saved(plan: &Plan, model: &ModelDef, path: &Path) -> Result<Accepted> {
+/// the checkpoint it is about to run on. `model` is `None` for a checkpoint whose config
+/// names an architecture tpc has no preset for: a plan of an explicit graph (which the
+/// graph describes) is then checked against its own record only, and the checkpoint's
+/// tensors against the plan's shapes when they load.
+pub fn check_saved(plan: &Plan, model: Option<&ModelDef>, path: &Path) -> Result<Accepted> {
     let layers = stage_layers(plan);
-    let Some(source) = &plan.source else {
-        return check_unrecorded(plan, model, path, layers.as_deref());
+    let source = match (&plan.source, model) {
+        (Some(source), _) => source,
+        (None, Some(model)) => return check_unrecorded(plan, model, path, layers.as_deref()),
+        (None, None) => {
+            return Err(ProvenanceError::Unchecked {
+                path: path.to_path_buf(),
+            }
+            .into())
+        }
     };
     // The plan is what its own record compiles to...
     let fresh = compile_source(source, plan.tp, layers.as_deref())?;
@@ -44,6 +54,16 @@ pub fn check_saved(plan: &Plan, model: &ModelDef, path: &Path) -> Result<Accepte
     // ...and the checkpoint's model compiles to the same computation. Definitions may spell
     // the same model differently (a preset's omitted default, an explicit graph), so the
     // plans are compared, and the definitions only to name what differs.
+    let model = match (model, &source.model) {
+        (Some(model), _) => model,
+        (None, ModelDef::Graph(_)) => return Ok(Accepted::Recorded),
+        (None, ModelDef::Preset(_)) => {
+            return Err(ProvenanceError::Unchecked {
+                path: path.to_path_buf(),
+            }
+            .into())
+        }
+    };
     let mut same_choices = source.clone();
     same_choices.model = model.clone();
     let ours = compile_source(&same_choices, plan.tp, layers.as_deref());

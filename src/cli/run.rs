@@ -161,7 +161,19 @@ fn plan_for(
             pipe.check_saved(&plan, path)?;
             // A plan that holds together may still compute another model or another split:
             // it runs only if it is what tpc compiles for this checkpoint.
-            tpc::provenance::check_saved(&plan, &load_model(model)?, path)?;
+            // A config of an architecture without a preset is run through a plan of an
+            // explicit graph; the check then holds the plan to the graph it records.
+            let checkpoint = load_model(model);
+            let graph_plan = matches!(
+                plan.source.as_ref().map(|s| &s.model),
+                Some(tpc::frontend::ModelDef::Graph(_))
+            );
+            let checkpoint = match checkpoint {
+                Ok(def) => Some(def),
+                Err(_) if graph_plan => None,
+                Err(e) => return Err(e.into()),
+            };
+            tpc::provenance::check_saved(&plan, checkpoint.as_ref(), path)?;
             Ok(plan)
         }
         None => {

@@ -57,7 +57,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             a.pipe.check_saved(&plan, path)?;
             // `run` refuses a plan that is not the compiler's; verify computes it anyway, so
             // an edited plan can be judged by its logits, and says what differs.
-            if let Err(e) = tpc::provenance::check_saved(&plan, &def, path) {
+            if let Err(e) = tpc::provenance::check_saved(&plan, Some(&def), path) {
                 eprintln!("note: {e}");
             }
             plan

@@ -22,6 +22,9 @@ pub enum ProvenanceError {
         difference: PlanDifference,
     },
 
+    #[error("the plan `{}` cannot be checked against this checkpoint: its config.json is not a model tpc reads, and the plan is not an explicit graph's (`tpc compile graph.ron -o PLAN` records the graph, which is then what the plan is checked against).", path.display())]
+    Unchecked { path: PathBuf },
+
     #[error("the plan `{}` does not record what it was compiled from (an older tpc or a hand-written plan), and it is not what tpc compiles for this checkpoint at tp={tp} with any sharding option: {difference}. Recompile it with `tpc compile`; `tpc verify --plan` checks such a plan by computing.", path.display())]
     Unrecorded {
         path: PathBuf,

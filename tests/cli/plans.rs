@@ -99,3 +99,78 @@ fn run_refuses_an_edited_plan_and_a_plan_of_another_model() {
     assert!(stderr(&o).contains("note: the plan"), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An explicit graph's plan runs on a checkpoint: checked against the checkpoint's config
+/// where tpc reads it, and against the graph it records where the config names an
+/// architecture tpc has no preset for.
+#[test]
+fn a_graph_plan_runs_on_a_checkpoint_of_an_architecture_without_a_preset() {
+    let dir = scratch("graph-plan");
+    let graph = dir.join("graph.ron");
+    let plan = dir.join("plan.ron");
+    ok(&tpc(&["lower", GQA, "-o", graph.to_str().unwrap()]));
+    ok(&tpc(&[
+        "compile",
+        graph.to_str().unwrap(),
+        "--tp",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]));
+    let run = |model: &str| {
+        tpc(&[
+            "run",
+            model,
+            "--plan",
+            plan.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+        ])
+    };
+    let want = ok(&tpc(&[
+        "run",
+        GQA,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "4",
+    ]));
+    assert_eq!(ok(&run(GQA)), want);
+    // The same weights under a config tpc cannot read as a preset.
+    let mystery = dir.join("mystery");
+    std::fs::create_dir_all(&mystery).unwrap();
+    for entry in std::fs::read_dir(GQA).unwrap() {
+        let from = entry.unwrap().path();
+        std::fs::copy(&from, mystery.join(from.file_name().unwrap())).unwrap();
+    }
+    let config = mystery.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["model_type"] = "mystery".into();
+    v["architectures"] = serde_json::json!(["MysteryForCausalLM"]);
+    std::fs::write(&config, v.to_string()).unwrap();
+    assert_eq!(ok(&run(mystery.to_str().unwrap())), want);
+    // A preset's plan has nothing to be checked against there: refused.
+    let preset_plan = dir.join("preset.ron");
+    ok(&tpc(&[
+        "compile",
+        GQA,
+        "--tp",
+        "2",
+        "-o",
+        preset_plan.to_str().unwrap(),
+    ]));
+    let o = tpc(&[
+        "run",
+        mystery.to_str().unwrap(),
+        "--plan",
+        preset_plan.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    let e = fails_cleanly(&o);
+    assert!(e.contains("mystery"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

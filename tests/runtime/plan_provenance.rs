@@ -34,7 +34,11 @@ fn edited(plan: &Plan, edit: impl FnOnce(&mut Value)) -> Plan {
 
 /// What `tpc run --plan` decides for `plan` on the checkpoint `dir`.
 fn check(plan: &Plan, dir: &Path) -> tpc::Result<Accepted> {
-    check_saved(plan, &load_model(dir).unwrap(), Path::new("plan.json"))
+    check_saved(
+        plan,
+        Some(&load_model(dir).unwrap()),
+        Path::new("plan.json"),
+    )
 }
 
 fn refusal(plan: &Plan, dir: &Path) -> String {
