@@ -524,3 +524,246 @@ fn bench_and_bench_comm_run_as_processes() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// `mpirun` with one program per rank (MPMD: `-np 1 tpc ARGS0 : -np 1 tpc ARGS1 : …`), so
+/// that each rank gets its own arguments.
+fn mpirun_each(per_rank: &[Vec<String>]) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe"]);
+    for (i, args) in per_rank.iter().enumerate() {
+        if i > 0 {
+            c.arg(":");
+        }
+        c.args(["-np", "1", TPC]);
+        c.args(args);
+    }
+    c
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// A short greedy run of the llama-gqa fixture (or `model`) at tp `tp`, plus `extra`.
+fn short_run(model: &str, tp: u64, extra: &[&str]) -> Vec<String> {
+    let mut args = strings(&[
+        "run",
+        model,
+        "--tp",
+        &tp.to_string(),
+        "--prompt-ids",
+        "3,71,249",
+        "--max-new-tokens",
+        "3",
+        "--threads-per-rank",
+        "1",
+    ]);
+    args.extend(strings(extra));
+    args
+}
+
+const GQA: &str = "tests/fixtures/checkpoints/llama-gqa";
+
+/// Starts one rank per entry of `per_rank` and checks that the job ended (no hang: the
+/// guard of [`finish`]) with exit 1 and every rank saying `says`, the differences named.
+fn refused(per_rank: &[Vec<String>], says: &str) -> String {
+    let what = format!("ranks {per_rank:?}");
+    let o = run(mpirun_each(per_rank), &what);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(1), "{what}: {}\n{err}", o.status);
+    for rank in 0..per_rank.len() {
+        let line = format!("error: rank {rank} of {}: {says}", per_rank.len());
+        assert!(err.contains(&line), "{what}: stderr lacks `{line}`:\n{err}");
+    }
+    assert!(
+        String::from_utf8_lossy(&o.stdout).trim().is_empty(),
+        "{what}: a rank printed results"
+    );
+    err
+}
+
+#[test]
+fn ranks_with_another_seed_are_refused_naming_them() {
+    let rank = |seed: &str| short_run(GQA, 1, &["--temperature", "0.8", "--seed", seed]);
+    refused(
+        &[rank("1"), rank("2"), rank("1")],
+        "MPI ranks disagree on --seed: ranks 0,2 have 1, rank 1 has 2; start every rank with the same arguments",
+    );
+}
+
+#[test]
+fn ranks_with_another_tp_are_refused_naming_it() {
+    // Not the plan as well: it differs only because --tp does.
+    refused(
+        &[short_run(GQA, 2, &[]), short_run(GQA, 1, &[])],
+        "MPI ranks disagree on --tp: rank 0 has 2, rank 1 has 1; start every rank with the same arguments",
+    );
+}
+
+#[test]
+fn ranks_with_another_prompt_are_refused() {
+    let mut other = short_run(GQA, 2, &[]);
+    other[5] = "3,71,250".into();
+    refused(
+        &[short_run(GQA, 2, &[]), other],
+        "MPI ranks disagree on the prompt (--prompt-ids, --prompt or --prompts): rank 0 has one value, rank 1 has another value; start every rank with the same arguments",
+    );
+}
+
+#[test]
+fn ranks_with_another_max_new_tokens_are_refused() {
+    let mut other = short_run(GQA, 2, &[]);
+    other[7] = "4".into();
+    refused(
+        &[short_run(GQA, 2, &[]), other],
+        "MPI ranks disagree on --max-new-tokens: rank 0 has 3, rank 1 has 4;",
+    );
+}
+
+#[test]
+fn ranks_with_other_shard_options_are_refused() {
+    for (flag, says) in [
+        ("--fuse-norm", "--fuse-norm: rank 0 has off, rank 1 has on"),
+        (
+            "--sequence-parallel",
+            "--sequence-parallel: rank 0 has off, rank 1 has on",
+        ),
+    ] {
+        refused(
+            &[short_run(GQA, 2, &[]), short_run(GQA, 2, &[flag])],
+            &format!("MPI ranks disagree on {says}; start every rank with the same arguments"),
+        );
+    }
+}
+
+#[test]
+fn ranks_with_other_sampling_and_repetitions_are_refused_naming_each() {
+    let err = refused(
+        &[
+            short_run(GQA, 2, &["--temperature", "0.5"]),
+            short_run(
+                GQA,
+                2,
+                &[
+                    "--temperature",
+                    "0.5",
+                    "--top-k",
+                    "3",
+                    "--gather-logits",
+                    "--warmup",
+                    "1",
+                    "--repeat",
+                    "2",
+                ],
+            ),
+        ],
+        "MPI ranks disagree on --top-k: rank 0 has none, rank 1 has 3",
+    );
+    for says in [
+        "on --warmup: rank 0 has 0, rank 1 has 1",
+        "on --repeat: rank 0 has 1, rank 1 has 2",
+        "on --gather-logits: rank 0 has off, rank 1 has on",
+    ] {
+        assert!(err.contains(says), "stderr lacks `{says}`:\n{err}");
+    }
+}
+
+/// A copy of the llama-gqa fixture at another path agrees (paths may differ between
+/// hosts); the same copy with one weight changed — same shapes, same header — is refused,
+/// naming the file.
+#[test]
+fn ranks_with_another_checkpoint_of_the_same_shapes_are_refused_naming_the_file() {
+    let dir = scratch("checkpoint");
+    let copy = dir.join("llama-gqa");
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(GQA).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+    }
+    let copy_str = copy.to_str().unwrap();
+    let same = ok(
+        run(
+            mpirun_each(&[short_run(GQA, 2, &[]), short_run(copy_str, 2, &[])]),
+            "an identical copy",
+        ),
+        "an identical copy",
+    );
+    assert_eq!(same.trim().split(',').count(), 3, "{same}");
+
+    // The first weight of one tensor changed: what a fine-tune of the same model does to
+    // every tensor.
+    let file = copy.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensor = st.tensor("model.layers.0.self_attn.q_proj.weight").unwrap();
+    let start = tensor.data().as_ptr() as usize - bytes.as_ptr() as usize;
+    assert!(start >= 8 + header);
+    let v = f32::from_le_bytes(bytes[start..start + 4].try_into().unwrap()) + 0.5;
+    bytes[start..start + 4].copy_from_slice(&v.to_le_bytes());
+    std::fs::write(&file, &bytes).unwrap();
+    refused(
+        &[short_run(GQA, 2, &[]), short_run(copy_str, 2, &[])],
+        "MPI ranks disagree on the model file model.safetensors: rank 0 has one version, rank 1 has another version; give every rank the same model files",
+    );
+}
+
+/// Ranks running another subcommand, or no MPI rank at all (`--launcher threads`,
+/// `compile`), are refused before anything is loaded; before this, those that do not join
+/// MPI left the others waiting forever.
+#[test]
+fn ranks_with_another_command_or_launcher_are_refused_without_waiting() {
+    let bench = strings(&[
+        "bench",
+        GQA,
+        "--tp",
+        "2",
+        "--prompt-len",
+        "3",
+        "--max-new-tokens",
+        "3",
+    ]);
+    let compile_out = scratch("command").join("plan.ron");
+    let compile = strings(&[
+        "compile",
+        GQA,
+        "--tp",
+        "2",
+        "-o",
+        compile_out.to_str().unwrap(),
+    ]);
+    for (other, name) in [
+        (bench, "bench"),
+        (
+            short_run(GQA, 2, &["--launcher", "threads"]),
+            "run --launcher threads",
+        ),
+        (compile, "compile"),
+    ] {
+        refused(
+            &[short_run(GQA, 2, &[]), other],
+            &format!("MPI ranks disagree on the command: rank 0 has run, rank 1 has {name}; start every rank with the same tpc and the same command"),
+        );
+    }
+    // bench-comm's ranks compare too, before their communicator is copied.
+    let comm = |iters: &str| {
+        strings(&[
+            "bench-comm",
+            "--iters",
+            iters,
+            "--from-log2",
+            "12",
+            "--to-log2",
+            "12",
+        ])
+    };
+    refused(
+        &[comm("3"), comm("4")],
+        "MPI ranks disagree on --iters: rank 0 has 3, rank 1 has 4",
+    );
+    // Every process running the same command without MPI ranks: each runs alone, as before.
+    let mut alone = mpirun(2);
+    alone.args(short_run(GQA, 2, &["--launcher", "threads"]));
+    let out = ok(run(alone, "threads under mpirun"), "threads under mpirun");
+    assert_eq!(out.lines().count(), 2, "{out}");
+}

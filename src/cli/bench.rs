@@ -43,7 +43,7 @@ pub struct Args {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    super::launcher::with_launcher(a.launcher, |mpi| execute_with(a, mpi))
+    super::launcher::with_launcher("bench", a.launcher, |mpi| execute_with(a, mpi))
 }
 
 /// Benchmarks with ranks as threads (`mpi` None) or as this MPI process's rank (world
@@ -93,6 +93,22 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         Some(world) => {
             // Every process would draw its own bar over the others'.
             bar.finish_and_clear();
+            let job = super::agreement::Job {
+                command: "bench",
+                model: &a.model,
+                plan: &plan,
+                checkpoint: ckpt.as_ref(),
+                requests: &requests,
+                prompt_options: "the prompts (--batch, --prompt-len)",
+                opts: &opts,
+                dp: a.dp,
+                shard: a.shard.options(),
+            };
+            let mut record = super::agreement::record(&job)?;
+            record
+                .argument("--batch", a.batch)
+                .argument("--prompt-len", a.prompt_len);
+            super::launcher::agree(world, &record)?;
             match super::launcher::run_as_process(
                 world,
                 &plan,

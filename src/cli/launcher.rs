@@ -19,22 +19,69 @@ pub type MpiWorld = tpc::runtime::processes::MpiWorld;
 #[cfg(not(feature = "mpi"))]
 pub type MpiWorld = std::convert::Infallible;
 
-/// Runs `body` with ranks as threads (`None`), or as this MPI process's rank when
-/// `launcher` says so. A rank that fails prints its error, naming itself, and ends the job
-/// (`MPI_Abort`), so no peer waits on it; a panic does the same.
+/// Runs `body` (of the subcommand `command`) with ranks as threads (`None`), or as this MPI
+/// process's rank when `launcher` says so. A rank that fails prints its error, naming
+/// itself, and ends the job (`MPI_Abort`), so no peer waits on it; a panic does the same.
+/// Ranks that found they disagree ([`agree`]) all print it and exit 1 without aborting:
+/// none waits on another.
 pub fn with_launcher(
+    command: &str,
     launcher: Launcher,
     body: impl FnOnce(Option<&MpiWorld>) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     let mpi = match launcher {
-        Launcher::Auto => tpc::runtime::launch::mpi_launched_world_size().is_some_and(|n| n > 1),
+        Launcher::Auto => launched_with_peers(),
         Launcher::Threads => false,
         Launcher::Mpi => true,
     };
     if !mpi {
+        stand_by(&format!("{command} --launcher threads"))?;
         return body(None);
     }
     as_process(body)
+}
+
+/// Whether an MPI launcher started this process as one of several.
+fn launched_with_peers() -> bool {
+    tpc::runtime::launch::mpi_launched_world_size().is_some_and(|n| n > 1)
+}
+
+/// For a process that an MPI launcher started as one of several but that runs no MPI rank
+/// (`--launcher threads`, a subcommand without ranks such as `compile`): it joins MPI only
+/// for the ranks' first collective, the agreement, with a record naming what it runs.
+/// Without this, MPI ranks started beside it would wait in that collective forever:
+/// Open MPI's `mpirun` does not end a job when one of its processes exits 0 without
+/// calling MPI_Init. When every process runs the same such command, they agree and each
+/// goes on alone, as before. (A build without MPI cannot join; nothing then waits on it
+/// unless other processes are of a build with MPI.)
+#[cfg(feature = "mpi")]
+pub fn stand_by(command: &str) -> anyhow::Result<()> {
+    if !launched_with_peers() {
+        return Ok(());
+    }
+    let world = MpiWorld::init()?;
+    match world.agree(&tpc::runtime::agreement::Record::new(command)) {
+        // MPI_Finalize on drop: every process agreed, so every one reaches it.
+        Ok(()) => Ok(()),
+        Err(e) => stop_disagreeing(world, &e.into()),
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+pub fn stand_by(_: &str) -> anyhow::Result<()> {
+    Ok(())
+}
+
+/// Ends this process after the ranks found they disagree: every rank found the same
+/// difference at the same collective and stops, so MPI_Finalize (on drop) returns on all
+/// of them, and mpirun reports exit 1 without MPI_Abort's report.
+#[cfg(feature = "mpi")]
+fn stop_disagreeing(world: MpiWorld, e: &anyhow::Error) -> ! {
+    // One write, so that the ranks' lines do not interleave in mpirun's output.
+    let line = format!("error: rank {} of {}: {e:#}\n", world.rank(), world.size());
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+    drop(world);
+    std::process::exit(1)
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -52,11 +99,31 @@ fn as_process(body: impl FnOnce(Option<&MpiWorld>) -> anyhow::Result<()>) -> any
     match body(Some(&world)) {
         Ok(()) => Ok(()),
         Err(e) if e.downcast_ref::<super::ClosedPipe>().is_some() => Ok(()),
+        Err(e)
+            if matches!(
+                e.downcast_ref::<tpc::runtime::error::RunError>(),
+                Some(tpc::runtime::error::RunError::RanksDisagree(_))
+            ) =>
+        {
+            stop_disagreeing(world, &e)
+        }
         Err(e) => {
             eprintln!("error: rank {rank} of {size}: {e:#}");
             world.abort(1)
         }
     }
+}
+
+/// Stops unless every MPI rank runs the same job: the first collective of `run`, `bench`
+/// and `bench-comm`, before anything is loaded ([`tpc::runtime::agreement`]).
+#[cfg(feature = "mpi")]
+pub fn agree(world: &MpiWorld, record: &tpc::runtime::agreement::Record) -> anyhow::Result<()> {
+    Ok(world.agree(record)?)
+}
+
+#[cfg(not(feature = "mpi"))]
+pub fn agree(world: &MpiWorld, _: &tpc::runtime::agreement::Record) -> anyhow::Result<()> {
+    match *world {}
 }
 
 /// This MPI process's rank of the run: world rank 0 gets the batch's results, the other

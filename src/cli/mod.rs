@@ -1,5 +1,6 @@
 //! Subcommands. Each file holds its arguments and a thin `execute`.
 
+mod agreement;
 mod bench;
 mod bench_comm;
 mod bench_gemm;
@@ -65,6 +66,24 @@ enum Command {
 }
 
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
+    // Under mpirun, a process that runs no MPI rank still meets those that do (launcher.rs).
+    let without_ranks = match &cli.command {
+        Command::Run(_) | Command::Bench(_) | Command::BenchComm(_) => None,
+        Command::Compile(_) => Some("compile"),
+        Command::Dot(_) => Some("dot"),
+        Command::Explain(_) => Some("explain"),
+        Command::Import(_) => Some("import"),
+        Command::Lower(_) => Some("lower"),
+        Command::Ranks(_) => Some("ranks"),
+        Command::Simulate(_) => Some("simulate"),
+        Command::Verify(_) => Some("verify"),
+        Command::BenchGemm(_) => Some("bench-gemm"),
+        Command::BenchLoad(_) => Some("bench-load"),
+        Command::Calibrate(_) => Some("calibrate"),
+    };
+    if let Some(name) = without_ranks {
+        launcher::stand_by(name)?;
+    }
     match cli.command {
         Command::Compile(a) => compile::execute(a),
         Command::Dot(a) => dot::execute(a),

@@ -258,7 +258,7 @@ fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    super::launcher::with_launcher(a.launcher, |mpi| execute_with(a, mpi))
+    super::launcher::with_launcher("run", a.launcher, |mpi| execute_with(a, mpi))
 }
 
 /// Runs the ranks as threads (`mpi` None) or as this MPI process's rank.
@@ -364,6 +364,18 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         None => run_replicas(&plan, &ckpt, &requests, &opts, a.dp as usize),
         Some(world) => {
             bar.finish_and_clear();
+            let job = super::agreement::Job {
+                command: "run",
+                model: &a.model,
+                plan: &plan,
+                checkpoint: Some(&ckpt),
+                requests: &requests,
+                prompt_options: "the prompt (--prompt-ids, --prompt or --prompts)",
+                opts: &opts,
+                dp: a.dp,
+                shard: a.shard.options(),
+            };
+            super::launcher::agree(world, &super::agreement::record(&job)?)?;
             match super::launcher::run_as_process(
                 world,
                 &plan,

@@ -28,6 +28,11 @@ pub enum RunError {
     #[error("ranks as processes: {0}")]
     Processes(String),
 
+    /// MPI ranks started with different arguments or given different model files: every
+    /// rank finds the same differences, before anything is loaded.
+    #[error(transparent)]
+    RanksDisagree(#[from] super::agreement::Disagreement),
+
     /// Data-parallel replicas (`--dp`): a bad count, or which replica failed.
     #[error("data parallelism: {0}")]
     Replicas(String),

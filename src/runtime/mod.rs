@@ -9,6 +9,7 @@
 //! built) and `cuda` (feature `cuda`; its kernel sources are the top-level `kernels/`).
 
 pub mod activation;
+pub mod agreement;
 pub mod backend;
 pub mod backend_error;
 pub mod calibrate;

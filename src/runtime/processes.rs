@@ -8,8 +8,11 @@
 //!
 //! Failure: MPI reports no error to the peers of a failed process. The caller prints a
 //! failed rank's error (naming it) and calls [`MpiWorld::abort`]; `mpirun` then stops every
-//! process, as it does when a process is killed.
+//! process, as it does when a process is killed. Before any of that, the ranks' first
+//! collective is [`MpiWorld::agree`]: ranks started with different arguments or files stop
+//! there together ([`super::agreement`]).
 
+use super::agreement::{verdict, Record};
 use super::comm::MpiComm;
 use super::cpu::isa::Kernels;
 use super::cpu_launch::cpu_backend;
@@ -24,7 +27,7 @@ use super::tensor::Tensor;
 use super::weights::WeightSource;
 use crate::plan::stages::stage_program;
 use crate::plan::Plan;
-use mpi::datatype::Equivalence;
+use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Color, SimpleCommunicator};
@@ -76,7 +79,63 @@ impl MpiWorld {
     pub fn abort(&self, code: i32) -> ! {
         self.world.abort(code)
     }
+
+    /// Every rank's `mine`, in world rank order. The lengths travel first, in a fixed-size
+    /// exchange, so the bytes after them cannot be truncated whatever each rank sends; a
+    /// length past [`RECORD_MAX`] is refused by every rank alike.
+    pub fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let n = self.size();
+        let mut lengths = vec![0u64; n];
+        self.world
+            .all_gather_into(&(mine.len() as u64), &mut lengths[..]);
+        if let Some((rank, &len)) = lengths
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l > RECORD_MAX as u64)
+        {
+            return Err(processes(format!(
+                "rank {rank} sent a record of {len} bytes before loading, more than the {RECORD_MAX} any tpc sends; start every rank with the same tpc"
+            )));
+        }
+        // MPI counts and offsets are C ints: the total fits one, so every offset does.
+        let total = lengths
+            .iter()
+            .try_fold(0usize, |a, &l| a.checked_add(l as usize))
+            .filter(|&t| t <= i32::MAX as usize)
+            .ok_or_else(|| processes(format!("{n} ranks' records exceed MPI's counts")))?;
+        let counts: Vec<i32> = lengths.iter().map(|&l| l as i32).collect();
+        let offsets: Vec<i32> = counts
+            .iter()
+            .scan(0i32, |at, &c| {
+                let start = *at;
+                *at += c;
+                Some(start)
+            })
+            .collect();
+        let mut all = vec![0u8; total];
+        {
+            let mut parts = PartitionMut::new(&mut all[..], &counts[..], &offsets[..]);
+            self.world.all_gather_varcount_into(mine, &mut parts);
+        }
+        Ok(counts
+            .iter()
+            .zip(&offsets)
+            .map(|(&c, &o)| all[o as usize..(o + c) as usize].to_vec())
+            .collect())
+    }
+
+    /// Compares `record` with every other rank's: the first collective of a run, before
+    /// anything is loaded. Every rank gets the same answer, so on a difference every rank
+    /// returns the same [`RunError::RanksDisagree`] and none is left waiting.
+    pub fn agree(&self, record: &Record) -> Result<()> {
+        let records = self.all_gather_bytes(&record.to_bytes())?;
+        Ok(verdict(&records)?)
+    }
 }
+
+/// The most bytes a rank's record may have (a checkpoint of a thousand files makes about
+/// 60 KB).
+const RECORD_MAX: usize = 16 << 20;
 
 /// Ends the whole MPI job when any thread of this process panics, after the usual panic
 /// message: a rank that panicked must not leave its peers waiting.

@@ -4,6 +4,7 @@
 //! map (see [`StoredTensor`]) and letting each tensor's pages go once it is read.
 
 mod error;
+mod identity;
 
 pub use error::WeightError;
 
