@@ -720,6 +720,37 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         }
     }
 
+    /// The whole table (every rank's rows together) has a row for every id it is given: an
+    /// id past it (a position past GPT-2's learned ones) is an error, never a row of zeros
+    /// that no rank holds.
+    fn check_rows(&self, i: &Instr, ids: &[i64]) -> Result<()> {
+        let rows = i
+            .inputs
+            .get(1)
+            .and_then(|t| self.program.instrs.iter().find(|x| x.id == *t))
+            .and_then(|t| match &t.op {
+                Op::Param(p) => self.program.weights.iter().find(|w| w.tensor == p.tensor),
+                _ => None,
+            })
+            .and_then(|w| w.shape.first().copied());
+        let Some(rows) = rows else {
+            return Ok(());
+        };
+        match ids
+            .iter()
+            .find(|&&id| u64::try_from(id).map_or(true, |id| id >= rows))
+        {
+            None => Ok(()),
+            Some(id) => Err(bad(
+                i,
+                format!(
+                    "id {id} is past the {rows} rows of its table (0 to {})",
+                    rows.saturating_sub(1)
+                ),
+            )),
+        }
+    }
+
     fn weight(&self, i: &Instr, slot: usize) -> Result<&B::Weight> {
         weight_of(&self.weights, i, slot)
     }
@@ -779,9 +810,10 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         Ok(match op {
             Op::Linear(_) if self.fused.covers(i.id) => self.fused.output(b, i, x(0)?)?,
             Op::Embedding(e) => {
+                let ids = self.ids(values, i, 0)?;
+                self.check_rows(i, ids)?;
                 let offset = e.vocab_range.map(|(o, _)| o as usize).unwrap_or(0);
-                b.embedding(self.ids(values, i, 0)?, self.weight(i, 1)?, offset)
-                    .map_err(err)?
+                b.embedding(ids, self.weight(i, 1)?, offset).map_err(err)?
             }
             Op::Linear(_) => {
                 let x = x(0)?;

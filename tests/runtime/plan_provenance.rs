@@ -493,3 +493,24 @@ fn structural_plan_mutations_never_run_to_other_logits() {
         "the fuzzer found only {wrong_but_verified} verified mutants with other logits"
     );
 }
+
+/// Item 3 below the check: even a plan that reaches the runtime without its positions limit
+/// (a library caller's) stops at the end of GPT-2's learned positions instead of reading
+/// rows of zeros.
+#[test]
+fn gpt2_positions_past_the_table_are_an_error_in_the_runtime() {
+    let dir = fixture("gpt2");
+    let mut plan = compiled(&dir, 2, ShardOptions::default());
+    let max = plan.max_positions.expect("GPT-2 has a positions limit") as usize;
+    plan.max_positions = None;
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let opts = RunOptions {
+        max_new_tokens: 4,
+        ..RunOptions::default()
+    };
+    let prompt: Vec<i64> = (0..max as i64).map(|i| i % 7 + 1).collect();
+    let e = tpc::runtime::run::run(&plan, &ckpt, &prompt, &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&format!("past the {max} rows")), "{e}");
+}
