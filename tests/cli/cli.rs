@@ -4,14 +4,14 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn tpc(args: &[&str]) -> Output {
+pub(crate) fn tpc(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tpc"))
         .args(args)
         .output()
         .expect("tpc runs")
 }
 
-fn stderr(o: &Output) -> String {
+pub(crate) fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
@@ -20,14 +20,14 @@ fn stdout(o: &Output) -> String {
 }
 
 /// A fresh directory for one test's files.
-fn scratch(test: &str) -> PathBuf {
+pub(crate) fn scratch(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tpc-cli-{}-{test}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
 
-fn fails_cleanly(o: &Output) -> String {
+pub(crate) fn fails_cleanly(o: &Output) -> String {
     assert_eq!(
         o.status.code(),
         Some(1),

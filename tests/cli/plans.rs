@@ -2,19 +2,8 @@
 //! a plan of another model before loading anything, naming the place; `tpc verify --plan`
 //! says what differs and judges the plan by computing.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn tpc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tpc"))
-        .args(args)
-        .output()
-        .expect("tpc runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use crate::cli::{fails_cleanly, scratch, stderr, tpc};
+use std::process::Output;
 
 fn ok(o: &Output) -> String {
     assert!(
@@ -24,21 +13,6 @@ fn ok(o: &Output) -> String {
         stderr(o)
     );
     String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// Exit 1 with a message, not a panic.
-fn fails_cleanly(o: &Output) -> String {
-    let e = stderr(o);
-    assert_eq!(o.status.code(), Some(1), "{e}");
-    assert!(!e.contains("panicked"), "{e}");
-    e
-}
-
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-plans-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 const GQA: &str = "tests/fixtures/checkpoints/llama-gqa";
