@@ -1,0 +1,143 @@
+//! Regression tests for the "unclear or wrong messages" items of the second hardening round:
+//! inputs that were accepted or explained badly now run as transformers would or are refused
+//! with a message that says what is wrong with the input (exit 1, no panic).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const CHECKPOINT: &str = "tests/fixtures/checkpoints/llama-gqa";
+const PROMPT: &str = "3,71,249,130,12,188,64";
+
+fn tpc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tpc"))
+        .args(args)
+        .output()
+        .expect("tpc runs")
+}
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tpc-messages-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Exit 1 with a message and no panic; returns stderr.
+fn refused(o: &Output) -> String {
+    let e = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(1), "expected a clean refusal: {e}");
+    assert!(
+        !e.contains("panicked") && !e.contains("RUST_BACKTRACE"),
+        "{e}"
+    );
+    e
+}
+
+/// Exit 0; returns stdout.
+fn succeeded(o: &Output) -> String {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A copy of a fixture checkpoint folder that a test may edit.
+fn copy_of(fixture: &str, dir: &Path) -> PathBuf {
+    let to = dir.join("model");
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in std::fs::read_dir(fixture).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+    to
+}
+
+/// The greedy tokens `tpc run --json` generates for the test prompt.
+fn generated(model: &Path) -> Vec<i64> {
+    let out = succeeded(&tpc(&[
+        "run",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]));
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    json["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect()
+}
+
+/// Replaces `"eos_token_id": null` in the copy's config.json.
+fn set_config_eos(model: &Path, value: &str) {
+    let path = model.join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("\"eos_token_id\": null"), "{text}");
+    std::fs::write(
+        &path,
+        text.replace(
+            "\"eos_token_id\": null",
+            &format!("\"eos_token_id\": {value}"),
+        ),
+    )
+    .unwrap();
+}
+
+#[test]
+fn generation_config_eos_stops_the_run_and_overrides_config_json() {
+    let dir = scratch("eos");
+    let model = copy_of(CHECKPOINT, &dir);
+    let free = generated(&model);
+    assert_eq!(free.len(), 8, "{free:?}");
+    // The third greedy token as the generation file's eos, the second as config.json's: the
+    // run must stop at the third (transformers' generate follows generation_config.json),
+    // which the old union of both files did not (it stopped at the second).
+    let (second, third) = (free[1], free[2]);
+    assert!(
+        !free[..2].contains(&third) && !free[..1].contains(&second),
+        "{free:?}"
+    );
+    set_config_eos(&model, &second.to_string());
+    std::fs::write(
+        model.join("generation_config.json"),
+        format!(r#"{{"_from_model_config": true, "eos_token_id": [{third}]}}"#),
+    )
+    .unwrap();
+    assert_eq!(generated(&model), free[..3].to_vec());
+    // Without the generation file's field, config.json's id stops the run.
+    std::fs::write(model.join("generation_config.json"), "{}").unwrap();
+    assert_eq!(generated(&model), free[..2].to_vec());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_eos_that_is_no_token_of_the_model_is_refused() {
+    let dir = scratch("eos-bad");
+    let model = copy_of(CHECKPOINT, &dir);
+    for (value, names) in [
+        ("250", "250"),
+        ("[1, 18446744073709551615]", "18446744073709551615"),
+        ("-1", "-1"),
+        ("2.0", "2.0"),
+        (r#""</s>""#, "</s>"),
+    ] {
+        std::fs::write(
+            model.join("generation_config.json"),
+            format!(r#"{{"eos_token_id": {value}}}"#),
+        )
+        .unwrap();
+        let e = refused(&tpc(&[
+            "run",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            PROMPT,
+        ]));
+        assert!(
+            e.contains("generation_config.json") && e.contains("eos_token_id") && e.contains(names),
+            "{value}: {e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
