@@ -1078,4 +1078,109 @@ mod tests {
         );
         assert!(!e.fits);
     }
+
+    /// A profile with every figure at the slow end of its bounds (`slow`) or the fast end.
+    fn profile_at_bounds(slow: bool, shared: Option<u64>) -> HwProfile {
+        use crate::cost::profile::{
+            SharedHost, BYTES_PER_S, EFFICIENCY, FLOPS, LATENCY_S, MEMORY_BYTES, OP_OVERHEAD_S,
+        };
+        let end = |b: crate::cost::profile::Bound, slow_is_max: bool| {
+            if slow == slow_is_max {
+                b.max
+            } else if b.zero {
+                0.0
+            } else {
+                b.min
+            }
+        };
+        let ab = AlphaBeta {
+            alpha_s: end(LATENCY_S, true),
+            beta_bytes_per_s: end(BYTES_PER_S, false),
+        };
+        let mut p = flat_hw();
+        p.memory_bytes = end(MEMORY_BYTES, false);
+        p.peak_flops_bf16 = end(FLOPS, false);
+        p.peak_flops_f32 = end(FLOPS, false);
+        p.memory_bandwidth = end(BYTES_PER_S, false);
+        p.compute_efficiency = end(EFFICIENCY, false);
+        p.memory_efficiency = end(EFFICIENCY, false);
+        p.link = LinkCosts {
+            ring: ab,
+            one_shot: ab,
+            two_shot: ab,
+            send_recv: ab,
+        };
+        p.op_overhead_s = end(OP_OVERHEAD_S, true);
+        p.attention_flops = Some(end(FLOPS, false));
+        p.attention_flops_by_head_dim = vec![(1, end(FLOPS, false))];
+        p.shared = shared.map(|cores| SharedHost {
+            op_overhead_one_thread_s: Some(end(OP_OVERHEAD_S, true)),
+            one_thread_flops_bf16: Some(end(FLOPS, false)),
+            one_thread_flops_f32: Some(end(FLOPS, false)),
+            ..SharedHost::new(cores)
+        });
+        p.devices = crate::cost::profile::MAX_DEVICES;
+        p.check().unwrap();
+        p
+    }
+
+    /// A profile that passes its check never prices a phase at inf, NaN or 0 seconds (which
+    /// the table printed as `inf ms` and the JSON as `null`), at the smallest and the
+    /// largest workloads the command line takes.
+    #[test]
+    fn every_figure_of_a_valid_profile_gives_a_finite_estimate() {
+        let plans = [
+            plan(1),
+            plan(8),
+            super::super::shipped::plan("tiny-llama", 2),
+        ];
+        let works = [
+            Workload {
+                batch: 1,
+                prompt: 1,
+                gen: 0,
+            },
+            Workload {
+                batch: 4096,
+                prompt: 1 << 24,
+                gen: 1 << 24,
+            },
+        ];
+        for slow in [true, false] {
+            for shared in [None, Some(1), Some(crate::cost::profile::MAX_DEVICES)] {
+                let hw = profile_at_bounds(slow, shared);
+                for plan in &plans {
+                    for work in works {
+                        for pp in [1, 2] {
+                            let e =
+                                simulate_pp(plan, &hw, work, Numerics::of_plan(plan), pp).unwrap();
+                            let phases = [e.prefill, e.decode_step];
+                            let times = phases.iter().flat_map(|p| {
+                                [
+                                    p.time_s,
+                                    p.compute_s,
+                                    p.memory_s,
+                                    p.comm_s,
+                                    p.overhead_s,
+                                    p.elementwise_s,
+                                ]
+                            });
+                            for t in times.chain([e.tokens_per_s.prefill, e.tokens_per_s.decode]) {
+                                assert!(
+                                    t.is_finite() && t >= 0.0,
+                                    "{slow} {shared:?} {work:?} {e:?}"
+                                );
+                            }
+                            assert!(
+                                e.prefill.time_s > 0.0 && e.decode_step.time_s > 0.0,
+                                "{e:?}"
+                            );
+                            let json = serde_json::to_string(&e).unwrap();
+                            assert!(!json.contains("null"), "{json}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -141,3 +141,112 @@ fn an_eos_that_is_no_token_of_the_model_is_refused() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+const NVSWITCH: &str = "models/hw/h100-sxm-nvswitch-8.ron";
+
+/// The NVSwitch profile with one text replacement, written to `dir`.
+fn profile_with(dir: &Path, name: &str, from: &str, to: &str) -> PathBuf {
+    let text = std::fs::read_to_string(NVSWITCH).unwrap();
+    assert!(text.contains(from), "{from}");
+    let path = dir.join(name);
+    std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
+    path
+}
+
+#[test]
+fn absurd_or_misspelled_profile_figures_are_refused() {
+    let dir = scratch("profiles");
+    for (from, to, expect) in [
+        // A subnormal bandwidth once priced every phase at `inf ms` (`null` in JSON).
+        (
+            "memory_bandwidth: 3.35e12",
+            "memory_bandwidth: 5e-324",
+            "memory_bandwidth is 5e-324",
+        ),
+        (
+            "memory_bandwidth: 3.35e12",
+            "memory_bandwidth: 0.0",
+            "memory_bandwidth is 0",
+        ),
+        ("alpha_s: ", "alpha_s: -", "alpha_s is -"),
+        (
+            "peak_flops_bf16: 989.5e12",
+            "peak_flops_bf16: 1e300",
+            "peak_flops_bf16 is 1e300",
+        ),
+        (
+            "compute_efficiency: 0.6",
+            "compute_efficiency: 1e-300",
+            "compute_efficiency is 1e-300",
+        ),
+        // A misspelled optional field was dropped and its default priced.
+        (
+            "devices: 8,",
+            "devices: 8,\n    op_overhead: 1e-6,",
+            "op_overhead",
+        ),
+        ("alpha_s: ", "latency_s: 1e-6, alpha_s: ", "latency_s"),
+    ] {
+        let hw = profile_with(&dir, "p.ron", from, to);
+        for extra in [&[][..], &["--json"], &["--search"]] {
+            let args = [
+                &[
+                    "simulate",
+                    "models/tiny-llama.ron",
+                    "--hw",
+                    hw.to_str().unwrap(),
+                ][..],
+                extra,
+            ]
+            .concat();
+            let e = refused(&tpc(&args));
+            assert!(e.contains("p.ron") && e.contains(expect), "{to}: {e}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_valid_profile_at_its_bounds_prices_finite_times() {
+    let dir = scratch("bounds");
+    let mut text = std::fs::read_to_string(NVSWITCH).unwrap();
+    // The slowest figures a profile may give, at the longest workload.
+    for (from, to) in [
+        ("memory_bandwidth: 3.35e12", "memory_bandwidth: 1e6"),
+        ("peak_flops_bf16: 989.5e12", "peak_flops_bf16: 1e6"),
+        ("compute_efficiency: 0.6", "compute_efficiency: 0.001"),
+        ("memory_efficiency: 0.8", "memory_efficiency: 0.001"),
+    ] {
+        assert!(text.contains(from), "{from}");
+        text = text.replace(from, to);
+    }
+    let hw = dir.join("slow.ron");
+    std::fs::write(&hw, text).unwrap();
+    let out = succeeded(&tpc(&[
+        "simulate",
+        "models/tiny-llama.ron",
+        "--hw",
+        hw.to_str().unwrap(),
+        "--batch",
+        "4096",
+        "--prompt-len",
+        "16777216",
+        "--gen",
+        "16777216",
+        "--json",
+    ]));
+    assert!(!out.contains("null"), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for phase in ["prefill", "decode_step"] {
+        let t = v[phase]["time_s"].as_f64().unwrap();
+        assert!(t.is_finite() && t > 0.0, "{v}");
+    }
+    let table = succeeded(&tpc(&[
+        "simulate",
+        "models/tiny-llama.ron",
+        "--hw",
+        hw.to_str().unwrap(),
+    ]));
+    assert!(!table.contains("inf") && !table.contains("NaN"), "{table}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
