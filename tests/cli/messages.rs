@@ -250,3 +250,40 @@ fn a_valid_profile_at_its_bounds_prices_finite_times() {
     assert!(!table.contains("inf") && !table.contains("NaN"), "{table}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_rope_that_does_not_fit_the_heads_is_a_model_error() {
+    let dir = scratch("rope");
+    let text = std::fs::read_to_string("models/tiny-llama-explicit.ron").unwrap();
+    for (from, to, expect) in [
+        // k holds 2 heads of 8: a rope of 16 fits the whole k but not one rank's head.
+        (
+            "Rope(head_dim: 8, rotary_dim: 8",
+            "Rope(head_dim: 16, rotary_dim: 16",
+            "rope head_dim 16 does not fit the heads of 8",
+        ),
+        (
+            "Attention(head_dim: 8)",
+            "Attention(head_dim: 16)",
+            "attention head_dim 16 does not fit the heads of 8",
+        ),
+        // k without a head structure: a split could cut inside a head.
+        (
+            "shape: [16, 64], groups: {0: Heads(count: 2, size: 8, replicable: true)}),\n                Node(name: \"model.layers.{i}.self_attn.k_proj\"",
+            "shape: [16, 64]),\n                Node(name: \"model.layers.{i}.self_attn.k_proj\"",
+            "declares no head structure on dimension 0",
+        ),
+    ] {
+        assert!(text.contains(from), "{from}");
+        let model = dir.join("m.ron");
+        std::fs::write(&model, text.replace(from, to)).unwrap();
+        for tp in ["1", "2", "4"] {
+            let e = refused(&tpc(&["compile", model.to_str().unwrap(), "--tp", tp]));
+            assert!(
+                e.contains("model `tiny-llama`") && e.contains(expect) && !e.contains("invalid graph"),
+                "{to} at tp {tp}: {e}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
