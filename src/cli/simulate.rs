@@ -150,17 +150,22 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         None => Numerics::for_profile(plan, &hw),
     };
     if !a.search {
-        let devices = a.tp.saturating_mul(a.pp);
-        anyhow::ensure!(
-            devices <= hw.devices,
-            "--tp {}{} needs {} devices, the profile {} has {}",
+        let layout = format!(
+            "--tp {}{}",
             a.tp,
             if a.pp > 1 {
                 format!(" --pp {}", a.pp)
             } else {
                 String::new()
-            },
-            devices,
+            }
+        );
+        // A product past 2^64 is said as such, never printed as a saturated count.
+        let devices =
+            a.tp.checked_mul(a.pp)
+                .map_or_else(|| "more than 2^64".to_string(), |d| d.to_string());
+        anyhow::ensure!(
+            a.tp.checked_mul(a.pp).is_some_and(|d| d <= hw.devices),
+            "{layout} needs {devices} devices, the profile {} has {}",
             hw.name,
             hw.devices
         );

@@ -287,3 +287,41 @@ fn a_rope_that_does_not_fit_the_heads_is_a_model_error() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sizes_whose_product_overflows_are_refused_plainly() {
+    let max = u64::MAX.to_string();
+    for (args, expect) in [
+        (
+            vec!["ranks", "--world", "2", "--tp", &max, "--pp", "3"],
+            format!("--tp {max} is more than the world of 2 ranks"),
+        ),
+        (
+            vec![
+                "ranks", "--world", "64", "--tp", "8", "--pp", "4", "--dp", "4",
+            ],
+            "tp × pp × dp = 8 × 4 × 4 = 128 ranks is more than the world of 64 ranks".into(),
+        ),
+        (
+            vec![
+                "simulate",
+                "models/tiny-llama.ron",
+                "--hw",
+                NVSWITCH,
+                "--tp",
+                &max,
+                "--pp",
+                "2",
+            ],
+            format!("--tp {max} --pp 2 needs more than 2^64 devices"),
+        ),
+    ] {
+        let e = refused(&tpc(&args));
+        assert!(e.contains(&expect), "{args:?}: {e}");
+        // A saturated product is never printed as a figure.
+        assert!(
+            !e.contains(&format!("= {max}")) && !e.contains(&format!("needs {max}")),
+            "{e}"
+        );
+    }
+}
