@@ -325,3 +325,40 @@ fn sizes_whose_product_overflows_are_refused_plainly() {
         );
     }
 }
+
+#[test]
+fn search_over_a_million_devices_ranks_the_layouts_the_model_takes() {
+    let dir = scratch("search");
+    let hw = profile_with(&dir, "big.ron", "devices: 8,", "devices: 1048576,");
+    let out = succeeded(&tpc(&[
+        "simulate",
+        "models/tiny-llama.ron",
+        "--hw",
+        hw.to_str().unwrap(),
+        "--search",
+        "--json",
+    ]));
+    let ranked: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let mut layouts: Vec<(u64, u64)> = ranked
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["tp"].as_u64().unwrap(), e["pp"].as_u64().unwrap()))
+        .collect();
+    layouts.sort();
+    // 8 heads over 2 kv heads, 2 layers: tp 1, 2, 4, 8 and pp 1, 2.
+    assert_eq!(
+        layouts,
+        vec![
+            (1, 1),
+            (1, 2),
+            (2, 1),
+            (2, 2),
+            (4, 1),
+            (4, 2),
+            (8, 1),
+            (8, 2)
+        ]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
