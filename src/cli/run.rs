@@ -46,7 +46,7 @@ pub struct Args {
     #[arg(long)]
     prompts: Option<PathBuf>,
     /// New tokens to generate per prompt, 0 to 2^24 (fewer if the model emits an
-    /// end-of-sequence id: `eos_token_id` of config.json or generation_config.json).
+    /// end-of-sequence id: `eos_token_id` of generation_config.json, else of config.json).
     #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 24))]
     max_new_tokens: usize,
     /// Write the prompt's logits ([prompt_len, vocab], f32) to this safetensors file.

@@ -3,6 +3,7 @@
 //! pipeline stages are modelled there (tpc does not compile them yet).
 
 use std::path::PathBuf;
+use tpc::cost::search::search;
 use tpc::cost::shipped_profiles::find_profile;
 use tpc::cost::simulate::{simulate_pp, Estimate, Numerics};
 use tpc::frontend::load::load_model;
@@ -30,7 +31,8 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// Rank every feasible (tp, pp) with tp·pp up to the profile's device count by decode
-    /// throughput (on a tie, fewer collectives first).
+    /// throughput (on a tie, fewer collectives first). Bounded whatever the devices: tp up
+    /// to 1024 (the values the model splits into), pp up to the layers and 256.
     #[arg(long)]
     search: bool,
     #[command(flatten)]
@@ -140,6 +142,18 @@ fn rough_note(hw: &tpc::cost::profile::HwProfile) -> String {
     }
 }
 
+/// A spinner on stderr while `--search` prices, for a person at a terminal only (a large
+/// model over many devices takes seconds).
+fn search_bar(json: bool) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !super::progress::shows_progress(std::io::stderr().is_terminal(), json) {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.enable_steady_tick(std::time::Duration::from_millis(100));
+    bar
+}
+
 pub fn execute(a: Args) -> anyhow::Result<()> {
     let hw = find_profile(&a.hw)?;
     let def = load_model(&a.model)?;
@@ -150,17 +164,22 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         None => Numerics::for_profile(plan, &hw),
     };
     if !a.search {
-        let devices = a.tp.saturating_mul(a.pp);
-        anyhow::ensure!(
-            devices <= hw.devices,
-            "--tp {}{} needs {} devices, the profile {} has {}",
+        let layout = format!(
+            "--tp {}{}",
             a.tp,
             if a.pp > 1 {
                 format!(" --pp {}", a.pp)
             } else {
                 String::new()
-            },
-            devices,
+            }
+        );
+        // A product past 2^64 is said as such, never printed as a saturated count.
+        let devices =
+            a.tp.checked_mul(a.pp)
+                .map_or_else(|| "more than 2^64".to_string(), |d| d.to_string());
+        anyhow::ensure!(
+            a.tp.checked_mul(a.pp).is_some_and(|d| d <= hw.devices),
+            "{layout} needs {devices} devices, the profile {} has {}",
             hw.name,
             hw.devices
         );
@@ -181,19 +200,19 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     }
     // Every tp the model splits into and the profile has devices for, fitting ones first,
     // then by decode throughput, then by fewer collectives.
-    let mut ranked: Vec<Estimate> = Vec::new();
-    for tp in 1..=hw.devices.min(tpc::passes::feasibility::MAX_TP) {
-        let Ok((c, _)) = a.shard.compile(&def, tp, Some(&hw), work, number_types) else {
-            continue;
-        };
-        // Every pp the layers allow (an infeasible one is an error: the search stops there).
-        for pp in 1..=hw.devices / tp {
-            match simulate_pp(&c.plan, &hw, work, number_types(&c.plan), pp) {
-                Ok(e) => ranked.push(e),
-                Err(_) => break,
-            }
-        }
-    }
+    let bar = search_bar(a.json);
+    let mut ranked = search(
+        &hw,
+        work,
+        |tp| {
+            a.shard
+                .compile(&def, tp, Some(&hw), work, number_types)
+                .map(|(c, _)| c.plan)
+        },
+        number_types,
+        |tp, last| bar.set_message(format!("searching: pricing tp {tp} of up to {last}")),
+    );
+    bar.finish_and_clear();
     anyhow::ensure!(!ranked.is_empty(), "no tp value splits this model");
     tpc::cost::prefer::rank(&mut ranked);
     let text = if a.json {

@@ -4,6 +4,7 @@ pub mod algorithms;
 pub mod decide;
 pub mod prefer;
 pub mod profile;
+pub mod search;
 pub mod shipped_profiles;
 pub mod simulate;
 

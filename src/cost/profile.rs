@@ -11,7 +11,9 @@ use std::path::Path;
 pub const QUICK_SOURCE: &str = "tpc calibrate --quick";
 
 /// One machine (or group of machines) that a plan's ranks run on.
+// A misspelled optional field would otherwise be dropped silently and its default priced.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct HwProfile {
     pub name: String,
     /// Where each figure comes from (datasheets, published benchmark results).
@@ -58,6 +60,7 @@ pub struct HwProfile {
 
 /// One host whose cores and memory bandwidth the ranks of a group share.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SharedHost {
     /// Cores (hardware threads the runtime counts) the peaks above were measured with.
     pub cores: u64,
@@ -134,6 +137,7 @@ impl SharedHost {
 
 /// α (seconds per call) and β (bytes/s each rank moves) per collective algorithm.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LinkCosts {
     pub ring: AlphaBeta,
     pub one_shot: AlphaBeta,
@@ -142,6 +146,7 @@ pub struct LinkCosts {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AlphaBeta {
     /// Latency of one call, seconds.
     pub alpha_s: f64,
@@ -226,105 +231,172 @@ impl HwProfile {
         }
     }
 
-    /// Every figure finite and positive, efficiencies in (0, 1].
+    /// Every figure a normal, finite number within [`BOUNDS`]: a zero, subnormal or huge
+    /// rate would price a phase at `inf` seconds (or 0 tokens/s), which no machine does.
     pub fn check(&self) -> std::result::Result<(), String> {
         let l = &self.link;
-        let positive = [
-            ("memory_bytes", self.memory_bytes),
-            ("peak_flops_bf16", self.peak_flops_bf16),
-            ("peak_flops_f32", self.peak_flops_f32),
-            ("memory_bandwidth", self.memory_bandwidth),
-            ("ring.beta_bytes_per_s", l.ring.beta_bytes_per_s),
-            ("one_shot.beta_bytes_per_s", l.one_shot.beta_bytes_per_s),
-            ("two_shot.beta_bytes_per_s", l.two_shot.beta_bytes_per_s),
-            ("send_recv.beta_bytes_per_s", l.send_recv.beta_bytes_per_s),
+        let shared = self.shared.unwrap_or(SharedHost::new(1));
+        let mut figures = vec![
+            ("memory_bytes", self.memory_bytes, MEMORY_BYTES),
+            ("peak_flops_bf16", self.peak_flops_bf16, FLOPS),
+            ("peak_flops_f32", self.peak_flops_f32, FLOPS),
+            ("memory_bandwidth", self.memory_bandwidth, BYTES_PER_S),
+            ("compute_efficiency", self.compute_efficiency, EFFICIENCY),
+            ("memory_efficiency", self.memory_efficiency, EFFICIENCY),
+            ("op_overhead_s", self.op_overhead_s, OP_OVERHEAD_S),
         ];
-        for (what, v) in positive {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(format!("{what} is {v}; it must be a finite number above 0"));
-            }
-        }
-        for (what, v) in [
-            ("ring.alpha_s", l.ring.alpha_s),
-            ("one_shot.alpha_s", l.one_shot.alpha_s),
-            ("two_shot.alpha_s", l.two_shot.alpha_s),
-            ("send_recv.alpha_s", l.send_recv.alpha_s),
+        for (alpha, beta, ab) in [
+            ("ring.alpha_s", "ring.beta_bytes_per_s", l.ring),
+            ("one_shot.alpha_s", "one_shot.beta_bytes_per_s", l.one_shot),
+            ("two_shot.alpha_s", "two_shot.beta_bytes_per_s", l.two_shot),
+            (
+                "send_recv.alpha_s",
+                "send_recv.beta_bytes_per_s",
+                l.send_recv,
+            ),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(format!(
-                    "{what} is {v}; it must be a finite number, 0 or more"
-                ));
-            }
+            figures.push((alpha, ab.alpha_s, LATENCY_S));
+            figures.push((beta, ab.beta_bytes_per_s, BYTES_PER_S));
         }
-        if !(self.op_overhead_s.is_finite() && (0.0..1.0).contains(&self.op_overhead_s)) {
-            return Err(format!(
-                "op_overhead_s is {}; it must be a finite number of seconds, 0 or more and \
-                 below 1",
-                self.op_overhead_s
-            ));
-        }
-        for &(d, a) in &self.attention_flops_by_head_dim {
-            if d == 0 || !(a.is_finite() && a > 0.0) {
-                return Err(format!(
-                    "attention_flops_by_head_dim has ({d}, {a}); head sizes must be above 0 \
-                     and rates finite numbers above 0"
-                ));
-            }
-        }
-        if let Some(a) = self.attention_flops {
-            if !(a.is_finite() && a > 0.0) {
-                return Err(format!(
-                    "attention_flops is {a}; it must be a finite number above 0"
-                ));
-            }
-        }
-        for (what, v) in [
+        let optional = [
+            ("attention_flops", self.attention_flops, FLOPS),
+            (
+                "shared.op_overhead_one_thread_s",
+                shared.op_overhead_one_thread_s,
+                OP_OVERHEAD_S,
+            ),
             (
                 "shared.one_thread_flops_bf16",
-                self.shared.and_then(|h| h.one_thread_flops_bf16),
+                shared.one_thread_flops_bf16,
+                FLOPS,
             ),
             (
                 "shared.one_thread_flops_f32",
-                self.shared.and_then(|h| h.one_thread_flops_f32),
+                shared.one_thread_flops_f32,
+                FLOPS,
             ),
-        ] {
-            if let Some(v) = v {
-                if !(v.is_finite() && v > 0.0) {
-                    return Err(format!("{what} is {v}; it must be a finite number above 0"));
-                }
-            }
-        }
-        if let Some(o) = self.shared.and_then(|h| h.op_overhead_one_thread_s) {
-            if !(o.is_finite() && (0.0..1.0).contains(&o)) {
+        ];
+        figures.extend(
+            optional
+                .into_iter()
+                .filter_map(|(name, v, b)| v.map(|v| (name, v, b))),
+        );
+        for &(d, a) in &self.attention_flops_by_head_dim {
+            if d == 0 || d > MAX_HEAD_DIM {
                 return Err(format!(
-                    "shared.op_overhead_one_thread_s is {o}; it must be a finite number of \
-                     seconds, 0 or more and below 1"
+                    "attention_flops_by_head_dim has head size {d}; head sizes must be in \
+                     1..={MAX_HEAD_DIM}"
                 ));
             }
+            figures.push(("attention_flops_by_head_dim", a, FLOPS));
         }
-        if let Some(h) = &self.shared {
-            if h.cores == 0 || h.cores > 1 << 20 {
-                return Err(format!(
-                    "shared.cores is {}; it must be in 1..=2^20",
-                    h.cores
-                ));
-            }
+        for (name, v, bound) in figures {
+            bound.check(name, v)?;
         }
-        for (what, v) in [
-            ("compute_efficiency", self.compute_efficiency),
-            ("memory_efficiency", self.memory_efficiency),
-        ] {
-            if !(v > 0.0 && v <= 1.0) {
-                return Err(format!("{what} is {v}; it must be in (0, 1]"));
-            }
+        if shared.cores == 0 || shared.cores > MAX_DEVICES {
+            return Err(format!(
+                "shared.cores is {}; it must be in 1..=2^20",
+                shared.cores
+            ));
         }
-        if self.devices == 0 || self.devices > 1 << 20 {
+        if self.devices == 0 || self.devices > MAX_DEVICES {
             return Err(format!(
                 "devices is {}; it must be in 1..=2^20",
                 self.devices
             ));
         }
         Ok(())
+    }
+}
+
+/// Devices (and shared-host cores) a profile may have.
+pub const MAX_DEVICES: u64 = 1 << 20;
+
+/// The largest head size `attention_flops_by_head_dim` may list (a model's hidden size
+/// limit).
+const MAX_HEAD_DIM: u64 = 1 << 24;
+
+/// The range a profile figure must lie in, and what it is measured in.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bound {
+    pub min: f64,
+    pub max: f64,
+    /// Whether exactly 0 is allowed below `min` (a latency the model may leave out).
+    pub zero: bool,
+    pub unit: &'static str,
+}
+
+/// The plausibility bounds of the figures, per device (or per host when shared). Wide
+/// enough for any machine from a small CPU to a future accelerator, narrow enough that
+/// every estimate stays a finite, positive number of seconds:
+/// - FLOP/s (peaks, attention rates): 1e6 (a megaflop) to 1e18 (an exaflop per device);
+/// - bytes/s (memory bandwidth, link β): 1e6 (a megabyte per second) to 1e15 (a petabyte);
+/// - memory: 1e6 bytes to 1e15 bytes (a petabyte per device);
+/// - efficiencies: 0.001 to 1;
+/// - latencies (link α): 0, or 1e-12 s (a picosecond) to 1 s;
+/// - per-op overheads: 0, or 1e-12 s to 0.1 s.
+pub const FLOPS: Bound = Bound {
+    min: 1e6,
+    max: 1e18,
+    zero: false,
+    unit: "FLOP/s",
+};
+pub const BYTES_PER_S: Bound = Bound {
+    min: 1e6,
+    max: 1e15,
+    zero: false,
+    unit: "bytes/s",
+};
+pub const MEMORY_BYTES: Bound = Bound {
+    min: 1e6,
+    max: 1e15,
+    zero: false,
+    unit: "bytes",
+};
+pub const EFFICIENCY: Bound = Bound {
+    min: 1e-3,
+    max: 1.0,
+    zero: false,
+    unit: "(a fraction of the peak)",
+};
+pub const LATENCY_S: Bound = Bound {
+    min: 1e-12,
+    max: 1.0,
+    zero: true,
+    unit: "seconds",
+};
+pub const OP_OVERHEAD_S: Bound = Bound {
+    min: 1e-12,
+    max: 0.1,
+    zero: true,
+    unit: "seconds",
+};
+
+impl Bound {
+    /// `v` in range (NaN, infinities and subnormals never are), else a message naming
+    /// `name`, the value and the range.
+    pub fn check(&self, name: &str, v: f64) -> std::result::Result<(), String> {
+        if (self.zero && v == 0.0) || (v.is_normal() && v >= self.min && v <= self.max) {
+            return Ok(());
+        }
+        let zero = if self.zero { "0 or " } else { "" };
+        Err(format!(
+            "{name} is {}; it must be {zero}a number from {:e} to {:e} {}",
+            readable(v),
+            self.min,
+            self.max,
+            self.unit
+        ))
+    }
+}
+
+/// `v` as written by hand: plain for everyday magnitudes, else in exponent form (a
+/// subnormal's plain form has hundreds of digits).
+fn readable(v: f64) -> String {
+    if v == 0.0 || (1e-4..1e16).contains(&v.abs()) {
+        format!("{v}")
+    } else {
+        format!("{v:e}")
     }
 }
 
@@ -506,5 +578,100 @@ mod tests {
         let mut d = p.clone();
         d.shared = None;
         assert_eq!(d.per_rank(4, false), (8e11, 2e10));
+    }
+
+    #[test]
+    fn absurd_figures_are_refused_naming_the_field_and_the_range() {
+        let subnormal = f64::MIN_POSITIVE / 4.0;
+        type Edit = fn(&mut HwProfile, f64);
+        let cases: [(&str, Edit, &[f64]); 8] = [
+            (
+                "memory_bandwidth",
+                |p, v| p.memory_bandwidth = v,
+                &[0.0, subnormal, 1e3, 1e20, f64::INFINITY, f64::NAN],
+            ),
+            (
+                "peak_flops_f32",
+                |p, v| p.peak_flops_f32 = v,
+                &[0.0, subnormal, -1e12, 1e30],
+            ),
+            (
+                "ring.beta_bytes_per_s",
+                |p, v| p.link.ring.beta_bytes_per_s = v,
+                &[0.0, subnormal, 1e300],
+            ),
+            (
+                "send_recv.alpha_s",
+                |p, v| p.link.send_recv.alpha_s = v,
+                &[-1e-6, subnormal, 1e-300, 2.0, f64::NAN],
+            ),
+            (
+                "compute_efficiency",
+                |p, v| p.compute_efficiency = v,
+                &[0.0, subnormal, 1e-9, 1.5],
+            ),
+            (
+                "memory_bytes",
+                |p, v| p.memory_bytes = v,
+                &[0.0, 1.0, 1e300, f64::NAN],
+            ),
+            (
+                "attention_flops_by_head_dim",
+                |p, v| p.attention_flops_by_head_dim[0].1 = v,
+                &[subnormal, 1e30],
+            ),
+            (
+                "op_overhead_s",
+                |p, v| p.op_overhead_s = v,
+                &[subnormal, 0.5],
+            ),
+        ];
+        for (field, edit, values) in cases {
+            for &v in values {
+                let mut p = shared_profile();
+                edit(&mut p, v);
+                let e = p.check().unwrap_err();
+                assert!(
+                    e.starts_with(&format!("{field} is ")) && e.contains("it must be"),
+                    "{v}: {e}"
+                );
+            }
+        }
+        // A subnormal is named in exponent form, not with hundreds of digits.
+        let mut p = shared_profile();
+        p.memory_bandwidth = subnormal;
+        let e = p.check().unwrap_err();
+        assert!(e.contains("5.562684646268003e-309") && e.len() < 200, "{e}");
+        // Zero latencies and the bounds themselves are accepted.
+        let mut p = shared_profile();
+        p.link.ring.alpha_s = 0.0;
+        p.op_overhead_s = 0.0;
+        p.memory_bandwidth = BYTES_PER_S.max;
+        p.peak_flops_bf16 = FLOPS.min;
+        p.compute_efficiency = EFFICIENCY.min;
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn a_misspelled_field_is_refused_wherever_it_is() {
+        let good = shared_profile().to_ron().unwrap();
+        let path = Path::new("host.ron");
+        HwProfile::parse(path, &good).unwrap();
+        for (from, to, name) in [
+            ("devices:", "devises: 2, devices:", "devises"),
+            (
+                "op_overhead_s:",
+                "op_overhead:1e-6, op_overhead_s:",
+                "op_overhead",
+            ),
+            ("cores:", "core: 3, cores:", "core"),
+            ("alpha_s:", "alpha: 1e-6, alpha_s:", "alpha"),
+            ("ring:", "rings: 1, ring:", "rings"),
+        ] {
+            assert!(good.contains(from), "{from}");
+            let text = good.replacen(from, to, 1);
+            let e = HwProfile::parse(path, &text).unwrap_err().to_string();
+            assert!(e.contains("host.ron") && e.contains(name), "{to}: {e}");
+        }
     }
 }

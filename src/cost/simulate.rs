@@ -335,16 +335,11 @@ pub fn gather_or_scatter_s(link: &super::profile::LinkCosts, p: u64, bytes: f64)
     ring.min(direct)
 }
 
-fn comm_s(
-    plan: &Plan,
-    hw: &HwProfile,
-    tokens: f64,
-    scale: f64,
-    keep: &dyn Fn(&Collective) -> bool,
-) -> f64 {
-    // An all-reduce runs the algorithm its plan recorded, else the cheapest.
-    let recorded: std::collections::HashMap<u32, &crate::ir::AlgorithmChoice> = plan
-        .ranks
+/// The all-reduce algorithms a plan recorded (compiled for a profile), by collective id.
+type Recorded<'a> = HashMap<u32, &'a crate::ir::AlgorithmChoice>;
+
+fn recorded_algorithms(plan: &Plan) -> Recorded<'_> {
+    plan.ranks
         .first()
         .into_iter()
         .flat_map(|r| &r.instrs)
@@ -357,10 +352,20 @@ fn comm_s(
                 .map(|c| (i.id, c)),
             _ => None,
         })
-        .collect();
-    plan.collectives
+        .collect()
+}
+
+fn comm_s(
+    plan: &Plan,
+    hw: &HwProfile,
+    recorded: &Recorded,
+    tokens: f64,
+    scale: f64,
+    collectives: &[&Collective],
+) -> f64 {
+    // An all-reduce runs the algorithm its plan recorded, else the cheapest.
+    collectives
         .iter()
-        .filter(|c| keep(c))
         .map(|c| {
             let bytes = c.bytes_per_token as f64 * tokens * scale;
             match c.kind.as_str() {
@@ -477,17 +482,18 @@ fn rates(
     }
 }
 
-/// Prefill and decode-step times of `w` (with the collectives `keep` selects).
+/// Prefill and decode-step times of `w` (with `collectives`, the ones it waits on).
 #[allow(clippy::too_many_arguments)]
 fn price(
     plan: &Plan,
     hw: &HwProfile,
+    recorded: &Recorded,
     work: Workload,
     w: &RankWork,
     r: &Rates,
     act_scale: f64,
     act_bytes: f64,
-    keep: &dyn Fn(&Collective) -> bool,
+    collectives: &[&Collective],
 ) -> (PhaseTime, PhaseTime) {
     let overhead = w.ops * r.op_overhead_s;
     let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
@@ -504,7 +510,7 @@ fn price(
     let prefill = phase(
         prefill_linear / r.peak + attention(b * s * (s + 1.0) / 2.0),
         prefill_bytes / r.bandwidth,
-        comm_s(plan, hw, b * s, act_scale, keep),
+        comm_s(plan, hw, recorded, b * s, act_scale, collectives),
         overhead,
         elementwise(b * s),
     );
@@ -517,7 +523,7 @@ fn price(
     let decode_step = phase(
         decode_linear / r.peak + attention(b * context),
         decode_bytes / r.bandwidth,
-        comm_s(plan, hw, b, act_scale, keep),
+        comm_s(plan, hw, recorded, b, act_scale, collectives),
         overhead,
         elementwise(b),
     );
@@ -549,7 +555,18 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
         w.attention_head_dim,
     );
     let act_bytes = num.activations.size_bytes() as f64;
-    let (prefill, decode_step) = price(plan, hw, work, &w, &r, act_scale, act_bytes, &|_| true);
+    let recorded = recorded_algorithms(plan);
+    let (prefill, decode_step) = price(
+        plan,
+        hw,
+        &recorded,
+        work,
+        &w,
+        &r,
+        act_scale,
+        act_bytes,
+        &plan.collectives.iter().collect::<Vec<_>>(),
+    );
     let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
     let kv_bytes = w.kv_bytes_per_token * b * (s + g);
     let memory = w.weight_bytes + kv_bytes;
@@ -599,183 +616,265 @@ pub fn simulate_pp(
     num: Numerics,
     pp: u64,
 ) -> Result<Estimate, SimulateError> {
-    let layers = layer_count(plan);
     if pp == 1 {
         return Ok(simulate_as(plan, hw, work, num));
     }
-    if pp == 0 || pp > layers as u64 {
-        return Err(SimulateError::Stages {
-            pp,
-            layers: layers as u64,
-            valid: if layers == 0 {
-                "1".into()
-            } else {
-                format!("1 to {layers}")
-            },
-        });
-    }
-    let parts = pp as usize;
-    let summary = crate::plan::report::summarize(plan);
-    let segs = segment_work(plan, layers);
-    // The stages `tpc compile --pp` would cut (a plan with stages keeps its own).
-    let pipeline = match &plan.pipeline {
-        Some(p) if p.stages.len() == parts => p.clone(),
-        _ => crate::plan::stages::split(plan, pp, None).map_err(|_| SimulateError::Stages {
-            pp,
-            layers: layers as u64,
-            valid: format!("1 to {layers}"),
-        })?,
-    };
-    let starts: Vec<usize> = pipeline
-        .stages
-        .iter()
-        .map(|s| s.first_layer as usize)
-        .collect();
-    let stage_of_segment = |seg: usize| -> usize {
-        match seg {
-            0 => 0,
-            s if s > layers => parts - 1,
-            s => starts.iter().rposition(|&st| st < s).unwrap_or(0),
+    StagedPlan::new(plan, pp).estimate(hw, work, num, pp)
+}
+
+/// What pricing one plan at any pipeline depth needs, worked out once: each rank's work
+/// per segment, its bytes, where each value and collective sits. `simulate --search`
+/// prices every pp of a plan; redoing this per pp made it quadratic in the layers (tens
+/// of seconds for a 126-layer model over many devices).
+pub struct StagedPlan<'a> {
+    plan: &'a Plan,
+    layers: usize,
+    /// Each rank's work per segment ([`segment_work`]).
+    segs: Vec<Vec<RankWork>>,
+    /// Each rank's weight bytes and KV bytes per token (the compile report's figures).
+    rank_bytes: Vec<(f64, f64)>,
+    /// The segment of each value of rank 0, by id.
+    segment_of: HashMap<u32, usize>,
+    /// The all-reduce algorithms the plan recorded, by collective id.
+    recorded: Recorded<'a>,
+    /// Elements per token of the hidden state sent between stages.
+    hidden: f64,
+    /// The stages `tpc compile --pp` cuts, for pp = 1, 2, … up to the most asked for.
+    pipelines: Vec<crate::plan::stages::Pipeline>,
+}
+
+impl<'a> StagedPlan<'a> {
+    /// `plan` ready to be priced with up to `max_pp` stages.
+    pub fn new(plan: &'a Plan, max_pp: u64) -> StagedPlan<'a> {
+        let layers = layer_count(plan);
+        let summary = crate::plan::report::summarize(plan);
+        let rank_bytes = (0..plan.ranks.len())
+            .map(|rank| {
+                let w = summary.param_bytes_per_rank.get(rank).copied().unwrap_or(0) as f64;
+                let kv = summary
+                    .kv_cache_bytes_per_token_per_rank
+                    .get(rank)
+                    .copied()
+                    .unwrap_or(0) as f64;
+                (w, kv)
+            })
+            .collect();
+        let segment_of = plan
+            .ranks
+            .first()
+            .map(|r0| {
+                r0.instrs
+                    .iter()
+                    .zip(crate::plan::stages::segments(r0, layers))
+                    .map(|(i, s)| (i.id, s))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let hidden = plan
+            .ranks
+            .first()
+            .and_then(|r0| r0.instrs.iter().find(|i| matches!(i.op, Op::Embedding(_))))
+            .and_then(|i| per_token(&i.fact.shape))
+            .unwrap_or(0.0);
+        StagedPlan {
+            plan,
+            layers,
+            segs: segment_work(plan, layers),
+            rank_bytes,
+            segment_of,
+            recorded: recorded_algorithms(plan),
+            hidden,
+            pipelines: crate::plan::stages::balanced_pipelines(plan, max_pp),
         }
-    };
-    let plan_size = plan.dtype.size_bytes() as f64;
-    let weight_scale = num.weights.size_bytes() as f64 / plan_size;
-    let act_scale = num.activations.size_bytes() as f64 / plan_size;
-    let act_bytes = num.activations.size_bytes() as f64;
-    let ranks = plan.tp.max(1).saturating_mul(pp);
-    // Collectives by stage, through the segment of their value on rank 0.
-    let segment_of: HashMap<u32, usize> = plan
-        .ranks
-        .first()
-        .map(|r0| {
-            r0.instrs
-                .iter()
-                .zip(crate::plan::stages::segments(r0, layers))
-                .map(|(i, s)| (i.id, s))
-                .collect()
-        })
-        .unwrap_or_default();
-    let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
-    let mut stages = Vec::new();
-    let mut prefills = Vec::new();
-    let mut decodes = Vec::new();
-    let (mut fullest_w, mut fullest_kv) = (0.0f64, 0.0f64);
-    for stage in 0..parts {
-        let mut fullest: Option<RankWork> = None;
-        for (rank, rs) in segs.iter().enumerate() {
-            let mut w = RankWork::default();
+    }
+
+    /// The decoder layers of the plan: the most pipeline stages it can take.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// [`simulate_pp`] of this plan.
+    pub fn estimate(
+        &self,
+        hw: &HwProfile,
+        work: Workload,
+        num: Numerics,
+        pp: u64,
+    ) -> Result<Estimate, SimulateError> {
+        let (plan, layers) = (self.plan, self.layers);
+        if pp == 1 {
+            return Ok(simulate_as(plan, hw, work, num));
+        }
+        if pp == 0 || pp > layers as u64 {
+            return Err(SimulateError::Stages {
+                pp,
+                layers: layers as u64,
+                valid: if layers == 0 {
+                    "1".into()
+                } else {
+                    format!("1 to {layers}")
+                },
+            });
+        }
+        let parts = pp as usize;
+        // The stages `tpc compile --pp` would cut (a plan with stages keeps its own).
+        let pipeline = match &plan.pipeline {
+            Some(p) if p.stages.len() == parts => p,
+            _ => self
+                .pipelines
+                .get(parts - 1)
+                .ok_or_else(|| SimulateError::Stages {
+                    pp,
+                    layers: layers as u64,
+                    valid: format!("1 to {}", self.pipelines.len().max(1)),
+                })?,
+        };
+        let starts: Vec<usize> = pipeline
+            .stages
+            .iter()
+            .map(|s| s.first_layer as usize)
+            .collect();
+        let stage_of_segment = |seg: usize| -> usize {
+            match seg {
+                0 => 0,
+                s if s > layers => parts - 1,
+                s => starts.iter().rposition(|&st| st < s).unwrap_or(0),
+            }
+        };
+        let segment_stage: Vec<usize> = (0..layers + 2).map(stage_of_segment).collect();
+        let plan_size = plan.dtype.size_bytes() as f64;
+        let weight_scale = num.weights.size_bytes() as f64 / plan_size;
+        let act_scale = num.activations.size_bytes() as f64 / plan_size;
+        let act_bytes = num.activations.size_bytes() as f64;
+        let ranks = plan.tp.max(1).saturating_mul(pp);
+        let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
+        // Each stage's fullest rank: one pass over every rank's segments, each adding to
+        // its stage (in segment order, as a sum per stage would).
+        let mut fullest: Vec<Option<RankWork>> = vec![None; parts];
+        for (rank, rs) in self.segs.iter().enumerate() {
+            let mut per_stage = vec![RankWork::default(); parts];
             let (mut total_w, mut total_attn) = (0.0, 0.0);
             for (seg, sw) in rs.iter().enumerate() {
                 total_w += sw.weight_bytes;
                 total_attn += sw.attention_ops;
-                if stage_of_segment(seg) == stage {
-                    w += *sw;
+                if let Some(&stage) = segment_stage.get(seg) {
+                    per_stage[stage] += *sw;
                 }
             }
             // The compile report's weight and KV bytes of the rank, shared out by the
             // stage's part of its parameter slices and of its attention ops.
-            let rank_w = summary.param_bytes_per_rank.get(rank).copied().unwrap_or(0) as f64;
-            let rank_kv = summary
-                .kv_cache_bytes_per_token_per_rank
-                .get(rank)
-                .copied()
-                .unwrap_or(0) as f64;
-            w.weight_bytes = if total_w > 0.0 {
-                rank_w * w.weight_bytes / total_w
-            } else {
-                0.0
-            };
-            w.kv_bytes_per_token = if total_attn > 0.0 {
-                rank_kv * w.attention_ops / total_attn
-            } else {
-                0.0
-            };
-            if fullest.is_none_or(|f| {
-                w.weight_bytes + w.kv_bytes_per_token > f.weight_bytes + f.kv_bytes_per_token
-            }) {
-                fullest = Some(w);
+            let (rank_w, rank_kv) = self.rank_bytes.get(rank).copied().unwrap_or_default();
+            for (w, best) in per_stage.iter_mut().zip(fullest.iter_mut()) {
+                w.weight_bytes = if total_w > 0.0 {
+                    rank_w * w.weight_bytes / total_w
+                } else {
+                    0.0
+                };
+                w.kv_bytes_per_token = if total_attn > 0.0 {
+                    rank_kv * w.attention_ops / total_attn
+                } else {
+                    0.0
+                };
+                if best.is_none_or(|f| {
+                    w.weight_bytes + w.kv_bytes_per_token > f.weight_bytes + f.kv_bytes_per_token
+                }) {
+                    *best = Some(*w);
+                }
             }
         }
-        let mut w = fullest.unwrap_or_default();
-        w.weight_bytes *= weight_scale;
-        w.weight_read_bytes *= weight_scale;
-        w.kv_bytes_per_token *= act_scale;
-        let keep = |c: &Collective| {
+        // Collectives by stage, through the segment of their value on rank 0 (in plan
+        // order within a stage, as their times are summed).
+        let mut by_stage: Vec<Vec<&Collective>> = vec![Vec::new(); parts];
+        for c in &plan.collectives {
             let seg = match c.layer {
                 Some(l) => (l as usize).min(layers - 1) + 1,
-                None => segment_of.get(&c.id).copied().unwrap_or(layers + 1),
+                None => self.segment_of.get(&c.id).copied().unwrap_or(layers + 1),
             };
-            stage_of_segment(seg) == stage
-        };
-        let r = rates(
-            hw,
-            plan.tp,
-            plan.tp,
-            num.weights == DType::F32,
-            w.attention_head_dim,
-        );
-        let (prefill, decode) = price(plan, hw, work, &w, &r, act_scale, act_bytes, &keep);
-        let kv = w.kv_bytes_per_token * b * (s + g);
-        if w.weight_bytes + kv > fullest_w + fullest_kv {
-            (fullest_w, fullest_kv) = (w.weight_bytes, kv);
+            by_stage[stage_of_segment(seg)].push(c);
         }
-        let first = starts[stage];
-        let end = starts.get(stage + 1).copied().unwrap_or(layers);
-        stages.push(StageEstimate {
-            first_layer: first as u64,
-            layers: (end - first) as u64,
-            weight_bytes_per_rank: w.weight_bytes as u64,
-            kv_bytes_per_rank: kv as u64,
-            prefill_time_s: prefill.time_s,
-            decode_step_time_s: decode.time_s,
-        });
-        prefills.push(prefill);
-        decodes.push(decode);
+        let mut stages = Vec::new();
+        let mut prefills = Vec::new();
+        let mut decodes = Vec::new();
+        let (mut fullest_w, mut fullest_kv) = (0.0f64, 0.0f64);
+        for (stage, best) in fullest.into_iter().enumerate() {
+            let mut w = best.unwrap_or_default();
+            w.weight_bytes *= weight_scale;
+            w.weight_read_bytes *= weight_scale;
+            w.kv_bytes_per_token *= act_scale;
+            let r = rates(
+                hw,
+                plan.tp,
+                plan.tp,
+                num.weights == DType::F32,
+                w.attention_head_dim,
+            );
+            let (prefill, decode) = price(
+                plan,
+                hw,
+                &self.recorded,
+                work,
+                &w,
+                &r,
+                act_scale,
+                act_bytes,
+                &by_stage[stage],
+            );
+            let kv = w.kv_bytes_per_token * b * (s + g);
+            if w.weight_bytes + kv > fullest_w + fullest_kv {
+                (fullest_w, fullest_kv) = (w.weight_bytes, kv);
+            }
+            let first = starts[stage];
+            let end = starts.get(stage + 1).copied().unwrap_or(layers);
+            stages.push(StageEstimate {
+                first_layer: first as u64,
+                layers: (end - first) as u64,
+                weight_bytes_per_rank: w.weight_bytes as u64,
+                kv_bytes_per_rank: kv as u64,
+                prefill_time_s: prefill.time_s,
+                decode_step_time_s: decode.time_s,
+            });
+            prefills.push(prefill);
+            decodes.push(decode);
+        }
+        // Between stages: the hidden state of every token of the phase, one send each.
+        let send = |tokens: f64| {
+            let l = &hw.link.send_recv;
+            (pp - 1) as f64 * (l.alpha_s + self.hidden * act_bytes * tokens / l.beta_bytes_per_s)
+        };
+        let mut prefill = sum_phases(&prefills);
+        prefill.comm_s += send(b * s);
+        prefill.time_s += send(b * s);
+        let mut decode_step = sum_phases(&decodes);
+        decode_step.comm_s += send(b);
+        decode_step.time_s += send(b);
+        let memory = fullest_w + fullest_kv;
+        let capacity = match hw.shared {
+            Some(_) => hw.memory_bytes / ranks as f64,
+            None => hw.memory_bytes,
+        };
+        Ok(Estimate {
+            model: plan.model.clone(),
+            tp: plan.tp,
+            pp,
+            hw: hw.name.clone(),
+            rough_profile: hw.is_rough(),
+            weight_dtype: num.weights,
+            activation_dtype: num.activations,
+            prefill,
+            decode_step,
+            memory_per_rank_bytes: memory as u64,
+            weight_bytes_per_rank: fullest_w as u64,
+            kv_bytes_per_rank: fullest_kv as u64,
+            device_memory_bytes: capacity as u64,
+            fits: memory <= capacity,
+            tokens_per_s: TokensPerS {
+                prefill: b * s / prefill.time_s,
+                decode: b / decode_step.time_s,
+            },
+            collectives_per_pass: plan.collectives.len() as u64 + (pp - 1),
+            stages,
+        })
     }
-    // Between stages: the hidden state of every token of the phase, one send each.
-    let hidden = plan
-        .ranks
-        .first()
-        .and_then(|r0| r0.instrs.iter().find(|i| matches!(i.op, Op::Embedding(_))))
-        .and_then(|i| per_token(&i.fact.shape))
-        .unwrap_or(0.0);
-    let send = |tokens: f64| {
-        let l = &hw.link.send_recv;
-        (pp - 1) as f64 * (l.alpha_s + hidden * act_bytes * tokens / l.beta_bytes_per_s)
-    };
-    let mut prefill = sum_phases(&prefills);
-    prefill.comm_s += send(b * s);
-    prefill.time_s += send(b * s);
-    let mut decode_step = sum_phases(&decodes);
-    decode_step.comm_s += send(b);
-    decode_step.time_s += send(b);
-    let memory = fullest_w + fullest_kv;
-    let capacity = match hw.shared {
-        Some(_) => hw.memory_bytes / ranks as f64,
-        None => hw.memory_bytes,
-    };
-    Ok(Estimate {
-        model: plan.model.clone(),
-        tp: plan.tp,
-        pp,
-        hw: hw.name.clone(),
-        rough_profile: hw.is_rough(),
-        weight_dtype: num.weights,
-        activation_dtype: num.activations,
-        prefill,
-        decode_step,
-        memory_per_rank_bytes: memory as u64,
-        weight_bytes_per_rank: fullest_w as u64,
-        kv_bytes_per_rank: fullest_kv as u64,
-        device_memory_bytes: capacity as u64,
-        fits: memory <= capacity,
-        tokens_per_s: TokensPerS {
-            prefill: b * s / prefill.time_s,
-            decode: b / decode_step.time_s,
-        },
-        collectives_per_pass: plan.collectives.len() as u64 + (pp - 1),
-        stages,
-    })
 }
 
 #[cfg(test)]
@@ -1077,5 +1176,110 @@ mod tests {
             },
         );
         assert!(!e.fits);
+    }
+
+    /// A profile with every figure at the slow end of its bounds (`slow`) or the fast end.
+    fn profile_at_bounds(slow: bool, shared: Option<u64>) -> HwProfile {
+        use crate::cost::profile::{
+            SharedHost, BYTES_PER_S, EFFICIENCY, FLOPS, LATENCY_S, MEMORY_BYTES, OP_OVERHEAD_S,
+        };
+        let end = |b: crate::cost::profile::Bound, slow_is_max: bool| {
+            if slow == slow_is_max {
+                b.max
+            } else if b.zero {
+                0.0
+            } else {
+                b.min
+            }
+        };
+        let ab = AlphaBeta {
+            alpha_s: end(LATENCY_S, true),
+            beta_bytes_per_s: end(BYTES_PER_S, false),
+        };
+        let mut p = flat_hw();
+        p.memory_bytes = end(MEMORY_BYTES, false);
+        p.peak_flops_bf16 = end(FLOPS, false);
+        p.peak_flops_f32 = end(FLOPS, false);
+        p.memory_bandwidth = end(BYTES_PER_S, false);
+        p.compute_efficiency = end(EFFICIENCY, false);
+        p.memory_efficiency = end(EFFICIENCY, false);
+        p.link = LinkCosts {
+            ring: ab,
+            one_shot: ab,
+            two_shot: ab,
+            send_recv: ab,
+        };
+        p.op_overhead_s = end(OP_OVERHEAD_S, true);
+        p.attention_flops = Some(end(FLOPS, false));
+        p.attention_flops_by_head_dim = vec![(1, end(FLOPS, false))];
+        p.shared = shared.map(|cores| SharedHost {
+            op_overhead_one_thread_s: Some(end(OP_OVERHEAD_S, true)),
+            one_thread_flops_bf16: Some(end(FLOPS, false)),
+            one_thread_flops_f32: Some(end(FLOPS, false)),
+            ..SharedHost::new(cores)
+        });
+        p.devices = crate::cost::profile::MAX_DEVICES;
+        p.check().unwrap();
+        p
+    }
+
+    /// A profile that passes its check never prices a phase at inf, NaN or 0 seconds (which
+    /// the table printed as `inf ms` and the JSON as `null`), at the smallest and the
+    /// largest workloads the command line takes.
+    #[test]
+    fn every_figure_of_a_valid_profile_gives_a_finite_estimate() {
+        let plans = [
+            plan(1),
+            plan(8),
+            super::super::shipped::plan("tiny-llama", 2),
+        ];
+        let works = [
+            Workload {
+                batch: 1,
+                prompt: 1,
+                gen: 0,
+            },
+            Workload {
+                batch: 4096,
+                prompt: 1 << 24,
+                gen: 1 << 24,
+            },
+        ];
+        for slow in [true, false] {
+            for shared in [None, Some(1), Some(crate::cost::profile::MAX_DEVICES)] {
+                let hw = profile_at_bounds(slow, shared);
+                for plan in &plans {
+                    for work in works {
+                        for pp in [1, 2] {
+                            let e =
+                                simulate_pp(plan, &hw, work, Numerics::of_plan(plan), pp).unwrap();
+                            let phases = [e.prefill, e.decode_step];
+                            let times = phases.iter().flat_map(|p| {
+                                [
+                                    p.time_s,
+                                    p.compute_s,
+                                    p.memory_s,
+                                    p.comm_s,
+                                    p.overhead_s,
+                                    p.elementwise_s,
+                                ]
+                            });
+                            for t in times.chain([e.tokens_per_s.prefill, e.tokens_per_s.decode]) {
+                                assert!(
+                                    t.is_finite() && t >= 0.0,
+                                    "{slow} {shared:?} {work:?} {e:?}"
+                                );
+                            }
+                            assert!(
+                                e.prefill.time_s > 0.0 && e.decode_step.time_s > 0.0,
+                                "{e:?}"
+                            );
+                            let json = serde_json::to_string(&e).unwrap();
+                            assert!(!json.contains("null"), "{json}");
+                        }
+                    }
+                }
+            }
+        }
     }
 }

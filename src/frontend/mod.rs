@@ -2,6 +2,7 @@
 //! text side of an HF model folder (its tokenizer, the ids that end generation).
 
 pub mod build;
+pub mod head_sizes;
 pub mod hf_config;
 pub mod load;
 pub mod preset;
@@ -25,5 +26,7 @@ pub fn to_graph(def: &ModelDef) -> Result<Graph> {
         ModelDef::Graph(g) => g,
     };
     validate::validate_graph_def(graph_def)?;
-    build::build_graph(graph_def)
+    let graph = build::build_graph(graph_def)?;
+    head_sizes::check_head_sizes(&graph)?;
+    Ok(graph)
 }

@@ -230,17 +230,26 @@ pub struct CollectiveSummary {
     pub algorithm: Option<crate::ir::AlgorithmChoice>,
 }
 
-/// The algorithm choice rank 0's program records for the collective `id`.
-fn recorded_algorithm(plan: &Plan, id: u32) -> Option<crate::ir::AlgorithmChoice> {
-    let rank = plan.ranks.first()?;
-    rank.instrs
-        .iter()
-        .find(|i| i.id == id)
-        .and_then(|i| match &i.op {
-            crate::ir::Op::AllReduce(a) => a.algorithm.clone(),
-            crate::ir::Op::RmsNorm(n) => n.reduce_input.as_ref().and_then(|a| a.algorithm.clone()),
-            _ => None,
-        })
+/// The algorithm choice rank 0's program records for each collective, by id (the first
+/// instruction of that id). One pass: a search per collective made summarizing a deep
+/// model's plan quadratic (seconds for thousands of layers).
+fn recorded_algorithms(
+    plan: &Plan,
+) -> std::collections::HashMap<u32, Option<crate::ir::AlgorithmChoice>> {
+    let mut found = std::collections::HashMap::new();
+    for i in plan.ranks.first().into_iter().flat_map(|r| &r.instrs) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = found.entry(i.id) {
+            let algorithm = match &i.op {
+                crate::ir::Op::AllReduce(a) => a.algorithm.clone(),
+                crate::ir::Op::RmsNorm(n) => {
+                    n.reduce_input.as_ref().and_then(|a| a.algorithm.clone())
+                }
+                _ => None,
+            };
+            slot.insert(algorithm);
+        }
+    }
+    found
 }
 
 pub fn summarize(plan: &Plan) -> Summary {
@@ -257,6 +266,7 @@ pub fn summarize(plan: &Plan) -> Summary {
     });
     let kv_cache_bytes_per_token_per_rank = plan.ranks.iter().map(kv_bytes_per_token).collect();
     let (per_layer, outside) = count_collectives(plan);
+    let algorithms = recorded_algorithms(plan);
     Summary {
         model: plan.model.clone(),
         tp: plan.tp,
@@ -277,7 +287,7 @@ pub fn summarize(plan: &Plan) -> Summary {
                 elements_per_token: c.elements_per_token,
                 bytes_per_token: c.bytes_per_token,
                 ring_wire_bytes_per_token: c.ring_wire_bytes_per_token,
-                algorithm: recorded_algorithm(plan, c.id),
+                algorithm: algorithms.get(&c.id).cloned().flatten(),
             })
             .collect(),
         collectives_per_layer: per_layer,

@@ -157,18 +157,42 @@ pub fn split(plan: &Plan, pp: u64, explicit: Option<&[u64]>) -> Result<Pipeline,
         None => {
             let costs = program.map(|p| layer_costs(p, layers as usize));
             let starts = super::balance::balanced_split(&costs.unwrap_or_default(), pp as usize);
-            let mut ends: Vec<u64> = starts.iter().skip(1).map(|&s| s as u64).collect();
-            ends.push(layers);
-            let mut prev = 0;
-            ends.iter()
-                .map(|&e| {
-                    let c = e - prev;
-                    prev = e;
-                    c
-                })
-                .collect()
+            counts_from_starts(&starts, layers)
         }
     };
+    Ok(pipeline_of(&counts))
+}
+
+/// What [`split`] cuts without explicit counts, for every pp from 1 to `max_pp` (at most
+/// the layers and [`MAX_PP`]), in that order, balanced once for all of them.
+pub fn balanced_pipelines(plan: &Plan, max_pp: u64) -> Vec<Pipeline> {
+    let Some(program) = plan.ranks.first() else {
+        return Vec::new();
+    };
+    let layers = layer_count(program);
+    let max_pp = max_pp.min(MAX_PP).min(layers as u64) as usize;
+    super::balance::balanced_splits(&layer_costs(program, layers), max_pp)
+        .iter()
+        .map(|starts| pipeline_of(&counts_from_starts(starts, layers as u64)))
+        .collect()
+}
+
+/// Layer counts of the runs that start at `starts`, the last ending at `layers`.
+fn counts_from_starts(starts: &[usize], layers: u64) -> Vec<u64> {
+    let mut ends: Vec<u64> = starts.iter().skip(1).map(|&s| s as u64).collect();
+    ends.push(layers);
+    let mut prev = 0;
+    ends.iter()
+        .map(|&e| {
+            let c = e - prev;
+            prev = e;
+            c
+        })
+        .collect()
+}
+
+/// Contiguous stages of `counts` layers each, from layer 0.
+fn pipeline_of(counts: &[u64]) -> Pipeline {
     let mut first = 0u32;
     let stages = counts
         .iter()
@@ -182,7 +206,7 @@ pub fn split(plan: &Plan, pp: u64, explicit: Option<&[u64]>) -> Result<Pipeline,
             span
         })
         .collect();
-    Ok(Pipeline { stages })
+    Pipeline { stages }
 }
 
 /// Each layer's cost for balancing: its share of the parameter bytes plus its share of

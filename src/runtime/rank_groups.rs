@@ -14,6 +14,20 @@ pub enum RankGroupsError {
     Zero { what: &'static str },
     #[error("a world of {world} ranks is more than tpc lays out ({MAX_WORLD}); use fewer ranks")]
     TooLarge { world: u64 },
+    #[error("--{what} {value} is more than the world of {world} ranks; a group cannot have more ranks than the world")]
+    GroupTooLarge {
+        what: &'static str,
+        value: u64,
+        world: u64,
+    },
+    #[error("tp × pp × dp = {tp} × {pp} × {dp} = {per_replica} ranks is more than the world of {world} ranks; give a world of at least {per_replica} ranks, or smaller groups")]
+    MoreThanWorld {
+        world: u64,
+        tp: u64,
+        pp: u64,
+        dp: u64,
+        per_replica: u64,
+    },
     #[error("a world of {world} ranks cannot be split into groups of tp × pp × dp = {tp} × {pp} × {dp} = {per_replica} ranks; the world size must be a multiple of it (e.g. {suggest})")]
     NotDivisible {
         world: u64,
@@ -65,16 +79,31 @@ pub fn rank_groups(world: u64, tp: u64, pp: u64, dp: u64) -> Result<RankGroups, 
     if world > MAX_WORLD {
         return Err(RankGroupsError::TooLarge { world });
     }
-    let per_replica = tp.checked_mul(pp).and_then(|x| x.checked_mul(dp));
-    let Some(per_replica) = per_replica.filter(|&n| world.is_multiple_of(n)) else {
-        let per_replica = per_replica.unwrap_or(u64::MAX);
+    // Each group size at most the world (≤ MAX_WORLD = 2^16), so their product, at most
+    // 2^48, is exact: never a saturated or wrapped figure in a message.
+    for (what, value) in [("tp", tp), ("pp", pp), ("dp", dp)] {
+        if value > world {
+            return Err(RankGroupsError::GroupTooLarge { what, value, world });
+        }
+    }
+    let per_replica = tp * pp * dp;
+    if per_replica > world {
+        return Err(RankGroupsError::MoreThanWorld {
+            world,
+            tp,
+            pp,
+            dp,
+            per_replica,
+        });
+    }
+    if !world.is_multiple_of(per_replica) {
         return Err(RankGroupsError::NotDivisible {
             world,
             tp,
             pp,
             dp,
             per_replica,
-            suggest: per_replica.saturating_mul(world.div_ceil(per_replica).max(1)),
+            suggest: per_replica * world.div_ceil(per_replica),
         });
     };
     // Every size is at most world ≤ MAX_WORLD from here on.
@@ -253,5 +282,33 @@ mod tests {
             Err(RankGroupsError::TooLarge { .. })
         ));
         assert!(rank_groups(8, u64::MAX, u64::MAX, 2).is_err());
+    }
+
+    /// Sizes whose product overflows (or passes the world) are refused by what is wrong
+    /// with them; no message shows a saturated 18446744073709551615 as a product.
+    #[test]
+    fn groups_larger_than_the_world_are_refused_plainly() {
+        let e = rank_groups(2, u64::MAX, 3, 1).unwrap_err();
+        assert_eq!(
+            e,
+            RankGroupsError::GroupTooLarge {
+                what: "tp",
+                value: u64::MAX,
+                world: 2
+            }
+        );
+        let e = rank_groups(4, 2, 1 << 40, 1 << 40).unwrap_err();
+        assert!(matches!(
+            e,
+            RankGroupsError::GroupTooLarge { what: "pp", .. }
+        ));
+        let e = rank_groups(8, 4, 4, 1).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tp × pp × dp = 4 × 4 × 1 = 16 ranks is more than the world of 8 ranks; give a world of at least 16 ranks, or smaller groups"
+        );
+        // The largest sizes that pass the checks multiply exactly.
+        let e = rank_groups(1 << 16, 1 << 16, 1 << 16, 1 << 16).unwrap_err();
+        assert!(e.to_string().contains(&(1u64 << 48).to_string()), "{e}");
     }
 }

@@ -4,6 +4,7 @@
 mod cli;
 mod explain;
 mod hardening;
+mod messages;
 mod plans;
 mod ranks;
 mod run_cli;

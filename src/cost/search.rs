@@ -1,0 +1,131 @@
+//! `simulate --search`: every (tp, pp) layout a profile's devices hold, priced and ranked.
+//!
+//! Bounded by what tpc plans, whatever the profile's device count: tp up to
+//! [`MAX_TP`](crate::passes::feasibility::MAX_TP) and only the values the model splits into,
+//! pp up to the model's layers and [`MAX_PP`](crate::plan::stages::MAX_PP), tp·pp up to the
+//! devices. So at most a few thousand layouts; each plan is compiled once and its stage
+//! splits for every pp balanced in one pass, which keeps a search over a million devices
+//! to seconds.
+
+use super::profile::HwProfile;
+use super::simulate::{Estimate, Numerics, StagedPlan, Workload};
+use crate::error::TpcError;
+use crate::passes::feasibility::MAX_TP;
+use crate::plan::stages::MAX_PP;
+use crate::plan::Plan;
+
+/// Every feasible (tp, pp) with tp·pp at most `hw.devices`, unranked, in tp then pp order.
+/// `compile` makes the plan for one tp; a tp it refuses is left out, and when it says which
+/// tp values the model takes (an infeasible split), only those are tried after it.
+/// `progress` is told each tp as its plan is priced, with the largest tp to be tried.
+pub fn search(
+    hw: &HwProfile,
+    work: Workload,
+    mut compile: impl FnMut(u64) -> Result<Plan, TpcError>,
+    numerics: impl Fn(&Plan) -> Numerics,
+    mut progress: impl FnMut(u64, u64),
+) -> Vec<Estimate> {
+    let max_tp = hw.devices.min(MAX_TP);
+    let mut candidates: Vec<u64> = (1..=max_tp).collect();
+    let mut estimates = Vec::new();
+    let mut next = 0;
+    while let Some(&tp) = candidates.get(next) {
+        next += 1;
+        let plan = match compile(tp) {
+            Ok(plan) => plan,
+            Err(TpcError::Infeasible { valid, .. }) => {
+                // The split's constraints hold for every tp alike: skip to those it allows.
+                candidates.retain(|&t| t <= tp || valid.contains(&t));
+                continue;
+            }
+            Err(_) => continue,
+        };
+        progress(tp, candidates.last().copied().unwrap_or(tp));
+        let max_pp = (hw.devices / tp).min(MAX_PP);
+        let staged = StagedPlan::new(&plan, max_pp);
+        let num = numerics(&plan);
+        for pp in 1..=max_pp {
+            // Past the layers (or the stages tpc cuts) every larger pp fails alike.
+            match staged.estimate(hw, work, num, pp) {
+                Ok(e) => estimates.push(e),
+                Err(_) => break,
+            }
+        }
+    }
+    estimates
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::shipped;
+    use crate::cost::simulate::simulate_pp;
+
+    fn work() -> Workload {
+        Workload {
+            batch: 1,
+            prompt: 128,
+            gen: 128,
+        }
+    }
+
+    #[test]
+    fn every_layout_is_the_one_simulate_prices_alone() {
+        let hw = shipped::profile("h100-sxm-nvswitch-8");
+        let def = shipped::model("llama3-8b");
+        let found = search(
+            &hw,
+            work(),
+            |tp| crate::pipeline::compile(&def, tp).map(|c| c.plan),
+            Numerics::of_plan,
+            |_, _| {},
+        );
+        // 32 heads, 8 kv heads, 32 layers, 8 devices: tp 1, 2, 4, 8 and pp up to 8 / tp.
+        let layouts: Vec<(u64, u64)> = found.iter().map(|e| (e.tp, e.pp)).collect();
+        let mut expected = Vec::new();
+        for tp in [1u64, 2, 4, 8] {
+            expected.extend((1..=8 / tp).map(|pp| (tp, pp)));
+        }
+        assert_eq!(layouts, expected);
+        for e in &found {
+            let plan = crate::pipeline::compile(&def, e.tp).unwrap().plan;
+            let alone = simulate_pp(&plan, &hw, work(), Numerics::of_plan(&plan), e.pp).unwrap();
+            assert_eq!(e, &alone);
+        }
+    }
+
+    #[test]
+    fn a_million_devices_try_only_the_tp_values_the_model_takes() {
+        let mut hw = shipped::profile("h100-sxm-nvswitch-8");
+        hw.devices = 1 << 20;
+        let def = shipped::model("tiny-llama");
+        let mut compiled = Vec::new();
+        let found = search(
+            &hw,
+            work(),
+            |tp| {
+                compiled.push(tp);
+                crate::pipeline::compile(&def, tp).map(|c| c.plan)
+            },
+            Numerics::of_plan,
+            |_, _| {},
+        );
+        // 8 heads, 2 kv heads (replicable): tp 1, 2, 4, 8; 3 is the first it refuses, and
+        // after it nothing else is compiled.
+        assert_eq!(compiled, vec![1, 2, 3, 4, 8]);
+        let layouts: Vec<(u64, u64)> = found.iter().map(|e| (e.tp, e.pp)).collect();
+        assert_eq!(
+            layouts,
+            vec![
+                (1, 1),
+                (1, 2),
+                (2, 1),
+                (2, 2),
+                (4, 1),
+                (4, 2),
+                (8, 1),
+                (8, 2)
+            ]
+        );
+    }
+}
