@@ -4,6 +4,7 @@
 mod cli;
 mod explain;
 mod hardening;
+mod outputs;
 mod ranks;
 mod run_cli;
 mod simulate;
