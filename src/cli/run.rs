@@ -186,7 +186,7 @@ fn plan_for(
 }
 
 fn write_logits(
-    path: &std::path::Path,
+    out: tpc::fsio::Reserved,
     logits: &tpc::runtime::tensor::Tensor,
 ) -> anyhow::Result<()> {
     let bytes: Vec<u8> = logits.data.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -195,8 +195,16 @@ fn write_logits(
             .context("building the logits tensor")?;
     let file =
         safetensors::serialize([("logits", view)], &None).context("serializing the logits")?;
-    tpc::fsio::write_bytes(path, &file)?;
+    out.commit(&file)?;
     Ok(())
+}
+
+/// The bytes of the prompt's logits (f32, [prompt_len, vocab]): the room `--dump-logits`
+/// takes before the run. `None` where the plan does not say the vocabulary.
+fn logits_bytes(plan: &Plan, prompt_len: usize) -> Option<u64> {
+    tpc::runtime::generate::output_vocab(plan)?
+        .checked_mul(prompt_len as u64)?
+        .checked_mul(4)
 }
 
 /// One `--prompts` result as a JSON line.
@@ -279,12 +287,16 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         a.prompts.is_none() || a.dump_logits.is_none(),
         "--dump-logits writes one prompt's logits; use it with --prompt-ids or --prompt, not --prompts"
     );
-    if let Some(path) = &a.dump_logits {
-        let mut inputs = vec![a.model.as_path()];
-        inputs.extend(a.plan.as_deref());
-        inputs.extend(a.prompts.as_deref());
-        tpc::fsio::check_output("--dump-logits", path, &inputs)?;
-    }
+    // The logits file is made ready now: a folder that takes no file fails before the run.
+    let mut logits_out = match &a.dump_logits {
+        Some(path) => {
+            let mut inputs = vec![a.model.as_path()];
+            inputs.extend(a.plan.as_deref());
+            inputs.extend(a.prompts.as_deref());
+            Some(tpc::fsio::reserve("--dump-logits", path, &inputs)?)
+        }
+        None => None,
+    };
     let mut tokenizer = match &a.prompt {
         Some(_) => Some(open_tokenizer(&a.model)?),
         None => None,
@@ -323,6 +335,13 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         Some(n) => format!("{layout}, {n} MPI processes"),
         None => layout,
     };
+    // A disk without room for the logits fails before the run too (MPI ranks other than
+    // the first write none).
+    if let (Some(out), Some(r), None) = (&mut logits_out, requests.first(), mpi) {
+        if let Some(len) = logits_bytes(&plan, r.prompt.len()) {
+            out.preallocate(len)?;
+        }
+    }
     let ckpt = Checkpoint::open(&a.model)?;
     let total_new: usize = requests
         .iter()
@@ -410,9 +429,6 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }
-    if let (Some(path), Some(seq)) = (&a.dump_logits, out.sequences.first()) {
-        write_logits(path, &seq.prompt_logits)?;
-    }
     let text_of = |ids: &[i64]| -> anyhow::Result<Option<String>> {
         tokenizer
             .as_ref()
@@ -454,29 +470,37 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         .sequences
         .first()
         .context("the run returned no sequence")?;
-    if a.json {
-        let mut json = figures(&out, tp, pp, &a);
-        json["generated"] = serde_json::json!(seq.generated);
-        // What the prompt became: its ids, special tokens included.
-        if let Some(r) = requests.first() {
-            json["prompt_ids"] = serde_json::json!(r.prompt);
-        }
-        if let Some(text) = text_of(&seq.generated)? {
-            json["text"] = serde_json::Value::String(text);
-        }
-        super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&json)?))?;
-    } else if let Some(text) = text_of(&seq.generated)? {
-        super::print_stdout(&format!("{text}\n"))?;
-    } else {
-        let ids: Vec<String> = seq.generated.iter().map(i64::to_string).collect();
-        super::print_stdout(&format!("{}\n", ids.join(",")))?;
-        eprintln!(
+    // The tokens are printed before the logits are written, so a disk that fills up loses
+    // the logits (exit 1) but not the run's result.
+    let printed = (|| -> anyhow::Result<()> {
+        if a.json {
+            let mut json = figures(&out, tp, pp, &a);
+            json["generated"] = serde_json::json!(seq.generated);
+            // What the prompt became: its ids, special tokens included.
+            if let Some(r) = requests.first() {
+                json["prompt_ids"] = serde_json::json!(r.prompt);
+            }
+            if let Some(text) = text_of(&seq.generated)? {
+                json["text"] = serde_json::Value::String(text);
+            }
+            super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&json)?))?;
+        } else if let Some(text) = text_of(&seq.generated)? {
+            super::print_stdout(&format!("{text}\n"))?;
+        } else {
+            let ids: Vec<String> = seq.generated.iter().map(i64::to_string).collect();
+            super::print_stdout(&format!("{}\n", ids.join(",")))?;
+            eprintln!(
             "{layout}: prefill {:.1} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens after the first)",
             out.prefill_tokens_per_s(),
             out.prompt_tokens,
             out.decode_tokens_per_s(),
             seq.generated.len().saturating_sub(1)
         );
+        }
+        Ok(())
+    })();
+    if let Some(out) = logits_out {
+        write_logits(out, &seq.prompt_logits)?;
     }
-    Ok(())
+    printed
 }

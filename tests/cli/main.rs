@@ -5,6 +5,7 @@ mod cli;
 mod explain;
 mod hardening;
 mod messages;
+mod outputs;
 mod plans;
 mod ranks;
 mod run_cli;
