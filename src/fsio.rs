@@ -6,8 +6,9 @@ use crate::error::{Result, TpcError};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// The whole of a regular file as text (a FIFO or device is refused, never waited on).
 pub fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|io| TpcError::Read {
+    crate::fsio_check::read_regular_text(path).map_err(|io| TpcError::Read {
         path: path.to_path_buf(),
         io,
     })
