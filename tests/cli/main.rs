@@ -4,6 +4,7 @@
 mod cli;
 mod explain;
 mod hardening;
+mod inputs;
 mod plans;
 mod ranks;
 mod run_cli;
