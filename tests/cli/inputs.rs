@@ -312,3 +312,95 @@ fn a_checkpoint_cut_short_while_a_run_loads_it_is_an_error_not_a_signal() {
     assert!(e.contains(&changed) || e.contains("it is truncated"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `MemAvailable` of /proc/meminfo in bytes (`None` where there is none).
+fn mem_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[test]
+fn sizes_from_flags_are_checked_before_anything_is_built_from_them() {
+    let dir = scratch("sizes");
+    // 4096 prompts of 2^20 tokens were 32 GiB of token ids, built before the model's 256
+    // positions were looked at: an abort where that memory was not there.
+    let e = refused(
+        &dir,
+        &[
+            "bench",
+            "models/tiny-llama.ron",
+            "--batch",
+            "4096",
+            "--prompt-len",
+            "1048576",
+        ],
+    );
+    assert!(
+        e.contains("--prompt-len 1048576 and --max-new-tokens 16 need 1048591 positions")
+            && e.contains("has 256 (max_position_embeddings): lower --prompt-len to at most 241"),
+        "{e}"
+    );
+    // verify generates 4 tokens of its own; the message once named `run`'s flag.
+    let e = refused(
+        &dir,
+        &[
+            "verify",
+            "models/tiny-llama.ron",
+            "--tp",
+            "2",
+            "--prompt-len",
+            "1048576",
+        ],
+    );
+    assert!(
+        e.contains("the 4 tokens verify generates")
+            && e.contains("lower --prompt-len to at most 253"),
+        "{e}"
+    );
+    // Within the positions of a long-context model, too many tokens for any host.
+    let e = refused(
+        &dir,
+        &[
+            "bench",
+            "models/llama3.1-405b.ron",
+            "--batch",
+            "4096",
+            "--prompt-len",
+            "131072",
+            "--max-new-tokens",
+            "1",
+        ],
+    );
+    assert!(
+        e.contains("--batch 4096 × --prompt-len 131072 = 536870912 prompt tokens; one run builds at most 67108864"),
+        "{e}"
+    );
+    // 64 ranks with three 1 GiB buffers each (and the communicator's), where the host has
+    // less than that.
+    let comm = [
+        "bench-comm",
+        "--tp",
+        "64",
+        "--to-log2",
+        "30",
+        "--iters",
+        "1",
+    ];
+    match mem_available() {
+        Some(m) if m < 384 << 30 => {
+            let e = refused(&dir, &comm);
+            assert!(
+                e.contains(
+                    "64 ranks with messages of 2^30 bytes: about 384.0 GiB of memory needed"
+                ) && e.contains("lower --to-log2 or --tp"),
+                "{e}"
+            );
+        }
+        _ => println!(
+            "NOT RUN: bench-comm's memory check (this host has 384 GiB available, or does not say)"
+        ),
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
