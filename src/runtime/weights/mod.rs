@@ -891,6 +891,23 @@ mod tests {
     fn exercise(bytes: &[u8], reads: &[(usize, usize)]) {
         let dir = temp_dir();
         std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+        // The header read with pread accepts exactly what safetensors accepts in memory.
+        let ours = ShardFile::open(&dir.join("model.safetensors"));
+        let theirs = safetensors::SafeTensors::read_metadata(bytes);
+        assert_eq!(ours.is_ok(), theirs.is_ok(), "{:?}", ours.err());
+        if let (Ok(ours), Ok((n, meta))) = (ours, theirs) {
+            assert_eq!(ours.data_start, 8 + n as u64);
+            let listed = |m: &safetensors::tensor::Metadata| {
+                let mut v: Vec<String> = m
+                    .tensors()
+                    .iter()
+                    .map(|(name, info)| format!("{name} {info:?}"))
+                    .collect();
+                v.sort();
+                v
+            };
+            assert_eq!(listed(&ours.meta), listed(&meta));
+        }
         if let Ok(ckpt) = Checkpoint::open(&dir) {
             for name in ["a", "b", "missing"] {
                 for &(from, count) in reads {
