@@ -14,8 +14,9 @@ use target::{Refusal, Target};
 
 pub use reserve::Reserved;
 
+/// The whole of a regular file as text (a FIFO or device is refused, never waited on).
 pub fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|io| TpcError::Read {
+    crate::fsio_check::read_regular_text(path).map_err(|io| TpcError::Read {
         path: path.to_path_buf(),
         io,
     })

@@ -8,6 +8,7 @@ pub mod error;
 pub mod explain;
 pub mod frontend;
 pub mod fsio;
+pub mod fsio_check;
 pub mod ir;
 #[cfg(test)]
 mod layering;

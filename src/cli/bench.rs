@@ -53,6 +53,15 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     let def = load_model(&a.model)?;
     let mut plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
     a.pipe.apply(&mut plan)?;
+    // Before the prompts' token ids exist: they are --batch × --prompt-len of them.
+    super::sizes::check_prompts(
+        &plan,
+        &super::sizes::PromptFlags {
+            batch: Some(("--batch", a.batch)),
+            prompt_len: ("--prompt-len", a.prompt_len as u64),
+            new_tokens: super::sizes::NewTokens::Flag("--max-new-tokens", a.max_new_tokens as u64),
+        },
+    )?;
     let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap_or(1) as usize;
     let requests: Vec<Request> = (0..a.batch as usize)
         .map(|b| Request {

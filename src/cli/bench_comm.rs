@@ -42,6 +42,31 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         a.from_log2 <= a.to_log2 && a.to_log2 <= 30,
         "--from-log2 must not exceed --to-log2 (at most 30)"
     );
+    // Each rank holds the reduced buffer, a source and a destination for the memcpy bound
+    // and up to three staging buffers of the communicator, all of the largest size; an MPI
+    // process holds one rank, with a gather of the world's buffers besides.
+    let largest = 1u64 << a.to_log2;
+    let world = tpc::runtime::launch::mpi_launched_world_size()
+        .filter(|&w| w > 1 && !matches!(a.launcher, super::launcher::Launcher::Threads));
+    let (needed, what) = match world {
+        Some(w) => (
+            (6 + w as u64).saturating_mul(largest),
+            format!(
+                "one of {w} MPI ranks with messages of 2^{} bytes",
+                a.to_log2
+            ),
+        ),
+        None => (
+            (6 * a.tp as u64).saturating_mul(largest),
+            format!(
+                "{} rank{} with messages of 2^{} bytes",
+                a.tp,
+                if a.tp == 1 { "" } else { "s" },
+                a.to_log2
+            ),
+        ),
+    };
+    super::sizes::check_memory(needed, &what, "--to-log2 or --tp")?;
     super::launcher::with_launcher("bench-comm", a.launcher, |mpi| match mpi {
         None => in_process(&a),
         Some(world) => {

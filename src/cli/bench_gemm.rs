@@ -77,6 +77,29 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             .all(|&(n, k)| a.rows.iter().all(|&m| m * n.max(k) <= 1 << 28)),
         "--rows × the largest side of a --shapes entry must be at most 2^28 elements"
     );
+    // At once: a shape's f32 weight and both its packings (4 + 4 + 2 bytes an element), the
+    // activations and the outputs of the most rows; later the sweep's bf16 weights and one
+    // f32 weight being packed; first the bandwidth loop's 256 MiB. All within 2^28-element
+    // bounds (checked above), so no product overflows.
+    let most_rows = a.rows.iter().copied().max().unwrap_or(1) as u64;
+    let shape_bytes = |&(n, k): &(usize, usize)| {
+        let (n, k) = (n as u64, k as u64);
+        10 * n * k + 4 * most_rows * (k + 2 * n)
+    };
+    let sweep = match (a.sweep_mib, shapes.first()) {
+        (0, _) | (_, None) => 0,
+        (mib, Some(&(n, k))) => (mib << 20) + 4 * (n * k) as u64,
+    };
+    let needed = shapes
+        .iter()
+        .map(shape_bytes)
+        .chain([sweep, 256 << 20])
+        .max();
+    super::sizes::check_memory(
+        needed.unwrap_or(0),
+        "these --shapes, --rows and --sweep-mib",
+        "--sweep-mib, --shapes or --rows",
+    )?;
     let isas = if a.isa.is_empty() {
         Isa::ALL
             .into_iter()

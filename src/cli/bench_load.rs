@@ -12,7 +12,7 @@ use tpc::plan::{Plan, WeightSlice};
 use tpc::runtime::cpu::packed::PackedMatrix;
 use tpc::runtime::executor::weight_uses;
 use tpc::runtime::memory::{peak_resident_bytes, resident_bytes};
-use tpc::runtime::weights::{load_slice, Checkpoint, StoredTensor, WeightSource};
+use tpc::runtime::weights::{load_slice, Checkpoint};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -37,37 +37,10 @@ pub struct Args {
 
 #[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
 enum Method {
-    /// `load_slice` to f32 then `pack`, mapped pages kept resident (the loader before
-    /// `pack_slice`).
+    /// `load_slice` to f32 then `pack` (the loader before `pack_slice`).
     Old,
-    /// `load_slice` then `pack`, releasing each tensor's mapped pages after reading it.
-    OldRelease,
-    /// `pack_slice` straight from the map.
+    /// `pack_slice` from each slice's stored bytes.
     New,
-}
-
-/// A checkpoint that never releases mapped pages: the loader as it was.
-struct KeepMapped<'a>(&'a Checkpoint);
-
-impl WeightSource for KeepMapped<'_> {
-    fn check(&self, plan: &Plan) -> tpc::runtime::weights::WeightResult<()> {
-        self.0.check(plan)
-    }
-    fn read(
-        &self,
-        tensor: &str,
-        from: usize,
-        count: usize,
-        out: &mut Vec<f32>,
-    ) -> tpc::runtime::weights::WeightResult<()> {
-        self.0.read(tensor, from, count, out)
-    }
-    fn stored(
-        &self,
-        tensor: &str,
-    ) -> tpc::runtime::weights::WeightResult<Option<StoredTensor<'_>>> {
-        self.0.stored(tensor)
-    }
 }
 
 /// The linear weights of a rank: slice and stored order, as the executor packs them.
@@ -100,7 +73,6 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         None => (0..plan.ranks.len()).collect(),
     };
     let bf16 = !a.f32;
-    let keep = KeepMapped(&ckpt);
     let rss_before = resident_bytes().unwrap_or(0);
     let cpu_before = cpu_seconds();
     let start = Instant::now();
@@ -108,8 +80,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     for &r in &ranks {
         for (w, order) in linears(&plan, r) {
             packed.push(match method {
-                Method::Old => PackedMatrix::pack(&load_slice(&keep, w)?, order, bf16),
-                Method::OldRelease => PackedMatrix::pack(&load_slice(&ckpt, w)?, order, bf16),
+                Method::Old => PackedMatrix::pack(&load_slice(&ckpt, w)?, order, bf16),
                 Method::New => PackedMatrix::pack_slice(&ckpt, w, order, bf16)?,
             });
         }
@@ -154,7 +125,7 @@ fn cpu_seconds() -> Option<(f64, f64)> {
 /// lines followed by a summary per method (best seconds, largest peak).
 fn run_children(a: &Args) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
-    let methods = [Method::Old, Method::OldRelease, Method::New];
+    let methods = [Method::Old, Method::New];
     let mut results: Vec<(Method, f64, u64, u64, u64, f64)> = Vec::new();
     for _ in 0..a.repeat.max(1) {
         for m in methods {

@@ -16,6 +16,7 @@ mod progress;
 mod ranks;
 mod run;
 mod simulate;
+mod sizes;
 mod verify;
 
 use clap::{Parser, Subcommand};

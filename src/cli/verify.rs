@@ -73,6 +73,18 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         pp => format!("{} pp={pp}", many.tp),
     };
     let one = tpc::pipeline::compile(&def, 1)?.plan;
+    // The model's limits, in this command's flags (the runtime's message names `run`'s).
+    super::sizes::check_prompts(
+        &one,
+        &super::sizes::PromptFlags {
+            batch: None,
+            prompt_len: ("--prompt-len", a.prompt_len as u64),
+            new_tokens: super::sizes::NewTokens::Fixed(
+                tpc::runtime::verify::VERIFY_NEW_TOKENS as u64,
+                "verify generates",
+            ),
+        },
+    )?;
     let report = verify_plans(
         &one,
         &many,

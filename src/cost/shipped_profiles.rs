@@ -38,7 +38,8 @@ pub fn shipped(name: &str) -> Option<Result<HwProfile>> {
 /// `--hw`'s argument: the profile file at `arg` when there is one, else the shipped profile
 /// of that name (`.ron` may be given), else an error that lists the shipped names.
 pub fn find_profile(arg: &Path) -> Result<HwProfile> {
-    if arg.is_file() {
+    // Anything there but a folder is read as a file (a FIFO or device is refused there).
+    if arg.exists() && !arg.is_dir() {
         return HwProfile::load(arg);
     }
     let name = arg.to_str().map(|s| s.strip_suffix(".ron").unwrap_or(s));

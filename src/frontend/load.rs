@@ -51,7 +51,7 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Re
 /// A JSON file that a model folder may hold: `None` when it is absent, an error when it
 /// cannot be read or is not JSON.
 pub fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
-    match std::fs::read_to_string(path) {
+    match crate::fsio_check::read_regular_text(path) {
         Ok(text) => parse_json(path, &text).map(Some),
         Err(io) if io.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(io) => Err(TpcError::Read {

@@ -135,17 +135,18 @@ impl TextTokenizer {
     /// Reads `dir/tokenizer.json` and, when the folder has one, `dir/tokenizer_config.json`.
     pub fn open(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        if !path.is_file() {
+        if !path.exists() {
             return Err(TpcError::HfConfig {
                 path,
                 message: "a text prompt needs this file (the model's Hugging Face tokenizer); give token ids instead".into(),
             });
         }
-        let tokenizer =
-            tokenizers::Tokenizer::from_file(&path).map_err(|e| TpcError::HfConfig {
-                path: path.clone(),
-                message: format!("not a tokenizer tpc can read: {e}"),
-            })?;
+        // Read here, not by the tokenizers crate, so that a FIFO or device is refused.
+        let text = crate::fsio::read_text(&path)?;
+        let tokenizer: tokenizers::Tokenizer = text.parse().map_err(|e| TpcError::HfConfig {
+            path: path.clone(),
+            message: format!("not a tokenizer tpc can read: {e}"),
+        })?;
         let config_path = dir.join("tokenizer_config.json");
         let flags = match read_json_if_present(&config_path)? {
             None => SpecialTokenFlags::default(),

@@ -1,8 +1,8 @@
 //! Resident memory of this process, for load benchmarks and reports: what the kernel says
 //! in `/proc/self/status` (Linux only; elsewhere nothing).
 //!
-//! Resident counts every page mapped in: heap, and also the pages of a memory-mapped
-//! checkpoint that have been read and not yet released.
+//! Resident counts every page mapped in (the checkpoint is read into memory tpc owns, a batch
+//! of rows at a time, not mapped).
 
 /// Peak resident set size of this process so far (`VmHWM`), `None` where unavailable.
 pub fn peak_resident_bytes() -> Option<u64> {
@@ -22,7 +22,7 @@ pub fn available_bytes() -> Option<u64> {
 }
 
 /// The least memory a run of `plan` allocates in this process: every rank's weights (2 bytes
-/// an element in bf16, else 4; the checkpoint itself is only mapped) and the KV caches for
+/// an element in bf16, else 4; the checkpoint is read a few MiB at a time) and the KV caches for
 /// `tokens` positions over all sequences (f32). Saturates instead of wrapping.
 pub fn least_run_bytes(plan: &crate::plan::Plan, bf16: bool, tokens: u64) -> (u64, u64) {
     use crate::ir::saturating::sum;

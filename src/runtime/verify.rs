@@ -13,6 +13,9 @@ use serde::Serialize;
 /// The tolerance on the relative error ‖a − b‖ / ‖b‖ of the prompt logits (f32 compute).
 pub const VERIFY_TOLERANCE: f64 = 1e-4;
 
+/// Tokens each side generates after the prompt (their greedy choices are compared too).
+pub const VERIFY_NEW_TOKENS: usize = 4;
+
 #[derive(Debug, Clone, Serialize)]
 pub struct VerifyReport {
     pub tp: u64,
@@ -66,7 +69,7 @@ pub fn verify_plans(
     };
     let opts = RunOptions {
         device,
-        max_new_tokens: 4,
+        max_new_tokens: VERIFY_NEW_TOKENS,
         ..Default::default()
     };
     // tp=1 first: a request the model cannot run (its window, its positions) is refused by

@@ -4,6 +4,7 @@
 mod cli;
 mod explain;
 mod hardening;
+mod inputs;
 mod messages;
 mod outputs;
 mod plans;

@@ -25,7 +25,7 @@ use crate::runtime::weights::WeightError;
 
 type Result<T, E = WeightError> = std::result::Result<T, E>;
 use crate::runtime::tensor::Tensor;
-use crate::runtime::weights::{Piece, SliceLayout, StoredTensor, WeightSource};
+use crate::runtime::weights::{Piece, SliceLayout, StoredRows, WeightSource};
 use rayon::prelude::*;
 
 /// Reduction steps per block: a widened weight block (`KC·NR` f32 = 16 KiB) stays in L1.
@@ -117,8 +117,8 @@ impl PackedMatrix {
     /// [`PackedMatrix::pack`] of [`load_slice`](crate::runtime::weights::load_slice) would, bit for
     /// bit, but without the f32 copy: each panel reads its 16 output columns (16 stored rows
     /// for `OutIn`, a 16-wide window of every row for `InOut`) into at most a `16 × k`
-    /// scratch, from the stored bytes when the source has them (bf16 is copied). The
-    /// tensor's pages are released afterwards (see [`WeightSource::release`]).
+    /// scratch, from the slice's stored bytes when the source has them (read a batch of
+    /// rows at a time, in the stored encoding: bf16 is copied).
     pub fn pack_slice(
         src: &dyn WeightSource,
         w: &WeightSlice,
@@ -138,6 +138,17 @@ impl PackedMatrix {
         slices: &[&WeightSlice],
         order: WeightOrder,
         bf16: bool,
+    ) -> Result<PackedMatrix> {
+        Self::pack_slices_in(src, slices, order, bf16, Batch::for_this_host())
+    }
+
+    /// [`PackedMatrix::pack_slices`] reading the stored rows `batch` at a time.
+    fn pack_slices_in(
+        src: &dyn WeightSource,
+        slices: &[&WeightSlice],
+        order: WeightOrder,
+        bf16: bool,
+        batch: Batch,
     ) -> Result<PackedMatrix> {
         let bad = |w: &WeightSlice, what: String| WeightError::Slice {
             name: w.tensor.to_string(),
@@ -190,32 +201,32 @@ impl PackedMatrix {
             })?;
         let mut parts = Vec::with_capacity(slices.len());
         let mut start = 0;
-        for ((w, layout), &(cols, _)) in slices.iter().zip(&layouts).zip(&dims) {
+        for ((&w, layout), &(cols, _)) in slices.iter().zip(&layouts).zip(&dims) {
+            // No rows asked: this says whether the source stores bytes (and checks them).
+            let mut stored = StoredRows::default();
+            let stores = src.read_stored_rows(w, 0..0, &mut stored)?;
             parts.push((
                 start,
                 Reader {
                     src,
-                    tensor: &w.tensor,
-                    stored: src.stored(&w.tensor)?,
+                    slice: w,
+                    stored: stores.then_some(stored),
                     layout,
                 },
             ));
             start += cols;
         }
-        let stack = Stack {
+        let mut stack = Stack {
             parts,
             order,
             outputs: n,
         };
         let panels = if bf16 {
-            Panels::Bf16(fill_panels(&stack, order, n, k)?)
+            Panels::Bf16(fill_panels(&mut stack, order, n, k, batch)?)
         } else {
-            Panels::F32(fill_panels(&stack, order, n, k)?)
+            Panels::F32(fill_panels(&mut stack, order, n, k, batch)?)
         };
         drop(stack);
-        for w in slices {
-            src.release(&w.tensor);
-        }
         Ok(PackedMatrix { n, k, panels })
     }
 
@@ -791,13 +802,13 @@ fn prefetch_l2(p: *const u8) {
 /// What a panel holds: bf16 bits or f32, made from stored bytes or from an f32 value
 /// exactly as [`PackedMatrix::pack`] makes it.
 trait PanelElem: PanelValue + Plain {
-    fn from_stored(s: &StoredTensor, from: usize, out: &mut [Self]) -> Result<()>;
+    fn from_stored(s: &StoredRows, r: usize, c0: usize, out: &mut [Self]) -> Result<()>;
     fn from_f32(v: f32) -> Self;
 }
 
 impl PanelElem for u16 {
-    fn from_stored(s: &StoredTensor, from: usize, out: &mut [u16]) -> Result<()> {
-        s.bf16_bits(from, out)
+    fn from_stored(s: &StoredRows, r: usize, c0: usize, out: &mut [u16]) -> Result<()> {
+        s.bf16_bits(r, c0, out)
     }
     fn from_f32(v: f32) -> u16 {
         half::bf16::from_f32(v).to_bits()
@@ -805,8 +816,8 @@ impl PanelElem for u16 {
 }
 
 impl PanelElem for f32 {
-    fn from_stored(s: &StoredTensor, from: usize, out: &mut [f32]) -> Result<()> {
-        s.f32s(from, out)
+    fn from_stored(s: &StoredRows, r: usize, c0: usize, out: &mut [f32]) -> Result<()> {
+        s.f32s(r, c0, out)
     }
     fn from_f32(v: f32) -> f32 {
         v
@@ -816,14 +827,25 @@ impl PanelElem for f32 {
 /// Reads windows of a slice's local rows from a weight source.
 struct Reader<'a> {
     src: &'a dyn WeightSource,
-    tensor: &'a str,
-    stored: Option<StoredTensor<'a>>,
+    slice: &'a WeightSlice,
+    /// The batch of the slice's local rows read last, as stored, when the source stores
+    /// bytes (padding included).
+    stored: Option<StoredRows>,
     layout: &'a SliceLayout,
 }
 
 impl Reader<'_> {
-    /// Local row `r`, columns `[c0, c0 + out.len())`, into `out`; `f32s` is scratch for a
-    /// source without stored bytes.
+    /// Reads the slice's local rows `rows` (a source that stores bytes; the others are read
+    /// a window at a time).
+    fn load(&mut self, rows: std::ops::Range<usize>) -> Result<()> {
+        if let Some(s) = &mut self.stored {
+            self.src.read_stored_rows(self.slice, rows, s)?;
+        }
+        Ok(())
+    }
+
+    /// Local row `r`, columns `[c0, c0 + out.len())`, into `out`: from the rows loaded last
+    /// when the source stores bytes; `f32s` is scratch for a source without them.
     fn row<T: PanelElem>(
         &self,
         r: usize,
@@ -831,30 +853,32 @@ impl Reader<'_> {
         out: &mut [T],
         f32s: &mut Vec<f32>,
     ) -> Result<()> {
+        if let Some(s) = &self.stored {
+            // The stored rows hold the padding as zero bytes: zero in every encoding, as
+            // `T::default()` is.
+            return T::from_stored(s, r, c0, out);
+        }
         self.layout
             .pieces(r, c0, out.len(), |at, piece| match piece {
                 Piece::Zeros { len } => {
                     out[at..at + len].fill(T::default());
                     Ok(())
                 }
-                Piece::Stored { from, len } => match &self.stored {
-                    Some(s) => T::from_stored(s, from, &mut out[at..at + len]),
-                    None => {
-                        f32s.clear();
-                        self.src.read(self.tensor, from, len, f32s)?;
-                        if f32s.len() != len {
-                            return Err(WeightError::Tensor {
-                                path: "weight source".into(),
-                                tensor: self.tensor.to_string(),
-                                problem: format!("gave {} elements for {len} asked", f32s.len()),
-                            });
-                        }
-                        for (o, &v) in out[at..at + len].iter_mut().zip(f32s.iter()) {
-                            *o = T::from_f32(v);
-                        }
-                        Ok(())
+                Piece::Stored { from, len } => {
+                    f32s.clear();
+                    self.src.read(&self.slice.tensor, from, len, f32s)?;
+                    if f32s.len() != len {
+                        return Err(WeightError::Tensor {
+                            path: "weight source".into(),
+                            tensor: self.slice.tensor.to_string(),
+                            problem: format!("gave {} elements for {len} asked", f32s.len()),
+                        });
                     }
-                },
+                    for (o, &v) in out[at..at + len].iter_mut().zip(f32s.iter()) {
+                        *o = T::from_f32(v);
+                    }
+                    Ok(())
+                }
             })
     }
 }
@@ -879,7 +903,28 @@ impl Stack<'_> {
         (*start, end, reader)
     }
 
-    /// Row `r` of the whole, columns `[c0, c0 + out.len())`, into `out`.
+    /// Reads rows `[r0, r1)` of the whole into the readers that hold them: for `OutIn` the
+    /// weights' own rows there, for `InOut` those rows of every weight.
+    fn load(&mut self, r0: usize, r1: usize) -> Result<()> {
+        let ends: Vec<usize> = (self.parts.iter().skip(1).map(|p| p.0))
+            .chain([self.outputs])
+            .collect();
+        for ((start, reader), end) in self.parts.iter_mut().zip(ends) {
+            match self.order {
+                WeightOrder::OutIn => {
+                    let (a, b) = (r0.max(*start), r1.min(end));
+                    if a < b {
+                        reader.load(a - *start..b - *start)?;
+                    }
+                }
+                WeightOrder::InOut => reader.load(r0..r1)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `r` of the whole, columns `[c0, c0 + out.len())`, into `out` (from the rows
+    /// loaded last, where the source stores bytes).
     fn row<T: PanelElem>(
         &self,
         r: usize,
@@ -907,31 +952,67 @@ impl Stack<'_> {
     }
 }
 
-/// The panels of an `n × k` weight (layout of `T`), one panel per task.
+/// How many stored rows a packer reads at a time (per weight being packed).
+#[derive(Debug, Clone, Copy)]
+struct Batch {
+    /// Bytes at most: few enough that the batch stays small beside the weight, enough that
+    /// its reads are long.
+    bytes: usize,
+    /// `OutIn` panels per batch at least, so that every thread has work.
+    min_panels: usize,
+}
+
+impl Batch {
+    fn for_this_host() -> Batch {
+        Batch {
+            bytes: 8 << 20,
+            min_panels: 4 * rayon::current_num_threads(),
+        }
+    }
+
+    /// Rows of `row_len` elements (up to 4 bytes each) per batch, a multiple of `multiple`:
+    /// as many as `bytes` holds, at least `min_rows` and at least `multiple`.
+    fn rows(self, row_len: usize, multiple: usize, min_rows: usize) -> usize {
+        let fit = self.bytes / row_len.saturating_mul(4).max(1);
+        fit.max(min_rows).div_ceil(multiple).max(1) * multiple
+    }
+}
+
+/// The panels of an `n × k` weight (layout of `T`), one panel per task, the stored rows
+/// read a batch at a time.
 fn fill_panels<T: PanelElem>(
-    reader: &Stack,
+    stack: &mut Stack,
     order: WeightOrder,
     n: usize,
     k: usize,
+    batch: Batch,
 ) -> Result<AlignedVec<T>> {
-    let len = n.div_ceil(NR) * T::panel_len(k);
+    let panel_len = T::panel_len(k);
+    let len = n.div_ceil(NR) * panel_len;
     let mut out = AlignedVec::zeroed(len);
     if len == 0 {
         return Ok(out);
     }
-    out.par_chunks_mut(T::panel_len(k))
-        .enumerate()
-        .try_for_each_init(
-            || (Vec::<T>::new(), Vec::<f32>::new()),
-            |(rows, f32s), (q, panel)| {
-                let cols = NR.min(n - q * NR);
-                match order {
-                    // 16 stored rows of k, then transposed into the panel a 16 × 16 tile at
-                    // a time (both sides of a tile stay in L1).
-                    WeightOrder::OutIn => {
+    let scratch = || (Vec::<T>::new(), Vec::<f32>::new());
+    match order {
+        // Stored `[n, k]`: a batch is whole panels' rows. Each panel reads its 16 stored
+        // rows of k, then transposes them into the panel a 16 × 16 tile at a time (both
+        // sides of a tile stay in L1).
+        WeightOrder::OutIn => {
+            let per = batch.rows(k, NR, NR * batch.min_panels);
+            for (b, batch) in out.chunks_mut(per / NR * panel_len).enumerate() {
+                let j0 = b * per;
+                stack.load(j0, n.min(j0 + per))?;
+                let stack = &*stack;
+                batch
+                    .par_chunks_mut(panel_len)
+                    .enumerate()
+                    .try_for_each_init(scratch, |(rows, f32s), (qq, panel)| {
+                        let q = j0 / NR + qq;
+                        let cols = NR.min(n - q * NR);
                         rows.resize(cols * k, T::default());
                         for (jj, row) in rows.chunks_exact_mut(k).enumerate() {
-                            reader.row(q * NR + jj, 0, row, f32s)?;
+                            stack.row(q * NR + jj, 0, row, f32s)?;
                         }
                         for p0 in (0..k).step_by(NR) {
                             let w = NR.min(k - p0);
@@ -941,21 +1022,32 @@ fn fill_panels<T: PanelElem>(
                                 }
                             }
                         }
-                    }
-                    // Stored `[k, n]`: each row's 16 columns are one run.
-                    WeightOrder::InOut => {
-                        rows.resize(cols, T::default());
-                        for p in 0..k {
-                            reader.row(p, q * NR, rows, f32s)?;
+                        Ok::<(), WeightError>(())
+                    })?;
+            }
+        }
+        // Stored `[k, n]`: a batch is rows of every panel; each row's 16 columns are one run.
+        WeightOrder::InOut => {
+            let per = batch.rows(n, 1, 1);
+            for p0 in (0..k).step_by(per) {
+                let p1 = k.min(p0 + per);
+                stack.load(p0, p1)?;
+                let stack = &*stack;
+                out.par_chunks_mut(panel_len)
+                    .enumerate()
+                    .try_for_each_init(scratch, |(rows, f32s), (q, panel)| {
+                        rows.resize(NR.min(n - q * NR), T::default());
+                        for p in p0..p1 {
+                            stack.row(p, q * NR, rows, f32s)?;
                             for (jj, &v) in rows.iter().enumerate() {
                                 panel[T::slot(p, jj)] = v;
                             }
                         }
-                    }
-                }
-                Ok::<(), WeightError>(())
-            },
-        )?;
+                        Ok::<(), WeightError>(())
+                    })?;
+            }
+        }
+    }
     Ok(out)
 }
 
@@ -1135,6 +1227,19 @@ mod slice_tests {
         (m.n, m.k, matches!(m.panels, Panels::Bf16(_)), v)
     }
 
+    /// Stored rows a few at a time (one `InOut` row, one `OutIn` panel's rows per batch,
+    /// or a few), so that small weights take many batches.
+    const SMALL_BATCHES: [Batch; 2] = [
+        Batch {
+            bytes: 0,
+            min_panels: 0,
+        },
+        Batch {
+            bytes: 300,
+            min_panels: 0,
+        },
+    ];
+
     fn assert_same(src: &dyn WeightSource, w: &WeightSlice, what: &str) {
         for order in [WeightOrder::OutIn, WeightOrder::InOut] {
             for bf16 in [false, true] {
@@ -1144,6 +1249,13 @@ mod slice_tests {
                     bits(&old) == bits(&new),
                     "{what}: {w:?} {order:?} bf16={bf16}: panels differ"
                 );
+                for batch in SMALL_BATCHES {
+                    let new = PackedMatrix::pack_slices_in(src, &[w], order, bf16, batch).unwrap();
+                    assert!(
+                        bits(&old) == bits(&new),
+                        "{what}: {w:?} {order:?} bf16={bf16} {batch:?}: panels differ"
+                    );
+                }
             }
         }
     }
@@ -1373,6 +1485,10 @@ mod slice_tests {
                 let old = PackedMatrix::pack(&Tensor::new(shape.clone(), joined.clone()), order, bf16);
                 let new = PackedMatrix::pack_slices(&ckpt, &refs, order, bf16).unwrap();
                 prop_assert!(bits(&old) == bits(&new), "{order:?} bf16={bf16}: panels differ");
+                for batch in SMALL_BATCHES {
+                    let new = PackedMatrix::pack_slices_in(&ckpt, &refs, order, bf16, batch).unwrap();
+                    prop_assert!(bits(&old) == bits(&new), "{order:?} bf16={bf16} {batch:?}: panels differ");
+                }
             }
             drop(ckpt);
             std::fs::remove_dir_all(&dir).unwrap();

@@ -16,6 +16,9 @@ pub enum WeightError {
     /// A plan's weight slice that this checkpoint or runtime cannot serve.
     #[error("plan instruction `{name}` cannot run: {problem}. This plan does not fit this runtime; recompile it with this tpc.")]
     Slice { name: String, problem: String },
+    /// A weight file that shrank after it was opened: something wrote it while tpc read it.
+    #[error("the checkpoint `{path}` changed while it was being read ({what}); wait until nothing writes it (a download or copy has finished), then run again")]
+    Changed { path: PathBuf, what: String },
     /// Reading a file (the checkpoint, its index).
     #[error(transparent)]
     Read(#[from] crate::error::TpcError),

@@ -6,17 +6,16 @@
 //! only inside a tensor is not seen (the data is not read in full, which on a large
 //! checkpoint would take minutes).
 
-use super::{file_err, Checkpoint, Result};
+use super::{Checkpoint, Result};
 use crate::runtime::agreement::Digest;
-use std::os::unix::fs::FileExt;
 
 /// Bytes sampled at each end of every tensor's data.
 const SAMPLE: u64 = 64;
 
 impl Checkpoint {
     /// Each weight file's path in the checkpoint folder (as the index names it) with the
-    /// digest of its identity, in the order the checkpoint opened them. Reads the files
-    /// again through `pread`, so a file that shrank since it was opened is an error, not a
+    /// digest of its identity, in the order the checkpoint opened them. Reads the files it
+    /// opened, through `pread`, so a file that shrank since it was opened is an error, not a
     /// fault.
     pub fn file_identities(&self) -> Result<Vec<(String, u64)>> {
         let mut out = Vec::with_capacity(self.files.len());
@@ -27,23 +26,14 @@ impl Checkpoint {
                 .unwrap_or(&f.path)
                 .to_string_lossy()
                 .into_owned();
-            let file = std::fs::File::open(&f.path).map_err(|io| crate::error::TpcError::Read {
-                path: f.path.clone(),
-                io,
-            })?;
             let read = |from: u64, len: u64| -> Result<Vec<u8>> {
                 let mut buf = vec![0u8; len as usize];
-                file.read_exact_at(&mut buf, from).map_err(|e| {
-                    file_err(
-                        &f.path,
-                        format!("changed while it was being read ({e}); start again once nothing writes it"),
-                    )
-                })?;
+                f.read_exact_at(from, &mut buf)?;
                 Ok(buf)
             };
-            let data_start = f.data_start as u64;
+            let data_start = f.data_start;
             let mut d = Digest::default();
-            d.u64(f.map.len() as u64).part(&read(0, data_start)?);
+            d.u64(f.size).part(&read(0, data_start)?);
             let mut spans: Vec<(usize, usize)> = f
                 .meta
                 .tensors()

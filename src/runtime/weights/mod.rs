@@ -1,12 +1,15 @@
 //! Hugging Face checkpoints: `model.safetensors` or a sharded
-//! `model.safetensors.index.json`, memory-mapped. Every tensor a plan needs is checked
-//! before any compute; each rank then reads only its slices, converting straight from the
-//! map (see [`StoredTensor`]) and letting each tensor's pages go once it is read.
+//! `model.safetensors.index.json`. Every tensor a plan needs is checked before any compute;
+//! each rank then reads only its slices, with `pread` (see [`file`] for why not a memory
+//! map), converting to what it computes with.
 
 mod error;
+mod file;
 mod identity;
+mod stored;
 
 pub use error::WeightError;
+pub use stored::{StoredDtype, StoredRows};
 
 use super::tensor::Tensor;
 
@@ -14,25 +17,18 @@ use super::tensor::Tensor;
 pub type WeightResult<T> = std::result::Result<T, WeightError>;
 type Result<T> = WeightResult<T>;
 use crate::plan::{Plan, WeightSlice};
+use file::ShardFile;
 use half::slice::HalfFloatSliceExt;
-use memmap2::Mmap;
-use safetensors::tensor::{Metadata, SafeTensors, TensorInfo};
-use safetensors::Dtype;
+use rayon::prelude::*;
+use safetensors::tensor::TensorInfo;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-
-struct File {
-    path: PathBuf,
-    map: Mmap,
-    /// Where tensor data starts (after the 8-byte length and the JSON header).
-    data_start: usize,
-    meta: Metadata,
-}
+use stored::{decode_bf16, decode_f32};
 
 /// An opened checkpoint directory.
 pub struct Checkpoint {
     dir: PathBuf,
-    files: Vec<File>,
+    files: Vec<ShardFile>,
     /// Tensor name → file index.
     index: HashMap<String, usize>,
 }
@@ -44,37 +40,14 @@ fn file_err(path: &Path, problem: impl Into<String>) -> WeightError {
     }
 }
 
-fn open_file(path: &Path) -> Result<File> {
-    if path.is_dir() {
-        return Err(file_err(
-            path,
-            "is a folder, not a safetensors file; the checkpoint's weights must be files",
-        ));
-    }
-    let f = std::fs::File::open(path).map_err(|io| crate::error::TpcError::Read {
-        path: path.to_path_buf(),
-        io,
-    })?;
-    // SAFETY: the file is opened read-only and tpc never writes it; a checkpoint changed by
-    // another process while we run is outside what any loader can defend against.
-    let map = unsafe { Mmap::map(&f) }.map_err(|io| crate::error::TpcError::Read {
-        path: path.to_path_buf(),
-        io,
-    })?;
-    let (header, meta) =
-        SafeTensors::read_metadata(&map).map_err(|e| file_err(path, header_problem(&map, &e)))?;
-    // read_metadata checks that the header fits and that the offsets tile the data exactly;
-    // the checks here are kept anyway so that nothing below relies on that.
-    let data_start = 8usize.saturating_add(header);
-    let data_len = map.len().checked_sub(data_start).ok_or_else(|| {
-        file_err(
-            path,
-            "the header is longer than the file; re-download or re-save it",
-        )
-    })?;
-    for (name, info) in meta.tensors() {
+fn open_file(path: &Path) -> Result<ShardFile> {
+    let file = ShardFile::open(path)?;
+    // The header check saw the offsets tile the data exactly; this is kept anyway so that
+    // nothing below relies on that.
+    let data_len = file.size.saturating_sub(file.data_start);
+    for (name, info) in file.meta.tensors() {
         let (start, end) = info.data_offsets;
-        if start > end || end > data_len {
+        if start > end || end as u64 > data_len {
             return Err(WeightError::Tensor {
                 path: path.to_path_buf(),
                 tensor: name,
@@ -84,60 +57,41 @@ fn open_file(path: &Path) -> Result<File> {
             });
         }
     }
-    Ok(File {
-        path: path.to_path_buf(),
-        map,
-        data_start,
-        meta,
-    })
+    Ok(file)
 }
 
-/// tpc's own words for why a safetensors header does not read.
-fn header_problem(bytes: &[u8], e: &safetensors::SafeTensorError) -> String {
-    use safetensors::SafeTensorError as E;
-    let size = bytes.len();
-    let declared = bytes
-        .get(..8)
-        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
-    let why = match (e, declared) {
-        (E::HeaderTooSmall, _) => {
-            format!("the file has {size} bytes, fewer than the 8-byte header length; it is truncated")
-        }
-        (E::MetadataIncompleteBuffer | E::InvalidHeaderLength, Some(n)) if n.saturating_add(8) > size as u64 => {
-            format!("its header length says {n} bytes follow, the file has {size} in all; it is truncated")
-        }
-        (E::MetadataIncompleteBuffer, _) => format!(
-            "the tensors' data does not fill the file exactly ({size} bytes); it is truncated or has bytes appended"
-        ),
-        (E::HeaderTooLarge | E::InvalidHeaderLength, _) => {
-            "the header length is impossible; the file is corrupt or not safetensors".into()
-        }
-        (E::InvalidHeader | E::InvalidHeaderStart | E::InvalidHeaderDeserialization | E::JsonError(_), _) => {
-            "the header is not the JSON safetensors expects; the file is corrupt or not safetensors".into()
-        }
-        (E::TensorInvalidInfo | E::InvalidOffset(_) | E::ValidationOverflow, _) => {
-            "a tensor's shape, type and byte offsets disagree; the file is corrupt".into()
-        }
-        (other, _) => format!("its header does not read ({other:?})"),
-    };
-    format!("not a valid safetensors file: {why}; re-download or re-save it")
-}
-
-/// Resolves an index's file name inside the checkpoint folder; names that would leave it
-/// (absolute paths, `..`) are refused, so a downloaded index cannot make tpc read elsewhere.
-fn shard_path(dir: &Path, index_path: &Path, name: &str) -> Result<std::path::PathBuf> {
+/// Resolves an index's file name inside the checkpoint folder. Names that would leave it
+/// are refused, so a downloaded index cannot make tpc read elsewhere: absolute paths, `..`,
+/// and subfolders that are links to outside the folder (the folder each file is in must be
+/// the model folder or under it, after resolving links). The file itself may be a link, as
+/// the Hugging Face cache makes every file a link into its blob store.
+fn shard_path(dir: &Path, index_path: &Path, name: &str) -> Result<PathBuf> {
     let relative = Path::new(name);
+    let outside = || {
+        file_err(
+            index_path,
+            format!("`weight_map` names the file `{name}`, which is not inside the model folder; an index may name only files beside it"),
+        )
+    };
     let stays_inside = !name.is_empty()
         && relative
             .components()
             .all(|c| matches!(c, std::path::Component::Normal(_)));
     if !stays_inside {
-        return Err(file_err(
-            index_path,
-            format!("`weight_map` names the file `{name}`, which is not inside the model folder; an index may name only files beside it"),
-        ));
+        return Err(outside());
     }
-    Ok(dir.join(relative))
+    let path = dir.join(relative);
+    let folder = path.parent().unwrap_or(dir);
+    let canonical = |p: &Path| {
+        p.canonicalize().map_err(|io| crate::error::TpcError::Read {
+            path: p.to_path_buf(),
+            io,
+        })
+    };
+    if !canonical(folder)?.starts_with(canonical(dir)?) {
+        return Err(outside());
+    }
+    Ok(path)
 }
 
 impl Checkpoint {
@@ -215,7 +169,7 @@ impl Checkpoint {
             .map(|(k, &f)| (k.as_str(), f))
     }
 
-    fn info(&self, tensor: &str) -> Result<(&File, &TensorInfo)> {
+    fn info(&self, tensor: &str) -> Result<(&ShardFile, &TensorInfo)> {
         let (name, f) = self.resolve(tensor).ok_or_else(|| WeightError::Tensor {
             path: self.dir.clone(),
             tensor: tensor.to_string(),
@@ -232,26 +186,29 @@ impl Checkpoint {
         Ok((file, info))
     }
 
-    /// The tensor's bytes in the map, checked against its shape and dtype with checked
-    /// arithmetic: a corrupt header gives an error, never a panic or a read out of the map.
-    fn bytes<'a>(
-        &self,
-        file: &'a File,
-        tensor: &str,
-        info: &TensorInfo,
-        dtype: StoredDtype,
-    ) -> Result<&'a [u8]> {
+    /// A tensor tpc can read: its file, how it is stored, where its data starts in the file
+    /// and how many elements it has, checked against its shape and dtype and the file's
+    /// length with checked arithmetic: a corrupt header gives an error, never a panic or a
+    /// read outside the file.
+    fn tensor<'a>(&'a self, tensor: &'a str) -> Result<TensorSpan<'a>> {
+        let (file, info) = self.info(tensor)?;
         let bad = |problem: String| WeightError::Tensor {
             path: file.path.clone(),
             tensor: tensor.to_string(),
             problem,
         };
+        let dtype = StoredDtype::of(info.dtype).ok_or_else(|| {
+            bad(format!(
+                "has dtype {:?}; tpc reads F32, BF16 and F16",
+                info.dtype
+            ))
+        })?;
         let (start, end) = info.data_offsets;
-        let range = file
-            .data_start
-            .checked_add(start)
-            .zip(file.data_start.checked_add(end))
-            .filter(|(a, b)| a <= b && *b <= file.map.len())
+        let at = |o: usize| file.data_start.checked_add(o as u64);
+        let offset = at(start)
+            .zip(at(end))
+            .filter(|(a, b)| a <= b && *b <= file.size)
+            .map(|(a, _)| a)
             .ok_or_else(|| {
                 bad(format!(
                     "its data offsets {start}..{end} lie outside the file; the file is corrupt"
@@ -269,7 +226,13 @@ impl Checkpoint {
                 info.dtype
             )));
         }
-        Ok(&file.map[range.0..range.1])
+        Ok(TensorSpan {
+            file,
+            name: tensor,
+            dtype,
+            offset,
+            len: (end - start) / dtype.size(),
+        })
     }
 
     /// Checks every tensor every rank needs: present, the expected shape, a dtype tpc reads.
@@ -280,25 +243,157 @@ impl Checkpoint {
                 continue;
             }
             let (file, info) = self.info(&w.tensor)?;
-            let bad = |problem: String| WeightError::Tensor {
-                path: file.path.clone(),
-                tensor: w.tensor.to_string(),
-                problem,
-            };
             let expected: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
             if info.shape != expected {
-                return Err(bad(format!(
-                    "has shape {:?}, the model expects {expected:?}",
-                    info.shape
-                )));
+                return Err(WeightError::Tensor {
+                    path: file.path.clone(),
+                    tensor: w.tensor.to_string(),
+                    problem: format!("has shape {:?}, the model expects {expected:?}", info.shape),
+                });
             }
-            let dtype = StoredDtype::of(info.dtype).ok_or_else(|| {
-                bad(format!(
-                    "has dtype {:?}; tpc reads F32, BF16 and F16",
-                    info.dtype
+            self.tensor(&w.tensor)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a checked tensor's elements lie in its file.
+struct TensorSpan<'a> {
+    file: &'a ShardFile,
+    name: &'a str,
+    dtype: StoredDtype,
+    /// The file offset of element 0.
+    offset: u64,
+    /// Elements stored.
+    len: usize,
+}
+
+/// Bytes read from a file per `pread` when a read is split, so that reads of large tensors
+/// run on several threads and a conversion's scratch stays small.
+const READ_CHUNK: usize = 1 << 20;
+
+impl TensorSpan<'_> {
+    fn err(&self, problem: String) -> WeightError {
+        WeightError::Tensor {
+            path: self.file.path.clone(),
+            tensor: self.name.to_string(),
+            problem,
+        }
+    }
+
+    /// The file offset and byte length of elements `[from, from + count)`, or an error
+    /// naming the tensor when they are not all in it.
+    fn bytes_of(&self, from: usize, count: usize) -> Result<(u64, usize)> {
+        let size = self.dtype.size();
+        from.checked_add(count)
+            .filter(|&end| end <= self.len)
+            // In range: the tensor's bytes fit in the file, so in u64 and in usize.
+            .map(|_| (self.offset + (from * size) as u64, count * size))
+            .ok_or_else(|| {
+                self.err(format!(
+                    "elements {from}..{} asked for, it has {}; the plan does not match these weights",
+                    from.saturating_add(count),
+                    self.len
+                ))
+            })
+    }
+
+    /// Elements `[from, from + out.len())` converted by `decode`, read a chunk at a time.
+    fn read_into<T>(
+        &self,
+        from: usize,
+        out: &mut [T],
+        decode: impl Fn(StoredDtype, &[u8], &mut [T]),
+    ) -> Result<()> {
+        let (offset, bytes) = self.bytes_of(from, out.len())?;
+        let size = self.dtype.size();
+        let per_chunk = READ_CHUNK / size;
+        let mut scratch = vec![0u8; bytes.min(per_chunk * size)];
+        for (i, dst) in out.chunks_mut(per_chunk).enumerate() {
+            let buf = &mut scratch[..dst.len() * size];
+            self.file
+                .read_exact_at(offset + (i * per_chunk * size) as u64, buf)?;
+            decode(self.dtype, buf, dst);
+        }
+        Ok(())
+    }
+
+    /// Local rows `rows` of the 2-D slice `layout` of this tensor into `into`, in its stored
+    /// encoding, padding as zero bytes: each run of stored elements is read straight into
+    /// its place, consecutive runs joined, the reads spread over threads.
+    fn read_rows(
+        &self,
+        layout: &SliceLayout,
+        rows: std::ops::Range<usize>,
+        into: &mut StoredRows,
+    ) -> Result<()> {
+        if rows.start > rows.end || rows.end > layout.rows {
+            return Err(self.err(format!(
+                "rows {rows:?} asked for, the slice has {}",
+                layout.rows
+            )));
+        }
+        let size = self.dtype.size();
+        let cols = layout.cols;
+        let bytes = rows
+            .len()
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(size))
+            .ok_or_else(|| {
+                self.err(format!(
+                    "{} rows of {cols} overflow the address space",
+                    rows.len()
                 ))
             })?;
-            self.bytes(file, w.tensor.as_ref(), info, dtype)?;
+        // Only grows the buffer's zeroed part; padding is zeroed below, the rest is read.
+        into.bytes.resize(bytes, 0);
+        // (file offset, offset in the batch, bytes), in increasing batch offsets.
+        let mut runs: Vec<(u64, usize, usize)> = Vec::new();
+        for r in rows.clone() {
+            let buffer = &mut into.bytes;
+            layout.pieces(r, 0, cols, |at, piece| {
+                // In range: r - start < rows.len(), at + len ≤ cols.
+                let here = ((r - rows.start) * cols + at) * size;
+                match piece {
+                    Piece::Zeros { len } => buffer[here..here + len * size].fill(0),
+                    Piece::Stored { from, len } => {
+                        let (file_at, n) = self.bytes_of(from, len)?;
+                        match runs.last_mut() {
+                            Some(last)
+                                if last.0 + last.2 as u64 == file_at && last.1 + last.2 == here =>
+                            {
+                                last.2 += n
+                            }
+                            _ => runs.push((file_at, here, n)),
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        // The runs' places in the buffer, carved apart so that each read has its own.
+        let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(runs.len());
+        let mut rest: &mut [u8] = &mut into.bytes;
+        let mut done = 0;
+        for (file_at, here, n) in runs {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(here - done);
+            let (dst, tail) = tail.split_at_mut(n);
+            rest = tail;
+            done = here + n;
+            for (i, chunk) in dst.chunks_mut(READ_CHUNK).enumerate() {
+                reads.push((file_at + (i * READ_CHUNK) as u64, chunk));
+            }
+        }
+        reads
+            .into_par_iter()
+            .try_for_each(|(at, dst)| self.file.read_exact_at(at, dst))?;
+        into.dtype = self.dtype;
+        into.first = rows.start;
+        into.rows = rows.len();
+        into.cols = cols;
+        if into.tensor != self.name {
+            into.tensor = self.name.to_string();
+            into.path = self.file.path.clone();
         }
         Ok(())
     }
@@ -310,50 +405,49 @@ impl WeightSource for Checkpoint {
     }
 
     fn read(&self, tensor: &str, from: usize, count: usize, out: &mut Vec<f32>) -> Result<()> {
-        let stored = self.stored_tensor(tensor)?;
-        stored.run(from, count)?;
-        append(out, count, |dst| stored.f32s(from, dst))
+        let t = self.tensor(tensor)?;
+        // Checked first: `count` sizes the allocation.
+        t.bytes_of(from, count)?;
+        append(out, count, |dst| t.read_into(from, dst, decode_f32))
     }
 
-    fn stored(&self, tensor: &str) -> Result<Option<StoredTensor<'_>>> {
-        self.stored_tensor(tensor).map(Some)
-    }
-
-    fn release(&self, tensor: &str) {
-        let Ok((file, info)) = self.info(tensor) else {
-            return;
-        };
-        let (start, end) = info.data_offsets;
-        if let Some(offset) = file.data_start.checked_add(start) {
-            // SAFETY: the map is read-only and shared (MAP_SHARED of a file tpc never
-            // writes): MADV_DONTNEED only unmaps its pages from this process, and a later
-            // read of any borrowed slice faults the same bytes back in from the page cache.
-            // Best effort: an error only means the pages stay resident.
-            let _ = unsafe {
-                file.map.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    offset,
-                    end.saturating_sub(start),
-                )
-            };
-        }
-    }
-}
-
-impl Checkpoint {
-    fn stored_tensor(&self, tensor: &str) -> Result<StoredTensor<'_>> {
-        let (file, info) = self.info(tensor)?;
-        let dtype = StoredDtype::of(info.dtype).ok_or_else(|| WeightError::Tensor {
-            path: file.path.clone(),
-            tensor: tensor.to_string(),
-            problem: format!("has dtype {:?}; tpc reads F32, BF16 and F16", info.dtype),
-        })?;
-        Ok(StoredTensor {
-            dtype,
-            bytes: self.bytes(file, tensor, info, dtype)?,
-            tensor: tensor.to_string(),
-            path: &file.path,
+    fn read_bf16(
+        &self,
+        tensor: &str,
+        from: usize,
+        count: usize,
+        out: &mut Vec<half::bf16>,
+    ) -> Result<()> {
+        let t = self.tensor(tensor)?;
+        t.bytes_of(from, count)?;
+        append(out, count, |dst| {
+            t.read_into(from, dst.reinterpret_cast_mut(), decode_bf16)
         })
+    }
+
+    fn read_stored_rows(
+        &self,
+        w: &WeightSlice,
+        rows: std::ops::Range<usize>,
+        into: &mut StoredRows,
+    ) -> Result<bool> {
+        let layout = SliceLayout::new(w)?;
+        let t = self.tensor(&w.tensor)?;
+        // The layout's ranges were checked against `w.shape`; that is the stored shape.
+        let (_, info) = self.info(&w.tensor)?;
+        if !info
+            .shape
+            .iter()
+            .map(|&d| d as u64)
+            .eq(w.shape.iter().copied())
+        {
+            return Err(t.err(format!(
+                "has shape {:?}, the plan's slice expects {:?}",
+                info.shape, w.shape
+            )));
+        }
+        t.read_rows(&layout, rows, into)?;
+        Ok(true)
     }
 }
 
@@ -379,14 +473,19 @@ pub trait WeightSource: Sync {
     fn check(&self, plan: &Plan) -> Result<()>;
     /// Appends elements `[from, from + count)` of the flattened tensor, as f32.
     fn read(&self, tensor: &str, from: usize, count: usize, out: &mut Vec<f32>) -> Result<()>;
-    /// The tensor's stored encoding and bytes when the source holds them in memory (a
-    /// checkpoint's map, borrowed: no copy); `None` for a source that computes its values.
-    fn stored(&self, _tensor: &str) -> Result<Option<StoredTensor<'_>>> {
-        Ok(None)
+    /// Reads local rows `rows` of the 2-D slice `w` into `into` in the encoding the source
+    /// stores them in (padding zero), for a packer to convert straight to what it computes
+    /// with, and says true; a source that computes its values reads nothing and says false.
+    fn read_stored_rows(
+        &self,
+        _w: &WeightSlice,
+        _rows: std::ops::Range<usize>,
+        _into: &mut StoredRows,
+    ) -> Result<bool> {
+        Ok(false)
     }
     /// Appends elements `[from, from + count)` as bf16, equal to `half::bf16::from_f32` of
-    /// what [`WeightSource::read`] gives: straight from the stored bytes where there are
-    /// some (bf16 is copied), otherwise through `read` a bounded chunk at a time.
+    /// what [`WeightSource::read`] gives, through `read` a bounded chunk at a time.
     fn read_bf16(
         &self,
         tensor: &str,
@@ -394,13 +493,6 @@ pub trait WeightSource: Sync {
         count: usize,
         out: &mut Vec<half::bf16>,
     ) -> Result<()> {
-        if let Some(stored) = self.stored(tensor)? {
-            // Checked first: `count` sizes the allocation.
-            stored.run(from, count)?;
-            return append(out, count, |dst| {
-                stored.bf16_bits(from, dst.reinterpret_cast_mut())
-            });
-        }
         const CHUNK: usize = 1 << 14;
         let mut buf = Vec::with_capacity(CHUNK.min(count));
         let mut done = 0;
@@ -413,144 +505,11 @@ pub trait WeightSource: Sync {
         }
         Ok(())
     }
-    /// Done with `tensor` for now: a memory-mapped source lets its pages leave this
-    /// process's resident memory (the page cache keeps them; a later read maps them back).
-    fn release(&self, _tensor: &str) {}
 }
 
-/// How a stored tensor's elements are encoded (little-endian).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoredDtype {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl StoredDtype {
-    fn of(dtype: Dtype) -> Option<StoredDtype> {
-        match dtype {
-            Dtype::F32 => Some(StoredDtype::F32),
-            Dtype::BF16 => Some(StoredDtype::Bf16),
-            Dtype::F16 => Some(StoredDtype::F16),
-            _ => None,
-        }
-    }
-
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            StoredDtype::F32 => 4,
-            StoredDtype::Bf16 | StoredDtype::F16 => 2,
-        }
-    }
-}
-
-/// A stored tensor's bytes, borrowed from the source, with conversions that read a run of
-/// elements straight into the caller's buffer.
-pub struct StoredTensor<'a> {
-    pub dtype: StoredDtype,
-    /// Little-endian elements, `len() · dtype.size()` bytes.
-    pub bytes: &'a [u8],
-    tensor: String,
-    path: &'a Path,
-}
-
-impl StoredTensor<'_> {
-    /// Elements stored.
-    pub fn len(&self) -> usize {
-        self.bytes.len() / self.dtype.size()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The bytes of elements `[from, from + count)`, or an error naming the tensor.
-    fn run(&self, from: usize, count: usize) -> Result<&[u8]> {
-        let size = self.dtype.size();
-        let range = from
-            .checked_add(count)
-            .filter(|&end| end <= self.len())
-            .map(|end| from * size..end * size);
-        range
-            .map(|r| &self.bytes[r])
-            .ok_or_else(|| WeightError::Tensor {
-                path: self.path.to_path_buf(),
-                tensor: self.tensor.clone(),
-                problem: format!(
-                    "elements {from}..{} asked for, it has {}; the plan does not match these weights",
-                    from.saturating_add(count),
-                    self.len()
-                ),
-            })
-    }
-
-    /// Elements `[from, from + out.len())` as f32 (bf16 and f16 widen exactly).
-    pub fn f32s(&self, from: usize, out: &mut [f32]) -> Result<()> {
-        let bytes = self.run(from, out.len())?;
-        // Byte arrays (not `chunks_exact`) so that these loops vectorise.
-        match self.dtype {
-            StoredDtype::F32 => {
-                for (o, b) in out.iter_mut().zip(byte_arrays::<4>(bytes)) {
-                    *o = f32::from_le_bytes(*b);
-                }
-            }
-            StoredDtype::Bf16 => {
-                for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
-                    *o = f32::from_bits((u16::from_le_bytes(*b) as u32) << 16);
-                }
-            }
-            StoredDtype::F16 => {
-                for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
-                    *o = half::f16::from_le_bytes(*b).to_f32();
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Elements `[from, from + out.len())` as bf16 bits, equal to `half::bf16::from_f32` of
-    /// [`StoredTensor::f32s`]: bf16 is copied (a NaN gets its quiet bit, as that round trip
-    /// gives it), f32 and f16 are rounded to nearest even.
-    pub fn bf16_bits(&self, from: usize, out: &mut [u16]) -> Result<()> {
-        let bytes = self.run(from, out.len())?;
-        match self.dtype {
-            StoredDtype::Bf16 => {
-                for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
-                    let bits = u16::from_le_bytes(*b);
-                    // Branch-free so that the copy vectorises.
-                    let nan = ((bits & 0x7FFF) > 0x7F80) as u16;
-                    *o = bits | (nan << 6);
-                }
-            }
-            StoredDtype::F32 => {
-                for (o, b) in out.iter_mut().zip(byte_arrays::<4>(bytes)) {
-                    *o = half::bf16::from_f32(f32::from_le_bytes(*b)).to_bits();
-                }
-            }
-            StoredDtype::F16 => {
-                for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
-                    let v = half::f16::from_le_bytes(*b).to_f32();
-                    *o = half::bf16::from_f32(v).to_bits();
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `bytes` as whole `N`-byte arrays, the tail dropped (what `slice::as_chunks` does, newer
-/// than this crate's minimum Rust).
-fn byte_arrays<const N: usize>(bytes: &[u8]) -> &[[u8; N]] {
-    // SAFETY: `[u8; N]` has size N and alignment 1, so `len / N` of them lie within `bytes`
-    // whatever its address, and any bytes are a valid `[u8; N]`.
-    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / N) }
-}
-
-/// One rank's piece of a tensor, as f32, with padding of zeros; the tensor's pages are
-/// released afterwards (see [`WeightSource::release`]).
+/// One rank's piece of a tensor, as f32, with padding of zeros.
 pub fn load_slice(src: &dyn WeightSource, w: &WeightSlice) -> Result<Tensor> {
-    let (local, data) = load_slice_as(src, w, |t, from, count, out: &mut Vec<f32>| {
+    let (local, data) = load_slice_as(w, |t, from, count, out: &mut Vec<f32>| {
         src.read(t, from, count, out)
     })?;
     Ok(Tensor::new(local, data))
@@ -562,7 +521,7 @@ pub fn load_slice_bf16(
     src: &dyn WeightSource,
     w: &WeightSlice,
 ) -> Result<(Vec<usize>, Vec<half::bf16>)> {
-    load_slice_as(src, w, |t, from, count, out: &mut Vec<half::bf16>| {
+    load_slice_as(w, |t, from, count, out: &mut Vec<half::bf16>| {
         src.read_bf16(t, from, count, out)
     })
 }
@@ -636,7 +595,6 @@ pub fn side_by_side<T: Copy>(
 
 /// The slicing of [`load_slice`] for any element type, reading runs with `read`.
 fn load_slice_as<T: Copy + Default>(
-    src: &dyn WeightSource,
     w: &WeightSlice,
     read: impl Fn(&str, usize, usize, &mut Vec<T>) -> Result<()>,
 ) -> Result<(Vec<usize>, Vec<T>)> {
@@ -695,7 +653,6 @@ fn load_slice_as<T: Copy + Default>(
             ),
         ));
     }
-    src.release(&w.tensor);
     Ok((local, out))
 }
 
@@ -934,10 +891,56 @@ mod tests {
     fn exercise(bytes: &[u8], reads: &[(usize, usize)]) {
         let dir = temp_dir();
         std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+        // The header read with pread accepts exactly what safetensors accepts in memory.
+        let ours = ShardFile::open(&dir.join("model.safetensors"));
+        let theirs = safetensors::SafeTensors::read_metadata(bytes);
+        assert_eq!(ours.is_ok(), theirs.is_ok(), "{:?}", ours.err());
+        if let (Ok(ours), Ok((n, meta))) = (ours, theirs) {
+            assert_eq!(ours.data_start, 8 + n as u64);
+            let listed = |m: &safetensors::tensor::Metadata| {
+                let mut v: Vec<String> = m
+                    .tensors()
+                    .iter()
+                    .map(|(name, info)| format!("{name} {info:?}"))
+                    .collect();
+                v.sort();
+                v
+            };
+            assert_eq!(listed(&ours.meta), listed(&meta));
+        }
         if let Ok(ckpt) = Checkpoint::open(&dir) {
             for name in ["a", "b", "missing"] {
-                let _ = ckpt.stored(name);
                 for &(from, count) in reads {
+                    // The tensor whole and a range of rows, as a plan would slice it (with
+                    // the shape its header gives), and the same with a shape it does not.
+                    let shape = ckpt.info(name).map_or(vec![2, 2], |(_, i)| {
+                        i.shape.iter().map(|&d| d as u64).collect()
+                    });
+                    if let [rows, cols] = shape[..] {
+                        let range = (from as u64 % (rows + 1), count as u64 % (rows + 1));
+                        for (dim, ranges, local_rows) in
+                            [(None, vec![], rows), (Some(0), vec![range], range.1)]
+                        {
+                            for shape in [vec![rows, cols], vec![cols, rows]] {
+                                let edge = local_rows as usize + 2;
+                                let batch = from % edge..count % edge;
+                                let slice = WeightSlice {
+                                    tensor: name.into(),
+                                    shape,
+                                    dtype: crate::ir::DType::F32,
+                                    dim,
+                                    ranges: ranges
+                                        .iter()
+                                        .map(|&(offset, len)| crate::ir::SliceRange { offset, len })
+                                        .collect(),
+                                    padding: 0,
+                                    local_shape: vec![local_rows, cols],
+                                };
+                                let mut into = StoredRows::default();
+                                let _ = ckpt.read_stored_rows(&slice, batch, &mut into);
+                            }
+                        }
+                    }
                     let mut f = Vec::new();
                     if ckpt.read(name, from, count, &mut f).is_err() {
                         assert!(f.is_empty(), "a failed read leaves the output as it was");
@@ -945,7 +948,6 @@ mod tests {
                     let mut b = Vec::new();
                     let _ = ckpt.read_bf16(name, from, count, &mut b);
                 }
-                ckpt.release(name);
             }
         }
         std::fs::remove_dir_all(dir).unwrap();
@@ -1023,13 +1025,97 @@ mod tests {
         let mut b = Vec::new();
         ckpt.read_bf16("b", 1, 1, &mut b).unwrap();
         assert_eq!(b, [half::bf16::from_f32(-1.0)]);
-        let stored = ckpt.stored("a").unwrap().unwrap();
-        assert_eq!((stored.dtype, stored.len()), (StoredDtype::Bf16, 4));
+        let mut rows = StoredRows::default();
+        assert!(ckpt
+            .read_stored_rows(&whole("a", [2, 2]), 1..2, &mut rows)
+            .unwrap());
+        assert_eq!((rows.dtype(), rows.rows()), (StoredDtype::Bf16, 1..2));
+        let mut bits = [0u16; 2];
+        rows.bf16_bits(1, 0, &mut bits).unwrap();
+        assert_eq!(
+            bits.map(|b| half::bf16::from_bits(b).to_f32()),
+            [0.15625, 3.0]
+        );
+        let mut wide = [0f32; 1];
+        rows.f32s(1, 1, &mut wide).unwrap();
+        assert_eq!(wide, [3.0]);
+        // A row not read, columns past the row, rows past the slice: errors.
+        assert!(rows.f32s(0, 0, &mut wide).is_err());
+        assert!(rows.bf16_bits(1, 1, &mut bits).is_err());
+        assert!(ckpt
+            .read_stored_rows(&whole("a", [2, 2]), 1..3, &mut rows)
+            .is_err());
         // One past the end, and an overflowing range: errors that name the tensor.
         let e = ckpt.read("a", 2, 3, &mut f).unwrap_err().to_string();
         assert!(e.contains("`a`") && e.contains("2..5"), "{e}");
         assert!(ckpt.read_bf16("a", usize::MAX, 2, &mut b).is_err());
         assert_eq!((f.len(), b.len()), (6, 1));
+        drop(ckpt);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The whole 2-D tensor `name` as a plan's slice.
+    fn whole(name: &str, shape: [u64; 2]) -> WeightSlice {
+        WeightSlice {
+            tensor: name.into(),
+            shape: shape.to_vec(),
+            dtype: crate::ir::DType::F32,
+            dim: None,
+            ranges: vec![],
+            padding: 0,
+            local_shape: shape.to_vec(),
+        }
+    }
+
+    /// A weight file cut short by another process after tpc opened it: every read of the
+    /// bytes that are gone is an error naming the file (through a memory map it was SIGBUS,
+    /// which kills this test binary), and the bytes still there read as before.
+    #[test]
+    fn a_file_cut_short_after_opening_is_an_error_not_a_fault() {
+        // Two pages of f32 data, so that the cut leaves whole pages behind it.
+        let header = r#"{"w":{"dtype":"F32","shape":[16,128],"data_offsets":[0,8192]},"t":{"dtype":"BF16","shape":[4],"data_offsets":[8192,8200]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        let data_start = bytes.len();
+        for i in 0..2048 {
+            bytes.extend_from_slice(&(i as f32).to_le_bytes());
+        }
+        bytes.extend_from_slice(&[0; 8]);
+        let dir = temp_dir();
+        let path = dir.join("model.safetensors");
+        std::fs::write(&path, &bytes).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        // Keep the header and the first row of `w` (128 f32s).
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len((data_start + 512) as u64)
+            .unwrap();
+        let changed = |e: WeightError| {
+            let e = e.to_string();
+            assert!(
+                e.contains(&format!(
+                    "the checkpoint `{}` changed while it was being read",
+                    path.display()
+                )),
+                "{e}"
+            );
+        };
+        let mut f = vec![];
+        ckpt.read("w", 0, 128, &mut f).unwrap();
+        assert_eq!(f[127], 127.0);
+        changed(ckpt.read("w", 0, 129, &mut f).unwrap_err());
+        assert_eq!(f.len(), 128, "a failed read leaves the output as it was");
+        let mut b = vec![];
+        changed(ckpt.read_bf16("t", 0, 4, &mut b).unwrap_err());
+        let slice = whole("w", [16, 128]);
+        let mut rows = StoredRows::default();
+        ckpt.read_stored_rows(&slice, 0..1, &mut rows).unwrap();
+        changed(ckpt.read_stored_rows(&slice, 0..2, &mut rows).unwrap_err());
+        changed(load_slice(&ckpt, &slice).unwrap_err());
+        changed(load_slice_bf16(&ckpt, &slice).unwrap_err());
+        changed(ckpt.file_identities().unwrap_err());
         drop(ckpt);
         std::fs::remove_dir_all(dir).unwrap();
     }
