@@ -326,7 +326,7 @@ impl Backend for CpuBackend {
         usage: WeightUse,
     ) -> BackendResult<CpuWeight> {
         let weights = BackendError::Weights;
-        // Linear weights go from the memory map straight into packed panels, in the compute
+        // Linear weights go from the checkpoint straight into packed panels, in the compute
         // dtype (no f32 copy of a bf16 weight); only other uses get a plain f32 tensor.
         let packed = match usage.linear {
             Some(order) if slice.local_shape.len() == 2 => Some(
