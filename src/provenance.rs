@@ -64,6 +64,10 @@ pub fn check_saved(plan: &Plan, model: Option<&ModelDef>, path: &Path) -> Result
             .into())
         }
     };
+    // The checkpoint's own definition, as recorded: its plan is the one just compiled.
+    if source.model == *model {
+        return Ok(Accepted::Recorded);
+    }
     let mut same_choices = source.clone();
     same_choices.model = model.clone();
     let ours = compile_source(&same_choices, plan.tp, layers.as_deref());

@@ -122,18 +122,16 @@ fn model_files(
             "model.safetensors.index.json",
         ] {
             let path = model.join(name);
-            let bytes = match std::fs::metadata(&path) {
+            // Opened as every input is (a FIFO or a device would block or never end).
+            let bytes = match tpc::fsio_check::open_regular(&path) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
                 Err(e) => return Err(e).with_context(|| format!("reading `{}`", path.display())),
-                // A FIFO or a device would block or never end.
-                Ok(m) if !m.is_file() => anyhow::bail!(
-                    "`{}` is not a regular file; a model's files must be files",
-                    path.display()
-                ),
-                Ok(_) => Some(
-                    std::fs::read(&path)
-                        .with_context(|| format!("reading `{}`", path.display()))?,
-                ),
+                Ok(mut file) => {
+                    let mut bytes = Vec::new();
+                    std::io::Read::read_to_end(&mut file, &mut bytes)
+                        .with_context(|| format!("reading `{}`", path.display()))?;
+                    Some(bytes)
+                }
             };
             r.file(name, bytes.map(|b| digest(&b)));
         }

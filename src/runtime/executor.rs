@@ -57,6 +57,8 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     /// The linears that compute the output (the LM head): only row-wise ops lie between
     /// them and it, so they may run on the rows the caller wants alone.
     head_linears: Vec<u32>,
+    /// Per parameter value id, the checkpoint tensor's rows (for embedding bounds).
+    table_rows: HashMap<u32, u64>,
     /// Per value id, the index of the last instruction that reads it (`usize::MAX`: none):
     /// a value is released there, and an elementwise op that is its last reader works in
     /// place on it instead of on a copy.
@@ -197,6 +199,15 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 loaded.insert(i.id, weight);
             }
         }
+        // Each parameter's whole row count (every rank's rows together), for embeddings.
+        let table_rows = program
+            .instrs
+            .iter()
+            .filter_map(|i| match &i.op {
+                Op::Param(p) => Some((i.id, slices.get(&*p.tensor)?.shape.first().copied()?)),
+                _ => None,
+            })
+            .collect();
         let mut caches = HashMap::new();
         for i in &program.instrs {
             if let Op::Attention(_) = &i.op {
@@ -237,6 +248,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             caches,
             positions: Vec::new(),
             head_linears: program.head_linears(),
+            table_rows,
             last_use,
             values: Vec::new(),
             collective_bytes: 0,
@@ -727,12 +739,8 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let rows = i
             .inputs
             .get(1)
-            .and_then(|t| self.program.instrs.iter().find(|x| x.id == *t))
-            .and_then(|t| match &t.op {
-                Op::Param(p) => self.program.weights.iter().find(|w| w.tensor == p.tensor),
-                _ => None,
-            })
-            .and_then(|w| w.shape.first().copied());
+            .and_then(|t| self.table_rows.get(t))
+            .copied();
         let Some(rows) = rows else {
             return Ok(());
         };

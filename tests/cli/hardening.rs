@@ -2,19 +2,13 @@
 //! without end, wrapped a size or lost a file now gets a clear refusal (exit 1, no panic),
 //! or, for a closed pipe, a quiet exit 0.
 
+use crate::cli::tpc;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 const TINY: &str = "models/tiny-llama.ron";
 const CHECKPOINT: &str = "tests/fixtures/checkpoints/llama-gqa";
-
-fn tpc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tpc"))
-        .args(args)
-        .output()
-        .expect("tpc runs")
-}
 
 fn scratch(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tpc-hardening-{}-{test}", std::process::id()));
@@ -24,7 +18,7 @@ fn scratch(test: &str) -> PathBuf {
 }
 
 /// Exit 1 with a message and no panic; returns stderr.
-fn refused(o: &Output) -> String {
+pub(crate) fn refused(o: &Output) -> String {
     let e = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(o.status.code(), Some(1), "expected a clean refusal: {e}");
     assert!(

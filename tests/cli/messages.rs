@@ -2,35 +2,19 @@
 //! inputs that were accepted or explained badly now run as transformers would or are refused
 //! with a message that says what is wrong with the input (exit 1, no panic).
 
+use crate::cli::tpc;
+use crate::hardening::refused;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 const CHECKPOINT: &str = "tests/fixtures/checkpoints/llama-gqa";
 const PROMPT: &str = "3,71,249,130,12,188,64";
-
-fn tpc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tpc"))
-        .args(args)
-        .output()
-        .expect("tpc runs")
-}
 
 fn scratch(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tpc-messages-{}-{test}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Exit 1 with a message and no panic; returns stderr.
-fn refused(o: &Output) -> String {
-    let e = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert_eq!(o.status.code(), Some(1), "expected a clean refusal: {e}");
-    assert!(
-        !e.contains("panicked") && !e.contains("RUST_BACKTRACE"),
-        "{e}"
-    );
-    e
 }
 
 /// Exit 0; returns stdout.

@@ -5,19 +5,13 @@
 //! Devices are made in the test's own folder where this process may (`mknod`), so a tpc that
 //! replaced a device by a file would replace that one, never the system's `/dev/null`.
 
+use crate::cli::tpc;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const TINY: &str = "models/tiny-llama.ron";
 const CHECKPOINT: &str = "tests/fixtures/checkpoints/llama-gqa";
-
-fn tpc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tpc"))
-        .args(args)
-        .output()
-        .expect("tpc runs")
-}
 
 fn scratch(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tpc-outputs-{}-{test}", std::process::id()));
