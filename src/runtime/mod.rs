@@ -20,6 +20,7 @@ pub mod cpu_launch;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod engine;
 pub mod error;
 pub mod executor;
 pub mod fused;
