@@ -2,3 +2,11 @@
 //! step at a time on every rank. [`api`] is what clients (the HTTP server, `tpc run`) see.
 
 pub mod api;
+pub mod blocks;
+pub mod driver;
+pub mod handle;
+pub mod metrics;
+pub mod scheduler;
+pub mod step;
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,186 @@
+//! One engine step as every rank runs it: the sequences of the batch, each with its new
+//! tokens, the position they start at and its block table, and what the output exchange
+//! returns. The leading rank's scheduler makes it; the others receive it encoded as exact
+//! small integers in f32 (what every communicator moves), as pipeline control messages are.
+
+/// What a step's output is reduced to before it leaves the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exchange {
+    /// Each row's greedy token only (every sequence greedy, no log-probabilities).
+    Argmax,
+    /// The whole logits of each row (sampling, log-probabilities).
+    Logits,
+}
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedSeq {
+    /// Positions already in the cache; the tokens go at `start..start + tokens.len()`.
+    pub start: usize,
+    pub tokens: Vec<i64>,
+    /// Covers at least `start + tokens.len()` positions.
+    pub blocks: Vec<u32>,
+}
+
+/// What the leading rank tells the others before each step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StepMessage {
+    Step {
+        seqs: Vec<PlannedSeq>,
+        exchange: Exchange,
+    },
+    /// The engine stops: leave the loop.
+    Stop,
+}
+
+/// Integers up to this pass through f32 exactly.
+const EXACT: u64 = 1 << 24;
+
+/// A message that cannot be decoded: ranks out of step, a bug in tpc.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("engine step message: {0} (the ranks are out of step; a bug in tpc)")]
+pub struct StepCodeError(pub String);
+
+fn exact(what: &str, v: u64) -> Result<f32, StepCodeError> {
+    if v >= EXACT {
+        return Err(StepCodeError(format!(
+            "{what} {v} does not pass between ranks exactly (at most {})",
+            EXACT - 1
+        )));
+    }
+    Ok(v as f32)
+}
+
+impl StepMessage {
+    /// `[kind, exchange, count, (start, n_tokens, n_blocks, tokens.., blocks..)..]`.
+    pub fn encode(&self) -> Result<Vec<f32>, StepCodeError> {
+        let mut out = Vec::new();
+        match self {
+            StepMessage::Stop => out.push(0.0),
+            StepMessage::Step { seqs, exchange } => {
+                out.push(1.0);
+                out.push(match exchange {
+                    Exchange::Argmax => 0.0,
+                    Exchange::Logits => 1.0,
+                });
+                out.push(exact("a batch size", seqs.len() as u64)?);
+                for s in seqs {
+                    out.push(exact("a position", s.start as u64)?);
+                    out.push(exact("a token count", s.tokens.len() as u64)?);
+                    out.push(exact("a block count", s.blocks.len() as u64)?);
+                    for &t in &s.tokens {
+                        out.push(exact("a token id", u64::try_from(t).unwrap_or(u64::MAX))?);
+                    }
+                    for &b in &s.blocks {
+                        out.push(exact("a block id", b as u64)?);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn decode(data: &[f32]) -> Result<StepMessage, StepCodeError> {
+        let mut it = data.iter().copied();
+        let mut next = |what: &str| -> Result<u64, StepCodeError> {
+            let v = it
+                .next()
+                .ok_or_else(|| StepCodeError(format!("ends before {what}")))?;
+            if !(v >= 0.0 && (v as u64) < EXACT && v.fract() == 0.0) {
+                return Err(StepCodeError(format!("{what} is {v}")));
+            }
+            Ok(v as u64)
+        };
+        match next("its kind")? {
+            0 => Ok(StepMessage::Stop),
+            1 => {
+                let exchange = match next("the exchange")? {
+                    0 => Exchange::Argmax,
+                    1 => Exchange::Logits,
+                    e => return Err(StepCodeError(format!("exchange {e}"))),
+                };
+                let count = next("the batch size")? as usize;
+                let mut seqs = Vec::with_capacity(count.min(data.len()));
+                for _ in 0..count {
+                    let start = next("a position")? as usize;
+                    let n = next("a token count")? as usize;
+                    let b = next("a block count")? as usize;
+                    let tokens = (0..n)
+                        .map(|_| next("a token id").map(|t| t as i64))
+                        .collect::<Result<_, _>>()?;
+                    let blocks = (0..b)
+                        .map(|_| next("a block id").map(|b| b as u32))
+                        .collect::<Result<_, _>>()?;
+                    seqs.push(PlannedSeq {
+                        start,
+                        tokens,
+                        blocks,
+                    });
+                }
+                if it.next().is_some() {
+                    return Err(StepCodeError("values after the last sequence".into()));
+                }
+                Ok(StepMessage::Step { seqs, exchange })
+            }
+            k => Err(StepCodeError(format!("kind {k}"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_survive_the_round_trip() {
+        let step = StepMessage::Step {
+            seqs: vec![
+                PlannedSeq {
+                    start: 0,
+                    tokens: vec![5, 0, 151_000],
+                    blocks: vec![3],
+                },
+                PlannedSeq {
+                    start: 40,
+                    tokens: vec![7],
+                    blocks: vec![9, 1, 4],
+                },
+            ],
+            exchange: Exchange::Logits,
+        };
+        for m in [step, StepMessage::Stop] {
+            assert_eq!(StepMessage::decode(&m.encode().unwrap()).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn values_that_do_not_pass_exactly_or_torn_messages_are_errors() {
+        let big = StepMessage::Step {
+            seqs: vec![PlannedSeq {
+                start: 1 << 24,
+                tokens: vec![1],
+                blocks: vec![0],
+            }],
+            exchange: Exchange::Argmax,
+        };
+        assert!(big.encode().is_err());
+        let ok = StepMessage::Step {
+            seqs: vec![PlannedSeq {
+                start: 2,
+                tokens: vec![1, 2],
+                blocks: vec![0],
+            }],
+            exchange: Exchange::Argmax,
+        }
+        .encode()
+        .unwrap();
+        assert!(StepMessage::decode(&ok[..ok.len() - 1]).is_err());
+        let mut extra = ok.clone();
+        extra.push(0.0);
+        assert!(StepMessage::decode(&extra).is_err());
+        let mut frac = ok;
+        frac[3] = 2.5;
+        assert!(StepMessage::decode(&frac).is_err());
+        assert!(StepMessage::decode(&[]).is_err());
+    }
+}
