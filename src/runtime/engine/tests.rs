@@ -402,14 +402,14 @@ impl StepRunner for Pair {
     }
 }
 
+/// The leader's and the follower's results.
+type Ranks = std::thread::JoinHandle<(Result<()>, Result<()>)>;
+
 fn engine(
     cfg: SchedulerConfig,
     max_waiting: usize,
     fail_at: Option<usize>,
-) -> (
-    Arc<EngineHandle>,
-    std::thread::JoinHandle<(Result<()>, Result<()>)>,
-) {
+) -> (Arc<EngineHandle>, Ranks) {
     let (tx, rx) = mpsc::channel::<Command>();
     let shared = Arc::new(Shared::default());
     let scheduler = Scheduler::new(cfg.clone());
