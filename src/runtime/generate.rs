@@ -463,6 +463,11 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
                             origin,
                         });
                     }
+                    Control::Engine(_) => {
+                        return Err(RunError::Pipeline(
+                            "a serving-engine step during a batch generation (a bug in tpc)".into(),
+                        ))
+                    }
                 }
             }
         }

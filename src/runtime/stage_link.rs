@@ -30,7 +30,7 @@ pub struct StageLink<C> {
 }
 
 /// What the last stage tells the earlier ones after the prefill.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Control {
     /// Run one decode step over these (sequence, new token) pairs.
     Step(Vec<(usize, i64)>),
@@ -43,6 +43,8 @@ pub enum Control {
     },
     /// This generation is over.
     Done,
+    /// One serving-engine step, as `engine::step::StepMessage` encodes it.
+    Engine(Vec<f32>),
 }
 
 fn protocol(problem: impl Into<String>) -> RunError {
@@ -96,6 +98,10 @@ impl Control {
                     out.push(to_f32("a token id", token(t)?)?);
                 }
             }
+            Control::Engine(body) => {
+                out.push(3.0);
+                out.extend_from_slice(body);
+            }
         }
         Ok(out)
     }
@@ -120,6 +126,7 @@ impl Control {
                     tokens: v[2..].iter().map(|&t| t as i64).collect(),
                 })
             }
+            3 => Ok(Control::Engine(rest.to_vec())),
             _ => Err(protocol(format!(
                 "a control message of kind {kind} and {} values (a bug in tpc)",
                 rest.len()
@@ -255,6 +262,8 @@ mod tests {
                 step: 7,
                 tokens: vec![1, 2, 3],
             },
+            Control::Engine(vec![]),
+            Control::Engine(vec![1.0, 0.0, 2.0, 16.0]),
         ] {
             assert_eq!(Control::decode(&c.encode().unwrap()).unwrap(), c);
         }
