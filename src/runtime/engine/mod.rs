@@ -6,6 +6,7 @@ pub mod blocks;
 pub mod driver;
 pub mod handle;
 pub mod metrics;
+pub mod replicas;
 pub mod scheduler;
 pub mod step;
 #[cfg(test)]
