@@ -9,6 +9,7 @@ mod contract;
 
 mod backend_contract;
 mod batch;
+mod engine_serve;
 mod parity;
 mod pipeline;
 mod plan_provenance;
