@@ -236,6 +236,27 @@ impl TextTokenizer {
             })
     }
 
+    /// The ids of a text that holds its special tokens already (a rendered chat template):
+    /// the text's own tokens, none added around them.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<i64>> {
+        let own = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| TpcError::HfConfig {
+                path: self.path.clone(),
+                message: format!("cannot tokenize the prompt: {e}"),
+            })?;
+        Ok(own.get_ids().iter().map(|&i| i64::from(i)).collect())
+    }
+
+    /// One token's text, a special token's included (log-probability listings name every
+    /// token); `None` for an id the tokenizer does not know.
+    pub fn token_text(&self, id: i64) -> Option<String> {
+        let id = u32::try_from(id).ok()?;
+        self.tokenizer.id_to_token(id)?;
+        self.tokenizer.decode(&[id], false).ok()
+    }
+
     /// The special tokens every prompt gets.
     pub fn frame(&self) -> &Frame {
         &self.frame
@@ -449,6 +470,12 @@ mod tests {
         let t = TextTokenizer::open(&dir).unwrap();
         assert_eq!(t.encode("cat").unwrap(), [1, 4]);
         assert_eq!(t.decode(&[1, 4, 2]).unwrap(), "cat");
+        // A text with its special tokens in it gets none added.
+        assert_eq!(t.encode_plain("<s> cat").unwrap(), [1, 4]);
+        assert_eq!(t.token_text(2).as_deref(), Some("</s>"));
+        assert_eq!(t.token_text(4).as_deref(), Some("cat"));
+        assert_eq!(t.token_text(99), None);
+        assert_eq!(t.token_text(-1), None);
         std::fs::write(dir.join("tokenizer_config.json"), "{ \"add_bos_token\": ").unwrap();
         let e = TextTokenizer::open(&dir).err().unwrap().to_string();
         assert!(
