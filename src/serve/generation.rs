@@ -159,16 +159,16 @@ impl Generation {
                     // The stop id: counted, never text; `Finished` follows.
                     return Ok(Step::default());
                 }
-                self.ids.push(id);
+                let after = self.ids.last().copied();
                 let token = match logprobs {
                     Some(lp) => TokenOut {
                         id,
-                        text: self.token_text(id),
+                        text: self.token_text(id, after),
                         logprob: Some(finite(lp.logprob)),
                         top: lp
                             .top
                             .iter()
-                            .map(|&(t, l)| (self.token_text(t), finite(l)))
+                            .map(|&(t, l)| (self.token_text(t, after), finite(l)))
                             .collect(),
                     },
                     None => TokenOut {
@@ -178,6 +178,7 @@ impl Generation {
                         top: vec![],
                     },
                 };
+                self.ids.push(id);
                 let full = self.decode()?;
                 let advance = self.emitter.advance(&full, false);
                 let finish = if advance.stopped {
@@ -213,11 +214,11 @@ impl Generation {
         }
     }
 
-    fn token_text(&self, id: i64) -> String {
+    fn token_text(&self, id: i64, after: Option<i64>) -> String {
         self.text_side
             .tokenizer
             .as_ref()
-            .and_then(|t| t.token_text(id))
+            .and_then(|t| t.token_text(id, after))
             .unwrap_or_else(|| format!("token_id:{id}"))
     }
 }
