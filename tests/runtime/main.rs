@@ -18,4 +18,5 @@ mod plan_provenance;
 #[path = "../fuzz/rng.rs"]
 mod rng;
 mod runtime;
+mod serve_http;
 mod shard_options;
