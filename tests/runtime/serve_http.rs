@@ -989,6 +989,28 @@ fn a_client_that_disconnects_mid_stream_cancels_its_request() {
 }
 
 #[test]
+fn a_client_that_disconnects_while_waiting_for_a_whole_response_cancels_too() {
+    use std::io::Write;
+    let s = Server::text(64);
+    s.fake.knobs.lock().unwrap().delay = Duration::from_millis(50);
+    let body = json!({ "prompt": [33, 96], "max_tokens": 60 }).to_string();
+    let mut socket = std::net::TcpStream::connect(s.addr).unwrap();
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_for("the request to reach the engine", || {
+        !s.fake.submitted().is_empty()
+    });
+    drop(socket);
+    wait_for("the cancel of the abandoned request", || {
+        s.fake.cancels().contains(&1)
+    });
+}
+
+#[test]
 fn models_health_and_metrics() {
     let s = Server::text(64);
     let (status, text) = s.get("/v1/models");
