@@ -877,6 +877,7 @@ fn every_bad_request_gets_openais_error_shape_with_its_status_and_param() {
         (c, json!({ "prompt": "x", "max_tokens": 2, "min_tokens": 3 }).to_string(), 400, json!("min_tokens"), "0 to 2"),
         (c, json!({ "prompt": "x", "stop": [""] }).to_string(), 400, json!("stop"), "empty"),
         (c, json!({ "prompt": "x", "stop": 3 }).to_string(), 400, json!("stop"), "list of strings"),
+        (c, json!({ "prompt": "x", "stop": vec!["a"; 65] }).to_string(), 400, json!("stop"), "at most 64"),
         (c, json!({ "prompt": "x", "stream": "yes" }).to_string(), 400, json!("stream"), "true or false"),
         (c, json!({ "prompt": "x", "stream_options": { "include_usage": true } }).to_string(), 400, json!("stream_options"), "stream"),
         (c, json!({ "prompt": "x", "logprobs": 50 }).to_string(), 400, json!("logprobs"), "0 to 20"),
