@@ -4,6 +4,10 @@
 use super::api_error::ApiError;
 use serde_json::{Map, Value};
 
+/// Stop strings a request may give: each is searched for after every token (OpenAI allows
+/// 4; vLLM sets no limit, which lets one request make every token slow).
+pub const MAX_STOP_STRINGS: usize = 64;
+
 /// A request body's top-level object.
 pub struct Fields<'a>(pub &'a Map<String, Value>);
 
@@ -98,7 +102,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// `stop`: a string or a list of strings, none empty.
+    /// `stop`: a string or a list of strings, none empty, at most [`MAX_STOP_STRINGS`].
     pub fn strings(&self, name: &str) -> Result<Vec<String>, ApiError> {
         let list = match self.get(name) {
             None => return Ok(vec![]),
@@ -115,6 +119,15 @@ impl<'a> Fields<'a> {
                 })?,
             Some(v) => return Err(wrong(name, "a string or a list of strings", v)),
         };
+        if list.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::param(
+                name,
+                format!(
+                    "`{name}` has {} strings; give at most {MAX_STOP_STRINGS}",
+                    list.len()
+                ),
+            ));
+        }
         if list.iter().any(String::is_empty) {
             return Err(ApiError::param(
                 name,

@@ -12,7 +12,7 @@ mod params;
 mod responses;
 mod stream;
 mod strftime;
-pub mod text_emitter;
+mod text_emitter;
 pub mod text_side;
 
 pub use api_error::ApiError;
@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 /// How and where the server listens, and how it stops.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ServerOptions {
     pub host: String,
     /// 0: the system picks a free port (`on_listening` gets it).

@@ -27,11 +27,6 @@ impl TextEmitter {
         }
     }
 
-    /// All the text sent so far.
-    pub fn sent(&self) -> &str {
-        &self.sent
-    }
-
     /// `full` is the decode of every token generated so far; `last`: no token follows, so
     /// nothing is held back any more.
     pub fn advance(&mut self, full: &str, last: bool) -> Advance {
@@ -158,6 +153,5 @@ mod tests {
         assert_eq!(e.advance("ab", false).text, "ab");
         assert_eq!(e.advance("aX", false).text, "");
         assert_eq!(e.advance("abc", true).text, "c");
-        assert_eq!(e.sent(), "abc");
     }
 }

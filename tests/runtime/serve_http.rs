@@ -877,6 +877,7 @@ fn every_bad_request_gets_openais_error_shape_with_its_status_and_param() {
         (c, json!({ "prompt": "x", "max_tokens": 2, "min_tokens": 3 }).to_string(), 400, json!("min_tokens"), "0 to 2"),
         (c, json!({ "prompt": "x", "stop": [""] }).to_string(), 400, json!("stop"), "empty"),
         (c, json!({ "prompt": "x", "stop": 3 }).to_string(), 400, json!("stop"), "list of strings"),
+        (c, json!({ "prompt": "x", "stop": vec!["a"; 65] }).to_string(), 400, json!("stop"), "at most 64"),
         (c, json!({ "prompt": "x", "stream": "yes" }).to_string(), 400, json!("stream"), "true or false"),
         (c, json!({ "prompt": "x", "stream_options": { "include_usage": true } }).to_string(), 400, json!("stream_options"), "stream"),
         (c, json!({ "prompt": "x", "logprobs": 50 }).to_string(), 400, json!("logprobs"), "0 to 20"),
@@ -985,6 +986,28 @@ fn a_client_that_disconnects_mid_stream_cancels_its_request() {
     });
     wait_for("the engine to be empty", || {
         s.fake.books.lock().unwrap().running.is_empty()
+    });
+}
+
+#[test]
+fn a_client_that_disconnects_while_waiting_for_a_whole_response_cancels_too() {
+    use std::io::Write;
+    let s = Server::text(64);
+    s.fake.knobs.lock().unwrap().delay = Duration::from_millis(50);
+    let body = json!({ "prompt": [33, 96], "max_tokens": 60 }).to_string();
+    let mut socket = std::net::TcpStream::connect(s.addr).unwrap();
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_for("the request to reach the engine", || {
+        !s.fake.submitted().is_empty()
+    });
+    drop(socket);
+    wait_for("the cancel of the abandoned request", || {
+        s.fake.cancels().contains(&1)
     });
 }
 
