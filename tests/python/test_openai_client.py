@@ -9,10 +9,12 @@ Two servers, both at tp 2, on shipped fixtures with the same tiny f32 Llama (con
   (text_reference.json), and chat, whose prompt is checked against the template rendered with
   jinja2 as transformers renders it.
 
-Which ids did the server generate? The completions API returns text, so the ids are read from
-`logprobs` (the chosen tokens' strings) and mapped back through the fixture's vocabulary. That
-is exact for this tokenizer: word-level, one string per id, no merges. The texts are checked
-too, by re-encoding them (a leading space or not is a server's choice, not an error).
+Which ids did the server generate? OpenAI's API returns text. The ids come from vLLM's
+`return_token_ids` extension (`token_ids` per choice, `prompt_token_ids` per response), which
+tpc serve implements: exact, and independent of how text is cut into pieces. They are checked
+against two views a plain OpenAI client has as well: `logprobs` (the chosen tokens' strings,
+mapped back through the word-level vocabulary, one string per id) and the text (re-encoded;
+a leading space or not is a server's choice, not an error).
 
 Run: `TPC_BIN=target/release/tpc pytest -q tests/python` (`.ci/run` does, in a virtualenv with
 the pinned packages). Every wait is bounded by a generous timeout so a hang fails the test;
@@ -171,6 +173,15 @@ def text_client():
         yield s.client()
 
 
+IDS = {"return_token_ids": True}  # extra_body for vLLM's extension
+
+
+def token_ids(choice) -> list[int]:
+    ids = (choice.model_extra or {}).get("token_ids")
+    assert ids is not None, f"no token_ids in the choice (return_token_ids): {choice}"
+    return ids
+
+
 def ids_of(logprobs) -> list[int]:
     """Token ids from a completion's logprobs tokens (exact for a word-level vocabulary)."""
     ids = [TOKENIZER.token_to_id(t.strip()) for t in logprobs.tokens]
@@ -233,9 +244,16 @@ def test_tpc_run_gives_hf_greedy_tokens():
 
 
 def test_completion_of_token_ids_equals_tpc_run(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=1)
+    r = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=2,
+                                  extra_body=IDS)
     choice = r.choices[0]
+    assert token_ids(choice) == GREEDY_IDS
+    assert r.model_extra["prompt_token_ids"] == PROMPT_IDS
     assert ids_of(choice.logprobs) == GREEDY_IDS
+    assert len(choice.logprobs.token_logprobs) == 8 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    # The chosen token is the most likely one (greedy), so it heads its top list.
+    for chosen, lp, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+        assert len(top) == 2 and max(top, key=top.get) == chosen and top[chosen] == pytest.approx(lp)
     assert text_ids(choice.text) == GREEDY_IDS
     assert choice.finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(PROMPT_IDS), 8)
@@ -244,8 +262,9 @@ def test_completion_of_token_ids_equals_tpc_run(client):
 def test_completion_of_text_equals_tpc_run(client):
     prompt = TOKENIZER.decode(PROMPT_IDS)
     assert text_ids(prompt) == PROMPT_IDS  # the fixture's tokenizer reads its own text back
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=1)
-    assert ids_of(r.choices[0].logprobs) == GREEDY_IDS
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body=IDS)
+    assert r.model_extra["prompt_token_ids"] == PROMPT_IDS
+    assert token_ids(r.choices[0]) == GREEDY_IDS
     assert text_ids(r.choices[0].text) == GREEDY_IDS
     assert r.usage.prompt_tokens == len(PROMPT_IDS)
 
@@ -254,7 +273,9 @@ def test_text_completion_equals_hf(text_client):
     """HF's ids and text for a text prompt, stopped by the eos list of generation_config.json."""
     ref = TEXT_REFERENCE
     r = text_client.completions.create(model=TEXT_MODEL, prompt=ref["prompt"], max_tokens=ref["max_new_tokens"],
-                                       temperature=0)
+                                       temperature=0, extra_body=IDS)
+    assert r.model_extra["prompt_token_ids"] == ref["prompt_ids"]
+    assert token_ids(r.choices[0]) == ref["generated_ids"]
     assert r.choices[0].text == ref["generated_text"]
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.prompt_tokens == len(ref["prompt_ids"])  # BOS included
@@ -266,10 +287,14 @@ MESSAGES = [{"role": "system", "content": "the quick cat"}, {"role": "user", "co
 
 def test_chat_uses_the_chat_template(text_client):
     prompt_ids = chat_prompt_ids(MESSAGES)
-    chat = text_client.chat.completions.create(model=TEXT_MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
-    # The same prompt ids through the completions API: the same greedy tokens and text.
-    plain = text_client.completions.create(model=TEXT_MODEL, prompt=prompt_ids, max_tokens=8, temperature=0)
+    chat = text_client.chat.completions.create(model=TEXT_MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                               extra_body=IDS)
+    assert chat.model_extra["prompt_token_ids"] == prompt_ids
     assert chat.usage.prompt_tokens == len(prompt_ids)
+    # The same prompt ids through the completions API: the same greedy tokens and text.
+    plain = text_client.completions.create(model=TEXT_MODEL, prompt=prompt_ids, max_tokens=8, temperature=0,
+                                           extra_body=IDS)
+    assert token_ids(chat.choices[0]) == token_ids(plain.choices[0])
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == plain.choices[0].text
     assert chat.usage.completion_tokens == plain.usage.completion_tokens
@@ -375,8 +400,9 @@ def test_client_that_disconnects_mid_stream_leaves_the_server_serving(server):
             assert seen.startswith(b"HTTP/1.1 200"), seen[:200]
         # The socket is closed here, mid-stream.
     server.wait_idle()
-    r = server.client().completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=1)
-    assert ids_of(r.choices[0].logprobs) == GREEDY_IDS
+    r = server.client().completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+                                           extra_body=IDS)
+    assert token_ids(r.choices[0]) == GREEDY_IDS
 
 
 # --- load -----------------------------------------------------------------------------------
@@ -390,7 +416,8 @@ def load_case(i: int) -> dict:
     else:
         prompt = [(7 * i + 13 * j) % 249 + 1 for j in range(1 + (i * 11) % 40)]
     return {"model": MODEL, "prompt": prompt, "max_tokens": 1 + (i * 5) % 24, "temperature": 0,
-            "stream": i % 2 == 1, "stream_options": {"include_usage": True} if i % 2 == 1 else None}
+            "stream": i % 2 == 1, "stream_options": {"include_usage": True} if i % 2 == 1 else None,
+            "return_token_ids": True}
 
 
 def run_case(url: str, i: int) -> str | None:
@@ -404,7 +431,7 @@ def run_case(url: str, i: int) -> str | None:
             if not data or data[-1] != "[DONE]":
                 return f"request {i}: stream did not end with [DONE]: {data[-2:]}"
             events = [json.loads(d) for d in data[:-1]]
-            out = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+            ids = [t for e in events if e.get("choices") for t in e["choices"][0]["token_ids"]]
             usage = [e["usage"] for e in events if e.get("usage")]
             if len(usage) != 1 or usage[0]["completion_tokens"] != body["max_tokens"]:
                 return f"request {i}: usage {usage}, expected {body['max_tokens']} tokens"
@@ -412,13 +439,15 @@ def run_case(url: str, i: int) -> str | None:
             r = requests.post(f"{url}/v1/completions", json=body, timeout=(30, REQUEST_TIMEOUT))
             if r.status_code != 200:
                 return f"request {i}: status {r.status_code}: {r.text[:300]}"
-            out = r.json()["choices"][0]["text"]
+            ids = r.json()["choices"][0]["token_ids"]
             if r.json()["usage"]["completion_tokens"] != body["max_tokens"]:
                 return f"request {i}: usage {r.json()['usage']}, expected {body['max_tokens']} tokens"
-    except (requests.RequestException, ValueError, KeyError) as e:
+    except (requests.RequestException, ValueError, KeyError, TypeError) as e:
         return f"request {i}: {type(e).__name__}: {e}"
-    if body["prompt"] == PROMPT_IDS and text_ids(out) != GREEDY_IDS[: body["max_tokens"]]:
-        return f"request {i}: greedy tokens {text_ids(out)}, expected {GREEDY_IDS[: body['max_tokens']]}"
+    if len(ids) != body["max_tokens"]:
+        return f"request {i}: {len(ids)} token ids, expected {body['max_tokens']}"
+    if body["prompt"] == PROMPT_IDS and ids != GREEDY_IDS[: body["max_tokens"]]:
+        return f"request {i}: greedy tokens {ids}, expected {GREEDY_IDS[: body['max_tokens']]}"
     return None
 
 
