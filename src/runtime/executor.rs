@@ -3,8 +3,12 @@
 //! reuse) and never touches values itself: every op, layout ops and KV-cache appends
 //! included, is a backend call, so the same executor drives every device.
 //!
-//! A forward call takes a batch of sequences (each with its own KV caches and position):
-//! one prompt, a ragged batch of prompts, or one new token per live sequence.
+//! A forward call takes a batch of sequences, each with its new tokens, the position they
+//! start at and its block table in the rank's paged KV cache (one pool of blocks per
+//! attention op): one prompt, a ragged batch of prompts or prompt chunks, or one new token
+//! per live sequence. The serving engine gives the tables ([`RankExecutor::forward_steps`]);
+//! callers that number their sequences instead (`generate`, tests) get tables from the
+//! executor's own allocator ([`RankExecutor::forward`], [`RankExecutor::reserve`]).
 
 use super::backend::{
     Activation, Backend, BackendError, BinaryOp, ReduceNormError, Segment, WeightUse,
@@ -50,10 +54,20 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     weights: HashMap<u32, B::Weight>,
     /// Linears that run as one product (`plan::fuse`), with their weights.
     fused: super::fused::FusedProducts<B::Weight, B::Act>,
-    /// Per attention op, its caches.
-    caches: HashMap<u32, AttentionCaches<B::Kv>>,
-    /// Tokens already cached, per sequence.
-    positions: Vec<usize>,
+    /// Per attention op, its pool of KV blocks.
+    pools: HashMap<u32, B::Kv>,
+    /// Per attention op, its key and value widths per token.
+    kv_widths: HashMap<u32, (usize, usize)>,
+    block_size: usize,
+    /// Blocks every pool has.
+    pool_blocks: usize,
+    /// Blocks `0..engine_blocks` are the serving engine's to hand out; the numbered
+    /// sequences' own allocator takes blocks from there up.
+    engine_blocks: usize,
+    /// The next block the numbered sequences' allocator takes.
+    next_block: usize,
+    /// Numbered sequences: each one's block table and tokens cached.
+    slots: Vec<Slot>,
     /// The linears that compute the output (the LM head): only row-wise ops lie between
     /// them and it, so they may run on the rows the caller wants alone.
     head_linears: Vec<u32>,
@@ -87,7 +101,7 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
 struct Call<'c> {
     ids: &'c [i64],
     positions: &'c [i64],
-    segments: &'c [Segment],
+    segments: &'c [Segment<'c>],
     select: Option<&'c [usize]>,
     /// What the logits gather exchanges.
     exchange: Exchange,
@@ -114,11 +128,25 @@ enum Exchange {
     TopK(usize),
 }
 
-/// One attention op's KV caches: key and value widths per token, one cache per sequence.
-struct AttentionCaches<K> {
-    widths: (usize, usize),
-    seqs: Vec<K>,
+/// A numbered sequence's place in the KV cache.
+#[derive(Debug, Clone, Default)]
+struct Slot {
+    blocks: Vec<u32>,
+    position: usize,
 }
+
+/// One sequence's part of a forward call: its new tokens, the position the first one sits
+/// at (the tokens cached before it), and its block table, which covers every position up
+/// to the last new token.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqStep<'a> {
+    pub tokens: &'a [i64],
+    pub start: usize,
+    pub blocks: &'a [u32],
+}
+
+/// Token slots per KV block unless the serving engine sets its own.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 fn bad(i: &Instr, problem: impl Into<String>) -> RunError {
     RunError::BadInstruction {
@@ -208,7 +236,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 _ => None,
             })
             .collect();
-        let mut caches = HashMap::new();
+        let mut kv_widths = HashMap::new();
         for i in &program.instrs {
             if let Op::Attention(_) = &i.op {
                 let width = |slot: usize| {
@@ -219,13 +247,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let (Some(k), Some(v)) = (width(1), width(2)) else {
                     return Err(bad(i, "its key or value width is not known"));
                 };
-                caches.insert(
-                    i.id,
-                    AttentionCaches {
-                        widths: (k, v),
-                        seqs: Vec::new(),
-                    },
-                );
+                kv_widths.insert(i.id, (k, v));
             }
         }
         let max_id = program.instrs.iter().map(|i| i.id).max().unwrap_or(0) as usize;
@@ -237,7 +259,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 }
             }
         }
-        let mut exec = RankExecutor {
+        let pools = kv_widths
+            .iter()
+            .map(|(&id, &(k, v))| (id, backend.new_kv(k, v, DEFAULT_BLOCK_SIZE)))
+            .collect();
+        let exec = RankExecutor {
             program,
             tp: comm.world_size(),
             rank: comm.rank(),
@@ -245,8 +271,13 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             comm,
             weights: loaded,
             fused,
-            caches,
-            positions: Vec::new(),
+            pools,
+            kv_widths,
+            block_size: DEFAULT_BLOCK_SIZE,
+            pool_blocks: 0,
+            engine_blocks: 0,
+            next_block: 0,
+            slots: Vec::new(),
             head_linears: program.head_linears(),
             table_rows,
             last_use,
@@ -260,7 +291,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             logits_gather: program.output_gather(),
             link: None,
         };
-        exec.set_sequences(1);
         Ok(exec)
     }
 
@@ -304,32 +334,132 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         }
     }
 
+    /// Tensor-parallel rank 0 sends `data` to every rank of its group; the others (`None`)
+    /// receive it: the length first, then the values (through the backend's memory, as
+    /// every collective).
+    pub fn broadcast_floats(&mut self, data: Option<Vec<f32>>) -> Result<Vec<f32>> {
+        let on = |error| RunError::Backend {
+            name: "engine step message".into(),
+            error,
+        };
+        let b = &self.backend;
+        let mut len = b
+            .upload_host(&Tensor::new(
+                vec![1],
+                vec![data.as_ref().map_or(0.0, |d| d.len() as f32)],
+            ))
+            .map_err(on)?;
+        let sent = self.comm.broadcast(&mut len, 0);
+        let n = b.to_host(len).map_err(on)?;
+        sent?;
+        let n = n.data[0];
+        if !(n >= 0.0 && n < (1u32 << 24) as f32 && n.fract() == 0.0) {
+            return Err(RunError::Pipeline(format!(
+                "an engine step message of {n} values (a bug in tpc)"
+            )));
+        }
+        let n = n as usize;
+        let mut body = match data {
+            Some(d) => b.upload_host(&Tensor::new(vec![d.len()], d)),
+            None => b.alloc(&[n], crate::ir::DType::F32),
+        }
+        .map_err(on)?;
+        let sent = self.comm.broadcast(&mut body, 0);
+        let body = b.to_host(body).map_err(on)?;
+        sent?;
+        Ok(body.data)
+    }
+
     /// Whether this rank computes the model output (no pipeline, or its last stage).
     pub fn has_output(&self) -> bool {
         self.link.as_ref().is_none_or(StageLink::is_last)
     }
 
-    /// Makes room for `n` sequences (caches of new ones are empty).
-    fn set_sequences(&mut self, n: usize) {
-        let b = &self.backend;
-        for c in self.caches.values_mut() {
-            while c.seqs.len() < n {
-                c.seqs.push(b.new_kv(c.widths.0, c.widths.1));
+    /// Sizes the paged cache for the serving engine: blocks of `block_size` tokens, blocks
+    /// `0..blocks` its own. The block size may change only while no numbered sequence holds
+    /// a block.
+    pub fn set_kv_pool(&mut self, block_size: usize, blocks: usize) -> Result<()> {
+        if block_size == 0 {
+            return Err(RunError::BadBatch {
+                problem: "a KV block of 0 tokens".into(),
+            });
+        }
+        if block_size != self.block_size {
+            if self.next_block > self.engine_blocks {
+                return Err(RunError::BadBatch {
+                    problem: "the KV block size changes while sequences hold blocks (a bug in tpc)"
+                        .into(),
+                });
             }
+            let b = &self.backend;
+            for (id, &(k, v)) in &self.kv_widths {
+                self.pools.insert(*id, b.new_kv(k, v, block_size));
+            }
+            self.block_size = block_size;
+            self.pool_blocks = 0;
         }
-        if self.positions.len() < n {
-            self.positions.resize(n, 0);
+        self.engine_blocks = blocks;
+        self.next_block = self.next_block.max(blocks);
+        self.grow_pools(blocks)
+    }
+
+    /// Blocks every attention op's pool has.
+    pub fn kv_blocks(&self) -> usize {
+        self.pool_blocks
+    }
+
+    /// Bytes one block takes over every attention op of this rank (keys and values, f32).
+    pub fn kv_block_bytes(&self) -> u64 {
+        let per_token: usize = self.kv_widths.values().map(|&(k, v)| k + v).sum();
+        (per_token as u64)
+            .saturating_mul(4)
+            .saturating_mul(self.block_size as u64)
+    }
+
+    fn grow_pools(&mut self, blocks: usize) -> Result<()> {
+        if blocks <= self.pool_blocks {
+            return Ok(());
         }
+        let b = &self.backend;
+        for (id, pool) in self.pools.iter_mut() {
+            b.grow_kv(pool, blocks).map_err(|error| RunError::Backend {
+                name: format!("the KV cache of attention %{id}"),
+                error,
+            })?;
+        }
+        self.pool_blocks = blocks;
+        Ok(())
+    }
+
+    /// Numbered sequence `seq`'s table covers `positions` tokens (blocks taken in order
+    /// from the allocator, the pools grown as needed).
+    fn slot_room(&mut self, seq: usize, positions: usize) -> Result<()> {
+        if self.slots.len() <= seq {
+            self.slots.resize_with(seq + 1, Slot::default);
+        }
+        let have = self.slots[seq].blocks.len();
+        let need = positions.div_ceil(self.block_size);
+        if need <= have {
+            return Ok(());
+        }
+        let end = self
+            .next_block
+            .checked_add(need - have)
+            .ok_or_else(|| RunError::BadBatch {
+                problem: format!("KV room for {positions} positions"),
+            })?;
+        self.grow_pools(end)?;
+        let first = self.next_block as u32;
+        self.slots[seq].blocks.extend(first..end as u32);
+        self.next_block = end;
+        Ok(())
     }
 
     /// Reserves KV-cache room for `positions` tokens of sequence `seq`, so that decoding
-    /// never grows it.
+    /// never grows it and its blocks are consecutive (read in place). Best effort: room that
+    /// cannot be had now is asked for again, and refused, when it is needed.
     pub fn reserve(&mut self, seq: usize, positions: usize) {
-        self.set_sequences(seq + 1);
-        let b = &self.backend;
-        for c in self.caches.values_mut() {
-            b.reserve_kv(&mut c.seqs[seq], positions);
-        }
+        let _ = self.slot_room(seq, positions);
     }
 
     /// Reserves room for `positions` tokens of sequence 0.
@@ -337,13 +467,10 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.reserve(0, positions)
     }
 
-    /// Forgets every cached token of every sequence (keeping the memory).
+    /// Forgets every cached token of every numbered sequence (keeping the memory).
     pub fn reset(&mut self) {
-        let b = &self.backend;
-        for c in self.caches.values_mut() {
-            c.seqs.iter_mut().for_each(|kv| b.clear_kv(kv));
-        }
-        self.positions.iter_mut().for_each(|p| *p = 0);
+        self.slots.clear();
+        self.next_block = self.engine_blocks;
     }
 
     /// Runs the program on `ids` of sequence 0 (after the tokens it has cached) and returns
@@ -376,23 +503,35 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         if self.logits_gather.is_some() {
             // Vocabulary-parallel: the output is each row's best (value, index) pair.
             let out = self.forward_call(batch, rows, Exchange::Argmax)?;
-            let pairs = self.backend.to_host(out).map_err(at_output)?;
-            let picked = pairs
-                .data
-                .chunks(2)
-                .enumerate()
-                .map(|(row, p)| {
-                    if p[0].is_finite() {
-                        Ok(p[1] as usize)
-                    } else {
-                        Err(row)
-                    }
-                })
-                .collect();
-            pairs.release();
-            return Ok(picked);
+            return self.picks_of_pairs(out);
         }
         let out = self.forward_on_device(batch, rows)?;
+        self.picks_of_logits(out)
+    }
+
+    /// Each row's token from the (value, index) pairs of a vocabulary-parallel argmax;
+    /// `Err(row)` for a row that is not finite.
+    fn picks_of_pairs(&self, out: B::Act) -> Result<std::result::Result<Vec<usize>, usize>> {
+        let pairs = self.backend.to_host(out).map_err(at_output)?;
+        let picked = pairs
+            .data
+            .chunks(2)
+            .enumerate()
+            .map(|(row, p)| {
+                if p[0].is_finite() {
+                    Ok(p[1] as usize)
+                } else {
+                    Err(row)
+                }
+            })
+            .collect();
+        pairs.release();
+        Ok(picked)
+    }
+
+    /// Each row's greedy token picked from whole logits on the device; `Err(row)` for the
+    /// first row that is not finite.
+    fn picks_of_logits(&self, out: B::Act) -> Result<std::result::Result<Vec<usize>, usize>> {
         let picked = match self.backend.first_non_finite_row(&out) {
             Ok(Some(row)) => Ok(Err(row)),
             Ok(None) => self.backend.argmax_rows(&out).map(Ok),
@@ -519,27 +658,111 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         rows: OutputRows,
         exchange: Exchange,
     ) -> Result<Option<B::Act>> {
-        let mut segments = Vec::with_capacity(batch.len());
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        for &(seq, seq_ids) in batch {
-            if seq_ids.is_empty() {
-                return Err(RunError::EmptyPrompt);
-            }
-            if segments.iter().any(|s: &Segment| s.seq == seq) {
+        let mut seen = Vec::with_capacity(batch.len());
+        for &(seq, ids) in batch {
+            if seen.contains(&seq) {
                 return Err(RunError::BadBatch {
                     problem: format!("sequence {seq} appears twice in one batch"),
                 });
             }
-            self.set_sequences(seq + 1);
-            let start = self.positions[seq];
+            seen.push(seq);
+            let start = self.slots.get(seq).map_or(0, |s| s.position);
+            self.slot_room(seq, start.saturating_add(ids.len()))?;
+        }
+        let tables: Vec<(usize, Vec<u32>)> = batch
+            .iter()
+            .map(|&(seq, _)| (self.slots[seq].position, self.slots[seq].blocks.clone()))
+            .collect();
+        let steps: Vec<SeqStep<'_>> = batch
+            .iter()
+            .zip(&tables)
+            .map(|(&(_, tokens), (start, blocks))| SeqStep {
+                tokens,
+                start: *start,
+                blocks,
+            })
+            .collect();
+        let out = self.run_steps(&steps, rows, exchange);
+        if out.is_ok() {
+            for &(seq, ids) in batch {
+                self.slots[seq].position += ids.len();
+            }
+        }
+        out
+    }
+
+    /// Runs the program once over sequences whose block tables the caller keeps (the
+    /// serving engine). Returns the output rows `rows` asks for, in batch order, on the host.
+    pub fn forward_steps(&mut self, batch: &[SeqStep<'_>], rows: OutputRows) -> Result<Tensor> {
+        let out = self.steps_call(batch, rows, Exchange::Logits)?;
+        self.backend.to_host(out).map_err(at_output)
+    }
+
+    /// [`RankExecutor::forward_argmax`] over sequences with their own block tables.
+    pub fn forward_steps_argmax(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        rows: OutputRows,
+    ) -> Result<std::result::Result<Vec<usize>, usize>> {
+        if self.logits_gather.is_some() {
+            let out = self.steps_call(batch, rows, Exchange::Argmax)?;
+            return self.picks_of_pairs(out);
+        }
+        let out = self.steps_call(batch, rows, Exchange::Logits)?;
+        self.picks_of_logits(out)
+    }
+
+    /// A pipeline stage before the last runs one engine step: it passes its values on.
+    pub fn forward_stage_steps(&mut self, batch: &[SeqStep<'_>]) -> Result<()> {
+        if let Some(out) = self.run_steps(batch, OutputRows::All, Exchange::Logits)? {
+            self.backend.release(out);
+        }
+        Ok(())
+    }
+
+    fn steps_call(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        rows: OutputRows,
+        exchange: Exchange,
+    ) -> Result<B::Act> {
+        self.run_steps(batch, rows, exchange)?
+            .ok_or_else(|| RunError::BadInstruction {
+                name: "program".into(),
+                problem: "this pipeline stage has no output; only the last one does".into(),
+            })
+    }
+
+    fn run_steps(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        rows: OutputRows,
+        exchange: Exchange,
+    ) -> Result<Option<B::Act>> {
+        let mut segments = Vec::with_capacity(batch.len());
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        for step in batch {
+            if step.tokens.is_empty() {
+                return Err(RunError::EmptyPrompt);
+            }
+            let end = step.start.saturating_add(step.tokens.len());
+            if step.blocks.len().saturating_mul(self.block_size) < end {
+                return Err(RunError::BadBatch {
+                    problem: format!(
+                        "a block table of {} blocks of {} tokens for positions up to {end}",
+                        step.blocks.len(),
+                        self.block_size
+                    ),
+                });
+            }
             segments.push(Segment {
-                seq,
-                rows: ids.len()..ids.len() + seq_ids.len(),
-                start,
+                rows: ids.len()..ids.len() + step.tokens.len(),
+                start: step.start,
+                blocks: step.blocks,
             });
-            ids.extend_from_slice(seq_ids);
-            positions.extend((start..start + seq_ids.len()).map(|p| p as i64));
+            ids.extend_from_slice(step.tokens);
+            positions.extend((step.start..end).map(|p| p as i64));
         }
         let last_rows: Vec<usize> = segments.iter().map(|s| s.rows.end - 1).collect();
         // A decode step: one new token after cached ones, for every sequence of the batch.
@@ -556,13 +779,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             segments: &segments,
             exchange,
         };
-        let out = self.run_program(&call);
-        if out.is_ok() {
-            for s in &segments {
-                self.positions[s.seq] += s.rows.len();
-            }
-        }
-        out
+        self.run_program(&call)
     }
 
     /// One forward call of a pipeline stage before the last: it passes its values on and
@@ -919,11 +1136,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     .map(|s| s.0 as f32)
                     .unwrap_or(1.0 / (d as f32).sqrt());
                 let (q, k, v) = (x(0)?, x(1)?, x(2)?);
-                let caches = self
-                    .caches
+                let pool = self
+                    .pools
                     .get_mut(&i.id)
                     .ok_or_else(|| bad(i, "it has no KV cache"))?;
-                b.attention([q, k, v], &mut caches.seqs, call.segments, d, scale)
+                b.attention([q, k, v], pool, call.segments, d, scale)
                     .map_err(err)?
             }
             Op::Unfuse(u) => {

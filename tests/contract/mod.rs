@@ -566,17 +566,20 @@ fn attention_reference(
     out
 }
 
-/// Attention over per-sequence KV caches through a ragged prefill of two sequences, decode
-/// steps given in the other sequence order, a long chunk and a decode step over more than
-/// 64 positions, and a cache cleared and reused: every row against an f64 reference over
-/// its own sequence only.
+/// Attention over a paged KV pool through a ragged prefill of two sequences, decode steps
+/// given in the other sequence order, a long chunk and a decode step over more than 64
+/// positions, and a sequence restarted on other blocks: sequence 0's blocks are
+/// consecutive (read in place), sequence 1's scattered. Every row against an f64 reference
+/// over its own sequence only.
 pub fn attention_matches_an_f64_reference<B: Backend>(b: &B) {
     let mut values = Values(6);
     let (q_heads, kv_heads, d) = (4, 2, 8);
     let (qc, kc) = (q_heads * d, kv_heads * d);
     let scale = 0.3f32;
-    let mut caches = vec![b.new_kv(kc, kc), b.new_kv(kc, kc)];
-    b.reserve_kv(&mut caches[0], 80);
+    let mut pool = b.new_kv(kc, kc, 4);
+    b.grow_kv(&mut pool, 40).unwrap();
+    let first: Vec<u32> = (0..20).collect();
+    let mut tables: [Vec<u32>; 2] = [first, vec![33, 21, 38, 20]];
     let mut history = [History::default(), History::default()];
     // Each step: (sequence, new rows), in row order.
     let steps: [&[(usize, usize)]; 5] = [
@@ -588,7 +591,7 @@ pub fn attention_matches_an_f64_reference<B: Backend>(b: &B) {
     ];
     for (n, step) in steps.iter().enumerate() {
         if n == 4 {
-            b.clear_kv(&mut caches[1]);
+            tables[1] = vec![24, 39];
             history[1] = History::default();
         }
         let rows: usize = step.iter().map(|s| s.1).sum();
@@ -598,13 +601,15 @@ pub fn attention_matches_an_f64_reference<B: Backend>(b: &B) {
             values.take(rows * kc),
         );
         let mut segments = Vec::new();
+        let mut seqs = Vec::new();
         let mut row = 0;
         for &(seq, new) in step.iter() {
             segments.push(Segment {
-                seq,
                 rows: row..row + new,
                 start: history[seq].k.len() / kc,
+                blocks: &tables[seq],
             });
+            seqs.push(seq);
             row += new;
         }
         let out = b
@@ -614,7 +619,7 @@ pub fn attention_matches_an_f64_reference<B: Backend>(b: &B) {
                     &act(b, &[rows, kc], k.clone()),
                     &act(b, &[rows, kc], v.clone()),
                 ],
-                &mut caches,
+                &mut pool,
                 &segments,
                 d,
                 scale,
@@ -622,8 +627,8 @@ pub fn attention_matches_an_f64_reference<B: Backend>(b: &B) {
             .unwrap_or_else(|e| panic!("step {n}: {e}"));
         assert_eq!(out.shape(), &[rows, qc]);
         let got = read(b, &out).data;
-        for s in &segments {
-            let h = &mut history[s.seq];
+        for (s, &seq) in segments.iter().zip(&seqs) {
+            let h = &mut history[seq];
             h.k.extend_from_slice(&k[s.rows.start * kc..s.rows.end * kc]);
             h.v.extend_from_slice(&v[s.rows.start * kc..s.rows.end * kc]);
             let want = attention_reference(
@@ -634,8 +639,8 @@ pub fn attention_matches_an_f64_reference<B: Backend>(b: &B) {
                 scale,
             );
             let what = format!(
-                "step {n}: sequence {} rows {:?} from position {}",
-                s.seq, s.rows, s.start
+                "step {n}: sequence {seq} rows {:?} from position {}",
+                s.rows, s.start
             );
             assert_close(&what, &got[s.rows.start * qc..s.rows.end * qc], &want, 1e-5);
         }

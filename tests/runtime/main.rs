@@ -9,6 +9,7 @@ mod contract;
 
 mod backend_contract;
 mod batch;
+mod engine_serve;
 mod parity;
 mod pipeline;
 mod plan_provenance;
@@ -17,4 +18,5 @@ mod plan_provenance;
 #[path = "../fuzz/rng.rs"]
 mod rng;
 mod runtime;
+mod serve_http;
 mod shard_options;

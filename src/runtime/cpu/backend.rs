@@ -233,13 +233,77 @@ impl CpuWeight {
     }
 }
 
-/// One sequence's cached keys and values, `[n, width]` each.
+/// One attention op's pool of KV blocks: block `b` holds the keys of `block_size` token
+/// slots at `k[b · block_size · k_width ..]`, its values likewise in `v`.
 #[derive(Debug, Default)]
 pub struct CpuKv {
     k: Vec<f32>,
     v: Vec<f32>,
     k_width: usize,
     v_width: usize,
+    block_size: usize,
+    blocks: usize,
+}
+
+impl CpuKv {
+    /// The row of position `p` in a sequence whose table is `table`.
+    fn row(&self, table: &[u32], p: usize) -> usize {
+        table[p / self.block_size] as usize * self.block_size + p % self.block_size
+    }
+
+    /// Where the first `n` positions of `table` lie as one run of rows, if they do (blocks
+    /// in consecutive order): the kernels then read them in place.
+    fn contiguous(&self, table: &[u32], n: usize) -> Option<std::ops::Range<usize>> {
+        let used = &table[..n.div_ceil(self.block_size)];
+        let first = *used.first()? as usize;
+        let runs = used
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b as usize == first + i);
+        runs.then(|| first * self.block_size..first * self.block_size + n)
+    }
+
+    /// Keys and values of the first `n` positions of `table`, as `[n, width]` each: in place
+    /// when the blocks are consecutive, else gathered block by block into pooled buffers.
+    fn positions(&self, table: &[u32], n: usize) -> (Gathered<'_>, Gathered<'_>) {
+        let (kw, vw) = (self.k_width, self.v_width);
+        if let Some(r) = self.contiguous(table, n) {
+            return (
+                Gathered::Borrowed(&self.k[r.start * kw..r.end * kw]),
+                Gathered::Borrowed(&self.v[r.start * vw..r.end * vw]),
+            );
+        }
+        let mut k = pool::empty(n * kw);
+        let mut v = pool::empty(n * vw);
+        let bs = self.block_size;
+        for (i, &b) in table[..n.div_ceil(bs)].iter().enumerate() {
+            let rows = bs.min(n - i * bs);
+            let at = b as usize * bs;
+            k.extend_from_slice(&self.k[at * kw..(at + rows) * kw]);
+            v.extend_from_slice(&self.v[at * vw..(at + rows) * vw]);
+        }
+        (Gathered::Pooled(k), Gathered::Pooled(v))
+    }
+}
+
+/// Cached keys or values of one sequence: the pool's own rows or a gathered copy.
+enum Gathered<'a> {
+    Borrowed(&'a [f32]),
+    Pooled(Vec<f32>),
+}
+
+impl Gathered<'_> {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Gathered::Borrowed(s) => s,
+            Gathered::Pooled(v) => v,
+        }
+    }
+    fn release(self) {
+        if let Gathered::Pooled(v) = self {
+            pool::give(v);
+        }
+    }
 }
 
 fn shape_err(what: String) -> BackendError {
@@ -588,39 +652,47 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn new_kv(&self, k_width: usize, v_width: usize) -> CpuKv {
+    fn new_kv(&self, k_width: usize, v_width: usize, block_size: usize) -> CpuKv {
         CpuKv {
             k_width,
             v_width,
+            block_size: block_size.max(1),
             ..Default::default()
         }
     }
 
-    fn reserve_kv(&self, kv: &mut CpuKv, positions: usize) {
-        // Only an optimisation: if the memory is not there (an absurd token limit), the cache
-        // grows as it goes and fails, if it must, with the first real need.
-        let _ = kv.k.try_reserve(
-            positions
-                .saturating_mul(kv.k_width)
-                .saturating_sub(kv.k.len()),
-        );
-        let _ = kv.v.try_reserve(
-            positions
-                .saturating_mul(kv.v_width)
-                .saturating_sub(kv.v.len()),
-        );
-    }
-
-    fn clear_kv(&self, kv: &mut CpuKv) {
-        kv.k.clear();
-        kv.v.clear();
+    fn grow_kv(&self, kv: &mut CpuKv, blocks: usize) -> BackendResult<()> {
+        if blocks <= kv.blocks {
+            return Ok(());
+        }
+        let len = |width: usize| {
+            blocks
+                .checked_mul(kv.block_size)
+                .and_then(|n| n.checked_mul(width))
+                .ok_or_else(|| shape_err(format!("a KV pool of {blocks} blocks overflows")))
+        };
+        let (kl, vl) = (len(kv.k_width)?, len(kv.v_width)?);
+        let no_memory = |what: &str| {
+            BackendError::Unsupported(format!(
+                "no memory for a KV pool of {blocks} blocks of {} tokens ({what}); give the cache less memory",
+                kv.block_size
+            ))
+        };
+        kv.k.try_reserve_exact(kl - kv.k.len())
+            .map_err(|_| no_memory("keys"))?;
+        kv.v.try_reserve_exact(vl - kv.v.len())
+            .map_err(|_| no_memory("values"))?;
+        kv.k.resize(kl, 0.0);
+        kv.v.resize(vl, 0.0);
+        kv.blocks = blocks;
+        Ok(())
     }
 
     fn attention(
         &self,
         [q, k, v]: [&Tensor; 3],
-        caches: &mut [CpuKv],
-        segments: &[Segment],
+        kv: &mut CpuKv,
+        segments: &[Segment<'_>],
         d: usize,
         scale: f32,
     ) -> BackendResult<Tensor> {
@@ -628,6 +700,12 @@ impl Backend for CpuBackend {
         let (kcols, vcols) = (k.cols(), v.cols());
         let (_, kv_heads) =
             shape_rules::attention_heads((rows, qcols), k.rows_cols(), v.rows_cols(), d)?;
+        if kv.k_width != kcols || kv.v_width != vcols {
+            return Err(shape_err(format!(
+                "keys of {kcols} and values of {vcols} columns into a pool of {} and {}",
+                kv.k_width, kv.v_width
+            )));
+        }
         let single = matches!(segments, [s] if s.rows == (0..rows));
         let mut out = if single {
             None
@@ -635,41 +713,37 @@ impl Backend for CpuBackend {
             Some(Tensor::zeros(q.shape.clone()))
         };
         for s in segments {
-            let cache = caches
-                .get_mut(s.seq)
-                .ok_or_else(|| shape_err(format!("no KV cache for sequence {}", s.seq)))?;
-            if s.rows.end > rows || s.rows.start >= s.rows.end || cache.k_width != kcols {
-                return Err(shape_err(format!(
-                    "segment rows {:?} of {rows} into a cache of width {}",
-                    s.rows, cache.k_width
-                )));
+            let end = shape_rules::paged_segment(s, rows, kv.block_size, kv.blocks)?;
+            for (i, r) in s.rows.clone().enumerate() {
+                let at = kv.row(s.blocks, s.start + i);
+                kv.k[at * kcols..(at + 1) * kcols]
+                    .copy_from_slice(&k.data[r * kcols..(r + 1) * kcols]);
+                kv.v[at * vcols..(at + 1) * vcols]
+                    .copy_from_slice(&v.data[r * vcols..(r + 1) * vcols]);
             }
-            if cache.k.len() / kcols != s.start {
-                return Err(shape_err(format!(
-                    "sequence {} starts at position {} but its cache holds {} tokens",
-                    s.seq,
-                    s.start,
-                    cache.k.len() / kcols
-                )));
-            }
-            cache
-                .k
-                .extend_from_slice(&k.data[s.rows.start * kcols..s.rows.end * kcols]);
-            cache
-                .v
-                .extend_from_slice(&v.data[s.rows.start * vcols..s.rows.end * vcols]);
+            let (keys, values) = kv.positions(s.blocks, end);
+            let attend = |part: &Tensor| {
+                self.causal_attention(part, keys.as_slice(), values.as_slice(), d, kv_heads, scale)
+            };
             match &mut out {
-                None => return Ok(self.causal_attention(q, &cache.k, &cache.v, d, kv_heads, scale)),
+                None => {
+                    let y = attend(q);
+                    keys.release();
+                    values.release();
+                    return Ok(y);
+                }
                 Some(out) => {
                     let mut rows_of_q = pool::empty(s.rows.len() * qcols);
                     rows_of_q.extend_from_slice(&q.data[s.rows.start * qcols..s.rows.end * qcols]);
                     let part = Tensor::new(vec![s.rows.len(), qcols], rows_of_q);
-                    let y = self.causal_attention(&part, &cache.k, &cache.v, d, kv_heads, scale);
+                    let y = attend(&part);
                     out.data[s.rows.start * qcols..s.rows.end * qcols].copy_from_slice(&y.data);
                     y.release();
                     part.release();
                 }
             }
+            keys.release();
+            values.release();
         }
         out.ok_or_else(|| shape_err("attention over no segments".into()))
     }
@@ -1054,8 +1128,19 @@ mod tests {
         assert_eq!(dst, vec![0.0, 0.0, 5.0, 0.0, 0.0]);
     }
 
-    fn seg(seq: usize, rows: std::ops::Range<usize>, start: usize) -> Segment {
-        Segment { seq, rows, start }
+    fn seg(rows: std::ops::Range<usize>, start: usize, blocks: &[u32]) -> Segment<'_> {
+        Segment {
+            rows,
+            start,
+            blocks,
+        }
+    }
+
+    /// A pool of `blocks` blocks of `block_size` for keys and values of `width`.
+    fn pool_of(cpu: &CpuBackend, width: usize, block_size: usize, blocks: usize) -> CpuKv {
+        let mut kv = cpu.new_kv(width, width, block_size);
+        cpu.grow_kv(&mut kv, blocks).unwrap();
+        kv
     }
 
     #[test]
@@ -1064,15 +1149,29 @@ mod tests {
         let q = Tensor::new(vec![1, 4], vec![1.0, 2.0, 3.0, 4.0]);
         let k = Tensor::new(vec![1, 2], vec![0.5, 0.5]);
         let v = Tensor::new(vec![1, 2], vec![7.0, 8.0]);
-        let mut caches = vec![cpu.new_kv(2, 2)];
+        let mut kv = pool_of(&cpu, 2, 2, 2);
         let out = cpu
-            .attention([&q, &k, &v], &mut caches, &[seg(0, 0..1, 0)], 2, 1.0)
+            .attention([&q, &k, &v], &mut kv, &[seg(0..1, 0, &[1])], 2, 1.0)
             .unwrap();
         assert_eq!(out.data, vec![7.0, 8.0, 7.0, 8.0]);
-        // The cache must hold what it was given; a segment that claims another start fails.
-        assert!(cpu
-            .attention([&q, &k, &v], &mut caches, &[seg(0, 0..1, 0)], 2, 1.0)
-            .is_err());
+        // The key went to block 1's first slot.
+        assert_eq!(&kv.k[4..6], &[0.5, 0.5]);
+        // A table too short for the positions, or naming a block past the pool, is refused.
+        for bad in [seg(0..1, 2, &[1]), seg(0..1, 0, &[2]), seg(0..1, 0, &[])] {
+            assert!(cpu
+                .attention([&q, &k, &v], &mut kv, &[bad], 2, 1.0)
+                .is_err());
+        }
+    }
+
+    /// Rows of a test tensor.
+    fn rows_of(n: usize, cols: usize, salt: usize) -> Tensor {
+        Tensor::new(
+            vec![n, cols],
+            (0..n * cols)
+                .map(|i| (((i * 7 + salt * 13) % 11) as f32 - 5.0) / 3.0)
+                .collect(),
+        )
     }
 
     #[test]
@@ -1080,25 +1179,22 @@ mod tests {
         miri,
         ignore = "minutes under Miri; attention's unsafe paths have their own test"
     )]
-    fn a_ragged_batch_attends_each_sequence_to_its_own_cache_only() {
+    fn a_ragged_batch_attends_each_sequence_to_its_own_blocks_only() {
         let cpu = CpuBackend::new(2);
         let (d, hq, hk) = (4, 2, 1);
-        let rows = |n: usize, cols: usize, salt: usize| {
-            Tensor::new(
-                vec![n, cols],
-                (0..n * cols)
-                    .map(|i| (((i * 7 + salt * 13) % 11) as f32 - 5.0) / 3.0)
-                    .collect(),
-            )
-        };
-        // Sequence 0: 3 prompt rows; sequence 1: 5 prompt rows.
-        let (q, k, v) = (rows(8, hq * d, 1), rows(8, hk * d, 2), rows(8, hk * d, 3));
-        let mut batch = vec![cpu.new_kv(hk * d, hk * d), cpu.new_kv(hk * d, hk * d)];
+        // Sequence 0: 3 prompt rows in blocks 3, 0; sequence 1: 5 rows in blocks 1, 4, 2.
+        let (q, k, v) = (
+            rows_of(8, hq * d, 1),
+            rows_of(8, hk * d, 2),
+            rows_of(8, hk * d, 3),
+        );
+        let mut batch = pool_of(&cpu, hk * d, 2, 5);
+        let tables: [&[u32]; 2] = [&[3, 0], &[1, 4, 2]];
         let both = cpu
             .attention(
                 [&q, &k, &v],
                 &mut batch,
-                &[seg(0, 0..3, 0), seg(1, 3..8, 0)],
+                &[seg(0..3, 0, tables[0]), seg(3..8, 0, tables[1])],
                 d,
                 0.5,
             )
@@ -1106,10 +1202,16 @@ mod tests {
         for (range, seq) in [(0..3, 0), (3..8, 1)] {
             let part = |t: &Tensor| cpu.select_rows(t, &range.clone().collect::<Vec<_>>());
             let (q1, k1, v1) = (part(&q).unwrap(), part(&k).unwrap(), part(&v).unwrap());
-            let mut alone = vec![cpu.new_kv(hk * d, hk * d)];
             let n = range.len();
+            let mut alone = pool_of(&cpu, hk * d, 2, 3);
             let y = cpu
-                .attention([&q1, &k1, &v1], &mut alone, &[seg(0, 0..n, 0)], d, 0.5)
+                .attention(
+                    [&q1, &k1, &v1],
+                    &mut alone,
+                    &[seg(0..n, 0, &[0, 1, 2])],
+                    d,
+                    0.5,
+                )
                 .unwrap();
             let cols = hq * d;
             assert_eq!(
@@ -1117,7 +1219,102 @@ mod tests {
                 &y.data[..],
                 "sequence {seq}"
             );
-            assert_eq!(batch[seq].k, alone[0].k);
+            for p in 0..n {
+                let at = batch.row(tables[seq], p);
+                assert_eq!(&batch.k[at * 4..at * 4 + 4], &alone.k[p * 4..p * 4 + 4]);
+            }
+        }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "minutes under Miri")]
+    fn blocks_in_any_order_and_shared_prefix_blocks_give_the_contiguous_result() {
+        // A prompt then decode steps, the cache in scattered blocks, against the same
+        // sequence in consecutive blocks; then a second sequence that shares the first's
+        // full prefix blocks and continues on blocks of its own.
+        let cpu = CpuBackend::new(2);
+        let (d, hq, hk) = (16, 4, 2);
+        let (qc, kc) = (hq * d, hk * d);
+        for bs in [1usize, 3, 16] {
+            let n: usize = 20;
+            let blocks = n.div_ceil(bs);
+            let scattered: Vec<u32> = (0..blocks as u32)
+                .map(|b| (b * 7 + 3) % blocks as u32)
+                .collect();
+            let scattered = {
+                // A permutation of 0..blocks (7 and blocks may share a factor: fix up).
+                let mut seen = vec![false; blocks];
+                let mut t = Vec::new();
+                for b in scattered.into_iter().chain(0..blocks as u32) {
+                    if !seen[b as usize] {
+                        seen[b as usize] = true;
+                        t.push(b);
+                    }
+                }
+                t
+            };
+            let straight: Vec<u32> = (0..blocks as u32).collect();
+            let (q, k, v) = (rows_of(n, qc, 4), rows_of(n, kc, 5), rows_of(n, kc, 6));
+            let mut a = pool_of(&cpu, kc, bs, 2 * blocks);
+            let mut b = pool_of(&cpu, kc, bs, blocks);
+            let prompt = 13;
+            let sel = |t: &Tensor, r: std::ops::Range<usize>| {
+                cpu.select_rows(t, &r.collect::<Vec<_>>()).unwrap()
+            };
+            // The prompt, then one decode step per position.
+            let steps = std::iter::once(0..prompt).chain((prompt..n).map(|p| p..p + 1));
+            for r in steps {
+                let (q1, k1, v1) = (sel(&q, r.clone()), sel(&k, r.clone()), sel(&v, r.clone()));
+                let start = r.start;
+                let len = r.len();
+                let x = cpu
+                    .attention(
+                        [&q1, &k1, &v1],
+                        &mut a,
+                        &[seg(0..len, start, &scattered)],
+                        d,
+                        0.3,
+                    )
+                    .unwrap();
+                let y = cpu
+                    .attention(
+                        [&q1, &k1, &v1],
+                        &mut b,
+                        &[seg(0..len, start, &straight)],
+                        d,
+                        0.3,
+                    )
+                    .unwrap();
+                assert_eq!(x.data, y.data, "block size {bs}, rows {r:?}");
+            }
+            // A second sequence: the first's full blocks of its prompt, then blocks of its
+            // own from the pool's second half; one new row at the prompt's end.
+            let shared = prompt / bs;
+            let mut table: Vec<u32> = scattered[..shared].to_vec();
+            table.extend((blocks as u32..2 * blocks as u32).take(blocks - shared));
+            let r = shared * bs..prompt;
+            for (i, p) in r.clone().enumerate() {
+                let (q1, k1, v1) = (sel(&q, p..p + 1), sel(&k, p..p + 1), sel(&v, p..p + 1));
+                let x = cpu
+                    .attention([&q1, &k1, &v1], &mut a, &[seg(0..1, p, &table)], d, 0.3)
+                    .unwrap();
+                // The same position of the first sequence computed it from the same keys.
+                let mut c = pool_of(&cpu, kc, bs, blocks);
+                let upto = sel(&q, 0..p + 1);
+                let y = cpu
+                    .attention(
+                        [&upto, &sel(&k, 0..p + 1), &sel(&v, 0..p + 1)],
+                        &mut c,
+                        &[seg(0..p + 1, 0, &straight)],
+                        d,
+                        0.3,
+                    )
+                    .unwrap();
+                let last = &y.data[p * qc..(p + 1) * qc];
+                for (u, w) in x.data.iter().zip(last) {
+                    assert!((u - w).abs() < 1e-5, "block size {bs}, shared row {i}");
+                }
+            }
         }
     }
 

@@ -17,7 +17,7 @@ use crate::runtime::shape_rules;
 use crate::runtime::tensor::Tensor;
 use crate::runtime::weights::{load_slice, load_slice_bf16, side_by_side, WeightSource};
 use cudarc::cublas::sys as blas;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
@@ -147,12 +147,13 @@ impl CudaWeight {
     }
 }
 
-/// One sequence's keys and values for one attention op: `len` of `capacity` positions used.
+/// One attention op's pool of KV blocks on the device: block `b` holds the keys of
+/// `block_size` token slots at `k[b · block_size · k_width ..]`, its values likewise.
 pub struct CudaKv {
     k_width: usize,
     v_width: usize,
-    len: usize,
-    capacity: usize,
+    block_size: usize,
+    blocks: usize,
     k: Option<CudaSlice<f32>>,
     v: Option<CudaSlice<f32>>,
 }
@@ -347,15 +348,18 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Makes room for `positions` tokens, keeping what the cache holds.
-    fn grow_kv(&self, kv: &mut CudaKv, positions: usize) -> BackendResult<()> {
-        if positions <= kv.capacity {
+    /// Grows the pool to `blocks` blocks, keeping what it holds.
+    fn grow_pool(&self, kv: &mut CudaKv, blocks: usize) -> BackendResult<()> {
+        if blocks <= kv.blocks {
             return Ok(());
         }
-        let capacity = positions.max(kv.capacity.saturating_mul(2)).max(16);
+        let tokens = blocks
+            .checked_mul(kv.block_size)
+            .ok_or_else(|| BackendError::OutOfMemory(format!("a KV pool of {blocks} blocks")))?;
+        let used_tokens = kv.blocks * kv.block_size;
         let alloc = |width: usize, old: &Option<CudaSlice<f32>>| -> BackendResult<CudaSlice<f32>> {
-            let n = capacity.checked_mul(width).ok_or_else(|| {
-                BackendError::OutOfMemory(format!("a KV cache of {capacity} positions"))
+            let n = tokens.checked_mul(width).ok_or_else(|| {
+                BackendError::OutOfMemory(format!("a KV pool of {tokens} positions"))
             })?;
             let mut fresh = self
                 .gpu
@@ -363,7 +367,7 @@ impl CudaBackend {
                 .alloc_zeros::<f32>(n.max(1))
                 .map_err(|e| self.gpu.fail("the KV cache", n.checked_mul(4), e))?;
             if let Some(old) = old {
-                let used = kv.len * width;
+                let used = used_tokens * width;
                 if used > 0 {
                     self.gpu
                         .stream
@@ -377,8 +381,82 @@ impl CudaBackend {
         let v = alloc(kv.v_width, &kv.v)?;
         kv.k = Some(k);
         kv.v = Some(v);
-        kv.capacity = capacity;
+        kv.blocks = blocks;
         Ok(())
+    }
+
+    /// Copies rows `row0..row0 + new` of `x` (`width` columns) to positions `start..` of a
+    /// sequence's table in `pool`: one copy per run of positions inside a block.
+    #[allow(clippy::too_many_arguments)]
+    fn write_positions(
+        &self,
+        pool: &mut CudaSlice<f32>,
+        x: &CudaAct,
+        width: usize,
+        row0: usize,
+        new: usize,
+        start: usize,
+        (table, bs): (&[u32], usize),
+    ) -> BackendResult<()> {
+        let mut i = 0;
+        while i < new {
+            let p = start + i;
+            let slot = p % bs;
+            let run = (bs - slot).min(new - i);
+            let at = (table[p / bs] as usize * bs + slot) * width;
+            let from = (row0 + i) * width;
+            self.gpu
+                .stream
+                .memcpy_dtod(
+                    &x.data().slice(from..from + run * width),
+                    &mut pool.slice_mut(at..at + run * width),
+                )
+                .map_err(|e| self.gpu.fail("writing the KV cache", None, e))?;
+            i += run;
+        }
+        Ok(())
+    }
+
+    /// The first `n` positions of `table` as one run of `width`-column rows: in place when
+    /// the blocks are consecutive, else gathered block by block into `scratch`.
+    fn read_positions<'a>(
+        &self,
+        pool: &'a CudaSlice<f32>,
+        width: usize,
+        (table, bs): (&[u32], usize),
+        n: usize,
+        scratch: &'a mut Option<CudaSlice<f32>>,
+    ) -> BackendResult<cudarc::driver::CudaView<'a, f32>> {
+        let used = &table[..n.div_ceil(bs)];
+        let first = used.first().copied().unwrap_or(0) as usize;
+        if used
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b as usize == first + i)
+        {
+            let at = first * bs * width;
+            return Ok(pool.slice(at..at + n * width));
+        }
+        let mut out = self
+            .gpu
+            .stream
+            .alloc_zeros::<f32>((n * width).max(1))
+            .map_err(|e| {
+                self.gpu
+                    .fail("gathering the KV cache", (n * width).checked_mul(4), e)
+            })?;
+        for (i, &b) in used.iter().enumerate() {
+            let rows = bs.min(n - i * bs);
+            let at = b as usize * bs * width;
+            self.gpu
+                .stream
+                .memcpy_dtod(
+                    &pool.slice(at..at + rows * width),
+                    &mut out.slice_mut(i * bs * width..(i * bs + rows) * width),
+                )
+                .map_err(|e| self.gpu.fail("gathering the KV cache", None, e))?;
+        }
+        Ok(scratch.insert(out).slice(0..n * width))
     }
 
     /// Runs `argmax_pairs` over `x`: `[rows, 2]` (value, index) on the device.
@@ -389,7 +467,7 @@ impl CudaBackend {
         &self,
         out: &mut CudaAct,
         q: &CudaAct,
-        (kc, vc): (&CudaSlice<f32>, &CudaSlice<f32>),
+        (kc, vc): (&CudaView<'_, f32>, &CudaView<'_, f32>),
         row0: usize,
         new: usize,
         start: usize,
@@ -836,31 +914,26 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn new_kv(&self, k_width: usize, v_width: usize) -> CudaKv {
+    fn new_kv(&self, k_width: usize, v_width: usize, block_size: usize) -> CudaKv {
         CudaKv {
             k_width,
             v_width,
-            len: 0,
-            capacity: 0,
+            block_size: block_size.max(1),
+            blocks: 0,
             k: None,
             v: None,
         }
     }
 
-    fn reserve_kv(&self, kv: &mut CudaKv, positions: usize) {
-        // Best effort: attention grows the cache itself, and reports a failure there.
-        let _ = self.grow_kv(kv, positions);
-    }
-
-    fn clear_kv(&self, kv: &mut CudaKv) {
-        kv.len = 0;
+    fn grow_kv(&self, kv: &mut CudaKv, blocks: usize) -> BackendResult<()> {
+        self.grow_pool(kv, blocks)
     }
 
     fn attention(
         &self,
         [q, k, v]: [&CudaAct; 3],
-        caches: &mut [CudaKv],
-        segments: &[Segment],
+        kv: &mut CudaKv,
+        segments: &[Segment<'_>],
         d: usize,
         scale: f32,
     ) -> BackendResult<CudaAct> {
@@ -873,40 +946,27 @@ impl Backend for CudaBackend {
                 "attention heads of {d}; the GPU kernel takes at most 256"
             )));
         }
+        if kv.k_width != kcols || kv.v_width != kcols {
+            return Err(shape_err(format!(
+                "keys and values of {kcols} columns into a pool of {} and {}",
+                kv.k_width, kv.v_width
+            )));
+        }
+        let bs = kv.block_size;
         let mut out = self.zeros(q.shape().to_vec())?;
         for s in segments {
-            let cache = caches
-                .get_mut(s.seq)
-                .ok_or_else(|| shape_err(format!("no KV cache for sequence {}", s.seq)))?;
-            if s.rows.end > rows || s.rows.start >= s.rows.end || cache.k_width != kcols {
-                return Err(shape_err(format!(
-                    "segment rows {:?} of {rows} into a cache of width {}",
-                    s.rows, cache.k_width
-                )));
-            }
-            if s.start != cache.len {
-                return Err(shape_err(format!(
-                    "a segment starting at position {} on a cache holding {}",
-                    s.start, cache.len
-                )));
-            }
+            let end = shape_rules::paged_segment(s, rows, bs, kv.blocks)?;
             let new = s.rows.len();
-            let end = cache.len + new;
-            self.grow_kv(cache, end)?;
-            let (kc, vc) = match (&mut cache.k, &mut cache.v) {
+            let (kc, vc) = match (&mut kv.k, &mut kv.v) {
                 (Some(kc), Some(vc)) => (kc, vc),
-                _ => return Err(shape_err("a KV cache with no storage".into())),
+                _ => return Err(shape_err("a KV pool with no storage".into())),
             };
-            let (from, to) = (s.rows.start * kcols, s.rows.end * kcols);
-            let (at, upto) = (cache.len * kcols, end * kcols);
-            self.gpu
-                .stream
-                .memcpy_dtod(&k.data().slice(from..to), &mut kc.slice_mut(at..upto))
-                .map_err(|e| self.gpu.fail("appending keys", None, e))?;
-            self.gpu
-                .stream
-                .memcpy_dtod(&v.data().slice(from..to), &mut vc.slice_mut(at..upto))
-                .map_err(|e| self.gpu.fail("appending values", None, e))?;
+            let table = (s.blocks, bs);
+            self.write_positions(kc, k, kcols, s.rows.start, new, s.start, table)?;
+            self.write_positions(vc, v, kcols, s.rows.start, new, s.start, table)?;
+            let (mut k_scratch, mut v_scratch) = (None, None);
+            let keys = self.read_positions(kc, kcols, table, end, &mut k_scratch)?;
+            let values = self.read_positions(vc, kcols, table, end, &mut v_scratch)?;
             let heads = Heads {
                 q: q_heads,
                 kv: kv_heads,
@@ -916,13 +976,12 @@ impl Backend for CudaBackend {
             self.attend_segment(
                 &mut out,
                 q,
-                (&*kc, &*vc),
+                (&keys, &values),
                 s.rows.start,
                 new,
-                cache.len,
+                s.start,
                 heads,
             )?;
-            cache.len = end;
         }
         Ok(out)
     }

@@ -56,7 +56,7 @@ impl Shared {
             .store(scheduler.blocks_in_use(), Ordering::Release);
     }
 
-    fn stop(&self, why: String) {
+    pub(crate) fn stop(&self, why: String) {
         if let Ok(mut s) = self.stopped.lock() {
             s.get_or_insert(why);
         }

@@ -44,31 +44,38 @@ fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registr
 }
 
 impl Metrics {
+    /// The metrics of a lone engine, in a registry of their own.
     pub fn new() -> Metrics {
-        let registry = Registry::new();
+        Metrics::in_registry(Arc::new(Registry::new()), None)
+    }
+
+    /// The metrics of one engine among data-parallel replicas (labelled with its index), in
+    /// the registry they share.
+    pub fn in_registry(registry: Arc<Registry>, replica: Option<usize>) -> Metrics {
+        let opts = |name: &str, help: &str| {
+            let o = Opts::new(name, help);
+            match replica {
+                Some(r) => o.const_label("replica", r.to_string()),
+                None => o,
+            }
+        };
         let gauge = |name: &str, help: &str| {
-            register(
-                &registry,
-                IntGauge::new(name, help).expect("a valid metric name"),
-            )
+            let m = IntGauge::with_opts(opts(name, help)).expect("a valid metric name");
+            register(&registry, m)
         };
         let counter = |name: &str, help: &str| {
-            register(
-                &registry,
-                IntCounter::new(name, help).expect("a valid metric name"),
-            )
+            let m = IntCounter::with_opts(opts(name, help)).expect("a valid metric name");
+            register(&registry, m)
         };
         let float = |name: &str, help: &str| {
-            register(
-                &registry,
-                prometheus::Gauge::new(name, help).expect("a valid metric name"),
-            )
+            let m = prometheus::Gauge::with_opts(opts(name, help)).expect("a valid metric name");
+            register(&registry, m)
         };
         let histogram = |name: &str, help: &str| {
+            let o = HistogramOpts::from(opts(name, help)).buckets(latency_buckets());
             register(
                 &registry,
-                Histogram::with_opts(HistogramOpts::new(name, help).buckets(latency_buckets()))
-                    .expect("a valid histogram"),
+                Histogram::with_opts(o).expect("a valid histogram"),
             )
         };
         Metrics {
@@ -100,7 +107,7 @@ impl Metrics {
             finished: register(
                 &registry,
                 IntCounterVec::new(
-                    Opts::new("tpc_requests_finished_total", "Requests ended, by reason."),
+                    opts("tpc_requests_finished_total", "Requests ended, by reason."),
                     &["reason"],
                 )
                 .expect("a valid metric"),
@@ -118,7 +125,7 @@ impl Metrics {
                 "Tokens generated per second over the last 10 seconds.",
             ),
             recent: VecDeque::new(),
-            registry: Arc::new(registry),
+            registry,
         }
     }
 
@@ -193,5 +200,27 @@ mod tests {
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
+    }
+
+    #[test]
+    fn replicas_share_one_registry_under_their_own_label() {
+        let registry = Arc::new(Registry::new());
+        let a = Metrics::in_registry(registry.clone(), Some(0));
+        let b = Metrics::in_registry(registry.clone(), Some(1));
+        a.generation_tokens.inc_by(2);
+        b.generation_tokens.inc_by(5);
+        let mut out = Vec::new();
+        prometheus::TextEncoder::new()
+            .encode(&registry.gather(), &mut out)
+            .unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains("tpc_generation_tokens_total{replica=\"0\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tpc_generation_tokens_total{replica=\"1\"} 5"),
+            "{text}"
+        );
     }
 }

@@ -5,7 +5,10 @@ pub mod api;
 pub mod blocks;
 pub mod driver;
 pub mod handle;
+pub mod launch;
 pub mod metrics;
+pub mod rank;
+pub mod replicas;
 pub mod scheduler;
 pub mod step;
 #[cfg(test)]

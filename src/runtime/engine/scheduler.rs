@@ -99,12 +99,16 @@ fn label(reason: FinishReason) -> &'static str {
 
 impl Scheduler {
     /// The context is capped to what the pool holds, so that a lone sequence always fits.
-    pub fn new(mut cfg: SchedulerConfig) -> Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Scheduler {
+        Scheduler::with_metrics(cfg, Metrics::new())
+    }
+
+    /// [`Scheduler::new`] recording into `metrics` (a replica's, in a shared registry).
+    pub fn with_metrics(mut cfg: SchedulerConfig, metrics: Metrics) -> Scheduler {
         cfg.context = cfg
             .context
             .min(cfg.blocks.saturating_mul(cfg.block_size.max(1)));
         let pool = BlockPool::new(cfg.blocks, cfg.block_size, cfg.prefix_caching);
-        let metrics = Metrics::new();
         metrics.kv_blocks_total.set(cfg.blocks as i64);
         Scheduler {
             cfg,
@@ -385,6 +389,8 @@ impl Scheduler {
             .finished
             .with_label_values(&[label(reason)])
             .inc();
+        // The gauges say the request is gone before its client hears that it is.
+        self.update_gauges();
         let usage = seq.usage();
         (seq.sink)(Event::Finished { reason, usage });
     }
