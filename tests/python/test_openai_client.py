@@ -409,13 +409,14 @@ def test_client_that_disconnects_mid_stream_leaves_the_server_serving(server):
 
 
 def load_case(i: int) -> dict:
-    """Request i of the load: every 4th the reference prompt (its greedy tokens known), the
-    others prompts of 1 to 40 ids; half of them streamed; 1 to 24 new tokens."""
+    """Request i of the load: every 4th the reference prompt with 1 to 8 new tokens (its greedy
+    tokens known), the others prompts of 1 to 40 ids with 1 to 24; half of them streamed."""
     if i % 4 == 0:
-        prompt = PROMPT_IDS
+        prompt, max_tokens = PROMPT_IDS, 1 + (i // 4) % len(GREEDY_IDS)
     else:
         prompt = [(7 * i + 13 * j) % 249 + 1 for j in range(1 + (i * 11) % 40)]
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 1 + (i * 5) % 24, "temperature": 0,
+        max_tokens = 1 + (i * 5) % 24
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": i % 2 == 1, "stream_options": {"include_usage": True} if i % 2 == 1 else None,
             "return_token_ids": True}
 
