@@ -103,6 +103,7 @@ mapfile -t CPUS < <(python3 -c 'import os; print("\n".join(map(str, sorted(os.sc
 SERVER_PID=""
 SERVER_URL=""
 SERVER_LOG=""
+LOADGEN_PID=""
 
 # Stops the running server (its whole process group: vLLM has an engine process and workers)
 # with SIGTERM, then SIGKILL after STOP_TIMEOUT; prints how it ended.
@@ -125,7 +126,17 @@ stop_server() {
     kill -KILL -- "-$pid" 2>/dev/null || true
     note "server $pid exited with status $rc"
 }
-trap 'stop_server' EXIT
+# On any exit: the load generator (if one runs), then the server. Children run in the
+# background and are waited for with `wait`, which a signal interrupts (bash runs a trap only
+# after a foreground child ends).
+cleanup() {
+    if [ -n "$LOADGEN_PID" ]; then
+        kill -TERM "$LOADGEN_PID" 2>/dev/null || true
+        wait "$LOADGEN_PID" 2>/dev/null || true
+    fi
+    stop_server
+}
+trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 free_port() {
@@ -145,7 +156,8 @@ wait_ready() {
             # tpc with --port 0 says where it listens on stderr.
             SERVER_URL=$(sed -n 's/.*listening on \(http:\/\/[^ ]*\).*/\1/p' "$SERVER_LOG" | head -1)
         fi
-        sleep 2
+        sleep 2 &
+        wait $!
     done
     note "no answer from /health within ${READY_TIMEOUT}s; see $SERVER_LOG"
     return 1
@@ -192,14 +204,19 @@ bench() {
     var=NUM_PROMPTS_C$c
     n=${!var:-$NUM_PROMPTS}
     note "$system tp $tp: $n prompts at concurrency $c ($INPUT_LEN in, $OUTPUT_LEN out)"
-    if ! timeout "$BENCH_TIMEOUT" "$VLLM_PY" scripts/vllm_cli.py bench serve --backend openai \
+    timeout "$BENCH_TIMEOUT" "$VLLM_PY" scripts/vllm_cli.py bench serve --backend openai \
         --base-url "$SERVER_URL" --model "$SERVED_NAME" --tokenizer "$MODEL" \
         --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
         --num-prompts "$n" --max-concurrency "$c" --num-warmups "$NUM_WARMUPS" --ignore-eos \
         --seed 0 --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --disable-tqdm \
         --save-result --result-dir "$OUT" --result-filename "$system-tp$tp-c$c.json" \
-        >"$OUT/$system-tp$tp-c$c.out" 2>&1; then
-        note "load generator failed or timed out; see $OUT/$system-tp$tp-c$c.out"
+        >"$OUT/$system-tp$tp-c$c.out" 2>&1 &
+    LOADGEN_PID=$!
+    local rc=0
+    wait "$LOADGEN_PID" || rc=$?
+    LOADGEN_PID=""
+    if ((rc != 0)); then
+        note "load generator failed or timed out (status $rc); see $OUT/$system-tp$tp-c$c.out"
         rm -f "$OUT/$system-tp$tp-c$c.json"
     fi
 }
