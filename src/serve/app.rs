@@ -115,7 +115,7 @@ async fn finish(
         }
     }
     let end = end.ok_or_else(|| ApiError::internal("the request ended without a finish"))?;
-    let body = head.response(&text, &tokens, generation.ids(), &prompt, &end);
+    let body = head.response(&text, &tokens, generation.token_ids(), &prompt, &end);
     Ok(json_response(&body))
 }
 

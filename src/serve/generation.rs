@@ -1,5 +1,5 @@
 //! One request's run on the engine as the server sees it: submitted, its events turned into
-//! steps of settled text (stop ids left out, stop strings found, partial characters held),
+//! steps of settled text (stop ids returned but left out of the text, stop strings found, partial characters held),
 //! and cancelled when the server stops listening before it finished (a client that went
 //! away drops the [`Generation`]).
 
@@ -60,6 +60,8 @@ pub struct Generation {
     generated: usize,
     /// The tokens of the text (the stop id left out).
     ids: Vec<i64>,
+    /// Every generated token (the stop id included), as `token_ids` returns them.
+    returned: Vec<i64>,
     emitter: TextEmitter,
     finished: bool,
 }
@@ -104,14 +106,15 @@ impl Generation {
             prompt_tokens,
             generated: 0,
             ids: Vec::new(),
+            returned: Vec::new(),
             emitter: TextEmitter::new(stops),
             finished: false,
         })
     }
 
-    /// The ids of the text so far (stop ids left out).
-    pub fn ids(&self) -> &[i64] {
-        &self.ids
+    /// The generated ids so far, the stop id included (its text is left out).
+    pub fn token_ids(&self) -> &[i64] {
+        &self.returned
     }
 
     /// The next step; `None` once the generation has finished.
@@ -155,10 +158,6 @@ impl Generation {
             Some(Event::Token { id, logprobs }) => {
                 let index = self.generated;
                 self.generated += 1;
-                if index >= self.min_tokens && self.stop_ids.contains(&id) {
-                    // The stop id: counted, never text; `Finished` follows.
-                    return Ok(Step::default());
-                }
                 let after = self.ids.last().copied();
                 let token = match logprobs {
                     Some(lp) => TokenOut {
@@ -178,6 +177,16 @@ impl Generation {
                         top: vec![],
                     },
                 };
+                self.returned.push(id);
+                if index >= self.min_tokens && self.stop_ids.contains(&id) {
+                    // The stop id: returned and counted (as in HF and vLLM), never text;
+                    // `Finished` follows.
+                    return Ok(Step {
+                        text: String::new(),
+                        token: Some(token),
+                        finish: None,
+                    });
+                }
                 self.ids.push(id);
                 let full = self.decode()?;
                 let advance = self.emitter.advance(&full, false);

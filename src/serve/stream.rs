@@ -24,7 +24,7 @@ impl State {
         let tokens: Vec<_> = step.token.into_iter().collect();
         let worth_sending = !step.text.is_empty()
             || step.finish.is_some()
-            || (self.head.want_logprobs && !tokens.is_empty());
+            || ((self.head.want_logprobs || self.head.return_token_ids) && !tokens.is_empty());
         if worth_sending {
             let chunk = self.head.chunk(
                 &step.text,

@@ -680,18 +680,37 @@ fn a_stop_string_cuts_the_text_and_cancels_the_request() {
 }
 
 #[test]
-fn a_stop_id_ends_the_text_uncounted_in_it_but_counted_in_usage() {
+fn a_stop_id_ends_the_text_uncounted_in_it_but_returned_and_counted_in_usage() {
     let s = Server::text(64);
     // The engine echoes 33 96 230: 230 is an EOS id of generation_config.json.
     let v = s.ok(
         "/v1/completions",
-        &json!({ "prompt": [33, 96, 230, 69], "max_tokens": 10, "logprobs": 1 }),
+        &json!({ "prompt": [33, 96, 230, 69], "max_tokens": 10, "logprobs": 1,
+                 "return_token_ids": true }),
     );
     let choice = &v["choices"][0];
     assert_eq!(choice["text"], "the qu");
     assert_eq!(choice["finish_reason"], "stop");
-    assert_eq!(choice["logprobs"]["tokens"].as_array().unwrap().len(), 2);
+    // As in HF and vLLM: the stop id is among the returned ids and log-probabilities.
+    assert_eq!(choice["token_ids"], json!([33, 96, 230]));
+    assert_eq!(choice["logprobs"]["tokens"].as_array().unwrap().len(), 3);
     assert_eq!(v["usage"]["completion_tokens"], 3);
+    // Streamed, the last chunk carries it.
+    let events = s.stream(
+        "/v1/completions",
+        &json!({ "prompt": [33, 96, 230, 69], "max_tokens": 10, "stream": true,
+                 "return_token_ids": true }),
+    );
+    let ids: Vec<Value> = chunks(&events)
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["token_ids"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(ids, vec![json!(33), json!(96), json!(230)]);
     // Before min_tokens it is text like any other token.
     let v = s.ok(
         "/v1/completions",
