@@ -1,10 +1,11 @@
 //! `tpc serve MODEL_DIR --tp N [--pp P] [--dp D] --host 127.0.0.1 --port 8000`: an
-//! OpenAI-compatible server over the continuous-batching engine.
+//! OpenAI-compatible server over the continuous-batching engine, on CPU ranks or GPUs.
 
 use super::ExecArgs;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::sync::Arc;
+use tpc::runtime::device::Device;
 use tpc::runtime::engine::api::Serving;
 use tpc::runtime::engine::launch::{serve_cpu, EngineOptions};
 use tpc::runtime::weights::Checkpoint;
@@ -82,9 +83,6 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         "--shutdown-timeout {} is not a number of seconds; give e.g. 30",
         a.shutdown_timeout
     );
-    let cpu = a.exec.device.cpu_options().cloned().context(
-        "tpc serve runs on CPU ranks for now; --device cuda is not supported by the engine yet",
-    )?;
     let text = tpc::serve::TextSide::open(&a.model)?;
     let def = tpc::frontend::load::load_model(&a.model)?;
     let mut plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
@@ -134,15 +132,19 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             );
         })
     };
-    let (engine, served) = serve_cpu(
-        &plan,
-        &ckpt,
-        &cpu,
-        a.exec.options().dtype,
-        &opts,
-        a.dp as usize,
-        client,
-    )?;
+    let dtype = a.exec.options().dtype;
+    let dp = a.dp as usize;
+    let (engine, served) = match &a.exec.device {
+        Device::Cpu(cpu) => serve_cpu(&plan, &ckpt, cpu, dtype, &opts, dp, client)?,
+        #[cfg(feature = "cuda")]
+        Device::Cuda(listed) => tpc::runtime::cuda::serve::serve_cuda(
+            &plan, &ckpt, listed, dtype, &opts, dp, client,
+        )?,
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => anyhow::bail!(
+            "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features cuda` (building needs no CUDA; running needs the NVIDIA driver, NVRTC and cuBLAS)"
+        ),
+    };
     if let Some(served) = served {
         served?;
     }

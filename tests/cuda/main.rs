@@ -24,3 +24,4 @@ mod emulator;
 mod backend_contract;
 mod device;
 mod kernels;
+mod serve;

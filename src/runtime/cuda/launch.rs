@@ -11,6 +11,7 @@ use super::nccl::{new_id, IdBytes, NcclLink};
 use super::one_shot::OneShotGroup;
 use super::CudaError;
 use crate::plan::Plan;
+use crate::runtime::comm::LocalComm;
 use crate::runtime::error::Result;
 use crate::runtime::generate::{BatchOutput, Request, RunOptions};
 use crate::runtime::launch::{check_before_start, launch_stages, local_groups};
@@ -40,17 +41,17 @@ pub fn gpus(listed: &[usize]) -> std::result::Result<Vec<usize>, CudaError> {
     })
 }
 
-/// [`crate::runtime::run::run_batch`] with every rank on a GPU.
-pub fn run_batch_cuda(
-    plan: &Plan,
-    weights: &dyn WeightSource,
-    requests: &[Request],
-    opts: &RunOptions,
-    listed: &[usize],
-) -> Result<BatchOutput> {
-    // The devices first: a machine without a driver is told so before any weight is read.
-    let devices = gpus(listed)?;
-    check_before_start(plan, weights, requests, opts)?;
+/// The tp groups' and pipelines' communicators of GPU ranks as threads, and the slot each
+/// rank's opened GPU goes into (the one-shot and NCCL all-reduces reach it there).
+pub(super) struct GpuGroups {
+    pub comms: Vec<GpuComm<LocalComm>>,
+    pub pipes: Vec<GpuComm<LocalComm>>,
+    pub gpus: Vec<Arc<OnceLock<Arc<GpuRank>>>>,
+}
+
+/// Lays `plan`'s ranks on `devices` (rank `r` on `devices[r % len]`, so tp 2…8 fits on one
+/// GPU): per tp group, one GPU → the one-shot kernel; distinct GPUs → NCCL; else staged.
+pub(super) fn gpu_groups(plan: &Plan, devices: &[usize]) -> Result<GpuGroups> {
     let (comms, pipes) = local_groups(plan)?;
     let tp = plan.ranks.len().max(1);
     let ordinal = |rank: usize| devices[rank % devices.len()];
@@ -58,7 +59,6 @@ pub fn run_batch_cuda(
     let gpus: Vec<Arc<OnceLock<Arc<GpuRank>>>> = (0..comms.len())
         .map(|_| Arc::new(OnceLock::new()))
         .collect();
-    // Per tp group: one GPU → the one-shot kernel; distinct GPUs → NCCL; else staged.
     let mut groups = Vec::with_capacity(comms.len() / tp);
     for first in (0..comms.len()).step_by(tp) {
         let mut on: Vec<usize> = (first..first + tp).map(ordinal).collect();
@@ -96,12 +96,38 @@ pub fn run_batch_cuda(
         .into_iter()
         .map(|p| GpuComm::new(p, None, None))
         .collect();
+    Ok(GpuGroups { comms, pipes, gpus })
+}
+
+/// Opens rank `rank`'s GPU (`devices[rank % len]`) and makes its backend, leaving the GPU
+/// in the rank's slot for its communicator.
+pub(super) fn open_rank(
+    rank: usize,
+    devices: &[usize],
+    slots: &[Arc<OnceLock<Arc<GpuRank>>>],
+    bf16: bool,
+) -> Result<CudaBackend> {
+    let gpu = Arc::new(GpuRank::open(rank, devices[rank % devices.len()])?);
+    if let Some(slot) = slots.get(rank) {
+        let _ = slot.set(gpu.clone());
+    }
+    Ok(CudaBackend::new(gpu, bf16))
+}
+
+/// [`crate::runtime::run::run_batch`] with every rank on a GPU.
+pub fn run_batch_cuda(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    requests: &[Request],
+    opts: &RunOptions,
+    listed: &[usize],
+) -> Result<BatchOutput> {
+    // The devices first: a machine without a driver is told so before any weight is read.
+    let devices = gpus(listed)?;
+    check_before_start(plan, weights, requests, opts)?;
+    let GpuGroups { comms, pipes, gpus } = gpu_groups(plan, &devices)?;
     let bf16 = opts.dtype.bf16_linears(plan);
-    let make = |rank: usize| -> Result<CudaBackend> {
-        let gpu = Arc::new(GpuRank::open(rank, ordinal(rank))?);
-        let _ = gpus[rank].set(gpu.clone());
-        Ok(CudaBackend::new(gpu, bf16))
-    };
+    let make = |rank: usize| open_rank(rank, &devices, &gpus, bf16);
     launch_stages(plan, weights, comms, pipes, &make, &|rt| {
         rt.generate(requests, opts)
     })

@@ -14,6 +14,7 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod one_shot;
 pub mod probe;
+pub mod serve;
 pub mod sources;
 
 pub use act::CudaAct;

@@ -1,0 +1,107 @@
+//! The serving engine on GPU ranks as threads (`tpc serve --device cuda[:N,…]`): the ranks
+//! laid on the GPUs as `tpc run` lays them, each with its paged KV pool on its GPU, sized
+//! from `--kv-cache-memory` or from the memory the GPUs have free.
+
+use super::launch::{gpu_groups, gpus, open_rank, GpuGroups};
+use super::CudaError;
+use crate::plan::Plan;
+use crate::runtime::engine::api::Serving;
+use crate::runtime::engine::launch::{prepare, serve_threads, EngineOptions};
+use crate::runtime::engine::metrics::Metrics;
+use crate::runtime::error::{Result, RunError};
+use crate::runtime::generate::ComputeDtype;
+use crate::runtime::weights::WeightSource;
+use cudarc::driver::CudaContext;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+
+/// The share of a GPU's memory, free once its ranks' weights are in, that the KV pools take
+/// by default (the rest: activations, cuBLAS workspaces, the collectives' buffers).
+const DEFAULT_KV_SHARE: f64 = 0.8;
+
+/// Bytes free on GPU `ordinal` now.
+fn free_bytes(ordinal: usize) -> Result<u64> {
+    let driver = |what: &str, e: cudarc::driver::DriverError| {
+        RunError::from(CudaError::Driver {
+            what: format!("{what} GPU {ordinal}"),
+            error: format!("{e:?}"),
+        })
+    };
+    let ctx = CudaContext::new(ordinal).map_err(|e| driver("opening", e))?;
+    let (free, _) = ctx
+        .mem_get_info()
+        .map_err(|e| driver("reading the free memory of", e))?;
+    Ok(free as u64)
+}
+
+/// KV bytes per rank when none are given: on every GPU, [`DEFAULT_KV_SHARE`] of what is
+/// free after the weights of the ranks it holds, split among them; the least over the GPUs.
+fn default_kv_bytes(plan: &Plan, devices: &[usize], weight_bytes: u64) -> Result<u64> {
+    let world = plan.world().max(1);
+    let per_rank_weights = weight_bytes / world as u64;
+    let mut least = u64::MAX;
+    let mut seen = Vec::new();
+    for rank in 0..world {
+        let ordinal = devices[rank % devices.len()];
+        if seen.contains(&ordinal) {
+            continue;
+        }
+        seen.push(ordinal);
+        let ranks_here = (0..world)
+            .filter(|r| devices[r % devices.len()] == ordinal)
+            .count() as u64;
+        let spare =
+            free_bytes(ordinal)?.saturating_sub(per_rank_weights.saturating_mul(ranks_here));
+        let share = (spare as f64 * DEFAULT_KV_SHARE) as u64 / ranks_here.max(1);
+        least = least.min(share);
+    }
+    Ok(least)
+}
+
+/// An engine over `plan` on GPU ranks as threads (`listed` GPUs, or all), one replica.
+/// `client` runs once every rank has loaded, with the engine and a receiver that hears (or
+/// disconnects) when it stops. Returns the engine's failure, else Ok, and the client's
+/// result.
+pub fn serve_cuda<T: Send>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    listed: &[usize],
+    dtype: ComputeDtype,
+    opts: &EngineOptions,
+    dp: usize,
+    client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
+) -> Result<(Result<()>, Option<T>)> {
+    if dp != 1 {
+        return Err(RunError::Replicas(format!(
+            "--dp {dp} with --device cuda: the engine runs one replica on GPUs for now; start one \
+             `tpc serve` per set of GPUs (`--device cuda:0,1`, `--device cuda:2,3`) instead"
+        )));
+    }
+    // The devices first: a machine without a driver is told so before any weight is read.
+    let devices = gpus(listed)?;
+    weights.check(plan)?;
+    let bf16 = dtype.bf16_linears(plan);
+    let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
+    let opts = match opts.kv_cache_memory {
+        Some(_) => opts.clone(),
+        None => EngineOptions {
+            kv_cache_memory: Some(default_kv_bytes(plan, &devices, weight_bytes)?),
+            ..opts.clone()
+        },
+    };
+    let registry = Arc::new(prometheus::Registry::new());
+    let setup = prepare(
+        plan,
+        &opts,
+        plan.world(),
+        weight_bytes,
+        Metrics::in_registry(registry, None),
+    )?;
+    let GpuGroups { comms, pipes, gpus } = gpu_groups(plan, &devices)?;
+    let make = |rank: usize| open_rank(rank, &devices, &gpus, bf16);
+    let (result, client) = serve_threads(plan, weights, comms, pipes, &make, setup, |h, s| {
+        let engine: Arc<dyn Serving> = h;
+        client(engine, s)
+    });
+    Ok((result, client))
+}
