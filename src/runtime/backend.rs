@@ -56,20 +56,26 @@ pub enum BinaryOp {
 }
 
 /// One sequence's rows in a (possibly ragged) batch: rows `rows` of every activation belong
-/// to sequence `seq` (an index into the caches the executor passes), and its first row sits
-/// at absolute position `start`.
+/// to one sequence, whose first row sits at absolute position `start` and whose keys and
+/// values live in the blocks of its table.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Segment {
-    pub seq: usize,
+pub struct Segment<'t> {
+    /// The sequence's rows of q, k and v in the call.
     pub rows: std::ops::Range<usize>,
+    /// Positions already cached before these rows.
     pub start: usize,
+    /// The sequence's block table: position `p` lives in block `blocks[p / block_size]`,
+    /// slot `p % block_size`. Covers at least `start + rows.len()` positions. Blocks that
+    /// several sequences share (a common prompt prefix) are only read by the later ones.
+    pub blocks: &'t [u32],
 }
 
 /// A rank's device: kernels plus the memory they work on.
 pub trait Backend: Send + Sync {
     type Act: Activation;
     type Weight: Send + Sync;
-    /// One sequence's keys and values for one attention op.
+    /// One attention op's KV cache: a pool of blocks of token slots (keys and values),
+    /// shared by every sequence through its block table.
     type Kv: Send;
     /// Rotary cos/sin for the positions of one forward call.
     type RopeTables: Send;
@@ -149,20 +155,22 @@ pub trait Backend: Send + Sync {
         tables: &Self::RopeTables,
     ) -> BackendResult<()>;
 
-    /// An empty cache for keys of `k_width` and values of `v_width` columns per token.
-    fn new_kv(&self, k_width: usize, v_width: usize) -> Self::Kv;
-    /// Makes room for `positions` tokens (best effort: an absurd size is not an error here).
-    fn reserve_kv(&self, kv: &mut Self::Kv, positions: usize);
-    /// Forgets every token, keeping the memory.
-    fn clear_kv(&self, kv: &mut Self::Kv);
-    /// Appends each segment's rows of `k`, `v` to its sequence's cache, then computes causal
-    /// attention of that segment's rows of `q` over the cache (GQA: query head `h` reads kv
-    /// head `h / (q_heads / kv_heads)`).
+    /// An empty pool of blocks of `block_size` tokens (at least 1), keys of `k_width` and
+    /// values of `v_width` columns per token.
+    fn new_kv(&self, k_width: usize, v_width: usize, block_size: usize) -> Self::Kv;
+    /// Grows the pool to at least `blocks` blocks (never shrinks; what the blocks held is
+    /// kept). Memory that cannot be had, or a size that overflows, is an error, not an abort.
+    fn grow_kv(&self, kv: &mut Self::Kv, blocks: usize) -> BackendResult<()>;
+    /// Writes each segment's rows of `k`, `v` at its positions `start..` through its block
+    /// table (every segment's before any attends), then computes causal attention of the
+    /// segment's rows of `q` over its positions `0..start + rows` read through the table
+    /// (GQA: query head `h` reads kv head `h / (q_heads / kv_heads)`). A table too short, a
+    /// block outside the pool or widths not the pool's are errors.
     fn attention(
         &self,
         qkv: [&Self::Act; 3],
-        caches: &mut [Self::Kv],
-        segments: &[Segment],
+        kv: &mut Self::Kv,
+        segments: &[Segment<'_>],
         head_dim: usize,
         scale: f32,
     ) -> BackendResult<Self::Act>;

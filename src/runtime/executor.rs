@@ -3,8 +3,13 @@
 //! reuse) and never touches values itself: every op, layout ops and KV-cache appends
 //! included, is a backend call, so the same executor drives every device.
 //!
-//! A forward call takes a batch of sequences (each with its own KV caches and position):
-//! one prompt, a ragged batch of prompts, or one new token per live sequence.
+//! A forward call takes a batch of sequences, each with its new tokens, the position they
+//! start at and its block table in the rank's paged KV cache (one pool of blocks per
+//! attention op): one prompt, a ragged batch of prompts or prompt chunks, or one new token
+//! per live sequence. The serving engine keeps the tables itself
+//! ([`RankExecutor::forward_steps`]); callers that number their sequences instead
+//! (`generate`, tests) get tables from the executor's own allocator
+//! ([`RankExecutor::forward`], [`RankExecutor::reserve`], [`RankExecutor::reset`]).
 
 use super::backend::{
     Activation, Backend, BackendError, BinaryOp, ReduceNormError, Segment, WeightUse,
@@ -50,10 +55,19 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     weights: HashMap<u32, B::Weight>,
     /// Linears that run as one product (`plan::fuse`), with their weights.
     fused: super::fused::FusedProducts<B::Weight, B::Act>,
-    /// Per attention op, its caches.
-    caches: HashMap<u32, AttentionCaches<B::Kv>>,
-    /// Tokens already cached, per sequence.
-    positions: Vec<usize>,
+    /// Per attention op, its key and value widths per token and its pool of KV blocks.
+    pools: HashMap<u32, ((usize, usize), B::Kv)>,
+    /// Token slots per KV block.
+    block_size: usize,
+    /// Blocks every pool has.
+    pool_blocks: usize,
+    /// Blocks `0..engine_blocks` are the caller's to hand out (`set_kv_pool`); the numbered
+    /// sequences' own allocator takes blocks from there up.
+    engine_blocks: usize,
+    /// The next block the numbered sequences' allocator hands out.
+    next_block: usize,
+    /// Numbered sequences (the sequence-slot API): each one's table and tokens cached.
+    slots: Vec<Slot>,
     /// The linears that compute the output (the LM head): only row-wise ops lie between
     /// them and it, so they may run on the rows the caller wants alone.
     head_linears: Vec<u32>,
@@ -87,7 +101,7 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
 struct Call<'c> {
     ids: &'c [i64],
     positions: &'c [i64],
-    segments: &'c [Segment],
+    segments: &'c [Segment<'c>],
     select: Option<&'c [usize]>,
     /// What the logits gather exchanges.
     exchange: Exchange,
@@ -114,11 +128,33 @@ enum Exchange {
     TopK(usize),
 }
 
-/// One attention op's KV caches: key and value widths per token, one cache per sequence.
-struct AttentionCaches<K> {
-    widths: (usize, usize),
-    seqs: Vec<K>,
+/// A numbered sequence's place in the KV cache: its block table and the tokens cached.
+#[derive(Debug, Clone, Default)]
+struct Slot {
+    blocks: Vec<u32>,
+    position: usize,
 }
+
+/// One sequence's part of a forward call: its new tokens, the position the first one sits
+/// at (the tokens cached before it), and its block table, which covers every position up
+/// to the last new token.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqStep<'a> {
+    pub tokens: &'a [i64],
+    pub start: usize,
+    pub blocks: &'a [u32],
+}
+
+/// A forward call's sequences: numbered ones, whose tables the executor keeps, or steps
+/// that bring their own.
+#[derive(Clone, Copy)]
+enum Batch<'b> {
+    Numbered(&'b [(usize, &'b [i64])]),
+    Steps(&'b [SeqStep<'b>]),
+}
+
+/// Token slots per KV block until `set_kv_pool` sets another size.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 fn bad(i: &Instr, problem: impl Into<String>) -> RunError {
     RunError::BadInstruction {
@@ -208,7 +244,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 _ => None,
             })
             .collect();
-        let mut caches = HashMap::new();
+        let mut pools = HashMap::new();
         for i in &program.instrs {
             if let Op::Attention(_) = &i.op {
                 let width = |slot: usize| {
@@ -219,13 +255,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let (Some(k), Some(v)) = (width(1), width(2)) else {
                     return Err(bad(i, "its key or value width is not known"));
                 };
-                caches.insert(
-                    i.id,
-                    AttentionCaches {
-                        widths: (k, v),
-                        seqs: Vec::new(),
-                    },
-                );
+                pools.insert(i.id, ((k, v), backend.new_kv(k, v, DEFAULT_BLOCK_SIZE)));
             }
         }
         let max_id = program.instrs.iter().map(|i| i.id).max().unwrap_or(0) as usize;
@@ -237,7 +267,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 }
             }
         }
-        let mut exec = RankExecutor {
+        let exec = RankExecutor {
             program,
             tp: comm.world_size(),
             rank: comm.rank(),
@@ -245,8 +275,12 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             comm,
             weights: loaded,
             fused,
-            caches,
-            positions: Vec::new(),
+            pools,
+            block_size: DEFAULT_BLOCK_SIZE,
+            pool_blocks: 0,
+            engine_blocks: 0,
+            next_block: 0,
+            slots: Vec::new(),
             head_linears: program.head_linears(),
             table_rows,
             last_use,
@@ -260,7 +294,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             logits_gather: program.output_gather(),
             link: None,
         };
-        exec.set_sequences(1);
         Ok(exec)
     }
 
@@ -309,27 +342,126 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.link.as_ref().is_none_or(StageLink::is_last)
     }
 
-    /// Makes room for `n` sequences (caches of new ones are empty).
-    fn set_sequences(&mut self, n: usize) {
-        let b = &self.backend;
-        for c in self.caches.values_mut() {
-            while c.seqs.len() < n {
-                c.seqs.push(b.new_kv(c.widths.0, c.widths.1));
+    /// Sizes the paged KV cache for a caller that keeps its own block tables (the serving
+    /// engine): blocks of `block_size` tokens, blocks `0..blocks` its to hand out, every
+    /// attention op's pool grown to hold them. While numbered sequences hold blocks
+    /// (`forward`, `reserve`), the block size may not change and the range may not grow
+    /// over their blocks (`reset` first); otherwise a new block size makes the pools anew,
+    /// empty.
+    pub fn set_kv_pool(&mut self, block_size: usize, blocks: usize) -> Result<()> {
+        if block_size == 0 || u32::try_from(blocks).is_err() {
+            return Err(RunError::BadBatch {
+                problem: format!(
+                    "a KV cache of {blocks} blocks of {block_size} tokens (blocks of at least \
+                     one token, fewer than 2^32 blocks)"
+                ),
+            });
+        }
+        let numbered_hold = self.next_block > self.engine_blocks;
+        if numbered_hold && (block_size != self.block_size || blocks > self.engine_blocks) {
+            return Err(RunError::BadBatch {
+                problem: format!(
+                    "the KV cache changes to {blocks} blocks of {block_size} tokens while \
+                     numbered sequences hold blocks {}..{} of {}; reset first",
+                    self.engine_blocks, self.next_block, self.block_size
+                ),
+            });
+        }
+        if block_size != self.block_size {
+            let b = &self.backend;
+            for ((k, v), pool) in self.pools.values_mut() {
+                *pool = b.new_kv(*k, *v, block_size);
             }
+            self.block_size = block_size;
+            self.pool_blocks = 0;
         }
-        if self.positions.len() < n {
-            self.positions.resize(n, 0);
+        // The numbered sequences take blocks past the caller's (theirs, if any, already lie
+        // past them).
+        if !numbered_hold {
+            self.next_block = blocks;
         }
+        self.engine_blocks = blocks;
+        self.grow_pools(self.next_block)
     }
 
-    /// Reserves KV-cache room for `positions` tokens of sequence `seq`, so that decoding
-    /// never grows it.
-    pub fn reserve(&mut self, seq: usize, positions: usize) {
-        self.set_sequences(seq + 1);
-        let b = &self.backend;
-        for c in self.caches.values_mut() {
-            b.reserve_kv(&mut c.seqs[seq], positions);
+    /// Bytes one KV block takes over every attention op of this rank (keys and values, f32):
+    /// what sizes the pool from a memory budget.
+    pub fn kv_block_bytes(&self) -> u64 {
+        let per_token: u64 = self.pools.values().map(|((k, v), _)| (k + v) as u64).sum();
+        per_token
+            .saturating_mul(4)
+            .saturating_mul(self.block_size as u64)
+    }
+
+    /// Blocks every attention op's pool holds.
+    pub fn kv_blocks(&self) -> usize {
+        self.pool_blocks
+    }
+
+    /// Token slots per KV block.
+    pub fn kv_block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Grows every attention op's pool to `blocks` blocks.
+    fn grow_pools(&mut self, blocks: usize) -> Result<()> {
+        if blocks <= self.pool_blocks {
+            return Ok(());
         }
+        let b = &self.backend;
+        for (id, (_, pool)) in self.pools.iter_mut() {
+            b.grow_kv(pool, blocks).map_err(|error| RunError::Backend {
+                name: format!("the KV cache of attention %{id}"),
+                error,
+            })?;
+        }
+        self.pool_blocks = blocks;
+        Ok(())
+    }
+
+    /// Numbered sequence `seq`'s table covers `positions` tokens: blocks taken in order from
+    /// the allocator, the pools grown as needed: to exactly what is needed (`exact`, a
+    /// reservation), or else doubling where memory allows, so that a sequence growing token
+    /// by token copies the pools a logarithmic number of times.
+    fn slot_room(&mut self, seq: usize, positions: usize, exact: bool) -> Result<()> {
+        let too_many = || RunError::BadBatch {
+            problem: format!("KV-cache room for {positions} positions of sequence {seq}"),
+        };
+        if self.slots.len() <= seq {
+            let n = seq.checked_add(1).ok_or_else(too_many)?;
+            self.slots
+                .try_reserve(n - self.slots.len())
+                .map_err(|_| too_many())?;
+            self.slots.resize_with(n, Slot::default);
+        }
+        let have = self.slots[seq].blocks.len();
+        let need = positions.div_ceil(self.block_size);
+        if need <= have {
+            return Ok(());
+        }
+        let end = self
+            .next_block
+            .checked_add(need - have)
+            .filter(|&e| u32::try_from(e).is_ok())
+            .ok_or_else(too_many)?;
+        if end > self.pool_blocks {
+            let doubled = end.max(self.pool_blocks.saturating_mul(2));
+            if exact || doubled == end || self.grow_pools(doubled).is_err() {
+                self.grow_pools(end)?;
+            }
+        }
+        let blocks = &mut self.slots[seq].blocks;
+        blocks.try_reserve(need - have).map_err(|_| too_many())?;
+        blocks.extend(self.next_block as u32..end as u32);
+        self.next_block = end;
+        Ok(())
+    }
+
+    /// Reserves KV-cache room for `positions` tokens of numbered sequence `seq`, so that
+    /// decoding never grows the pools. Best effort: room that cannot be had now is asked
+    /// for again, and refused, when it is needed.
+    pub fn reserve(&mut self, seq: usize, positions: usize) {
+        let _ = self.slot_room(seq, positions, true);
     }
 
     /// Reserves room for `positions` tokens of sequence 0.
@@ -337,13 +469,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.reserve(0, positions)
     }
 
-    /// Forgets every cached token of every sequence (keeping the memory).
+    /// Forgets every cached token of every numbered sequence, returning their blocks
+    /// (keeping the memory).
     pub fn reset(&mut self) {
-        let b = &self.backend;
-        for c in self.caches.values_mut() {
-            c.seqs.iter_mut().for_each(|kv| b.clear_kv(kv));
-        }
-        self.positions.iter_mut().for_each(|p| *p = 0);
+        self.slots.clear();
+        self.next_block = self.engine_blocks;
     }
 
     /// Runs the program on `ids` of sequence 0 (after the tokens it has cached) and returns
@@ -361,7 +491,16 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// continuing after its cached tokens. Returns the output rows `rows` asks for, in batch
     /// order, on the host.
     pub fn forward(&mut self, batch: &[(usize, &[i64])], rows: OutputRows) -> Result<Tensor> {
-        let out = self.forward_on_device(batch, rows)?;
+        let out = self.forward_call(Batch::Numbered(batch), rows, Exchange::Logits)?;
+        self.backend.to_host(out).map_err(at_output)
+    }
+
+    /// Runs the program once over sequences whose block tables the caller keeps (the
+    /// serving engine, after [`RankExecutor::set_kv_pool`]): each step's tokens are written
+    /// at its positions `start..` through its table. Returns the output rows `rows` asks
+    /// for, in batch order, on the host.
+    pub fn forward_steps(&mut self, batch: &[SeqStep<'_>], rows: OutputRows) -> Result<Tensor> {
+        let out = self.forward_call(Batch::Steps(batch), rows, Exchange::Logits)?;
         self.backend.to_host(out).map_err(at_output)
     }
 
@@ -371,6 +510,23 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     pub fn forward_argmax(
         &mut self,
         batch: &[(usize, &[i64])],
+        rows: OutputRows,
+    ) -> Result<std::result::Result<Vec<usize>, usize>> {
+        self.argmax_of(Batch::Numbered(batch), rows)
+    }
+
+    /// [`RankExecutor::forward_argmax`] over steps with their own block tables.
+    pub fn forward_steps_argmax(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        rows: OutputRows,
+    ) -> Result<std::result::Result<Vec<usize>, usize>> {
+        self.argmax_of(Batch::Steps(batch), rows)
+    }
+
+    fn argmax_of(
+        &mut self,
+        batch: Batch<'_>,
         rows: OutputRows,
     ) -> Result<std::result::Result<Vec<usize>, usize>> {
         if self.logits_gather.is_some() {
@@ -392,7 +548,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             pairs.release();
             return Ok(picked);
         }
-        let out = self.forward_on_device(batch, rows)?;
+        let out = self.forward_call(batch, rows, Exchange::Logits)?;
         let picked = match self.backend.first_non_finite_row(&out) {
             Ok(Some(row)) => Ok(Err(row)),
             Ok(None) => self.backend.argmax_rows(&out).map(Ok),
@@ -415,6 +571,25 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         rows: OutputRows,
         k: usize,
     ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
+        self.top_k_of(Batch::Numbered(batch), rows, k)
+    }
+
+    /// [`RankExecutor::forward_top_k`] over steps with their own block tables.
+    pub fn forward_steps_top_k(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        rows: OutputRows,
+        k: usize,
+    ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
+        self.top_k_of(Batch::Steps(batch), rows, k)
+    }
+
+    fn top_k_of(
+        &mut self,
+        batch: Batch<'_>,
+        rows: OutputRows,
+        k: usize,
+    ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
         let exchange = self
             .logits_gather
             .and_then(|id| self.vocab_slice(id))
@@ -424,7 +599,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let out = match exchange {
             Some(k) => self.forward_call(batch, rows, Exchange::TopK(k))?,
             None => {
-                let logits = self.forward_on_device(batch, rows)?;
+                let logits = self.forward_call(batch, rows, Exchange::Logits)?;
                 let cols = logits.rows_cols().1;
                 let pairs = self.backend.top_k_pairs(&logits, k.min(cols), cols, 0);
                 self.backend.release(logits);
@@ -482,7 +657,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     pub fn locate_non_finite(&mut self, tokens: &[i64]) -> Result<Option<NonFiniteOp>> {
         self.reset();
         self.non_finite = Some(None);
-        let out = self.forward_inner(&[(0, tokens)], OutputRows::LastOfEach, Exchange::Logits);
+        let out = self.forward_inner(
+            Batch::Numbered(&[(0, tokens)]),
+            OutputRows::LastOfEach,
+            Exchange::Logits,
+        );
         let found = self.non_finite.take().flatten();
         self.reset();
         if let Some(out) = out? {
@@ -497,12 +676,12 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         batch: &[(usize, &[i64])],
         rows: OutputRows,
     ) -> Result<B::Act> {
-        self.forward_call(batch, rows, Exchange::Logits)
+        self.forward_call(Batch::Numbered(batch), rows, Exchange::Logits)
     }
 
     fn forward_call(
         &mut self,
-        batch: &[(usize, &[i64])],
+        batch: Batch<'_>,
         rows: OutputRows,
         exchange: Exchange,
     ) -> Result<B::Act> {
@@ -515,31 +694,109 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
 
     fn forward_inner(
         &mut self,
+        batch: Batch<'_>,
+        rows: OutputRows,
+        exchange: Exchange,
+    ) -> Result<Option<B::Act>> {
+        match batch {
+            Batch::Steps(steps) => self.run_steps(steps, rows, exchange),
+            Batch::Numbered(batch) => self.run_numbered(batch, rows, exchange),
+        }
+    }
+
+    /// Numbered sequences through the executor's own allocator: each continues after its
+    /// cached tokens, its table grown to cover the new ones.
+    fn run_numbered(
+        &mut self,
         batch: &[(usize, &[i64])],
+        rows: OutputRows,
+        exchange: Exchange,
+    ) -> Result<Option<B::Act>> {
+        for (n, &(seq, ids)) in batch.iter().enumerate() {
+            if batch[..n].iter().any(|&(other, _)| other == seq) {
+                return Err(RunError::BadBatch {
+                    problem: format!("sequence {seq} appears twice in one batch"),
+                });
+            }
+            if ids.is_empty() {
+                return Err(RunError::EmptyPrompt);
+            }
+            let start = self.slots.get(seq).map_or(0, |s| s.position);
+            let end = start.checked_add(ids.len()).ok_or(RunError::BadBatch {
+                problem: format!("sequence {seq} runs past the largest position"),
+            })?;
+            self.slot_room(seq, end, false)?;
+        }
+        // The tables are moved out while the program runs (it borrows the executor).
+        let tables: Vec<Vec<u32>> = batch
+            .iter()
+            .map(|&(seq, _)| std::mem::take(&mut self.slots[seq].blocks))
+            .collect();
+        let steps: Vec<SeqStep<'_>> = batch
+            .iter()
+            .zip(&tables)
+            .map(|(&(seq, tokens), blocks)| SeqStep {
+                tokens,
+                start: self.slots[seq].position,
+                blocks,
+            })
+            .collect();
+        let out = self.run_steps(&steps, rows, exchange);
+        drop(steps);
+        for (&(seq, ids), blocks) in batch.iter().zip(tables) {
+            let slot = &mut self.slots[seq];
+            slot.blocks = blocks;
+            if out.is_ok() {
+                slot.position += ids.len();
+            }
+        }
+        out
+    }
+
+    /// One forward call over steps with their block tables.
+    fn run_steps(
+        &mut self,
+        batch: &[SeqStep<'_>],
         rows: OutputRows,
         exchange: Exchange,
     ) -> Result<Option<B::Act>> {
         let mut segments = Vec::with_capacity(batch.len());
         let mut ids = Vec::new();
         let mut positions = Vec::new();
-        for &(seq, seq_ids) in batch {
-            if seq_ids.is_empty() {
+        for step in batch {
+            if step.tokens.is_empty() {
                 return Err(RunError::EmptyPrompt);
             }
-            if segments.iter().any(|s: &Segment| s.seq == seq) {
+            let end = step.start.saturating_add(step.tokens.len());
+            if step.blocks.len().saturating_mul(self.block_size) < end
+                || i64::try_from(end).is_err()
+            {
                 return Err(RunError::BadBatch {
-                    problem: format!("sequence {seq} appears twice in one batch"),
+                    problem: format!(
+                        "a block table of {} blocks of {} tokens for positions up to {end}",
+                        step.blocks.len(),
+                        self.block_size
+                    ),
                 });
             }
-            self.set_sequences(seq + 1);
-            let start = self.positions[seq];
+            if let Some(b) = step.blocks[..end.div_ceil(self.block_size)]
+                .iter()
+                .find(|&&b| b as usize >= self.pool_blocks)
+            {
+                return Err(RunError::BadBatch {
+                    problem: format!(
+                        "block {b} of a KV cache of {} blocks (set_kv_pool sizes it)",
+                        self.pool_blocks
+                    ),
+                });
+            }
             segments.push(Segment {
-                seq,
-                rows: ids.len()..ids.len() + seq_ids.len(),
-                start,
+                rows: ids.len()..ids.len() + step.tokens.len(),
+                start: step.start,
+                blocks: step.blocks,
             });
-            ids.extend_from_slice(seq_ids);
-            positions.extend((start..start + seq_ids.len()).map(|p| p as i64));
+            ids.extend_from_slice(step.tokens);
+            positions.extend((step.start..end).map(|p| p as i64));
         }
         let last_rows: Vec<usize> = segments.iter().map(|s| s.rows.end - 1).collect();
         // A decode step: one new token after cached ones, for every sequence of the batch.
@@ -556,19 +813,25 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             segments: &segments,
             exchange,
         };
-        let out = self.run_program(&call);
-        if out.is_ok() {
-            for s in &segments {
-                self.positions[s.seq] += s.rows.len();
-            }
-        }
-        out
+        self.run_program(&call)
     }
 
     /// One forward call of a pipeline stage before the last: it passes its values on and
     /// has no output.
     pub fn forward_stage(&mut self, batch: &[(usize, &[i64])]) -> Result<()> {
-        if let Some(out) = self.forward_inner(batch, OutputRows::All, Exchange::Logits)? {
+        if let Some(out) =
+            self.forward_inner(Batch::Numbered(batch), OutputRows::All, Exchange::Logits)?
+        {
+            self.backend.release(out);
+        }
+        Ok(())
+    }
+
+    /// [`RankExecutor::forward_stage`] over steps with their own block tables.
+    pub fn forward_stage_steps(&mut self, batch: &[SeqStep<'_>]) -> Result<()> {
+        if let Some(out) =
+            self.forward_inner(Batch::Steps(batch), OutputRows::All, Exchange::Logits)?
+        {
             self.backend.release(out);
         }
         Ok(())
@@ -919,11 +1182,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     .map(|s| s.0 as f32)
                     .unwrap_or(1.0 / (d as f32).sqrt());
                 let (q, k, v) = (x(0)?, x(1)?, x(2)?);
-                let caches = self
-                    .caches
+                let (_, pool) = self
+                    .pools
                     .get_mut(&i.id)
                     .ok_or_else(|| bad(i, "it has no KV cache"))?;
-                b.attention([q, k, v], &mut caches.seqs, call.segments, d, scale)
+                b.attention([q, k, v], pool, call.segments, d, scale)
                     .map_err(err)?
             }
             Op::Unfuse(u) => {

@@ -33,6 +33,45 @@ pub fn attention_heads(
     Ok((qcols / d, kcols / d))
 }
 
+/// A segment of an attention call over a paged pool of `pool_blocks` blocks of
+/// `block_size` tokens: its rows lie in the call's `rows`, its table covers its positions
+/// `0..start + rows`, and the blocks it names exist. Returns the positions it attends over.
+pub fn paged_segment(
+    seg: &super::backend::Segment<'_>,
+    rows: usize,
+    block_size: usize,
+    pool_blocks: usize,
+) -> BackendResult<usize> {
+    if seg.rows.start >= seg.rows.end || seg.rows.end > rows || block_size == 0 {
+        refuse(format!(
+            "segment rows {:?} of a call of {rows} rows (blocks of {block_size})",
+            seg.rows
+        ))?;
+    }
+    let Some(end) = seg.start.checked_add(seg.rows.len()) else {
+        return Err(BackendError::Shape(format!(
+            "a segment at position {} overflows",
+            seg.start
+        )));
+    };
+    let needed = end.div_ceil(block_size);
+    if seg.blocks.len() < needed {
+        refuse(format!(
+            "a block table of {} blocks of {block_size} tokens for positions up to {end}",
+            seg.blocks.len()
+        ))?;
+    }
+    if let Some(b) = seg.blocks[..needed]
+        .iter()
+        .find(|&&b| b as usize >= pool_blocks)
+    {
+        refuse(format!(
+            "block {b} of a KV pool of {pool_blocks} blocks; grow the pool first"
+        ))?;
+    }
+    Ok(end)
+}
+
 /// Columns `offset .. offset + len` of each block of `block` from rows of `n`: the width
 /// of the result.
 pub fn unfuse(n: usize, block: usize, offset: usize, len: usize) -> BackendResult<usize> {

@@ -9,6 +9,7 @@ mod contract;
 
 mod backend_contract;
 mod batch;
+mod paged;
 mod parity;
 mod pipeline;
 mod plan_provenance;

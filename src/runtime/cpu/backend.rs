@@ -2,6 +2,7 @@
 //! rank's team, norms and activations as f32 loops (f64 where accumulated error would
 //! matter), and the `gemm` crate for a linear weight that was not packed.
 
+use super::attention::KvView;
 use super::fastmath;
 use super::isa::Kernels;
 use super::packed::PackedMatrix;
@@ -184,8 +185,7 @@ impl CpuBackend {
     fn causal_attention(
         &self,
         q: &Tensor,
-        k: &[f32],
-        v: &[f32],
+        kv: &KvView,
         d: usize,
         kv_heads: usize,
         scale: f32,
@@ -197,10 +197,10 @@ impl CpuBackend {
         {
             // SAFETY: `Kernels` holds `Isa::Amx` only where the host supports it.
             return unsafe {
-                super::attention::amx::causal_attention_amx(&self.team, q, k, v, d, kv_heads, scale)
+                super::attention::amx::causal_attention_amx(&self.team, q, kv, d, kv_heads, scale)
             };
         }
-        super::attention::causal_attention(&self.team, q, k, v, d, kv_heads, scale)
+        super::attention::causal_attention(&self.team, q, kv, d, kv_heads, scale)
     }
 
     /// `x[i] = f(x[i])`, split over the team for long tensors; `f` is inlined into an
@@ -233,13 +233,40 @@ impl CpuWeight {
     }
 }
 
-/// One sequence's cached keys and values, `[n, width]` each.
+/// One attention op's pool of KV blocks: block `b` holds the keys of `block_size` token
+/// slots at rows `b · block_size ..` of `k` (rows of `k_width`), its values likewise in `v`.
 #[derive(Debug, Default)]
 pub struct CpuKv {
     k: Vec<f32>,
     v: Vec<f32>,
     k_width: usize,
     v_width: usize,
+    block_size: usize,
+    blocks: usize,
+}
+
+impl CpuKv {
+    /// Writes rows `rows` of `k` and `v` at positions `start..` of the sequence whose table
+    /// is `table` (checked by `shape_rules::paged_segment`), a block at a time.
+    fn write(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        rows: std::ops::Range<usize>,
+        start: usize,
+        table: &[u32],
+    ) {
+        let (kw, vw, bs) = (self.k_width, self.v_width, self.block_size);
+        let (mut r, mut p) = (rows.start, start);
+        while r < rows.end {
+            let len = (bs - p % bs).min(rows.end - r);
+            let at = table[p / bs] as usize * bs + p % bs;
+            self.k[at * kw..(at + len) * kw].copy_from_slice(&k.data[r * kw..(r + len) * kw]);
+            self.v[at * vw..(at + len) * vw].copy_from_slice(&v.data[r * vw..(r + len) * vw]);
+            r += len;
+            p += len;
+        }
+    }
 }
 
 fn shape_err(what: String) -> BackendError {
@@ -588,39 +615,54 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn new_kv(&self, k_width: usize, v_width: usize) -> CpuKv {
+    fn new_kv(&self, k_width: usize, v_width: usize, block_size: usize) -> CpuKv {
         CpuKv {
             k_width,
             v_width,
+            block_size: block_size.max(1),
             ..Default::default()
         }
     }
 
-    fn reserve_kv(&self, kv: &mut CpuKv, positions: usize) {
-        // Only an optimisation: if the memory is not there (an absurd token limit), the cache
-        // grows as it goes and fails, if it must, with the first real need.
-        let _ = kv.k.try_reserve(
-            positions
-                .saturating_mul(kv.k_width)
-                .saturating_sub(kv.k.len()),
-        );
-        let _ = kv.v.try_reserve(
-            positions
-                .saturating_mul(kv.v_width)
-                .saturating_sub(kv.v.len()),
-        );
-    }
-
-    fn clear_kv(&self, kv: &mut CpuKv) {
-        kv.k.clear();
-        kv.v.clear();
+    fn grow_kv(&self, kv: &mut CpuKv, blocks: usize) -> BackendResult<()> {
+        if blocks <= kv.blocks {
+            return Ok(());
+        }
+        let values = |width: usize| {
+            blocks
+                .checked_mul(kv.block_size)
+                .and_then(|n| n.checked_mul(width))
+                .filter(|&n| n.checked_mul(4).is_some_and(|b| b <= isize::MAX as usize))
+                .ok_or_else(|| {
+                    BackendError::OutOfMemory(format!(
+                        "a KV pool of {blocks} blocks of {} tokens of {width} values overflows",
+                        kv.block_size
+                    ))
+                })
+        };
+        let (kl, vl) = (values(kv.k_width)?, values(kv.v_width)?);
+        let no_memory = |what: &str| {
+            BackendError::OutOfMemory(format!(
+                "no memory for the {what} of a KV pool of {blocks} blocks of {} tokens; give the \
+                 KV cache less memory or the run fewer tokens",
+                kv.block_size
+            ))
+        };
+        kv.k.try_reserve_exact(kl - kv.k.len())
+            .map_err(|_| no_memory("keys"))?;
+        kv.v.try_reserve_exact(vl - kv.v.len())
+            .map_err(|_| no_memory("values"))?;
+        kv.k.resize(kl, 0.0);
+        kv.v.resize(vl, 0.0);
+        kv.blocks = blocks;
+        Ok(())
     }
 
     fn attention(
         &self,
         [q, k, v]: [&Tensor; 3],
-        caches: &mut [CpuKv],
-        segments: &[Segment],
+        kv: &mut CpuKv,
+        segments: &[Segment<'_>],
         d: usize,
         scale: f32,
     ) -> BackendResult<Tensor> {
@@ -628,49 +670,55 @@ impl Backend for CpuBackend {
         let (kcols, vcols) = (k.cols(), v.cols());
         let (_, kv_heads) =
             shape_rules::attention_heads((rows, qcols), k.rows_cols(), v.rows_cols(), d)?;
+        if kv.k_width != kcols || kv.v_width != vcols {
+            return Err(shape_err(format!(
+                "keys of {kcols} and values of {vcols} columns into a KV pool of {} and {}",
+                kv.k_width, kv.v_width
+            )));
+        }
+        if segments.is_empty() {
+            return Err(shape_err("attention over no segments".into()));
+        }
+        // Every segment checked, then every segment's keys and values written, then each
+        // attends: a sequence may read blocks another one of the call wrote.
+        for s in segments {
+            shape_rules::paged_segment(s, rows, kv.block_size, kv.blocks)?;
+        }
+        for s in segments {
+            kv.write(k, v, s.rows.clone(), s.start, s.blocks);
+        }
         let single = matches!(segments, [s] if s.rows == (0..rows));
         let mut out = if single {
             None
         } else {
             Some(Tensor::zeros(q.shape.clone()))
         };
+        let mut result = Ok(());
         for s in segments {
-            let cache = caches
-                .get_mut(s.seq)
-                .ok_or_else(|| shape_err(format!("no KV cache for sequence {}", s.seq)))?;
-            if s.rows.end > rows || s.rows.start >= s.rows.end || cache.k_width != kcols {
-                return Err(shape_err(format!(
-                    "segment rows {:?} of {rows} into a cache of width {}",
-                    s.rows, cache.k_width
-                )));
-            }
-            if cache.k.len() / kcols != s.start {
-                return Err(shape_err(format!(
-                    "sequence {} starts at position {} but its cache holds {} tokens",
-                    s.seq,
-                    s.start,
-                    cache.k.len() / kcols
-                )));
-            }
-            cache
-                .k
-                .extend_from_slice(&k.data[s.rows.start * kcols..s.rows.end * kcols]);
-            cache
-                .v
-                .extend_from_slice(&v.data[s.rows.start * vcols..s.rows.end * vcols]);
+            let end = s.start + s.rows.len();
+            let cache = match KvView::new(&kv.k, &kv.v, kcols, kv.block_size, s.blocks, end) {
+                Ok(c) => c,
+                Err(why) => {
+                    result = Err(shape_err(why));
+                    break;
+                }
+            };
             match &mut out {
-                None => return Ok(self.causal_attention(q, &cache.k, &cache.v, d, kv_heads, scale)),
+                None => {
+                    return Ok(self.causal_attention(q, &cache, d, kv_heads, scale));
+                }
                 Some(out) => {
                     let mut rows_of_q = pool::empty(s.rows.len() * qcols);
                     rows_of_q.extend_from_slice(&q.data[s.rows.start * qcols..s.rows.end * qcols]);
                     let part = Tensor::new(vec![s.rows.len(), qcols], rows_of_q);
-                    let y = self.causal_attention(&part, &cache.k, &cache.v, d, kv_heads, scale);
+                    let y = self.causal_attention(&part, &cache, d, kv_heads, scale);
                     out.data[s.rows.start * qcols..s.rows.end * qcols].copy_from_slice(&y.data);
                     y.release();
                     part.release();
                 }
             }
         }
+        result?;
         out.ok_or_else(|| shape_err("attention over no segments".into()))
     }
 
@@ -1054,8 +1102,12 @@ mod tests {
         assert_eq!(dst, vec![0.0, 0.0, 5.0, 0.0, 0.0]);
     }
 
-    fn seg(seq: usize, rows: std::ops::Range<usize>, start: usize) -> Segment {
-        Segment { seq, rows, start }
+    fn seg(rows: std::ops::Range<usize>, start: usize, blocks: &[u32]) -> Segment<'_> {
+        Segment {
+            rows,
+            start,
+            blocks,
+        }
     }
 
     #[test]
@@ -1064,15 +1116,58 @@ mod tests {
         let q = Tensor::new(vec![1, 4], vec![1.0, 2.0, 3.0, 4.0]);
         let k = Tensor::new(vec![1, 2], vec![0.5, 0.5]);
         let v = Tensor::new(vec![1, 2], vec![7.0, 8.0]);
-        let mut caches = vec![cpu.new_kv(2, 2)];
+        let mut pool = cpu.new_kv(2, 2, 2);
+        cpu.grow_kv(&mut pool, 2).unwrap();
         let out = cpu
-            .attention([&q, &k, &v], &mut caches, &[seg(0, 0..1, 0)], 2, 1.0)
+            .attention([&q, &k, &v], &mut pool, &[seg(0..1, 0, &[1])], 2, 1.0)
             .unwrap();
         assert_eq!(out.data, vec![7.0, 8.0, 7.0, 8.0]);
-        // The cache must hold what it was given; a segment that claims another start fails.
-        assert!(cpu
-            .attention([&q, &k, &v], &mut caches, &[seg(0, 0..1, 0)], 2, 1.0)
-            .is_err());
+    }
+
+    /// A table too short for the positions, a block outside the pool, rows outside the
+    /// call, keys of another width and no segment at all are errors (not panics), and
+    /// the pool grows only by whole checked sizes.
+    #[test]
+    fn attention_refuses_what_its_pool_and_tables_cannot_hold() {
+        let cpu = CpuBackend::new(1);
+        let q = Tensor::new(vec![1, 4], vec![1.0, 2.0, 3.0, 4.0]);
+        let k = Tensor::new(vec![1, 2], vec![0.5, 0.5]);
+        let v = Tensor::new(vec![1, 2], vec![7.0, 8.0]);
+        let mut pool = cpu.new_kv(2, 2, 2);
+        cpu.grow_kv(&mut pool, 3).unwrap();
+        let mut refused = |segments: &[Segment<'_>], k: &Tensor, what: &str| {
+            let e = cpu.attention([&q, k, &v], &mut pool, segments, 2, 1.0);
+            assert!(e.is_err(), "{what}: accepted");
+        };
+        refused(
+            &[seg(0..1, 2, &[0])],
+            &k,
+            "a table of 1 block for position 2",
+        );
+        refused(&[seg(0..1, 0, &[3])], &k, "block 3 of 3");
+        refused(&[seg(0..1, 0, &[u32::MAX])], &k, "block u32::MAX");
+        refused(&[seg(0..2, 0, &[0])], &k, "rows past the call");
+        refused(&[seg(0..1, usize::MAX, &[0])], &k, "a start that overflows");
+        refused(&[], &k, "no segment");
+        let wide = Tensor::new(vec![1, 4], vec![0.5; 4]);
+        refused(
+            &[seg(0..1, 0, &[0])],
+            &wide,
+            "keys of 4 columns into a pool of 2",
+        );
+        assert!(cpu.grow_kv(&mut pool, usize::MAX / 2).is_err());
+        // The pool is unchanged by what it refused.
+        assert_eq!(pool.blocks, 3);
+        assert_eq!(pool.k.len(), 3 * 2 * 2);
+    }
+
+    fn rows_of(n: usize, cols: usize, salt: usize) -> Tensor {
+        Tensor::new(
+            vec![n, cols],
+            (0..n * cols)
+                .map(|i| (((i * 7 + salt * 13) % 11) as f32 - 5.0) / 3.0)
+                .collect(),
+        )
     }
 
     #[test]
@@ -1080,25 +1175,23 @@ mod tests {
         miri,
         ignore = "minutes under Miri; attention's unsafe paths have their own test"
     )]
-    fn a_ragged_batch_attends_each_sequence_to_its_own_cache_only() {
+    fn a_ragged_batch_attends_each_sequence_to_its_own_blocks_only() {
         let cpu = CpuBackend::new(2);
         let (d, hq, hk) = (4, 2, 1);
-        let rows = |n: usize, cols: usize, salt: usize| {
-            Tensor::new(
-                vec![n, cols],
-                (0..n * cols)
-                    .map(|i| (((i * 7 + salt * 13) % 11) as f32 - 5.0) / 3.0)
-                    .collect(),
-            )
-        };
-        // Sequence 0: 3 prompt rows; sequence 1: 5 prompt rows.
-        let (q, k, v) = (rows(8, hq * d, 1), rows(8, hk * d, 2), rows(8, hk * d, 3));
-        let mut batch = vec![cpu.new_kv(hk * d, hk * d), cpu.new_kv(hk * d, hk * d)];
+        // Sequence 0: 3 prompt rows; sequence 1: 5 prompt rows; blocks of 3 out of order.
+        let (q, k, v) = (
+            rows_of(8, hq * d, 1),
+            rows_of(8, hk * d, 2),
+            rows_of(8, hk * d, 3),
+        );
+        let mut pool = cpu.new_kv(hk * d, hk * d, 3);
+        cpu.grow_kv(&mut pool, 6).unwrap();
+        let tables: [&[u32]; 2] = [&[4], &[5, 0]];
         let both = cpu
             .attention(
                 [&q, &k, &v],
-                &mut batch,
-                &[seg(0, 0..3, 0), seg(1, 3..8, 0)],
+                &mut pool,
+                &[seg(0..3, 0, tables[0]), seg(3..8, 0, tables[1])],
                 d,
                 0.5,
             )
@@ -1106,10 +1199,11 @@ mod tests {
         for (range, seq) in [(0..3, 0), (3..8, 1)] {
             let part = |t: &Tensor| cpu.select_rows(t, &range.clone().collect::<Vec<_>>());
             let (q1, k1, v1) = (part(&q).unwrap(), part(&k).unwrap(), part(&v).unwrap());
-            let mut alone = vec![cpu.new_kv(hk * d, hk * d)];
+            let mut alone = cpu.new_kv(hk * d, hk * d, 16);
+            cpu.grow_kv(&mut alone, 1).unwrap();
             let n = range.len();
             let y = cpu
-                .attention([&q1, &k1, &v1], &mut alone, &[seg(0, 0..n, 0)], d, 0.5)
+                .attention([&q1, &k1, &v1], &mut alone, &[seg(0..n, 0, &[0])], d, 0.5)
                 .unwrap();
             let cols = hq * d;
             assert_eq!(
@@ -1117,7 +1211,84 @@ mod tests {
                 &y.data[..],
                 "sequence {seq}"
             );
-            assert_eq!(batch[seq].k, alone[0].k);
+            // Its keys sit in its blocks, position by position.
+            for (i, r) in range.enumerate() {
+                let at = tables[seq][i / 3] as usize * 3 + i % 3;
+                assert_eq!(pool.k[at * 4..at * 4 + 4], k.data[r * 4..r * 4 + 4]);
+            }
+        }
+    }
+
+    /// Prefix caching: sequence b's table names sequence a's first (full) block and then a
+    /// block of its own; b, starting after the shared block, writes only its own block and
+    /// attends over a's cached prefix; a then decodes on, its shared block intact.
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "minutes under Miri; attention's unsafe paths have their own test"
+    )]
+    fn a_sequence_reads_a_shared_prefix_block_and_leaves_it_unwritten() {
+        let cpu = CpuBackend::new(2);
+        let (d, hq, hk, bs) = (8, 4, 2, 3);
+        let (qc, kc) = (hq * d, hk * d);
+        let (qa, ka, va) = (rows_of(6, qc, 1), rows_of(6, kc, 2), rows_of(6, kc, 3));
+        let (qb, kb, vb) = (rows_of(2, qc, 4), rows_of(2, kc, 5), rows_of(2, kc, 6));
+        let take = |t: &Tensor, r: std::ops::Range<usize>| {
+            cpu.select_rows(t, &r.collect::<Vec<_>>()).unwrap()
+        };
+        let mut pool = cpu.new_kv(kc, kc, bs);
+        cpu.grow_kv(&mut pool, 5).unwrap();
+        let (table_a, table_b): (&[u32], &[u32]) = (&[3, 1], &[3, 4]);
+        // a's first 5 tokens, then b's 2 after a's first block.
+        let first = [take(&qa, 0..5), take(&ka, 0..5), take(&va, 0..5)];
+        cpu.attention(
+            [&first[0], &first[1], &first[2]],
+            &mut pool,
+            &[seg(0..5, 0, table_a)],
+            d,
+            0.5,
+        )
+        .unwrap();
+        let got_b = cpu
+            .attention(
+                [&qb, &kb, &vb],
+                &mut pool,
+                &[seg(0..2, bs, table_b)],
+                d,
+                0.5,
+            )
+            .unwrap();
+        let last = [take(&qa, 5..6), take(&ka, 5..6), take(&va, 5..6)];
+        let got_a = cpu
+            .attention(
+                [&last[0], &last[1], &last[2]],
+                &mut pool,
+                &[seg(0..1, 5, table_a)],
+                d,
+                0.5,
+            )
+            .unwrap();
+        // References: each sequence's whole history in a fresh pool of its own.
+        let alone = |q: Tensor, k: Tensor, v: Tensor, rows: std::ops::Range<usize>| {
+            let mut fresh = cpu.new_kv(kc, kc, 16);
+            cpu.grow_kv(&mut fresh, 1).unwrap();
+            let n = q.rows_cols().0;
+            let y = cpu
+                .attention([&q, &k, &v], &mut fresh, &[seg(0..n, 0, &[0])], d, 0.5)
+                .unwrap();
+            take(&y, rows)
+        };
+        let cat = |a: &Tensor, b: &Tensor| {
+            let mut data = a.data[..bs * a.cols()].to_vec();
+            data.extend_from_slice(&b.data);
+            Tensor::new(vec![bs + b.rows_cols().0, a.cols()], data)
+        };
+        let want_b = alone(cat(&qa, &qb), cat(&ka, &kb), cat(&va, &vb), bs..bs + 2);
+        let want_a = alone(qa.clone(), ka.clone(), va.clone(), 5..6);
+        for (what, got, want) in [("b", &got_b, &want_b), ("a", &got_a, &want_a)] {
+            for (x, y) in got.data.iter().zip(&want.data) {
+                assert!((x - y).abs() < 1e-5 * (1.0 + y.abs()), "{what}: {x} vs {y}");
+            }
         }
     }
 

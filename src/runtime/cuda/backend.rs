@@ -147,12 +147,14 @@ impl CudaWeight {
     }
 }
 
-/// One sequence's keys and values for one attention op: `len` of `capacity` positions used.
+/// One attention op's pool of KV blocks on the device: block `b` holds the keys of
+/// `block_size` token slots at rows `b · block_size ..` of `k` (rows of `k_width`), its
+/// values likewise in `v`. Grown by reallocating and copying.
 pub struct CudaKv {
     k_width: usize,
     v_width: usize,
-    len: usize,
-    capacity: usize,
+    block_size: usize,
+    blocks: usize,
     k: Option<CudaSlice<f32>>,
     v: Option<CudaSlice<f32>>,
 }
@@ -347,40 +349,6 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Makes room for `positions` tokens, keeping what the cache holds.
-    fn grow_kv(&self, kv: &mut CudaKv, positions: usize) -> BackendResult<()> {
-        if positions <= kv.capacity {
-            return Ok(());
-        }
-        let capacity = positions.max(kv.capacity.saturating_mul(2)).max(16);
-        let alloc = |width: usize, old: &Option<CudaSlice<f32>>| -> BackendResult<CudaSlice<f32>> {
-            let n = capacity.checked_mul(width).ok_or_else(|| {
-                BackendError::OutOfMemory(format!("a KV cache of {capacity} positions"))
-            })?;
-            let mut fresh = self
-                .gpu
-                .stream
-                .alloc_zeros::<f32>(n.max(1))
-                .map_err(|e| self.gpu.fail("the KV cache", n.checked_mul(4), e))?;
-            if let Some(old) = old {
-                let used = kv.len * width;
-                if used > 0 {
-                    self.gpu
-                        .stream
-                        .memcpy_dtod(&old.slice(..used), &mut fresh.slice_mut(..used))
-                        .map_err(|e| self.gpu.fail("growing the KV cache", None, e))?;
-                }
-            }
-            Ok(fresh)
-        };
-        let k = alloc(kv.k_width, &kv.k)?;
-        let v = alloc(kv.v_width, &kv.v)?;
-        kv.k = Some(k);
-        kv.v = Some(v);
-        kv.capacity = capacity;
-        Ok(())
-    }
-
     /// Runs `argmax_pairs` over `x`: `[rows, 2]` (value, index) on the device.
     /// One segment's attention over its cache (its keys and values already appended): the
     /// way [`AttentionWay::of`] picks, each a kernel of `kernels/attention.cu`.
@@ -390,12 +358,13 @@ impl CudaBackend {
         out: &mut CudaAct,
         q: &CudaAct,
         (kc, vc): (&CudaSlice<f32>, &CudaSlice<f32>),
+        (table, block_size): (&CudaSlice<i64>, usize),
         row0: usize,
         new: usize,
         start: usize,
         h: Heads,
     ) -> BackendResult<()> {
-        let (row0, start64) = (i64_of(row0), i64_of(start));
+        let (row0, start64, bs) = (i64_of(row0), i64_of(start), i64_of(block_size));
         let (qh, kh, hd) = (i64_of(h.q), i64_of(h.kv), i64_of(h.dim));
         let heads_y = grid_dim_y(h.q)?;
         // Every attention kernel: blocks of ATTENTION_THREADS over (x, heads, z).
@@ -416,6 +385,8 @@ impl CudaBackend {
                     q.data(),
                     kc,
                     vc,
+                    table,
+                    &bs,
                     &row0,
                     &start64,
                     &qh,
@@ -435,6 +406,8 @@ impl CudaBackend {
                     q.data(),
                     kc,
                     vc,
+                    table,
+                    &bs,
                     &row0,
                     &rows64,
                     &start64,
@@ -462,6 +435,8 @@ impl CudaBackend {
                     q.data(),
                     kc,
                     vc,
+                    table,
+                    &bs,
                     &row0,
                     &start64,
                     &qh,
@@ -836,36 +811,66 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn new_kv(&self, k_width: usize, v_width: usize) -> CudaKv {
+    fn new_kv(&self, k_width: usize, v_width: usize, block_size: usize) -> CudaKv {
         CudaKv {
             k_width,
             v_width,
-            len: 0,
-            capacity: 0,
+            block_size: block_size.max(1),
+            blocks: 0,
             k: None,
             v: None,
         }
     }
 
-    fn reserve_kv(&self, kv: &mut CudaKv, positions: usize) {
-        // Best effort: attention grows the cache itself, and reports a failure there.
-        let _ = self.grow_kv(kv, positions);
-    }
-
-    fn clear_kv(&self, kv: &mut CudaKv) {
-        kv.len = 0;
+    fn grow_kv(&self, kv: &mut CudaKv, blocks: usize) -> BackendResult<()> {
+        if blocks <= kv.blocks {
+            return Ok(());
+        }
+        let (old_blocks, bs) = (kv.blocks, kv.block_size);
+        let alloc = |width: usize, old: &Option<CudaSlice<f32>>| -> BackendResult<CudaSlice<f32>> {
+            let n = blocks
+                .checked_mul(bs)
+                .and_then(|rows| rows.checked_mul(width))
+                .filter(|n| n.checked_mul(4).is_some_and(|b| b <= isize::MAX as usize))
+                .ok_or_else(|| {
+                    BackendError::OutOfMemory(format!(
+                        "a KV pool of {blocks} blocks of {bs} tokens of {width} values"
+                    ))
+                })?;
+            let mut fresh = self
+                .gpu
+                .stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(|e| self.gpu.fail("the KV cache", n.checked_mul(4), e))?;
+            if let Some(old) = old {
+                let used = old_blocks * bs * width;
+                if used > 0 {
+                    self.gpu
+                        .stream
+                        .memcpy_dtod(&old.slice(..used), &mut fresh.slice_mut(..used))
+                        .map_err(|e| self.gpu.fail("growing the KV cache", None, e))?;
+                }
+            }
+            Ok(fresh)
+        };
+        let k = alloc(kv.k_width, &kv.k)?;
+        let v = alloc(kv.v_width, &kv.v)?;
+        kv.k = Some(k);
+        kv.v = Some(v);
+        kv.blocks = blocks;
+        Ok(())
     }
 
     fn attention(
         &self,
         [q, k, v]: [&CudaAct; 3],
-        caches: &mut [CudaKv],
-        segments: &[Segment],
+        kv: &mut CudaKv,
+        segments: &[Segment<'_>],
         d: usize,
         scale: f32,
     ) -> BackendResult<CudaAct> {
         let (rows, qcols) = q.rows_cols();
-        let kcols = k.rows_cols().1;
+        let (kcols, vcols) = (k.rows_cols().1, v.rows_cols().1);
         let (q_heads, kv_heads) =
             shape_rules::attention_heads((rows, qcols), k.rows_cols(), v.rows_cols(), d)?;
         if d > 256 {
@@ -873,56 +878,77 @@ impl Backend for CudaBackend {
                 "attention heads of {d}; the GPU kernel takes at most 256"
             )));
         }
-        let mut out = self.zeros(q.shape().to_vec())?;
+        if kv.k_width != kcols || kv.v_width != vcols {
+            return Err(shape_err(format!(
+                "keys of {kcols} and values of {vcols} columns into a KV pool of {} and {}",
+                kv.k_width, kv.v_width
+            )));
+        }
+        if segments.is_empty() {
+            return Err(shape_err("attention over no segments".into()));
+        }
+        // Every segment checked and its table uploaded, then every segment's keys and
+        // values written, then each attends: a sequence may read blocks another one of the
+        // call wrote.
+        let bs = kv.block_size;
+        let mut tables = Vec::with_capacity(segments.len());
         for s in segments {
-            let cache = caches
-                .get_mut(s.seq)
-                .ok_or_else(|| shape_err(format!("no KV cache for sequence {}", s.seq)))?;
-            if s.rows.end > rows || s.rows.start >= s.rows.end || cache.k_width != kcols {
-                return Err(shape_err(format!(
-                    "segment rows {:?} of {rows} into a cache of width {}",
-                    s.rows, cache.k_width
+            let end = shape_rules::paged_segment(s, rows, bs, kv.blocks)?;
+            // The kernels find a position's block with a 32-bit division.
+            if end > i32::MAX as usize || bs > i32::MAX as usize {
+                return Err(BackendError::Unsupported(format!(
+                    "{end} positions in blocks of {bs} tokens; the GPU kernels take fewer \
+                     than 2^31"
                 )));
             }
-            if s.start != cache.len {
-                return Err(shape_err(format!(
-                    "a segment starting at position {} on a cache holding {}",
-                    s.start, cache.len
-                )));
+            let table: Vec<i64> = s.blocks[..end.div_ceil(bs)]
+                .iter()
+                .map(|&b| i64::from(b))
+                .collect();
+            tables.push(self.upload_i64(&table, "a KV block table")?);
+        }
+        let (kc, vc) = match (&mut kv.k, &mut kv.v) {
+            (Some(kc), Some(vc)) => (kc, vc),
+            _ => return Err(shape_err("a KV pool of no blocks".into())),
+        };
+        let bs64 = i64_of(bs);
+        for (s, table) in segments.iter().zip(&tables) {
+            let (row0, start, new) = (i64_of(s.rows.start), i64_of(s.start), i64_of(s.rows.len()));
+            for (cache, src, cols) in [(&mut *kc, k, kcols), (&mut *vc, v, vcols)] {
+                let cols64 = i64_of(cols);
+                launch!(
+                    self.gpu,
+                    "kv_write",
+                    grid_for(s.rows.len() * cols),
+                    cache,
+                    src.data(),
+                    table,
+                    &bs64,
+                    &row0,
+                    &start,
+                    &new,
+                    &cols64
+                )?;
             }
-            let new = s.rows.len();
-            let end = cache.len + new;
-            self.grow_kv(cache, end)?;
-            let (kc, vc) = match (&mut cache.k, &mut cache.v) {
-                (Some(kc), Some(vc)) => (kc, vc),
-                _ => return Err(shape_err("a KV cache with no storage".into())),
-            };
-            let (from, to) = (s.rows.start * kcols, s.rows.end * kcols);
-            let (at, upto) = (cache.len * kcols, end * kcols);
-            self.gpu
-                .stream
-                .memcpy_dtod(&k.data().slice(from..to), &mut kc.slice_mut(at..upto))
-                .map_err(|e| self.gpu.fail("appending keys", None, e))?;
-            self.gpu
-                .stream
-                .memcpy_dtod(&v.data().slice(from..to), &mut vc.slice_mut(at..upto))
-                .map_err(|e| self.gpu.fail("appending values", None, e))?;
-            let heads = Heads {
-                q: q_heads,
-                kv: kv_heads,
-                dim: d,
-                scale,
-            };
+        }
+        let mut out = self.zeros(q.shape().to_vec())?;
+        let heads = Heads {
+            q: q_heads,
+            kv: kv_heads,
+            dim: d,
+            scale,
+        };
+        for (s, table) in segments.iter().zip(&tables) {
             self.attend_segment(
                 &mut out,
                 q,
                 (&*kc, &*vc),
+                (table, bs),
                 s.rows.start,
-                new,
-                cache.len,
+                s.rows.len(),
+                s.start,
                 heads,
             )?;
-            cache.len = end;
         }
         Ok(out)
     }
