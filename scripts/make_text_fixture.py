@@ -16,7 +16,8 @@ Writes ``tests/fixtures/text/llama/``:
   Replace(" ", "▁"); BPE with byte fallback; a TemplateProcessing post-processor that puts
   ``<s>`` first);
 * ``tokenizer_config.json``: as transformers 4.x saved Llama-2 / TinyLlama / Mistral ones
-  (``add_bos_token: true``, ``add_eos_token: false``, ``tokenizer_class: LlamaTokenizer``);
+  (``add_bos_token: true``, ``add_eos_token: false``, ``tokenizer_class: LlamaTokenizer``),
+  with Llama-2-chat's ``chat_template``;
 * ``text_reference.json``: the prompt text, the ids ``AutoTokenizer`` makes of it with its
   default special tokens, the new ids of greedy ``model.generate`` (which reads
   ``generation_config.json``), their text (``decode(..., skip_special_tokens=True)``), the
@@ -119,11 +120,28 @@ def added_token(content: str) -> dict:
     }
 
 
+# Llama-2-chat's template as published (bos/eos strings, raise_exception, `.strip()`), for
+# `tpc serve`'s /v1/chat/completions.
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{%"
+    " set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = "
+    "messages %}{% set system_message = false %}{% endif %}{% for message in loop_mes"
+    "sages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_e"
+    "xception('Conversation roles must alternate user/assistant/user/assistant/...') "
+    "}}{% endif %}{% if loop.index0 == 0 and system_message != false %}{% set content"
+    " = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}{% els"
+    "e %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'u"
+    "ser' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message"
+    "['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif"
+    " %}{% endfor %}"
+)
+
 TOKENIZER_CONFIG = {
     "add_bos_token": True,
     "add_eos_token": False,
     "added_tokens_decoder": {str(i): added_token(t) for i, t in enumerate(["<unk>", "<s>", "</s>"])},
     "bos_token": "<s>",
+    "chat_template": CHAT_TEMPLATE,
     "clean_up_tokenization_spaces": False,
     "eos_token": "</s>",
     "legacy": False,

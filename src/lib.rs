@@ -17,5 +17,6 @@ pub mod pipeline;
 pub mod plan;
 pub mod provenance;
 pub mod runtime;
+pub mod serve;
 
 pub use error::{Result, TpcError};

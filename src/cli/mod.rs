@@ -15,6 +15,7 @@ mod lower;
 mod progress;
 mod ranks;
 mod run;
+mod serve;
 mod simulate;
 mod sizes;
 mod verify;
@@ -49,6 +50,8 @@ enum Command {
     Run(run::Args),
     /// Lay out global ranks as [ExternalDP, DP, PP, TP] and list the TP/PP/DP/EP groups.
     Ranks(ranks::Args),
+    /// Serve a model over HTTP (OpenAI-compatible) with continuous batching on N ranks.
+    Serve(serve::Args),
     /// Estimate a plan's time and memory on a hardware profile (α-β cost model).
     Simulate(simulate::Args),
     /// Check that tp=N reproduces tp=1 on the same inputs.
@@ -76,6 +79,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Import(_) => Some("import"),
         Command::Lower(_) => Some("lower"),
         Command::Ranks(_) => Some("ranks"),
+        Command::Serve(_) => Some("serve"),
         Command::Simulate(_) => Some("simulate"),
         Command::Verify(_) => Some("verify"),
         Command::BenchGemm(_) => Some("bench-gemm"),
@@ -93,6 +97,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Lower(a) => lower::execute(a),
         Command::Run(a) => run::execute(a),
         Command::Ranks(a) => ranks::execute(a),
+        Command::Serve(a) => serve::execute(a),
         Command::Simulate(a) => simulate::execute(a),
         Command::Verify(a) => verify::execute(a),
         Command::Bench(a) => bench::execute(a),

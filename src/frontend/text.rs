@@ -236,6 +236,42 @@ impl TextTokenizer {
             })
     }
 
+    /// The ids of a text that holds its special tokens already (a rendered chat template):
+    /// the text's own tokens, none added around them.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<i64>> {
+        let own = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| TpcError::HfConfig {
+                path: self.path.clone(),
+                message: format!("cannot tokenize the prompt: {e}"),
+            })?;
+        Ok(own.get_ids().iter().map(|&i| i64::from(i)).collect())
+    }
+
+    /// One token's text as it reads after the token `after` (if any), so that a decoder's
+    /// rules for a text's first token (Llama's leading space) apply as in the whole text;
+    /// a special token's text included (log-probability listings name every token). `None`
+    /// for an id the tokenizer does not know.
+    pub fn token_text(&self, id: i64, after: Option<i64>) -> Option<String> {
+        let known = |i: i64| {
+            u32::try_from(i)
+                .ok()
+                .filter(|&i| self.tokenizer.id_to_token(i).is_some())
+        };
+        let id = known(id)?;
+        let alone = || self.tokenizer.decode(&[id], false).ok();
+        let Some(before) = after.and_then(known) else {
+            return alone();
+        };
+        let prefix = self.tokenizer.decode(&[before], false).ok()?;
+        let both = self.tokenizer.decode(&[before, id], false).ok()?;
+        match both.strip_prefix(prefix.as_str()) {
+            Some(rest) => Some(rest.to_string()),
+            None => alone(),
+        }
+    }
+
     /// The special tokens every prompt gets.
     pub fn frame(&self) -> &Frame {
         &self.frame
@@ -449,6 +485,15 @@ mod tests {
         let t = TextTokenizer::open(&dir).unwrap();
         assert_eq!(t.encode("cat").unwrap(), [1, 4]);
         assert_eq!(t.decode(&[1, 4, 2]).unwrap(), "cat");
+        // A text with its special tokens in it gets none added.
+        assert_eq!(t.encode_plain("<s> cat").unwrap(), [1, 4]);
+        assert_eq!(t.token_text(2, None).as_deref(), Some("</s>"));
+        assert_eq!(t.token_text(4, None).as_deref(), Some("cat"));
+        // After another token, as the whole text has it.
+        assert_eq!(t.token_text(4, Some(3)).as_deref(), Some(" cat"));
+        assert_eq!(t.token_text(4, Some(99)).as_deref(), Some("cat"));
+        assert_eq!(t.token_text(99, None), None);
+        assert_eq!(t.token_text(-1, Some(3)), None);
         std::fs::write(dir.join("tokenizer_config.json"), "{ \"add_bos_token\": ").unwrap();
         let e = TextTokenizer::open(&dir).err().unwrap().to_string();
         assert!(

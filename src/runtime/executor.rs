@@ -6,10 +6,9 @@
 //! A forward call takes a batch of sequences, each with its new tokens, the position they
 //! start at and its block table in the rank's paged KV cache (one pool of blocks per
 //! attention op): one prompt, a ragged batch of prompts or prompt chunks, or one new token
-//! per live sequence. The serving engine keeps the tables itself
-//! ([`RankExecutor::forward_steps`]); callers that number their sequences instead
-//! (`generate`, tests) get tables from the executor's own allocator
-//! ([`RankExecutor::forward`], [`RankExecutor::reserve`], [`RankExecutor::reset`]).
+//! per live sequence. The serving engine gives the tables ([`RankExecutor::forward_steps`]);
+//! callers that number their sequences instead (`generate`, tests) get tables from the
+//! executor's own allocator ([`RankExecutor::forward`], [`RankExecutor::reserve`]).
 
 use super::backend::{
     Activation, Backend, BackendError, BinaryOp, ReduceNormError, Segment, WeightUse,
@@ -55,18 +54,19 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     weights: HashMap<u32, B::Weight>,
     /// Linears that run as one product (`plan::fuse`), with their weights.
     fused: super::fused::FusedProducts<B::Weight, B::Act>,
-    /// Per attention op, its key and value widths per token and its pool of KV blocks.
-    pools: HashMap<u32, ((usize, usize), B::Kv)>,
-    /// Token slots per KV block.
+    /// Per attention op, its pool of KV blocks.
+    pools: HashMap<u32, B::Kv>,
+    /// Per attention op, its key and value widths per token.
+    kv_widths: HashMap<u32, (usize, usize)>,
     block_size: usize,
     /// Blocks every pool has.
     pool_blocks: usize,
-    /// Blocks `0..engine_blocks` are the caller's to hand out (`set_kv_pool`); the numbered
+    /// Blocks `0..engine_blocks` are the serving engine's to hand out; the numbered
     /// sequences' own allocator takes blocks from there up.
     engine_blocks: usize,
-    /// The next block the numbered sequences' allocator hands out.
+    /// The next block the numbered sequences' allocator takes.
     next_block: usize,
-    /// Numbered sequences (the sequence-slot API): each one's table and tokens cached.
+    /// Numbered sequences: each one's block table and tokens cached.
     slots: Vec<Slot>,
     /// The linears that compute the output (the LM head): only row-wise ops lie between
     /// them and it, so they may run on the rows the caller wants alone.
@@ -128,7 +128,7 @@ enum Exchange {
     TopK(usize),
 }
 
-/// A numbered sequence's place in the KV cache: its block table and the tokens cached.
+/// A numbered sequence's place in the KV cache.
 #[derive(Debug, Clone, Default)]
 struct Slot {
     blocks: Vec<u32>,
@@ -145,15 +145,7 @@ pub struct SeqStep<'a> {
     pub blocks: &'a [u32],
 }
 
-/// A forward call's sequences: numbered ones, whose tables the executor keeps, or steps
-/// that bring their own.
-#[derive(Clone, Copy)]
-enum Batch<'b> {
-    Numbered(&'b [(usize, &'b [i64])]),
-    Steps(&'b [SeqStep<'b>]),
-}
-
-/// Token slots per KV block until `set_kv_pool` sets another size.
+/// Token slots per KV block unless the serving engine sets its own.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 fn bad(i: &Instr, problem: impl Into<String>) -> RunError {
@@ -244,7 +236,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 _ => None,
             })
             .collect();
-        let mut pools = HashMap::new();
+        let mut kv_widths = HashMap::new();
         for i in &program.instrs {
             if let Op::Attention(_) = &i.op {
                 let width = |slot: usize| {
@@ -255,7 +247,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let (Some(k), Some(v)) = (width(1), width(2)) else {
                     return Err(bad(i, "its key or value width is not known"));
                 };
-                pools.insert(i.id, ((k, v), backend.new_kv(k, v, DEFAULT_BLOCK_SIZE)));
+                kv_widths.insert(i.id, (k, v));
             }
         }
         let max_id = program.instrs.iter().map(|i| i.id).max().unwrap_or(0) as usize;
@@ -267,6 +259,10 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 }
             }
         }
+        let pools = kv_widths
+            .iter()
+            .map(|(&id, &(k, v))| (id, backend.new_kv(k, v, DEFAULT_BLOCK_SIZE)))
+            .collect();
         let exec = RankExecutor {
             program,
             tp: comm.world_size(),
@@ -276,6 +272,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             weights: loaded,
             fused,
             pools,
+            kv_widths,
             block_size: DEFAULT_BLOCK_SIZE,
             pool_blocks: 0,
             engine_blocks: 0,
@@ -337,17 +334,52 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         }
     }
 
+    /// Tensor-parallel rank 0 sends `data` to every rank of its group; the others (`None`)
+    /// receive it: the length first, then the values (through the backend's memory, as
+    /// every collective).
+    pub fn broadcast_floats(&mut self, data: Option<Vec<f32>>) -> Result<Vec<f32>> {
+        let on = |error| RunError::Backend {
+            name: "engine step message".into(),
+            error,
+        };
+        let b = &self.backend;
+        let mut len = b
+            .upload_host(&Tensor::new(
+                vec![1],
+                vec![data.as_ref().map_or(0.0, |d| d.len() as f32)],
+            ))
+            .map_err(on)?;
+        let sent = self.comm.broadcast(&mut len, 0);
+        let n = b.to_host(len).map_err(on)?;
+        sent?;
+        let n = n.data[0];
+        if !(n >= 0.0 && n < (1u32 << 24) as f32 && n.fract() == 0.0) {
+            return Err(RunError::Pipeline(format!(
+                "an engine step message of {n} values (a bug in tpc)"
+            )));
+        }
+        let n = n as usize;
+        let mut body = match data {
+            Some(d) => b.upload_host(&Tensor::new(vec![d.len()], d)),
+            None => b.alloc(&[n], crate::ir::DType::F32),
+        }
+        .map_err(on)?;
+        let sent = self.comm.broadcast(&mut body, 0);
+        let body = b.to_host(body).map_err(on)?;
+        sent?;
+        Ok(body.data)
+    }
+
     /// Whether this rank computes the model output (no pipeline, or its last stage).
     pub fn has_output(&self) -> bool {
         self.link.as_ref().is_none_or(StageLink::is_last)
     }
 
-    /// Sizes the paged KV cache for a caller that keeps its own block tables (the serving
-    /// engine): blocks of `block_size` tokens, blocks `0..blocks` its to hand out, every
-    /// attention op's pool grown to hold them. While numbered sequences hold blocks
-    /// (`forward`, `reserve`), the block size may not change and the range may not grow
-    /// over their blocks (`reset` first); otherwise a new block size makes the pools anew,
-    /// empty.
+    /// Sizes the paged cache for the serving engine: blocks of `block_size` tokens, blocks
+    /// `0..blocks` its own to hand out, every attention op's pool grown to hold them. While
+    /// numbered sequences hold blocks (`forward`, `reserve`), the block size may not change
+    /// and the engine's range may not grow over their blocks (`reset` first); otherwise a
+    /// new block size makes the pools anew, empty.
     pub fn set_kv_pool(&mut self, block_size: usize, blocks: usize) -> Result<()> {
         if block_size == 0 || u32::try_from(blocks).is_err() {
             return Err(RunError::BadBatch {
@@ -362,54 +394,47 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             return Err(RunError::BadBatch {
                 problem: format!(
                     "the KV cache changes to {blocks} blocks of {block_size} tokens while \
-                     numbered sequences hold blocks {}..{} of {}; reset first",
+                     numbered sequences hold blocks {}..{} of {} tokens; reset first",
                     self.engine_blocks, self.next_block, self.block_size
                 ),
             });
         }
         if block_size != self.block_size {
             let b = &self.backend;
-            for ((k, v), pool) in self.pools.values_mut() {
-                *pool = b.new_kv(*k, *v, block_size);
+            for (id, &(k, v)) in &self.kv_widths {
+                self.pools.insert(*id, b.new_kv(k, v, block_size));
             }
             self.block_size = block_size;
             self.pool_blocks = 0;
         }
-        // The numbered sequences take blocks past the caller's (theirs, if any, already lie
+        // The numbered sequences take blocks past the engine's (theirs, if any, already lie
         // past them).
         if !numbered_hold {
             self.next_block = blocks;
         }
         self.engine_blocks = blocks;
-        self.grow_pools(self.next_block)
+        self.grow_pools(self.next_block.max(blocks))
     }
 
-    /// Bytes one KV block takes over every attention op of this rank (keys and values, f32):
-    /// what sizes the pool from a memory budget.
-    pub fn kv_block_bytes(&self) -> u64 {
-        let per_token: u64 = self.pools.values().map(|((k, v), _)| (k + v) as u64).sum();
-        per_token
-            .saturating_mul(4)
-            .saturating_mul(self.block_size as u64)
-    }
-
-    /// Blocks every attention op's pool holds.
+    /// Blocks every attention op's pool has.
     pub fn kv_blocks(&self) -> usize {
         self.pool_blocks
     }
 
-    /// Token slots per KV block.
-    pub fn kv_block_size(&self) -> usize {
-        self.block_size
+    /// Bytes one block takes over every attention op of this rank (keys and values, f32).
+    pub fn kv_block_bytes(&self) -> u64 {
+        let per_token: usize = self.kv_widths.values().map(|&(k, v)| k + v).sum();
+        (per_token as u64)
+            .saturating_mul(4)
+            .saturating_mul(self.block_size as u64)
     }
 
-    /// Grows every attention op's pool to `blocks` blocks.
     fn grow_pools(&mut self, blocks: usize) -> Result<()> {
         if blocks <= self.pool_blocks {
             return Ok(());
         }
         let b = &self.backend;
-        for (id, (_, pool)) in self.pools.iter_mut() {
+        for (id, pool) in self.pools.iter_mut() {
             b.grow_kv(pool, blocks).map_err(|error| RunError::Backend {
                 name: format!("the KV cache of attention %{id}"),
                 error,
@@ -419,20 +444,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         Ok(())
     }
 
-    /// Numbered sequence `seq`'s table covers `positions` tokens: blocks taken in order from
-    /// the allocator, the pools grown as needed: to exactly what is needed (`exact`, a
-    /// reservation), or else doubling where memory allows, so that a sequence growing token
-    /// by token copies the pools a logarithmic number of times.
-    fn slot_room(&mut self, seq: usize, positions: usize, exact: bool) -> Result<()> {
-        let too_many = || RunError::BadBatch {
-            problem: format!("KV-cache room for {positions} positions of sequence {seq}"),
-        };
+    /// Numbered sequence `seq`'s table covers `positions` tokens (blocks taken in order
+    /// from the allocator, the pools grown as needed).
+    fn slot_room(&mut self, seq: usize, positions: usize) -> Result<()> {
         if self.slots.len() <= seq {
-            let n = seq.checked_add(1).ok_or_else(too_many)?;
-            self.slots
-                .try_reserve(n - self.slots.len())
-                .map_err(|_| too_many())?;
-            self.slots.resize_with(n, Slot::default);
+            self.slots.resize_with(seq + 1, Slot::default);
         }
         let have = self.slots[seq].blocks.len();
         let need = positions.div_ceil(self.block_size);
@@ -442,26 +458,21 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let end = self
             .next_block
             .checked_add(need - have)
-            .filter(|&e| u32::try_from(e).is_ok())
-            .ok_or_else(too_many)?;
-        if end > self.pool_blocks {
-            let doubled = end.max(self.pool_blocks.saturating_mul(2));
-            if exact || doubled == end || self.grow_pools(doubled).is_err() {
-                self.grow_pools(end)?;
-            }
-        }
-        let blocks = &mut self.slots[seq].blocks;
-        blocks.try_reserve(need - have).map_err(|_| too_many())?;
-        blocks.extend(self.next_block as u32..end as u32);
+            .ok_or_else(|| RunError::BadBatch {
+                problem: format!("KV room for {positions} positions"),
+            })?;
+        self.grow_pools(end)?;
+        let first = self.next_block as u32;
+        self.slots[seq].blocks.extend(first..end as u32);
         self.next_block = end;
         Ok(())
     }
 
-    /// Reserves KV-cache room for `positions` tokens of numbered sequence `seq`, so that
-    /// decoding never grows the pools. Best effort: room that cannot be had now is asked
-    /// for again, and refused, when it is needed.
+    /// Reserves KV-cache room for `positions` tokens of sequence `seq`, so that decoding
+    /// never grows it and its blocks are consecutive (read in place). Best effort: room that
+    /// cannot be had now is asked for again, and refused, when it is needed.
     pub fn reserve(&mut self, seq: usize, positions: usize) {
-        let _ = self.slot_room(seq, positions, true);
+        let _ = self.slot_room(seq, positions);
     }
 
     /// Reserves room for `positions` tokens of sequence 0.
@@ -469,8 +480,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.reserve(0, positions)
     }
 
-    /// Forgets every cached token of every numbered sequence, returning their blocks
-    /// (keeping the memory).
+    /// Forgets every cached token of every numbered sequence (keeping the memory).
     pub fn reset(&mut self) {
         self.slots.clear();
         self.next_block = self.engine_blocks;
@@ -491,16 +501,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// continuing after its cached tokens. Returns the output rows `rows` asks for, in batch
     /// order, on the host.
     pub fn forward(&mut self, batch: &[(usize, &[i64])], rows: OutputRows) -> Result<Tensor> {
-        let out = self.forward_call(Batch::Numbered(batch), rows, Exchange::Logits)?;
-        self.backend.to_host(out).map_err(at_output)
-    }
-
-    /// Runs the program once over sequences whose block tables the caller keeps (the
-    /// serving engine, after [`RankExecutor::set_kv_pool`]): each step's tokens are written
-    /// at its positions `start..` through its table. Returns the output rows `rows` asks
-    /// for, in batch order, on the host.
-    pub fn forward_steps(&mut self, batch: &[SeqStep<'_>], rows: OutputRows) -> Result<Tensor> {
-        let out = self.forward_call(Batch::Steps(batch), rows, Exchange::Logits)?;
+        let out = self.forward_on_device(batch, rows)?;
         self.backend.to_host(out).map_err(at_output)
     }
 
@@ -512,43 +513,38 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         batch: &[(usize, &[i64])],
         rows: OutputRows,
     ) -> Result<std::result::Result<Vec<usize>, usize>> {
-        self.argmax_of(Batch::Numbered(batch), rows)
-    }
-
-    /// [`RankExecutor::forward_argmax`] over steps with their own block tables.
-    pub fn forward_steps_argmax(
-        &mut self,
-        batch: &[SeqStep<'_>],
-        rows: OutputRows,
-    ) -> Result<std::result::Result<Vec<usize>, usize>> {
-        self.argmax_of(Batch::Steps(batch), rows)
-    }
-
-    fn argmax_of(
-        &mut self,
-        batch: Batch<'_>,
-        rows: OutputRows,
-    ) -> Result<std::result::Result<Vec<usize>, usize>> {
         if self.logits_gather.is_some() {
             // Vocabulary-parallel: the output is each row's best (value, index) pair.
             let out = self.forward_call(batch, rows, Exchange::Argmax)?;
-            let pairs = self.backend.to_host(out).map_err(at_output)?;
-            let picked = pairs
-                .data
-                .chunks(2)
-                .enumerate()
-                .map(|(row, p)| {
-                    if p[0].is_finite() {
-                        Ok(p[1] as usize)
-                    } else {
-                        Err(row)
-                    }
-                })
-                .collect();
-            pairs.release();
-            return Ok(picked);
+            return self.picks_of_pairs(out);
         }
-        let out = self.forward_call(batch, rows, Exchange::Logits)?;
+        let out = self.forward_on_device(batch, rows)?;
+        self.picks_of_logits(out)
+    }
+
+    /// Each row's token from the (value, index) pairs of a vocabulary-parallel argmax;
+    /// `Err(row)` for a row that is not finite.
+    fn picks_of_pairs(&self, out: B::Act) -> Result<std::result::Result<Vec<usize>, usize>> {
+        let pairs = self.backend.to_host(out).map_err(at_output)?;
+        let picked = pairs
+            .data
+            .chunks(2)
+            .enumerate()
+            .map(|(row, p)| {
+                if p[0].is_finite() {
+                    Ok(p[1] as usize)
+                } else {
+                    Err(row)
+                }
+            })
+            .collect();
+        pairs.release();
+        Ok(picked)
+    }
+
+    /// Each row's greedy token picked from whole logits on the device; `Err(row)` for the
+    /// first row that is not finite.
+    fn picks_of_logits(&self, out: B::Act) -> Result<std::result::Result<Vec<usize>, usize>> {
         let picked = match self.backend.first_non_finite_row(&out) {
             Ok(Some(row)) => Ok(Err(row)),
             Ok(None) => self.backend.argmax_rows(&out).map(Ok),
@@ -571,25 +567,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         rows: OutputRows,
         k: usize,
     ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
-        self.top_k_of(Batch::Numbered(batch), rows, k)
-    }
-
-    /// [`RankExecutor::forward_top_k`] over steps with their own block tables.
-    pub fn forward_steps_top_k(
-        &mut self,
-        batch: &[SeqStep<'_>],
-        rows: OutputRows,
-        k: usize,
-    ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
-        self.top_k_of(Batch::Steps(batch), rows, k)
-    }
-
-    fn top_k_of(
-        &mut self,
-        batch: Batch<'_>,
-        rows: OutputRows,
-        k: usize,
-    ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
         let exchange = self
             .logits_gather
             .and_then(|id| self.vocab_slice(id))
@@ -599,7 +576,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let out = match exchange {
             Some(k) => self.forward_call(batch, rows, Exchange::TopK(k))?,
             None => {
-                let logits = self.forward_call(batch, rows, Exchange::Logits)?;
+                let logits = self.forward_on_device(batch, rows)?;
                 let cols = logits.rows_cols().1;
                 let pairs = self.backend.top_k_pairs(&logits, k.min(cols), cols, 0);
                 self.backend.release(logits);
@@ -657,11 +634,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     pub fn locate_non_finite(&mut self, tokens: &[i64]) -> Result<Option<NonFiniteOp>> {
         self.reset();
         self.non_finite = Some(None);
-        let out = self.forward_inner(
-            Batch::Numbered(&[(0, tokens)]),
-            OutputRows::LastOfEach,
-            Exchange::Logits,
-        );
+        let out = self.forward_inner(&[(0, tokens)], OutputRows::LastOfEach, Exchange::Logits);
         let found = self.non_finite.take().flatten();
         self.reset();
         if let Some(out) = out? {
@@ -676,12 +649,12 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         batch: &[(usize, &[i64])],
         rows: OutputRows,
     ) -> Result<B::Act> {
-        self.forward_call(Batch::Numbered(batch), rows, Exchange::Logits)
+        self.forward_call(batch, rows, Exchange::Logits)
     }
 
     fn forward_call(
         &mut self,
-        batch: Batch<'_>,
+        batch: &[(usize, &[i64])],
         rows: OutputRows,
         exchange: Exchange,
     ) -> Result<B::Act> {
@@ -694,66 +667,85 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
 
     fn forward_inner(
         &mut self,
-        batch: Batch<'_>,
-        rows: OutputRows,
-        exchange: Exchange,
-    ) -> Result<Option<B::Act>> {
-        match batch {
-            Batch::Steps(steps) => self.run_steps(steps, rows, exchange),
-            Batch::Numbered(batch) => self.run_numbered(batch, rows, exchange),
-        }
-    }
-
-    /// Numbered sequences through the executor's own allocator: each continues after its
-    /// cached tokens, its table grown to cover the new ones.
-    fn run_numbered(
-        &mut self,
         batch: &[(usize, &[i64])],
         rows: OutputRows,
         exchange: Exchange,
     ) -> Result<Option<B::Act>> {
-        for (n, &(seq, ids)) in batch.iter().enumerate() {
-            if batch[..n].iter().any(|&(other, _)| other == seq) {
+        let mut seen = Vec::with_capacity(batch.len());
+        for &(seq, ids) in batch {
+            if seen.contains(&seq) {
                 return Err(RunError::BadBatch {
                     problem: format!("sequence {seq} appears twice in one batch"),
                 });
             }
-            if ids.is_empty() {
-                return Err(RunError::EmptyPrompt);
-            }
+            seen.push(seq);
             let start = self.slots.get(seq).map_or(0, |s| s.position);
-            let end = start.checked_add(ids.len()).ok_or(RunError::BadBatch {
-                problem: format!("sequence {seq} runs past the largest position"),
-            })?;
-            self.slot_room(seq, end, false)?;
+            self.slot_room(seq, start.saturating_add(ids.len()))?;
         }
-        // The tables are moved out while the program runs (it borrows the executor).
-        let tables: Vec<Vec<u32>> = batch
+        let tables: Vec<(usize, Vec<u32>)> = batch
             .iter()
-            .map(|&(seq, _)| std::mem::take(&mut self.slots[seq].blocks))
+            .map(|&(seq, _)| (self.slots[seq].position, self.slots[seq].blocks.clone()))
             .collect();
         let steps: Vec<SeqStep<'_>> = batch
             .iter()
             .zip(&tables)
-            .map(|(&(seq, tokens), blocks)| SeqStep {
+            .map(|(&(_, tokens), (start, blocks))| SeqStep {
                 tokens,
-                start: self.slots[seq].position,
+                start: *start,
                 blocks,
             })
             .collect();
         let out = self.run_steps(&steps, rows, exchange);
-        drop(steps);
-        for (&(seq, ids), blocks) in batch.iter().zip(tables) {
-            let slot = &mut self.slots[seq];
-            slot.blocks = blocks;
-            if out.is_ok() {
-                slot.position += ids.len();
+        if out.is_ok() {
+            for &(seq, ids) in batch {
+                self.slots[seq].position += ids.len();
             }
         }
         out
     }
 
-    /// One forward call over steps with their block tables.
+    /// Runs the program once over sequences whose block tables the caller keeps (the
+    /// serving engine). Returns the output rows `rows` asks for, in batch order, on the host.
+    pub fn forward_steps(&mut self, batch: &[SeqStep<'_>], rows: OutputRows) -> Result<Tensor> {
+        let out = self.steps_call(batch, rows, Exchange::Logits)?;
+        self.backend.to_host(out).map_err(at_output)
+    }
+
+    /// [`RankExecutor::forward_argmax`] over sequences with their own block tables.
+    pub fn forward_steps_argmax(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        rows: OutputRows,
+    ) -> Result<std::result::Result<Vec<usize>, usize>> {
+        if self.logits_gather.is_some() {
+            let out = self.steps_call(batch, rows, Exchange::Argmax)?;
+            return self.picks_of_pairs(out);
+        }
+        let out = self.steps_call(batch, rows, Exchange::Logits)?;
+        self.picks_of_logits(out)
+    }
+
+    /// A pipeline stage before the last runs one engine step: it passes its values on.
+    pub fn forward_stage_steps(&mut self, batch: &[SeqStep<'_>]) -> Result<()> {
+        if let Some(out) = self.run_steps(batch, OutputRows::All, Exchange::Logits)? {
+            self.backend.release(out);
+        }
+        Ok(())
+    }
+
+    fn steps_call(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        rows: OutputRows,
+        exchange: Exchange,
+    ) -> Result<B::Act> {
+        self.run_steps(batch, rows, exchange)?
+            .ok_or_else(|| RunError::BadInstruction {
+                name: "program".into(),
+                problem: "this pipeline stage has no output; only the last one does".into(),
+            })
+    }
+
     fn run_steps(
         &mut self,
         batch: &[SeqStep<'_>],
@@ -768,25 +760,12 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 return Err(RunError::EmptyPrompt);
             }
             let end = step.start.saturating_add(step.tokens.len());
-            if step.blocks.len().saturating_mul(self.block_size) < end
-                || i64::try_from(end).is_err()
-            {
+            if step.blocks.len().saturating_mul(self.block_size) < end {
                 return Err(RunError::BadBatch {
                     problem: format!(
                         "a block table of {} blocks of {} tokens for positions up to {end}",
                         step.blocks.len(),
                         self.block_size
-                    ),
-                });
-            }
-            if let Some(b) = step.blocks[..end.div_ceil(self.block_size)]
-                .iter()
-                .find(|&&b| b as usize >= self.pool_blocks)
-            {
-                return Err(RunError::BadBatch {
-                    problem: format!(
-                        "block {b} of a KV cache of {} blocks (set_kv_pool sizes it)",
-                        self.pool_blocks
                     ),
                 });
             }
@@ -819,19 +798,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// One forward call of a pipeline stage before the last: it passes its values on and
     /// has no output.
     pub fn forward_stage(&mut self, batch: &[(usize, &[i64])]) -> Result<()> {
-        if let Some(out) =
-            self.forward_inner(Batch::Numbered(batch), OutputRows::All, Exchange::Logits)?
-        {
-            self.backend.release(out);
-        }
-        Ok(())
-    }
-
-    /// [`RankExecutor::forward_stage`] over steps with their own block tables.
-    pub fn forward_stage_steps(&mut self, batch: &[SeqStep<'_>]) -> Result<()> {
-        if let Some(out) =
-            self.forward_inner(Batch::Steps(batch), OutputRows::All, Exchange::Logits)?
-        {
+        if let Some(out) = self.forward_inner(batch, OutputRows::All, Exchange::Logits)? {
             self.backend.release(out);
         }
         Ok(())
@@ -1182,7 +1149,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     .map(|s| s.0 as f32)
                     .unwrap_or(1.0 / (d as f32).sqrt());
                 let (q, k, v) = (x(0)?, x(1)?, x(2)?);
-                let (_, pool) = self
+                let pool = self
                     .pools
                     .get_mut(&i.id)
                     .ok_or_else(|| bad(i, "it has no KV cache"))?;

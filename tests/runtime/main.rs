@@ -9,6 +9,7 @@ mod contract;
 
 mod backend_contract;
 mod batch;
+mod engine_serve;
 mod paged;
 mod parity;
 mod pipeline;
@@ -18,4 +19,5 @@ mod plan_provenance;
 #[path = "../fuzz/rng.rs"]
 mod rng;
 mod runtime;
+mod serve_http;
 mod shard_options;

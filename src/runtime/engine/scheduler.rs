@@ -389,6 +389,8 @@ impl Scheduler {
             .finished
             .with_label_values(&[label(reason)])
             .inc();
+        // The gauges say the request is gone before its client hears that it is.
+        self.update_gauges();
         let usage = seq.usage();
         (seq.sink)(Event::Finished { reason, usage });
     }

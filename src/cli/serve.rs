@@ -1,0 +1,151 @@
+//! `tpc serve MODEL_DIR --tp N [--pp P] [--dp D] --host 127.0.0.1 --port 8000`: an
+//! OpenAI-compatible server over the continuous-batching engine.
+
+use super::ExecArgs;
+use anyhow::Context;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tpc::runtime::engine::api::Serving;
+use tpc::runtime::engine::launch::{serve_cpu, EngineOptions};
+use tpc::runtime::weights::Checkpoint;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// An HF model directory: config.json, model.safetensors (or a sharded index) and, for
+    /// text, tokenizer.json (tokenizer_config.json's chat_template for chat).
+    model: PathBuf,
+    /// Number of tensor-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    tp: u64,
+    #[command(flatten)]
+    shard: super::ShardArgs,
+    #[command(flatten)]
+    pipe: super::PipelineArgs,
+    /// Data parallelism: this many replicas of the ranks, each with its own weights and
+    /// engine; requests go to the least loaded. 1 to 64.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    dp: u64,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on; 0 picks a free one (printed once the server listens).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Token slots per KV-cache block.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    block_size: u64,
+    /// Bytes of KV cache per rank (e.g. 2147483648); default: half the memory the host has
+    /// free after the weights, shared by the ranks, at most 4 GiB per rank.
+    #[arg(long)]
+    kv_cache_memory: Option<u64>,
+    /// Sequences in one step at most.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    max_num_seqs: u64,
+    /// Tokens in one step at most (prompt chunks and decode tokens together): longer
+    /// prompts are prefilled in chunks between decode steps.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    max_num_batched_tokens: u64,
+    /// Requests waiting at most; more are answered 503.
+    #[arg(long, default_value_t = 1024)]
+    max_waiting: u64,
+    /// Do not share the KV blocks of a common prompt prefix between requests.
+    #[arg(long)]
+    no_prefix_caching: bool,
+    /// Positions a request may reach (prompt and generated tokens); default the model's.
+    #[arg(long)]
+    max_model_len: Option<u64>,
+    /// The model name clients give; default the model folder's name.
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Seconds SIGTERM waits for running requests before the server exits.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
+    /// Largest request body, bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    #[command(flatten)]
+    exec: ExecArgs,
+}
+
+fn size(flag: &str, v: u64) -> anyhow::Result<usize> {
+    usize::try_from(v).with_context(|| format!("{flag} {v} is too large for this host"))
+}
+
+pub fn execute(a: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.model.is_dir(),
+        "`{}` is not a model directory; `tpc serve` needs config.json and model.safetensors",
+        a.model.display()
+    );
+    anyhow::ensure!(
+        a.shutdown_timeout.is_finite() && a.shutdown_timeout >= 0.0,
+        "--shutdown-timeout {} is not a number of seconds; give e.g. 30",
+        a.shutdown_timeout
+    );
+    let cpu = a.exec.device.cpu_options().cloned().context(
+        "tpc serve runs on CPU ranks for now; --device cuda is not supported by the engine yet",
+    )?;
+    let text = tpc::serve::TextSide::open(&a.model)?;
+    let def = tpc::frontend::load::load_model(&a.model)?;
+    let mut plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
+    a.pipe.apply(&mut plan)?;
+    let ckpt = Checkpoint::open(&a.model)?;
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        a.model
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into())
+    });
+    let opts = EngineOptions {
+        block_size: size("--block-size", a.block_size)?,
+        kv_cache_memory: a.kv_cache_memory,
+        max_num_seqs: size("--max-num-seqs", a.max_num_seqs)?,
+        max_num_batched_tokens: size("--max-num-batched-tokens", a.max_num_batched_tokens)?,
+        max_waiting: size("--max-waiting", a.max_waiting)?,
+        prefix_caching: !a.no_prefix_caching,
+        max_model_len: a
+            .max_model_len
+            .map(|v| size("--max-model-len", v))
+            .transpose()?,
+        model_name: name,
+    };
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let server = tpc::serve::ServerOptions {
+        host: a.host.clone(),
+        port: a.port,
+        max_body_bytes: a.max_body_bytes,
+        shutdown_timeout: std::time::Duration::from_secs_f64(a.shutdown_timeout),
+        handle_signals: true,
+        stop: Some(stop.clone()),
+    };
+    let layout = format!("tp={} pp={} dp={}", plan.tp, plan.pp(), a.dp);
+    let client = move |engine: Arc<dyn Serving>, stopped: std::sync::mpsc::Receiver<()>| {
+        // An engine that stops (a failed rank) stops the server too.
+        std::thread::spawn(move || {
+            let _ = stopped.recv();
+            stop.notify_one();
+        });
+        let info = engine.info().clone();
+        tpc::serve::serve_blocking(engine, text, server, |addr| {
+            eprintln!(
+                "serving {} ({layout}, context {} tokens): listening on http://{addr}",
+                info.name, info.context
+            );
+        })
+    };
+    let (engine, served) = serve_cpu(
+        &plan,
+        &ckpt,
+        &cpu,
+        a.exec.options().dtype,
+        &opts,
+        a.dp as usize,
+        client,
+    )?;
+    if let Some(served) = served {
+        served?;
+    }
+    engine?;
+    Ok(())
+}

@@ -1,0 +1,373 @@
+//! Starting an engine over a plan: the pool's size from the memory it may take, the
+//! context it can hold, and the ranks as threads (any backend) with the leading rank's
+//! scheduler, while a client (the HTTP server, `tpc run`) uses the engine's handle on a
+//! thread of its own.
+
+use super::api::{ModelInfo, Serving};
+use super::driver::{follow, lead, Command, Shared};
+use super::handle::{Admission, EngineHandle};
+use super::metrics::Metrics;
+use super::rank::RankSteps;
+use super::replicas::ReplicaSet;
+use super::scheduler::{Scheduler, SchedulerConfig};
+use crate::plan::Plan;
+use crate::runtime::backend::Backend;
+use crate::runtime::collectives::Collectives;
+use crate::runtime::error::{Result, RunError};
+use crate::runtime::launch::launch_stages;
+use crate::runtime::weights::WeightSource;
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::{Arc, Mutex};
+
+/// The engine's settings (`tpc serve` flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Token slots per KV block.
+    pub block_size: usize,
+    /// Bytes of KV cache per rank; `None`: from the memory available.
+    pub kv_cache_memory: Option<u64>,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_waiting: usize,
+    pub prefix_caching: bool,
+    /// Positions a request may reach; `None`: the model's.
+    pub max_model_len: Option<usize>,
+    /// The name clients give as `model`.
+    pub model_name: String,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            block_size: 16,
+            kv_cache_memory: None,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 2048,
+            max_waiting: 1024,
+            prefix_caching: true,
+            max_model_len: None,
+            model_name: "model".into(),
+        }
+    }
+}
+
+/// Default KV memory when none is given: half of what the host has available after the
+/// weights, shared by the ranks on it, at most this per rank.
+const DEFAULT_KV_PER_RANK: u64 = 4 << 30;
+
+fn refuse(problem: String) -> RunError {
+    RunError::BadInstruction {
+        name: "engine".into(),
+        problem,
+    }
+}
+
+/// Bytes one token's keys and values take on the rank that stores the most (f32).
+pub fn kv_bytes_per_token(plan: &Plan) -> u64 {
+    let summary = crate::plan::report::summarize(plan);
+    let per_element = plan.dtype.size_bytes().max(1);
+    summary
+        .kv_cache_bytes_per_token_per_rank
+        .iter()
+        .map(|&b| b.saturating_mul(4) / per_element)
+        .max()
+        .unwrap_or(0)
+}
+
+/// What an engine over `plan` is made of before its ranks start.
+pub struct EngineSetup {
+    pub handle: Arc<EngineHandle>,
+    scheduler: Scheduler,
+    commands: Receiver<Command>,
+    shared: Arc<Shared>,
+    pub block_size: usize,
+    pub blocks: usize,
+}
+
+/// Sizes the pool (`ranks_on_host` ranks share this host's memory, `weight_bytes` of
+/// weights in all) and makes the scheduler and the handle.
+pub fn prepare(
+    plan: &Plan,
+    opts: &EngineOptions,
+    ranks_on_host: usize,
+    weight_bytes: u64,
+    metrics: Metrics,
+) -> Result<EngineSetup> {
+    if opts.block_size == 0 || opts.block_size > 1024 {
+        return Err(refuse(format!(
+            "--block-size {}: give 1 to 1024 token slots (16 is usual)",
+            opts.block_size
+        )));
+    }
+    if opts.max_num_seqs == 0 || opts.max_num_batched_tokens == 0 {
+        return Err(refuse(
+            "--max-num-seqs and --max-num-batched-tokens must be at least 1".into(),
+        ));
+    }
+    let per_token = kv_bytes_per_token(plan).max(1);
+    let block_bytes = per_token.saturating_mul(opts.block_size as u64);
+    let memory = match opts.kv_cache_memory {
+        Some(m) => m,
+        None => {
+            let available = crate::runtime::memory::available_bytes().unwrap_or(8 << 30);
+            let spare = available.saturating_sub(weight_bytes) / 2;
+            (spare / ranks_on_host.max(1) as u64).min(DEFAULT_KV_PER_RANK)
+        }
+    };
+    let model_context = [plan.max_positions, plan.attention_window]
+        .into_iter()
+        .flatten()
+        .min()
+        .map(|m| usize::try_from(m).unwrap_or(usize::MAX));
+    if let (Some(asked), Some(model)) = (opts.max_model_len, model_context) {
+        if asked > model {
+            return Err(refuse(format!(
+                "--max-model-len {asked} is past the model's {model} positions; give at most {model}"
+            )));
+        }
+    }
+    let context = opts.max_model_len.or(model_context);
+    // No more blocks than every sequence at its longest needs (and ids pass between ranks
+    // exactly below 2^24).
+    let useful = context
+        .map(|c| {
+            c.div_ceil(opts.block_size)
+                .saturating_mul(opts.max_num_seqs)
+        })
+        .unwrap_or(usize::MAX)
+        .min((1 << 24) - 1);
+    let blocks = usize::try_from(memory / block_bytes)
+        .unwrap_or(usize::MAX)
+        .min(useful);
+    if blocks == 0 {
+        return Err(refuse(format!(
+            "--kv-cache-memory {memory} bytes holds no KV block ({block_bytes} bytes: {} tokens of {per_token} bytes); give at least {block_bytes}",
+            opts.block_size
+        )));
+    }
+    let pool_tokens = blocks.saturating_mul(opts.block_size);
+    let context = context.unwrap_or(pool_tokens).min(pool_tokens);
+    let vocab = crate::runtime::generate::plan_vocab(plan)?;
+    let scheduler = Scheduler::with_metrics(
+        SchedulerConfig {
+            max_num_seqs: opts.max_num_seqs,
+            max_num_batched_tokens: opts.max_num_batched_tokens,
+            block_size: opts.block_size,
+            blocks,
+            prefix_caching: opts.prefix_caching,
+            context,
+        },
+        metrics,
+    );
+    let (tx, commands) = channel();
+    let shared = Arc::new(Shared::default());
+    let handle = Arc::new(EngineHandle::new(
+        ModelInfo {
+            name: opts.model_name.clone(),
+            vocab,
+            context,
+        },
+        Admission {
+            max_waiting: opts.max_waiting,
+            block_size: opts.block_size,
+            blocks,
+        },
+        tx,
+        shared.clone(),
+        scheduler.metrics.registry.clone(),
+    ));
+    Ok(EngineSetup {
+        handle,
+        scheduler,
+        commands,
+        shared,
+        block_size: opts.block_size,
+        blocks,
+    })
+}
+
+/// Runs the engine of `setup` on every rank of `plan` as threads (the backends `backend`
+/// makes, the communicators given, as [`launch_stages`] takes them). Once every rank has
+/// loaded, `client` runs on a thread of its own with the handle and a receiver that
+/// disconnects when the engine stops. Returns when the engine has stopped (drained, or the
+/// client's handle dropped and the running requests ended) and the client has returned:
+/// the engine's result and the client's (`None` if it never started).
+#[allow(clippy::too_many_arguments)]
+pub fn serve_threads<B, C, T>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    comms: Vec<C>,
+    pipes: Vec<C>,
+    backend: &(dyn Fn(usize) -> Result<B> + Sync),
+    setup: EngineSetup,
+    client: impl FnOnce(Arc<EngineHandle>, Receiver<()>) -> T + Send,
+) -> (Result<()>, Option<T>)
+where
+    B: Backend,
+    C: Collectives<B::Act>,
+    T: Send,
+{
+    let EngineSetup {
+        handle,
+        scheduler,
+        commands,
+        shared,
+        block_size,
+        blocks,
+    } = setup;
+    let (ready_tx, ready_rx) = channel::<()>();
+    let (stopped_tx, stopped_rx) = channel::<()>();
+    let leader = Mutex::new(Some((scheduler, commands)));
+    std::thread::scope(|s| {
+        let client_thread = s.spawn(move || {
+            ready_rx.recv().ok()?;
+            Some(client(handle, stopped_rx))
+        });
+        let ready = Mutex::new(Some(ready_tx));
+        let result = launch_stages(plan, weights, comms, pipes, backend, &|rt| {
+            rt.exec.set_kv_pool(block_size, blocks)?;
+            // Every rank has loaded before a request is taken.
+            rt.exec.comm.barrier()?;
+            if let Some(link) = rt.exec.link.as_mut() {
+                link.comm.barrier()?;
+            }
+            if !rt.leads {
+                return follow(&mut RankSteps { rt });
+            }
+            let (mut scheduler, commands) = leader
+                .lock()
+                .ok()
+                .and_then(|mut l| l.take())
+                .ok_or_else(|| refuse("two leading ranks (a bug in tpc)".into()))?;
+            if let Some(tx) = ready.lock().ok().and_then(|mut r| r.take()) {
+                let _ = tx.send(());
+            }
+            lead(&mut RankSteps { rt }, &mut scheduler, &commands, &shared)
+        });
+        if let Err(e) = &result {
+            shared.stop(e.to_string());
+        }
+        // The client learns that the engine is gone (or never came).
+        drop(ready);
+        drop(stopped_tx);
+        let client = client_thread.join().ok().flatten();
+        (result, client)
+    })
+}
+
+/// Engines over `plan` on CPU ranks, `dp` replicas of them (each its own ranks and copy of
+/// the weights) behind one [`Serving`]: each rank a thread with cores / (ranks · dp)
+/// compute threads (pinned with `--pin`, one replica only), bf16 linear weights as `dtype`
+/// says. The pool's default size leaves room for every rank's weights. `client` runs once
+/// every replica has loaded, with the engines and a receiver that hears (or disconnects)
+/// when one stops. Returns the first engine failure, else Ok, and the client's result.
+pub fn serve_cpu<T: Send>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    cpu: &crate::runtime::cpu::CpuOptions,
+    dtype: crate::runtime::generate::ComputeDtype,
+    opts: &EngineOptions,
+    dp: usize,
+    client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
+) -> Result<(Result<()>, Option<T>)> {
+    use crate::runtime::cpu::affinity;
+    if dp == 0 || dp > crate::runtime::replicas::MAX_REPLICAS {
+        return Err(RunError::Replicas(format!(
+            "--dp {dp}: the number of replicas must be 1 to {}",
+            crate::runtime::replicas::MAX_REPLICAS
+        )));
+    }
+    if dp > 1 && cpu.pin_threads {
+        return Err(RunError::Replicas(
+            "--pin places every replica's ranks on the same cores; use it with --dp 1".into(),
+        ));
+    }
+    weights.check(plan)?;
+    let ranks = plan.world().saturating_mul(dp);
+    let threads = cpu.threads_per_rank(ranks);
+    let bf16 = dtype.bf16_linears(plan);
+    let kernels = crate::runtime::cpu::isa::Kernels::select(cpu.isa)?;
+    let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
+    let registry = Arc::new(prometheus::Registry::new());
+    let mut replicas = Vec::with_capacity(dp);
+    for r in 0..dp {
+        let metrics = Metrics::in_registry(registry.clone(), (dp > 1).then_some(r));
+        let setup = prepare(
+            plan,
+            opts,
+            ranks,
+            weight_bytes.saturating_mul(dp as u64),
+            metrics,
+        )?;
+        replicas.push((setup, crate::runtime::launch::local_groups(plan)?));
+    }
+    let make = |rank: usize| {
+        let placement = if cpu.pin_threads {
+            affinity::placement(rank, threads)
+        } else {
+            Vec::new()
+        };
+        if let Some(Some(core)) = placement.first() {
+            affinity::pin_current_thread(*core);
+        }
+        crate::runtime::cpu_launch::cpu_backend(rank, threads, &placement, bf16, kernels)
+    };
+    let (ready_tx, ready_rx) = channel::<(usize, Arc<EngineHandle>, Receiver<()>)>();
+    Ok(std::thread::scope(|s| {
+        let engines: Vec<_> = replicas
+            .into_iter()
+            .enumerate()
+            .map(|(r, (setup, (comms, pipes)))| {
+                let ready = ready_tx.clone();
+                let make = &make;
+                s.spawn(move || {
+                    let hand_over = move |handle, stopped| {
+                        let _ = ready.send((r, handle, stopped));
+                    };
+                    serve_threads(plan, weights, comms, pipes, make, setup, hand_over).0
+                })
+            })
+            .collect();
+        drop(ready_tx);
+        let mut ready: Vec<(usize, Arc<EngineHandle>, Receiver<()>)> =
+            ready_rx.iter().take(dp).collect();
+        let client_result = if ready.len() == dp {
+            ready.sort_by_key(|(r, _, _)| *r);
+            let (stop_tx, stop_rx) = channel::<()>();
+            let mut fronts: Vec<Arc<dyn Serving>> = Vec::with_capacity(dp);
+            for (_, handle, stopped) in ready {
+                fronts.push(handle);
+                let stop_tx = stop_tx.clone();
+                // Any replica that stops stops the client.
+                s.spawn(move || {
+                    let _ = stopped.recv();
+                    let _ = stop_tx.send(());
+                });
+            }
+            drop(stop_tx);
+            let front: Arc<dyn Serving> = if dp == 1 {
+                fronts.remove(0)
+            } else {
+                Arc::new(ReplicaSet::new(fronts, registry))
+            };
+            Some(client(front, stop_rx))
+        } else {
+            // A replica did not start: the others stop when their handles go.
+            drop(ready);
+            None
+        };
+        let mut result = Ok(());
+        for (r, e) in engines.into_iter().enumerate() {
+            let outcome = e.join().unwrap_or_else(|_| {
+                Err(RunError::RankPanicked {
+                    rank: r,
+                    message: "an engine thread panicked".into(),
+                })
+            });
+            if result.is_ok() {
+                result = outcome;
+            }
+        }
+        (result, client_result)
+    }))
+}

@@ -1,0 +1,87 @@
+//! The engine's steps on one rank of a running plan. The leading rank (tp rank 0 of the
+//! last pipeline stage) broadcasts each step to its tensor-parallel group; every rank of the
+//! last stage passes it on to the earlier stages of its pipeline, which run the step's
+//! forward call and send their values on. Every rank of the last stage takes part in the
+//! output exchange; only the leading rank's output is used.
+
+use super::driver::StepRunner;
+use super::scheduler::StepOutput;
+use super::step::{Exchange, PlannedSeq, StepMessage};
+use crate::runtime::backend::Backend;
+use crate::runtime::collectives::Collectives;
+use crate::runtime::error::{Result, RunError};
+use crate::runtime::executor::{OutputRows, SeqStep};
+use crate::runtime::generate::RankRuntime;
+use crate::runtime::stage_link::Control;
+
+/// A rank of a running plan as the engine drives it.
+pub struct RankSteps<'r, 'p, B: Backend, C: Collectives<B::Act>> {
+    pub rt: &'r mut RankRuntime<'p, B, C>,
+}
+
+fn protocol(e: impl std::fmt::Display) -> RunError {
+    RunError::Pipeline(e.to_string())
+}
+
+impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> {
+    fn share(&mut self, message: Option<&StepMessage>) -> Result<StepMessage> {
+        let exec = &mut self.rt.exec;
+        if !exec.has_output() {
+            return match exec.listen()? {
+                Control::Engine(body) => StepMessage::decode(&body).map_err(protocol),
+                other => Err(protocol(format!(
+                    "expected an engine step from the last stage, got {other:?} (a bug in tpc)"
+                ))),
+            };
+        }
+        let body = match message {
+            Some(m) => Some(m.encode().map_err(protocol)?),
+            None => None,
+        };
+        let body = exec.broadcast_floats(body)?;
+        let decoded = StepMessage::decode(&body).map_err(protocol)?;
+        exec.tell(&Control::Engine(body))?;
+        Ok(decoded)
+    }
+
+    fn run(&mut self, seqs: &[PlannedSeq], exchange: Exchange) -> Result<Option<StepOutput>> {
+        let exec = &mut self.rt.exec;
+        let steps: Vec<SeqStep<'_>> = seqs
+            .iter()
+            .map(|s| SeqStep {
+                tokens: &s.tokens,
+                start: s.start,
+                blocks: &s.blocks,
+            })
+            .collect();
+        if !exec.has_output() {
+            exec.forward_stage_steps(&steps)?;
+            return Ok(None);
+        }
+        let unknown = || "find the op with `tpc run` on this prompt".to_string();
+        Ok(Some(match exchange {
+            Exchange::Argmax => match exec.forward_steps_argmax(&steps, OutputRows::LastOfEach)? {
+                Ok(picks) => StepOutput::Argmax(picks),
+                Err(row) => StepOutput::NonFinite {
+                    row,
+                    origin: unknown(),
+                },
+            },
+            Exchange::Logits => {
+                let logits = exec.forward_steps(&steps, OutputRows::LastOfEach)?;
+                let out = match logits.first_non_finite_row() {
+                    Some(row) => StepOutput::NonFinite {
+                        row,
+                        origin: unknown(),
+                    },
+                    None => StepOutput::Logits {
+                        data: logits.data.clone(),
+                        vocab: logits.cols(),
+                    },
+                };
+                logits.release();
+                out
+            }
+        }))
+    }
+}
