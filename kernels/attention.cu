@@ -1,9 +1,12 @@
 // Causal attention of one sequence's new rows over its KV cache, the rows' own keys and
-// values already appended. q [batch rows, q_heads * head_dim]; the segment's rows start at
-// batch row `q_row0`, and its row i sits at position start + i, seeing cache positions
-// 0 ..= start + i. cache_k, cache_v [positions, kv_heads * head_dim]; grouped heads: query
-// head h reads kv head h / (q_heads / kv_heads). head_dim <= 32 * MAX_DIMS_PER_LANE; each
-// lane of a warp holds head_dim / 32 of a row's dims.
+// values already written (`kv_write`). q [batch rows, q_heads * head_dim]; the segment's
+// rows start at batch row `q_row0`, and its row i sits at position start + i, seeing cache
+// positions 0 ..= start + i. cache_k, cache_v are the attention op's paged pool, rows of
+// kv_heads * head_dim in blocks of `block_size` rows: position p lives in row
+// blocks[p / block_size] * block_size + p % block_size (`kv_row`), `blocks` the sequence's
+// block table. Grouped heads: query head h reads kv head h / (q_heads / kv_heads).
+// head_dim <= 32 * MAX_DIMS_PER_LANE; each lane of a warp holds head_dim / 32 of a row's
+// dims.
 //
 // Three ways through, chosen by the backend per segment:
 // - `attention`: one block per (row, head) over every position it sees (short contexts);
@@ -20,6 +23,27 @@
 #define MAX_DIMS_PER_LANE 8
 #define MAX_HEAD_DIM (32 * MAX_DIMS_PER_LANE)
 
+// The pool row of position p through a block table. Positions and block sizes fit 31 bits
+// (the backend checks), so the division is a 32-bit one, not a 64-bit one in software.
+__device__ __forceinline__ i64 kv_row(const i64* blocks, i64 block_size, i64 p) {
+    const unsigned int bs = (unsigned int)block_size;
+    const unsigned int pos = (unsigned int)p;
+    const unsigned int b = pos / bs;
+    return blocks[b] * block_size + (pos - b * bs);
+}
+
+// Writes rows src_row0 .. src_row0 + rows of src [.., cols] at positions start .. of the
+// pool `cache` (rows of cols) through the block table: grid-stride over rows * cols.
+extern "C" __global__ void kv_write(float* cache, const float* src, const i64* blocks,
+                                    i64 block_size, i64 src_row0, i64 start, i64 rows,
+                                    i64 cols) {
+    FOR_EACH(i, rows * cols) {
+        const i64 r = i / cols;
+        const i64 c = i - r * cols;
+        cache[kv_row(blocks, block_size, start + r) * cols + c] = src[(src_row0 + r) * cols + c];
+    }
+}
+
 // A block's partial softmax sum over some positions: every thread gets the block's max and
 // sum of exponentials (sum 0 when the block saw no position); weight[w] rescales warp w's
 // values in `part_acc` to that max.
@@ -34,8 +58,9 @@ struct BlockSoftmax {
 // (after a barrier) part_acc[w][d] holds warp w's weighted values.
 __device__ BlockSoftmax attend_positions(float (*part_acc)[MAX_HEAD_DIM], const float* q_head,
                                          const float* cache_k, const float* cache_v,
-                                         i64 kv_cols, i64 kv_offset, i64 lo, i64 hi,
-                                         i64 head_dim, float scale) {
+                                         const i64* blocks, i64 block_size, i64 kv_cols,
+                                         i64 kv_offset, i64 lo, i64 hi, i64 head_dim,
+                                         float scale) {
     __shared__ float part_max[ATTENTION_WARPS];
     __shared__ float part_sum[ATTENTION_WARPS];
     const int lane = threadIdx.x & 31;
@@ -51,8 +76,9 @@ __device__ BlockSoftmax attend_positions(float (*part_acc)[MAX_HEAD_DIM], const 
     float run_max = -INFINITY;
     float run_sum = 0.0f;
     for (i64 p = lo + warp; p < hi; p += ATTENTION_WARPS) {
-        const float* k = cache_k + p * kv_cols + kv_offset;
-        const float* v = cache_v + p * kv_cols + kv_offset;
+        const i64 row = kv_row(blocks, block_size, p);
+        const float* k = cache_k + row * kv_cols + kv_offset;
+        const float* v = cache_v + row * kv_cols + kv_offset;
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < MAX_DIMS_PER_LANE; ++j) {
@@ -114,8 +140,9 @@ __device__ __forceinline__ float weighted_value(float (*part_acc)[MAX_HEAD_DIM],
 
 // Grid: (segment rows, q_heads); block: 32 * ATTENTION_WARPS threads.
 extern "C" __global__ void attention(float* out, const float* q, const float* cache_k,
-                                     const float* cache_v, i64 q_row0, i64 start, i64 q_heads,
-                                     i64 kv_heads, i64 head_dim, float scale) {
+                                     const float* cache_v, const i64* blocks, i64 block_size,
+                                     i64 q_row0, i64 start, i64 q_heads, i64 kv_heads,
+                                     i64 head_dim, float scale) {
     __shared__ float part_acc[ATTENTION_WARPS][MAX_HEAD_DIM];
     const i64 row = q_row0 + blockIdx.x;
     const i64 h = blockIdx.y;
@@ -123,9 +150,9 @@ extern "C" __global__ void attention(float* out, const float* q, const float* ca
     const i64 kv_offset = (h / (q_heads / kv_heads)) * head_dim;
     // Position 0 is always seen, so the sum is positive.
     const BlockSoftmax b =
-        attend_positions(part_acc, q + row * q_cols + h * head_dim, cache_k, cache_v,
-                         kv_heads * head_dim, kv_offset, 0, start + blockIdx.x + 1, head_dim,
-                         scale);
+        attend_positions(part_acc, q + row * q_cols + h * head_dim, cache_k, cache_v, blocks,
+                         block_size, kv_heads * head_dim, kv_offset, 0, start + blockIdx.x + 1,
+                         head_dim, scale);
     float* o = out + row * q_cols + h * head_dim;
     for (i64 d = threadIdx.x; d < head_dim; d += blockDim.x) {
         o[d] = weighted_value(part_acc, b, d) / b.sum;
@@ -140,7 +167,8 @@ extern "C" __global__ void attention(float* out, const float* q, const float* ca
 // writes sum 0.
 extern "C" __global__ void attention_split(float* part_max, float* part_sum, float* part_values,
                                            const float* q, const float* cache_k,
-                                           const float* cache_v, i64 q_row0, i64 start,
+                                           const float* cache_v, const i64* blocks,
+                                           i64 block_size, i64 q_row0, i64 start,
                                            i64 q_heads, i64 kv_heads, i64 head_dim,
                                            float scale, i64 chunk) {
     __shared__ float part_acc[ATTENTION_WARPS][MAX_HEAD_DIM];
@@ -154,7 +182,8 @@ extern "C" __global__ void attention_split(float* part_max, float* part_sum, flo
     const i64 hi = lo + chunk < seen ? lo + chunk : seen;
     const BlockSoftmax b =
         attend_positions(part_acc, q + (q_row0 + i) * q_cols + h * head_dim, cache_k, cache_v,
-                         kv_heads * head_dim, kv_offset, lo, hi, head_dim, scale);
+                         blocks, block_size, kv_heads * head_dim, kv_offset, lo, hi, head_dim,
+                         scale);
     const i64 slot = (i * q_heads + h) * gridDim.z + c;
     float* values = part_values + slot * head_dim;
     for (i64 d = threadIdx.x; d < head_dim; d += blockDim.x) {
@@ -209,8 +238,9 @@ extern "C" __global__ void attention_merge(float* out, const float* part_max,
 // thread loads part, read coalesced) and each warp scores them against its rows; a row
 // skips the keys past its own position. rows: the segment's row count.
 extern "C" __global__ void attention_tiled(float* out, const float* q, const float* cache_k,
-                                           const float* cache_v, i64 q_row0, i64 rows,
-                                           i64 start, i64 q_heads, i64 kv_heads, i64 head_dim,
+                                           const float* cache_v, const i64* blocks,
+                                           i64 block_size, i64 q_row0, i64 rows, i64 start,
+                                           i64 q_heads, i64 kv_heads, i64 head_dim,
                                            float scale) {
     __shared__ float tile_k[TILE_KEYS][MAX_HEAD_DIM];
     __shared__ float tile_v[TILE_KEYS][MAX_HEAD_DIM];
@@ -248,8 +278,9 @@ extern "C" __global__ void attention_tiled(float* out, const float* q, const flo
         for (i64 e = threadIdx.x; e < n * head_dim; e += blockDim.x) {
             const i64 j = e / head_dim;
             const i64 d = e - j * head_dim;
-            tile_k[j][d] = cache_k[(t0 + j) * kv_cols + kv_offset + d];
-            tile_v[j][d] = cache_v[(t0 + j) * kv_cols + kv_offset + d];
+            const i64 row = kv_row(blocks, block_size, t0 + j);
+            tile_k[j][d] = cache_k[row * kv_cols + kv_offset + d];
+            tile_v[j][d] = cache_v[row * kv_cols + kv_offset + d];
         }
         __syncthreads();
 #pragma unroll

@@ -65,7 +65,8 @@ pub struct Segment<'t> {
     /// Positions already cached before these rows.
     pub start: usize,
     /// The sequence's block table: position `p` lives in block `blocks[p / block_size]`,
-    /// slot `p % block_size`. Covers at least `start + rows.len()` positions.
+    /// slot `p % block_size`. Covers at least `start + rows.len()` positions. Blocks that
+    /// several sequences share (a common prompt prefix) are only read by the later ones.
     pub blocks: &'t [u32],
 }
 
@@ -154,16 +155,17 @@ pub trait Backend: Send + Sync {
         tables: &Self::RopeTables,
     ) -> BackendResult<()>;
 
-    /// An empty pool of blocks of `block_size` tokens, keys of `k_width` and values of
-    /// `v_width` columns per token.
+    /// An empty pool of blocks of `block_size` tokens (at least 1), keys of `k_width` and
+    /// values of `v_width` columns per token.
     fn new_kv(&self, k_width: usize, v_width: usize, block_size: usize) -> Self::Kv;
     /// Grows the pool to at least `blocks` blocks (never shrinks; what the blocks held is
-    /// kept). Memory that cannot be had is an error, not an abort.
+    /// kept). Memory that cannot be had, or a size that overflows, is an error, not an abort.
     fn grow_kv(&self, kv: &mut Self::Kv, blocks: usize) -> BackendResult<()>;
     /// Writes each segment's rows of `k`, `v` at its positions `start..` through its block
-    /// table, then computes causal attention of the segment's rows of `q` over its positions
-    /// `0..start + rows` read through the table (GQA: query head `h` reads kv head
-    /// `h / (q_heads / kv_heads)`).
+    /// table (every segment's before any attends), then computes causal attention of the
+    /// segment's rows of `q` over its positions `0..start + rows` read through the table
+    /// (GQA: query head `h` reads kv head `h / (q_heads / kv_heads)`). A table too short, a
+    /// block outside the pool or widths not the pool's are errors.
     fn attention(
         &self,
         qkv: [&Self::Act; 3],

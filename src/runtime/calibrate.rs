@@ -514,9 +514,11 @@ fn attention_rate(team: &Team, s: &Settings, d: usize) -> Result<f64, CalibrateE
         .map(|i| (i % 7) as f32 / 7.0)
         .collect();
     let scale = 1.0 / (d as f32).sqrt();
+    let cache = crate::runtime::cpu::attention::KvView::contiguous(&kv, &kv, kv_heads * d)
+        .map_err(CalibrateError::Executor)?;
     let time = median(s.seconds, || {
         std::hint::black_box(crate::runtime::cpu::attention::causal_attention(
-            team, &q, &kv, &kv, d, kv_heads, scale,
+            team, &q, &cache, d, kv_heads, scale,
         ));
     });
     let flops = 4.0 * (heads * d) as f64 * (t * (t + 1) / 2) as f64;

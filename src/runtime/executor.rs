@@ -376,21 +376,30 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     }
 
     /// Sizes the paged cache for the serving engine: blocks of `block_size` tokens, blocks
-    /// `0..blocks` its own. The block size may change only while no numbered sequence holds
-    /// a block.
+    /// `0..blocks` its own to hand out, every attention op's pool grown to hold them. While
+    /// numbered sequences hold blocks (`forward`, `reserve`), the block size may not change
+    /// and the engine's range may not grow over their blocks (`reset` first); otherwise a
+    /// new block size makes the pools anew, empty.
     pub fn set_kv_pool(&mut self, block_size: usize, blocks: usize) -> Result<()> {
-        if block_size == 0 {
+        if block_size == 0 || u32::try_from(blocks).is_err() {
             return Err(RunError::BadBatch {
-                problem: "a KV block of 0 tokens".into(),
+                problem: format!(
+                    "a KV cache of {blocks} blocks of {block_size} tokens (blocks of at least \
+                     one token, fewer than 2^32 blocks)"
+                ),
+            });
+        }
+        let numbered_hold = self.next_block > self.engine_blocks;
+        if numbered_hold && (block_size != self.block_size || blocks > self.engine_blocks) {
+            return Err(RunError::BadBatch {
+                problem: format!(
+                    "the KV cache changes to {blocks} blocks of {block_size} tokens while \
+                     numbered sequences hold blocks {}..{} of {} tokens; reset first",
+                    self.engine_blocks, self.next_block, self.block_size
+                ),
             });
         }
         if block_size != self.block_size {
-            if self.next_block > self.engine_blocks {
-                return Err(RunError::BadBatch {
-                    problem: "the KV block size changes while sequences hold blocks (a bug in tpc)"
-                        .into(),
-                });
-            }
             let b = &self.backend;
             for (id, &(k, v)) in &self.kv_widths {
                 self.pools.insert(*id, b.new_kv(k, v, block_size));
@@ -398,9 +407,13 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             self.block_size = block_size;
             self.pool_blocks = 0;
         }
+        // The numbered sequences take blocks past the engine's (theirs, if any, already lie
+        // past them).
+        if !numbered_hold {
+            self.next_block = blocks;
+        }
         self.engine_blocks = blocks;
-        self.next_block = self.next_block.max(blocks);
-        self.grow_pools(blocks)
+        self.grow_pools(self.next_block.max(blocks))
     }
 
     /// Blocks every attention op's pool has.

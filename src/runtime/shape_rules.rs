@@ -33,27 +33,31 @@ pub fn attention_heads(
     Ok((qcols / d, kcols / d))
 }
 
-/// A segment of an attention call over a paged pool: its rows lie in the call's `rows`,
-/// its table covers its positions `0..start + rows`, and the blocks it names exist. Returns
-/// the positions it attends over.
+/// A segment of an attention call over a paged pool of `pool_blocks` blocks of
+/// `block_size` tokens: its rows lie in the call's `rows`, its table covers its positions
+/// `0..start + rows`, and the blocks it names exist. Returns the positions it attends over.
 pub fn paged_segment(
     seg: &super::backend::Segment<'_>,
     rows: usize,
     block_size: usize,
     pool_blocks: usize,
 ) -> BackendResult<usize> {
-    let len = seg.rows.len();
     if seg.rows.start >= seg.rows.end || seg.rows.end > rows || block_size == 0 {
         refuse(format!(
-            "segment rows {:?} of a call of {rows} rows",
+            "segment rows {:?} of a call of {rows} rows (blocks of {block_size})",
             seg.rows
         ))?;
     }
-    let end = seg.start.saturating_add(len);
+    let Some(end) = seg.start.checked_add(seg.rows.len()) else {
+        return Err(BackendError::Shape(format!(
+            "a segment at position {} overflows",
+            seg.start
+        )));
+    };
     let needed = end.div_ceil(block_size);
     if seg.blocks.len() < needed {
         refuse(format!(
-            "a block table of {} blocks of {block_size} for positions up to {end}",
+            "a block table of {} blocks of {block_size} tokens for positions up to {end}",
             seg.blocks.len()
         ))?;
     }
@@ -61,7 +65,9 @@ pub fn paged_segment(
         .iter()
         .find(|&&b| b as usize >= pool_blocks)
     {
-        refuse(format!("block {b} of a pool of {pool_blocks} blocks"))?;
+        refuse(format!(
+            "block {b} of a KV pool of {pool_blocks} blocks; grow the pool first"
+        ))?;
     }
     Ok(end)
 }

@@ -566,33 +566,41 @@ fn attention_reference(
     out
 }
 
-/// Attention over a paged KV pool through a ragged prefill of two sequences, decode steps
-/// given in the other sequence order, a long chunk and a decode step over more than 64
-/// positions, and a sequence restarted on other blocks: sequence 0's blocks are
-/// consecutive (read in place), sequence 1's scattered. Every row against an f64 reference
-/// over its own sequence only.
+/// Attention over a paged KV pool (blocks of 4 tokens) through a ragged prefill of two
+/// sequences, decode steps given in the other sequence order, a long chunk and a decode
+/// step over more than 64 positions, a sequence restarted on other blocks next to a third
+/// that shares the first sequence's first two blocks (a cached prompt prefix, only read),
+/// and the first sequence decoding on over its shared blocks. Sequence 0's blocks are in
+/// order, the others' scattered. Every row against an f64 reference over its own
+/// sequence only.
 pub fn attention_matches_an_f64_reference<B: Backend>(b: &B) {
     let mut values = Values(6);
     let (q_heads, kv_heads, d) = (4, 2, 8);
     let (qc, kc) = (q_heads * d, kv_heads * d);
     let scale = 0.3f32;
     let mut pool = b.new_kv(kc, kc, 4);
-    b.grow_kv(&mut pool, 40).unwrap();
-    let first: Vec<u32> = (0..20).collect();
-    let mut tables: [Vec<u32>; 2] = [first, vec![33, 21, 38, 20]];
-    let mut history = [History::default(), History::default()];
+    b.grow_kv(&mut pool, 30).unwrap();
+    b.grow_kv(&mut pool, 41).unwrap();
+    b.grow_kv(&mut pool, 10).unwrap();
+    let mut tables: [Vec<u32>; 3] = [(0..20).collect(), vec![33, 21, 38, 20], vec![0, 1, 40]];
+    let mut history = [History::default(), History::default(), History::default()];
     // Each step: (sequence, new rows), in row order.
-    let steps: [&[(usize, usize)]; 5] = [
+    let steps: [&[(usize, usize)]; 6] = [
         &[(0, 20), (1, 3)], // a ragged prefill; sequence 0's prompt is tiled on a GPU
         &[(1, 1), (0, 1)],  // one decode step each, in the other order
         &[(0, 50)],         // one sequence alone: 71 positions cached after it
         &[(0, 1)],          // a decode step over 72 positions (split on a GPU)
-        &[(1, 2)],          // after sequence 1's cache is cleared: a new prompt
+        &[(1, 2), (2, 3)],  // 1 anew on other blocks; 2 after 0's first 8 positions
+        &[(0, 1), (2, 1)],  // both readers of the shared blocks decode on
     ];
     for (n, step) in steps.iter().enumerate() {
         if n == 4 {
             tables[1] = vec![24, 39];
             history[1] = History::default();
+            history[2] = History {
+                k: history[0].k[..8 * kc].to_vec(),
+                v: history[0].v[..8 * kc].to_vec(),
+            };
         }
         let rows: usize = step.iter().map(|s| s.1).sum();
         let (q, k, v) = (
@@ -645,6 +653,27 @@ pub fn attention_matches_an_f64_reference<B: Backend>(b: &B) {
             assert_close(&what, &got[s.rows.start * qc..s.rows.end * qc], &want, 1e-5);
         }
     }
+    // What no pool can hold is an error, on every backend: a table too short for the
+    // positions, a block past the pool, and a pool too large to count.
+    let mut one = |cols: usize| act(b, &[1, cols], values.take(cols));
+    let (q, k, v) = (one(qc), one(kc), one(kc));
+    for (blocks, start, what) in [
+        (&[0u32][..], 4, "a table of 1 block of 4 for position 4"),
+        (&[41u32][..], 0, "block 41 of 41"),
+        (&[u32::MAX][..], 0, "block u32::MAX"),
+    ] {
+        let segment = Segment {
+            rows: 0..1,
+            start,
+            blocks,
+        };
+        assert!(
+            b.attention([&q, &k, &v], &mut pool, &[segment], d, scale)
+                .is_err(),
+            "{what}: accepted"
+        );
+    }
+    assert!(b.grow_kv(&mut pool, usize::MAX / 2).is_err());
 }
 
 /// The column and row layouts the collectives need, exactly.

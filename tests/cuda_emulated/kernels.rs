@@ -111,9 +111,59 @@ enum Way {
     Tiled,
 }
 
-/// Runs one segment's attention the given way; the whole output batch.
+/// How a test lays a sequence's cache out in the paged pool: blocks of `block_size` rows,
+/// in order from block 0 or backwards with a free (NaN) block between each two.
+#[derive(Clone, Copy, Debug)]
+struct Paging {
+    block_size: usize,
+    backwards: bool,
+}
+
+/// The layouts every attention test runs: one block per 16 positions in order, and blocks
+/// of 3 and of 1 position backwards.
+const PAGINGS: [Paging; 3] = [
+    Paging {
+        block_size: 16,
+        backwards: false,
+    },
+    Paging {
+        block_size: 3,
+        backwards: true,
+    },
+    Paging {
+        block_size: 1,
+        backwards: true,
+    },
+];
+
+impl Paging {
+    /// The table of a sequence of `positions`.
+    fn table(self, positions: usize) -> Vec<i64> {
+        let m = positions.div_ceil(self.block_size).max(1);
+        (0..m)
+            .map(|i| if self.backwards { 2 * (m - i) - 1 } else { i } as i64)
+            .collect()
+    }
+
+    /// `x [positions, cols]` written through `table` into a pool of NaN (a kernel that reads
+    /// a row outside the table makes NaN).
+    fn pool(self, x: &[f32], cols: usize, table: &[i64]) -> Vec<f32> {
+        let blocks = *table.iter().max().expect("a block") as usize + 2;
+        let mut pool = vec![f32::NAN; blocks * self.block_size * cols];
+        for (p, row) in x.chunks_exact(cols).enumerate() {
+            let at = table[p / self.block_size] as usize * self.block_size + p % self.block_size;
+            pool[at * cols..(at + 1) * cols].copy_from_slice(row);
+        }
+        pool
+    }
+}
+
+/// Runs one segment's attention the given way over its cache paged as `paging`; the whole
+/// output batch.
+#[allow(clippy::too_many_arguments)]
 fn run_attention(
     way: Way,
+    paging: Paging,
     s: &AttentionShape,
     row0: usize,
     q: &[f32],
@@ -122,10 +172,17 @@ fn run_attention(
 ) -> Vec<f32> {
     let file = kernel_file("attention.cu");
     let qc = s.q_heads * s.d;
+    let kc = s.kv_heads * s.d;
     let scale = 1.0 / (s.d as f32).sqrt();
     let mut bufs = Buffers::default();
     let out = bufs.f32(&vec![0.0; q.len()]);
-    let (qb, kb, vb) = (bufs.f32(q), bufs.f32(k), bufs.f32(v));
+    let table = paging.table(s.start + s.new);
+    let (qb, kb, vb) = (
+        bufs.f32(q),
+        bufs.f32(&paging.pool(k, kc, &table)),
+        bufs.f32(&paging.pool(v, kc, &table)),
+    );
+    let tb = bufs.i64(&table);
     let heads = [
         Arg::I64(s.q_heads as i64),
         Arg::I64(s.kv_heads as i64),
@@ -137,6 +194,8 @@ fn run_attention(
         Arg::Buf(qb),
         Arg::Buf(kb),
         Arg::Buf(vb),
+        Arg::Buf(tb),
+        Arg::I64(paging.block_size as i64),
         Arg::I64(row0 as i64),
     ];
     let launched = match way {
@@ -223,7 +282,7 @@ fn run_attention(
                 })
         }
     };
-    launched.unwrap_or_else(|e| panic!("{way:?}: {e}"));
+    launched.unwrap_or_else(|e| panic!("{way:?} {paging:?}: {e}"));
     let got = bufs.read_f32(out);
     let untouched = |r: &[f32]| r.iter().all(|&x| x == 0.0);
     assert!(
@@ -247,7 +306,6 @@ fn check_attention(way: Way, shapes: &[AttentionShape]) {
         let q = values.take((row0 + s.new + 1) * qc);
         let k = values.take(positions * kc);
         let v = values.take(positions * kc);
-        let got = run_attention(way, s, row0, &q, &k, &v);
         let scale = 1.0 / (s.d as f32).sqrt();
         let want = attention_reference(
             &q[row0 * qc..],
@@ -260,8 +318,14 @@ fn check_attention(way: Way, shapes: &[AttentionShape]) {
             s.d,
             scale,
         );
-        let what = format!("{way:?}: new {} start {} d {}", s.new, s.start, s.d);
-        assert_close(&what, &got[row0 * qc..(row0 + s.new) * qc], &want, 1e-5);
+        for paging in PAGINGS {
+            let got = run_attention(way, paging, s, row0, &q, &k, &v);
+            let what = format!(
+                "{way:?} {paging:?}: new {} start {} d {}",
+                s.new, s.start, s.d
+            );
+            assert_close(&what, &got[row0 * qc..(row0 + s.new) * qc], &want, 1e-5);
+        }
     }
 }
 
@@ -388,5 +452,48 @@ fn rms_norms_match_an_f64_reference() {
         let sum: Vec<f32> = residual.iter().zip(&x).map(|(a, b)| a + b).collect();
         assert_eq!(bufs.read_f32(rb), sum, "add_rms_norm: the residual");
         assert_close("add_rms_norm", &bufs.read_f32(out), &norm(&sum), 1e-5);
+    }
+}
+
+/// `kv_write` puts each new row at its position through the table and touches no other
+/// row of the pool, for blocks of 1, 3 and 16 positions out of order and a write that
+/// starts inside a block.
+#[test]
+fn kv_write_puts_rows_through_the_block_table() {
+    let file = kernel_file("attention.cu");
+    let mut values = Values(0x0bad_cafe_f00d_1234);
+    let cols = 24;
+    for (block_size, table, start, rows) in [
+        (1usize, vec![7i64, 2, 5, 0, 3], 1usize, 4usize),
+        (3, vec![4, 1, 3], 2, 7),
+        (16, vec![2, 0], 5, 20),
+    ] {
+        let blocks = *table.iter().max().unwrap() as usize + 2;
+        let before = vec![-1.0f32; blocks * block_size * cols];
+        // The source rows sit at row 2 of a batch with one more row after them.
+        let src = values.take((rows + 3) * cols);
+        let mut bufs = Buffers::default();
+        let pool = bufs.f32(&before);
+        let (sb, tb) = (bufs.f32(&src), bufs.i64(&table));
+        let args = [
+            Arg::Buf(pool),
+            Arg::Buf(sb),
+            Arg::Buf(tb),
+            Arg::I64(block_size as i64),
+            Arg::I64(2),
+            Arg::I64(start as i64),
+            Arg::I64(rows as i64),
+            Arg::I64(cols as i64),
+        ];
+        file.launch("kv_write", dims(2, 1), dims(64, 1), &args, &mut bufs)
+            .unwrap_or_else(|e| panic!("kv_write: {e}"));
+        let got = bufs.read_f32(pool);
+        let mut want = before.clone();
+        for r in 0..rows {
+            let p = start + r;
+            let at = table[p / block_size] as usize * block_size + p % block_size;
+            want[at * cols..(at + 1) * cols].copy_from_slice(&src[(2 + r) * cols..(3 + r) * cols]);
+        }
+        assert_eq!(got, want, "blocks of {block_size}, table {table:?}");
     }
 }

@@ -10,6 +10,7 @@ mod contract;
 mod backend_contract;
 mod batch;
 mod engine_serve;
+mod paged;
 mod parity;
 mod pipeline;
 mod plan_provenance;

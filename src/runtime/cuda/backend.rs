@@ -17,7 +17,7 @@ use crate::runtime::shape_rules;
 use crate::runtime::tensor::Tensor;
 use crate::runtime::weights::{load_slice, load_slice_bf16, side_by_side, WeightSource};
 use cudarc::cublas::sys as blas;
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
@@ -148,7 +148,8 @@ impl CudaWeight {
 }
 
 /// One attention op's pool of KV blocks on the device: block `b` holds the keys of
-/// `block_size` token slots at `k[b · block_size · k_width ..]`, its values likewise.
+/// `block_size` token slots at rows `b · block_size ..` of `k` (rows of `k_width`), its
+/// values likewise in `v`. Grown by reallocating and copying.
 pub struct CudaKv {
     k_width: usize,
     v_width: usize,
@@ -348,117 +349,6 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Grows the pool to `blocks` blocks, keeping what it holds.
-    fn grow_pool(&self, kv: &mut CudaKv, blocks: usize) -> BackendResult<()> {
-        if blocks <= kv.blocks {
-            return Ok(());
-        }
-        let tokens = blocks
-            .checked_mul(kv.block_size)
-            .ok_or_else(|| BackendError::OutOfMemory(format!("a KV pool of {blocks} blocks")))?;
-        let used_tokens = kv.blocks * kv.block_size;
-        let alloc = |width: usize, old: &Option<CudaSlice<f32>>| -> BackendResult<CudaSlice<f32>> {
-            let n = tokens.checked_mul(width).ok_or_else(|| {
-                BackendError::OutOfMemory(format!("a KV pool of {tokens} positions"))
-            })?;
-            let mut fresh = self
-                .gpu
-                .stream
-                .alloc_zeros::<f32>(n.max(1))
-                .map_err(|e| self.gpu.fail("the KV cache", n.checked_mul(4), e))?;
-            if let Some(old) = old {
-                let used = used_tokens * width;
-                if used > 0 {
-                    self.gpu
-                        .stream
-                        .memcpy_dtod(&old.slice(..used), &mut fresh.slice_mut(..used))
-                        .map_err(|e| self.gpu.fail("growing the KV cache", None, e))?;
-                }
-            }
-            Ok(fresh)
-        };
-        let k = alloc(kv.k_width, &kv.k)?;
-        let v = alloc(kv.v_width, &kv.v)?;
-        kv.k = Some(k);
-        kv.v = Some(v);
-        kv.blocks = blocks;
-        Ok(())
-    }
-
-    /// Copies rows `row0..row0 + new` of `x` (`width` columns) to positions `start..` of a
-    /// sequence's table in `pool`: one copy per run of positions inside a block.
-    #[allow(clippy::too_many_arguments)]
-    fn write_positions(
-        &self,
-        pool: &mut CudaSlice<f32>,
-        x: &CudaAct,
-        width: usize,
-        row0: usize,
-        new: usize,
-        start: usize,
-        (table, bs): (&[u32], usize),
-    ) -> BackendResult<()> {
-        let mut i = 0;
-        while i < new {
-            let p = start + i;
-            let slot = p % bs;
-            let run = (bs - slot).min(new - i);
-            let at = (table[p / bs] as usize * bs + slot) * width;
-            let from = (row0 + i) * width;
-            self.gpu
-                .stream
-                .memcpy_dtod(
-                    &x.data().slice(from..from + run * width),
-                    &mut pool.slice_mut(at..at + run * width),
-                )
-                .map_err(|e| self.gpu.fail("writing the KV cache", None, e))?;
-            i += run;
-        }
-        Ok(())
-    }
-
-    /// The first `n` positions of `table` as one run of `width`-column rows: in place when
-    /// the blocks are consecutive, else gathered block by block into `scratch`.
-    fn read_positions<'a>(
-        &self,
-        pool: &'a CudaSlice<f32>,
-        width: usize,
-        (table, bs): (&[u32], usize),
-        n: usize,
-        scratch: &'a mut Option<CudaSlice<f32>>,
-    ) -> BackendResult<cudarc::driver::CudaView<'a, f32>> {
-        let used = &table[..n.div_ceil(bs)];
-        let first = used.first().copied().unwrap_or(0) as usize;
-        if used
-            .iter()
-            .enumerate()
-            .all(|(i, &b)| b as usize == first + i)
-        {
-            let at = first * bs * width;
-            return Ok(pool.slice(at..at + n * width));
-        }
-        let mut out = self
-            .gpu
-            .stream
-            .alloc_zeros::<f32>((n * width).max(1))
-            .map_err(|e| {
-                self.gpu
-                    .fail("gathering the KV cache", (n * width).checked_mul(4), e)
-            })?;
-        for (i, &b) in used.iter().enumerate() {
-            let rows = bs.min(n - i * bs);
-            let at = b as usize * bs * width;
-            self.gpu
-                .stream
-                .memcpy_dtod(
-                    &pool.slice(at..at + rows * width),
-                    &mut out.slice_mut(i * bs * width..(i * bs + rows) * width),
-                )
-                .map_err(|e| self.gpu.fail("gathering the KV cache", None, e))?;
-        }
-        Ok(scratch.insert(out).slice(0..n * width))
-    }
-
     /// Runs `argmax_pairs` over `x`: `[rows, 2]` (value, index) on the device.
     /// One segment's attention over its cache (its keys and values already appended): the
     /// way [`AttentionWay::of`] picks, each a kernel of `kernels/attention.cu`.
@@ -467,13 +357,14 @@ impl CudaBackend {
         &self,
         out: &mut CudaAct,
         q: &CudaAct,
-        (kc, vc): (&CudaView<'_, f32>, &CudaView<'_, f32>),
+        (kc, vc): (&CudaSlice<f32>, &CudaSlice<f32>),
+        (table, block_size): (&CudaSlice<i64>, usize),
         row0: usize,
         new: usize,
         start: usize,
         h: Heads,
     ) -> BackendResult<()> {
-        let (row0, start64) = (i64_of(row0), i64_of(start));
+        let (row0, start64, bs) = (i64_of(row0), i64_of(start), i64_of(block_size));
         let (qh, kh, hd) = (i64_of(h.q), i64_of(h.kv), i64_of(h.dim));
         let heads_y = grid_dim_y(h.q)?;
         // Every attention kernel: blocks of ATTENTION_THREADS over (x, heads, z).
@@ -494,6 +385,8 @@ impl CudaBackend {
                     q.data(),
                     kc,
                     vc,
+                    table,
+                    &bs,
                     &row0,
                     &start64,
                     &qh,
@@ -513,6 +406,8 @@ impl CudaBackend {
                     q.data(),
                     kc,
                     vc,
+                    table,
+                    &bs,
                     &row0,
                     &rows64,
                     &start64,
@@ -540,6 +435,8 @@ impl CudaBackend {
                     q.data(),
                     kc,
                     vc,
+                    table,
+                    &bs,
                     &row0,
                     &start64,
                     &qh,
@@ -926,7 +823,42 @@ impl Backend for CudaBackend {
     }
 
     fn grow_kv(&self, kv: &mut CudaKv, blocks: usize) -> BackendResult<()> {
-        self.grow_pool(kv, blocks)
+        if blocks <= kv.blocks {
+            return Ok(());
+        }
+        let (old_blocks, bs) = (kv.blocks, kv.block_size);
+        let alloc = |width: usize, old: &Option<CudaSlice<f32>>| -> BackendResult<CudaSlice<f32>> {
+            let n = blocks
+                .checked_mul(bs)
+                .and_then(|rows| rows.checked_mul(width))
+                .filter(|n| n.checked_mul(4).is_some_and(|b| b <= isize::MAX as usize))
+                .ok_or_else(|| {
+                    BackendError::OutOfMemory(format!(
+                        "a KV pool of {blocks} blocks of {bs} tokens of {width} values"
+                    ))
+                })?;
+            let mut fresh = self
+                .gpu
+                .stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(|e| self.gpu.fail("the KV cache", n.checked_mul(4), e))?;
+            if let Some(old) = old {
+                let used = old_blocks * bs * width;
+                if used > 0 {
+                    self.gpu
+                        .stream
+                        .memcpy_dtod(&old.slice(..used), &mut fresh.slice_mut(..used))
+                        .map_err(|e| self.gpu.fail("growing the KV cache", None, e))?;
+                }
+            }
+            Ok(fresh)
+        };
+        let k = alloc(kv.k_width, &kv.k)?;
+        let v = alloc(kv.v_width, &kv.v)?;
+        kv.k = Some(k);
+        kv.v = Some(v);
+        kv.blocks = blocks;
+        Ok(())
     }
 
     fn attention(
@@ -938,7 +870,7 @@ impl Backend for CudaBackend {
         scale: f32,
     ) -> BackendResult<CudaAct> {
         let (rows, qcols) = q.rows_cols();
-        let kcols = k.rows_cols().1;
+        let (kcols, vcols) = (k.rows_cols().1, v.rows_cols().1);
         let (q_heads, kv_heads) =
             shape_rules::attention_heads((rows, qcols), k.rows_cols(), v.rows_cols(), d)?;
         if d > 256 {
@@ -946,39 +878,74 @@ impl Backend for CudaBackend {
                 "attention heads of {d}; the GPU kernel takes at most 256"
             )));
         }
-        if kv.k_width != kcols || kv.v_width != kcols {
+        if kv.k_width != kcols || kv.v_width != vcols {
             return Err(shape_err(format!(
-                "keys and values of {kcols} columns into a pool of {} and {}",
+                "keys of {kcols} and values of {vcols} columns into a KV pool of {} and {}",
                 kv.k_width, kv.v_width
             )));
         }
+        if segments.is_empty() {
+            return Err(shape_err("attention over no segments".into()));
+        }
+        // Every segment checked and its table uploaded, then every segment's keys and
+        // values written, then each attends: a sequence may read blocks another one of the
+        // call wrote.
         let bs = kv.block_size;
-        let mut out = self.zeros(q.shape().to_vec())?;
+        let mut tables = Vec::with_capacity(segments.len());
         for s in segments {
             let end = shape_rules::paged_segment(s, rows, bs, kv.blocks)?;
-            let new = s.rows.len();
-            let (kc, vc) = match (&mut kv.k, &mut kv.v) {
-                (Some(kc), Some(vc)) => (kc, vc),
-                _ => return Err(shape_err("a KV pool with no storage".into())),
-            };
-            let table = (s.blocks, bs);
-            self.write_positions(kc, k, kcols, s.rows.start, new, s.start, table)?;
-            self.write_positions(vc, v, kcols, s.rows.start, new, s.start, table)?;
-            let (mut k_scratch, mut v_scratch) = (None, None);
-            let keys = self.read_positions(kc, kcols, table, end, &mut k_scratch)?;
-            let values = self.read_positions(vc, kcols, table, end, &mut v_scratch)?;
-            let heads = Heads {
-                q: q_heads,
-                kv: kv_heads,
-                dim: d,
-                scale,
-            };
+            // The kernels find a position's block with a 32-bit division.
+            if end > i32::MAX as usize || bs > i32::MAX as usize {
+                return Err(BackendError::Unsupported(format!(
+                    "{end} positions in blocks of {bs} tokens; the GPU kernels take fewer \
+                     than 2^31"
+                )));
+            }
+            let table: Vec<i64> = s.blocks[..end.div_ceil(bs)]
+                .iter()
+                .map(|&b| i64::from(b))
+                .collect();
+            tables.push(self.upload_i64(&table, "a KV block table")?);
+        }
+        let (kc, vc) = match (&mut kv.k, &mut kv.v) {
+            (Some(kc), Some(vc)) => (kc, vc),
+            _ => return Err(shape_err("a KV pool of no blocks".into())),
+        };
+        let bs64 = i64_of(bs);
+        for (s, table) in segments.iter().zip(&tables) {
+            let (row0, start, new) = (i64_of(s.rows.start), i64_of(s.start), i64_of(s.rows.len()));
+            for (cache, src, cols) in [(&mut *kc, k, kcols), (&mut *vc, v, vcols)] {
+                let cols64 = i64_of(cols);
+                launch!(
+                    self.gpu,
+                    "kv_write",
+                    grid_for(s.rows.len() * cols),
+                    cache,
+                    src.data(),
+                    table,
+                    &bs64,
+                    &row0,
+                    &start,
+                    &new,
+                    &cols64
+                )?;
+            }
+        }
+        let mut out = self.zeros(q.shape().to_vec())?;
+        let heads = Heads {
+            q: q_heads,
+            kv: kv_heads,
+            dim: d,
+            scale,
+        };
+        for (s, table) in segments.iter().zip(&tables) {
             self.attend_segment(
                 &mut out,
                 q,
-                (&keys, &values),
+                (&*kc, &*vc),
+                (table, bs),
                 s.rows.start,
-                new,
+                s.rows.len(),
                 s.start,
                 heads,
             )?;

@@ -9,7 +9,7 @@
 //! algorithm, 16 lanes wide), the probabilities are rounded into A tiles, and the output
 //! tiles are summed over the visible key blocks, then divided by each row's sum.
 
-use super::Layout;
+use super::{KvView, Layout};
 use crate::runtime::cpu::aligned::AlignedVec;
 use crate::runtime::cpu::isa::{round_bf16, AmxTiles, AMX_TILE};
 use crate::runtime::cpu::team::{SyncPtr, Team};
@@ -20,7 +20,8 @@ const T: usize = 16;
 /// Head dims per A tile of queries, keys per A tile of probabilities.
 const K: usize = 32;
 
-/// `q [t, hq·d]` over `k, v [n, hk·d]` as [`super::causal_attention`], on AMX.
+/// `q [t, hq·d]` over the cached keys and values of `kv` as [`super::causal_attention`],
+/// on AMX.
 ///
 /// # Safety
 /// The host has AMX-BF16 and the process was granted the tile state
@@ -28,8 +29,7 @@ const K: usize = 32;
 pub unsafe fn causal_attention_amx(
     team: &Team,
     q: &Tensor,
-    k: &[f32],
-    v: &[f32],
+    kv: &KvView,
     d: usize,
     kv_heads: usize,
     scale: f32,
@@ -43,7 +43,7 @@ pub unsafe fn causal_attention_amx(
         group,
         kcols,
         n,
-    } = Layout::of(q, k, v, d, kv_heads);
+    } = Layout::of(q, kv, d, kv_heads);
     let shape = Shape {
         t,
         n,
@@ -64,10 +64,10 @@ pub unsafe fn causal_attention_amx(
         );
         team.run_on(team.size().min(2), &|member| {
             if member == 0 || team.size() < 2 {
-                **kd.lock().unwrap_or_else(|e| e.into_inner()) = pack_keys(k, &shape, kv_heads);
+                **kd.lock().unwrap_or_else(|e| e.into_inner()) = pack_keys(kv, &shape, kv_heads);
             }
             if member == 1 || team.size() < 2 {
-                **vd.lock().unwrap_or_else(|e| e.into_inner()) = pack_values(v, &shape, kv_heads);
+                **vd.lock().unwrap_or_else(|e| e.into_inner()) = pack_values(kv, &shape, kv_heads);
             }
         });
     }
@@ -118,13 +118,16 @@ struct Shape {
 
 /// Keys as B tiles for the scores: per kv head, per 16-key tile, per 32-dim step, pair row
 /// `p` holds dims `2p, 2p + 1` of each of the 16 keys.
-fn pack_keys(k: &[f32], s: &Shape, kv_heads: usize) -> AlignedVec<u16> {
+fn pack_keys(kv: &KvView, s: &Shape, kv_heads: usize) -> AlignedVec<u16> {
     let ktiles = 2 * s.kblocks;
     let mut out = AlignedVec::zeroed(kv_heads * ktiles * s.dsteps * AMX_TILE);
-    for j in 0..s.n {
+    for (j, key) in kv
+        .runs(0..s.n)
+        .flat_map(|run| (run.pos..).zip(kv.key_rows(run.row, run.len).chunks_exact(s.kcols)))
+    {
         let (kt, jj) = (j / T, j % T);
         for kh in 0..kv_heads {
-            let row = &k[j * s.kcols + kh * s.d..][..s.d];
+            let row = &key[kh * s.d..][..s.d];
             for (c, &x) in row.iter().enumerate() {
                 let tile = (kh * ktiles + kt) * s.dsteps + c / K;
                 let c = c % K;
@@ -137,12 +140,15 @@ fn pack_keys(k: &[f32], s: &Shape, kv_heads: usize) -> AlignedVec<u16> {
 
 /// Values as B tiles for the output: per kv head, per 32-key block, per 16-column tile, pair
 /// row `p` holds keys `2p, 2p + 1` of each of the 16 columns.
-fn pack_values(v: &[f32], s: &Shape, kv_heads: usize) -> AlignedVec<u16> {
+fn pack_values(kv: &KvView, s: &Shape, kv_heads: usize) -> AlignedVec<u16> {
     let mut out = AlignedVec::zeroed(kv_heads * s.kblocks * s.ctiles * AMX_TILE);
-    for j in 0..s.n {
+    for (j, value) in kv
+        .runs(0..s.n)
+        .flat_map(|run| (run.pos..).zip(kv.value_rows(run.row, run.len).chunks_exact(s.kcols)))
+    {
         let (kb, jj) = (j / K, j % K);
         for kh in 0..kv_heads {
-            let row = &v[j * s.kcols + kh * s.d..][..s.d];
+            let row = &value[kh * s.d..][..s.d];
             for (c, &x) in row.iter().enumerate() {
                 let tile = (kh * s.kblocks + kb) * s.ctiles + c / T;
                 out[tile * AMX_TILE + (jj / 2) * 2 * T + (c % T) * 2 + (jj & 1)] = round_bf16(x);
@@ -346,7 +352,7 @@ unsafe fn item(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::cpu::attention::reference::{operands, reference};
+    use crate::runtime::cpu::attention::reference::{layouts, operands, reference, with_layout};
     use crate::runtime::cpu::isa::{widen, Isa, Kernels};
 
     #[test]
@@ -377,10 +383,11 @@ mod tests {
                 v.iter().map(|&x| bf(x)).collect(),
             );
             let want = reference(&rounded, &kr, &vr, d, hk, scale as f64);
-            for members in [1, 2, 3] {
-                // SAFETY: AMX was found above.
-                let got =
-                    unsafe { causal_attention_amx(&Team::new(members), &q, &k, &v, d, hk, scale) };
+            for (paging, members) in layouts().into_iter().flat_map(|p| [(p, 1), (p, 2), (p, 3)]) {
+                let got = with_layout(&k, &v, hk * d, paging, |kv| {
+                    // SAFETY: AMX was found above.
+                    unsafe { causal_attention_amx(&Team::new(members), &q, kv, d, hk, scale) }
+                });
                 // Only the probabilities are rounded beyond the reference's operands, each
                 // by at most 2⁻⁹ relative, in the sum but not in its divisor; values here are
                 // at most 3 in size: error ≤ 2 · 2⁻⁹ · 3 ≈ 1.2e-2 in the worst case (3.7e-3
@@ -388,7 +395,8 @@ mod tests {
                 for (i, (a, b)) in got.data.iter().zip(&want).enumerate() {
                     assert!(
                         (*a as f64 - b).abs() < 1e-2,
-                        "t={t} n={n} d={d} hq={hq} hk={hk} members={members} at {i}: {a} vs {b}"
+                        "t={t} n={n} d={d} hq={hq} hk={hk} {paging:?} members={members} at {i}: \
+                         {a} vs {b}"
                     );
                 }
             }

@@ -1,8 +1,9 @@
 //! A decode step's attention the portable way: one (query row, head) per work item,
-//! reading the cache as it is (hosts without AVX2, head dims not a whole number of vectors).
+//! reading the cache where it lies, run by run of its blocks (hosts without AVX2, head
+//! dims not a whole number of vectors).
 
 use super::softmax::{dot, exp_sum, max_of};
-use super::{work_members, Layout, LANES};
+use super::{work_members, KvView, Layout, LANES};
 use crate::runtime::cpu::team::{SyncPtr, Team};
 use crate::runtime::simd::widest_simd_fn;
 use crate::runtime::tensor::{pool, Tensor};
@@ -12,8 +13,7 @@ use crate::runtime::tensor::{pool, Tensor};
 pub(super) fn attend(
     team: &Team,
     q: &Tensor,
-    k: &[f32],
-    v: &[f32],
+    kv: &KvView,
     d: usize,
     layout: Layout,
     scale: f32,
@@ -23,8 +23,7 @@ pub(super) fn attend(
     let dst = SyncPtr::new(&mut out.data);
     let direct = Direct {
         q,
-        k,
-        v,
+        kv,
         d,
         group: layout.group,
         kcols: layout.kcols,
@@ -38,8 +37,7 @@ pub(super) fn attend(
 /// The operands of a decode step's attention (see the module doc).
 struct Direct<'a> {
     q: &'a Tensor,
-    k: &'a [f32],
-    v: &'a [f32],
+    kv: &'a KvView<'a>,
     d: usize,
     group: usize,
     kcols: usize,
@@ -63,8 +61,14 @@ fn direct_items(a: &Direct, member: usize, members: usize, dst: SyncPtr) {
         let kh = h / a.group;
         let qv = &a.q.data[i * qcols + h * d..][..d];
         let row = &mut scores[..visible];
-        for (j, s) in row.iter_mut().enumerate() {
-            *s = dot(qv, &a.k[j * kcols + kh * d..][..d]) * a.scale;
+        for run in a.kv.runs(0..visible) {
+            let keys = a.kv.key_rows(run.row, run.len);
+            for (s, key) in row[run.pos..run.pos + run.len]
+                .iter_mut()
+                .zip(keys.chunks_exact(kcols))
+            {
+                *s = dot(qv, &key[kh * d..][..d]) * a.scale;
+            }
         }
         let sum = exp_sum(row, max_of(row));
         // SAFETY: item (i, h) owns columns h·d .. h·d + d of row i < t of the t × qcols
@@ -75,19 +79,30 @@ fn direct_items(a: &Direct, member: usize, members: usize, dst: SyncPtr) {
             let base = kh * d + cb * LANES;
             if chunk.len() == LANES {
                 let mut acc = [0f32; LANES];
-                for (j, &p) in row.iter().enumerate() {
-                    let vals: &[f32; LANES] = a.v[j * kcols + base..][..LANES]
-                        .try_into()
-                        .expect("LANES values");
-                    for l in 0..LANES {
-                        acc[l] += p * vals[l];
+                for run in a.kv.runs(0..visible) {
+                    let values = a.kv.value_rows(run.row, run.len);
+                    for (&p, vrow) in row[run.pos..run.pos + run.len]
+                        .iter()
+                        .zip(values.chunks_exact(kcols))
+                    {
+                        let vals: &[f32; LANES] =
+                            vrow[base..][..LANES].try_into().expect("LANES values");
+                        for l in 0..LANES {
+                            acc[l] += p * vals[l];
+                        }
                     }
                 }
                 chunk.copy_from_slice(&acc);
             } else {
-                for (j, &p) in row.iter().enumerate() {
-                    for (o, &x) in chunk.iter_mut().zip(&a.v[j * kcols + base..]) {
-                        *o += p * x;
+                for run in a.kv.runs(0..visible) {
+                    let values = a.kv.value_rows(run.row, run.len);
+                    for (&p, vrow) in row[run.pos..run.pos + run.len]
+                        .iter()
+                        .zip(values.chunks_exact(kcols))
+                    {
+                        for (o, &x) in chunk.iter_mut().zip(&vrow[base..]) {
+                            *o += p * x;
+                        }
                     }
                 }
             }

@@ -1,5 +1,6 @@
 //! The checked head layout of one attention call.
 
+use super::KvView;
 use crate::runtime::tensor::Tensor;
 
 /// The head layout of an attention call, checked: the fast paths index keys and values
@@ -16,7 +17,7 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
-    pub(crate) fn of(q: &Tensor, k: &[f32], v: &[f32], d: usize, kv_heads: usize) -> Layout {
+    pub(crate) fn of(q: &Tensor, kv: &KvView, d: usize, kv_heads: usize) -> Layout {
         let (t, qcols) = q.rows_cols();
         assert!(
             d > 0 && kv_heads > 0 && qcols.is_multiple_of(d) && (qcols / d).is_multiple_of(kv_heads),
@@ -25,15 +26,12 @@ impl Layout {
         let heads = qcols / d;
         let kcols = kv_heads * d;
         assert!(
-            k.len().is_multiple_of(kcols),
-            "attention: {} cached key values are not whole rows of {kcols}",
-            k.len()
+            kv.kcols() == kcols,
+            "attention: cached rows of {} values are not {kv_heads} heads of {d}",
+            kv.kcols()
         );
-        let n = k.len() / kcols;
-        assert!(
-            t <= n && v.len() == k.len(),
-            "attention: {t} queries over {n} cached keys"
-        );
+        let n = kv.len();
+        assert!(t <= n, "attention: {t} queries over {n} cached keys");
         Layout {
             t,
             heads,

@@ -10,12 +10,14 @@ pub mod amx;
 pub mod decode;
 mod direct;
 mod layout;
+mod paged;
 mod prompt;
 #[cfg(test)]
 pub(crate) mod reference;
 mod softmax;
 
 pub(crate) use layout::Layout;
+pub use paged::KvView;
 pub(crate) use softmax::{exp_sum, max_of};
 
 use crate::runtime::cpu::team::Team;
@@ -26,26 +28,26 @@ const LANES: usize = 32;
 /// Query rows up to which keys are read in place rather than transposed first.
 pub(crate) const DIRECT_MAX_ROWS: usize = 4;
 
-/// `q [t, hq·d]` over `k, v [n, hk·d]`; query row `i` sits at position `n - t + i` and sees
-/// keys `0..=n - t + i`. Query head `h` reads key/value head `h / (hq / hk)`.
+/// `q [t, hq·d]` over the `n` cached keys and values `[n, hk·d]` of `kv`; query row `i`
+/// sits at position `n - t + i` and sees keys `0..=n - t + i`. Query head `h` reads
+/// key/value head `h / (hq / hk)`.
 pub fn causal_attention(
     team: &Team,
     q: &Tensor,
-    k: &[f32],
-    v: &[f32],
+    kv: &KvView,
     d: usize,
     kv_heads: usize,
     scale: f32,
 ) -> Tensor {
-    let layout = Layout::of(q, k, v, d, kv_heads);
+    let layout = Layout::of(q, kv, d, kv_heads);
     if layout.t > DIRECT_MAX_ROWS {
-        return prompt::attend(team, q, k, v, d, layout, scale);
+        return prompt::attend(team, q, kv, d, layout, scale);
     }
     #[cfg(target_arch = "x86_64")]
     if let Some(width) = decode::Width::for_host(d) {
-        return decode::causal_attention_decode(width, team, q, k, v, d, layout, scale);
+        return decode::causal_attention_decode(width, team, q, kv, d, layout, scale);
     }
-    direct::attend(team, q, k, v, d, layout, scale)
+    direct::attend(team, q, kv, d, layout, scale)
 }
 
 /// Members a call is spread over: tiny work stays on one. (Under Miri, whose tests can
@@ -61,7 +63,7 @@ fn work_members(team: &Team, layout: &Layout, d: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::reference::{operands, reference};
+    use super::reference::{layouts, operands, reference, scattered, with_layout, Order};
     use super::*;
 
     #[test]
@@ -107,13 +109,73 @@ mod tests {
             let (q, k, v) = operands(t, n, d, hq, hk);
             let scale = 1.0 / (d as f32).sqrt();
             let want = reference(&q, &k, &v, d, hk, scale as f64);
-            for members in [1, 2, 3] {
-                let got = causal_attention(&Team::new(members), &q, &k, &v, d, hk, scale);
-                for (a, b) in got.data.iter().zip(&want) {
-                    assert!(
-                        (*a as f64 - b).abs() < 1e-5 * (1.0 + b.abs()),
-                        "t={t} n={n} d={d}: {a} vs {b}"
-                    );
+            // The cache in one run, and paged: blocks of 1, 3 and 16 rows out of order.
+            for layout in layouts() {
+                for members in [1, 2, 3] {
+                    let got = with_layout(&k, &v, hk * d, layout, |kv| {
+                        causal_attention(&Team::new(members), &q, kv, d, hk, scale)
+                    });
+                    for (a, b) in got.data.iter().zip(&want) {
+                        assert!(
+                            (*a as f64 - b).abs() < 1e-5 * (1.0 + b.abs()),
+                            "t={t} n={n} d={d} {layout:?} members={members}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Two sequences whose tables name the same first blocks (a shared prompt prefix) and
+    /// then blocks of their own: each reads the shared keys and its own, for a decode step
+    /// and for a prompt chunk, on every path.
+    #[test]
+    fn sequences_sharing_their_first_blocks_read_each_their_own_rest() {
+        let (bs, hq, hk) = (3, 4, 2);
+        let dims: &[usize] = if cfg!(miri) { &[4] } else { &[4, 12, 16, 64] };
+        for &d in dims {
+            let kcols = hk * d;
+            // Sequence a: 8 positions; b: the same first 6 (two shared blocks), then 5 own.
+            let (_, ka, va) = operands(1, 8, d, hq, hk);
+            let (_, kb_own, vb_own) = operands(1, 11, d, hq, hk);
+            let kb: Vec<f32> = ka[..6 * kcols]
+                .iter()
+                .chain(&kb_own[6 * kcols..].iter().map(|x| -x).collect::<Vec<_>>())
+                .copied()
+                .collect();
+            let vb: Vec<f32> = va[..6 * kcols]
+                .iter()
+                .chain(&vb_own[6 * kcols..])
+                .copied()
+                .collect();
+            let (mut pk, mut pv, table_a) = scattered(&ka, &va, kcols, bs, Order::Backward);
+            // Table a is [5, 3, 1]; b shares 5 and 3, then has 7 and 8 of its own.
+            let table_b = [table_a[0], table_a[1], 7, 8];
+            let grow = (9 * bs * kcols).saturating_sub(pk.len());
+            pk.extend(std::iter::repeat_n(f32::NAN, grow));
+            pv.extend(std::iter::repeat_n(f32::NAN, grow));
+            for p in 6..11 {
+                let row = table_b[p / bs] as usize * bs + p % bs;
+                pk[row * kcols..(row + 1) * kcols].copy_from_slice(&kb[p * kcols..][..kcols]);
+                pv[row * kcols..(row + 1) * kcols].copy_from_slice(&vb[p * kcols..][..kcols]);
+            }
+            for (t, table, n, keys, values) in [
+                (1, &table_a[..], 8, &ka, &va),
+                (1, &table_b[..], 11, &kb, &vb),
+                (5, &table_b[..], 11, &kb, &vb),
+                (7, &table_a[..], 8, &ka, &va),
+            ] {
+                let (q, _, _) = operands(t, 1, d, hq, hk);
+                let want = reference(&q, &keys[..n * kcols], &values[..n * kcols], d, hk, 0.5);
+                let kv = KvView::new(&pk, &pv, kcols, bs, table, n).unwrap();
+                for members in [1, 2] {
+                    let got = causal_attention(&Team::new(members), &q, &kv, d, hk, 0.5);
+                    for (a, b) in got.data.iter().zip(&want) {
+                        assert!(
+                            (*a as f64 - b).abs() < 1e-5 * (1.0 + b.abs()),
+                            "d={d} t={t} table={table:?}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }

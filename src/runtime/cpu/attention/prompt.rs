@@ -2,10 +2,11 @@
 //! `[hk][d][n]`; a work item is a block of `QB` query rows of one head, which keeps `QB` rows
 //! of scores and computes them `LANES` keys at a time with `QB × LANES` sums in registers
 //! (each key vector loaded once for `QB` rows), then the outputs `LANES` columns at a time
-//! the same way (each value row loaded once for `QB` rows).
+//! the same way (each value row loaded once for `QB` rows). Keys and values are read
+//! through the sequence's block table, a run of consecutive pool rows at a time.
 
 use super::softmax::{exp_sum, max_of};
-use super::{work_members, Layout, LANES};
+use super::{work_members, KvView, Layout, LANES};
 use crate::runtime::cpu::team::{SyncPtr, Team};
 use crate::runtime::simd::widest_simd_fn;
 use crate::runtime::tensor::{pool, Tensor};
@@ -18,8 +19,7 @@ const QB: usize = 8;
 pub(super) fn attend(
     team: &Team,
     q: &Tensor,
-    k: &[f32],
-    v: &[f32],
+    kv: &KvView,
     d: usize,
     layout: Layout,
     scale: f32,
@@ -40,15 +40,18 @@ pub(super) fn attend(
     // the d rows a score block reads to the same two L1 sets and evict each other.
     let np = n.next_multiple_of(LANES) + LANES;
     let mut kt = pool::take(kcols * np);
-    for j in 0..n {
-        for (c, &x) in k[j * kcols..(j + 1) * kcols].iter().enumerate() {
-            kt[c * np + j] = x;
+    for run in kv.runs(0..n) {
+        let keys = kv.key_rows(run.row, run.len);
+        for (j, key) in (run.pos..).zip(keys.chunks_exact(kcols)) {
+            for (c, &x) in key.iter().enumerate() {
+                kt[c * np + j] = x;
+            }
         }
     }
     let blocked = Blocked {
         q,
         kt: &kt,
-        v,
+        kv,
         d,
         group,
         n,
@@ -86,7 +89,7 @@ struct Blocked<'a> {
     q: &'a Tensor,
     /// Keys transposed, `[hk·d][np]`, zero past `n`.
     kt: &'a [f32],
-    v: &'a [f32],
+    kv: &'a KvView<'a>,
     d: usize,
     group: usize,
     n: usize,
@@ -180,29 +183,33 @@ impl Blocked<'_> {
         for c0 in (0..d).step_by(LANES) {
             let cols = LANES.min(d - c0);
             let mut acc = [[0f32; LANES]; QB];
-            #[cfg(target_arch = "x86_64")]
-            if fast {
-                // SAFETY: AVX-512F was detected; value rows j < last ≤ n hold the LANES
-                // columns c0.. of head kh (d is a multiple of LANES); scores hold QB rows.
-                unsafe {
-                    avx512::weighted_values(
-                        scores.as_ptr(),
-                        np,
-                        self.v.as_ptr().add(kh * d + c0),
-                        kcols,
-                        last,
-                        &mut acc,
-                    )
-                };
-            }
-            for j in 0..if fast { 0 } else { last } {
-                let base = j * kcols + kh * d + c0;
-                let mut vals = [0f32; LANES];
-                vals[..cols].copy_from_slice(&self.v[base..base + cols]);
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let p = scores[r * np + j];
-                    for l in 0..LANES {
-                        a[l] += p * vals[l];
+            for run in self.kv.runs(0..last) {
+                let values = self.kv.value_rows(run.row, run.len);
+                #[cfg(target_arch = "x86_64")]
+                if fast {
+                    // SAFETY: AVX-512F was detected; the run's value rows hold the LANES
+                    // columns c0.. of head kh (d is a multiple of LANES); scores hold QB
+                    // rows of np ≥ run.pos + run.len.
+                    unsafe {
+                        avx512::add_weighted_values(
+                            scores.as_ptr().add(run.pos),
+                            np,
+                            values[kh * d + c0..].as_ptr(),
+                            kcols,
+                            run.len,
+                            &mut acc,
+                        )
+                    };
+                    continue;
+                }
+                for (j, vrow) in (run.pos..).zip(values.chunks_exact(kcols)) {
+                    let mut vals = [0f32; LANES];
+                    vals[..cols].copy_from_slice(&vrow[kh * d + c0..][..cols]);
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let p = scores[r * np + j];
+                        for l in 0..LANES {
+                            a[l] += p * vals[l];
+                        }
                     }
                 }
             }
@@ -258,13 +265,14 @@ mod avx512 {
         }
     }
 
-    /// `out[r][l] = Σ_{j < last} p[r·np + j] · v[j·ldv + l]` for `r < QB`, `l < LANES`.
+    /// `out[r][l] += Σ_{j < last} p[r·np + j] · v[j·ldv + l]` for `r < QB`, `l < LANES`
+    /// (one run of a sequence's value rows).
     ///
     /// # Safety
     /// AVX-512F; `p` holds `QB` rows `np` apart of `last` values, `v` `last` rows `ldv`
     /// apart of `LANES` values.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn weighted_values(
+    pub unsafe fn add_weighted_values(
         p: *const f32,
         np: usize,
         v: *const f32,
@@ -272,7 +280,12 @@ mod avx512 {
         last: usize,
         out: &mut [[f32; LANES]; QB],
     ) {
-        let mut acc = [[_mm512_setzero_ps(); 2]; QB];
+        let mut acc: [[__m512; 2]; QB] = std::array::from_fn(|r| {
+            [
+                _mm512_loadu_ps(out[r].as_ptr()),
+                _mm512_loadu_ps(out[r].as_ptr().add(16)),
+            ]
+        });
         for j in 0..last {
             let v0 = _mm512_loadu_ps(v.add(j * ldv));
             let v1 = _mm512_loadu_ps(v.add(j * ldv + 16));
