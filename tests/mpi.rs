@@ -15,6 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "mpi/serve.rs"]
+mod serve;
+
 const TPC: &str = env!("CARGO_BIN_EXE_tpc");
 
 /// Past this a run is hung: the test kills it and fails (a guard, not a speed limit).

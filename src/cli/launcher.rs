@@ -170,3 +170,119 @@ pub fn processes(world: Option<&MpiWorld>) -> Option<usize> {
         world.map(|w| match *w {})
     }
 }
+
+/// What the MPI ranks of `serve` hold before they load.
+#[cfg_attr(
+    not(feature = "mpi"),
+    allow(dead_code, reason = "read by the MPI launcher alone")
+)]
+pub struct ServeJob<'a> {
+    pub model: &'a std::path::Path,
+    pub plan: &'a Plan,
+    pub checkpoint: &'a tpc::runtime::weights::Checkpoint,
+    pub exec: &'a super::ExecArgs,
+    pub shard: tpc::passes::ShardOptions,
+    pub dp: u64,
+    pub engine: &'a tpc::runtime::engine::launch::EngineOptions,
+}
+
+/// The engine's result and, in the process that listens, the client's.
+pub type Served<T> = (tpc::runtime::error::Result<()>, Option<T>);
+
+/// This MPI process's rank of `serve`: the ranks first agree on the job (the plan, the
+/// model's files, the engine's settings), then load and serve; `client` (the HTTP server)
+/// runs in the process of the leading rank. The other processes ignore SIGTERM: they stop
+/// when the leading rank, draining, tells them to.
+#[cfg(feature = "mpi")]
+pub fn serve_as_process<T: Send>(
+    world: &MpiWorld,
+    job: &ServeJob<'_>,
+    client: impl FnOnce(
+            std::sync::Arc<dyn tpc::runtime::engine::api::Serving>,
+            std::sync::mpsc::Receiver<()>,
+        ) -> T
+        + Send,
+) -> anyhow::Result<Served<T>> {
+    use tpc::runtime::generate::Device;
+    let opts = job.exec.options();
+    let Device::Cpu(cpu) = &opts.device else {
+        anyhow::bail!(
+            "tpc serve under mpirun runs its ranks on CPUs; for --device cuda run `tpc serve` without mpirun (its ranks are then threads, one per GPU)"
+        );
+    };
+    anyhow::ensure!(
+        job.dp == 1,
+        "tpc serve under mpirun serves one replica; for --dp {} run it without mpirun (replicas as threads), or start one server per replica",
+        job.dp
+    );
+    let e = job.engine;
+    let mut record = super::agreement::record(&super::agreement::Job {
+        command: "serve",
+        model: job.model,
+        plan: job.plan,
+        checkpoint: Some(job.checkpoint),
+        requests: &[],
+        prompt_options: "the prompts",
+        opts: &opts,
+        dp: job.dp,
+        shard: job.shard,
+    })?;
+    record
+        .argument("--block-size", e.block_size)
+        .argument(
+            "--kv-cache-memory",
+            e.kv_cache_memory
+                .map_or_else(|| "from free memory".to_string(), |m| m.to_string()),
+        )
+        .argument("--max-num-seqs", e.max_num_seqs)
+        .argument("--max-num-batched-tokens", e.max_num_batched_tokens)
+        .argument("--no-prefix-caching", !e.prefix_caching)
+        .argument(
+            "--max-model-len",
+            e.max_model_len
+                .map_or_else(|| "the model's".to_string(), |m| m.to_string()),
+        );
+    agree(world, &record)?;
+    if !leads(world, job.plan) {
+        ignore_sigterm();
+    }
+    Ok(tpc::runtime::engine::processes::serve_mpi(
+        world,
+        job.plan,
+        job.checkpoint,
+        cpu,
+        opts.dtype,
+        job.engine,
+        client,
+    )?)
+}
+
+/// Whether this process holds the leading rank: tp rank 0 of the last stage, global rank
+/// (pp − 1) · tp in the layout.
+#[cfg(feature = "mpi")]
+fn leads(world: &MpiWorld, plan: &Plan) -> bool {
+    world.rank() == (plan.pp().saturating_sub(1)) * plan.ranks.len()
+}
+
+/// SIGTERM (from `mpirun`, or a kill of the process group) leaves this process running.
+#[cfg(feature = "mpi")]
+fn ignore_sigterm() {
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code; it is
+    // done before the rank starts its threads' work.
+    unsafe {
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+pub fn serve_as_process<T: Send>(
+    world: &MpiWorld,
+    _: &ServeJob<'_>,
+    _: impl FnOnce(
+            std::sync::Arc<dyn tpc::runtime::engine::api::Serving>,
+            std::sync::mpsc::Receiver<()>,
+        ) -> T
+        + Send,
+) -> anyhow::Result<Served<T>> {
+    match *world {}
+}

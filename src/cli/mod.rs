@@ -72,14 +72,13 @@ enum Command {
 pub fn execute(cli: Cli) -> anyhow::Result<()> {
     // Under mpirun, a process that runs no MPI rank still meets those that do (launcher.rs).
     let without_ranks = match &cli.command {
-        Command::Run(_) | Command::Bench(_) | Command::BenchComm(_) => None,
+        Command::Run(_) | Command::Bench(_) | Command::BenchComm(_) | Command::Serve(_) => None,
         Command::Compile(_) => Some("compile"),
         Command::Dot(_) => Some("dot"),
         Command::Explain(_) => Some("explain"),
         Command::Import(_) => Some("import"),
         Command::Lower(_) => Some("lower"),
         Command::Ranks(_) => Some("ranks"),
-        Command::Serve(_) => Some("serve"),
         Command::Simulate(_) => Some("simulate"),
         Command::Verify(_) => Some("verify"),
         Command::BenchGemm(_) => Some("bench-gemm"),

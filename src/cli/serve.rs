@@ -66,6 +66,11 @@ pub struct Args {
     max_body_bytes: usize,
     #[command(flatten)]
     exec: ExecArgs,
+    /// Where the ranks run: `mpi` (or `auto` under an MPI launcher with more than one rank)
+    /// makes this process one rank of the server, started by `mpirun -np tp·pp`; the
+    /// process of tp rank 0 of the last stage listens.
+    #[arg(long, value_enum, default_value_t = super::launcher::Launcher::Auto)]
+    launcher: super::launcher::Launcher,
 }
 
 fn size(flag: &str, v: u64) -> anyhow::Result<usize> {
@@ -73,6 +78,11 @@ fn size(flag: &str, v: u64) -> anyhow::Result<usize> {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
+    super::launcher::with_launcher("serve", a.launcher, |mpi| execute_with(a, mpi))
+}
+
+/// Serves with the ranks as threads (`mpi` None) or as this MPI process's rank.
+fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.model.is_dir(),
         "`{}` is not a model directory; `tpc serve` needs config.json and model.safetensors",
@@ -118,6 +128,15 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         stop: Some(stop.clone()),
     };
     let layout = format!("tp={} pp={} dp={}", plan.tp, plan.pp(), a.dp);
+    let layout = match super::launcher::processes(mpi) {
+        // The leading process prints it: SIGTERM to it drains the server (Open MPI's
+        // mpirun kills the job a second after it forwards a SIGTERM).
+        Some(n) => format!(
+            "{layout}, {n} MPI processes, leading process pid {}",
+            std::process::id()
+        ),
+        None => layout,
+    };
     let client = move |engine: Arc<dyn Serving>, stopped: std::sync::mpsc::Receiver<()>| {
         // An engine that stops (a failed rank) stops the server too.
         std::thread::spawn(move || {
@@ -132,13 +151,32 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             );
         })
     };
-    let dtype = a.exec.options().dtype;
+    let exec = a.exec.options();
     let dp = a.dp as usize;
-    let (engine, served) = match &a.exec.device {
-        Device::Cpu(cpu) => serve_cpu(&plan, &ckpt, cpu, dtype, &opts, dp, client)?,
+    if let Some(world) = mpi {
+        let (engine, served) = super::launcher::serve_as_process(
+            world,
+            &super::launcher::ServeJob {
+                model: &a.model,
+                plan: &plan,
+                checkpoint: &ckpt,
+                exec: &a.exec,
+                shard: a.shard.options(),
+                dp: a.dp,
+                engine: &opts,
+            },
+            client,
+        )?;
+        if let Some(served) = served {
+            served?;
+        }
+        return Ok(engine?);
+    }
+    let (engine, served) = match &exec.device {
+        Device::Cpu(cpu) => serve_cpu(&plan, &ckpt, cpu, exec.dtype, &opts, dp, client)?,
         #[cfg(feature = "cuda")]
         Device::Cuda(listed) => tpc::runtime::cuda::serve::serve_cuda(
-            &plan, &ckpt, listed, dtype, &opts, dp, client,
+            &plan, &ckpt, listed, exec.dtype, &opts, dp, client,
         )?,
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => anyhow::bail!(

@@ -75,6 +75,31 @@ impl MpiWorld {
         MpiComm::new(self.world.duplicate())
     }
 
+    /// The communicator of this rank's group among `groups` (lists of world ranks), ranked
+    /// in the group's order. Collective: every process calls it with the same lists.
+    pub fn split_groups(&self, groups: &[Vec<usize>]) -> Result<MpiComm> {
+        split(&self.world, groups, self.rank())
+    }
+
+    /// How many processes of the job run on this host (this one included).
+    pub fn ranks_on_host(&self) -> usize {
+        self.world.split_shared(self.world.rank()).size().max(1) as usize
+    }
+
+    /// The least of every rank's `mine`: a figure the ranks must share (the KV pool's size)
+    /// where each computed its own from its host.
+    pub fn all_min(&self, mine: u64) -> Result<u64> {
+        let all = self.all_gather_bytes(&mine.to_le_bytes())?;
+        all.iter()
+            .map(|b| <[u8; 8]>::try_from(&b[..]).map(u64::from_le_bytes))
+            .try_fold(u64::MAX, |m, v| v.map(|v| m.min(v)))
+            .map_err(|_| {
+                processes(
+                    "a rank sent a figure that is not 8 bytes (start every rank with the same tpc)",
+                )
+            })
+    }
+
     /// Ends every process of the job with `code` (`MPI_Abort`); `mpirun` reports it.
     pub fn abort(&self, code: i32) -> ! {
         self.world.abort(code)

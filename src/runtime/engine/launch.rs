@@ -14,9 +14,10 @@ use crate::plan::Plan;
 use crate::runtime::backend::Backend;
 use crate::runtime::collectives::Collectives;
 use crate::runtime::error::{Result, RunError};
+use crate::runtime::generate::RankRuntime;
 use crate::runtime::launch::launch_stages;
 use crate::runtime::weights::WeightSource;
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 /// The engine's settings (`tpc serve` flags).
@@ -74,6 +75,20 @@ pub fn kv_bytes_per_token(plan: &Plan) -> u64 {
         .unwrap_or(0)
 }
 
+/// Bytes of KV cache per rank: `--kv-cache-memory`, else half of what this host has free
+/// after `weight_bytes` of weights, shared by its `ranks_on_host` ranks, at most
+/// [`DEFAULT_KV_PER_RANK`].
+pub(crate) fn kv_memory(opts: &EngineOptions, ranks_on_host: usize, weight_bytes: u64) -> u64 {
+    match opts.kv_cache_memory {
+        Some(m) => m,
+        None => {
+            let available = crate::runtime::memory::available_bytes().unwrap_or(8 << 30);
+            let spare = available.saturating_sub(weight_bytes) / 2;
+            (spare / ranks_on_host.max(1) as u64).min(DEFAULT_KV_PER_RANK)
+        }
+    }
+}
+
 /// What an engine over `plan` is made of before its ranks start.
 pub struct EngineSetup {
     pub handle: Arc<EngineHandle>,
@@ -106,14 +121,7 @@ pub fn prepare(
     }
     let per_token = kv_bytes_per_token(plan).max(1);
     let block_bytes = per_token.saturating_mul(opts.block_size as u64);
-    let memory = match opts.kv_cache_memory {
-        Some(m) => m,
-        None => {
-            let available = crate::runtime::memory::available_bytes().unwrap_or(8 << 30);
-            let spare = available.saturating_sub(weight_bytes) / 2;
-            (spare / ranks_on_host.max(1) as u64).min(DEFAULT_KV_PER_RANK)
-        }
-    };
+    let memory = kv_memory(opts, ranks_on_host, weight_bytes);
     let model_context = [plan.max_positions, plan.attention_window]
         .into_iter()
         .flatten()
@@ -186,12 +194,99 @@ pub fn prepare(
     })
 }
 
+/// One rank's part in a running engine, shared by the ranks of one engine (threads, or the
+/// one rank of an MPI process): its slice of the pool, a barrier so that every rank has
+/// loaded before a request is taken, then the leading rank's loop or a follower's.
+pub(crate) struct RankBody {
+    leader: Mutex<Option<(Scheduler, Receiver<Command>)>>,
+    ready: Mutex<Option<Sender<()>>>,
+    shared: Arc<Shared>,
+    block_size: usize,
+    blocks: usize,
+}
+
+impl RankBody {
+    /// Runs this rank of the engine until it stops.
+    pub(crate) fn run<B: Backend, C: Collectives<B::Act>>(
+        &self,
+        rt: &mut RankRuntime<'_, B, C>,
+    ) -> Result<()> {
+        rt.exec.set_kv_pool(self.block_size, self.blocks)?;
+        // Every rank has loaded before a request is taken.
+        rt.exec.comm.barrier()?;
+        if let Some(link) = rt.exec.link.as_mut() {
+            link.comm.barrier()?;
+        }
+        if !rt.leads {
+            return follow(&mut RankSteps { rt });
+        }
+        let (mut scheduler, commands) = self
+            .leader
+            .lock()
+            .ok()
+            .and_then(|mut l| l.take())
+            .ok_or_else(|| refuse("two leading ranks (a bug in tpc)".into()))?;
+        if let Some(tx) = self.ready.lock().ok().and_then(|mut r| r.take()) {
+            let _ = tx.send(());
+        }
+        lead(
+            &mut RankSteps { rt },
+            &mut scheduler,
+            &commands,
+            &self.shared,
+        )
+    }
+}
+
+/// Runs the engine of `setup`: `ranks` runs every rank of it that lives in this process,
+/// each through the [`RankBody`] it is given. Once the leading rank has loaded (and every
+/// rank with it), `client` runs on a thread of its own with the handle and a receiver that
+/// disconnects when the engine stops; a process without the leading rank never starts it.
+/// Returns when the engine has stopped (drained, or the client's handle dropped and the
+/// running requests ended) and the client has returned: the engine's result and the
+/// client's (`None` if it never started).
+pub(crate) fn serve_with<T: Send>(
+    setup: EngineSetup,
+    client: impl FnOnce(Arc<EngineHandle>, Receiver<()>) -> T + Send,
+    ranks: impl FnOnce(&RankBody) -> Result<()>,
+) -> (Result<()>, Option<T>) {
+    let EngineSetup {
+        handle,
+        scheduler,
+        commands,
+        shared,
+        block_size,
+        blocks,
+    } = setup;
+    let (ready_tx, ready_rx) = channel::<()>();
+    let (stopped_tx, stopped_rx) = channel::<()>();
+    let body = RankBody {
+        leader: Mutex::new(Some((scheduler, commands))),
+        ready: Mutex::new(Some(ready_tx)),
+        shared: shared.clone(),
+        block_size,
+        blocks,
+    };
+    std::thread::scope(|s| {
+        let client_thread = s.spawn(move || {
+            ready_rx.recv().ok()?;
+            Some(client(handle, stopped_rx))
+        });
+        let result = ranks(&body);
+        if let Err(e) = &result {
+            shared.stop(e.to_string());
+        }
+        // The client learns that the engine is gone (or never came).
+        drop(body);
+        drop(stopped_tx);
+        let client = client_thread.join().ok().flatten();
+        (result, client)
+    })
+}
+
 /// Runs the engine of `setup` on every rank of `plan` as threads (the backends `backend`
-/// makes, the communicators given, as [`launch_stages`] takes them). Once every rank has
-/// loaded, `client` runs on a thread of its own with the handle and a receiver that
-/// disconnects when the engine stops. Returns when the engine has stopped (drained, or the
-/// client's handle dropped and the running requests ended) and the client has returned:
-/// the engine's result and the client's (`None` if it never started).
+/// makes, the communicators given, as [`launch_stages`] takes them); `client` as
+/// [`serve_with`] runs it.
 #[allow(clippy::too_many_arguments)]
 pub fn serve_threads<B, C, T>(
     plan: &Plan,
@@ -207,51 +302,8 @@ where
     C: Collectives<B::Act>,
     T: Send,
 {
-    let EngineSetup {
-        handle,
-        scheduler,
-        commands,
-        shared,
-        block_size,
-        blocks,
-    } = setup;
-    let (ready_tx, ready_rx) = channel::<()>();
-    let (stopped_tx, stopped_rx) = channel::<()>();
-    let leader = Mutex::new(Some((scheduler, commands)));
-    std::thread::scope(|s| {
-        let client_thread = s.spawn(move || {
-            ready_rx.recv().ok()?;
-            Some(client(handle, stopped_rx))
-        });
-        let ready = Mutex::new(Some(ready_tx));
-        let result = launch_stages(plan, weights, comms, pipes, backend, &|rt| {
-            rt.exec.set_kv_pool(block_size, blocks)?;
-            // Every rank has loaded before a request is taken.
-            rt.exec.comm.barrier()?;
-            if let Some(link) = rt.exec.link.as_mut() {
-                link.comm.barrier()?;
-            }
-            if !rt.leads {
-                return follow(&mut RankSteps { rt });
-            }
-            let (mut scheduler, commands) = leader
-                .lock()
-                .ok()
-                .and_then(|mut l| l.take())
-                .ok_or_else(|| refuse("two leading ranks (a bug in tpc)".into()))?;
-            if let Some(tx) = ready.lock().ok().and_then(|mut r| r.take()) {
-                let _ = tx.send(());
-            }
-            lead(&mut RankSteps { rt }, &mut scheduler, &commands, &shared)
-        });
-        if let Err(e) = &result {
-            shared.stop(e.to_string());
-        }
-        // The client learns that the engine is gone (or never came).
-        drop(ready);
-        drop(stopped_tx);
-        let client = client_thread.join().ok().flatten();
-        (result, client)
+    serve_with(setup, client, |body| {
+        launch_stages(plan, weights, comms, pipes, backend, &|rt| body.run(rt))
     })
 }
 
