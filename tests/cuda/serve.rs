@@ -2,8 +2,9 @@
 //! Many requests at once get exactly the greedy tokens each gets alone, with a roomy pool,
 //! with prompts prefilled in chunks of a few tokens, and with a pool so small that requests
 //! are preempted and recomputed; the reference prompt gets HF's tokens. On the emulated GPUs
-//! of `tests/emulator` (one GPU shared by the tp ranks, and two GPUs through the stand-in
-//! NCCL), or on a real GPU where `TPC_REQUIRE_GPU` is set (`scripts/device_check.sh`).
+//! of `tests/emulator` (one GPU shared by the tp ranks, two GPUs through the stand-in NCCL,
+//! and two replicas over them), or on a real GPU where `TPC_REQUIRE_GPU` is set
+//! (`scripts/device_check.sh`).
 #![cfg(feature = "cuda")]
 
 use crate::common::{fixtures, read_reference};
@@ -72,7 +73,7 @@ impl Server {
             .collect()
     }
 
-    /// A metric's value in /metrics.
+    /// A metric's value in /metrics, summed over replicas (`name{replica="…"}`).
     fn metric(&self, name: &str) -> f64 {
         let text = ureq::get(&format!("{}/metrics", self.url))
             .call()
@@ -80,10 +81,19 @@ impl Server {
             .body_mut()
             .read_to_string()
             .unwrap();
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+        let values: Vec<f64> = text
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(name)?;
+                let value = match rest.strip_prefix('{') {
+                    Some(labelled) => labelled.split_once("} ")?.1,
+                    None => rest.strip_prefix(' ')?,
+                };
+                value.trim().parse().ok()
+            })
+            .collect();
+        assert!(!values.is_empty(), "no {name} in /metrics:\n{text}");
+        values.iter().sum()
     }
 }
 
@@ -121,7 +131,7 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
     // llama-gqa at tp 2: 2 layers, 1 kv head of 8 dims per rank, keys and values in f32.
     let per_token = 2 * 2 * 8 * 4;
     let squeezed_bytes = (per_token * 4 * 12).to_string();
-    let configs: [(&str, Vec<&str>); 4] = [
+    let configs: [(&str, Vec<&str>); 5] = [
         // The pool from the GPU's free memory.
         ("one GPU", vec!["--device", "cuda:0"]),
         (
@@ -148,6 +158,8 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
             .collect(),
         ),
         ("two GPUs", vec!["--device", "cuda:0,1"]),
+        // Two replicas, each over both GPUs through NCCL; requests go to the least loaded.
+        ("two replicas", vec!["--device", "cuda:0,1", "--dp", "2"]),
     ];
     for (what, args) in configs {
         let mut args = args;
@@ -172,6 +184,13 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
                 server.metric("tpc_preemptions_total") > 0.0,
                 "{what}: the pool was meant to force preemption"
             );
+        }
+        if what == "two replicas" {
+            for r in 0..2 {
+                let done =
+                    server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
+                assert!(done > 0.0, "{what}: replica {r} served no request");
+            }
         }
         eprintln!("{what}: {} requests alone and at once agree", reqs.len());
     }

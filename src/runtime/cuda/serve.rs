@@ -6,7 +6,9 @@ use super::launch::{gpu_groups, gpus, open_rank, GpuGroups};
 use super::CudaError;
 use crate::plan::Plan;
 use crate::runtime::engine::api::Serving;
-use crate::runtime::engine::launch::{prepare, serve_threads, EngineOptions};
+use crate::runtime::engine::launch::{
+    check_replicas, prepare, serve_replicas, serve_threads, EngineOptions, EngineSetup, HandOver,
+};
 use crate::runtime::engine::metrics::Metrics;
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::generate::ComputeDtype;
@@ -36,18 +38,23 @@ fn free_bytes(ordinal: usize) -> Result<u64> {
 
 /// KV bytes per rank when none are given: on every GPU, [`DEFAULT_KV_SHARE`] of what is
 /// free after the weights of the ranks it holds, split among them; the least over the GPUs.
-fn default_kv_bytes(plan: &Plan, devices: &[usize], weight_bytes: u64) -> Result<u64> {
-    let world = plan.world().max(1);
-    let per_rank_weights = weight_bytes / world as u64;
+/// `ranks` ranks in all (every replica's), rank `r` on `devices[r % len]`.
+fn default_kv_bytes(
+    plan: &Plan,
+    devices: &[usize],
+    ranks: usize,
+    weight_bytes: u64,
+) -> Result<u64> {
+    let per_rank_weights = weight_bytes / plan.world().max(1) as u64;
     let mut least = u64::MAX;
     let mut seen = Vec::new();
-    for rank in 0..world {
+    for rank in 0..ranks.max(1) {
         let ordinal = devices[rank % devices.len()];
         if seen.contains(&ordinal) {
             continue;
         }
         seen.push(ordinal);
-        let ranks_here = (0..world)
+        let ranks_here = (0..ranks)
             .filter(|r| devices[r % devices.len()] == ordinal)
             .count() as u64;
         let spare =
@@ -58,10 +65,11 @@ fn default_kv_bytes(plan: &Plan, devices: &[usize], weight_bytes: u64) -> Result
     Ok(least)
 }
 
-/// An engine over `plan` on GPU ranks as threads (`listed` GPUs, or all), one replica.
-/// `client` runs once every rank has loaded, with the engine and a receiver that hears (or
-/// disconnects) when it stops. Returns the engine's failure, else Ok, and the client's
-/// result.
+/// Engines over `plan` on GPU ranks as threads (`listed` GPUs, or all), `dp` replicas of
+/// them behind one [`Serving`]: replica `d`'s rank `r` on the GPU of global rank
+/// `d · world + r`, dealt round the GPUs as `tpc run` deals ranks. `client` runs once every
+/// replica has loaded, with the engines and a receiver that hears (or disconnects) when one
+/// stops. Returns the first engine failure, else Ok, and the client's result.
 pub fn serve_cuda<T: Send>(
     plan: &Plan,
     weights: &dyn WeightSource,
@@ -71,37 +79,39 @@ pub fn serve_cuda<T: Send>(
     dp: usize,
     client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
 ) -> Result<(Result<()>, Option<T>)> {
-    if dp != 1 {
-        return Err(RunError::Replicas(format!(
-            "--dp {dp} with --device cuda: the engine runs one replica on GPUs for now; start one \
-             `tpc serve` per set of GPUs (`--device cuda:0,1`, `--device cuda:2,3`) instead"
-        )));
-    }
+    check_replicas(dp)?;
     // The devices first: a machine without a driver is told so before any weight is read.
     let devices = gpus(listed)?;
     weights.check(plan)?;
     let bf16 = dtype.bf16_linears(plan);
     let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
+    let world = plan.world().max(1);
     let opts = match opts.kv_cache_memory {
         Some(_) => opts.clone(),
         None => EngineOptions {
-            kv_cache_memory: Some(default_kv_bytes(plan, &devices, weight_bytes)?),
+            kv_cache_memory: Some(default_kv_bytes(
+                plan,
+                &devices,
+                world.saturating_mul(dp),
+                weight_bytes,
+            )?),
             ..opts.clone()
         },
     };
     let registry = Arc::new(prometheus::Registry::new());
-    let setup = prepare(
-        plan,
-        &opts,
-        plan.world(),
-        weight_bytes,
-        Metrics::in_registry(registry, None),
-    )?;
-    let GpuGroups { comms, pipes, gpus } = gpu_groups(plan, &devices)?;
-    let make = |rank: usize| open_rank(rank, &devices, &gpus, bf16);
-    let (result, client) = serve_threads(plan, weights, comms, pipes, &make, setup, |h, s| {
-        let engine: Arc<dyn Serving> = h;
-        client(engine, s)
-    });
-    Ok((result, client))
+    let mut setups = Vec::with_capacity(dp);
+    for d in 0..dp {
+        let metrics = Metrics::in_registry(registry.clone(), (dp > 1).then_some(d));
+        setups.push(prepare(plan, &opts, world, weight_bytes, metrics)?);
+    }
+    let run_replica = |d: usize, setup: EngineSetup, hand_over: HandOver| {
+        // This replica's ranks start where the previous replica's ended.
+        let mut on = devices.clone();
+        let first = d.saturating_mul(world) % on.len();
+        on.rotate_left(first);
+        let GpuGroups { comms, pipes, gpus } = gpu_groups(plan, &on)?;
+        let make = |rank: usize| open_rank(rank, &on, &gpus, bf16);
+        serve_threads(plan, weights, comms, pipes, &make, setup, hand_over).0
+    };
+    Ok(serve_replicas(setups, registry, &run_replica, client))
 }

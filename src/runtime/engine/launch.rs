@@ -307,76 +307,46 @@ where
     })
 }
 
-/// Engines over `plan` on CPU ranks, `dp` replicas of them (each its own ranks and copy of
-/// the weights) behind one [`Serving`]: each rank a thread with cores / (ranks · dp)
-/// compute threads (pinned with `--pin`, one replica only), bf16 linear weights as `dtype`
-/// says. The pool's default size leaves room for every rank's weights. `client` runs once
-/// every replica has loaded, with the engines and a receiver that hears (or disconnects)
-/// when one stops. Returns the first engine failure, else Ok, and the client's result.
-pub fn serve_cpu<T: Send>(
-    plan: &Plan,
-    weights: &dyn WeightSource,
-    cpu: &crate::runtime::cpu::CpuOptions,
-    dtype: crate::runtime::generate::ComputeDtype,
-    opts: &EngineOptions,
-    dp: usize,
-    client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
-) -> Result<(Result<()>, Option<T>)> {
-    use crate::runtime::cpu::affinity;
+/// How a replica's client is handed its engine: once its ranks have loaded, its handle and
+/// a receiver that disconnects when it stops.
+pub(crate) type HandOver = Box<dyn FnOnce(Arc<EngineHandle>, Receiver<()>) + Send>;
+
+/// The replica count `--dp` may give.
+pub(crate) fn check_replicas(dp: usize) -> Result<()> {
     if dp == 0 || dp > crate::runtime::replicas::MAX_REPLICAS {
         return Err(RunError::Replicas(format!(
             "--dp {dp}: the number of replicas must be 1 to {}",
             crate::runtime::replicas::MAX_REPLICAS
         )));
     }
-    if dp > 1 && cpu.pin_threads {
-        return Err(RunError::Replicas(
-            "--pin places every replica's ranks on the same cores; use it with --dp 1".into(),
-        ));
-    }
-    weights.check(plan)?;
-    let ranks = plan.world().saturating_mul(dp);
-    let threads = cpu.threads_per_rank(ranks);
-    let bf16 = dtype.bf16_linears(plan);
-    let kernels = crate::runtime::cpu::isa::Kernels::select(cpu.isa)?;
-    let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
-    let registry = Arc::new(prometheus::Registry::new());
-    let mut replicas = Vec::with_capacity(dp);
-    for r in 0..dp {
-        let metrics = Metrics::in_registry(registry.clone(), (dp > 1).then_some(r));
-        let setup = prepare(
-            plan,
-            opts,
-            ranks,
-            weight_bytes.saturating_mul(dp as u64),
-            metrics,
-        )?;
-        replicas.push((setup, crate::runtime::launch::local_groups(plan)?));
-    }
-    let make = |rank: usize| {
-        let placement = if cpu.pin_threads {
-            affinity::placement(rank, threads)
-        } else {
-            Vec::new()
-        };
-        if let Some(Some(core)) = placement.first() {
-            affinity::pin_current_thread(*core);
-        }
-        crate::runtime::cpu_launch::cpu_backend(rank, threads, &placement, bf16, kernels)
-    };
+    Ok(())
+}
+
+/// Engines of `setups` (one per replica) as threads of this process behind one
+/// [`Serving`]: `run_replica(r, setup, hand_over)` runs replica `r` to its end, calling
+/// `hand_over` once its ranks have loaded ([`serve_threads`] does). `client` runs once every
+/// replica has, with the engines (one replica: its handle; more: a [`ReplicaSet`] sending
+/// each request to the least loaded) and a receiver that hears (or disconnects) when one
+/// stops. Returns the first engine failure, else Ok, and the client's result.
+pub(crate) fn serve_replicas<T: Send>(
+    setups: Vec<EngineSetup>,
+    registry: Arc<prometheus::Registry>,
+    run_replica: &(dyn Fn(usize, EngineSetup, HandOver) -> Result<()> + Sync),
+    client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
+) -> (Result<()>, Option<T>) {
+    let dp = setups.len();
     let (ready_tx, ready_rx) = channel::<(usize, Arc<EngineHandle>, Receiver<()>)>();
-    Ok(std::thread::scope(|s| {
-        let engines: Vec<_> = replicas
+    std::thread::scope(|s| {
+        let engines: Vec<_> = setups
             .into_iter()
             .enumerate()
-            .map(|(r, (setup, (comms, pipes)))| {
+            .map(|(r, setup)| {
                 let ready = ready_tx.clone();
-                let make = &make;
                 s.spawn(move || {
-                    let hand_over = move |handle, stopped| {
+                    let hand_over: HandOver = Box::new(move |handle, stopped| {
                         let _ = ready.send((r, handle, stopped));
-                    };
-                    serve_threads(plan, weights, comms, pipes, make, setup, hand_over).0
+                    });
+                    run_replica(r, setup, hand_over)
                 })
             })
             .collect();
@@ -421,5 +391,63 @@ pub fn serve_cpu<T: Send>(
             }
         }
         (result, client_result)
-    }))
+    })
+}
+
+/// Engines over `plan` on CPU ranks, `dp` replicas of them (each its own ranks and copy of
+/// the weights) behind one [`Serving`]: each rank a thread with cores / (ranks · dp)
+/// compute threads (pinned with `--pin`, one replica only), bf16 linear weights as `dtype`
+/// says. The pool's default size leaves room for every rank's weights. `client` runs as
+/// [`serve_replicas`] runs it. Returns the first engine failure, else Ok, and the client's
+/// result.
+pub fn serve_cpu<T: Send>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    cpu: &crate::runtime::cpu::CpuOptions,
+    dtype: crate::runtime::generate::ComputeDtype,
+    opts: &EngineOptions,
+    dp: usize,
+    client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
+) -> Result<(Result<()>, Option<T>)> {
+    use crate::runtime::cpu::affinity;
+    check_replicas(dp)?;
+    if dp > 1 && cpu.pin_threads {
+        return Err(RunError::Replicas(
+            "--pin places every replica's ranks on the same cores; use it with --dp 1".into(),
+        ));
+    }
+    weights.check(plan)?;
+    let ranks = plan.world().saturating_mul(dp);
+    let threads = cpu.threads_per_rank(ranks);
+    let bf16 = dtype.bf16_linears(plan);
+    let kernels = crate::runtime::cpu::isa::Kernels::select(cpu.isa)?;
+    let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
+    let registry = Arc::new(prometheus::Registry::new());
+    let mut setups = Vec::with_capacity(dp);
+    for r in 0..dp {
+        let metrics = Metrics::in_registry(registry.clone(), (dp > 1).then_some(r));
+        setups.push(prepare(
+            plan,
+            opts,
+            ranks,
+            weight_bytes.saturating_mul(dp as u64),
+            metrics,
+        )?);
+    }
+    let make = |rank: usize| {
+        let placement = if cpu.pin_threads {
+            affinity::placement(rank, threads)
+        } else {
+            Vec::new()
+        };
+        if let Some(Some(core)) = placement.first() {
+            affinity::pin_current_thread(*core);
+        }
+        crate::runtime::cpu_launch::cpu_backend(rank, threads, &placement, bf16, kernels)
+    };
+    let run_replica = |_: usize, setup: EngineSetup, hand_over: HandOver| {
+        let (comms, pipes) = crate::runtime::launch::local_groups(plan)?;
+        serve_threads(plan, weights, comms, pipes, &make, setup, hand_over).0
+    };
+    Ok(serve_replicas(setups, registry, &run_replica, client))
 }
