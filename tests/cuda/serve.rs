@@ -161,7 +161,14 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
         // Two replicas, each over both GPUs through NCCL; requests go to the least loaded.
         ("two replicas", vec!["--device", "cuda:0,1", "--dp", "2"]),
     ];
+    // The emulator has as many GPUs as asked; a real machine may have one.
+    let real_gpus = std::env::var_os("TPC_REQUIRE_GPU")
+        .map(|_| tpc::runtime::cuda::device::device_count().unwrap_or(0));
     for (what, args) in configs {
+        if real_gpus.is_some_and(|n| n < 2) && args.contains(&"cuda:0,1") {
+            eprintln!("SKIP {what}: this machine has one GPU");
+            continue;
+        }
         let mut args = args;
         args.extend(["--tp", "2"]);
         let server = Server::start(model, &args, &path);
