@@ -178,9 +178,9 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             });
             // Decode reads every weight once: GB/s against the read bandwidth; a prompt
             // computes: GFLOP/s against the peak of the variant that ran.
-            let cell = |t: Duration, bytes: usize, ran: Isa| {
+            let cell = |t: Duration, bytes: usize, ran: Isa, gemv: bool| {
                 let s = t.as_secs_f64();
-                if m <= tpc::runtime::cpu::packed::GEMV_MAX_ROWS {
+                if gemv {
                     let gbs = bytes as f64 / s;
                     format!(
                         "{:>7.1} µs {:>5.1} GB/s {:>3.0}% bw {:<6}",
@@ -208,18 +208,21 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 let t_f32 = best(a.seconds, || {
                     std::hint::black_box(f32w.matmul_with(kern, &x, &team));
                 });
-                let (ran_bf16, ran_f32) = if m <= tpc::runtime::cpu::packed::GEMV_MAX_ROWS {
-                    (kern.gemv_variant(true), kern.gemv_variant(false))
-                } else {
-                    (kern.gemm_variant(true), kern.gemm_variant(false))
+                let gemv = |bf16: bool| m <= kern.gemv_max_rows(bf16);
+                let ran = |bf16: bool| {
+                    if gemv(bf16) {
+                        kern.gemv_variant(bf16)
+                    } else {
+                        kern.gemm_variant(bf16)
+                    }
                 };
                 super::outln!(
                     "{:>5} {:>11} {:>10} | {} | {} | {:>7.2} ms",
                     m,
                     format!("{n}x{k}"),
                     kern.isa().name(),
-                    cell(t_bf16, n * k * 2, ran_bf16),
-                    cell(t_f32, n * k * 4, ran_f32),
+                    cell(t_bf16, n * k * 2, ran(true), gemv(true)),
+                    cell(t_f32, n * k * 4, ran(false), gemv(false)),
                     t_ref.as_secs_f64() * 1e3,
                 );
             }

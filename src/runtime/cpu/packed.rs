@@ -51,7 +51,9 @@ const AMX_SLICE: usize = 256;
 const AMX_SUMS_BYTES: usize = 512 << 10;
 /// Panels per work chunk of the AMX product, at least (see `run_chunks`).
 const AMX_MIN_CHUNK: usize = 16;
-/// Rows at or below which the GEMV path (weights read once, no packing of `x`) is used.
+/// Rows one GEMV kernel call takes, and the rows at or below which the GEMV path (weights
+/// read once from memory, no packing of `x`) is used unless the ISA says otherwise
+/// ([`Kernels::gemv_max_rows`]).
 pub const GEMV_MAX_ROWS: usize = 4;
 /// The largest edge tile of the f32 GEMM (`Kernels::f32_tile_rows`).
 const MAX_TILE_ROWS: usize = 2 * MR;
@@ -298,7 +300,7 @@ impl PackedMatrix {
         } else {
             team.size().min(panels)
         };
-        let gemv = m <= GEMV_MAX_ROWS;
+        let gemv = m <= kernels.gemv_max_rows(self.is_bf16());
         let variant = if gemv {
             kernels.gemv_variant(self.is_bf16())
         } else {
@@ -1134,8 +1136,9 @@ mod tests {
         // that still reach every path that writes through `SyncPtr`: gemv and gemm split
         // over threads, partial tiles across two depth blocks (read back before the second).
         let miri: &[(usize, usize, usize)] = &[(1, 7, 5), (1, 40, 8), (7, 40, 8), (6, 3, 257)];
-        // Rows across the GEMV limit and the 6-row tiles, columns across 16-wide panels,
-        // depths across the 256-step blocks; products big enough to be split over threads.
+        // Rows across the GEMV limits (4; AVX2: 8 for f32, 32 for bf16 weights) and the
+        // 6-row tiles, columns across 16-wide panels, depths across the 256-step blocks;
+        // products big enough to be split over threads.
         let all: &[(usize, usize, usize)] = &[
             (1, 7, 5),
             (1, 300, 300),

@@ -33,6 +33,7 @@ pub use peak::peak_flops;
 
 pub use detect::{host, HostFeatures};
 
+use crate::runtime::cpu::packed::GEMV_MAX_ROWS;
 use std::fmt;
 
 /// Output columns per weight panel.
@@ -175,7 +176,7 @@ impl Kernels {
         self.isa
     }
 
-    /// The variant that runs a prompt product (more than `GEMV_MAX_ROWS` rows).
+    /// The variant that runs a prompt product (more than [`Kernels::gemv_max_rows`] rows).
     pub fn gemm_variant(self, bf16_weights: bool) -> Isa {
         match self.isa {
             Isa::Avx512Bf16 | Isa::Amx if !bf16_weights => Isa::Avx512,
@@ -188,6 +189,23 @@ impl Kernels {
         match self.gemm_variant(bf16_weights) {
             Isa::Amx => Isa::Avx512Bf16,
             isa => isa,
+        }
+    }
+
+    /// Rows at or below which a product takes the GEMV path rather than the GEMM: the
+    /// GEMV reads each weight panel from memory once and runs it over the rows
+    /// [`GEMV_MAX_ROWS`] at a time from cache, with no packing of the activations; the GEMM
+    /// packs and tiles for many rows. Where they cross was measured per variant with
+    /// `tpc bench --batch B` (TinyLlama-1.1B shape, 2-core AVX2 EPYC, 2026-12-04): AVX2 with
+    /// bf16 weights, a decode step of 8 rows 130 ms by GEMV against 215 by GEMM, 32 rows 457
+    /// against 502, 64 rows 944 against 839; with f32 weights 8 rows 182 against 233, 16
+    /// rows 309 against 291. Elsewhere (AVX-512, AMX) the GEMM's wider tiles were not
+    /// measured against it: the GEMV takes up to [`GEMV_MAX_ROWS`] rows.
+    pub fn gemv_max_rows(self, bf16_weights: bool) -> usize {
+        match (self.gemv_variant(bf16_weights), bf16_weights) {
+            (Isa::Avx2, true) => 32,
+            (Isa::Avx2, false) => 8,
+            _ => GEMV_MAX_ROWS,
         }
     }
 
