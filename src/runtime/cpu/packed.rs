@@ -51,10 +51,7 @@ const AMX_SLICE: usize = 256;
 const AMX_SUMS_BYTES: usize = 512 << 10;
 /// Panels per work chunk of the AMX product, at least (see `run_chunks`).
 const AMX_MIN_CHUNK: usize = 16;
-/// Rows one GEMV kernel call takes, and the rows at or below which the GEMV path (weights
-/// read once from memory, no packing of `x`) is used unless the ISA says otherwise
-/// ([`Kernels::gemv_max_rows`]).
-pub const GEMV_MAX_ROWS: usize = 4;
+use super::isa::GEMV_MAX_ROWS;
 /// The largest edge tile of the f32 GEMM (`Kernels::f32_tile_rows`).
 const MAX_TILE_ROWS: usize = 2 * MR;
 

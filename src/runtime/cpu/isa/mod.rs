@@ -33,8 +33,12 @@ pub use peak::peak_flops;
 
 pub use detect::{host, HostFeatures};
 
-use crate::runtime::cpu::packed::GEMV_MAX_ROWS;
 use std::fmt;
+
+/// Rows one GEMV kernel call takes, and the rows at or below which the GEMV path (weights
+/// read once from memory, no packing of `x`) is used unless the ISA says otherwise
+/// ([`Kernels::gemv_max_rows`]).
+pub const GEMV_MAX_ROWS: usize = 4;
 
 /// Output columns per weight panel.
 pub const NR: usize = 16;
