@@ -243,10 +243,9 @@ pub fn serve_as_process<T: Send>(
                 .map_or_else(|| "the model's".to_string(), |m| m.to_string()),
         );
     agree(world, &record)?;
-    if !leads(world, job.plan) {
-        ignore_sigterm();
-    }
-    Ok(tpc::runtime::engine::processes::serve_mpi(
+    // The leading process's server installs its own SIGTERM handler once it listens.
+    ignore_sigterm();
+    Ok(tpc::runtime::processes::serve::serve_mpi(
         world,
         job.plan,
         job.checkpoint,
@@ -255,13 +254,6 @@ pub fn serve_as_process<T: Send>(
         job.engine,
         client,
     )?)
-}
-
-/// Whether this process holds the leading rank: tp rank 0 of the last stage, global rank
-/// (pp − 1) · tp in the layout.
-#[cfg(feature = "mpi")]
-fn leads(world: &MpiWorld, plan: &Plan) -> bool {
-    world.rank() == (plan.pp().saturating_sub(1)) * plan.ranks.len()
 }
 
 /// SIGTERM (from `mpirun`, or a kill of the process group) leaves this process running.

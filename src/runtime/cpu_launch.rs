@@ -28,17 +28,7 @@ pub fn run_batch_cpu(
     let bf16 = opts.dtype.bf16_linears(plan);
     check_host_memory(plan, requests, opts, 1)?;
     let kernels = Kernels::select(cpu.isa)?;
-    let make = |rank: usize| -> Result<CpuBackend> {
-        let placement = if cpu.pin_threads {
-            affinity::placement(rank, threads)
-        } else {
-            Vec::new()
-        };
-        if let Some(Some(core)) = placement.first() {
-            affinity::pin_current_thread(*core);
-        }
-        cpu_backend(rank, threads, &placement, bf16, kernels)
-    };
+    let make = |rank: usize| placed_cpu_backend(rank, threads, cpu.pin_threads, bf16, kernels);
     let mut out = launch_stages(plan, weights, comms, pipes, &make, &|rt| {
         rt.generate(requests, opts)
     })?;
@@ -61,4 +51,24 @@ pub fn cpu_backend(
         io,
     })?;
     Ok(backend.with_bf16_linears(bf16).with_kernels(kernels))
+}
+
+/// [`cpu_backend`] for `rank` on the cores [`affinity::placement`] gives it when `pin` (the
+/// calling thread pinned to the first), else unpinned.
+pub fn placed_cpu_backend(
+    rank: usize,
+    threads: usize,
+    pin: bool,
+    bf16: bool,
+    kernels: Kernels,
+) -> Result<CpuBackend> {
+    let placement = if pin {
+        affinity::placement(rank, threads)
+    } else {
+        Vec::new()
+    };
+    if let Some(Some(core)) = placement.first() {
+        affinity::pin_current_thread(*core);
+    }
+    cpu_backend(rank, threads, &placement, bf16, kernels)
 }

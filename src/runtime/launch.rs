@@ -34,6 +34,19 @@ where
     launch_stages(plan, weights, comms, Vec::new(), backend, job)
 }
 
+/// Most replicas one process runs (each holds a copy of the weights).
+pub const MAX_REPLICAS: usize = 64;
+
+/// Refuses a replica count (`--dp`) outside 1 to [`MAX_REPLICAS`].
+pub fn check_replicas(dp: usize) -> Result<()> {
+    if dp == 0 || dp > MAX_REPLICAS {
+        return Err(RunError::Replicas(format!(
+            "--dp {dp}: the number of replicas must be 1 to {MAX_REPLICAS}"
+        )));
+    }
+    Ok(())
+}
+
 /// [`launch_threads`] for every rank of a pipelined plan (pp · tp, global rank =
 /// stage · tp + tp rank): `comms[g]` is rank g's tensor-parallel group, `pipes[g]` its
 /// pipeline group (empty without stages). Returns the result of tp rank 0 on the last stage.

@@ -10,14 +10,11 @@ use super::error::{Result, RunError};
 use super::generate::{
     check_requests, BatchOutput, Device, OnFinished, Progress, Request, RunOptions, Stage,
 };
-use super::launch::check_host_memory;
+use super::launch::{check_host_memory, check_replicas};
 use super::run::run_batch;
 use super::weights::WeightSource;
 use crate::plan::Plan;
 use std::sync::{Arc, Mutex};
-
-/// Most replicas one process runs (each holds a copy of the weights).
-pub const MAX_REPLICAS: usize = 64;
 
 /// The replica request `i` goes to, and its index there: round robin.
 pub fn placement(i: usize, dp: usize) -> (usize, usize) {
@@ -37,11 +34,7 @@ pub fn run_replicas(
     opts: &RunOptions,
     dp: usize,
 ) -> Result<BatchOutput> {
-    if dp == 0 || dp > MAX_REPLICAS {
-        return Err(RunError::Replicas(format!(
-            "--dp {dp}: the number of replicas must be 1 to {MAX_REPLICAS}"
-        )));
-    }
+    check_replicas(dp)?;
     // Replicas beyond the requests would have nothing to run.
     let dp = dp.min(requests.len().max(1));
     if dp == 1 {

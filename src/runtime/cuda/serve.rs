@@ -7,11 +7,12 @@ use super::CudaError;
 use crate::plan::Plan;
 use crate::runtime::engine::api::Serving;
 use crate::runtime::engine::launch::{
-    check_replicas, prepare, serve_replicas, serve_threads, EngineOptions, EngineSetup, HandOver,
+    prepare, serve_replicas, serve_threads, EngineOptions, EngineSetup, HandOver,
 };
 use crate::runtime::engine::metrics::Metrics;
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::generate::ComputeDtype;
+use crate::runtime::launch::check_replicas;
 use crate::runtime::weights::WeightSource;
 use cudarc::driver::CudaContext;
 use std::sync::mpsc::Receiver;

@@ -15,7 +15,7 @@ use crate::runtime::backend::Backend;
 use crate::runtime::collectives::Collectives;
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::generate::RankRuntime;
-use crate::runtime::launch::launch_stages;
+use crate::runtime::launch::{check_replicas, launch_stages};
 use crate::runtime::weights::WeightSource;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -311,17 +311,6 @@ where
 /// a receiver that disconnects when it stops.
 pub(crate) type HandOver = Box<dyn FnOnce(Arc<EngineHandle>, Receiver<()>) + Send>;
 
-/// The replica count `--dp` may give.
-pub(crate) fn check_replicas(dp: usize) -> Result<()> {
-    if dp == 0 || dp > crate::runtime::replicas::MAX_REPLICAS {
-        return Err(RunError::Replicas(format!(
-            "--dp {dp}: the number of replicas must be 1 to {}",
-            crate::runtime::replicas::MAX_REPLICAS
-        )));
-    }
-    Ok(())
-}
-
 /// Engines of `setups` (one per replica) as threads of this process behind one
 /// [`Serving`]: `run_replica(r, setup, hand_over)` runs replica `r` to its end, calling
 /// `hand_over` once its ranks have loaded ([`serve_threads`] does). `client` runs once every
@@ -409,7 +398,6 @@ pub fn serve_cpu<T: Send>(
     dp: usize,
     client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
 ) -> Result<(Result<()>, Option<T>)> {
-    use crate::runtime::cpu::affinity;
     check_replicas(dp)?;
     if dp > 1 && cpu.pin_threads {
         return Err(RunError::Replicas(
@@ -435,15 +423,13 @@ pub fn serve_cpu<T: Send>(
         )?);
     }
     let make = |rank: usize| {
-        let placement = if cpu.pin_threads {
-            affinity::placement(rank, threads)
-        } else {
-            Vec::new()
-        };
-        if let Some(Some(core)) = placement.first() {
-            affinity::pin_current_thread(*core);
-        }
-        crate::runtime::cpu_launch::cpu_backend(rank, threads, &placement, bf16, kernels)
+        crate::runtime::cpu_launch::placed_cpu_backend(
+            rank,
+            threads,
+            cpu.pin_threads,
+            bf16,
+            kernels,
+        )
     };
     let run_replica = |_: usize, setup: EngineSetup, hand_over: HandOver| {
         let (comms, pipes) = crate::runtime::launch::local_groups(plan)?;

@@ -7,8 +7,6 @@ pub mod driver;
 pub mod handle;
 pub mod launch;
 pub mod metrics;
-#[cfg(feature = "mpi")]
-pub mod processes;
 pub mod rank;
 pub mod replicas;
 pub mod scheduler;

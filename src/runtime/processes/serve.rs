@@ -4,18 +4,18 @@
 //! the client (the HTTP server); the others only follow its steps. The KV pool must be the
 //! same on every rank, so its size is the least any rank would give from its host.
 
-use super::api::Serving;
-use super::handle::EngineHandle;
-use super::launch::{kv_memory, prepare, serve_with, EngineOptions};
-use super::metrics::Metrics;
+use super::MpiWorld;
 use crate::plan::stages::stage_program;
 use crate::plan::Plan;
 use crate::runtime::cpu::isa::Kernels;
 use crate::runtime::cpu::CpuOptions;
 use crate::runtime::cpu_launch::cpu_backend;
+use crate::runtime::engine::api::Serving;
+use crate::runtime::engine::handle::EngineHandle;
+use crate::runtime::engine::launch::{kv_memory, prepare, serve_with, EngineOptions};
+use crate::runtime::engine::metrics::Metrics;
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::generate::{rank_runtime, stage_runtime, ComputeDtype};
-use crate::runtime::processes::MpiWorld;
 use crate::runtime::rank_groups::rank_groups;
 use crate::runtime::weights::WeightSource;
 use std::sync::mpsc::Receiver;

@@ -12,6 +12,8 @@
 //! collective is [`MpiWorld::agree`]: ranks started with different arguments or files stop
 //! there together ([`super::agreement`]).
 
+pub mod serve;
+
 use super::agreement::{verdict, Record};
 use super::comm::MpiComm;
 use super::cpu::isa::Kernels;
