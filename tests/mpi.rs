@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 #[path = "mpi/serve.rs"]
 mod serve;
+#[path = "common/serve_client.rs"]
+mod serve_client;
 
 const TPC: &str = env!("CARGO_BIN_EXE_tpc");
 

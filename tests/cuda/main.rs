@@ -20,6 +20,10 @@ mod contract;
     reason = "only the stand-in libraries; the kernel launcher is for cuda_emulated"
 )]
 mod emulator;
+#[cfg(feature = "cuda")]
+#[path = "../common/serve_client.rs"]
+#[allow(dead_code, reason = "no SIGTERM test on the GPUs")]
+mod serve_client;
 
 mod backend_contract;
 mod device;

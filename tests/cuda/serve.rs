@@ -9,9 +9,8 @@
 
 use crate::common::{fixtures, read_reference};
 use crate::device::{emulated_gpu_path, emulation_wanted, gpu_present};
-use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use crate::serve_client::{requests, Server};
+use std::process::Command;
 
 /// `LD_LIBRARY_PATH` for the server: the emulator's libraries, or this run's own on a real
 /// GPU. `None`: the test cannot run here (it said why).
@@ -22,97 +21,13 @@ fn library_path(test: &str) -> Option<String> {
     emulation_wanted(test).then(emulated_gpu_path)
 }
 
-/// A `tpc serve` child on a free port, killed when dropped.
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Server {
-    fn start(model: &str, args: &[&str], path: &str) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tpc"))
-            .args(["serve", model, "--port", "0", "--host", "127.0.0.1"])
-            .args(args)
-            .env("LD_LIBRARY_PATH", path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut said = String::new();
-        let url = loop {
-            let Some(Ok(line)) = lines.next() else {
-                let _ = child.kill();
-                panic!("`tpc serve {args:?}` exited before it listened:\n{said}");
-            };
-            if let Some((_, url)) = line.split_once("listening on ") {
-                break url.trim().to_string();
-            }
-            said.push_str(&line);
-            said.push('\n');
-        };
-        // Drained for the server's life, so that its writes never block.
-        std::thread::spawn(move || lines.for_each(drop));
-        Server { child, url }
-    }
-
-    /// Greedy ids for a prompt of ids.
-    fn complete(&self, prompt: &[i64], max_tokens: usize) -> Vec<i64> {
-        let body = json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": true, "return_token_ids": true });
-        let mut r = ureq::post(&format!("{}/v1/completions", self.url))
-            .send_json(&body)
-            .unwrap_or_else(|e| panic!("{body}: {e}"));
-        let v: Value = r.body_mut().read_json().unwrap();
-        v["choices"][0]["token_ids"]
-            .as_array()
-            .unwrap_or_else(|| panic!("no token ids in {v}"))
-            .iter()
-            .map(|t| t.as_i64().unwrap())
-            .collect()
-    }
-
-    /// A metric's value in /metrics, summed over replicas (`name{replica="…"}`).
-    fn metric(&self, name: &str) -> f64 {
-        let text = ureq::get(&format!("{}/metrics", self.url))
-            .call()
-            .unwrap()
-            .body_mut()
-            .read_to_string()
-            .unwrap();
-        let values: Vec<f64> = text
-            .lines()
-            .filter_map(|l| {
-                let rest = l.strip_prefix(name)?;
-                let value = match rest.strip_prefix('{') {
-                    Some(labelled) => labelled.split_once("} ")?.1,
-                    None => rest.strip_prefix(' ')?,
-                };
-                value.trim().parse().ok()
-            })
-            .collect();
-        assert!(!values.is_empty(), "no {name} in /metrics:\n{text}");
-        values.iter().sum()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Requests of 1 to 37 prompt ids and 1 to 9 new tokens, the reference prompt first.
-fn requests(reference: &[i64], greedy: usize) -> Vec<(Vec<i64>, usize)> {
-    let mut reqs = vec![(reference.to_vec(), greedy)];
-    for i in 1..12i64 {
-        let len = 1 + (i * 13) % 37;
-        let prompt = (0..len).map(|j| (i * 31 + j * 17) % 249 + 1).collect();
-        reqs.push((prompt, 1 + (i as usize * 5) % 9));
-    }
-    reqs
+/// `tpc serve MODEL ARGS` on a free port with the libraries of `path`.
+fn start(model: &str, args: &[&str], path: &str) -> Server {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tpc"));
+    c.args(["serve", model, "--port", "0", "--host", "127.0.0.1"])
+        .args(args)
+        .env("LD_LIBRARY_PATH", path);
+    Server::start(c, &format!("`tpc serve {args:?}`"))
 }
 
 #[test]
@@ -127,7 +42,7 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
         .unwrap();
     let model = dir.to_str().unwrap();
     let reference = read_reference(&dir);
-    let reqs = requests(&reference.prompt, reference.greedy.len());
+    let reqs = requests(&reference.prompt, reference.greedy.len(), 11);
     // llama-gqa at tp 2: 2 layers, 1 kv head of 8 dims per rank, keys and values in f32.
     let per_token = 2 * 2 * 8 * 4;
     let squeezed_bytes = (per_token * 4 * 12).to_string();
@@ -171,7 +86,7 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
         }
         let mut args = args;
         args.extend(["--tp", "2"]);
-        let server = Server::start(model, &args, &path);
+        let server = start(model, &args, &path);
         let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
         assert_eq!(solo[0], reference.greedy, "{what}: not HF's tokens");
         let together: Vec<Vec<i64>> = std::thread::scope(|s| {

@@ -5,148 +5,44 @@
 //! drains the server: every process exits 0. (SIGTERM to Open MPI's `mpirun` itself ends the
 //! job with status 1 whatever the processes do.)
 
+use super::serve_client::{requests, Server};
 use super::{fixtures, mpirun, read_reference, HANG};
-use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
 
-/// A `tpc serve` job under `mpirun` on a free port, killed when dropped.
-struct Server {
-    child: Child,
-    url: String,
-    /// The leading process, which listens.
-    lead_pid: String,
-    said: Arc<Mutex<Vec<String>>>,
+/// The fixture these tests serve.
+fn llama_gqa() -> PathBuf {
+    fixtures()
+        .into_iter()
+        .find(|d| d.ends_with("llama-gqa"))
+        .unwrap()
 }
 
-impl Server {
-    fn start(np: usize, model: &str, args: &[&str]) -> Server {
-        let mut c = mpirun(np);
-        let mut child = c
-            .args(["serve", model, "--port", "0", "--host", "127.0.0.1"])
-            .args(["--threads-per-rank", "1"])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start mpirun ({e}); is Open MPI on PATH?"));
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut said = String::new();
-        let (url, lead_pid) = loop {
-            let Some(Ok(line)) = lines.next() else {
-                let _ = child.kill();
-                panic!("`mpirun -np {np} tpc serve {args:?}` exited before it listened:\n{said}");
-            };
-            if let Some((head, url)) = line.split_once("listening on ") {
-                let pid = head
-                    .split_once("leading process pid ")
-                    .and_then(|(_, p)| p.split([',', ')']).next())
-                    .unwrap_or_else(|| panic!("no leading pid in `{line}`"));
-                break (url.trim().to_string(), pid.trim().to_string());
-            }
-            said.push_str(&line);
-            said.push('\n');
-        };
-        // Drained for the server's life, so that its writes never block.
-        let heard = Arc::new(Mutex::new(Vec::new()));
-        let keep = heard.clone();
-        std::thread::spawn(move || {
-            for line in lines.map_while(|l| l.ok()) {
-                keep.lock().unwrap().push(line);
-            }
-        });
-        Server {
-            child,
-            url,
-            lead_pid,
-            said: heard,
-        }
-    }
-
-    /// Greedy ids for a prompt of ids.
-    fn complete(&self, prompt: &[i64], max_tokens: usize) -> Vec<i64> {
-        let body = json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": true, "return_token_ids": true });
-        let mut r = ureq::post(&format!("{}/v1/completions", self.url))
-            .send_json(&body)
-            .unwrap_or_else(|e| panic!("{body}: {e}"));
-        let v: Value = r.body_mut().read_json().unwrap();
-        v["choices"][0]["token_ids"]
-            .as_array()
-            .unwrap_or_else(|| panic!("no token ids in {v}"))
-            .iter()
-            .map(|t| t.as_i64().unwrap())
-            .collect()
-    }
-
-    /// A metric's value in /metrics.
-    fn metric(&self, name: &str) -> f64 {
-        let text = ureq::get(&format!("{}/metrics", self.url))
-            .call()
-            .unwrap()
-            .body_mut()
-            .read_to_string()
-            .unwrap();
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
-    }
-
-    /// SIGTERM to the leading process; the job's exit status, and what it said meanwhile.
-    fn terminate(mut self) -> (std::process::ExitStatus, String) {
-        let pid = self.lead_pid.clone();
-        let sent = std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap();
-        assert!(sent.success(), "kill -TERM {pid}");
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                std::thread::sleep(Duration::from_millis(200));
-                let said = self.said.lock().unwrap().join("\n");
-                return (status, said);
-            }
-            assert!(
-                start.elapsed() < HANG,
-                "mpirun still runs {HANG:?} after SIGTERM (hung)"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+/// `mpirun -np NP tpc serve MODEL ARGS` on a free port, one compute thread per rank.
+fn start(np: usize, model: &str, args: &[&str]) -> Server {
+    let mut c = mpirun(np);
+    c.args(["serve", model, "--port", "0", "--host", "127.0.0.1"])
+        .args(["--threads-per-rank", "1"])
+        .args(args);
+    Server::start(c, &format!("`mpirun -np {np} tpc serve {args:?}`"))
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Requests of 1 to 37 prompt ids and 1 to 9 new tokens, the reference prompt first.
-fn requests(reference: &[i64], greedy: usize) -> Vec<(Vec<i64>, usize)> {
-    let mut reqs = vec![(reference.to_vec(), greedy)];
-    for i in 1..10i64 {
-        let len = 1 + (i * 13) % 37;
-        let prompt = (0..len).map(|j| (i * 31 + j * 17) % 249 + 1).collect();
-        reqs.push((prompt, 1 + (i as usize * 5) % 9));
-    }
-    reqs
+/// The pid of the leading process, which the line it listens with names.
+fn lead_pid(server: &Server) -> String {
+    server
+        .line
+        .split_once("leading process pid ")
+        .and_then(|(_, p)| p.split([',', ')']).next())
+        .unwrap_or_else(|| panic!("no leading pid in `{}`", server.line))
+        .trim()
+        .to_string()
 }
 
 #[test]
 fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
-    let dir = fixtures()
-        .into_iter()
-        .find(|d| d.ends_with("llama-gqa"))
-        .unwrap();
+    let dir = llama_gqa();
     let model = dir.to_str().unwrap();
     let reference = read_reference(&dir);
-    let reqs = requests(&reference.prompt, reference.greedy.len());
+    let reqs = requests(&reference.prompt, reference.greedy.len(), 9);
     // llama-gqa at tp 2: 2 layers, 1 kv head of 8 dims per rank, keys and values in f32;
     // 12 blocks of 4 tokens: the longest request (46 tokens) fits, all of them together
     // do not.
@@ -173,7 +69,7 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
         ),
     ];
     for (what, np, args) in configs {
-        let server = Server::start(np, model, &args);
+        let server = start(np, model, &args);
         let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
         assert_eq!(solo[0], reference.greedy, "{what}: not HF's tokens");
         let together: Vec<Vec<i64>> = std::thread::scope(|s| {
@@ -194,7 +90,8 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
                 "{what}: the pool was meant to force preemption"
             );
         }
-        let (status, said) = server.terminate();
+        let pid = lead_pid(&server);
+        let (status, said) = server.terminate(&pid, HANG);
         assert!(
             status.success(),
             "{what}: SIGTERM to the leading process should drain and exit 0, got {status}:\n{said}"
@@ -205,10 +102,7 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
 
 #[test]
 fn a_server_under_mpirun_refuses_replicas_and_a_wrong_process_count() {
-    let dir = fixtures()
-        .into_iter()
-        .find(|d| d.ends_with("llama-gqa"))
-        .unwrap();
+    let dir = llama_gqa();
     let model = dir.to_str().unwrap();
     for (np, args, says) in [
         (4usize, vec!["--tp", "2"], "takes tp · pp = 2 processes"),
