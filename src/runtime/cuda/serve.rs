@@ -9,7 +9,6 @@ use crate::runtime::engine::api::Serving;
 use crate::runtime::engine::launch::{
     prepare, serve_replicas, serve_threads, EngineOptions, EngineSetup, HandOver,
 };
-use crate::runtime::engine::metrics::Metrics;
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::generate::ComputeDtype;
 use crate::runtime::launch::check_replicas;
@@ -99,12 +98,6 @@ pub fn serve_cuda<T: Send>(
             ..opts.clone()
         },
     };
-    let registry = Arc::new(prometheus::Registry::new());
-    let mut setups = Vec::with_capacity(dp);
-    for d in 0..dp {
-        let metrics = Metrics::in_registry(registry.clone(), (dp > 1).then_some(d));
-        setups.push(prepare(plan, &opts, world, weight_bytes, metrics)?);
-    }
     let run_replica = |d: usize, setup: EngineSetup, hand_over: HandOver| {
         // This replica's ranks start where the previous replica's ended.
         let mut on = devices.clone();
@@ -114,5 +107,6 @@ pub fn serve_cuda<T: Send>(
         let make = |rank: usize| open_rank(rank, &on, &gpus, bf16);
         serve_threads(plan, weights, comms, pipes, &make, setup, hand_over).0
     };
-    Ok(serve_replicas(setups, registry, &run_replica, client))
+    let setup = |metrics| prepare(plan, &opts, world, weight_bytes, metrics);
+    serve_replicas(dp, &setup, &run_replica, client)
 }

@@ -311,21 +311,30 @@ where
 /// a receiver that disconnects when it stops.
 pub(crate) type HandOver = Box<dyn FnOnce(Arc<EngineHandle>, Receiver<()>) + Send>;
 
-/// Engines of `setups` (one per replica) as threads of this process behind one
-/// [`Serving`]: `run_replica(r, setup, hand_over)` runs replica `r` to its end, calling
+/// `dp` engines as threads of this process behind one [`Serving`]: `setup(metrics)` makes
+/// each replica's engine (its metrics labelled with its index when there are several, in
+/// one registry), `run_replica(r, setup, hand_over)` runs replica `r` to its end, calling
 /// `hand_over` once its ranks have loaded ([`serve_threads`] does). `client` runs once every
 /// replica has, with the engines (one replica: its handle; more: a [`ReplicaSet`] sending
 /// each request to the least loaded) and a receiver that hears (or disconnects) when one
 /// stops. Returns the first engine failure, else Ok, and the client's result.
 pub(crate) fn serve_replicas<T: Send>(
-    setups: Vec<EngineSetup>,
-    registry: Arc<prometheus::Registry>,
+    dp: usize,
+    setup: &dyn Fn(Metrics) -> Result<EngineSetup>,
     run_replica: &(dyn Fn(usize, EngineSetup, HandOver) -> Result<()> + Sync),
     client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
-) -> (Result<()>, Option<T>) {
-    let dp = setups.len();
+) -> Result<(Result<()>, Option<T>)> {
+    let registry = Arc::new(prometheus::Registry::new());
+    let setups = (0..dp)
+        .map(|r| {
+            setup(Metrics::in_registry(
+                registry.clone(),
+                (dp > 1).then_some(r),
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let (ready_tx, ready_rx) = channel::<(usize, Arc<EngineHandle>, Receiver<()>)>();
-    std::thread::scope(|s| {
+    Ok(std::thread::scope(|s| {
         let engines: Vec<_> = setups
             .into_iter()
             .enumerate()
@@ -380,7 +389,7 @@ pub(crate) fn serve_replicas<T: Send>(
             }
         }
         (result, client_result)
-    })
+    }))
 }
 
 /// Engines over `plan` on CPU ranks, `dp` replicas of them (each its own ranks and copy of
@@ -410,18 +419,6 @@ pub fn serve_cpu<T: Send>(
     let bf16 = dtype.bf16_linears(plan);
     let kernels = crate::runtime::cpu::isa::Kernels::select(cpu.isa)?;
     let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
-    let registry = Arc::new(prometheus::Registry::new());
-    let mut setups = Vec::with_capacity(dp);
-    for r in 0..dp {
-        let metrics = Metrics::in_registry(registry.clone(), (dp > 1).then_some(r));
-        setups.push(prepare(
-            plan,
-            opts,
-            ranks,
-            weight_bytes.saturating_mul(dp as u64),
-            metrics,
-        )?);
-    }
     let make = |rank: usize| {
         crate::runtime::cpu_launch::placed_cpu_backend(
             rank,
@@ -435,5 +432,14 @@ pub fn serve_cpu<T: Send>(
         let (comms, pipes) = crate::runtime::launch::local_groups(plan)?;
         serve_threads(plan, weights, comms, pipes, &make, setup, hand_over).0
     };
-    Ok(serve_replicas(setups, registry, &run_replica, client))
+    let setup = |metrics| {
+        prepare(
+            plan,
+            opts,
+            ranks,
+            weight_bytes.saturating_mul(dp as u64),
+            metrics,
+        )
+    };
+    serve_replicas(dp, &setup, &run_replica, client)
 }
