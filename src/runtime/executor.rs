@@ -15,7 +15,7 @@ use super::backend::{
 };
 use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
-use super::stage_link::{Control, StageLink};
+use super::stage_link::StageLink;
 use super::tensor::Tensor;
 use super::weights::WeightSource;
 use crate::ir::{op_dims, Groups, InputKind, Op, RopeOp};
@@ -315,17 +315,17 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self
     }
 
-    /// The last stage of a pipeline: tells every earlier stage `control` (nothing without
+    /// The last stage of a pipeline: tells every earlier stage `message` (nothing without
     /// a pipeline).
-    pub fn tell(&mut self, control: &Control) -> Result<()> {
+    pub fn tell(&mut self, message: &[f32]) -> Result<()> {
         match self.link.as_mut() {
-            Some(link) => link.tell(&self.backend, control),
+            Some(link) => link.tell(&self.backend, message),
             None => Ok(()),
         }
     }
 
     /// A stage before the last: what the last stage says to run next.
-    pub fn listen(&mut self) -> Result<Control> {
+    pub fn listen(&mut self) -> Result<Vec<f32>> {
         match self.link.as_mut() {
             Some(link) => link.listen(&self.backend),
             None => Err(RunError::Pipeline(
@@ -505,23 +505,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.backend.to_host(out).map_err(at_output)
     }
 
-    /// The greedy next token of each returned row, picked on the device: only the ids come
-    /// back to the host, not the logits. A row with a NaN or an infinity is
-    /// `Err(row)`, since no token can be chosen from it.
-    pub fn forward_argmax(
-        &mut self,
-        batch: &[(usize, &[i64])],
-        rows: OutputRows,
-    ) -> Result<std::result::Result<Vec<usize>, usize>> {
-        if self.logits_gather.is_some() {
-            // Vocabulary-parallel: the output is each row's best (value, index) pair.
-            let out = self.forward_call(batch, rows, Exchange::Argmax)?;
-            return self.picks_of_pairs(out);
-        }
-        let out = self.forward_on_device(batch, rows)?;
-        self.picks_of_logits(out)
-    }
-
     /// Each row's token from the (value, index) pairs of a vocabulary-parallel argmax;
     /// `Err(row)` for a row that is not finite.
     fn picks_of_pairs(&self, out: B::Act) -> Result<std::result::Result<Vec<usize>, usize>> {
@@ -561,11 +544,20 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// best instead of the slice whenever that is fewer bytes (`2k` below the slice width);
     /// the union of the ranks' top-k holds the global top-k, so the candidates are the same
     /// either way. A row with a NaN or an infinity is `Err(row)`.
-    pub fn forward_top_k(
+    pub fn forward_steps_top_k(
         &mut self,
-        batch: &[(usize, &[i64])],
+        batch: &[SeqStep<'_>],
         rows: OutputRows,
         k: usize,
+    ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
+        self.top_k_of(k, |exec, exchange| exec.steps_call(batch, rows, exchange))
+    }
+
+    /// Each row's `k` best candidates of the output `call` computes (given the exchange).
+    fn top_k_of(
+        &mut self,
+        k: usize,
+        call: impl FnOnce(&mut Self, Exchange) -> Result<B::Act>,
     ) -> Result<std::result::Result<Vec<Candidates>, usize>> {
         let exchange = self
             .logits_gather
@@ -574,9 +566,9 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             .filter(|&(n, k)| k > 0 && k.saturating_mul(2) < n)
             .map(|(_, k)| k);
         let out = match exchange {
-            Some(k) => self.forward_call(batch, rows, Exchange::TopK(k))?,
+            Some(k) => call(self, Exchange::TopK(k))?,
             None => {
-                let logits = self.forward_on_device(batch, rows)?;
+                let logits = call(self, Exchange::Logits)?;
                 let cols = logits.rows_cols().1;
                 let pairs = self.backend.top_k_pairs(&logits, k.min(cols), cols, 0);
                 self.backend.release(logits);
@@ -711,7 +703,9 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.backend.to_host(out).map_err(at_output)
     }
 
-    /// [`RankExecutor::forward_argmax`] over sequences with their own block tables.
+    /// The greedy next token of each returned row, picked on the device: only the ids come
+    /// back to the host, not the logits. A row with a NaN or an infinity is
+    /// `Err(row)`, since no token can be chosen from it.
     pub fn forward_steps_argmax(
         &mut self,
         batch: &[SeqStep<'_>],
@@ -793,15 +787,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             exchange,
         };
         self.run_program(&call)
-    }
-
-    /// One forward call of a pipeline stage before the last: it passes its values on and
-    /// has no output.
-    pub fn forward_stage(&mut self, batch: &[(usize, &[i64])]) -> Result<()> {
-        if let Some(out) = self.forward_inner(batch, OutputRows::All, Exchange::Logits)? {
-            self.backend.release(out);
-        }
-        Ok(())
     }
 
     fn run_program(&mut self, call: &Call<'_>) -> Result<Option<B::Act>> {

@@ -17,6 +17,7 @@ pub mod collectives;
 pub mod comm;
 pub mod cpu;
 pub mod cpu_launch;
+pub mod cpu_rank;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;

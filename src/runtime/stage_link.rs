@@ -2,9 +2,9 @@
 //! tp rank on every stage, ranked by stage). Activations cross between neighbouring
 //! stages, each preceded by a small header with its shape, so the receiver allocates
 //! exactly what comes (a sequence-parallel stream's rows are the sender's to know). The
-//! last stage samples and tells every earlier stage what to run next with
-//! [`Control`] messages: the first stage needs the new token ids, and every stage must run
-//! the same forward calls in the same order.
+//! last stage's leading rank schedules, and every last-stage rank tells the earlier stages
+//! of its pipeline each engine step (`engine::step::StepMessage`): the first stage needs the
+//! token ids, and every stage must run the same forward calls in the same order.
 
 use super::backend::{Activation, Backend};
 use super::collectives::Collectives;
@@ -29,24 +29,6 @@ pub struct StageLink<C> {
     pub origin: Vec<usize>,
 }
 
-/// What the last stage tells the earlier ones after the prefill.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Control {
-    /// Run one decode step over these (sequence, new token) pairs.
-    Step(Vec<(usize, i64)>),
-    /// The logits of `sequence` at `step` (0: the prompt, k: decode step k) are not finite:
-    /// recompute its `tokens` to find the op they come from.
-    Locate {
-        sequence: usize,
-        step: usize,
-        tokens: Vec<i64>,
-    },
-    /// This generation is over.
-    Done,
-    /// One serving-engine step, as `engine::step::StepMessage` encodes it.
-    Engine(Vec<f32>),
-}
-
 fn protocol(problem: impl Into<String>) -> RunError {
     RunError::Pipeline(problem.into())
 }
@@ -68,71 +50,6 @@ fn to_usize(what: &str, v: f32) -> Result<usize> {
         )));
     }
     Ok(v as usize)
-}
-
-fn token(v: i64) -> Result<usize> {
-    usize::try_from(v).map_err(|_| protocol(format!("token id {v} cannot pass between stages")))
-}
-
-impl Control {
-    fn encode(&self) -> Result<Vec<f32>> {
-        let mut out = Vec::new();
-        match self {
-            Control::Done => out.push(0.0),
-            Control::Step(pairs) => {
-                out.push(1.0);
-                for &(s, t) in pairs {
-                    out.push(to_f32("a sequence index", s)?);
-                    out.push(to_f32("a token id", token(t)?)?);
-                }
-            }
-            Control::Locate {
-                sequence,
-                step,
-                tokens,
-            } => {
-                out.push(2.0);
-                out.push(to_f32("a sequence index", *sequence)?);
-                out.push(to_f32("a step", *step)?);
-                for &t in tokens {
-                    out.push(to_f32("a token id", token(t)?)?);
-                }
-            }
-            Control::Engine(body) => {
-                out.push(3.0);
-                out.extend_from_slice(body);
-            }
-        }
-        Ok(out)
-    }
-
-    fn decode(data: &[f32]) -> Result<Control> {
-        let (&kind, rest) = data
-            .split_first()
-            .ok_or_else(|| protocol("an empty control message"))?;
-        let ints = |xs: &[f32]| -> Result<Vec<usize>> {
-            xs.iter().map(|&x| to_usize("an integer", x)).collect()
-        };
-        match kind as i32 {
-            0 if rest.is_empty() => Ok(Control::Done),
-            1 if rest.len() % 2 == 0 => Ok(Control::Step(
-                ints(rest)?.chunks(2).map(|p| (p[0], p[1] as i64)).collect(),
-            )),
-            2 if rest.len() >= 2 => {
-                let v = ints(rest)?;
-                Ok(Control::Locate {
-                    sequence: v[0],
-                    step: v[1],
-                    tokens: v[2..].iter().map(|&t| t as i64).collect(),
-                })
-            }
-            3 => Ok(Control::Engine(rest.to_vec())),
-            _ => Err(protocol(format!(
-                "a control message of kind {kind} and {} values (a bug in tpc)",
-                rest.len()
-            ))),
-        }
-    }
 }
 
 impl<C> StageLink<C> {
@@ -186,28 +103,27 @@ impl<C> StageLink<C> {
         Ok(x)
     }
 
-    /// The last stage: tells every earlier stage `control`.
-    pub fn tell<B: Backend>(&mut self, backend: &B, control: &Control) -> Result<()>
+    /// The last stage: tells every earlier stage `message` (an engine step, encoded).
+    pub fn tell<B: Backend>(&mut self, backend: &B, message: &[f32]) -> Result<()>
     where
         C: Collectives<B::Act>,
     {
-        let body = control.encode()?;
-        let len = [to_f32("a message length", body.len())?];
+        let len = [to_f32("a message length", message.len())?];
         for to in 0..self.stage {
             self.send_floats(backend, &len, to)?;
-            self.send_floats(backend, &body, to)?;
+            self.send_floats(backend, message, to)?;
         }
         Ok(())
     }
 
     /// An earlier stage: what the last stage says next.
-    pub fn listen<B: Backend>(&mut self, backend: &B) -> Result<Control>
+    pub fn listen<B: Backend>(&mut self, backend: &B) -> Result<Vec<f32>>
     where
         C: Collectives<B::Act>,
     {
         let last = self.stages.saturating_sub(1);
         let len = to_usize("a message length", self.recv_floats(backend, 1, last)?[0])?;
-        Control::decode(&self.recv_floats(backend, len, last)?)
+        self.recv_floats(backend, len, last)
     }
 
     fn send_floats<B: Backend>(&mut self, backend: &B, data: &[f32], to: usize) -> Result<()>
@@ -252,31 +168,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn control_messages_round_trip() {
-        for c in [
-            Control::Done,
-            Control::Step(vec![]),
-            Control::Step(vec![(0, 5), (3, 16_777_215)]),
-            Control::Locate {
-                sequence: 2,
-                step: 7,
-                tokens: vec![1, 2, 3],
-            },
-            Control::Engine(vec![]),
-            Control::Engine(vec![1.0, 0.0, 2.0, 16.0]),
-        ] {
-            assert_eq!(Control::decode(&c.encode().unwrap()).unwrap(), c);
-        }
-    }
-
-    #[test]
     fn what_f32_cannot_hold_exactly_is_refused() {
-        assert!(Control::Step(vec![(0, 1 << 24)]).encode().is_err());
-        assert!(Control::Step(vec![(0, -1)]).encode().is_err());
-        assert!(Control::decode(&[1.0, 0.5, 2.0]).is_err());
-        assert!(Control::decode(&[1.0, 1.0]).is_err());
-        assert!(Control::decode(&[9.0]).is_err());
-        assert!(Control::decode(&[]).is_err());
-        assert!(Control::decode(&[2.0, f32::NAN, 0.0]).is_err());
+        assert!(to_f32("a length", 1 << 24).is_err());
+        assert_eq!(to_f32("a length", (1 << 24) - 1).unwrap(), 16_777_215.0);
+        for v in [0.5, -1.0, f32::NAN, 16_777_216.0] {
+            assert!(to_usize("a length", v).is_err(), "{v}");
+        }
+        assert_eq!(to_usize("a length", 7.0).unwrap(), 7);
     }
 }

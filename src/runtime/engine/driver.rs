@@ -19,6 +19,10 @@ pub trait StepRunner {
     fn share(&mut self, message: Option<&StepMessage>) -> Result<StepMessage>;
     /// Runs one step on this rank; the leading rank gets its output.
     fn run(&mut self, seqs: &[PlannedSeq], exchange: Exchange) -> Result<Option<StepOutput>>;
+    /// Every rank together recomputes `tokens`, the history of request `sequence` whose
+    /// logits at `step` are not finite, and returns the error that names the op they come
+    /// from.
+    fn locate(&mut self, sequence: usize, step: usize, tokens: &[i64]) -> RunError;
 }
 
 /// What the handle asks of the leading rank.
@@ -42,7 +46,6 @@ pub struct Shared {
     /// Submitted requests the leading rank has not taken yet.
     pub pending: AtomicUsize,
     pub draining: AtomicBool,
-    pub blocks_in_use: AtomicUsize,
     /// Why the engine stopped, once it has.
     pub stopped: Mutex<Option<String>>,
 }
@@ -52,8 +55,6 @@ impl Shared {
         let (running, waiting) = scheduler.load();
         self.running.store(running, Ordering::Release);
         self.waiting.store(waiting, Ordering::Release);
-        self.blocks_in_use
-            .store(scheduler.blocks_in_use(), Ordering::Release);
     }
 
     pub(crate) fn stop(&self, why: String) {
@@ -171,6 +172,11 @@ pub fn follow<R: StepRunner>(runner: &mut R) -> Result<()> {
             StepMessage::Step { seqs, exchange } => {
                 runner.run(&seqs, exchange)?;
             }
+            StepMessage::Locate {
+                sequence,
+                step,
+                tokens,
+            } => return Err(runner.locate(sequence, step, &tokens)),
         }
     }
 }

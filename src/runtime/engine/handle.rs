@@ -3,6 +3,7 @@
 
 use super::api::{EventSink, GenRequest, ModelInfo, RequestId, Serving, SubmitError};
 use super::driver::{Command, Shared};
+use super::metrics::Metrics;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -25,6 +26,8 @@ pub struct EngineHandle {
     shared: Arc<Shared>,
     next_id: AtomicU64,
     registry: Arc<prometheus::Registry>,
+    /// The scheduler's gauge, set before any client hears that a request ended.
+    kv_blocks_in_use: prometheus::IntGauge,
 }
 
 impl EngineHandle {
@@ -33,7 +36,7 @@ impl EngineHandle {
         admission: Admission,
         commands: Sender<Command>,
         shared: Arc<Shared>,
-        registry: Arc<prometheus::Registry>,
+        metrics: &Metrics,
     ) -> EngineHandle {
         EngineHandle {
             info,
@@ -41,13 +44,14 @@ impl EngineHandle {
             commands: Mutex::new(commands),
             shared,
             next_id: AtomicU64::new(1),
-            registry,
+            registry: metrics.registry.clone(),
+            kv_blocks_in_use: metrics.kv_blocks_in_use.clone(),
         }
     }
 
     /// KV blocks some request reads now.
     pub fn blocks_in_use(&self) -> usize {
-        self.shared.blocks_in_use.load(Ordering::Acquire)
+        usize::try_from(self.kv_blocks_in_use.get()).unwrap_or(0)
     }
 
     fn send(&self, command: Command) -> Result<(), SubmitError> {

@@ -164,6 +164,8 @@ pub fn prepare(
             blocks,
             prefix_caching: opts.prefix_caching,
             context,
+            prompt_logits: Default::default(),
+            gather_logits: false,
         },
         metrics,
     );
@@ -182,7 +184,7 @@ pub fn prepare(
         },
         tx,
         shared.clone(),
-        scheduler.metrics.registry.clone(),
+        &scheduler.metrics,
     ));
     Ok(EngineSetup {
         handle,
@@ -420,13 +422,7 @@ pub fn serve_cpu<T: Send>(
     let kernels = crate::runtime::cpu::isa::Kernels::select(cpu.isa)?;
     let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
     let make = |rank: usize| {
-        crate::runtime::cpu_launch::placed_cpu_backend(
-            rank,
-            threads,
-            cpu.pin_threads,
-            bf16,
-            kernels,
-        )
+        crate::runtime::cpu_rank::placed_cpu_backend(rank, threads, cpu.pin_threads, bf16, kernels)
     };
     let run_replica = |_: usize, setup: EngineSetup, hand_over: HandOver| {
         let (comms, pipes) = crate::runtime::launch::local_groups(plan)?;

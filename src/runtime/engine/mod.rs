@@ -2,6 +2,7 @@
 //! step at a time on every rank. [`api`] is what clients (the HTTP server, `tpc run`) see.
 
 pub mod api;
+pub mod batch;
 pub mod blocks;
 pub mod driver;
 pub mod handle;

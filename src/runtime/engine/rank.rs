@@ -12,7 +12,6 @@ use crate::runtime::collectives::Collectives;
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::executor::{OutputRows, SeqStep};
 use crate::runtime::generate::RankRuntime;
-use crate::runtime::stage_link::Control;
 
 /// A rank of a running plan as the engine drives it.
 pub struct RankSteps<'r, 'p, B: Backend, C: Collectives<B::Act>> {
@@ -27,12 +26,7 @@ impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> 
     fn share(&mut self, message: Option<&StepMessage>) -> Result<StepMessage> {
         let exec = &mut self.rt.exec;
         if !exec.has_output() {
-            return match exec.listen()? {
-                Control::Engine(body) => StepMessage::decode(&body).map_err(protocol),
-                other => Err(protocol(format!(
-                    "expected an engine step from the last stage, got {other:?} (a bug in tpc)"
-                ))),
-            };
+            return StepMessage::decode(&exec.listen()?).map_err(protocol);
         }
         let body = match message {
             Some(m) => Some(m.encode().map_err(protocol)?),
@@ -40,7 +34,7 @@ impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> 
         };
         let body = exec.broadcast_floats(body)?;
         let decoded = StepMessage::decode(&body).map_err(protocol)?;
-        exec.tell(&Control::Engine(body))?;
+        exec.tell(&body)?;
         Ok(decoded)
     }
 
@@ -67,8 +61,22 @@ impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> 
                     origin: unknown(),
                 },
             },
-            Exchange::Logits => {
-                let logits = exec.forward_steps(&steps, OutputRows::LastOfEach)?;
+            Exchange::TopK(k) => {
+                match exec.forward_steps_top_k(&steps, OutputRows::LastOfEach, k)? {
+                    Ok(candidates) => StepOutput::Candidates(candidates),
+                    Err(row) => StepOutput::NonFinite {
+                        row,
+                        origin: unknown(),
+                    },
+                }
+            }
+            Exchange::Logits | Exchange::AllLogits => {
+                let rows = if exchange == Exchange::AllLogits {
+                    OutputRows::All
+                } else {
+                    OutputRows::LastOfEach
+                };
+                let logits = exec.forward_steps(&steps, rows)?;
                 let out = match logits.first_non_finite_row() {
                     Some(row) => StepOutput::NonFinite {
                         row,
@@ -83,5 +91,25 @@ impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> 
                 out
             }
         }))
+    }
+
+    fn locate(&mut self, sequence: usize, step: usize, tokens: &[i64]) -> RunError {
+        match self.rt.exec.locate_non_finite(tokens) {
+            Ok(origin) => RunError::NonFiniteLogits {
+                sequence,
+                step: step_name(step),
+                origin,
+            },
+            Err(e) => e,
+        }
+    }
+}
+
+/// "the prompt" (step 0) or "decode step N".
+fn step_name(step: usize) -> String {
+    if step == 0 {
+        "the prompt".into()
+    } else {
+        format!("decode step {step}")
     }
 }

@@ -14,7 +14,8 @@ use super::api::{Event, EventSink, FinishReason, GenRequest, RequestId, TokenLog
 use super::blocks::{BlockId, BlockPool};
 use super::metrics::Metrics;
 use super::step::{Exchange, PlannedSeq, StepMessage};
-use crate::runtime::sampling::{pick, Rng};
+use crate::runtime::executor::Candidates;
+use crate::runtime::sampling::{pick, pick_from_candidates, Rng};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -30,7 +31,27 @@ pub struct SchedulerConfig {
     pub prefix_caching: bool,
     /// Positions a sequence may use: its last token is fed at position `context - 1` at most.
     pub context: usize,
+    /// Which prompt logits the steps that compute prompts return (`tpc run`).
+    pub prompt_logits: PromptLogits,
+    /// Every step returns whole logits, even where each row's argmax or top-k candidates
+    /// would do (`tpc run --gather-logits`: the same tokens, more bytes).
+    pub gather_logits: bool,
 }
+
+/// Which logits of the prompts a step returns besides what picking the next tokens needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptLogits {
+    /// None (the server).
+    #[default]
+    Off,
+    /// The last prompt position's.
+    Last,
+    /// Every prompt position's.
+    All,
+}
+
+/// Integers up to this pass between ranks exactly (a top-k beyond it takes every token).
+const EXACT: usize = (1 << 24) - 1;
 
 /// A step's result on the leading rank: one row per planned sequence, in plan order.
 #[derive(Debug)]
@@ -39,6 +60,8 @@ pub enum StepOutput {
     Argmax(Vec<usize>),
     /// Each row's logits, `vocab` values per row.
     Logits { data: Vec<f32>, vocab: usize },
+    /// Each row's best (logit, token) candidates.
+    Candidates(Vec<Candidates>),
     /// Row `row` is not finite (`origin`: the op it comes from, when known): that sequence
     /// fails, the others run the step again.
     NonFinite { row: usize, origin: String },
@@ -72,8 +95,19 @@ impl Seq {
             cached_prompt_tokens: self.cached_prompt.unwrap_or(0),
         }
     }
-    fn greedy(&self) -> bool {
-        self.request.sampling.temperature == 0.0 && self.request.logprobs.is_none()
+    /// What this sequence needs of a step's output to pick its next token.
+    fn needs(&self) -> Exchange {
+        let s = &self.request.sampling;
+        if self.request.logprobs.is_some() {
+            Exchange::Logits
+        } else if s.temperature == 0.0 {
+            Exchange::Argmax
+        } else {
+            match s.top_k.filter(|&k| k > 0) {
+                Some(k) => Exchange::TopK(k.min(EXACT)),
+                None => Exchange::Logits,
+            }
+        }
     }
 }
 
@@ -86,6 +120,8 @@ pub struct Scheduler {
     running: Vec<Seq>,
     /// The step being run: each planned sequence's id and token count, in plan order.
     in_flight: Vec<(RequestId, usize)>,
+    /// What that step's output is.
+    in_flight_exchange: Exchange,
     pub metrics: Metrics,
 }
 
@@ -116,6 +152,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             in_flight: Vec::new(),
+            in_flight_exchange: Exchange::Argmax,
             metrics,
         }
     }
@@ -163,14 +200,17 @@ impl Scheduler {
             .drain(..)
             .chain(self.waiting.drain(..))
             .collect();
-        for mut seq in all {
+        for seq in &all {
             self.pool.release(&seq.blocks);
+        }
+        self.in_flight.clear();
+        // The gauges say the requests are gone before their clients hear it.
+        self.update_gauges();
+        for mut seq in all {
             (seq.sink)(Event::Failed {
                 message: message.to_string(),
             });
         }
-        self.in_flight.clear();
-        self.update_gauges();
     }
 
     pub fn is_idle(&self) -> bool {
@@ -254,20 +294,105 @@ impl Scheduler {
         if seqs.is_empty() {
             return None;
         }
-        let all_greedy = self.in_flight.iter().all(|&(id, _)| {
-            self.running
-                .iter()
-                .find(|s| s.id == id)
-                .is_none_or(Seq::greedy)
-        });
+        self.in_flight_exchange = self.step_exchange();
         Some(StepMessage::Step {
             seqs,
-            exchange: if all_greedy {
-                Exchange::Argmax
-            } else {
-                Exchange::Logits
-            },
+            exchange: self.in_flight_exchange,
         })
+    }
+
+    /// The least output the in-flight step's sequences need: argmax picks when all are
+    /// greedy, top-k candidates when all are greedy or sample from a top-k, else logits;
+    /// the prompt logits asked for when some sequence computes its prompt.
+    fn step_exchange(&self) -> Exchange {
+        let seqs = self
+            .in_flight
+            .iter()
+            .filter_map(|&(id, _)| self.running.iter().find(|s| s.id == id));
+        let prefilling = seqs.clone().any(|s| s.computed < s.prompt_len);
+        match self.cfg.prompt_logits {
+            PromptLogits::All if prefilling => return Exchange::AllLogits,
+            PromptLogits::Last if prefilling => return Exchange::Logits,
+            _ if self.cfg.gather_logits => return Exchange::Logits,
+            _ => {}
+        }
+        let mut top_k = None;
+        for s in seqs {
+            match s.needs() {
+                Exchange::Argmax => {}
+                Exchange::TopK(k) => top_k = Some(top_k.unwrap_or(0).max(k)),
+                _ => return Exchange::Logits,
+            }
+        }
+        top_k.map_or(Exchange::Argmax, Exchange::TopK)
+    }
+
+    /// The in-flight step's sequences in plan order: id, token count and the output row
+    /// that picks its next token (with every position's logits, its last position's).
+    fn in_flight_rows(&self) -> Vec<(RequestId, usize, usize)> {
+        // Rows of a sequence: `last + 1 - first_rows(n)..=last`.
+        let mut offset = 0;
+        let all = self.in_flight_exchange == Exchange::AllLogits;
+        self.in_flight
+            .iter()
+            .enumerate()
+            .map(|(p, &(id, n))| {
+                offset += n;
+                (id, n, if all { offset - 1 } else { p })
+            })
+            .collect()
+    }
+
+    /// The in-flight sequence whose output row `row` is: its id, every token fed so far
+    /// (this step's included) and how many of them it generated (0: still its prompt).
+    pub fn in_flight_at_row(&self, row: usize) -> Option<(RequestId, &[i64], usize)> {
+        let (id, ..) = self
+            .in_flight_rows()
+            .into_iter()
+            .find(|&(_, n, last)| row <= last && row + self.rows_of(n) > last)?;
+        let seq = self.running.iter().find(|s| s.id == id)?;
+        Some((id, &seq.tokens[..], seq.tokens.len() - seq.prompt_len))
+    }
+
+    /// Output rows the in-flight step gives a sequence that computes `n` tokens.
+    fn rows_of(&self, n: usize) -> usize {
+        if self.in_flight_exchange == Exchange::AllLogits {
+            n
+        } else {
+            1
+        }
+    }
+
+    /// The prompt logits in the in-flight step's `output`, for each sequence that has some:
+    /// its id, the position of the first row, and the rows (`vocab` values each). With
+    /// every position's logits those of its prompt positions; otherwise its last prompt
+    /// position's when this step computes it.
+    pub fn prompt_rows<'o>(&self, output: &'o StepOutput) -> Vec<(RequestId, usize, &'o [f32])> {
+        let StepOutput::Logits { data, vocab } = output else {
+            return Vec::new();
+        };
+        let all = self.in_flight_exchange == Exchange::AllLogits;
+        let mut out = Vec::new();
+        for (id, n, last) in self.in_flight_rows() {
+            let Some(seq) = self.running.iter().find(|s| s.id == id) else {
+                continue;
+            };
+            let (start, end) = (seq.computed, seq.computed + n);
+            if start >= seq.prompt_len {
+                continue;
+            }
+            let (first_row, first, rows) = if all {
+                (last + 1 - n, start, end.min(seq.prompt_len) - start)
+            } else if end == seq.prompt_len {
+                (last, end - 1, 1)
+            } else {
+                continue;
+            };
+            if let Some(rows) = data.get(first_row * vocab..(first_row + rows) * vocab) {
+                out.push((id, first, rows));
+            }
+        }
+        out
     }
 
     /// Running sequence `i`'s next `n` tokens, recorded as in flight.
@@ -298,13 +423,18 @@ impl Scheduler {
     /// Takes the result of the step [`Scheduler::schedule`] returned: sequences whose
     /// tokens are all computed now pick their next token; finished ones leave.
     pub fn complete(&mut self, output: StepOutput, now: Instant) {
-        let in_flight = std::mem::take(&mut self.in_flight);
+        let in_flight = self.in_flight_rows();
+        self.in_flight.clear();
         if let StepOutput::NonFinite { row, origin } = &output {
             // Nothing advances: the others' keys and values are written again next step.
-            if let Some(&(id, _)) = in_flight.get(*row) {
+            let hit = in_flight
+                .iter()
+                .find(|&&(_, n, last)| *row <= last && *row + self.rows_of(n) > last);
+            if let Some(&(id, ..)) = hit {
                 if let Some(i) = self.running.iter().position(|s| s.id == id) {
                     let mut seq = self.running.remove(i);
                     self.pool.release(&seq.blocks);
+                    self.update_gauges();
                     (seq.sink)(Event::Failed {
                         message: format!("the model's logits are not finite ({origin})"),
                     });
@@ -315,7 +445,7 @@ impl Scheduler {
         }
         let mut generated = 0;
         let mut done = Vec::new();
-        for (row, &(id, n)) in in_flight.iter().enumerate() {
+        for &(id, n, row) in &in_flight {
             let Some(i) = self.running.iter().position(|s| s.id == id) else {
                 continue;
             };
@@ -326,7 +456,18 @@ impl Scheduler {
             if seq.computed < seq.tokens.len() {
                 continue;
             }
+            if seq.request.max_tokens == 0 {
+                // A prompt only (`tpc run --max-new-tokens 0`): no token is picked.
+                done.push((id, FinishReason::Length));
+                continue;
+            }
             let (token, logprobs) = match &output {
+                StepOutput::Candidates(all) => (
+                    all.get(row)
+                        .and_then(|c| pick_from_candidates(c, &seq.request.sampling, &mut seq.rng))
+                        .map(|t| t as i64),
+                    None,
+                ),
                 StepOutput::Argmax(picks) => (picks.get(row).map(|&t| t as i64), None),
                 StepOutput::Logits { data, vocab } => {
                     let logits = data.get(row * vocab..(row + 1) * vocab);

@@ -10,6 +10,12 @@ pub enum Exchange {
     Argmax,
     /// The whole logits of each row (sampling, log-probabilities).
     Logits,
+    /// Each row's `k` best (logit, token) candidates (every sequence greedy or sampling
+    /// with a top-k of at most `k`, no log-probabilities).
+    TopK(usize),
+    /// The whole logits of every position the step computes, not only each sequence's last
+    /// (`tpc run`'s prompt logits).
+    AllLogits,
 }
 
 /// One sequence's part of a step.
@@ -28,6 +34,14 @@ pub enum StepMessage {
     Step {
         seqs: Vec<PlannedSeq>,
         exchange: Exchange,
+    },
+    /// The logits of request `sequence` at `step` (0: its prompt, k: its k-th new token) are
+    /// not finite: every rank recomputes its `tokens` to find the op they come from, and the
+    /// batch fails with it (`tpc run`).
+    Locate {
+        sequence: usize,
+        step: usize,
+        tokens: Vec<i64>,
     },
     /// The engine stops: leave the loop.
     Stop,
@@ -52,17 +66,37 @@ fn exact(what: &str, v: u64) -> Result<f32, StepCodeError> {
 }
 
 impl StepMessage {
-    /// `[kind, exchange, count, (start, n_tokens, n_blocks, tokens.., blocks..)..]`.
+    /// `[0]` (stop), `[1, exchange.., count, (start, n_tokens, n_blocks, tokens..,
+    /// blocks..)..]` (a step; the exchange is one value, or `3, k` for a top-k) or
+    /// `[2, sequence, step, n_tokens, tokens..]` (locate).
     pub fn encode(&self) -> Result<Vec<f32>, StepCodeError> {
         let mut out = Vec::new();
         match self {
             StepMessage::Stop => out.push(0.0),
+            StepMessage::Locate {
+                sequence,
+                step,
+                tokens,
+            } => {
+                out.push(2.0);
+                out.push(exact("a sequence", *sequence as u64)?);
+                out.push(exact("a step", *step as u64)?);
+                out.push(exact("a token count", tokens.len() as u64)?);
+                for &t in tokens {
+                    out.push(exact("a token id", u64::try_from(t).unwrap_or(u64::MAX))?);
+                }
+            }
             StepMessage::Step { seqs, exchange } => {
                 out.push(1.0);
-                out.push(match exchange {
-                    Exchange::Argmax => 0.0,
-                    Exchange::Logits => 1.0,
-                });
+                match exchange {
+                    Exchange::Argmax => out.push(0.0),
+                    Exchange::Logits => out.push(1.0),
+                    Exchange::AllLogits => out.push(2.0),
+                    Exchange::TopK(k) => {
+                        out.push(3.0);
+                        out.push(exact("a top-k", *k as u64)?);
+                    }
+                }
                 out.push(exact("a batch size", seqs.len() as u64)?);
                 for s in seqs {
                     out.push(exact("a position", s.start as u64)?);
@@ -93,10 +127,28 @@ impl StepMessage {
         };
         match next("its kind")? {
             0 => Ok(StepMessage::Stop),
+            2 => {
+                let sequence = next("a sequence")? as usize;
+                let step = next("a step")? as usize;
+                let n = next("a token count")? as usize;
+                let tokens = (0..n)
+                    .map(|_| next("a token id").map(|t| t as i64))
+                    .collect::<Result<_, _>>()?;
+                if it.next().is_some() {
+                    return Err(StepCodeError("values after the last token".into()));
+                }
+                Ok(StepMessage::Locate {
+                    sequence,
+                    step,
+                    tokens,
+                })
+            }
             1 => {
                 let exchange = match next("the exchange")? {
                     0 => Exchange::Argmax,
                     1 => Exchange::Logits,
+                    2 => Exchange::AllLogits,
+                    3 => Exchange::TopK(next("a top-k")? as usize),
                     e => return Err(StepCodeError(format!("exchange {e}"))),
                 };
                 let count = next("the batch size")? as usize;
@@ -148,7 +200,16 @@ mod tests {
             ],
             exchange: Exchange::Logits,
         };
-        for m in [step, StepMessage::Stop] {
+        let mut top_k = step.clone();
+        if let StepMessage::Step { exchange, .. } = &mut top_k {
+            *exchange = Exchange::TopK(40);
+        }
+        let locate = StepMessage::Locate {
+            sequence: 3,
+            step: 7,
+            tokens: vec![1, 2, 0],
+        };
+        for m in [step, top_k, locate, StepMessage::Stop] {
             assert_eq!(StepMessage::decode(&m.encode().unwrap()).unwrap(), m);
         }
     }

@@ -69,6 +69,8 @@ impl StepRunner for PagedToy {
     fn run(&mut self, seqs: &[PlannedSeq], exchange: Exchange) -> Result<Option<StepOutput>> {
         self.steps += 1;
         let mut picks = Vec::new();
+        // With every position's logits, each position's next token.
+        let mut every = Vec::new();
         for s in seqs {
             let end = s.start + s.tokens.len();
             assert!(s.blocks.len() * self.block_size >= end, "table too short");
@@ -79,18 +81,35 @@ impl StepRunner for PagedToy {
             let history: Vec<i64> = (0..end)
                 .map(|p| self.slots[self.slot(&s.blocks, p)].expect("a position never written"))
                 .collect();
+            every.extend((s.start..end).map(|e| toy_next(&history[..=e]) as usize));
             picks.push(toy_next(&history) as usize);
         }
+        let logits = |rows: &[usize]| {
+            let mut data = vec![0.0; rows.len() * VOCAB];
+            for (r, &p) in rows.iter().enumerate() {
+                data[r * VOCAB + p] = 30.0;
+            }
+            StepOutput::Logits { data, vocab: VOCAB }
+        };
         Ok(Some(match exchange {
             Exchange::Argmax => StepOutput::Argmax(picks),
-            Exchange::Logits => {
-                let mut data = vec![0.0; picks.len() * VOCAB];
-                for (r, &p) in picks.iter().enumerate() {
-                    data[r * VOCAB + p] = 30.0;
-                }
-                StepOutput::Logits { data, vocab: VOCAB }
-            }
+            Exchange::Logits => logits(&picks),
+            Exchange::AllLogits => logits(&every),
+            Exchange::TopK(k) => StepOutput::Candidates(
+                picks
+                    .iter()
+                    .map(|&p| {
+                        (0..VOCAB.min(k))
+                            .map(|c| (if c == 0 { 30.0 } else { 0.0 }, (p + c) % VOCAB))
+                            .collect()
+                    })
+                    .collect(),
+            ),
         }))
+    }
+
+    fn locate(&mut self, sequence: usize, step: usize, _: &[i64]) -> RunError {
+        RunError::Pipeline(format!("toy: sequence {sequence} step {step}"))
     }
 }
 
@@ -178,6 +197,8 @@ fn config(blocks: usize, block_size: usize, budget: usize, seqs: usize) -> Sched
         blocks,
         prefix_caching: true,
         context: 1000,
+        prompt_logits: Default::default(),
+        gather_logits: false,
     }
 }
 
@@ -400,6 +421,9 @@ impl StepRunner for Pair {
         }
         self.model.run(seqs, exchange)
     }
+    fn locate(&mut self, sequence: usize, step: usize, tokens: &[i64]) -> RunError {
+        self.model.locate(sequence, step, tokens)
+    }
 }
 
 /// The leader's and the follower's results.
@@ -426,7 +450,7 @@ fn engine(
         },
         tx,
         shared.clone(),
-        scheduler.metrics.registry.clone(),
+        &scheduler.metrics,
     ));
     let join = std::thread::spawn(move || {
         let (to, from) = mpsc::channel();
@@ -545,5 +569,247 @@ fn a_failing_rank_fails_every_request_and_later_submissions() {
     match handle.submit(request(vec![1], 1), Box::new(|_| {})) {
         Err(SubmitError::Stopped(why)) => assert!(why.contains("a rank failed"), "{why}"),
         other => panic!("{other:?}"),
+    }
+}
+
+mod batch {
+    //! `tpc run`'s batch through the engine, over the toy model.
+    use super::*;
+    use crate::runtime::engine::batch::{batch_config, lead_batch, BatchRun};
+    use crate::runtime::engine::scheduler::PromptLogits;
+    use crate::runtime::generate::{Request, RunOptions};
+
+    fn argmax(row: &[f32]) -> i64 {
+        let best = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        row.iter().position(|&v| v == best).unwrap() as i64
+    }
+
+    fn requests() -> Vec<Request> {
+        [
+            (3, 5, Some(6)),
+            (4, 40, None),
+            (5, 1, Some(0)),
+            (6, 17, Some(2)),
+        ]
+        .into_iter()
+        .map(|(seed, len, new)| Request {
+            prompt: prompt(seed, len),
+            max_new_tokens: new,
+        })
+        .collect()
+    }
+
+    fn run(
+        runner: &mut impl StepRunner,
+        requests: &[Request],
+        opts: &RunOptions,
+    ) -> (Result<BatchRun>, Vec<(usize, Vec<i64>)>) {
+        let cfg = batch_config(requests, opts).unwrap();
+        let finished = Mutex::new(Vec::new());
+        let out = lead_batch(runner, cfg, requests, opts, &|_| {}, &|i, t| {
+            finished.lock().unwrap().push((i, t.to_vec()))
+        });
+        (out, finished.into_inner().unwrap())
+    }
+
+    #[test]
+    fn a_batch_gives_each_request_its_solo_tokens_and_its_prompt_logits() {
+        let requests = requests();
+        for all in [true, false] {
+            let opts = RunOptions {
+                max_new_tokens: 9,
+                all_prompt_logits: all,
+                ..RunOptions::default()
+            };
+            let cfg = batch_config(&requests, &opts).unwrap();
+            assert_eq!(cfg.max_num_batched_tokens, 5 + 40 + 1 + 17);
+            let mut toy = PagedToy::new(cfg.blocks, cfg.block_size);
+            let (out, mut finished) = run(&mut toy, &requests, &opts);
+            let out = out.unwrap();
+            // Every prompt in the first step, then one step per further token.
+            assert_eq!(toy.steps, 9, "all={all}");
+            finished.sort();
+            for (i, r) in requests.iter().enumerate() {
+                let limit = r.max_new_tokens.unwrap_or(9);
+                let want = solo(&r.prompt, limit, &[]);
+                assert_eq!(out.sequences[i].generated, want, "request {i}");
+                assert_eq!(finished[i], (i, want));
+                let logits = &out.sequences[i].prompt_logits;
+                let rows = if all { r.prompt.len() } else { 1 };
+                assert_eq!(logits.shape, vec![rows, VOCAB], "request {i}");
+                for (k, row) in logits.data.chunks(VOCAB).enumerate() {
+                    let upto = r.prompt.len() - rows + k + 1;
+                    assert_eq!(
+                        argmax(row),
+                        toy_next(&r.prompt[..upto]),
+                        "request {i} row {k}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn steps_exchange_the_least_output_their_sequences_need() {
+        let sampled = |top_k: Option<usize>, top_p: Option<f32>| Sampling {
+            temperature: 0.7,
+            top_k,
+            top_p,
+            ..Sampling::default()
+        };
+        let with = |s: Sampling| GenRequest {
+            sampling: s,
+            ..request(prompt(1, 3), 4)
+        };
+        let logprobs = GenRequest {
+            logprobs: Some(2),
+            ..request(prompt(2, 3), 4)
+        };
+        let cases: Vec<(Vec<GenRequest>, PromptLogits, bool, [Exchange; 2])> = vec![
+            (
+                vec![request(prompt(1, 3), 4)],
+                PromptLogits::Off,
+                false,
+                [Exchange::Argmax; 2],
+            ),
+            (
+                vec![
+                    request(prompt(1, 3), 4),
+                    with(sampled(Some(5), None)),
+                    with(sampled(Some(3), Some(0.9))),
+                ],
+                PromptLogits::Off,
+                false,
+                [Exchange::TopK(5); 2],
+            ),
+            (
+                vec![with(sampled(Some(5), None)), with(sampled(None, Some(0.9)))],
+                PromptLogits::Off,
+                false,
+                [Exchange::Logits; 2],
+            ),
+            (
+                vec![request(prompt(1, 3), 4), logprobs],
+                PromptLogits::Off,
+                false,
+                [Exchange::Logits; 2],
+            ),
+            (
+                vec![request(prompt(1, 3), 4)],
+                PromptLogits::Off,
+                true,
+                [Exchange::Logits; 2],
+            ),
+            (
+                vec![with(sampled(Some(5), None))],
+                PromptLogits::All,
+                false,
+                [Exchange::AllLogits, Exchange::TopK(5)],
+            ),
+            (
+                vec![request(prompt(1, 3), 4)],
+                PromptLogits::Last,
+                false,
+                [Exchange::Logits, Exchange::Argmax],
+            ),
+        ];
+        for (n, (reqs, prompt_logits, gather_logits, want)) in cases.into_iter().enumerate() {
+            let cfg = SchedulerConfig {
+                prompt_logits,
+                gather_logits,
+                ..config(64, 4, 64, 8)
+            };
+            let mut toy = PagedToy::new(cfg.blocks, cfg.block_size);
+            let mut scheduler = Scheduler::new(cfg);
+            let log: Log = Default::default();
+            for (id, r) in reqs.iter().enumerate() {
+                scheduler.add(id as u64, r.clone(), sink(&log, id as u64), Instant::now());
+            }
+            for (step, want) in want.iter().enumerate() {
+                let Some(StepMessage::Step { seqs, exchange }) = scheduler.schedule() else {
+                    panic!("case {n}: no step {step}");
+                };
+                assert_eq!(exchange, *want, "case {n} step {step}");
+                let out = toy.run(&seqs, exchange).unwrap().unwrap();
+                scheduler.complete(out, Instant::now());
+            }
+            // Sampling from top-k candidates gave every request its tokens.
+            let log = log.lock().unwrap();
+            for id in 0..reqs.len() as u64 {
+                assert_eq!(tokens_of(&log[&id]).len(), 2, "case {n} request {id}");
+            }
+        }
+    }
+
+    /// The toy with row `row` of step `at` not finite; records what the leading rank shares.
+    struct Poisoned {
+        toy: PagedToy,
+        at: usize,
+        row: usize,
+        shared: Vec<StepMessage>,
+    }
+
+    impl StepRunner for Poisoned {
+        fn share(&mut self, message: Option<&StepMessage>) -> Result<StepMessage> {
+            self.shared.extend(message.cloned());
+            self.toy.share(message)
+        }
+        fn run(&mut self, seqs: &[PlannedSeq], exchange: Exchange) -> Result<Option<StepOutput>> {
+            let out = self.toy.run(seqs, exchange)?;
+            Ok(if self.toy.steps == self.at {
+                Some(StepOutput::NonFinite {
+                    row: self.row,
+                    origin: String::new(),
+                })
+            } else {
+                out
+            })
+        }
+        fn locate(&mut self, sequence: usize, step: usize, tokens: &[i64]) -> RunError {
+            self.toy.locate(sequence, step, tokens)
+        }
+    }
+
+    #[test]
+    fn logits_that_are_not_finite_stop_the_batch_where_every_rank_finds_their_op() {
+        let requests = requests();
+        // Prompt rows of every position in the first step: row 45 is request 2's only one.
+        // Later steps have a row per live request: request 3 is the third at step 2.
+        for (all, at, row, sequence, step) in [
+            (true, 1, 45, 2, 0),
+            (false, 1, 1, 1, 0),
+            (false, 2, 2, 3, 1),
+        ] {
+            let opts = RunOptions {
+                max_new_tokens: 9,
+                all_prompt_logits: all,
+                ..RunOptions::default()
+            };
+            let cfg = batch_config(&requests, &opts).unwrap();
+            let mut runner = Poisoned {
+                toy: PagedToy::new(cfg.blocks, cfg.block_size),
+                at,
+                row,
+                shared: Vec::new(),
+            };
+            let (out, _) = run(&mut runner, &requests, &opts);
+            let err = out.unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("toy: sequence {sequence} step {step}")),
+                "{err}"
+            );
+            let mut tokens = requests[sequence].prompt.clone();
+            if step > 0 {
+                tokens.extend(solo(&tokens, step, &[]));
+            }
+            assert_eq!(
+                runner.shared.last(),
+                Some(&StepMessage::Locate {
+                    sequence,
+                    step,
+                    tokens
+                })
+            );
+        }
     }
 }

@@ -17,7 +17,7 @@ pub mod serve;
 use super::agreement::{verdict, Record};
 use super::comm::MpiComm;
 use super::cpu::isa::Kernels;
-use super::cpu_launch::cpu_backend;
+use super::cpu_rank::cpu_backend;
 use super::error::{Result, RunError};
 use super::generate::{
     rank_runtime, stage_runtime, BatchOutput, Device, Request, RunOptions, SequenceOutput,

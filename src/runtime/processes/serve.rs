@@ -9,7 +9,7 @@ use crate::plan::stages::stage_program;
 use crate::plan::Plan;
 use crate::runtime::cpu::isa::Kernels;
 use crate::runtime::cpu::CpuOptions;
-use crate::runtime::cpu_launch::cpu_backend;
+use crate::runtime::cpu_rank::cpu_backend;
 use crate::runtime::engine::api::Serving;
 use crate::runtime::engine::handle::EngineHandle;
 use crate::runtime::engine::launch::{kv_memory, prepare, serve_with, EngineOptions};
