@@ -135,10 +135,9 @@ fn no_tokenizer(param: &str) -> ApiError {
 }
 
 /// `prompt`: a string, a list of one string, a list of ids, or a list of one list of ids.
-fn completion_prompt(app: &App, f: &Fields) -> Result<Vec<i64>, ApiError> {
+pub(crate) fn completion_prompt(text: &TextSide, f: &Fields) -> Result<Vec<i64>, ApiError> {
     let encode = |s: &str| -> Result<Vec<i64>, ApiError> {
-        let t = app
-            .text
+        let t = text
             .tokenizer
             .as_ref()
             .ok_or_else(|| no_tokenizer("prompt"))?;
@@ -217,17 +216,8 @@ async fn completions_inner(
             "`suffix` is not supported by this server; drop it",
         ));
     }
-    c.logprobs = match f.i64("logprobs")? {
-        None => None,
-        Some(k) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => Some(k as usize),
-        Some(k) => {
-            return Err(ApiError::param(
-                "logprobs",
-                format!("`logprobs` is {k}; give 0 to {MAX_TOP_LOGPROBS} (the top log-probabilities per token)"),
-            ))
-        }
-    };
-    let prompt = completion_prompt(&app, &f)?;
+    c.logprobs = completion_logprobs(&f)?;
+    let prompt = completion_prompt(&app.text, &f)?;
     // OpenAI's default length for completions.
     let request = gen_request(
         &c,
@@ -245,6 +235,18 @@ async fn completions_inner(
         c.stop.clone(),
     )?;
     finish(generation, head, &c, prompt).await
+}
+
+/// The completions endpoint's `logprobs`: how many top log-probabilities per token.
+pub(crate) fn completion_logprobs(f: &Fields) -> Result<Option<usize>, ApiError> {
+    match f.i64("logprobs")? {
+        None => Ok(None),
+        Some(k) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => Ok(Some(k as usize)),
+        Some(k) => Err(ApiError::param(
+            "logprobs",
+            format!("`logprobs` is {k}; give 0 to {MAX_TOP_LOGPROBS} (the top log-probabilities per token)"),
+        )),
+    }
 }
 
 /// A message's `content` as text: a string, or a list of text parts joined by newlines.
@@ -329,6 +331,41 @@ fn chat_messages(f: &Fields) -> Result<Value, ApiError> {
     Ok(Value::Array(out))
 }
 
+/// The prompt ids of a chat request's `messages`: rendered with the model's chat template
+/// (`add_generation_prompt`, default true), then tokenized without added special tokens.
+pub(crate) fn chat_prompt(
+    text: &TextSide,
+    template: Option<&ChatTemplate>,
+    name: &str,
+    f: &Fields,
+) -> Result<Vec<i64>, ApiError> {
+    let messages = chat_messages(f)?;
+    let template = template.ok_or_else(|| {
+        ApiError::invalid(format!(
+            "the model `{name}` has no chat template (its tokenizer_config.json has no `chat_template`), so it cannot take chat messages; use /v1/completions with a prompt"
+        ))
+    })?;
+    let tokenizer = text
+        .tokenizer
+        .as_ref()
+        .ok_or_else(|| no_tokenizer("messages"))?;
+    let ctx = ChatContext {
+        bos_token: text.bos_token.as_deref(),
+        eos_token: text.eos_token.as_deref(),
+        add_generation_prompt: f.bool("add_generation_prompt")?.unwrap_or(true),
+    };
+    let rendered = template.render(&messages, &ctx).map_err(|e| {
+        ApiError::param(
+            "messages",
+            format!("the model's chat template refused the messages: {e}"),
+        )
+    })?;
+    // The template wrote the special tokens; none are added again.
+    tokenizer
+        .encode_plain(&rendered)
+        .map_err(|e| ApiError::param("messages", e.to_string()))
+}
+
 async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
     respond(chat_inner(app, body).await)
 }
@@ -367,33 +404,12 @@ async fn chat_inner(
             "tool calling is not supported by this server; drop `tools`",
         ));
     }
-    let messages = chat_messages(&f)?;
-    let name = &app.engine.info().name;
-    let template = app.template.as_ref().ok_or_else(|| {
-        ApiError::invalid(format!(
-            "the model `{name}` has no chat template (its tokenizer_config.json has no `chat_template`), so it cannot take chat messages; use /v1/completions with a prompt"
-        ))
-    })?;
-    let tokenizer = app
-        .text
-        .tokenizer
-        .as_ref()
-        .ok_or_else(|| no_tokenizer("messages"))?;
-    let ctx = ChatContext {
-        bos_token: app.text.bos_token.as_deref(),
-        eos_token: app.text.eos_token.as_deref(),
-        add_generation_prompt: f.bool("add_generation_prompt")?.unwrap_or(true),
-    };
-    let rendered = template.render(&messages, &ctx).map_err(|e| {
-        ApiError::param(
-            "messages",
-            format!("the model's chat template refused the messages: {e}"),
-        )
-    })?;
-    // The template wrote the special tokens; none are added again.
-    let prompt = tokenizer
-        .encode_plain(&rendered)
-        .map_err(|e| ApiError::param("messages", e.to_string()))?;
+    let prompt = chat_prompt(
+        &app.text,
+        app.template.as_ref(),
+        &app.engine.info().name,
+        &f,
+    )?;
     let request = gen_request(
         &c,
         prompt.clone(),

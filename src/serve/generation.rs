@@ -30,6 +30,8 @@ pub struct TokenOut {
     /// With log-probabilities asked for: the token's and the most likely ones'.
     pub logprob: Option<f32>,
     pub top: Vec<(String, f32)>,
+    /// The ids of `top`, in its order.
+    pub top_ids: Vec<i64>,
 }
 
 /// How a generation ended, as OpenAI names it.
@@ -169,12 +171,14 @@ impl Generation {
                             .iter()
                             .map(|&(t, l)| (self.token_text(t, after), finite(l)))
                             .collect(),
+                        top_ids: lp.top.iter().map(|&(t, _)| t).collect(),
                     },
                     None => TokenOut {
                         id,
                         text: String::new(),
                         logprob: None,
                         top: vec![],
+                        top_ids: vec![],
                     },
                 };
                 self.returned.push(id);

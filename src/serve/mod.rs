@@ -8,6 +8,7 @@ mod app;
 pub mod chat_template;
 mod fields;
 mod generation;
+pub mod offline;
 mod params;
 mod responses;
 mod stream;
@@ -88,6 +89,19 @@ fn bind_hint(e: &std::io::Error) -> &'static str {
     }
 }
 
+/// The model folder's chat template, compiled (`None`: it has none).
+fn compiled_template(text: &TextSide) -> Result<Option<chat_template::ChatTemplate>, ServeError> {
+    match &text.chat_template {
+        None => Ok(None),
+        Some(source) => chat_template::ChatTemplate::new(source)
+            .map(Some)
+            .map_err(|message| ServeError::ModelFile {
+                path: "tokenizer_config.json".into(),
+                message: format!("the chat template does not compile: {message}"),
+            }),
+    }
+}
+
 /// Serves `engine` until SIGTERM/SIGINT (or `opts.stop`), then stops accepting, drains the
 /// engine and waits up to `opts.shutdown_timeout` for running requests before returning.
 /// `on_listening` gets the bound address once requests are accepted.
@@ -118,15 +132,7 @@ async fn serve(
     opts: ServerOptions,
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<(), ServeError> {
-    let template = match &text.chat_template {
-        None => None,
-        Some(source) => Some(chat_template::ChatTemplate::new(source).map_err(|message| {
-            ServeError::ModelFile {
-                path: "tokenizer_config.json".into(),
-                message: format!("the chat template does not compile: {message}"),
-            }
-        })?),
-    };
+    let template = compiled_template(&text)?;
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = tokio::net::TcpListener::bind((opts.host.as_str(), opts.port))
         .await
