@@ -114,10 +114,14 @@ def main() -> None:
         with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
             f.write(VLLM_SNIPPET)
         v = subprocess.run([a.vllm_python, f.name, arg], capture_output=True, text=True, env=env)
-        if v.returncode != 0:
-            print(json.dumps({"system": "vllm LLM.generate", "error": v.stderr.strip().splitlines()[-1:]}))
+        # vLLM logs to stdout too: its result is the line that starts with {"seconds".
+        found = [line for line in v.stdout.splitlines() if line.startswith('{"seconds"')]
+        if v.returncode != 0 or not found:
+            print(json.dumps({"system": "vllm LLM.generate", "returncode": v.returncode,
+                              "stdout_tail": v.stdout.strip().splitlines()[-3:],
+                              "stderr_tail": v.stderr.strip().splitlines()[-3:]}))
         else:
-            r = json.loads(v.stdout.strip().splitlines()[-1])
+            r = json.loads(found[-1])
             report("vllm LLM.generate", r["seconds"], r["generated"])
 
 

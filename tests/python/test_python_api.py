@@ -54,9 +54,9 @@ def llm(request):
     model.close()
 
 
-@pytest.fixture(scope="module")
-def text_llm():
-    model = LLM(str(TEXT_FIXTURE), tensor_parallel_size=2)
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def text_llm(request):
+    model = LLM(str(TEXT_FIXTURE), tensor_parallel_size=request.param)
     yield model
     model.close()
 
