@@ -58,8 +58,8 @@ _IGNORED_ENGINE_ARGS = frozenset(
 class SamplingParams:
     """vLLM's sampling parameters (its defaults: temperature 1.0, 16 new tokens).
 
-    Supported: temperature, top_p, top_k (-1 or 0: all tokens), seed, stop, ignore_eos,
-    max_tokens, min_tokens, logprobs. n, best_of and the penalties must keep their neutral
+    Supported: temperature, top_p, top_k (-1 or 0: all tokens), seed, stop, stop_token_ids,
+    ignore_eos, max_tokens, min_tokens, logprobs. n, best_of and the penalties must keep their neutral
     values; other values are refused with the reason.
     """
 
@@ -85,8 +85,6 @@ class SamplingParams:
     def _params(self, default_seed: int) -> Dict[str, Any]:
         if self.min_p != 0.0:
             raise ValueError(f"min_p {self.min_p} is not supported by tpc; leave it at 0")
-        if self.stop_token_ids:
-            raise ValueError("stop_token_ids is not supported by tpc; give stop strings, or rely on the model's EOS ids")
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported by tpc; leave it None")
         if not self.skip_special_tokens:
@@ -112,6 +110,8 @@ class SamplingParams:
             p["max_tokens"] = self.max_tokens
         if self.stop:
             p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.stop_token_ids:
+            p["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
         if self.logprobs is not None:
             p["logprobs"] = self.logprobs
         return p

@@ -102,6 +102,28 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// A list of token ids (whole numbers), at most [`MAX_STOP_STRINGS`]; absent: none.
+    pub fn ids(&self, name: &str) -> Result<Vec<i64>, ApiError> {
+        let list = match self.get(name) {
+            None | Some(Value::Null) => return Ok(vec![]),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(Value::as_i64)
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    ApiError::param(name, format!("`{name}` must be a list of token ids"))
+                })?,
+            Some(v) => return Err(wrong(name, "a list of token ids", v)),
+        };
+        if list.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::param(
+                name,
+                format!("`{name}` has {} ids; give at most {MAX_STOP_STRINGS}", list.len()),
+            ));
+        }
+        Ok(list)
+    }
+
     /// `stop`: a string or a list of strings, none empty, at most [`MAX_STOP_STRINGS`].
     pub fn strings(&self, name: &str) -> Result<Vec<String>, ApiError> {
         let list = match self.get(name) {

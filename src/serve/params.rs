@@ -21,6 +21,9 @@ pub struct Common {
     pub top_k: Option<i64>,
     pub seed: Option<i64>,
     pub stop: Vec<String>,
+    /// vLLM's extension: ids that end generation besides the model's EOS ids (kept with
+    /// `ignore_eos`); returned and counted, not in the text.
+    pub stop_token_ids: Vec<i64>,
     /// Top log-probabilities per token, when the client asked for log-probabilities.
     pub logprobs: Option<usize>,
     pub stream: bool,
@@ -41,6 +44,7 @@ pub fn read_common(f: &Fields, length_names: &[&'static str]) -> Result<Common, 
         top_k: f.i64("top_k")?,
         seed: f.i64("seed")?,
         stop: f.strings("stop")?,
+        stop_token_ids: f.ids("stop_token_ids")?,
         stream: f.bool("stream")?.unwrap_or(false),
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         min_tokens: f.i64("min_tokens")?.unwrap_or(0),
@@ -189,6 +193,19 @@ pub fn gen_request(
             ),
         ));
     }
+    if let Some(&id) = c
+        .stop_token_ids
+        .iter()
+        .find(|&&id| id < 0 || id as u64 >= info.vocab)
+    {
+        return Err(ApiError::param(
+            "stop_token_ids",
+            format!(
+                "stop token id {id} is outside the vocabulary: ids run from 0 to {}",
+                info.vocab.saturating_sub(1)
+            ),
+        ));
+    }
     let sampling = sampling(c, text)?;
     if !c.stop.is_empty() && text.tokenizer.is_none() {
         return Err(ApiError::param(
@@ -201,10 +218,14 @@ pub fn gen_request(
         max_tokens,
         min_tokens: c.min_tokens as usize,
         sampling,
-        stop_ids: if c.ignore_eos {
-            vec![]
-        } else {
-            text.eos.clone()
+        stop_ids: {
+            let mut ids = if c.ignore_eos {
+                vec![]
+            } else {
+                text.eos.clone()
+            };
+            ids.extend(c.stop_token_ids.iter().filter(|&id| !text.eos.contains(id)));
+            ids
         },
         logprobs: c.logprobs,
     })

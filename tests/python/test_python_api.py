@@ -98,6 +98,21 @@ def test_seeded_sampling_is_reproducible(llm):
     assert len({tuple(o.outputs[0].token_ids) for o in a}) > 1
 
 
+def test_stop_token_ids_end_generation_with_the_id_returned(llm):
+    stop = GREEDY_IDS[3]
+    first = GREEDY_IDS.index(stop)
+    [out] = llm.generate(PROMPT_IDS, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]),
+                         use_tqdm=False)
+    assert out.outputs[0].token_ids == GREEDY_IDS[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    # min_tokens holds it off; ignore_eos keeps it.
+    [held] = llm.generate(PROMPT_IDS, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop],
+                                                     min_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert held.outputs[0].token_ids == GREEDY_IDS
+    with pytest.raises(ValueError, match="stop token id 100000 is outside the vocabulary"):
+        llm.generate(PROMPT_IDS, SamplingParams(stop_token_ids=[100000]), use_tqdm=False)
+
+
 def test_logprobs_name_the_chosen_token_and_the_most_likely(llm):
     [out] = llm.generate(PROMPT_IDS, SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)
     c = out.outputs[0]
