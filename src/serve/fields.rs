@@ -118,7 +118,10 @@ impl<'a> Fields<'a> {
         if list.len() > MAX_STOP_STRINGS {
             return Err(ApiError::param(
                 name,
-                format!("`{name}` has {} ids; give at most {MAX_STOP_STRINGS}", list.len()),
+                format!(
+                    "`{name}` has {} ids; give at most {MAX_STOP_STRINGS}",
+                    list.len()
+                ),
             ));
         }
         Ok(list)
