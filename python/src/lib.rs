@@ -12,7 +12,9 @@ use std::sync::Mutex;
 use tpc::runtime::device::Device;
 use tpc::runtime::engine::launch::EngineOptions;
 use tpc::runtime::generate::ComputeDtype;
-use tpc::serve::offline::{OfflineEngine, OfflineError, OfflineOptions, PromptIn};
+use tpc::serve::offline::{
+    compile_model, served_name, OfflineEngine, OfflineError, OfflineOptions, PromptIn,
+};
 
 fn offline_error(e: OfflineError) -> PyErr {
     match e {
@@ -122,11 +124,7 @@ impl Engine {
             )));
         }
         let defaults = EngineOptions::default();
-        let name = model
-            .canonicalize()
-            .ok()
-            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-            .unwrap_or_else(|| "model".into());
+        let name = served_name(&model);
         let options = OfflineOptions {
             tp,
             pp,
@@ -275,23 +273,13 @@ impl Plan {
     }
 }
 
-fn compiled(model: &std::path::Path, tp: u64, pp: Option<u64>) -> PyResult<tpc::plan::Plan> {
-    let def = tpc::frontend::load::load_model(model).map_err(value_error)?;
-    let options = tpc::passes::ShardOptions::default();
-    let mut plan = tpc::pipeline::compile_with(&def, tp, options)
-        .map_err(value_error)?
-        .plan;
-    if let Some(pp) = pp {
-        tpc::pipeline::split_stages(&mut plan, pp, None).map_err(value_error)?;
-    }
-    Ok(plan)
-}
-
 /// Compiles a model (.ron, HF folder or config.json) for `tp` ranks (and `pp` stages).
 #[pyfunction]
 #[pyo3(signature = (model, tp=1, pp=None))]
 fn compile(py: Python<'_>, model: PathBuf, tp: u64, pp: Option<u64>) -> PyResult<Plan> {
-    let plan = py.allow_threads(|| compiled(&model, tp, pp))?;
+    let plan = py
+        .allow_threads(|| compile_model(&model, tp, pp))
+        .map_err(offline_error)?;
     Ok(Plan { plan })
 }
 
@@ -312,7 +300,7 @@ fn simulate(
     py.allow_threads(|| {
         let hw = tpc::cost::shipped_profiles::find_profile(std::path::Path::new(hw))
             .map_err(value_error)?;
-        let plan = compiled(&model, tp, None)?;
+        let plan = compile_model(&model, tp, None).map_err(offline_error)?;
         let work = tpc::cost::simulate::Workload {
             batch,
             prompt: prompt_len,

@@ -5,9 +5,9 @@ use super::ExecArgs;
 use anyhow::Context;
 use std::path::PathBuf;
 use std::sync::Arc;
-use tpc::runtime::device::Device;
 use tpc::runtime::engine::api::Serving;
-use tpc::runtime::engine::launch::{serve_cpu, EngineOptions};
+use tpc::runtime::engine::launch::EngineOptions;
+use tpc::runtime::run::serve_on_device;
 use tpc::runtime::weights::Checkpoint;
 
 #[derive(Debug, clap::Args)]
@@ -98,13 +98,10 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     let mut plan = tpc::pipeline::compile_with(&def, a.tp, a.shard.options())?.plan;
     a.pipe.apply(&mut plan)?;
     let ckpt = Checkpoint::open(&a.model)?;
-    let name = a.served_model_name.clone().unwrap_or_else(|| {
-        a.model
-            .canonicalize()
-            .ok()
-            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-            .unwrap_or_else(|| "model".into())
-    });
+    let name = a
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| tpc::serve::offline::served_name(&a.model));
     let opts = EngineOptions {
         block_size: size("--block-size", a.block_size)?,
         kv_cache_memory: a.kv_cache_memory,
@@ -172,17 +169,8 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         }
         return Ok(engine?);
     }
-    let (engine, served) = match &exec.device {
-        Device::Cpu(cpu) => serve_cpu(&plan, &ckpt, cpu, exec.dtype, &opts, dp, client)?,
-        #[cfg(feature = "cuda")]
-        Device::Cuda(listed) => tpc::runtime::cuda::serve::serve_cuda(
-            &plan, &ckpt, listed, exec.dtype, &opts, dp, client,
-        )?,
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => anyhow::bail!(
-            "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features cuda` (building needs no CUDA; running needs the NVIDIA driver, NVRTC and cuBLAS)"
-        ),
-    };
+    let (engine, served) =
+        serve_on_device(&plan, &ckpt, &exec.device, exec.dtype, &opts, dp, client)?;
     if let Some(served) = served {
         served?;
     }

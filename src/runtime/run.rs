@@ -1,10 +1,15 @@
 //! A run on the chosen device: [`run_batch`] hands the plan to the device's launcher (CPU
-//! ranks as threads, or GPU ranks as threads with feature `cuda`); [`run`] is one prompt.
+//! ranks as threads, or GPU ranks as threads with feature `cuda`); [`run`] is one prompt;
+//! [`serve_on_device`] starts the serving engine the same way.
 
+use super::engine::api::Serving;
+use super::engine::launch::{serve_cpu, EngineOptions};
 use super::error::{Result, RunError};
-use super::generate::{BatchOutput, Device, Request, RunOptions, SequenceOutput};
+use super::generate::{BatchOutput, ComputeDtype, Device, Request, RunOptions, SequenceOutput};
 use super::weights::WeightSource;
 use crate::plan::Plan;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
 
 /// Runs `plan` over `weights` on `opts.device` and generates for every request.
 pub fn run_batch(
@@ -38,9 +43,37 @@ fn run_on_gpus(
     _: &RunOptions,
     _: &[usize],
 ) -> Result<BatchOutput> {
-    Err(RunError::DeviceUnavailable(
+    Err(no_cuda())
+}
+
+/// What `--device cuda` is in a build without the feature.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda() -> RunError {
+    RunError::DeviceUnavailable(
         "--device cuda: this tpc was built without CUDA; build it with `cargo build --release --features cuda` (building needs no CUDA; running needs the NVIDIA driver, NVRTC and cuBLAS)".into(),
-    ))
+    )
+}
+
+/// Starts the serving engine over `plan` on `device` with `dp` replicas and runs `client`
+/// with it, as `engine::launch::serve_cpu` (or `cuda::serve::serve_cuda`) does.
+pub fn serve_on_device<T: Send>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    device: &Device,
+    dtype: ComputeDtype,
+    opts: &EngineOptions,
+    dp: usize,
+    client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
+) -> Result<(Result<()>, Option<T>)> {
+    match device {
+        Device::Cpu(cpu) => serve_cpu(plan, weights, cpu, dtype, opts, dp, client),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(listed) => {
+            super::cuda::serve::serve_cuda(plan, weights, listed, dtype, opts, dp, client)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(no_cuda()),
+    }
 }
 
 /// [`run_batch`] for one prompt: its tokens and prompt logits.

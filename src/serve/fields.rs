@@ -115,15 +115,7 @@ impl<'a> Fields<'a> {
                 })?,
             Some(v) => return Err(wrong(name, "a list of token ids", v)),
         };
-        if list.len() > MAX_STOP_STRINGS {
-            return Err(ApiError::param(
-                name,
-                format!(
-                    "`{name}` has {} ids; give at most {MAX_STOP_STRINGS}",
-                    list.len()
-                ),
-            ));
-        }
+        at_most_stops(name, list.len(), "ids")?;
         Ok(list)
     }
 
@@ -144,15 +136,7 @@ impl<'a> Fields<'a> {
                 })?,
             Some(v) => return Err(wrong(name, "a string or a list of strings", v)),
         };
-        if list.len() > MAX_STOP_STRINGS {
-            return Err(ApiError::param(
-                name,
-                format!(
-                    "`{name}` has {} strings; give at most {MAX_STOP_STRINGS}",
-                    list.len()
-                ),
-            ));
-        }
+        at_most_stops(name, list.len(), "strings")?;
         if list.iter().any(String::is_empty) {
             return Err(ApiError::param(
                 name,
@@ -161,4 +145,15 @@ impl<'a> Fields<'a> {
         }
         Ok(list)
     }
+}
+
+/// A stop list of `len` `items` is at most [`MAX_STOP_STRINGS`] long.
+fn at_most_stops(name: &str, len: usize, items: &str) -> Result<(), ApiError> {
+    if len > MAX_STOP_STRINGS {
+        return Err(ApiError::param(
+            name,
+            format!("`{name}` has {len} {items}; give at most {MAX_STOP_STRINGS}"),
+        ));
+    }
+    Ok(())
 }

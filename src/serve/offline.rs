@@ -12,8 +12,9 @@ use super::params::{gen_request, read_common};
 use super::{compiled_template, ApiError, TextSide};
 use crate::runtime::device::Device;
 use crate::runtime::engine::api::{ModelInfo, Serving};
-use crate::runtime::engine::launch::{serve_cpu, EngineOptions};
+use crate::runtime::engine::launch::EngineOptions;
 use crate::runtime::generate::ComputeDtype;
+use crate::runtime::run::serve_on_device;
 use crate::runtime::weights::Checkpoint;
 use serde_json::{Map, Value};
 use std::path::Path;
@@ -92,6 +93,33 @@ pub struct CompletionOut {
     pub logprobs: Option<Vec<TokenLogprobsOut>>,
 }
 
+/// `model` (.ron, HF folder or config.json) compiled for `tp` ranks with the default shard
+/// options, its layers dealt evenly over `pp` stages.
+pub fn compile_model(
+    model: &Path,
+    tp: u64,
+    pp: Option<u64>,
+) -> Result<crate::plan::Plan, OfflineError> {
+    let def = crate::frontend::load::load_model(model).map_err(invalid)?;
+    let options = crate::passes::ShardOptions::default();
+    let mut plan = crate::pipeline::compile_with(&def, tp, options)
+        .map_err(invalid)?
+        .plan;
+    if let Some(pp) = pp {
+        crate::pipeline::split_stages(&mut plan, pp, None).map_err(invalid)?;
+    }
+    Ok(plan)
+}
+
+/// The name a model folder is served under: its own name (`model` if it has none).
+pub fn served_name(model: &Path) -> String {
+    model
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into())
+}
+
 /// A loaded model serving this process until [`OfflineEngine::close`] (or drop).
 pub struct OfflineEngine {
     engine: Arc<dyn Serving>,
@@ -118,14 +146,7 @@ impl OfflineEngine {
         }
         let text = TextSide::open(model).map_err(invalid)?;
         let template = compiled_template(&text).map_err(invalid)?;
-        let def = crate::frontend::load::load_model(model).map_err(invalid)?;
-        let options = crate::passes::ShardOptions::default();
-        let mut plan = crate::pipeline::compile_with(&def, o.tp, options)
-            .map_err(invalid)?
-            .plan;
-        if let Some(pp) = o.pp {
-            crate::pipeline::split_stages(&mut plan, pp, None).map_err(invalid)?;
-        }
+        let plan = compile_model(model, o.tp, o.pp)?;
         let ckpt = Checkpoint::open(model).map_err(invalid)?;
         let layout = format!("tp={} pp={} dp={}", plan.tp, plan.pp(), o.dp);
         let (ready_tx, ready_rx) = channel::<Arc<dyn Serving>>();
@@ -306,17 +327,7 @@ fn run_engine(
             let _ = close.recv();
         }
     };
-    let served = match &o.device {
-        Device::Cpu(cpu) => serve_cpu(plan, ckpt, cpu, o.dtype, &o.engine, o.dp, client),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(listed) => crate::runtime::cuda::serve::serve_cuda(
-            plan, ckpt, listed, o.dtype, &o.engine, o.dp, client,
-        ),
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => {
-            return Err("device cuda: this tpc was built without CUDA; build it with the `cuda` feature (building needs no CUDA; running needs the NVIDIA driver, NVRTC and cuBLAS)".into())
-        }
-    };
+    let served = serve_on_device(plan, ckpt, &o.device, o.dtype, &o.engine, o.dp, client);
     match served {
         Err(e) => Err(e.to_string()),
         Ok((engine, _)) => engine.map_err(|e| e.to_string()),

@@ -423,14 +423,11 @@ impl Scheduler {
     /// Takes the result of the step [`Scheduler::schedule`] returned: sequences whose
     /// tokens are all computed now pick their next token; finished ones leave.
     pub fn complete(&mut self, output: StepOutput, now: Instant) {
-        let in_flight = self.in_flight_rows();
-        self.in_flight.clear();
         if let StepOutput::NonFinite { row, origin } = &output {
             // Nothing advances: the others' keys and values are written again next step.
-            let hit = in_flight
-                .iter()
-                .find(|&&(_, n, last)| *row <= last && *row + self.rows_of(n) > last);
-            if let Some(&(id, ..)) = hit {
+            let hit = self.in_flight_at_row(*row).map(|(id, ..)| id);
+            self.in_flight.clear();
+            if let Some(id) = hit {
                 if let Some(i) = self.running.iter().position(|s| s.id == id) {
                     let mut seq = self.running.remove(i);
                     self.pool.release(&seq.blocks);
@@ -443,6 +440,8 @@ impl Scheduler {
             self.update_gauges();
             return;
         }
+        let in_flight = self.in_flight_rows();
+        self.in_flight.clear();
         let mut generated = 0;
         let mut done = Vec::new();
         for &(id, n, row) in &in_flight {

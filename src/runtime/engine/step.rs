@@ -115,28 +115,14 @@ impl StepMessage {
     }
 
     pub fn decode(data: &[f32]) -> Result<StepMessage, StepCodeError> {
-        let mut it = data.iter().copied();
-        let mut next = |what: &str| -> Result<u64, StepCodeError> {
-            let v = it
-                .next()
-                .ok_or_else(|| StepCodeError(format!("ends before {what}")))?;
-            if !(v >= 0.0 && (v as u64) < EXACT && v.fract() == 0.0) {
-                return Err(StepCodeError(format!("{what} is {v}")));
-            }
-            Ok(v as u64)
-        };
-        match next("its kind")? {
+        let mut r = Reader(data.iter().copied());
+        match r.int("its kind")? {
             0 => Ok(StepMessage::Stop),
             2 => {
-                let sequence = next("a sequence")? as usize;
-                let step = next("a step")? as usize;
-                let n = next("a token count")? as usize;
-                let tokens = (0..n)
-                    .map(|_| next("a token id").map(|t| t as i64))
-                    .collect::<Result<_, _>>()?;
-                if it.next().is_some() {
-                    return Err(StepCodeError("values after the last token".into()));
-                }
+                let sequence = r.int("a sequence")? as usize;
+                let step = r.int("a step")? as usize;
+                let tokens = r.counted("a token count", "a token id", |t| t as i64)?;
+                r.end("the last token")?;
                 Ok(StepMessage::Locate {
                     sequence,
                     step,
@@ -144,37 +130,76 @@ impl StepMessage {
                 })
             }
             1 => {
-                let exchange = match next("the exchange")? {
+                let exchange = match r.int("the exchange")? {
                     0 => Exchange::Argmax,
                     1 => Exchange::Logits,
                     2 => Exchange::AllLogits,
-                    3 => Exchange::TopK(next("a top-k")? as usize),
+                    3 => Exchange::TopK(r.int("a top-k")? as usize),
                     e => return Err(StepCodeError(format!("exchange {e}"))),
                 };
-                let count = next("the batch size")? as usize;
+                let count = r.int("the batch size")? as usize;
                 let mut seqs = Vec::with_capacity(count.min(data.len()));
                 for _ in 0..count {
-                    let start = next("a position")? as usize;
-                    let n = next("a token count")? as usize;
-                    let b = next("a block count")? as usize;
-                    let tokens = (0..n)
-                        .map(|_| next("a token id").map(|t| t as i64))
-                        .collect::<Result<_, _>>()?;
-                    let blocks = (0..b)
-                        .map(|_| next("a block id").map(|b| b as u32))
-                        .collect::<Result<_, _>>()?;
+                    let start = r.int("a position")? as usize;
+                    let n = r.int("a token count")?;
+                    let b = r.int("a block count")?;
+                    let tokens = r.many(n, "a token id", |t| t as i64)?;
+                    let blocks = r.many(b, "a block id", |b| b as u32)?;
                     seqs.push(PlannedSeq {
                         start,
                         tokens,
                         blocks,
                     });
                 }
-                if it.next().is_some() {
-                    return Err(StepCodeError("values after the last sequence".into()));
-                }
+                r.end("the last sequence")?;
                 Ok(StepMessage::Step { seqs, exchange })
             }
             k => Err(StepCodeError(format!("kind {k}"))),
+        }
+    }
+}
+
+/// Reads a message's exact integers in order.
+struct Reader<I>(I);
+
+impl<I: Iterator<Item = f32>> Reader<I> {
+    fn int(&mut self, what: &str) -> Result<u64, StepCodeError> {
+        let v = self
+            .0
+            .next()
+            .ok_or_else(|| StepCodeError(format!("ends before {what}")))?;
+        if !(v >= 0.0 && (v as u64) < EXACT && v.fract() == 0.0) {
+            return Err(StepCodeError(format!("{what} is {v}")));
+        }
+        Ok(v as u64)
+    }
+
+    /// `n` values of `what`.
+    fn many<T>(
+        &mut self,
+        n: u64,
+        what: &str,
+        of: impl Fn(u64) -> T,
+    ) -> Result<Vec<T>, StepCodeError> {
+        (0..n).map(|_| self.int(what).map(&of)).collect()
+    }
+
+    /// A count (`count`), then that many values of `what`.
+    fn counted<T>(
+        &mut self,
+        count: &str,
+        what: &str,
+        of: impl Fn(u64) -> T,
+    ) -> Result<Vec<T>, StepCodeError> {
+        let n = self.int(count)?;
+        self.many(n, what, of)
+    }
+
+    /// Nothing follows `after`.
+    fn end(&mut self, after: &str) -> Result<(), StepCodeError> {
+        match self.0.next() {
+            Some(_) => Err(StepCodeError(format!("values after {after}"))),
+            None => Ok(()),
         }
     }
 }
