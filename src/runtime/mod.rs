@@ -23,6 +23,7 @@ pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod exact;
 pub mod executor;
 pub mod fused;
 pub mod generate;

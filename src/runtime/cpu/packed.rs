@@ -28,10 +28,13 @@ use crate::runtime::tensor::Tensor;
 use crate::runtime::weights::{Piece, SliceLayout, StoredRows, WeightSource};
 use rayon::prelude::*;
 
+mod invariant;
+pub use invariant::DepthOrder;
+
 /// Reduction steps per block: a widened weight block (`KC·NR` f32 = 16 KiB) stays in L1.
 const KC: usize = 256;
 /// Activation rows per block: `MC·KC` f32 (144 KiB) stays in L2.
-const MC: usize = 144;
+pub(crate) const MC: usize = 144;
 /// Rows per block of the bf16 products: each weight panel streams from memory once per block
 /// and meets all of the block's rows (whose bf16 activations, `MC_BF16 · k · 2` bytes, come
 /// from L2/L3). Measured on TinyLlama at 512 rows: 192-row blocks (three reads of every

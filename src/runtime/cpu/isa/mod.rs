@@ -282,8 +282,32 @@ impl Kernels {
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
+        self.gemv_chains::<R, T, false>(x, ldx, panel, k, out)
+    }
+
+    /// As [`Kernels::gemv`], each output summed in one chain, step after step from zero:
+    /// the bits of [`Kernels::tile_f32`] over the same steps, whatever `R`.
+    pub fn gemv_one_chain<const R: usize, T: PanelValue>(
+        self,
+        x: &[f32],
+        ldx: usize,
+        panel: &[T],
+        k: usize,
+        out: &mut [[f32; NR]; R],
+    ) {
+        self.gemv_chains::<R, T, true>(x, ldx, panel, k, out)
+    }
+
+    fn gemv_chains<const R: usize, T: PanelValue, const ONE: bool>(
+        self,
+        x: &[f32],
+        ldx: usize,
+        panel: &[T],
+        k: usize,
+        out: &mut [[f32; NR]; R],
+    ) {
         assert!(rows_fit(x.len(), R, ldx, k), "gemv: x too short");
-        assert!(panel.len() >= T::panel_len(k), "gemv: panel too short");
+        assert!(panel.len() >= T::read_len(k), "gemv: panel too short");
         #[cfg(target_arch = "x86_64")]
         {
             let bf16 = T::BF16;
@@ -291,9 +315,9 @@ impl Kernels {
             // of x and of the panel in bounds.
             match self.gemv_variant(bf16) {
                 Isa::Avx512 | Isa::Avx512Bf16 => {
-                    return unsafe { T::gemv_avx512::<R>(x, ldx, panel, k, out) }
+                    return unsafe { T::gemv_avx512::<R, ONE>(x, ldx, panel, k, out) }
                 }
-                Isa::Avx2 => return unsafe { T::gemv_avx2::<R>(x, ldx, panel, k, out) },
+                Isa::Avx2 => return unsafe { T::gemv_avx2::<R, ONE>(x, ldx, panel, k, out) },
                 _ => {}
             }
         }
@@ -399,13 +423,15 @@ pub trait PanelValue: Copy + Send + Sync {
     const BF16: bool;
     /// Values in one panel of `k` steps.
     fn panel_len(k: usize) -> usize;
+    /// Values a GEMV over `k` steps reads from the start of a panel (bf16: whole pairs).
+    fn read_len(k: usize) -> usize;
     /// Index of step `p`, column `j` (< NR) in a panel.
     fn slot(p: usize, j: usize) -> usize;
     fn to_f32(self) -> f32;
     /// # Safety
     /// The CPU has AVX2 and FMA; `x` holds `(R - 1)·ldx + k` values, `panel` `panel_len(k)`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx2<const R: usize>(
+    unsafe fn gemv_avx2<const R: usize, const ONE: bool>(
         x: &[f32],
         ldx: usize,
         panel: &[Self],
@@ -415,7 +441,7 @@ pub trait PanelValue: Copy + Send + Sync {
     /// # Safety
     /// As `gemv_avx2`, with AVX-512F.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx512<const R: usize>(
+    unsafe fn gemv_avx512<const R: usize, const ONE: bool>(
         x: &[f32],
         ldx: usize,
         panel: &[Self],
@@ -429,6 +455,9 @@ impl PanelValue for u16 {
     fn panel_len(k: usize) -> usize {
         k.next_multiple_of(BF16_K_ALIGN) * NR
     }
+    fn read_len(k: usize) -> usize {
+        k.div_ceil(2) * 2 * NR
+    }
     fn slot(p: usize, j: usize) -> usize {
         (p / 2) * 2 * NR + j * 2 + (p & 1)
     }
@@ -436,30 +465,33 @@ impl PanelValue for u16 {
         widen(self)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx2<const R: usize>(
+    unsafe fn gemv_avx2<const R: usize, const ONE: bool>(
         x: &[f32],
         ldx: usize,
         panel: &[u16],
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        avx2::gemv_pairs::<R>(x, ldx, panel, k, out)
+        avx2::gemv_pairs::<R, ONE>(x, ldx, panel, k, out)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx512<const R: usize>(
+    unsafe fn gemv_avx512<const R: usize, const ONE: bool>(
         x: &[f32],
         ldx: usize,
         panel: &[u16],
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        avx512::gemv_pairs::<R>(x, ldx, panel, k, out)
+        avx512::gemv_pairs::<R, ONE>(x, ldx, panel, k, out)
     }
 }
 
 impl PanelValue for f32 {
     const BF16: bool = false;
     fn panel_len(k: usize) -> usize {
+        k * NR
+    }
+    fn read_len(k: usize) -> usize {
         k * NR
     }
     fn slot(p: usize, j: usize) -> usize {
@@ -469,24 +501,24 @@ impl PanelValue for f32 {
         self
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx2<const R: usize>(
+    unsafe fn gemv_avx2<const R: usize, const ONE: bool>(
         x: &[f32],
         ldx: usize,
         panel: &[f32],
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        avx2::gemv_f32::<R>(x, ldx, panel, k, out)
+        avx2::gemv_f32::<R, ONE>(x, ldx, panel, k, out)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx512<const R: usize>(
+    unsafe fn gemv_avx512<const R: usize, const ONE: bool>(
         x: &[f32],
         ldx: usize,
         panel: &[f32],
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        avx512::gemv_f32::<R>(x, ldx, panel, k, out)
+        avx512::gemv_f32::<R, ONE>(x, ldx, panel, k, out)
     }
 }
 

@@ -1,0 +1,538 @@
+//! The packed linear in the invariant order (`--numerics invariant`): an output's bits do
+//! not depend on how many rows ran with it, on the team's size, or (with exact blocks) on
+//! how the depth was split over ranks.
+//!
+//! The depth is cut into fixed blocks from step 0. Each block's sum is one f32 chain from
+//! zero, step after step, for every output: the tile kernel's order, which the one-chain
+//! GEMV repeats for a few rows, so that a decode row and a prompt row give the same bits.
+//! Blocks are then added in f32 in order ([`DepthOrder::Chained`]) or exactly
+//! ([`DepthOrder::Exact`], `runtime::exact`): the latter for a product whose depth a valid
+//! tp splits, whose ranks' sums a collective then adds in its own order.
+
+use super::{run_chunks, PackedMatrix, Panels, MC, NR};
+use crate::runtime::cpu::aligned::AlignedVec;
+use crate::runtime::cpu::isa::{Kernels, PanelValue, GEMV_MAX_ROWS, MR};
+use crate::runtime::cpu::team::{SyncPtr, Team};
+use crate::runtime::exact::{block_bound, encode_limbs, from_units, to_units, LIMBS};
+use crate::runtime::tensor::Tensor;
+
+/// How an invariant product adds its depth blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DepthOrder {
+    /// Blocks of `block` steps (the last may be shorter), added in f32 in order.
+    Chained { block: usize },
+    /// Blocks of `block` steps added exactly. `blocks_total`: blocks of the whole depth
+    /// (over every rank), which bounds a block's sum; `limbs`: write each output as its
+    /// limbs (`LIMBS` values side by side: a rank's partial sum for a collective).
+    Exact {
+        block: usize,
+        blocks_total: usize,
+        limbs: bool,
+    },
+}
+
+impl DepthOrder {
+    fn block(self) -> usize {
+        match self {
+            DepthOrder::Chained { block } | DepthOrder::Exact { block, .. } => block.max(1),
+        }
+    }
+
+    /// Values written per output.
+    pub fn width(self) -> usize {
+        match self {
+            DepthOrder::Exact { limbs: true, .. } => LIMBS,
+            _ => 1,
+        }
+    }
+}
+
+/// The running sum of one output over the blocks.
+#[derive(Clone, Copy)]
+struct Adder {
+    order: DepthOrder,
+    bound: f32,
+}
+
+impl Adder {
+    fn new(order: DepthOrder) -> Adder {
+        let bound = match order {
+            DepthOrder::Exact { blocks_total, .. } => block_bound(blocks_total),
+            DepthOrder::Chained { .. } => f32::INFINITY,
+        };
+        Adder { order, bound }
+    }
+
+    /// `acc` after block `b` whose chain gave `s` (f32 order: the first block's sum as it
+    /// is, then `acc + s`; exact: grid units added).
+    #[inline(always)]
+    fn add(self, acc: &mut f64, b: usize, s: f32) {
+        match self.order {
+            DepthOrder::Chained { .. } => {
+                let sum = if b == 0 { s } else { *acc as f32 + s };
+                *acc = sum as f64;
+            }
+            DepthOrder::Exact { .. } => *acc += to_units(s, self.bound),
+        }
+    }
+
+    /// The output's values (1, or LIMBS) into `out`.
+    #[inline(always)]
+    fn write(self, acc: f64, out: &mut [f32]) {
+        match self.order {
+            DepthOrder::Chained { .. } => out[0] = acc as f32,
+            DepthOrder::Exact { limbs: false, .. } => out[0] = from_units(acc),
+            DepthOrder::Exact { limbs: true, .. } => {
+                out[..LIMBS].copy_from_slice(&encode_limbs(acc))
+            }
+        }
+    }
+}
+
+impl PackedMatrix {
+    /// `x [.., k] · Wᵀ` → `[.., n · order.width()]` in the invariant order (module doc).
+    pub fn matmul_invariant(
+        &self,
+        kernels: Kernels,
+        x: &Tensor,
+        team: &Team,
+        order: DepthOrder,
+    ) -> Tensor {
+        let (m, k) = x.rows_cols();
+        assert_eq!(
+            k, self.k,
+            "linear: {k} input features against a packed weight of [{}, {}]",
+            self.n, self.k
+        );
+        let width = order.width();
+        let mut shape = x.shape.clone();
+        *shape.last_mut().expect("activations have a feature dim") = self.n * width;
+        let mut out = Tensor::zeros(shape);
+        if m == 0 || self.n == 0 {
+            return out;
+        }
+        let panels = self.n.div_ceil(NR);
+        let threads = if self.n * k * m.min(8) < 1 << 16 {
+            1
+        } else {
+            team.size().min(panels)
+        };
+        let dst = SyncPtr::new(&mut out.data);
+        let job = Job {
+            w: self,
+            kernels,
+            x: &x.data,
+            m,
+            adder: Adder::new(order),
+            block: order.block(),
+            width,
+            dst,
+        };
+        if m <= kernels.gemv_max_rows(self.is_bf16()) {
+            run_chunks(team, threads, panels, 1, 0, &|chunk| {
+                for q in chunk.panels {
+                    job.gemv_panel(q)
+                }
+            });
+        } else {
+            let group = kernels.f32_tile_rows();
+            let packed = pack_blocks(&x.data, m, k, job.block, group);
+            run_chunks(team, threads, panels, 1, 0, &|chunk| {
+                job.gemm_panels(&packed, chunk.panels)
+            });
+        }
+        out
+    }
+}
+
+/// One product's operands.
+struct Job<'a> {
+    w: &'a PackedMatrix,
+    kernels: Kernels,
+    x: &'a [f32],
+    m: usize,
+    adder: Adder,
+    block: usize,
+    width: usize,
+    dst: SyncPtr<'a>,
+}
+
+impl Job<'_> {
+    /// The depth blocks: (first step, steps).
+    fn blocks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let (k, b) = (self.w.k, self.block);
+        (0..k).step_by(b).map(move |s| (s, b.min(k - s)))
+    }
+
+    /// Writes output `(row, column)`'s values from its running sum.
+    fn write(&self, row: usize, col: usize, acc: f64) {
+        let w = self.width;
+        // SAFETY: row < m and col < n: the value's `width` slots lie in the m × n·width
+        // output, and each (row, col) belongs to the one member that runs its panel.
+        let out = unsafe { self.dst.slice_mut((row * self.w.n + col) * w, w) };
+        self.adder.write(acc, out);
+    }
+
+    /// Weight panel `q`'s steps `s .. s + len` as f32 `[len][NR]`: the panel itself for f32
+    /// weights, else widened into `scratch`.
+    fn panel_block<'s>(
+        &'s self,
+        q: usize,
+        s: usize,
+        len: usize,
+        scratch: &'s mut [f32],
+    ) -> &'s [f32] {
+        match &self.w.panels {
+            Panels::F32(v) => {
+                let start = q * f32::panel_len(self.w.k) + s * NR;
+                &v[start..start + len * NR]
+            }
+            Panels::Bf16(v) => {
+                let panel = &v[q * u16::panel_len(self.w.k)..][..u16::panel_len(self.w.k)];
+                if s.is_multiple_of(2) {
+                    // Whole pair rows from s (a pair past k is the panel's zero padding).
+                    let pairs = len.div_ceil(2) * 2 * NR;
+                    self.kernels
+                        .widen_pairs(&panel[s * NR..s * NR + pairs], scratch);
+                } else {
+                    for p in 0..len {
+                        for j in 0..NR {
+                            scratch[p * NR + j] = panel[u16::slot(s + p, j)].to_f32();
+                        }
+                    }
+                }
+                &scratch[..len * NR]
+            }
+        }
+    }
+
+    /// Every row of panel `q`, a few rows per kernel call (decode).
+    fn gemv_panel(&self, q: usize) {
+        let (k, n) = (self.w.k, self.w.n);
+        let cols = NR.min(n - q * NR);
+        let mut scratch = vec![0f32; (self.block + 1).next_multiple_of(2) * NR];
+        let mut done = 0;
+        while done < self.m {
+            let r = (self.m - done).min(GEMV_MAX_ROWS);
+            let mut acc = [[0f64; NR]; GEMV_MAX_ROWS];
+            for (b, (s, len)) in self.blocks().enumerate() {
+                let mut sums = [[0f32; NR]; GEMV_MAX_ROWS];
+                let xs = &self.x[done * k + s..];
+                match (&self.w.panels, s % 2) {
+                    // bf16 pairs from an even step are read in place.
+                    (Panels::Bf16(v), 0) => {
+                        let panel =
+                            &v[q * u16::panel_len(k) + s * NR..][..len.div_ceil(2) * 2 * NR];
+                        rows_of(self.kernels, r, xs, k, panel, len, &mut sums);
+                    }
+                    _ => {
+                        let panel = self.panel_block(q, s, len, &mut scratch);
+                        rows_of(self.kernels, r, xs, k, panel, len, &mut sums);
+                    }
+                }
+                for (a, s) in acc[..r].iter_mut().zip(&sums) {
+                    for (a, &s) in a.iter_mut().zip(s) {
+                        self.adder.add(a, b, s);
+                    }
+                }
+            }
+            for (i, a) in acc[..r].iter().enumerate() {
+                for (j, &v) in a[..cols].iter().enumerate() {
+                    self.write(done + i, q * NR + j, v);
+                }
+            }
+            done += r;
+        }
+    }
+
+    /// Panels `panels` over every row: rows in blocks of `MC`, for each depth block each
+    /// tile's chain into a scratch tile, added into the running sums.
+    fn gemm_panels(&self, a: &[f32], panels: std::ops::Range<usize>) {
+        let (n, m) = (self.w.n, self.m);
+        let group = self.kernels.f32_tile_rows();
+        let m_panels = m.div_ceil(group) * (group / MR);
+        let first_col = panels.start * NR;
+        let cols = (panels.end * NR).min(n) - first_col;
+        let mut scratch = vec![0f32; (self.block + 1).next_multiple_of(2) * NR];
+        let mut tile = vec![0f32; group * NR];
+        let mut acc = vec![0f64; MC.next_multiple_of(group) * cols];
+        for mb in (0..m_panels).step_by(MC / MR) {
+            let mb_end = (mb + MC / MR).min(m_panels);
+            let first_row = mb * MR;
+            acc.fill(0.0);
+            for (b, (s, len)) in self.blocks().enumerate() {
+                let a_block = &a[s * m_panels * MR..(s + len) * m_panels * MR];
+                for q in panels.clone() {
+                    let w = self.panel_block(q, s, len, &mut scratch);
+                    let qcols = NR.min(n - q * NR);
+                    for mp in (mb..mb_end).step_by(group / MR) {
+                        let ap = &a_block[mp * MR * len..(mp * MR + group) * len];
+                        // SAFETY: `ap` holds len·group and `w` len·NR values; `tile` is
+                        // group rows of NR.
+                        unsafe {
+                            self.kernels.tile_f32(
+                                len,
+                                ap.as_ptr(),
+                                w.as_ptr(),
+                                tile.as_mut_ptr(),
+                                NR,
+                                false,
+                            )
+                        };
+                        let rows = group.min(m - mp * MR);
+                        for r in 0..rows {
+                            let row = mp * MR + r - first_row;
+                            let sums = &tile[r * NR..r * NR + qcols];
+                            let at = row * cols + q * NR - first_col;
+                            for (a, &s) in acc[at..at + qcols].iter_mut().zip(sums) {
+                                self.adder.add(a, b, s);
+                            }
+                        }
+                    }
+                }
+            }
+            let rows = (mb_end * MR).min(m) - first_row;
+            for r in 0..rows {
+                for c in 0..cols {
+                    self.write(first_row + r, first_col + c, acc[r * cols + c]);
+                }
+            }
+        }
+    }
+}
+
+/// `r` (≤ GEMV_MAX_ROWS) rows of `xs` (stride `ldx`) against a panel block, one chain each.
+fn rows_of<T: PanelValue>(
+    kernels: Kernels,
+    r: usize,
+    xs: &[f32],
+    ldx: usize,
+    panel: &[T],
+    len: usize,
+    sums: &mut [[f32; NR]; GEMV_MAX_ROWS],
+) {
+    fn head<const R: usize>(rows: &mut [[f32; NR]; GEMV_MAX_ROWS]) -> &mut [[f32; NR]; R] {
+        (&mut rows[..R]).try_into().expect("R ≤ GEMV_MAX_ROWS")
+    }
+    match r {
+        1 => kernels.gemv_one_chain::<1, T>(xs, ldx, panel, len, head(sums)),
+        2 => kernels.gemv_one_chain::<2, T>(xs, ldx, panel, len, head(sums)),
+        3 => kernels.gemv_one_chain::<3, T>(xs, ldx, panel, len, head(sums)),
+        _ => kernels.gemv_one_chain::<4, T>(xs, ldx, panel, len, head(sums)),
+    }
+}
+
+/// `x [m, k]` → for each depth block, panels `[len][MR]` for `m` rounded up to `group`
+/// rows (rows past `m` zero): block `(s, len)` starts at `s · m_panels · MR`.
+fn pack_blocks(x: &[f32], m: usize, k: usize, block: usize, group: usize) -> AlignedVec<f32> {
+    let m_panels = m.div_ceil(group) * (group / MR);
+    let mut out = AlignedVec::zeroed(m_panels * MR * k);
+    for s in (0..k).step_by(block) {
+        let len = block.min(k - s);
+        let dst = &mut out[s * m_panels * MR..(s + len) * m_panels * MR];
+        for (mp, panel) in dst.chunks_exact_mut(MR * len).enumerate() {
+            for r in 0..MR.min(m.saturating_sub(mp * MR)) {
+                let row = &x[(mp * MR + r) * k + s..][..len];
+                for (p, &v) in row.iter().enumerate() {
+                    panel[p * MR + r] = v;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::WeightOrder;
+    use crate::runtime::cpu::isa::Isa;
+    use crate::runtime::exact::decode_limb_rows;
+
+    fn noise(len: usize, salt: u64) -> Vec<f32> {
+        let mut s = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+            })
+            .collect()
+    }
+
+    fn host_kernels() -> Vec<Kernels> {
+        Isa::ALL
+            .into_iter()
+            .filter_map(|isa| match Kernels::unchecked(isa) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    eprintln!("NOT RUN on this host: kernel variant {isa}: {e}");
+                    None
+                }
+            })
+            .collect()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.data.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// `[n, k]` weights packed, and their depth steps `range` alone (a rank's row split).
+    fn packed(
+        w: &[f32],
+        n: usize,
+        k: usize,
+        range: std::ops::Range<usize>,
+        bf16: bool,
+    ) -> PackedMatrix {
+        let part: Vec<f32> = (0..n)
+            .flat_map(|j| w[j * k + range.start..j * k + range.end].to_vec())
+            .collect();
+        let t = Tensor::new(vec![n, range.len()], part);
+        PackedMatrix::pack(&t, WeightOrder::OutIn, bf16)
+    }
+
+    fn rows(x: &Tensor, from: usize, count: usize) -> Tensor {
+        let k = x.cols();
+        Tensor::new(
+            vec![count, k],
+            x.data[from * k..(from + count) * k].to_vec(),
+        )
+    }
+
+    #[test]
+    fn a_row_gets_the_same_bits_alone_in_any_batch_and_on_any_team() {
+        let (n, k) = (200, 96);
+        let w = noise(n * k, 1);
+        let x = Tensor::new(vec![150, k], noise(150 * k, 2));
+        let orders = [
+            DepthOrder::Chained { block: 32 },
+            DepthOrder::Chained { block: 50 },
+            DepthOrder::Exact {
+                block: 12,
+                blocks_total: 16,
+                limbs: false,
+            },
+            DepthOrder::Exact {
+                block: 24,
+                blocks_total: 4,
+                limbs: true,
+            },
+        ];
+        let mut fast_differs = false;
+        for kernels in host_kernels() {
+            for bf16 in [false, true] {
+                let wp = packed(&w, n, k, 0..k, bf16);
+                for order in orders {
+                    let whole = wp.matmul_invariant(kernels, &x, &Team::new(1), order);
+                    let width = n * order.width();
+                    for (from, count) in [
+                        (0, 1),
+                        (3, 1),
+                        (5, 2),
+                        (7, 3),
+                        (9, 4),
+                        (1, 5),
+                        (20, 13),
+                        (0, 150),
+                    ] {
+                        for members in [1, 2, 3] {
+                            let part = wp.matmul_invariant(
+                                kernels,
+                                &rows(&x, from, count),
+                                &Team::new(members),
+                                order,
+                            );
+                            assert_eq!(
+                                bits(&part),
+                                bits(&whole)[from * width..(from + count) * width],
+                                "{kernels:?} bf16={bf16} {order:?}: rows {from}+{count} on {members}"
+                            );
+                        }
+                    }
+                    // Within f32 sums' tolerance of the plain product.
+                    let plain = wp.matmul_with(kernels, &x, &Team::new(1));
+                    let mut values = whole.data.clone();
+                    if order.width() == LIMBS {
+                        values = vec![0.0; plain.data.len()];
+                        decode_limb_rows(&whole.data, &mut values);
+                    }
+                    for (a, b) in values.iter().zip(&plain.data) {
+                        assert!((a - b).abs() < 1e-4, "{order:?}: {a} vs {b}");
+                    }
+                    // The fast product's rows do depend on the batch (so the check can fail).
+                    let alone = wp.matmul_with(kernels, &rows(&x, 20, 1), &Team::new(1));
+                    fast_differs |= bits(&alone) != bits(&plain)[20 * n..21 * n];
+                }
+            }
+        }
+        assert!(
+            fast_differs,
+            "the fast order gave the same bits alone and in a batch"
+        );
+    }
+
+    #[test]
+    fn exact_blocks_split_over_ranks_add_up_to_the_whole_products_bits() {
+        let (n, k, block) = (33, 120, 10);
+        let w = noise(n * k, 3);
+        for m in [1, 3, 4, 9, 40] {
+            let x = Tensor::new(vec![m, k], noise(m * k, 4 + m as u64));
+            for kernels in host_kernels() {
+                for bf16 in [false, true] {
+                    let order = |limbs| DepthOrder::Exact {
+                        block,
+                        blocks_total: k / block,
+                        limbs,
+                    };
+                    let whole = packed(&w, n, k, 0..k, bf16).matmul_invariant(
+                        kernels,
+                        &x,
+                        &Team::new(1),
+                        order(false),
+                    );
+                    for ranks in [2, 3, 4, 6, 12] {
+                        let per = k / ranks;
+                        let mut sum = vec![0f32; m * n * LIMBS];
+                        // Ranks' limbs added in reverse order: any order gives the same sums.
+                        for r in (0..ranks).rev() {
+                            let xr: Vec<f32> = (0..m)
+                                .flat_map(|i| {
+                                    x.data[i * k + r * per..i * k + (r + 1) * per].to_vec()
+                                })
+                                .collect();
+                            let part = packed(&w, n, k, r * per..(r + 1) * per, bf16)
+                                .matmul_invariant(
+                                    kernels,
+                                    &Tensor::new(vec![m, per], xr),
+                                    &Team::new(2),
+                                    order(true),
+                                );
+                            sum.iter_mut().zip(&part.data).for_each(|(s, p)| *s += p);
+                        }
+                        let mut got = vec![0f32; m * n];
+                        decode_limb_rows(&sum, &mut got);
+                        let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(got, bits(&whole), "m={m} bf16={bf16} {ranks} ranks");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_block_sum_past_the_exact_range_becomes_nan() {
+        let (n, k) = (16, 8);
+        let w = vec![1e6f32; n * k];
+        let x = Tensor::new(vec![1, k], vec![1.0; k]);
+        let wp = packed(&w, n, k, 0..k, false);
+        let order = DepthOrder::Exact {
+            block: 4,
+            blocks_total: 1 << 20,
+            limbs: false,
+        };
+        let y = wp.matmul_invariant(Kernels::portable(), &x, &Team::new(1), order);
+        assert!(y.data.iter().all(|v| v.is_nan()));
+    }
+}
