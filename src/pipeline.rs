@@ -55,10 +55,12 @@ pub fn compile_full(
     let mut plan = partition(&sharded)?;
     plan.max_positions = def.max_positions();
     plan.attention_window = def.sliding_window();
+    plan.numerics = options.numerics;
     plan.source = Some(PlanSource {
         model: def.clone(),
         sequence_parallel: options.sequence_parallel,
         fuse_norm: options.fuse_norm,
+        numerics: options.numerics,
         forced: forced.clone(),
         algorithms: None,
     });

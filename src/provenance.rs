@@ -107,6 +107,7 @@ fn check_unrecorded(
                 model: model.clone(),
                 sequence_parallel,
                 fuse_norm,
+                numerics: plan.numerics,
                 forced: BTreeMap::new(),
                 algorithms: algorithms.clone(),
             };

@@ -62,7 +62,8 @@ fn decoding_a_token_allocates_no_activation_memory() {
     for threads in [1, 2] {
         let backend = CpuBackend::new(threads);
         let comm = local_group(1).pop().unwrap();
-        let mut exec = RankExecutor::new(&plan.ranks[0], &weights, backend, comm).unwrap();
+        let mut exec =
+            RankExecutor::new(&plan.ranks[0], plan.numerics, &weights, backend, comm).unwrap();
         exec.reserve_positions(64);
         let prompt: Vec<i64> = (0..9).map(|i| i * 37 % 1000).collect();
         let mut logits = exec.forward_rows(&prompt, true).unwrap();

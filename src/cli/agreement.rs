@@ -59,6 +59,7 @@ pub fn record(job: &Job<'_>) -> anyhow::Result<Record> {
         .argument("--dp", job.dp)
         .argument("--sequence-parallel", on_off(job.shard.sequence_parallel))
         .argument("--fuse-norm", on_off(job.shard.fuse_norm))
+        .argument("--numerics", job.shard.numerics)
         .argument("--device", device)
         .argument(
             "--dtype",

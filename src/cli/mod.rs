@@ -241,6 +241,27 @@ pub struct ShardArgs {
     /// partial sum (one op instead of add, all-reduce and norm).
     #[arg(long)]
     pub fuse_norm: bool,
+    /// How sums are ordered: `fast` (each kernel's fastest order: the low bits of the
+    /// logits depend on tp, batch and threads) or `invariant` (one order fixed by the model:
+    /// logits are the same bits at every tp up to 32, in any batch, on any thread count).
+    #[arg(long, value_enum, default_value = "fast")]
+    pub numerics: NumericsArg,
+}
+
+/// `--numerics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NumericsArg {
+    Fast,
+    Invariant,
+}
+
+impl From<NumericsArg> for tpc::ir::NumericsMode {
+    fn from(a: NumericsArg) -> Self {
+        match a {
+            NumericsArg::Fast => tpc::ir::NumericsMode::Fast,
+            NumericsArg::Invariant => tpc::ir::NumericsMode::Invariant,
+        }
+    }
 }
 
 /// Pipeline stages (`compile`, `run`, `verify`, `bench`).
@@ -342,6 +363,7 @@ impl ShardArgs {
         tpc::passes::ShardOptions {
             sequence_parallel: self.sequence_parallel == SequenceParallelMode::On,
             fuse_norm: self.fuse_norm,
+            numerics: self.numerics.into(),
         }
     }
 
@@ -384,7 +406,7 @@ impl ShardArgs {
 pub fn refuse_options_with_plan(options: tpc::passes::ShardOptions) -> anyhow::Result<()> {
     anyhow::ensure!(
         options == tpc::passes::ShardOptions::default(),
-        "--sequence-parallel and --fuse-norm apply when tpc compiles the model; a saved plan (--plan) was compiled with or without them already: drop one or the other"
+        "--sequence-parallel, --fuse-norm and --numerics apply when tpc compiles the model; a saved plan (--plan) was compiled with its choices already: drop one or the other"
     );
     Ok(())
 }

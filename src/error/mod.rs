@@ -97,6 +97,9 @@ pub enum TpcError {
     #[error("partial sums reach ops that are not linear in them: {}. This is a sharding-rule bug in tpc.", places.join("; "))]
     PartialMisuse { places: Vec<String> },
 
+    #[error("--numerics invariant: {problem}")]
+    Numerics { problem: String },
+
     #[error("`{path}` is a plan for format version {found}, this tpc reads version {expected}. Recompile the model with this tpc.")]
     PlanVersion {
         path: PathBuf,

@@ -61,6 +61,7 @@ impl Emit {
             name,
             Op::Linear(LinearOp {
                 weight_order: order,
+                exact: None,
             }),
             &[x, &w],
         );

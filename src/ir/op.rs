@@ -92,6 +92,10 @@ impl WeightOrder {
 pub struct LinearOp {
     #[serde(default)]
     pub weight_order: WeightOrder,
+    /// In an invariant plan, the exact depth blocks of a linear that a valid tp splits by
+    /// rows (`ir::numerics`); none otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exact: Option<super::numerics::ExactBlocks>,
 }
 
 /// `y = x + b` with `b` broadcast over the last dim.

@@ -692,6 +692,7 @@ pub(crate) mod tests {
             Op::Linear(LinearOp::default()),
             Op::Linear(LinearOp {
                 weight_order: WeightOrder::InOut,
+                exact: None,
             }),
             Op::BiasAdd(BiasAddOp {}),
             Op::Add(AddOp {}),
@@ -1002,6 +1003,7 @@ pub(crate) mod tests {
         assert_eq!(lin.split_along('k', &ranks), Some((vec![s(2), s(1)], P)));
         let conv = dims(&Op::Linear(LinearOp {
             weight_order: WeightOrder::InOut,
+            exact: None,
         }));
         assert_eq!(conv.split_along('n', &ranks), Some((vec![R, s(1)], s(2))));
         assert_eq!(conv.input_dim_with(1, Role::Contracted, &ranks), Some(0));

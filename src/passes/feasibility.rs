@@ -14,7 +14,7 @@ pub const MAX_TP: u64 = 1024;
 /// One split dimension: its structure and length.
 type SplitDim = (Groups, u64);
 
-fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
+pub(crate) fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
     for n in graph.g.node_weights() {

@@ -16,6 +16,13 @@ pub fn fuse_reduce_norm(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     if !ctx.fuse_norm || ctx.tp == 1 {
         return Ok(());
     }
+    if ctx.numerics == crate::ir::NumericsMode::Invariant {
+        ctx.notes.push(
+            "norm fusion asked for, but not under --numerics invariant: the fused op keeps the residual stream as each rank's partial sum, which rounds differently at each tp; the plan keeps the all-reduce, the residual add and the norm apart"
+                .into(),
+        );
+        return Ok(());
+    }
     let order = graph.topo_order().map_err(|_| ctx.cycle_error())?;
     let mut fused = 0;
     for reduce in order {

@@ -4,6 +4,7 @@ pub mod decision;
 pub mod feasibility;
 pub mod fuse_norm;
 pub mod insert_collectives;
+pub mod invariant;
 pub mod overrides;
 pub mod partial_check;
 pub mod propagate;
@@ -15,7 +16,7 @@ pub mod sequence_parallel;
 use crate::error::{Result, TpcError};
 use crate::frontend::TpWord;
 use crate::ir::verify::verify;
-use crate::ir::{Graph, Layout, NodeId};
+use crate::ir::{Graph, Layout, NodeId, NumericsMode};
 pub use decision::{Decision, Reason};
 pub use regions::Region;
 use rustc_hash::FxHashMap as HashMap;
@@ -40,6 +41,8 @@ pub struct ShardCtx {
     pub sequence_parallel: bool,
     /// Fuse all-reduces into the RMSNorm that reads them (`--fuse-norm`).
     pub fuse_norm: bool,
+    /// How the plan's sums are ordered (`--numerics`).
+    pub numerics: NumericsMode,
 }
 
 impl ShardCtx {
@@ -57,6 +60,7 @@ pub type Pass = fn(&mut Graph, &mut ShardCtx) -> Result<()>;
 pub const PIPELINE: &[(&str, Pass)] = &[
     ("assign_layouts", propagate::assign_layouts),
     ("check_feasibility", feasibility::check_feasibility),
+    ("mark_exact_linears", invariant::mark_exact_linears),
     ("insert_collectives", insert_collectives::insert_collectives),
     ("check_partials", partial_check::check_partials),
     ("find_regions", regions::find_regions),
@@ -96,6 +100,7 @@ pub struct Sharded {
 pub struct ShardOptions {
     pub sequence_parallel: bool,
     pub fuse_norm: bool,
+    pub numerics: NumericsMode,
 }
 
 /// Shards `graph` for `tp` ranks with the model's overrides.
@@ -128,6 +133,7 @@ pub fn shard_with(
         overrides,
         sequence_parallel: options.sequence_parallel,
         fuse_norm: options.fuse_norm,
+        numerics: options.numerics,
         ..Default::default()
     };
     run_passes(&mut graph, &mut ctx, PIPELINE)?;

@@ -6,7 +6,7 @@ use super::decision::{split_chain, Decision, Reason};
 use super::rules::rule_with_reason;
 use super::ShardCtx;
 use crate::error::Result;
-use crate::ir::{Graph, Layout, NodeId, Op};
+use crate::ir::{Graph, Layout, NodeId, NumericsMode, Op};
 use rustc_hash::FxHashSet as HashSet;
 
 /// Gives every node a layout and fills `ctx.required` with the layout each input slot
@@ -46,7 +46,13 @@ pub fn assign_layouts(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         let given: Vec<Option<Layout>> = inputs
             .iter()
             .map(|&i| match graph.node(i).layout {
-                Some(Layout::Partial) if reduced.contains(&i) => Some(Layout::Replicated),
+                // Invariant numerics reduce every partial sum before anything reads it: an
+                // op applied to a rank's part would round differently at each tp.
+                Some(Layout::Partial)
+                    if reduced.contains(&i) || ctx.numerics == NumericsMode::Invariant =>
+                {
+                    Some(Layout::Replicated)
+                }
                 other => other,
             })
             .collect();

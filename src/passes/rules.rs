@@ -183,6 +183,7 @@ mod tests {
     fn conv1d_weights_split_the_other_dim() {
         let op = Op::Linear(LinearOp {
             weight_order: WeightOrder::InOut,
+            exact: None,
         });
         let c = rule(&op, &[Some(R), None], &[3, 2], None);
         assert_eq!(c.inputs[1], split(1));

@@ -388,6 +388,7 @@ mod tests {
                 let at = p.instrs.iter().position(|i| i.id == k).unwrap();
                 p.instrs[at].op = Op::Linear(crate::ir::LinearOp {
                     weight_order: WeightOrder::InOut,
+                    exact: None,
                 });
             },
             FuseProblem::WeightOrder {

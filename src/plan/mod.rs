@@ -15,7 +15,7 @@ pub mod verify;
 pub use crate::error::{PlanError, PlanProblem};
 use crate::error::{Result, TpcError};
 use crate::frontend::load::{parse_json, parse_ron, read_text, ron_options};
-use crate::ir::{DType, Layout, Name, Op, SliceRange, TensorFact};
+use crate::ir::{DType, Layout, Name, NumericsMode, Op, SliceRange, TensorFact};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 use std::path::Path;
@@ -56,6 +56,11 @@ pub struct Plan {
     /// else is then refused. Absent in plans written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<source::PlanSource>,
+    /// How the plan's sums are ordered (`ir::numerics`); absent in fast plans. A tpc that
+    /// predates the field refuses an invariant plan rather than run it fast: the plan's
+    /// `source` (which denies unknown fields) records the mode too.
+    #[serde(default, skip_serializing_if = "NumericsMode::is_fast")]
+    pub numerics: NumericsMode,
 }
 
 /// One collective of the forward pass (the same on every rank).

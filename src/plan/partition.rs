@@ -138,6 +138,7 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
         max_positions: None,
         attention_window: None,
         pipeline: None,
+        numerics: sharded.ctx.numerics,
         source: None,
     })
 }

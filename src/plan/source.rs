@@ -4,7 +4,7 @@
 //! the model the plan was made for can be named by the field that differs.
 
 use crate::frontend::{ModelDef, TpWord};
-use crate::ir::AlgorithmChoice;
+use crate::ir::{AlgorithmChoice, NumericsMode};
 use crate::passes::ShardOptions;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -19,6 +19,9 @@ pub struct PlanSource {
     pub sequence_parallel: bool,
     /// The all-reduce fused with the residual add and RMSNorm.
     pub fuse_norm: bool,
+    /// How the plan's sums are ordered (absent: fast).
+    #[serde(default, skip_serializing_if = "NumericsMode::is_fast")]
+    pub numerics: NumericsMode,
     /// `tp_plan` overrides that won over the model's own (`tpc explain`'s what-ifs).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub forced: BTreeMap<String, TpWord>,
@@ -33,6 +36,7 @@ impl PlanSource {
         ShardOptions {
             sequence_parallel: self.sequence_parallel,
             fuse_norm: self.fuse_norm,
+            numerics: self.numerics,
         }
     }
 }

@@ -63,6 +63,8 @@ pub struct StageProgram {
     pub recv: Vec<Boundary>,
     /// Sent to stage + 1 after the last instruction, in this order.
     pub send: Vec<Boundary>,
+    /// The plan's numerics mode.
+    pub numerics: crate::ir::NumericsMode,
 }
 
 /// Decoder layers of a program: one more than the largest layer index.
@@ -326,6 +328,7 @@ pub fn stage_program(plan: &Plan, rank: usize, stage: usize) -> Result<StageProg
             origin: (0..full.instrs.len()).collect(),
             recv: Vec::new(),
             send: Vec::new(),
+            numerics: plan.numerics,
         });
     };
     let layers = layer_count(full);
@@ -429,6 +432,7 @@ pub fn stage_program(plan: &Plan, rank: usize, stage: usize) -> Result<StageProg
         origin: keep,
         recv,
         send,
+        numerics: plan.numerics,
     })
 }
 

@@ -6,6 +6,7 @@
 pub use super::activation::{Activation, HostBuffer, HostData, HostDataRef};
 pub use super::backend_error::{BackendError, BackendResult};
 use super::collectives::{CollectiveError, Collectives};
+use super::exact::DepthOrder;
 use super::weights::WeightSource;
 use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
@@ -30,6 +31,9 @@ pub fn reduce_then_rms_norm<B: Backend + ?Sized>(
         .map_err(ReduceNormError::Norm)?;
     Ok((out, ran))
 }
+
+/// What a backend without the invariant kernels says.
+pub const INVARIANT_UNSUPPORTED: &str = "--numerics invariant runs on CPU ranks only (this backend has no invariant-order kernels); run with --device cpu or compile with --numerics fast";
 
 /// Why a fused all-reduce + norm failed: its collective (a peer failed, buffers disagree),
 /// or the norm.
@@ -110,6 +114,30 @@ pub trait Backend: Send + Sync {
     ) -> BackendResult<Self::Act>;
     /// `x [m, k] · Wᵀ → [m, n]`.
     fn linear(&self, x: &Self::Act, w: &Self::Weight) -> BackendResult<Self::Act>;
+    /// `x · Wᵀ` in the invariant order (`--numerics invariant`, `runtime::exact`): the
+    /// depth in `order`'s blocks, each one f32 chain, added as it says; a row's bits do not
+    /// depend on the other rows or the threads. A backend without it refuses.
+    fn linear_invariant(
+        &self,
+        x: &Self::Act,
+        w: &Self::Weight,
+        order: DepthOrder,
+    ) -> BackendResult<Self::Act> {
+        let _ = (x, w, order);
+        Err(BackendError::Unsupported(INVARIANT_UNSUPPORTED.into()))
+    }
+    /// Runs everything after in the invariant order (`--numerics invariant`): attention,
+    /// norms and elementwise ops whose bits do not depend on the call's rows or threads.
+    /// A backend that cannot refuses.
+    fn set_invariant_numerics(&mut self) -> BackendResult<()> {
+        Err(BackendError::Unsupported(INVARIANT_UNSUPPORTED.into()))
+    }
+    /// Rows of limbs (`exact::LIMBS` per value: an exact partial sum, reduced) → rows of
+    /// values.
+    fn decode_limbs(&self, x: &Self::Act) -> BackendResult<Self::Act> {
+        let _ = x;
+        Err(BackendError::Unsupported(INVARIANT_UNSUPPORTED.into()))
+    }
     /// Adds the bias vector to every row, in place.
     fn bias_add(&self, x: &mut Self::Act, bias: &Self::Weight) -> BackendResult<()>;
     /// `x ⊙= y` elementwise, in place.

@@ -25,6 +25,7 @@ const EXACT: f64 = (1u64 << 53) as f64;
 /// Bits per limb, and the ranks whose limb sums stay below 2^24.
 pub const LIMB_BITS: i32 = 19;
 pub const MAX_RANKS: usize = 1 << (24 - LIMB_BITS);
+const _: () = assert!(MAX_RANKS as u64 == crate::ir::numerics::MAX_INVARIANT_RANKS);
 
 /// Limbs per value.
 pub const LIMBS: usize = 3;
@@ -83,6 +84,37 @@ pub fn decode_limbs(l: [f32; LIMBS]) -> f32 {
 pub fn decode_limb_rows(limbs: &[f32], out: &mut [f32]) {
     for (o, l) in out.iter_mut().zip(limbs.chunks_exact(LIMBS)) {
         *o = decode_limbs([l[0], l[1], l[2]]);
+    }
+}
+
+/// How an invariant product adds its depth blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DepthOrder {
+    /// Blocks of `block` steps (the last may be shorter), added in f32 in order.
+    Chained { block: usize },
+    /// Blocks of `block` steps added exactly. `blocks_total`: blocks of the whole depth
+    /// (over every rank), which bounds a block's sum; `limbs`: write each output as its
+    /// limbs (`LIMBS` values side by side: a rank's partial sum for a collective).
+    Exact {
+        block: usize,
+        blocks_total: usize,
+        limbs: bool,
+    },
+}
+
+impl DepthOrder {
+    pub fn block(self) -> usize {
+        match self {
+            DepthOrder::Chained { block } | DepthOrder::Exact { block, .. } => block.max(1),
+        }
+    }
+
+    /// Values written per output.
+    pub fn width(self) -> usize {
+        match self {
+            DepthOrder::Exact { limbs: true, .. } => LIMBS,
+            _ => 1,
+        }
     }
 }
 

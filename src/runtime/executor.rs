@@ -15,12 +15,13 @@ use super::backend::{
 };
 use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
+use super::exact::DepthOrder;
 use super::stage_link::StageLink;
 use super::tensor::Tensor;
 use super::weights::WeightSource;
-use crate::ir::{op_dims, Groups, InputKind, Op, RopeOp};
+use crate::ir::{op_dims, Groups, InputKind, Layout, NumericsMode, Op, RopeOp};
 use crate::plan::{Instr, RankProgram};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// `last_use` of a value a pipeline stage sends after its last instruction.
 const PINNED: usize = usize::MAX - 1;
@@ -94,6 +95,11 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     logits_gather: Option<u32>,
     /// The other pipeline stages, when the program is one stage of a pipeline.
     pub link: Option<StageLink<C>>,
+    /// Per linear id, the order its sums follow under `--numerics invariant`; empty in a
+    /// fast plan.
+    invariant: HashMap<u32, DepthOrder>,
+    /// Values held as limbs (exact partial sums a collective is to add, `runtime::exact`).
+    limbs: HashSet<u32>,
 }
 
 /// One forward call's inputs: every row's token id and position, the sequences' rows, and
@@ -181,6 +187,46 @@ fn at_output(error: BackendError) -> RunError {
     }
 }
 
+/// Blocks of a linear's depth added in f32 in an invariant plan when no tp splits it: the
+/// tile kernel's cache block.
+const CHAINED_BLOCK: usize = 256;
+
+/// Under `--numerics invariant`, each linear's order (`LinearOp::exact`, else chained
+/// blocks) and the linears whose outputs are partial sums that a collective adds (held as
+/// limbs); empty for a fast plan.
+fn invariant_orders(
+    program: &RankProgram,
+    numerics: NumericsMode,
+    tp: usize,
+) -> (HashMap<u32, DepthOrder>, HashSet<u32>) {
+    let mut orders = HashMap::new();
+    let mut limbs = HashSet::new();
+    if numerics != NumericsMode::Invariant {
+        return (orders, limbs);
+    }
+    for i in &program.instrs {
+        let Op::Linear(l) = &i.op else { continue };
+        let order = match l.exact {
+            Some(e) => {
+                let partial = tp > 1 && i.layout == Layout::Partial;
+                if partial {
+                    limbs.insert(i.id);
+                }
+                DepthOrder::Exact {
+                    block: usize::try_from(e.block).unwrap_or(usize::MAX),
+                    blocks_total: usize::try_from(e.blocks).unwrap_or(usize::MAX),
+                    limbs: partial,
+                }
+            }
+            None => DepthOrder::Chained {
+                block: CHAINED_BLOCK,
+            },
+        };
+        orders.insert(i.id, order);
+    }
+    (orders, limbs)
+}
+
 /// How the program uses each weight value (by value id).
 pub fn weight_uses(program: &RankProgram) -> HashMap<u32, WeightUse> {
     let mut uses: HashMap<u32, WeightUse> = HashMap::new();
@@ -200,10 +246,21 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// Uploads this rank's weight slices to the backend, in the layout each use wants.
     pub fn new(
         program: &'a RankProgram,
+        numerics: NumericsMode,
         weights: &dyn WeightSource,
-        backend: B,
+        mut backend: B,
         comm: C,
     ) -> Result<Self> {
+        let tp = comm.world_size();
+        let (invariant, limbs) = invariant_orders(program, numerics, tp);
+        if numerics == NumericsMode::Invariant {
+            backend
+                .set_invariant_numerics()
+                .map_err(|error| RunError::Backend {
+                    name: "(the rank's backend)".into(),
+                    error,
+                })?;
+        }
         let slices: HashMap<&str, &crate::plan::WeightSlice> =
             program.weights.iter().map(|w| (&*w.tensor, w)).collect();
         let uses = weight_uses(program);
@@ -290,6 +347,8 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             non_finite: None,
             logits_gather: program.output_gather(),
             link: None,
+            invariant,
+            limbs,
         };
         Ok(exec)
     }
@@ -1003,6 +1062,16 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.backend.copy(x).map_err(on(i))
     }
 
+    /// A collective's result `sum`, as values: decoded when its input was held as limbs.
+    fn values_of_sum(&self, i: &Instr, sum: B::Act) -> Result<B::Act> {
+        if !i.inputs.first().is_some_and(|x| self.limbs.contains(x)) {
+            return Ok(sum);
+        }
+        let values = self.backend.decode_limbs(&sum).map_err(on(i));
+        self.backend.release(sum);
+        values
+    }
+
     fn run(
         &mut self,
         op: &Op,
@@ -1031,7 +1100,10 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let err = on(i);
         let x = |slot| act(values, i, slot);
         Ok(match op {
-            Op::Linear(_) if self.fused.covers(i.id) => self.fused.output(b, i, x(0)?)?,
+            Op::Linear(_) if self.fused.covers(i.id) => {
+                self.fused
+                    .output(b, i, x(0)?, self.invariant.get(&i.id).copied())?
+            }
             Op::Embedding(e) => {
                 let ids = self.ids(values, i, 0)?;
                 self.check_rows(i, ids)?;
@@ -1047,7 +1119,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     }
                     _ => None,
                 };
-                let y = b.linear(narrowed.as_ref().unwrap_or(x), self.weight(i, 1)?);
+                let x = narrowed.as_ref().unwrap_or(x);
+                let y = match self.invariant.get(&i.id) {
+                    Some(&order) => b.linear_invariant(x, self.weight(i, 1)?, order),
+                    None => b.linear(x, self.weight(i, 1)?),
+                };
                 if let Some(n) = narrowed {
                     b.release(n);
                 }
@@ -1074,6 +1150,12 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 out
             }
             Op::RmsNorm(n) if n.reduce_input.is_some() => {
+                if i.inputs.first().is_some_and(|x| self.limbs.contains(x)) {
+                    return Err(bad(
+                        i,
+                        "a fused all-reduce + norm reads exact partial sums; an invariant plan has none",
+                    ));
+                }
                 // The input is a partial sum: reduce it in place, then normalize it.
                 let mut sum = owned()?;
                 let bytes = message_bytes(&sum);
@@ -1159,7 +1241,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     .all_reduce_sum_planned(&mut out, planned)
                     .map_err(RunError::from)?;
                 self.all_reduces.add(ran);
-                out
+                self.values_of_sum(i, out)?
             }
             Op::AllGather(g)
                 if call.exchange != Exchange::Logits && self.logits_gather == Some(i.id) =>
@@ -1232,14 +1314,15 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let (rows, n) = x.rows_cols();
                 let block = rows.div_ceil(self.tp);
                 let padded = b.row_window(x, 0, block * self.tp).map_err(&err)?;
-                scatter_sum(
+                let sum = scatter_sum(
                     b,
                     &mut self.comm,
                     &mut self.collective_bytes,
                     padded,
                     &[block, n],
                     &err,
-                )?
+                )?;
+                self.values_of_sum(i, sum)?
             }
             Op::ReduceScatter(_) => {
                 // Column blocks to rank-major row blocks, one per rank, each rank keeping its sum.
@@ -1247,14 +1330,15 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let (rows, n) = x.rows_cols();
                 let arranged = b.rows_to_rank_major(x, self.tp).map_err(&err)?;
                 let shape = [rows, n / self.tp];
-                scatter_sum(
+                let sum = scatter_sum(
                     b,
                     &mut self.comm,
                     &mut self.collective_bytes,
                     arranged,
                     &shape,
                     &err,
-                )?
+                )?;
+                self.values_of_sum(i, sum)?
             }
             Op::LocalSlice(l) if i.fact.shape.is_sequence(l.dim) => {
                 let x = x(0)?;

@@ -5,6 +5,7 @@
 
 use super::backend::{Backend, BackendError};
 use super::error::{Result, RunError};
+use super::exact::DepthOrder;
 use crate::ir::Op;
 use crate::plan::{Instr, RankProgram, WeightSlice};
 use std::collections::{HashMap, HashSet};
@@ -145,12 +146,14 @@ impl<W, A: super::backend::Activation> FusedProducts<W, A> {
     }
 
     /// The value of linear `i` of a product, `x` its input: the first linear runs the
-    /// product and keeps the other blocks until their linears ask for them.
+    /// product (in `invariant`'s order when given) and keeps the other blocks until their
+    /// linears ask for them.
     pub fn output<B: Backend<Weight = W, Act = A>>(
         &mut self,
         backend: &B,
         i: &Instr,
         x: &A,
+        invariant: Option<DepthOrder>,
     ) -> Result<A> {
         let on = |error| RunError::Backend {
             name: i.name.to_string(),
@@ -169,7 +172,19 @@ impl<W, A: super::backend::Activation> FusedProducts<W, A> {
             });
         }
         let product = &self.products[p];
-        let y = backend.linear(x, &product.weight).map_err(on)?;
+        let y = match invariant {
+            None => backend.linear(x, &product.weight),
+            Some(order) if order.width() == 1 => {
+                backend.linear_invariant(x, &product.weight, order)
+            }
+            Some(_) => {
+                return Err(bad(
+                    &i.name,
+                    "a fused product cannot hold partial sums as limbs (a bug in tpc)",
+                ))
+            }
+        }
+        .map_err(on)?;
         let blocks = backend.split_columns(y, &product.widths).map_err(on)?;
         if blocks.len() != product.linears.len() {
             blocks.into_iter().for_each(|b| backend.release(b));
@@ -233,7 +248,7 @@ mod tests {
                 let got: Vec<Tensor> = group
                     .linears
                     .iter()
-                    .map(|&id| fused.output(&cpu, instr(program, id), &x).unwrap())
+                    .map(|&id| fused.output(&cpu, instr(program, id), &x, None).unwrap())
                     .collect();
                 for (&id, got) in group.linears.iter().zip(&got) {
                     let i = instr(program, id);
@@ -273,13 +288,13 @@ mod tests {
             instr(program, qkv.linears[1]),
         );
         let x = Tensor::new(vec![1, 64], vec![0.25; 64]);
-        let e = fused.output(&cpu, k, &x).unwrap_err();
+        let e = fused.output(&cpu, k, &x, None).unwrap_err();
         assert!(e.to_string().contains("did not run before it"), "{e}");
         // A call that stopped after q: its k and v wait; the next call's q replaces them.
-        fused.output(&cpu, q, &x).unwrap();
+        fused.output(&cpu, q, &x, None).unwrap();
         let x2 = Tensor::new(vec![2, 64], vec![0.5; 128]);
-        fused.output(&cpu, q, &x2).unwrap();
+        fused.output(&cpu, q, &x2, None).unwrap();
         assert_eq!(fused.waiting.len(), 2);
-        assert_eq!(fused.output(&cpu, k, &x).unwrap().shape, vec![2, 16]);
+        assert_eq!(fused.output(&cpu, k, &x, None).unwrap().shape, vec![2, 16]);
     }
 }

@@ -295,7 +295,7 @@ pub fn rank_runtime<'p, B: Backend, C: Collectives<B::Act>>(
             problem: format!("the plan has {} ranks", plan.ranks.len()),
         })?;
     let load = Instant::now();
-    let exec = RankExecutor::new(program, weights, backend, comm)?;
+    let exec = RankExecutor::new(program, plan.numerics, weights, backend, comm)?;
     Ok(RankRuntime {
         exec,
         rank,
@@ -323,7 +323,7 @@ pub fn stage_runtime<'p, B: Backend, C: Collectives<B::Act>>(
         send: sp.send.iter().map(|b| b.id).collect(),
         origin: sp.origin.clone(),
     };
-    let exec = RankExecutor::new(&sp.program, weights, backend, comm)?.with_link(link);
+    let exec = RankExecutor::new(&sp.program, sp.numerics, weights, backend, comm)?.with_link(link);
     Ok(RankRuntime {
         exec,
         rank: usize::try_from(sp.program.rank).unwrap_or(usize::MAX),

@@ -34,7 +34,14 @@ fn steps_through_their_own_tables_match_numbered_sequences() {
     let weights = RandomWeights::new(&plan, 11);
     let run = |threads| {
         let comm = local_group(1).pop().unwrap();
-        RankExecutor::new(&plan.ranks[0], &weights, CpuBackend::new(threads), comm).unwrap()
+        RankExecutor::new(
+            &plan.ranks[0],
+            plan.numerics,
+            &weights,
+            CpuBackend::new(threads),
+            comm,
+        )
+        .unwrap()
     };
     let a: Vec<i64> = (0..11).map(|i| (i * 37 + 5) % 250).collect();
     // b shares a's first 8 tokens: two full blocks of 4.
@@ -147,7 +154,14 @@ fn tables_the_pool_cannot_serve_are_refused() {
     let plan = tiny_llama();
     let weights = RandomWeights::new(&plan, 3);
     let comm = local_group(1).pop().unwrap();
-    let mut exec = RankExecutor::new(&plan.ranks[0], &weights, CpuBackend::new(1), comm).unwrap();
+    let mut exec = RankExecutor::new(
+        &plan.ranks[0],
+        plan.numerics,
+        &weights,
+        CpuBackend::new(1),
+        comm,
+    )
+    .unwrap();
     exec.set_kv_pool(4, 3).unwrap();
     let bytes4 = exec.kv_block_bytes();
     // Two layers of 2 kv heads of 8 dims: keys and values, f32, 4 tokens a block.

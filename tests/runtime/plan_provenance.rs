@@ -72,6 +72,7 @@ fn every_fixture_plan_is_accepted_as_compiled() {
                 let options = ShardOptions {
                     sequence_parallel,
                     fuse_norm: sequence_parallel,
+                    numerics: tpc::ir::NumericsMode::Fast,
                 };
                 let def = load_model(&dir).unwrap();
                 let Ok(c) = tpc::pipeline::compile_with(&def, tp, options) else {
@@ -264,6 +265,7 @@ fn plans_without_a_source_run_when_they_are_what_tpc_compiles() {
         ShardOptions {
             sequence_parallel: true,
             fuse_norm: true,
+            numerics: tpc::ir::NumericsMode::Fast,
         },
     ] {
         let mut plan = compiled(&dir, 2, options);

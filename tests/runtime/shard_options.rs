@@ -21,11 +21,13 @@ const REL_TOL: f64 = 1e-4;
 const SP: ShardOptions = ShardOptions {
     sequence_parallel: true,
     fuse_norm: false,
+    numerics: tpc::ir::NumericsMode::Fast,
 };
 
 const FUSED: ShardOptions = ShardOptions {
     sequence_parallel: false,
     fuse_norm: true,
+    numerics: tpc::ir::NumericsMode::Fast,
 };
 
 fn count(plan: &Plan, kind: &str) -> usize {

@@ -14,6 +14,7 @@ use crate::runtime::backend::{
     HostData, HostDataRef, ReduceNormError, Segment, WeightUse,
 };
 use crate::runtime::collectives::Collectives;
+use crate::runtime::exact::{decode_limb_rows, DepthOrder, LIMBS};
 use crate::runtime::rope::{self, RopeTables};
 use crate::runtime::sampling::{host_best_k_of_pairs, host_top_k_pairs};
 use crate::runtime::shape_rules;
@@ -35,6 +36,8 @@ pub struct CpuBackend {
     pub bf16_linears: bool,
     /// The linear kernels' instruction-set variant.
     pub kernels: Kernels,
+    /// Attention in the one order every call shape shares (`--numerics invariant`).
+    pub invariant: bool,
 }
 
 impl CpuBackend {
@@ -54,6 +57,7 @@ impl CpuBackend {
             threads: threads.max(1),
             team: Team::try_pinned(threads, cores)?,
             bf16_linears: false,
+            invariant: false,
             // Miri reports no SIMD features, so detection can only pick the portable
             // kernels, after a self-check that takes it minutes: skip to the answer.
             kernels: if cfg!(miri) {
@@ -67,6 +71,13 @@ impl CpuBackend {
     /// The same backend running its linears with `kernels`.
     pub fn with_kernels(mut self, kernels: Kernels) -> CpuBackend {
         self.kernels = kernels;
+        self
+    }
+
+    /// The same backend with attention in the invariant order (`--numerics invariant`):
+    /// each (query row, head) over its keys in position order, whatever the call's rows.
+    pub fn with_invariant_numerics(mut self, invariant: bool) -> CpuBackend {
+        self.invariant = invariant;
         self
     }
 
@@ -190,6 +201,9 @@ impl CpuBackend {
         kv_heads: usize,
         scale: f32,
     ) -> Tensor {
+        if self.invariant {
+            return super::attention::invariant_attention(&self.team, q, kv, d, kv_heads, scale);
+        }
         #[cfg(target_arch = "x86_64")]
         if self.bf16_linears
             && self.kernels.gemm_variant(true) == super::isa::Isa::Amx
@@ -459,6 +473,44 @@ impl Backend for CpuBackend {
             )));
         }
         Ok(w.matmul_with(self.kernels, x, &self.team))
+    }
+
+    fn linear_invariant(
+        &self,
+        x: &Tensor,
+        w: &CpuWeight,
+        order: DepthOrder,
+    ) -> BackendResult<Tensor> {
+        let w = w.packed.as_ref().ok_or_else(|| {
+            BackendError::Unsupported("the weight was not uploaded for linear use".into())
+        })?;
+        if x.cols() != w.k {
+            return Err(shape_err(format!(
+                "{} input features against a weight of {} inputs",
+                x.cols(),
+                w.k
+            )));
+        }
+        Ok(w.matmul_invariant(self.kernels, x, &self.team, order))
+    }
+
+    fn set_invariant_numerics(&mut self) -> BackendResult<()> {
+        self.invariant = true;
+        Ok(())
+    }
+
+    fn decode_limbs(&self, x: &Tensor) -> BackendResult<Tensor> {
+        let (rows, cols) = x.rows_cols();
+        if !cols.is_multiple_of(LIMBS) {
+            return Err(shape_err(format!(
+                "rows of {cols} values are not whole values of {LIMBS} limbs"
+            )));
+        }
+        let mut shape = x.shape.clone();
+        *shape.last_mut().expect("rows_cols gave a last dim") = cols / LIMBS;
+        let mut out = Tensor::new(shape, pool::take(rows * cols / LIMBS));
+        decode_limb_rows(&x.data, &mut out.data);
+        Ok(out)
     }
 
     fn bias_add(&self, x: &mut Tensor, bias: &CpuWeight) -> BackendResult<()> {

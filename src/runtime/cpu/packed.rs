@@ -29,7 +29,6 @@ use crate::runtime::weights::{Piece, SliceLayout, StoredRows, WeightSource};
 use rayon::prelude::*;
 
 mod invariant;
-pub use invariant::DepthOrder;
 
 /// Reduction steps per block: a widened weight block (`KC·NR` f32 = 16 KiB) stays in L1.
 const KC: usize = 256;

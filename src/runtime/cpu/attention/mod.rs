@@ -50,6 +50,22 @@ pub fn causal_attention(
     direct::attend(team, q, kv, d, layout, scale)
 }
 
+/// [`causal_attention`] in the one order every call shape shares (`--numerics
+/// invariant`): each (query row, head) scores its visible keys, takes their softmax and sums
+/// the values in position order, so its bits depend on its position and the cache only —
+/// not on the call's other rows (a decode step, a prompt, a chunk of one) nor the team.
+pub fn invariant_attention(
+    team: &Team,
+    q: &Tensor,
+    kv: &KvView,
+    d: usize,
+    kv_heads: usize,
+    scale: f32,
+) -> Tensor {
+    let layout = Layout::of(q, kv, d, kv_heads);
+    direct::attend(team, q, kv, d, layout, scale)
+}
+
 /// Members a call is spread over: tiny work stays on one. (Under Miri, whose tests can
 /// afford only tiny shapes, tiny work is split too.)
 fn work_members(team: &Team, layout: &Layout, d: usize) -> usize {

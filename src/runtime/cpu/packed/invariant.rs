@@ -13,39 +13,8 @@ use super::{run_chunks, PackedMatrix, Panels, MC, NR};
 use crate::runtime::cpu::aligned::AlignedVec;
 use crate::runtime::cpu::isa::{Kernels, PanelValue, GEMV_MAX_ROWS, MR};
 use crate::runtime::cpu::team::{SyncPtr, Team};
-use crate::runtime::exact::{block_bound, encode_limbs, from_units, to_units, LIMBS};
+use crate::runtime::exact::{block_bound, encode_limbs, from_units, to_units, DepthOrder, LIMBS};
 use crate::runtime::tensor::Tensor;
-
-/// How an invariant product adds its depth blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DepthOrder {
-    /// Blocks of `block` steps (the last may be shorter), added in f32 in order.
-    Chained { block: usize },
-    /// Blocks of `block` steps added exactly. `blocks_total`: blocks of the whole depth
-    /// (over every rank), which bounds a block's sum; `limbs`: write each output as its
-    /// limbs (`LIMBS` values side by side: a rank's partial sum for a collective).
-    Exact {
-        block: usize,
-        blocks_total: usize,
-        limbs: bool,
-    },
-}
-
-impl DepthOrder {
-    fn block(self) -> usize {
-        match self {
-            DepthOrder::Chained { block } | DepthOrder::Exact { block, .. } => block.max(1),
-        }
-    }
-
-    /// Values written per output.
-    pub fn width(self) -> usize {
-        match self {
-            DepthOrder::Exact { limbs: true, .. } => LIMBS,
-            _ => 1,
-        }
-    }
-}
 
 /// The running sum of one output over the blocks.
 #[derive(Clone, Copy)]
