@@ -10,6 +10,7 @@ mod contract;
 mod backend_contract;
 mod batch;
 mod engine_serve;
+mod invariant;
 mod paged;
 mod parity;
 mod pipeline;
