@@ -72,7 +72,12 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         1 => many.tp.to_string(),
         pp => format!("{} pp={pp}", many.tp),
     };
-    let one = tpc::pipeline::compile(&def, 1)?.plan;
+    // tp=1 in the same numerics: an invariant plan is compared bit for bit.
+    let one_options = tpc::passes::ShardOptions {
+        numerics: many.numerics,
+        ..Default::default()
+    };
+    let one = tpc::pipeline::compile_with(&def, 1, one_options)?.plan;
     // The model's limits, in this command's flags (the runtime's message names `run`'s).
     super::sizes::check_prompts(
         &one,
@@ -111,11 +116,27 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             report.max_elementwise_rel_error,
             if report.tokens_tp1 == report.tokens_tpn { "equal" } else { "DIFFER" }
         ))?;
+        if report.invariant {
+            let line = match report.first_difference {
+                None => "--numerics invariant: every prompt logit is the same bits\n".to_string(),
+                Some((row, col, one, n)) => format!(
+                    "--numerics invariant: NOT the same bits: first at prompt row {row}, vocab column {col}: tp=1 {one:e} ({:#010x}), tp={tp} {n:e} ({:#010x})\n",
+                    one.to_bits(),
+                    n.to_bits()
+                ),
+            };
+            super::print_stdout(&line)?;
+        }
     }
     if !report.passed {
         return Err(Mismatch(format!(
-            "tp={} does not reproduce tp=1: relative error {:.3e} (tolerance {:.0e}), tokens {:?} vs {:?}",
+            "tp={} does not reproduce tp=1{}: relative error {:.3e} (tolerance {:.0e}), tokens {:?} vs {:?}",
             tp,
+            if report.invariant && !report.bitwise_equal {
+                " bit for bit (--numerics invariant)"
+            } else {
+                ""
+            },
             report.rel_error,
             report.tolerance,
             report.tokens_tpn,

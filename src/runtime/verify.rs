@@ -30,6 +30,13 @@ pub struct VerifyReport {
     pub tolerance: f64,
     pub tokens_tp1: Vec<i64>,
     pub tokens_tpn: Vec<i64>,
+    /// Whether every prompt logit is the same bits on both sides.
+    pub bitwise_equal: bool,
+    /// `--numerics invariant`: the sides must be the same bits, not merely close.
+    pub invariant: bool,
+    /// The first prompt logit whose bits differ (row, column, tp=1's value, tp=N's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_difference: Option<(usize, usize, f32, f32)>,
     pub passed: bool,
 }
 
@@ -89,6 +96,14 @@ pub fn verify_plans(
         norm2 += (q as f64) * (q as f64);
     }
     let rel = (diff2 / norm2.max(f64::MIN_POSITIVE)).sqrt();
+    let vocab_cols = a.prompt_logits.data.len() / prompt.len().max(1);
+    let first_difference = x
+        .iter()
+        .zip(y)
+        .position(|(p, q)| p.to_bits() != q.to_bits())
+        .map(|i| (i / vocab_cols.max(1), i % vocab_cols.max(1), y[i], x[i]));
+    let bitwise_equal = first_difference.is_none() && x.len() == y.len();
+    let invariant = many.numerics == crate::ir::NumericsMode::Invariant;
     Ok(VerifyReport {
         tp,
         isa: match &opts.device {
@@ -100,7 +115,12 @@ pub fn verify_plans(
         rel_error: rel,
         max_elementwise_rel_error: max_rel,
         tolerance: VERIFY_TOLERANCE,
-        passed: rel <= VERIFY_TOLERANCE && a.generated == b.generated,
+        passed: rel <= VERIFY_TOLERANCE
+            && a.generated == b.generated
+            && (bitwise_equal || !invariant),
+        bitwise_equal,
+        invariant,
+        first_difference,
         tokens_tp1: b.generated,
         tokens_tpn: a.generated,
     })

@@ -996,3 +996,61 @@ fn no_progress_bar_reaches_a_pipe() {
         );
     }
 }
+
+#[test]
+fn verify_numerics_invariant_checks_every_bit_and_a_plan_records_the_mode() {
+    let dir = "tests/fixtures/checkpoints/llama-gqa";
+    for extra in [&[][..], &["--sequence-parallel"], &["--pp", "2"]] {
+        let mut args = vec!["verify", dir, "--tp", "4", "--numerics", "invariant"];
+        args.extend_from_slice(extra);
+        let out = ok(&tpc(&args));
+        assert!(
+            out.contains("--numerics invariant: every prompt logit is the same bits")
+                && out.contains("max abs error 0.000e0"),
+            "{extra:?}: {out}"
+        );
+    }
+    // Fast plans are compared within the tolerance, and do differ in their low bits.
+    let out = ok(&tpc(&["verify", dir, "--tp", "4"]));
+    assert!(
+        !out.contains("--numerics invariant") && !out.contains("max abs error 0.000e0"),
+        "{out}"
+    );
+    // The mode is in the plan; a saved plan cannot be given another.
+    let plan = scratch("numerics").join("plan.json");
+    let p = plan.to_str().unwrap();
+    ok(&tpc(&[
+        "compile",
+        dir,
+        "--tp",
+        "2",
+        "--numerics",
+        "invariant",
+        "-o",
+        p,
+    ]));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    assert_eq!(json["numerics"], "invariant");
+    let err = fails(&tpc(&[
+        "run",
+        dir,
+        "--plan",
+        p,
+        "--numerics",
+        "invariant",
+        "--prompt-ids",
+        "1,2",
+    ]));
+    assert!(err.contains("--numerics apply when tpc compiles"), "{err}");
+    // Beyond the limbs' 32 ranks: refused with the reason.
+    let err = fails(&tpc(&[
+        "compile",
+        "models/llama3-70b.ron",
+        "--tp",
+        "64",
+        "--numerics",
+        "invariant",
+    ]));
+    assert!(err.contains("choose tp ≤ 32"), "{err}");
+}
