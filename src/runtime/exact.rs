@@ -47,8 +47,10 @@ pub fn block_bound(blocks: usize) -> f32 {
 /// non-finite check, naming the op, instead of losing exactness silently.
 #[inline(always)]
 pub fn to_units(v: f32, bound: f32) -> f64 {
+    // Computed either way and then chosen, so that loops of it vectorise (a blend).
+    let units = (v as f64 * (GRID_BITS as f64).exp2() + ROUND) - ROUND;
     if v.abs() <= bound {
-        (v as f64 * (GRID_BITS as f64).exp2() + ROUND) - ROUND
+        units
     } else {
         f64::NAN
     }

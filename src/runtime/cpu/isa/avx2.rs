@@ -176,3 +176,130 @@ unsafe fn gemv<const R: usize, const ONE: bool>(
         _mm256_storeu_ps(o.as_mut_ptr().add(8), _mm256_add_ps(a[0][1], a[1][1]));
     }
 }
+
+/// `G` depth blocks of one f32 panel at once, for the invariant order: see [`gemv_blocks`].
+///
+/// # Safety
+/// AVX2 + FMA; each block's steps `starts[g] .. starts[g] + len` lie in `panel` (`[k][NR]`)
+/// and in each of the `R` rows of `x` (`ldx` apart).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn gemv_blocks_f32<const R: usize, const G: usize>(
+    x: &[f32],
+    ldx: usize,
+    panel: &[f32],
+    starts: [usize; G],
+    len: usize,
+    out: &mut [[[f32; NR]; R]; G],
+) {
+    let w = panel.as_ptr();
+    let step = |p: usize| {
+        (
+            _mm256_loadu_ps(w.add(p * NR)),
+            _mm256_loadu_ps(w.add(p * NR + 8)),
+        )
+    };
+    gemv_blocks::<R, G>(
+        x,
+        ldx,
+        starts,
+        len,
+        out,
+        w as *const u8,
+        NR * 4,
+        |p| {
+            let (e0, e1) = step(p);
+            let (o0, o1) = step(p + 1);
+            [[e0, e1], [o0, o1]]
+        },
+        step,
+    )
+}
+
+/// `G` depth blocks of one bf16 pair panel at once: see [`gemv_blocks`].
+///
+/// # Safety
+/// AVX2 + FMA; every `starts[g]` is even and each block's pair rows lie in `panel`; its
+/// steps lie in each of the `R` rows of `x` (`ldx` apart).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn gemv_blocks_pairs<const R: usize, const G: usize>(
+    x: &[f32],
+    ldx: usize,
+    panel: &[u16],
+    starts: [usize; G],
+    len: usize,
+    out: &mut [[[f32; NR]; R]; G],
+) {
+    let w = panel.as_ptr();
+    // Step p (even) and p + 1 sit side by side in pair row p / 2, at p·NR values.
+    let pair = |p: usize| {
+        let (e0, o0) = split8(w.add(p * NR));
+        let (e1, o1) = split8(w.add(p * NR + NR));
+        [[e0, e1], [o0, o1]]
+    };
+    gemv_blocks::<R, G>(
+        x,
+        ldx,
+        starts,
+        len,
+        out,
+        w as *const u8,
+        NR * 2,
+        pair,
+        |p| {
+            let [even, _] = pair(p);
+            (even[0], even[1])
+        },
+    )
+}
+
+/// The invariant order's decode product over `G` depth blocks of one panel: each output of
+/// each block is one chain, its steps in order from zero (the bits of `gemv::<R, true>`, and
+/// of the tile kernel, over that block alone), and the blocks' chains are interleaved, so
+/// that `G` streams of the panel are read at once and `2·R·G` FMA chains are in flight (one
+/// block alone has two, too few to keep a core's loads busy). `pair(p)` gives steps `p` and
+/// `p + 1`, `one(p)` step `p` (a block's odd last step).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_blocks<const R: usize, const G: usize>(
+    x: &[f32],
+    ldx: usize,
+    starts: [usize; G],
+    len: usize,
+    out: &mut [[[f32; NR]; R]; G],
+    base: *const u8,
+    step_bytes: usize,
+    pair: impl Fn(usize) -> [[__m256; 2]; 2],
+    one: impl Fn(usize) -> (__m256, __m256),
+) {
+    let mut acc = [[[_mm256_setzero_ps(); 2]; R]; G];
+    for i in 0..len / 2 {
+        for (g, a) in acc.iter_mut().enumerate() {
+            let p = starts[g] + 2 * i;
+            super::streams::prefetch_pair(base, p / 2, 2 * step_bytes);
+            for (step, [w0, w1]) in pair(p).into_iter().enumerate() {
+                for (r, a) in a.iter_mut().enumerate() {
+                    let xv = _mm256_broadcast_ss(x.get_unchecked(r * ldx + p + step));
+                    a[0] = _mm256_fmadd_ps(xv, w0, a[0]);
+                    a[1] = _mm256_fmadd_ps(xv, w1, a[1]);
+                }
+            }
+        }
+    }
+    if len % 2 == 1 {
+        for (g, a) in acc.iter_mut().enumerate() {
+            let p = starts[g] + len - 1;
+            let (w0, w1) = one(p);
+            for (r, a) in a.iter_mut().enumerate() {
+                let xv = _mm256_broadcast_ss(x.get_unchecked(r * ldx + p));
+                a[0] = _mm256_fmadd_ps(xv, w0, a[0]);
+                a[1] = _mm256_fmadd_ps(xv, w1, a[1]);
+            }
+        }
+    }
+    for (a, o) in acc.iter().zip(out.iter_mut()) {
+        for (a, o) in a.iter().zip(o.iter_mut()) {
+            _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+            _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+        }
+    }
+}

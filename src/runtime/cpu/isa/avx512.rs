@@ -164,3 +164,107 @@ pub unsafe fn round_to_bf16(src: &[f32], dst: &mut [u16]) {
     // The portable loop, compiled 16 wide.
     super::portable::round_to_bf16(src, dst)
 }
+
+/// `G` depth blocks of one f32 panel at once, for the invariant order (as
+/// `avx2::gemv_blocks`).
+///
+/// # Safety
+/// AVX-512F; each block's steps lie in `panel` and in each of the `R` rows of `x`.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn gemv_blocks_f32<const R: usize, const G: usize>(
+    x: &[f32],
+    ldx: usize,
+    panel: &[f32],
+    starts: [usize; G],
+    len: usize,
+    out: &mut [[[f32; NR]; R]; G],
+) {
+    let w = panel.as_ptr();
+    let step = |p: usize| _mm512_loadu_ps(w.add(p * NR));
+    gemv_blocks::<R, G>(
+        x,
+        ldx,
+        starts,
+        len,
+        out,
+        w as *const u8,
+        NR * 4,
+        |p| (step(p), step(p + 1)),
+        step,
+    )
+}
+
+/// `G` depth blocks of one bf16 pair panel at once (as `avx2::gemv_blocks`).
+///
+/// # Safety
+/// AVX-512F; every `starts[g]` is even and each block's pair rows lie in `panel`; its steps
+/// lie in each of the `R` rows of `x`.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn gemv_blocks_pairs<const R: usize, const G: usize>(
+    x: &[f32],
+    ldx: usize,
+    panel: &[u16],
+    starts: [usize; G],
+    len: usize,
+    out: &mut [[[f32; NR]; R]; G],
+) {
+    let w = panel.as_ptr();
+    let pair = |p: usize| split16(w.add(p * NR));
+    gemv_blocks::<R, G>(
+        x,
+        ldx,
+        starts,
+        len,
+        out,
+        w as *const u8,
+        NR * 2,
+        pair,
+        |p| pair(p).0,
+    )
+}
+
+/// One chain per output of each block, steps in order from zero; the `G` blocks' chains
+/// interleaved (see `avx2::gemv_blocks`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_blocks<const R: usize, const G: usize>(
+    x: &[f32],
+    ldx: usize,
+    starts: [usize; G],
+    len: usize,
+    out: &mut [[[f32; NR]; R]; G],
+    base: *const u8,
+    step_bytes: usize,
+    pair: impl Fn(usize) -> (__m512, __m512),
+    one: impl Fn(usize) -> __m512,
+) {
+    let mut acc = [[_mm512_setzero_ps(); R]; G];
+    for i in 0..len / 2 {
+        for (g, a) in acc.iter_mut().enumerate() {
+            let p = starts[g] + 2 * i;
+            super::streams::prefetch_pair(base, p / 2, 2 * step_bytes);
+            let (even, odd) = pair(p);
+            for (r, a) in a.iter_mut().enumerate() {
+                let x0 = _mm512_set1_ps(*x.get_unchecked(r * ldx + p));
+                let x1 = _mm512_set1_ps(*x.get_unchecked(r * ldx + p + 1));
+                *a = _mm512_fmadd_ps(x0, even, *a);
+                *a = _mm512_fmadd_ps(x1, odd, *a);
+            }
+        }
+    }
+    if len % 2 == 1 {
+        for (g, a) in acc.iter_mut().enumerate() {
+            let p = starts[g] + len - 1;
+            let w = one(p);
+            for (r, a) in a.iter_mut().enumerate() {
+                let xv = _mm512_set1_ps(*x.get_unchecked(r * ldx + p));
+                *a = _mm512_fmadd_ps(xv, w, *a);
+            }
+        }
+    }
+    for (a, o) in acc.iter().zip(out.iter_mut()) {
+        for (a, o) in a.iter().zip(o.iter_mut()) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *a);
+        }
+    }
+}

@@ -298,6 +298,52 @@ impl Kernels {
         self.gemv_chains::<R, T, true>(x, ldx, panel, k, out)
     }
 
+    /// [`Kernels::gemv_one_chain`] over `G` depth blocks of one panel at once: block `g` is
+    /// steps `starts[g] .. starts[g] + len` (of the panel and of each row of `x`), into
+    /// `out[g]`, each the bits of `gemv_one_chain` over that block alone; the blocks' chains
+    /// run interleaved, so that more loads and FMAs are in flight. bf16 blocks start on a
+    /// pair row (`starts[g]` even).
+    pub fn gemv_one_chain_blocks<const R: usize, const G: usize, T: PanelValue>(
+        self,
+        x: &[f32],
+        ldx: usize,
+        panel: &[T],
+        starts: [usize; G],
+        len: usize,
+        out: &mut [[[f32; NR]; R]; G],
+    ) {
+        for &s in &starts {
+            assert!(
+                !T::BF16 || s.is_multiple_of(2),
+                "gemv: a bf16 block starts mid-pair"
+            );
+            let end = s
+                .checked_add(len)
+                .expect("gemv: block past the address space");
+            assert!(rows_fit(x.len(), R, ldx, end), "gemv: x too short");
+            assert!(panel.len() >= T::read_len(end), "gemv: panel too short");
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the variant was checked against the host; the asserts keep every
+            // read of x and of the panel in bounds.
+            match self.gemv_variant(T::BF16) {
+                Isa::Avx512 | Isa::Avx512Bf16 => {
+                    return unsafe {
+                        T::gemv_blocks_avx512::<R, G>(x, ldx, panel, starts, len, out)
+                    }
+                }
+                Isa::Avx2 => {
+                    return unsafe { T::gemv_blocks_avx2::<R, G>(x, ldx, panel, starts, len, out) }
+                }
+                _ => {}
+            }
+        }
+        for (&s, o) in starts.iter().zip(out.iter_mut()) {
+            portable::gemv::<R, T>(&x[s..], ldx, &panel[T::slot(s, 0)..], len, o);
+        }
+    }
+
     fn gemv_chains<const R: usize, T: PanelValue, const ONE: bool>(
         self,
         x: &[f32],
@@ -448,6 +494,28 @@ pub trait PanelValue: Copy + Send + Sync {
         k: usize,
         out: &mut [[f32; NR]; R],
     );
+    /// # Safety
+    /// The CPU has AVX2 and FMA; as [`Kernels::gemv_one_chain_blocks`] checks.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_blocks_avx2<const R: usize, const G: usize>(
+        x: &[f32],
+        ldx: usize,
+        panel: &[Self],
+        starts: [usize; G],
+        len: usize,
+        out: &mut [[[f32; NR]; R]; G],
+    );
+    /// # Safety
+    /// As `gemv_blocks_avx2`, with AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_blocks_avx512<const R: usize, const G: usize>(
+        x: &[f32],
+        ldx: usize,
+        panel: &[Self],
+        starts: [usize; G],
+        len: usize,
+        out: &mut [[[f32; NR]; R]; G],
+    );
 }
 
 impl PanelValue for u16 {
@@ -484,6 +552,28 @@ impl PanelValue for u16 {
     ) {
         avx512::gemv_pairs::<R, ONE>(x, ldx, panel, k, out)
     }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_blocks_avx2<const R: usize, const G: usize>(
+        x: &[f32],
+        ldx: usize,
+        panel: &[u16],
+        starts: [usize; G],
+        len: usize,
+        out: &mut [[[f32; NR]; R]; G],
+    ) {
+        avx2::gemv_blocks_pairs::<R, G>(x, ldx, panel, starts, len, out)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_blocks_avx512<const R: usize, const G: usize>(
+        x: &[f32],
+        ldx: usize,
+        panel: &[u16],
+        starts: [usize; G],
+        len: usize,
+        out: &mut [[[f32; NR]; R]; G],
+    ) {
+        avx512::gemv_blocks_pairs::<R, G>(x, ldx, panel, starts, len, out)
+    }
 }
 
 impl PanelValue for f32 {
@@ -519,6 +609,28 @@ impl PanelValue for f32 {
         out: &mut [[f32; NR]; R],
     ) {
         avx512::gemv_f32::<R, ONE>(x, ldx, panel, k, out)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_blocks_avx2<const R: usize, const G: usize>(
+        x: &[f32],
+        ldx: usize,
+        panel: &[f32],
+        starts: [usize; G],
+        len: usize,
+        out: &mut [[[f32; NR]; R]; G],
+    ) {
+        avx2::gemv_blocks_f32::<R, G>(x, ldx, panel, starts, len, out)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_blocks_avx512<const R: usize, const G: usize>(
+        x: &[f32],
+        ldx: usize,
+        panel: &[f32],
+        starts: [usize; G],
+        len: usize,
+        out: &mut [[[f32; NR]; R]; G],
+    ) {
+        avx512::gemv_blocks_f32::<R, G>(x, ldx, panel, starts, len, out)
     }
 }
 
