@@ -71,7 +71,7 @@ pub unsafe fn widen_pairs(src: &[u16], dst: &mut [f32]) {
 /// # Safety
 /// AVX2 + FMA; `x` holds `(R - 1)·ldx + k` values, `panel` `k·NR`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn gemv_f32<const R: usize, const ONE: bool>(
+pub unsafe fn gemv_f32<const R: usize>(
     x: &[f32],
     ldx: usize,
     panel: &[f32],
@@ -85,7 +85,7 @@ pub unsafe fn gemv_f32<const R: usize, const ONE: bool>(
             _mm256_loadu_ps(w.add(p * NR + 8)),
         )
     };
-    gemv::<R, ONE>(
+    gemv::<R>(
         x,
         ldx,
         k,
@@ -104,7 +104,7 @@ pub unsafe fn gemv_f32<const R: usize, const ONE: bool>(
 /// # Safety
 /// AVX2 + FMA; `x` holds `(R - 1)·ldx + k` values, `panel` `⌈k/2⌉` pair rows.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn gemv_pairs<const R: usize, const ONE: bool>(
+pub unsafe fn gemv_pairs<const R: usize>(
     x: &[f32],
     ldx: usize,
     panel: &[u16],
@@ -117,7 +117,7 @@ pub unsafe fn gemv_pairs<const R: usize, const ONE: bool>(
         let (e1, o1) = split8(w.add(i * 2 * NR + NR));
         [[e0, e1], [o0, o1]]
     };
-    gemv::<R, ONE>(x, ldx, k, out, w as *const i8, NR * 2, pair, |p| {
+    gemv::<R>(x, ldx, k, out, w as *const i8, NR * 2, pair, |p| {
         let [even, _] = pair(p / 2);
         (even[0], even[1])
     })
@@ -125,13 +125,10 @@ pub unsafe fn gemv_pairs<const R: usize, const ONE: bool>(
 
 /// Up to two rows keep two partial sums per vector (even and odd steps) so that even one
 /// row has four FMA chains in flight; more rows have chains enough and too few registers.
-/// `ONE`: one chain per output whatever the rows, step after step from zero, which is the
-/// order of the tile kernel (`--numerics invariant`: a row's sums must not depend on how
-/// many rows ran with it).
 /// `pair(i)` gives steps 2i and 2i + 1, `one(p)` step p alone (the odd last step).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemv<const R: usize, const ONE: bool>(
+unsafe fn gemv<const R: usize>(
     x: &[f32],
     ldx: usize,
     k: usize,
@@ -142,26 +139,18 @@ unsafe fn gemv<const R: usize, const ONE: bool>(
     one: impl Fn(usize) -> (__m256, __m256),
 ) {
     let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
-    let mut pair_step = |i: usize| {
+    super::streams::for_each_pair!(k / 2, base as *const u8, 2 * step_bytes, |i, _s| {
         let p = 2 * i;
         let w = pair(i);
         for (step, [w0, w1]) in w.into_iter().enumerate() {
-            let s = if R <= 2 && !ONE { step } else { 0 };
+            let s = if R <= 2 { step } else { 0 };
             for (r, a) in acc.iter_mut().enumerate() {
                 let xv = _mm256_broadcast_ss(x.get_unchecked(r * ldx + p + step));
                 a[s][0] = _mm256_fmadd_ps(xv, w0, a[s][0]);
                 a[s][1] = _mm256_fmadd_ps(xv, w1, a[s][1]);
             }
         }
-    };
-    if ONE {
-        // One chain per output, steps in order (the invariant order: as `tile_6x16` sums).
-        (0..k / 2).for_each(&mut pair_step);
-    } else {
-        super::streams::for_each_pair!(k / 2, base as *const u8, 2 * step_bytes, |i, _s| {
-            pair_step(i)
-        });
-    }
+    });
     if k % 2 == 1 {
         let p = k - 1;
         let (w0, w1) = one(p);

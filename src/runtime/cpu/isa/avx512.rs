@@ -61,7 +61,7 @@ pub unsafe fn widen_pairs(src: &[u16], dst: &mut [f32]) {
 /// # Safety
 /// AVX-512F; `x` holds `(R - 1)·ldx + k` values, `panel` `k·NR`.
 #[target_feature(enable = "avx512f")]
-pub unsafe fn gemv_f32<const R: usize, const ONE: bool>(
+pub unsafe fn gemv_f32<const R: usize>(
     x: &[f32],
     ldx: usize,
     panel: &[f32],
@@ -70,7 +70,7 @@ pub unsafe fn gemv_f32<const R: usize, const ONE: bool>(
 ) {
     let w = panel.as_ptr();
     let step = |p: usize| _mm512_loadu_ps(w.add(p * NR));
-    gemv::<R, ONE>(
+    gemv::<R>(
         x,
         ldx,
         k,
@@ -85,7 +85,7 @@ pub unsafe fn gemv_f32<const R: usize, const ONE: bool>(
 /// # Safety
 /// AVX-512F; `x` holds `(R - 1)·ldx + k` values, `panel` `⌈k/2⌉` pair rows.
 #[target_feature(enable = "avx512f")]
-pub unsafe fn gemv_pairs<const R: usize, const ONE: bool>(
+pub unsafe fn gemv_pairs<const R: usize>(
     x: &[f32],
     ldx: usize,
     panel: &[u16],
@@ -94,17 +94,15 @@ pub unsafe fn gemv_pairs<const R: usize, const ONE: bool>(
 ) {
     let w = panel.as_ptr();
     let pair = |i: usize| split16(w.add(i * 2 * NR));
-    gemv::<R, ONE>(x, ldx, k, out, w as *const i8, NR * 2, pair, |p| {
+    gemv::<R>(x, ldx, k, out, w as *const i8, NR * 2, pair, |p| {
         pair(p / 2).0
     })
 }
 
-/// Even and odd steps keep separate sums (two chains per row even for one row); `ONE`: one
-/// chain per output, step after step from zero, the tile kernel's order (`--numerics
-/// invariant`).
+/// Even and odd steps keep separate sums (two chains per row even for one row).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemv<const R: usize, const ONE: bool>(
+unsafe fn gemv<const R: usize>(
     x: &[f32],
     ldx: usize,
     k: usize,
@@ -115,28 +113,16 @@ unsafe fn gemv<const R: usize, const ONE: bool>(
     one: impl Fn(usize) -> __m512,
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    let mut pair_step = |i: usize| {
+    super::streams::for_each_pair!(k / 2, base as *const u8, 2 * step_bytes, |i, _s| {
         let p = 2 * i;
         let (even, odd) = pair(i);
         for (r, a) in acc.iter_mut().enumerate() {
             let x0 = _mm512_set1_ps(*x.get_unchecked(r * ldx + p));
             let x1 = _mm512_set1_ps(*x.get_unchecked(r * ldx + p + 1));
             a[0] = _mm512_fmadd_ps(x0, even, a[0]);
-            if ONE {
-                a[0] = _mm512_fmadd_ps(x1, odd, a[0]);
-            } else {
-                a[1] = _mm512_fmadd_ps(x1, odd, a[1]);
-            }
+            a[1] = _mm512_fmadd_ps(x1, odd, a[1]);
         }
-    };
-    if ONE {
-        // Steps in order: the invariant order.
-        (0..k / 2).for_each(&mut pair_step);
-    } else {
-        super::streams::for_each_pair!(k / 2, base as *const u8, 2 * step_bytes, |i, _s| {
-            pair_step(i)
-        });
-    }
+    });
     if k % 2 == 1 {
         let p = k - 1;
         let w = one(p);

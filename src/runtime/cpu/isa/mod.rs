@@ -282,27 +282,30 @@ impl Kernels {
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        self.gemv_chains::<R, T, false>(x, ldx, panel, k, out)
+        assert!(rows_fit(x.len(), R, ldx, k), "gemv: x too short");
+        assert!(panel.len() >= T::panel_len(k), "gemv: panel too short");
+        #[cfg(target_arch = "x86_64")]
+        {
+            let bf16 = T::BF16;
+            // SAFETY: the variant was checked against the host; the asserts keep every read
+            // of x and of the panel in bounds.
+            match self.gemv_variant(bf16) {
+                Isa::Avx512 | Isa::Avx512Bf16 => {
+                    return unsafe { T::gemv_avx512::<R>(x, ldx, panel, k, out) }
+                }
+                Isa::Avx2 => return unsafe { T::gemv_avx2::<R>(x, ldx, panel, k, out) },
+                _ => {}
+            }
+        }
+        portable::gemv::<R, T>(x, ldx, panel, k, out)
     }
 
-    /// As [`Kernels::gemv`], each output summed in one chain, step after step from zero:
-    /// the bits of [`Kernels::tile_f32`] over the same steps, whatever `R`.
-    pub fn gemv_one_chain<const R: usize, T: PanelValue>(
-        self,
-        x: &[f32],
-        ldx: usize,
-        panel: &[T],
-        k: usize,
-        out: &mut [[f32; NR]; R],
-    ) {
-        self.gemv_chains::<R, T, true>(x, ldx, panel, k, out)
-    }
-
-    /// [`Kernels::gemv_one_chain`] over `G` depth blocks of one panel at once: block `g` is
-    /// steps `starts[g] .. starts[g] + len` (of the panel and of each row of `x`), into
-    /// `out[g]`, each the bits of `gemv_one_chain` over that block alone; the blocks' chains
-    /// run interleaved, so that more loads and FMAs are in flight. bf16 blocks start on a
-    /// pair row (`starts[g]` even).
+    /// The invariant order's decode product (`--numerics invariant`) over `G` depth blocks of
+    /// one panel at once: block `g` is steps `starts[g] .. starts[g] + len` (of the panel and
+    /// of each row of `x`), into `out[g]`; each output of each block is one chain, its steps
+    /// in order from zero — the bits of [`Kernels::tile_f32`] over that block alone — and the
+    /// blocks' chains run interleaved, so that more loads and FMAs are in flight. bf16 blocks
+    /// start on a pair row (`starts[g]` even).
     pub fn gemv_one_chain_blocks<const R: usize, const G: usize, T: PanelValue>(
         self,
         x: &[f32],
@@ -342,32 +345,6 @@ impl Kernels {
         for (&s, o) in starts.iter().zip(out.iter_mut()) {
             portable::gemv::<R, T>(&x[s..], ldx, &panel[T::slot(s, 0)..], len, o);
         }
-    }
-
-    fn gemv_chains<const R: usize, T: PanelValue, const ONE: bool>(
-        self,
-        x: &[f32],
-        ldx: usize,
-        panel: &[T],
-        k: usize,
-        out: &mut [[f32; NR]; R],
-    ) {
-        assert!(rows_fit(x.len(), R, ldx, k), "gemv: x too short");
-        assert!(panel.len() >= T::read_len(k), "gemv: panel too short");
-        #[cfg(target_arch = "x86_64")]
-        {
-            let bf16 = T::BF16;
-            // SAFETY: the variant was checked against the host; the asserts keep every read
-            // of x and of the panel in bounds.
-            match self.gemv_variant(bf16) {
-                Isa::Avx512 | Isa::Avx512Bf16 => {
-                    return unsafe { T::gemv_avx512::<R, ONE>(x, ldx, panel, k, out) }
-                }
-                Isa::Avx2 => return unsafe { T::gemv_avx2::<R, ONE>(x, ldx, panel, k, out) },
-                _ => {}
-            }
-        }
-        portable::gemv::<R, T>(x, ldx, panel, k, out)
     }
 
     /// As [`Kernels::gemv`] with bf16 `x` rows (`[..][ldx]`, zero past `k`) and products
@@ -477,7 +454,7 @@ pub trait PanelValue: Copy + Send + Sync {
     /// # Safety
     /// The CPU has AVX2 and FMA; `x` holds `(R - 1)·ldx + k` values, `panel` `panel_len(k)`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx2<const R: usize, const ONE: bool>(
+    unsafe fn gemv_avx2<const R: usize>(
         x: &[f32],
         ldx: usize,
         panel: &[Self],
@@ -487,7 +464,7 @@ pub trait PanelValue: Copy + Send + Sync {
     /// # Safety
     /// As `gemv_avx2`, with AVX-512F.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx512<const R: usize, const ONE: bool>(
+    unsafe fn gemv_avx512<const R: usize>(
         x: &[f32],
         ldx: usize,
         panel: &[Self],
@@ -533,24 +510,24 @@ impl PanelValue for u16 {
         widen(self)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx2<const R: usize, const ONE: bool>(
+    unsafe fn gemv_avx2<const R: usize>(
         x: &[f32],
         ldx: usize,
         panel: &[u16],
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        avx2::gemv_pairs::<R, ONE>(x, ldx, panel, k, out)
+        avx2::gemv_pairs::<R>(x, ldx, panel, k, out)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx512<const R: usize, const ONE: bool>(
+    unsafe fn gemv_avx512<const R: usize>(
         x: &[f32],
         ldx: usize,
         panel: &[u16],
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        avx512::gemv_pairs::<R, ONE>(x, ldx, panel, k, out)
+        avx512::gemv_pairs::<R>(x, ldx, panel, k, out)
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_blocks_avx2<const R: usize, const G: usize>(
@@ -591,24 +568,24 @@ impl PanelValue for f32 {
         self
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx2<const R: usize, const ONE: bool>(
+    unsafe fn gemv_avx2<const R: usize>(
         x: &[f32],
         ldx: usize,
         panel: &[f32],
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        avx2::gemv_f32::<R, ONE>(x, ldx, panel, k, out)
+        avx2::gemv_f32::<R>(x, ldx, panel, k, out)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_avx512<const R: usize, const ONE: bool>(
+    unsafe fn gemv_avx512<const R: usize>(
         x: &[f32],
         ldx: usize,
         panel: &[f32],
         k: usize,
         out: &mut [[f32; NR]; R],
     ) {
-        avx512::gemv_f32::<R, ONE>(x, ldx, panel, k, out)
+        avx512::gemv_f32::<R>(x, ldx, panel, k, out)
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_blocks_avx2<const R: usize, const G: usize>(
