@@ -338,6 +338,8 @@ pub enum Problem {
     },
 
     // Fused products.
+    #[error("--numerics invariant: {0}")]
+    Numerics(String),
     #[error("fused product #{index}: {problem}")]
     Fused {
         index: usize,

@@ -55,6 +55,7 @@ impl Plan {
         check_tensors(self, &mut found);
         check_collective_order(&issued, &mut found);
         check_collective_list(self, issued.first().map_or(&[], Vec::as_slice), &mut found);
+        numerics::check_numerics(self, &mut found);
         if found.problems.is_empty() {
             Ok(())
         } else {
@@ -823,5 +824,6 @@ fn listed_sizes(
     ]
 }
 
+mod numerics;
 #[cfg(test)]
 mod tests;

@@ -1222,3 +1222,72 @@ fn ranks_run_the_same_op_under_one_id() {
         )],
     );
 }
+
+#[test]
+fn an_invariant_plan_keeps_its_exact_sums_or_is_refused() {
+    fn linear<'p>(p: &'p mut Plan, name: &str) -> &'p mut crate::ir::LinearOp {
+        let i = at(p, 0, name);
+        match &mut p.ranks[0].instrs[i].op {
+            Op::Linear(l) => l,
+            _ => panic!("{name} is not a linear"),
+        }
+    }
+    let def = crate::frontend::load::load_model(&models_dir().join("tiny-llama.ron")).unwrap();
+    let options = crate::passes::ShardOptions {
+        numerics: crate::ir::NumericsMode::Invariant,
+        ..Default::default()
+    };
+    let plan = crate::pipeline::compile_with(&def, 2, options)
+        .unwrap()
+        .plan;
+    plan.verify().unwrap();
+    let numerics = |p: &Plan| -> Vec<String> {
+        problems(p)
+            .into_iter()
+            .filter(|x| matches!(x.problem, Problem::Numerics(_)))
+            .map(|x| x.to_string())
+            .collect()
+    };
+    let o_proj = "model.layers.0.self_attn.o_proj";
+    // Blocks that the rank's half of the depth cuts.
+    let mut cut = plan.clone();
+    let exact = linear(&mut cut, o_proj).exact.unwrap();
+    linear(&mut cut, o_proj).exact = Some(crate::ir::ExactBlocks {
+        block: exact.block * exact.blocks / 4 * 3,
+        blocks: 1,
+    });
+    assert!(
+        numerics(&cut)
+            .iter()
+            .any(|p| p.contains("do not make the weight's depth")),
+        "{:?}",
+        numerics(&cut)
+    );
+    let mut cut = plan.clone();
+    let depth = exact.block * exact.blocks;
+    linear(&mut cut, o_proj).exact = Some(crate::ir::ExactBlocks {
+        block: depth,
+        blocks: 1,
+    });
+    assert!(
+        numerics(&cut)
+            .iter()
+            .any(|p| p.contains("cut an exact block")),
+        "{:?}",
+        numerics(&cut)
+    );
+    // A partial sum summed the fast way.
+    let mut fast = plan.clone();
+    linear(&mut fast, o_proj).exact = None;
+    assert!(
+        numerics(&fast)
+            .iter()
+            .any(|p| p.contains("has no exact blocks")),
+        "{:?}",
+        numerics(&fast)
+    );
+    // The same plan in fast numerics has nothing to keep.
+    let mut as_fast = fast.clone();
+    as_fast.numerics = crate::ir::NumericsMode::Fast;
+    assert!(numerics(&as_fast).is_empty());
+}
