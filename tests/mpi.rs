@@ -156,6 +156,63 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
     assert!(ran.len() >= 21, "{ran:?}");
 }
 
+/// `--numerics invariant` as processes: every fixture's logits at tp 2 and 4, and at tp 2
+/// over two stages, are tp 1's bits (threads, one rank), the collectives of MPI adding the
+/// exact sums' limbs in whatever order MPI likes.
+#[test]
+fn invariant_processes_give_tp_1s_bits() {
+    let dir = scratch("invariant");
+    let mut ran = 0;
+    for fixture in fixtures() {
+        let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
+        let reference = read_reference(&fixture);
+        let args = |tp: u64, pp: u64, dump: &Path| -> Vec<String> {
+            [
+                "run",
+                &fixture.to_string_lossy(),
+                "--tp",
+                &tp.to_string(),
+                "--pp",
+                &pp.to_string(),
+                "--numerics",
+                "invariant",
+                "--prompt-ids",
+                &csv(&reference.prompt),
+                "--max-new-tokens",
+                "2",
+                "--threads-per-rank",
+                "1",
+                "--dump-logits",
+                &dump.to_string_lossy(),
+            ]
+            .map(String::from)
+            .to_vec()
+        };
+        let one = dir.join(format!("{name}-tp1.safetensors"));
+        let mut threads = Command::new(TPC);
+        threads.args(args(1, 1, &one));
+        ok(run(threads, &name), &name);
+        for (np, tp, pp) in [(2usize, 2u64, 1u64), (4, 4, 1), (4, 2, 2)] {
+            let what = format!("{name} invariant np={np} tp={tp} pp={pp}");
+            let many = dir.join(format!("{name}-{tp}-{pp}.safetensors"));
+            let mut procs = mpirun(np);
+            procs.args(args(tp, pp, &many));
+            ok(run(procs, &what), &what);
+            let (x, y) = (logits(&many), logits(&one));
+            let first = x
+                .iter()
+                .zip(&y)
+                .position(|(p, q)| p.to_bits() != q.to_bits());
+            assert!(
+                x.len() == y.len() && first.is_none(),
+                "{what}: logit {first:?} differs from tp 1's"
+            );
+            ran += 1;
+        }
+    }
+    assert!(ran >= 21, "only {ran} runs");
+}
+
 /// Four processes at tp 2: two external data-parallel replicas, the prompts dealt between
 /// them and printed in input order, as one process prints them.
 #[test]
