@@ -142,6 +142,55 @@ mod tests {
         }
     }
 
+    /// The invariant path: a query row's bits are the same alone or among others, and on
+    /// any team (whose size decides how a prompt's kv groups are dealt into items, here also
+    /// unevenly: 11 members over 5 rows of one group of 8 take 3 heads an item), and close
+    /// to the f64 reference.
+    #[test]
+    fn invariant_attention_gives_a_row_the_same_bits_however_the_call_is_split() {
+        let shapes: &[(usize, usize, usize, usize, usize)] = if cfg!(miri) {
+            &[(3, 5, 4, 4, 1)]
+        } else {
+            &[
+                (6, 40, 64, 8, 1),
+                (5, 200, 64, 8, 1),
+                (5, 33, 40, 12, 3),
+                (4, 20, 16, 4, 4),
+                (9, 9, 8, 6, 2),
+            ]
+        };
+        for &(t, n, d, hq, hk) in shapes {
+            let (q, k, v) = operands(t, n, d, hq, hk);
+            let scale = 1.0 / (d as f32).sqrt();
+            let want = reference(&q, &k, &v, d, hk, scale as f64);
+            let qcols = hq * d;
+            for layout in layouts() {
+                let whole = with_layout(&k, &v, hk * d, layout, |kv| {
+                    invariant_attention(&Team::new(1), &q, kv, d, hk, scale)
+                });
+                for (a, b) in whole.data.iter().zip(&want) {
+                    assert!((*a as f64 - b).abs() < 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+                }
+                for members in [2, 3, 5, 11] {
+                    let got = with_layout(&k, &v, hk * d, layout, |kv| {
+                        invariant_attention(&Team::new(members), &q, kv, d, hk, scale)
+                    });
+                    assert_eq!(
+                        got.data, whole.data,
+                        "t={t} d={d} {layout:?} members={members}"
+                    );
+                }
+                // The last row alone, over the same cache: its position is n - 1 either way.
+                let last = Tensor::new(vec![1, qcols], q.data[(t - 1) * qcols..].to_vec());
+                let alone = with_layout(&k, &v, hk * d, layout, |kv| {
+                    invariant_attention(&Team::new(3), &last, kv, d, hk, scale)
+                });
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&alone.data), bits(&whole.data[(t - 1) * qcols..]));
+            }
+        }
+    }
+
     /// Two sequences whose tables name the same first blocks (a shared prompt prefix) and
     /// then blocks of their own: each reads the shared keys and its own, for a decode step
     /// and for a prompt chunk, on every path.
