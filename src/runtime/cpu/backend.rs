@@ -283,6 +283,21 @@ impl CpuKv {
     }
 }
 
+/// `w`'s packed panels, checked against `x`'s features (what every linear reads).
+fn packed_for<'w>(x: &Tensor, w: &'w CpuWeight) -> BackendResult<&'w PackedMatrix> {
+    let w = w.packed.as_ref().ok_or_else(|| {
+        BackendError::Unsupported("the weight was not uploaded for linear use".into())
+    })?;
+    if x.cols() != w.k {
+        return Err(shape_err(format!(
+            "{} input features against a weight of {} inputs",
+            x.cols(),
+            w.k
+        )));
+    }
+    Ok(w)
+}
+
 fn shape_err(what: String) -> BackendError {
     BackendError::Shape(what)
 }
@@ -462,17 +477,7 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &Tensor, w: &CpuWeight) -> BackendResult<Tensor> {
-        let w = w.packed.as_ref().ok_or_else(|| {
-            BackendError::Unsupported("the weight was not uploaded for linear use".into())
-        })?;
-        if x.cols() != w.k {
-            return Err(shape_err(format!(
-                "{} input features against a weight of {} inputs",
-                x.cols(),
-                w.k
-            )));
-        }
-        Ok(w.matmul_with(self.kernels, x, &self.team))
+        Ok(packed_for(x, w)?.matmul_with(self.kernels, x, &self.team))
     }
 
     fn linear_invariant(
@@ -481,17 +486,7 @@ impl Backend for CpuBackend {
         w: &CpuWeight,
         order: DepthOrder,
     ) -> BackendResult<Tensor> {
-        let w = w.packed.as_ref().ok_or_else(|| {
-            BackendError::Unsupported("the weight was not uploaded for linear use".into())
-        })?;
-        if x.cols() != w.k {
-            return Err(shape_err(format!(
-                "{} input features against a weight of {} inputs",
-                x.cols(),
-                w.k
-            )));
-        }
-        Ok(w.matmul_invariant(self.kernels, x, &self.team, order))
+        Ok(packed_for(x, w)?.matmul_invariant(self.kernels, x, &self.team, order))
     }
 
     fn set_invariant_numerics(&mut self) -> BackendResult<()> {

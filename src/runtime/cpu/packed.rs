@@ -1065,11 +1065,24 @@ thread_local! {
 /// `x [m, k]` → for each block of `KC` steps, panels `[kc][MR]` for `m` rounded up to
 /// `group` rows (rows past `m` zero), into `out` (resized).
 fn pack_rows(x: &[f32], m: usize, k: usize, group: usize, out: &mut AlignedVec<f32>) {
+    pack_row_blocks(x, m, k, KC, group, out)
+}
+
+/// [`pack_rows`] with depth blocks of `block` steps (the last may be shorter): block
+/// `(k0, kc)` starts at `k0 · m_panels · MR`.
+fn pack_row_blocks(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    block: usize,
+    group: usize,
+    out: &mut AlignedVec<f32>,
+) {
     let m_panels = m.div_ceil(group) * (group / MR);
     out.set_len(m_panels * MR * k);
     out.fill(0.0);
-    for k0 in (0..k).step_by(KC) {
-        let kc = KC.min(k - k0);
+    for k0 in (0..k).step_by(block.max(1)) {
+        let kc = block.min(k - k0);
         let block = &mut out[k0 * m_panels * MR..(k0 + kc) * m_panels * MR];
         for (mp, panel) in block.chunks_exact_mut(MR * kc).enumerate() {
             for r in 0..MR.min(m.saturating_sub(mp * MR)) {

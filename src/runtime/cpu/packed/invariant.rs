@@ -9,8 +9,7 @@
 //! ([`DepthOrder::Exact`], `runtime::exact`): the latter for a product whose depth a valid
 //! tp splits, whose ranks' sums a collective then adds in its own order.
 
-use super::{run_chunks, PackedMatrix, Panels, MC, NR};
-use crate::runtime::cpu::aligned::AlignedVec;
+use super::{pack_row_blocks, run_chunks, PackedMatrix, Panels, MC, NR, PACKED_ROWS};
 use crate::runtime::cpu::isa::{Kernels, PanelValue, GEMV_MAX_ROWS, MR};
 use crate::runtime::cpu::team::{SyncPtr, Team};
 use crate::runtime::exact::{block_bound, encode_limbs, from_units, to_units, DepthOrder, LIMBS};
@@ -114,10 +113,12 @@ impl PackedMatrix {
             });
         } else {
             let group = kernels.f32_tile_rows();
-            let packed = pack_blocks(&x.data, m, k, job.block, group);
+            let mut packed = PACKED_ROWS.take();
+            pack_row_blocks(&x.data, m, k, job.block, group, &mut packed);
             run_chunks(team, threads, panels, 1, 0, &|chunk| {
                 gemm_chunk(&job, &packed, chunk.panels)
             });
+            PACKED_ROWS.set(packed);
         }
         out
     }
@@ -362,26 +363,6 @@ fn block_sums<T: PanelValue>(
         (_, 2) => call::<4, 2, T>(kernels, xs, ldx, panel, starts, len, sums),
         _ => call::<4, 1, T>(kernels, xs, ldx, panel, starts, len, sums),
     }
-}
-
-/// `x [m, k]` → for each depth block, panels `[len][MR]` for `m` rounded up to `group`
-/// rows (rows past `m` zero): block `(s, len)` starts at `s · m_panels · MR`.
-fn pack_blocks(x: &[f32], m: usize, k: usize, block: usize, group: usize) -> AlignedVec<f32> {
-    let m_panels = m.div_ceil(group) * (group / MR);
-    let mut out = AlignedVec::zeroed(m_panels * MR * k);
-    for s in (0..k).step_by(block) {
-        let len = block.min(k - s);
-        let dst = &mut out[s * m_panels * MR..(s + len) * m_panels * MR];
-        for (mp, panel) in dst.chunks_exact_mut(MR * len).enumerate() {
-            for r in 0..MR.min(m.saturating_sub(mp * MR)) {
-                let row = &x[(mp * MR + r) * k + s..][..len];
-                for (p, &v) in row.iter().enumerate() {
-                    panel[p * MR + r] = v;
-                }
-            }
-        }
-    }
-    out
 }
 
 #[cfg(test)]
