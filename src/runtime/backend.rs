@@ -32,9 +32,6 @@ pub fn reduce_then_rms_norm<B: Backend + ?Sized>(
     Ok((out, ran))
 }
 
-/// What a backend without the invariant kernels says.
-pub const INVARIANT_UNSUPPORTED: &str = "--numerics invariant runs on CPU ranks only (this backend has no invariant-order kernels); run with --device cpu or compile with --numerics fast";
-
 /// Why a fused all-reduce + norm failed: its collective (a peer failed, buffers disagree),
 /// or the norm.
 #[derive(Debug)]
@@ -116,28 +113,19 @@ pub trait Backend: Send + Sync {
     fn linear(&self, x: &Self::Act, w: &Self::Weight) -> BackendResult<Self::Act>;
     /// `x · Wᵀ` in the invariant order (`--numerics invariant`, `runtime::exact`): the
     /// depth in `order`'s blocks, each one f32 chain, added as it says; a row's bits do not
-    /// depend on the other rows or the threads. A backend without it refuses.
+    /// depend on the other rows or the threads.
     fn linear_invariant(
         &self,
         x: &Self::Act,
         w: &Self::Weight,
         order: DepthOrder,
-    ) -> BackendResult<Self::Act> {
-        let _ = (x, w, order);
-        Err(BackendError::Unsupported(INVARIANT_UNSUPPORTED.into()))
-    }
+    ) -> BackendResult<Self::Act>;
     /// Runs everything after in the invariant order (`--numerics invariant`): attention,
     /// norms and elementwise ops whose bits do not depend on the call's rows or threads.
-    /// A backend that cannot refuses.
-    fn set_invariant_numerics(&mut self) -> BackendResult<()> {
-        Err(BackendError::Unsupported(INVARIANT_UNSUPPORTED.into()))
-    }
+    fn set_invariant_numerics(&mut self) -> BackendResult<()>;
     /// Rows of limbs (`exact::LIMBS` per value: an exact partial sum, reduced) → rows of
     /// values.
-    fn decode_limbs(&self, x: &Self::Act) -> BackendResult<Self::Act> {
-        let _ = x;
-        Err(BackendError::Unsupported(INVARIANT_UNSUPPORTED.into()))
-    }
+    fn decode_limbs(&self, x: &Self::Act) -> BackendResult<Self::Act>;
     /// Adds the bias vector to every row, in place.
     fn bias_add(&self, x: &mut Self::Act, bias: &Self::Weight) -> BackendResult<()>;
     /// `x ⊙= y` elementwise, in place.

@@ -13,6 +13,7 @@ use std::f64::consts::{PI, SQRT_2};
 use tpc::ir::{ActivationKind, DType, RopeOp, RopeScaling, WeightOrder, F64};
 use tpc::plan::{Plan, WeightSlice};
 use tpc::runtime::backend::{Activation, Backend, BinaryOp, Segment, WeightUse};
+use tpc::runtime::exact::{DepthOrder, LIMBS};
 use tpc::runtime::tensor::Tensor;
 use tpc::runtime::weights::WeightSource;
 
@@ -88,6 +89,19 @@ macro_rules! backend_contract {
         fn layout_ops_move_values_exactly() {
             if let Some(b) = $make(false) {
                 $crate::contract::layout_ops_move_values_exactly(&b);
+            }
+        }
+        #[test]
+        fn invariant_products_give_a_row_its_bits_in_any_batch_and_exact_sums_through_limbs() {
+            if let (Some(f32s), Some(bf16s)) = ($make(false), $make(true)) {
+                $crate::contract::invariant_products_keep_a_rows_bits(&f32s, false);
+                $crate::contract::invariant_products_keep_a_rows_bits(&bf16s, true);
+            }
+        }
+        #[test]
+        fn invariant_attention_gives_a_row_its_bits_in_any_call() {
+            if let Some(b) = $make(false) {
+                $crate::contract::invariant_attention_keeps_a_rows_bits(b);
             }
         }
         #[test]
@@ -852,4 +866,206 @@ pub fn argmax_and_top_k_follow_the_samplers_order<B: Backend>(b: &B) {
         "top_k_pairs of a row with a NaN: {:?}",
         &p.data[36..]
     );
+}
+
+/// `linear_invariant` (`--numerics invariant`): a row's bits are the same alone and in
+/// batches of 3, 9 and 21 rows (a GEMV and tiles on either backend), in both weight orders,
+/// blocks chained in f32 or added exactly, and close to an f64 product; and the exact order
+/// gives the same bits when the depth is cut into parts (as ranks hold it) whose limbs are
+/// added in f32 in any order and then decoded.
+pub fn invariant_products_keep_a_rows_bits<B: Backend>(b: &B, bf16_weights: bool) {
+    let mut values = Values(9);
+    // 5 blocks of 20, so that parts of the depth fall on block boundaries.
+    let (rows, k, n, block, blocks) = (21, 100, 19, 20, 5);
+    let x = values.take(rows * k);
+    let w = values.take(n * k); // w[j][p]: output j, input p
+    let round = |v: f32| if bf16_weights { bf16(v) } else { v };
+    let mut want = vec![0f64; rows * n];
+    let mut scale = vec![1e-3f64; rows * n];
+    for r in 0..rows {
+        for j in 0..n {
+            for p in 0..k {
+                let t = x[r * k + p] as f64 * round(w[j * k + p]) as f64;
+                want[r * n + j] += t;
+                scale[r * n + j] += t.abs();
+            }
+        }
+    }
+    let rows_of = |from: usize, to: usize, cols: (usize, usize)| -> Vec<f32> {
+        (from..to)
+            .flat_map(|r| x[r * k + cols.0..r * k + cols.1].to_vec())
+            .collect()
+    };
+    // W's depth steps a .. b as a weight of the given order.
+    let w = &w;
+    let part = |order: WeightOrder, (a, z): (usize, usize)| -> (Vec<usize>, Vec<f32>) {
+        match order {
+            WeightOrder::OutIn => (
+                vec![n, z - a],
+                (0..n)
+                    .flat_map(|j| w[j * k + a..j * k + z].to_vec())
+                    .collect(),
+            ),
+            WeightOrder::InOut => (
+                vec![z - a, n],
+                (a..z)
+                    .flat_map(|p| (0..n).map(move |j| w[j * k + p]))
+                    .collect(),
+            ),
+        }
+    };
+    let exact = |limbs| DepthOrder::Exact {
+        block,
+        blocks_total: blocks,
+        limbs,
+    };
+    for order in [WeightOrder::OutIn, WeightOrder::InOut] {
+        let (shape, data) = part(order, (0, k));
+        let wt = weight(b, &shape, &data, Some(order));
+        let what = format!("{order:?}, bf16 weights {bf16_weights}");
+        let mut whole = Vec::new();
+        for depth in [DepthOrder::Chained { block }, exact(false)] {
+            let product = |from: usize, to: usize| {
+                let xa = act(b, &[to - from, k], rows_of(from, to, (0, k)));
+                read(b, &b.linear_invariant(&xa, &wt, depth).unwrap()).data
+            };
+            let all = product(0, rows);
+            assert_within(&format!("{what} {depth:?}"), &all, &want, &scale, 1e-5);
+            for batch in [1, 3, 9] {
+                for from in (0..rows).step_by(batch) {
+                    let to = (from + batch).min(rows);
+                    assert_same(
+                        &format!("{what} {depth:?}: rows {from}..{to} against all {rows}"),
+                        &product(from, to),
+                        &all[from * n..to * n],
+                    );
+                }
+            }
+            whole = all;
+        }
+        // The depth in parts, each part's sum as limbs; the parts' limbs added in f32 in
+        // both orders, decoded by the backend: the exact whole's bits.
+        for cuts in [&[0, 40, 100][..], &[0, 20, 60, 80, 100]] {
+            let parts: Vec<Vec<f32>> = cuts
+                .windows(2)
+                .map(|c| {
+                    let (shape, data) = part(order, (c[0], c[1]));
+                    let wp = weight(b, &shape, &data, Some(order));
+                    let xa = act(b, &[rows, c[1] - c[0]], rows_of(0, rows, (c[0], c[1])));
+                    let y = b.linear_invariant(&xa, &wp, exact(true)).unwrap();
+                    assert_eq!(y.shape(), &[rows, n * LIMBS]);
+                    read(b, &y).data
+                })
+                .collect();
+            let add = |sum: Vec<f32>, p: &Vec<f32>| -> Vec<f32> {
+                sum.iter().zip(p).map(|(a, b)| a + b).collect()
+            };
+            let zeros = vec![0f32; rows * n * LIMBS];
+            let forward = parts.iter().fold(zeros.clone(), add);
+            let backward = parts.iter().rev().fold(zeros, add);
+            assert_same(
+                &format!("{what}: limbs added in two orders"),
+                &forward,
+                &backward,
+            );
+            let summed = act(b, &[rows, n * LIMBS], forward);
+            let decoded = b.decode_limbs(&summed).unwrap();
+            assert_eq!(decoded.shape(), &[rows, n]);
+            assert_same(
+                &format!("{what}: the depth cut at {cuts:?}, through limbs"),
+                &read(b, &decoded).data,
+                &whole,
+            );
+        }
+    }
+}
+
+/// Attention after `set_invariant_numerics`: each row of an 80-token sequence gets the same
+/// bits prefilled whole, in chunks beside another sequence, and one decode step at a time
+/// (on a GPU: the tiled, split and one-pass calls of the fast mode), close to an f64
+/// reference.
+pub fn invariant_attention_keeps_a_rows_bits<B: Backend>(mut b: B) {
+    b.set_invariant_numerics().unwrap();
+    let b = &b;
+    let mut values = Values(10);
+    let (q_heads, kv_heads, d) = (4, 2, 8);
+    let (qc, kc) = (q_heads * d, kv_heads * d);
+    let scale = 0.3f32;
+    let len = 80;
+    let (q, k, v) = (
+        values.take(len * qc),
+        values.take(len * kc),
+        values.take(len * kc),
+    );
+    let other_rows = 40;
+    let (oq, ok, ov) = (
+        values.take(other_rows * qc),
+        values.take(other_rows * kc),
+        values.take(other_rows * kc),
+    );
+    // Each way: the calls, each (rows of the sequence, rows of the other one beside it).
+    let ways: [(&str, Vec<(usize, usize)>); 3] = [
+        ("whole", vec![(len, 0)]),
+        (
+            "chunks beside another sequence",
+            vec![(23, 5), (1, 1), (40, 30), (16, 4)],
+        ),
+        ("one row a call", vec![(1, 0); len]),
+    ];
+    let mut first: Option<Vec<f32>> = None;
+    for (way, calls) in ways {
+        let mut pool = b.new_kv(kc, kc, 4);
+        b.grow_kv(&mut pool, 40).unwrap();
+        let ours: Vec<u32> = (0..20).rev().collect();
+        let theirs: Vec<u32> = (20..40).collect();
+        let (mut done, mut other_done) = (0, 0);
+        let mut got = Vec::new();
+        for (mine, beside) in calls {
+            let take = |v: &[f32], cols: usize, from: usize, count: usize| {
+                v[from * cols..(from + count) * cols].to_vec()
+            };
+            // The other sequence's rows first, then ours.
+            let cat = |ov: &[f32], v: &[f32], cols: usize| {
+                let mut all = take(ov, cols, other_done, beside);
+                all.extend(take(v, cols, done, mine));
+                act(b, &[beside + mine, cols], all)
+            };
+            let (qa, ka, va) = (cat(&oq, &q, qc), cat(&ok, &k, kc), cat(&ov, &v, kc));
+            let segments = [
+                Segment {
+                    rows: 0..beside,
+                    start: other_done,
+                    blocks: &theirs,
+                },
+                Segment {
+                    rows: beside..beside + mine,
+                    start: done,
+                    blocks: &ours,
+                },
+            ];
+            let segments = if beside == 0 {
+                &segments[1..]
+            } else {
+                &segments[..]
+            };
+            let out = b
+                .attention([&qa, &ka, &va], &mut pool, segments, d, scale)
+                .unwrap_or_else(|e| panic!("{way}: {e}"));
+            got.extend_from_slice(&read(b, &out).data[beside * qc..]);
+            done += mine;
+            other_done += beside;
+        }
+        match &first {
+            None => {
+                let history = History {
+                    k: k.clone(),
+                    v: v.clone(),
+                };
+                let want = attention_reference(&q, &history, (q_heads, kv_heads), d, scale);
+                assert_close(way, &got, &want, 1e-5);
+                first = Some(got);
+            }
+            Some(want) => assert_same(&format!("{way} against whole"), &got, want),
+        }
+    }
 }

@@ -27,5 +27,6 @@ mod serve_client;
 
 mod backend_contract;
 mod device;
+mod invariant;
 mod kernels;
 mod serve;

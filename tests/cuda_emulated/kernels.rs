@@ -497,3 +497,170 @@ fn kv_write_puts_rows_through_the_block_table() {
         assert_eq!(got, want, "blocks of {block_size}, table {table:?}");
     }
 }
+
+/// What `linear_invariant_*` must write for output (row, col), in mode 0 (blocks chained in
+/// f32), 1 (exact, the value) or 2 (exact, three limbs): the order of `runtime::exact`
+/// computed on the host, each block one chain of fused multiply-adds.
+fn invariant_reference(
+    x: &[f32],
+    w: &dyn Fn(usize, usize) -> f32,
+    (m, k, n): (usize, usize, usize),
+    block: usize,
+    mode: i32,
+    bound: f32,
+) -> Vec<f32> {
+    use tpc::runtime::exact::{encode_limbs, from_units, to_units};
+    let mut out = Vec::new();
+    for r in 0..m {
+        for c in 0..n {
+            let (mut chained, mut units) = (0f32, 0f64);
+            for (b, start) in (0..k).step_by(block).enumerate() {
+                let chain = (start..k.min(start + block))
+                    .fold(0f32, |s, p| x[r * k + p].mul_add(w(c, p), s));
+                chained = if b == 0 { chain } else { chained + chain };
+                units += to_units(chain, bound);
+            }
+            match mode {
+                0 => out.push(chained),
+                1 => out.push(from_units(units)),
+                _ => out.extend(encode_limbs(units)),
+            }
+        }
+    }
+    out
+}
+
+/// The invariant products give the host order's bits exactly (so a row's bits follow from
+/// its own inputs only), for f32 and bf16 weights in both orders, tails of the depth, of
+/// the blocks, of the tiles' rows and columns, and blocks that straddle the staged steps;
+/// `decode_limbs` undoes the limbs exactly; a block past the bound gives NaN.
+#[test]
+fn invariant_products_follow_the_host_order_bit_for_bit() {
+    use tpc::runtime::exact::{block_bound, decode_limbs};
+    let file = kernel_file("invariant.cu");
+    let mut values = Values(77);
+    for (m, k, n, block) in [(1, 100, 37, 20), (9, 130, 70, 64), (3, 64, 33, 7)] {
+        let x = values.take(m * k);
+        let w = values.take(n * k); // w[c][p]
+        let bits: Vec<u16> = w
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let blocks = k.div_ceil(block);
+        for bf16 in [false, true] {
+            let at = |c: usize, p: usize| {
+                if bf16 {
+                    half::bf16::from_bits(bits[c * k + p]).to_f32()
+                } else {
+                    w[c * k + p]
+                }
+            };
+            for out_in in [1, 0] {
+                for mode in [0i32, 1, 2] {
+                    let bound = if mode == 0 {
+                        f32::INFINITY
+                    } else {
+                        block_bound(blocks)
+                    };
+                    let want = invariant_reference(&x, &at, (m, k, n), block, mode, bound);
+                    let mut bufs = Buffers::default();
+                    let out = bufs.f32(&vec![0.0; want.len()]);
+                    let xb = bufs.f32(&x);
+                    // [n, k] as stored, or [k, n].
+                    let wb = match (bf16, out_in) {
+                        (false, 1) => bufs.f32(&w),
+                        (true, 1) => bufs.bf16(&bits),
+                        (false, _) => bufs.f32(
+                            &(0..k * n)
+                                .map(|i| w[(i % n) * k + i / n])
+                                .collect::<Vec<_>>(),
+                        ),
+                        (true, _) => bufs.bf16(
+                            &(0..k * n)
+                                .map(|i| bits[(i % n) * k + i / n])
+                                .collect::<Vec<_>>(),
+                        ),
+                    };
+                    let kernel = if bf16 {
+                        "linear_invariant_bf16"
+                    } else {
+                        "linear_invariant_f32"
+                    };
+                    file.launch(
+                        kernel,
+                        dims(n.div_ceil(32) as u32, m.div_ceil(8) as u32),
+                        dims(256, 1),
+                        &[
+                            Arg::Buf(out),
+                            Arg::Buf(xb),
+                            Arg::Buf(wb),
+                            Arg::I64(m as i64),
+                            Arg::I64(k as i64),
+                            Arg::I64(n as i64),
+                            Arg::I32(out_in),
+                            Arg::I64(block as i64),
+                            Arg::I32(mode),
+                            Arg::F32(bound),
+                        ],
+                        &mut bufs,
+                    )
+                    .unwrap();
+                    let got = bufs.read_f32(out);
+                    let what = format!(
+                        "[{m}, {k}] x {n} block {block} bf16 {bf16} out_in {out_in} mode {mode}"
+                    );
+                    let first = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits());
+                    assert!(first.is_none(), "{what}: first difference at {first:?}");
+                    if mode == 2 {
+                        let decoded = bufs.f32(&vec![0.0; m * n]);
+                        file.launch(
+                            "decode_limbs",
+                            dims(1, 1),
+                            dims(256, 1),
+                            &[Arg::Buf(decoded), Arg::Buf(out), Arg::I64((m * n) as i64)],
+                            &mut bufs,
+                        )
+                        .unwrap();
+                        let host: Vec<f32> = got
+                            .chunks(3)
+                            .map(|l| decode_limbs([l[0], l[1], l[2]]))
+                            .collect();
+                        let exact = invariant_reference(&x, &at, (m, k, n), block, 1, bound);
+                        assert_eq!(host, exact, "{what}: limbs decoded on the host");
+                        assert_eq!(bufs.read_f32(decoded), exact, "{what}: decode_limbs");
+                    }
+                }
+            }
+        }
+    }
+    // A block sum past the bound: NaN, in either exact mode.
+    let mut bufs = Buffers::default();
+    let out = bufs.f32(&[0.0; 3]);
+    let (xb, wb) = (bufs.f32(&[1000.0]), bufs.f32(&[1000.0]));
+    for mode in [1, 2] {
+        file.launch(
+            "linear_invariant_f32",
+            dims(1, 1),
+            dims(256, 1),
+            &[
+                Arg::Buf(out),
+                Arg::Buf(xb),
+                Arg::Buf(wb),
+                Arg::I64(1),
+                Arg::I64(1),
+                Arg::I64(1),
+                Arg::I32(1),
+                Arg::I64(1),
+                Arg::I32(mode),
+                Arg::F32(1e5),
+            ],
+            &mut bufs,
+        )
+        .unwrap();
+        assert!(
+            bufs.read_f32(out)[0].is_nan(),
+            "mode {mode}: {:?}",
+            bufs.read_f32(out)
+        );
+    }
+}

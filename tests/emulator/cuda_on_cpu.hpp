@@ -346,6 +346,11 @@ inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+// Arithmetic with the rounding named (each one IEEE operation, never fused with another).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline float __double2float_rn(double a) { return (float)a; }
 template <class T>
 T __ldg(const T* p) {
     return *p;

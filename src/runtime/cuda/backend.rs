@@ -12,6 +12,7 @@ use crate::plan::WeightSlice;
 use crate::runtime::backend::{
     Activation, Backend, BackendError, BackendResult, BinaryOp, Segment, WeightUse,
 };
+use crate::runtime::exact::{block_bound, DepthOrder, LIMBS};
 use crate::runtime::sampling::{host_best_k_of_pairs, host_top_k_pairs};
 use crate::runtime::shape_rules;
 use crate::runtime::tensor::Tensor;
@@ -39,8 +40,13 @@ macro_rules! launch {
 pub struct CudaBackend {
     gpu: Arc<GpuRank>,
     bf16_linears: bool,
+    /// `--numerics invariant`: attention in its one-pass kernel for every call shape.
+    invariant: bool,
 }
 
+/// Rows and columns of an invariant product's tile (`INV_ROWS`, `INV_COLS` in invariant.cu).
+const INVARIANT_ROWS: usize = 8;
+const INVARIANT_COLS: usize = 32;
 /// Threads of every attention kernel's block (`32 * ATTENTION_WARPS` in attention.cu).
 const ATTENTION_THREADS: u32 = 128;
 /// Query rows per block of `attention_tiled` (`TILE_ROWS` in attention.cu).
@@ -167,6 +173,23 @@ pub struct CudaRope {
     sin: CudaSlice<f32>,
 }
 
+/// The outputs of `x · Wᵀ` (W's rows in out-in order), checked against `x`'s depth.
+fn linear_width(x: &CudaAct, w: &CudaWeight) -> BackendResult<usize> {
+    let (m, k) = x.rows_cols();
+    let (n, wk) = match (w.order, &w.shape[..]) {
+        (WeightOrder::OutIn, [n, k]) => (*n, *k),
+        (WeightOrder::InOut, [k, n]) => (*n, *k),
+        _ => return Err(shape_err(format!("a linear weight of shape {:?}", w.shape))),
+    };
+    if wk != k || w.len() != n * k {
+        return Err(shape_err(format!(
+            "x [{m}, {k}] times a weight of shape {:?} ({:?})",
+            w.shape, w.order
+        )));
+    }
+    Ok(n)
+}
+
 fn shape_err(what: String) -> BackendError {
     BackendError::Shape(what)
 }
@@ -185,7 +208,11 @@ fn elements(shape: &[usize]) -> BackendResult<usize> {
 
 impl CudaBackend {
     pub fn new(gpu: Arc<GpuRank>, bf16_linears: bool) -> CudaBackend {
-        CudaBackend { gpu, bf16_linears }
+        CudaBackend {
+            gpu,
+            bf16_linears,
+            invariant: false,
+        }
     }
 
     pub fn gpu(&self) -> &GpuRank {
@@ -374,7 +401,14 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let rows = grid_dim(new)?;
-        match AttentionWay::chosen(new, start + new)? {
+        // The one-pass kernel adds every (row, head)'s positions in one order whatever the
+        // call's rows: the invariant mode's way for prompts, chunks and decode steps alike.
+        let way = if self.invariant {
+            AttentionWay::OnePass
+        } else {
+            AttentionWay::chosen(new, start + new)?
+        };
+        match way {
             AttentionWay::OnePass => {
                 let cfg = grid(rows, 1);
                 launch!(
@@ -648,18 +682,113 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &CudaAct, w: &CudaWeight) -> BackendResult<CudaAct> {
         let (m, k) = x.rows_cols();
-        let (n, wk) = match (w.order, &w.shape[..]) {
-            (WeightOrder::OutIn, [n, k]) => (*n, *k),
-            (WeightOrder::InOut, [k, n]) => (*n, *k),
-            _ => return Err(shape_err(format!("a linear weight of shape {:?}", w.shape))),
+        let n = linear_width(x, w)?;
+        self.gemm(x, w, m, k, n)
+    }
+
+    fn linear_invariant(
+        &self,
+        x: &CudaAct,
+        w: &CudaWeight,
+        order: DepthOrder,
+    ) -> BackendResult<CudaAct> {
+        let (m, k) = x.rows_cols();
+        let n = linear_width(x, w)?;
+        let width = order.width();
+        let mut shape = x.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = n.checked_mul(width).ok_or_else(|| {
+                BackendError::OutOfMemory(format!("{n} outputs of {width} values"))
+            })?;
+        }
+        let mut out = self.output(shape)?;
+        if m == 0 || n == 0 {
+            return Ok(out);
+        }
+        let (mode, bound) = match order {
+            DepthOrder::Chained { .. } => (0i32, f32::INFINITY),
+            DepthOrder::Exact {
+                blocks_total,
+                limbs,
+                ..
+            } => (1 + i32::from(limbs), block_bound(blocks_total)),
         };
-        if wk != k || w.len() != n * k {
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_dim(n.div_ceil(INVARIANT_COLS))?,
+                grid_dim_y(m.div_ceil(INVARIANT_ROWS))?,
+                1,
+            ),
+            block_dim: ((INVARIANT_ROWS * INVARIANT_COLS) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let out_in = i32::from(w.order == WeightOrder::OutIn);
+        let (m64, k64, n64, block) = (i64_of(m), i64_of(k), i64_of(n), i64_of(order.block()));
+        match &w.data {
+            WeightData::F32(wd) => launch!(
+                self.gpu,
+                "linear_invariant_f32",
+                cfg,
+                out.data_mut(),
+                x.data(),
+                wd,
+                &m64,
+                &k64,
+                &n64,
+                &out_in,
+                &block,
+                &mode,
+                &bound
+            )?,
+            WeightData::Bf16(wd) => launch!(
+                self.gpu,
+                "linear_invariant_bf16",
+                cfg,
+                out.data_mut(),
+                x.data(),
+                wd,
+                &m64,
+                &k64,
+                &n64,
+                &out_in,
+                &block,
+                &mode,
+                &bound
+            )?,
+        }
+        Ok(out)
+    }
+
+    fn set_invariant_numerics(&mut self) -> BackendResult<()> {
+        self.invariant = true;
+        Ok(())
+    }
+
+    fn decode_limbs(&self, x: &CudaAct) -> BackendResult<CudaAct> {
+        let cols = x.rows_cols().1;
+        if !cols.is_multiple_of(LIMBS) {
             return Err(shape_err(format!(
-                "x [{m}, {k}] times a weight of shape {:?} ({:?})",
-                w.shape, w.order
+                "rows of {cols} values are not whole values of {LIMBS} limbs"
             )));
         }
-        self.gemm(x, w, m, k, n)
+        let mut shape = x.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = cols / LIMBS;
+        }
+        let n = x.elements() / LIMBS;
+        let mut out = self.output(shape)?;
+        if n > 0 {
+            let n64 = i64_of(n);
+            launch!(
+                self.gpu,
+                "decode_limbs",
+                grid_for(n),
+                out.data_mut(),
+                x.data(),
+                &n64
+            )?;
+        }
+        Ok(out)
     }
 
     fn bias_add(&self, x: &mut CudaAct, bias: &CudaWeight) -> BackendResult<()> {

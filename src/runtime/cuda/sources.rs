@@ -26,6 +26,10 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "embedding.cu",
         include_str!("../../../kernels/embedding.cu"),
     ),
+    (
+        "invariant.cu",
+        include_str!("../../../kernels/invariant.cu"),
+    ),
     ("norm.cu", include_str!("../../../kernels/norm.cu")),
     ("rope.cu", include_str!("../../../kernels/rope.cu")),
     ("select.cu", include_str!("../../../kernels/select.cu")),
