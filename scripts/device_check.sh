@@ -6,7 +6,8 @@
 #   DEVICE=cpu TPC=target/release/tpc OUT=/tmp/devcheck scripts/device_check.sh   # dry run here
 #
 # Steps (raw output of each under $OUT):
-#  1. tests: every executable in dist/tests/ with TPC_REQUIRE_GPU=1 (skipped with DEVICE=cpu);
+#  1. tests: every executable in dist/tests/ with TPC_REQUIRE_GPU=1 (skipped with DEVICE=cpu),
+#     among them --numerics invariant: every fixture the same bits at tp 1, 2, 4 and in a batch;
 #  2. parity: every tests/fixtures/checkpoints/*/ x tp in TPS x dtype f32, bf16 on one device,
 #     `tpc run --dump-logits` checked by scripts/check_logits.py against transformers'
 #     logits: f32 relative error <= 1e-4 and the greedy tokens equal, bf16 <= 3e-2 (tokens
