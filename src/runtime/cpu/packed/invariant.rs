@@ -16,6 +16,9 @@ use crate::runtime::exact::{block_bound, encode_limbs, from_units, to_units, Dep
 use crate::runtime::simd::widest_simd_fn;
 use crate::runtime::tensor::Tensor;
 
+/// One GEMV call's chains: `[block of the call][row][column]`.
+type BlockSums = [[[f32; NR]; GEMV_MAX_ROWS]; 8];
+
 /// The running sum of one output over the blocks.
 #[derive(Clone, Copy)]
 struct Adder {
@@ -109,7 +112,9 @@ impl PackedMatrix {
         if m <= kernels.gemv_max_rows(self.is_bf16()) {
             run_chunks(team, threads, panels, 1, 0, &|chunk| {
                 let mut scratch = vec![0f32; (job.block + 1).next_multiple_of(2) * NR];
-                gemv_chunk(&job, chunk.panels, &mut scratch)
+                let mut kept = vec![[0f32; NR]; k.div_ceil(job.block) * GEMV_MAX_ROWS];
+                let mut sums = [[[0f32; NR]; GEMV_MAX_ROWS]; 8];
+                gemv_chunk(&job, chunk.panels, &mut scratch, &mut kept, &mut sums)
             });
         } else {
             let group = kernels.f32_tile_rows();
@@ -126,13 +131,19 @@ impl PackedMatrix {
 
 // The loops around the kernels (the blocks' sums added, outputs written) compiled for the
 // host's widest vectors: they are a fifth of a prompt product's time in baseline SSE2.
-widest_simd_fn!(fn gemv_chunk(job: &Job<'_>, panels: std::ops::Range<usize>, scratch: &mut [f32]) => gemv_panels);
+widest_simd_fn!(fn gemv_chunk(job: &Job<'_>, panels: std::ops::Range<usize>, scratch: &mut [f32], kept: &mut [[f32; NR]], sums: &mut BlockSums) => gemv_panels);
 widest_simd_fn!(fn gemm_chunk(job: &Job<'_>, a: &[f32], panels: std::ops::Range<usize>) => gemm_panels);
 
 #[inline(always)]
-fn gemv_panels(job: &Job<'_>, panels: std::ops::Range<usize>, scratch: &mut [f32]) {
+fn gemv_panels(
+    job: &Job<'_>,
+    panels: std::ops::Range<usize>,
+    scratch: &mut [f32],
+    kept: &mut [[f32; NR]],
+    sums: &mut BlockSums,
+) {
     for q in panels {
-        job.gemv_panel(q, scratch)
+        job.gemv_panel(q, scratch, kept, sums)
     }
 }
 
@@ -202,10 +213,20 @@ impl Job<'_> {
         }
     }
 
-    #[inline(always)]
     /// Every row of panel `q`, a few rows per kernel call (decode); for one or two rows,
-    /// several blocks per call (their chains interleaved, each still its own).
-    fn gemv_panel(&self, q: usize, scratch: &mut [f32]) {
+    /// several blocks per call (their chains interleaved, each still its own). Such a call
+    /// takes blocks `s · rounds + j` for its streams `s` at round `j`, so that each stream
+    /// reads one contiguous run of the panel across the rounds (as the fast GEMV's streams
+    /// do: a prefetcher follows it), not a new place after every few blocks. The blocks'
+    /// sums are kept and added in block order at the end.
+    #[inline(always)]
+    fn gemv_panel(
+        &self,
+        q: usize,
+        scratch: &mut [f32],
+        kept: &mut [[f32; NR]],
+        sums: &mut BlockSums,
+    ) {
         let (k, n) = (self.w.k, self.w.n);
         let cols = NR.min(n - q * NR);
         let count = k.div_ceil(self.block);
@@ -216,45 +237,68 @@ impl Job<'_> {
         while done < self.m {
             let r = (self.m - done).min(GEMV_MAX_ROWS);
             let xs = &self.x[done * k..];
-            let mut acc = [[0f64; NR]; GEMV_MAX_ROWS];
-            let mut b = 0;
-            while b < count {
-                let len = block(b).1;
-                let same = (b..count).take_while(|&c| block(c).1 == len).count();
-                let want = match r {
-                    1 => 8,
-                    2 => 4,
-                    _ => 2,
-                };
-                let g = [8, 4, 2, 1]
+            // Four streams (eight chains) for one or two rows: with eight streams one row's
+            // sixteen chains spill from AVX2's registers (measured 5 % slower); two for more.
+            let want = match r {
+                1 => 4,
+                2 => 4,
+                _ => 2,
+            };
+            let group = |same: usize| {
+                [8, 4, 2, 1]
                     .into_iter()
                     .find(|&g| g <= want && g <= same && (in_place || g == 1))
-                    .unwrap_or(1);
-                let starts_all = [0, 1, 2, 3, 4, 5, 6, 7].map(|i| block(b + i.min(g - 1)).0);
+                    .unwrap_or(1)
+            };
+            // The blocks of the full length, dealt to the streams in contiguous runs.
+            let full = (0..count).take_while(|&c| block(c).1 == self.block).count();
+            let g = group(full);
+            let rounds = full / g;
+            // One call: blocks `ids[..g]` of `len` steps, each stream's chains into `kept`.
+            let mut call = |ids: [usize; 8], g: usize, len: usize| {
+                let starts_all = ids.map(|b| block(b).0);
                 let starts = &starts_all[..g];
-                let mut sums = [[[0f32; NR]; GEMV_MAX_ROWS]; 8];
                 match &self.w.panels {
                     Panels::F32(v) if in_place => {
                         let panel = &v[q * f32::panel_len(k)..][..f32::panel_len(k)];
-                        block_sums(self.kernels, r, xs, k, panel, starts, len, &mut sums);
+                        block_sums(self.kernels, r, xs, k, panel, starts, len, sums);
                     }
                     Panels::Bf16(v) if in_place => {
                         let panel = &v[q * u16::panel_len(k)..][..u16::panel_len(k)];
-                        block_sums(self.kernels, r, xs, k, panel, starts, len, &mut sums);
+                        block_sums(self.kernels, r, xs, k, panel, starts, len, sums);
                     }
                     _ => {
                         // An odd block of bf16 pairs: widened to f32 steps first.
                         let panel = self.panel_block(q, starts[0], len, scratch);
                         let x0 = &xs[starts[0]..];
-                        block_sums(self.kernels, r, x0, k, panel, &[0], len, &mut sums);
+                        block_sums(self.kernels, r, x0, k, panel, &[0], len, sums);
                     }
                 }
                 for (gi, sums) in sums[..g].iter().enumerate() {
-                    for (a, s) in acc[..r].iter_mut().zip(sums) {
-                        self.adder.add(a, b + gi, s);
-                    }
+                    kept[ids[gi] * GEMV_MAX_ROWS..][..r].copy_from_slice(&sums[..r]);
                 }
+            };
+            for j in 0..rounds {
+                call(
+                    [0, 1, 2, 3, 4, 5, 6, 7].map(|s| s.min(g - 1) * rounds + j),
+                    g,
+                    self.block,
+                );
+            }
+            // The rest (fewer than g full blocks, and a shorter last one) as they come.
+            let mut b = rounds * g;
+            while b < count {
+                let len = block(b).1;
+                let same = (b..count).take_while(|&c| block(c).1 == len).count();
+                let g = group(same);
+                call([0, 1, 2, 3, 4, 5, 6, 7].map(|i| b + i.min(g - 1)), g, len);
                 b += g;
+            }
+            let mut acc = [[0f64; NR]; GEMV_MAX_ROWS];
+            for b in 0..count {
+                for (a, s) in acc[..r].iter_mut().zip(&kept[b * GEMV_MAX_ROWS..][..r]) {
+                    self.adder.add(a, b, s);
+                }
             }
             for (i, a) in acc[..r].iter().enumerate() {
                 for (j, &v) in a[..cols].iter().enumerate() {
@@ -332,7 +376,7 @@ fn block_sums<T: PanelValue>(
     panel: &[T],
     starts: &[usize],
     len: usize,
-    sums: &mut [[[f32; NR]; GEMV_MAX_ROWS]; 8],
+    sums: &mut BlockSums,
 ) {
     fn call<const R: usize, const G: usize, T: PanelValue>(
         kernels: Kernels,
