@@ -242,7 +242,13 @@ fn continuous_batching_gives_every_request_its_solo_greedy_tokens() {
                 "{what}: blocks left in use"
             );
             assert_eq!(metrics["tpc_requests_running"], 0.0, "{what}");
-            if name == "squeezed" {
+            // With one replica the twelve requests always overlap past the pool. With two,
+            // each replica's share may or may not (it depends on how the requests were
+            // dealt and how fast the first ones finish: seen once under load in CI), so
+            // there the tokens are checked and preemption only reported.
+            if name == "squeezed" && dp > 1 {
+                eprintln!("{what}: {} preemptions", metrics["tpc_preemptions_total"]);
+            } else if name == "squeezed" {
                 assert!(
                     metrics["tpc_preemptions_total"] > 0.0,
                     "{what}: the pool was meant to force preemption"
