@@ -111,6 +111,15 @@ impl DepthOrder {
         }
     }
 
+    /// The largest block sum the order may add ([`block_bound`] of the whole depth's
+    /// blocks when they are added exactly; anything when chained in f32).
+    pub fn bound(self) -> f32 {
+        match self {
+            DepthOrder::Exact { blocks_total, .. } => block_bound(blocks_total),
+            DepthOrder::Chained { .. } => f32::INFINITY,
+        }
+    }
+
     /// Values written per output.
     pub fn width(self) -> usize {
         match self {

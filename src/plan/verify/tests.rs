@@ -1249,43 +1249,29 @@ fn an_invariant_plan_keeps_its_exact_sums_or_is_refused() {
             .collect()
     };
     let o_proj = "model.layers.0.self_attn.o_proj";
-    // Blocks that the rank's half of the depth cuts.
-    let mut cut = plan.clone();
-    let exact = linear(&mut cut, o_proj).exact.unwrap();
-    linear(&mut cut, o_proj).exact = Some(crate::ir::ExactBlocks {
-        block: exact.block * exact.blocks / 4 * 3,
-        blocks: 1,
-    });
-    assert!(
-        numerics(&cut)
-            .iter()
-            .any(|p| p.contains("do not make the weight's depth")),
-        "{:?}",
-        numerics(&cut)
-    );
-    let mut cut = plan.clone();
+    // o_proj given `blocks` (None: summed the fast way) must be refused saying `what`.
+    let refused = |blocks: Option<crate::ir::ExactBlocks>, what: &str| -> Plan {
+        let mut p = plan.clone();
+        linear(&mut p, o_proj).exact = blocks;
+        let said = numerics(&p);
+        assert!(said.iter().any(|x| x.contains(what)), "{said:?}");
+        p
+    };
+    let exact = linear(&mut plan.clone(), o_proj).exact.unwrap();
     let depth = exact.block * exact.blocks;
-    linear(&mut cut, o_proj).exact = Some(crate::ir::ExactBlocks {
+    // Blocks that do not make the depth, one that the rank's half of the depth cuts, and
+    // a partial sum summed the fast way.
+    let three_quarters = crate::ir::ExactBlocks {
+        block: depth / 4 * 3,
+        blocks: 1,
+    };
+    refused(Some(three_quarters), "do not make the weight's depth");
+    let whole = crate::ir::ExactBlocks {
         block: depth,
         blocks: 1,
-    });
-    assert!(
-        numerics(&cut)
-            .iter()
-            .any(|p| p.contains("cut an exact block")),
-        "{:?}",
-        numerics(&cut)
-    );
-    // A partial sum summed the fast way.
-    let mut fast = plan.clone();
-    linear(&mut fast, o_proj).exact = None;
-    assert!(
-        numerics(&fast)
-            .iter()
-            .any(|p| p.contains("has no exact blocks")),
-        "{:?}",
-        numerics(&fast)
-    );
+    };
+    refused(Some(whole), "cut an exact block");
+    let fast = refused(None, "has no exact blocks");
     // The same plan in fast numerics has nothing to keep.
     let mut as_fast = fast.clone();
     as_fast.numerics = crate::ir::NumericsMode::Fast;

@@ -12,7 +12,7 @@ use crate::plan::WeightSlice;
 use crate::runtime::backend::{
     Activation, Backend, BackendError, BackendResult, BinaryOp, Segment, WeightUse,
 };
-use crate::runtime::exact::{block_bound, DepthOrder, LIMBS};
+use crate::runtime::exact::{DepthOrder, LIMBS};
 use crate::runtime::sampling::{host_best_k_of_pairs, host_top_k_pairs};
 use crate::runtime::shape_rules;
 use crate::runtime::tensor::Tensor;
@@ -705,14 +705,12 @@ impl Backend for CudaBackend {
         if m == 0 || n == 0 {
             return Ok(out);
         }
-        let (mode, bound) = match order {
-            DepthOrder::Chained { .. } => (0i32, f32::INFINITY),
-            DepthOrder::Exact {
-                blocks_total,
-                limbs,
-                ..
-            } => (1 + i32::from(limbs), block_bound(blocks_total)),
+        // invariant.cu's modes: 0 chained, 1 exact value, 2 exact limbs.
+        let mode = match order {
+            DepthOrder::Chained { .. } => 0i32,
+            DepthOrder::Exact { limbs, .. } => 1 + i32::from(limbs),
         };
+        let bound = order.bound();
         let cfg = LaunchConfig {
             grid_dim: (
                 grid_dim(n.div_ceil(INVARIANT_COLS))?,

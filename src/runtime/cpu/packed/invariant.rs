@@ -12,7 +12,7 @@
 use super::{pack_row_blocks, run_chunks, PackedMatrix, Panels, MC, NR, PACKED_ROWS};
 use crate::runtime::cpu::isa::{Kernels, PanelValue, GEMV_MAX_ROWS, MR};
 use crate::runtime::cpu::team::{SyncPtr, Team};
-use crate::runtime::exact::{block_bound, encode_limbs, from_units, to_units, DepthOrder, LIMBS};
+use crate::runtime::exact::{encode_limbs, from_units, to_units, DepthOrder, LIMBS};
 use crate::runtime::simd::widest_simd_fn;
 use crate::runtime::tensor::Tensor;
 
@@ -28,11 +28,10 @@ struct Adder {
 
 impl Adder {
     fn new(order: DepthOrder) -> Adder {
-        let bound = match order {
-            DepthOrder::Exact { blocks_total, .. } => block_bound(blocks_total),
-            DepthOrder::Chained { .. } => f32::INFINITY,
-        };
-        Adder { order, bound }
+        Adder {
+            order,
+            bound: order.bound(),
+        }
     }
 
     /// `acc` after block `b` whose chains gave `sums` (f32 order: the first block's sums
