@@ -157,8 +157,8 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
 }
 
 /// `--numerics invariant` as processes: every fixture's logits at tp 2 and 4, and at tp 2
-/// over two stages, are tp 1's bits (threads, one rank), the collectives of MPI adding the
-/// exact sums' limbs in whatever order MPI likes.
+/// over two stages, with and without `--fuse-norm`, are tp 1's bits (threads, one rank),
+/// the collectives of MPI adding the exact sums' limbs in whatever order MPI likes.
 #[test]
 fn invariant_processes_give_tp_1s_bits() {
     let dir = scratch("invariant");
@@ -166,8 +166,8 @@ fn invariant_processes_give_tp_1s_bits() {
     for fixture in fixtures() {
         let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
         let reference = read_reference(&fixture);
-        let args = |tp: u64, pp: u64, dump: &Path| -> Vec<String> {
-            [
+        let args = |tp: u64, pp: u64, fuse_norm: bool, dump: &Path| -> Vec<String> {
+            let mut args = [
                 "run",
                 &fixture.to_string_lossy(),
                 "--tp",
@@ -186,17 +186,29 @@ fn invariant_processes_give_tp_1s_bits() {
                 &dump.to_string_lossy(),
             ]
             .map(String::from)
-            .to_vec()
+            .to_vec();
+            if fuse_norm {
+                args.push("--fuse-norm".into());
+            }
+            args
         };
         let one = dir.join(format!("{name}-tp1.safetensors"));
         let mut threads = Command::new(TPC);
-        threads.args(args(1, 1, &one));
+        threads.args(args(1, 1, false, &one));
         ok(run(threads, &name), &name);
-        for (np, tp, pp) in [(2usize, 2u64, 1u64), (4, 4, 1), (4, 2, 2)] {
-            let what = format!("{name} invariant np={np} tp={tp} pp={pp}");
-            let many = dir.join(format!("{name}-{tp}-{pp}.safetensors"));
+        let configs = [
+            (2usize, 2u64, 1u64, false),
+            (4, 4, 1, false),
+            (4, 2, 2, false),
+            (2, 2, 1, true),
+            (4, 2, 2, true),
+        ];
+        for (np, tp, pp, fuse_norm) in configs {
+            let fused = if fuse_norm { " --fuse-norm" } else { "" };
+            let what = format!("{name} invariant np={np} tp={tp} pp={pp}{fused}");
+            let many = dir.join(format!("{name}-{tp}-{pp}-{fuse_norm}.safetensors"));
             let mut procs = mpirun(np);
-            procs.args(args(tp, pp, &many));
+            procs.args(args(tp, pp, fuse_norm, &many));
             ok(run(procs, &what), &what);
             let (x, y) = (logits(&many), logits(&one));
             let first = x
@@ -210,7 +222,7 @@ fn invariant_processes_give_tp_1s_bits() {
             ran += 1;
         }
     }
-    assert!(ran >= 21, "only {ran} runs");
+    assert!(ran >= 35, "only {ran} runs");
 }
 
 /// Four processes at tp 2: two external data-parallel replicas, the prompts dealt between

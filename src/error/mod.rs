@@ -5,6 +5,7 @@
 //! `runtime::error::RunError`.
 
 pub mod fuse;
+pub mod fuse_norm;
 pub mod plan;
 pub mod provenance;
 pub mod stage;

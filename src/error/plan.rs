@@ -345,4 +345,6 @@ pub enum Problem {
         index: usize,
         problem: super::fuse::FuseProblem,
     },
+    #[error("norm fused with its all-reduce: {0}")]
+    ReduceNorm(super::fuse_norm::ReduceNormProblem),
 }

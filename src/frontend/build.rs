@@ -67,10 +67,10 @@ fn partitioner_only(op: &Op) -> std::result::Result<(), String> {
                 op.kind()
             ))
         }
-        Op::RmsNorm(n) if n.reduce_input.is_some() => Err(
-            "`reduce_input` of an rms_norm is set by tpc's norm-fusion pass, never written in a model; remove it"
-                .into(),
-        ),
+        Op::RmsNorm(n) if n.reduce_input.is_some() || n.with_reduce => Err(format!(
+            "`{}` of an rms_norm is set by tpc's norm-fusion pass, never written in a model; remove it",
+            if n.with_reduce { "with_reduce" } else { "reduce_input" }
+        )),
         Op::Embedding(e) if e.vocab_range.is_some() => Err(
             "`vocab_range` of an embedding is chosen by the partitioner for each rank; remove it and write `Embedding()` with the whole table"
                 .into(),

@@ -90,6 +90,7 @@ impl Emit {
             eps: F64(eps),
             group,
             reduce_input: None,
+            with_reduce: false,
         });
         self.node(name, op, &[x, &w])
     }

@@ -136,6 +136,11 @@ pub struct RmsNormOp {
     /// of an all-reduce then a norm.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reduce_input: Option<AllReduceOp>,
+    /// Set by the norm-fusion pass under `--numerics invariant`: this norm runs in one step
+    /// with the all-reduce that feeds it (directly, or through the one residual add that
+    /// reads the all-reduce), and those ops keep their own values (`plan::fuse_norm`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub with_reduce: bool,
 }
 
 /// LayerNorm over the last dim: inputs `x`, `weight`, `bias`.
@@ -318,6 +323,9 @@ impl Op {
                 };
                 if let Some(c) = n.reduce_input.as_ref().and_then(|r| r.algorithm.as_ref()) {
                     a.push_str(&format!(" all-reduce {}", c.describe()));
+                }
+                if n.with_reduce {
+                    a.push_str(" with its all-reduce");
                 }
                 a
             }

@@ -704,16 +704,19 @@ pub(crate) mod tests {
                 eps: F64(1e-5),
                 group: None,
                 reduce_input: None,
+                with_reduce: false,
             }),
             Op::RmsNorm(RmsNormOp {
                 eps: F64(1e-5),
                 group: Some(4),
                 reduce_input: None,
+                with_reduce: false,
             }),
             Op::RmsNorm(RmsNormOp {
                 eps: F64(1e-5),
                 group: None,
                 reduce_input: Some(AllReduceOp::default()),
+                with_reduce: false,
             }),
             Op::LayerNorm(LayerNormOp { eps: F64(1e-5) }),
             Op::Rope(RopeOp {
@@ -1084,12 +1087,14 @@ pub(crate) mod tests {
             eps: F64(1e-5),
             group: None,
             reduce_input: None,
+            with_reduce: false,
         }));
         assert!(err(norm.admits(&[s(2), R], &[3, 1], s(2))).contains("cannot split"));
         let head_norm = dims(&Op::RmsNorm(RmsNormOp {
             eps: F64(1e-5),
             group: Some(4),
             reduce_input: None,
+            with_reduce: false,
         }));
         assert_eq!(head_norm.admits(&[s(2), R], &[3, 1], s(2)), Ok(()));
         let mul = dims(&Op::Mul(MulOp {}));

@@ -11,17 +11,14 @@ use crate::error::Result;
 use crate::ir::{Graph, Layout, NodeId, Op};
 
 /// Fuses every eligible all-reduce into the RMSNorm that reads it, when
-/// `ctx.fuse_norm` is set (and tp > 1).
+/// `ctx.fuse_norm` is set (and tp > 1); under `--numerics invariant`, marks the norms that
+/// run in one step with their all-reduce instead ([`mark_reduce_norm_steps`]).
 pub fn fuse_reduce_norm(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     if !ctx.fuse_norm || ctx.tp == 1 {
         return Ok(());
     }
     if ctx.numerics == crate::ir::NumericsMode::Invariant {
-        ctx.notes.push(
-            "norm fusion asked for, but not under --numerics invariant: the fused op keeps the residual stream as each rank's partial sum, which rounds differently at each tp; the plan keeps the all-reduce, the residual add and the norm apart"
-                .into(),
-        );
-        return Ok(());
+        return mark_reduce_norm_steps(graph, ctx);
     }
     let order = graph.topo_order().map_err(|_| ctx.cycle_error())?;
     let mut fused = 0;
@@ -77,6 +74,75 @@ pub fn fuse_reduce_norm(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     Ok(())
 }
 
+/// The invariant form of the fusion. Folding the all-reduce into the norm keeps the
+/// residual stream as each rank's partial sum, which rounds differently at each tp; here the
+/// residual stays whole. A norm that reads an all-reduce, or the residual add of one (the
+/// add the all-reduce's only reader, its residual computed before it), is marked
+/// `with_reduce`: the runtime does the reduction, the add and the norm in one step that
+/// hands on the new residual and the normalized value (`plan::fuse_norm`), with the unfused
+/// ops' arithmetic, so the bits do not change.
+fn mark_reduce_norm_steps(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
+    let order = graph.topo_order().map_err(|_| ctx.cycle_error())?;
+    let unmarked_norm = |graph: &Graph, (u, slot): (NodeId, u32)| {
+        slot == 0
+            && matches!(&graph.node(u).op, Op::RmsNorm(n) if n.reduce_input.is_none() && !n.with_reduce)
+    };
+    let mut marked = 0;
+    for reduce in order {
+        if !matches!(graph.node(reduce).op, Op::AllReduce(_)) {
+            continue;
+        }
+        let users = graph.users(reduce);
+        let norm = match users[..] {
+            // all_reduce → add(residual, ·) → norm
+            [(add, _)] if matches!(graph.node(add).op, Op::Add(_)) => {
+                let inputs = graph.inputs(add);
+                let residual_first = inputs.len() == 2
+                    && inputs.iter().filter(|&&x| x == reduce).count() == 1
+                    && inputs.iter().all(|&x| {
+                        x == reduce
+                            || petgraph::algo::has_path_connecting(&graph.g, x, reduce, None)
+                    });
+                let norms: Vec<_> = graph
+                    .users(add)
+                    .into_iter()
+                    .filter(|&u| unmarked_norm(graph, u))
+                    .collect();
+                match (residual_first, &norms[..]) {
+                    (true, &[(norm, _)]) => Some(norm),
+                    _ => None,
+                }
+            }
+            // all_reduce → norm (and whatever else reads the reduced value)
+            _ => {
+                let norms: Vec<_> = users
+                    .iter()
+                    .copied()
+                    .filter(|&u| unmarked_norm(graph, u))
+                    .collect();
+                match norms[..] {
+                    [(norm, _)] => Some(norm),
+                    _ => None,
+                }
+            }
+        };
+        if let Some(norm) = norm {
+            if let Op::RmsNorm(n) = &mut graph.node_mut(norm).op {
+                n.with_reduce = true;
+                marked += 1;
+            }
+        }
+    }
+    ctx.notes.push(if marked > 0 {
+        format!(
+            "norm fusion (invariant): {marked} RMSNorms run in one step with the all-reduce before them and its residual add; the residual stream stays whole, so the bits are those of the unfused plan"
+        )
+    } else {
+        "norm fusion asked for, but no all-reduce feeds an RMSNorm; the plan is unchanged".into()
+    });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use crate::frontend::load::load_model;
@@ -121,6 +187,53 @@ mod tests {
         // One op fewer on rank 0 per fused site.
         assert_eq!(plain.ranks[0].instrs.len() - fused.ranks[0].instrs.len(), 5);
         assert!(fused.notes.iter().any(|n| n.contains("norm fusion: 5")));
+    }
+
+    #[test]
+    fn under_invariant_numerics_norms_are_marked_and_the_residual_stream_stays_whole() {
+        let compile = |tp: u64, sequence_parallel: bool, fuse_norm: bool| {
+            let path =
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tiny-llama.ron");
+            let options = ShardOptions {
+                fuse_norm,
+                sequence_parallel,
+                numerics: crate::ir::NumericsMode::Invariant,
+            };
+            compile_with(&load_model(&path).unwrap(), tp, options)
+                .unwrap()
+                .plan
+        };
+        let marked = |p: &crate::plan::Plan, rank: usize| {
+            p.ranks[rank]
+                .instrs
+                .iter()
+                .filter(|i| matches!(&i.op, Op::RmsNorm(n) if n.with_reduce))
+                .count()
+        };
+        let plain = compile(2, false, false);
+        let fused = compile(2, false, true);
+        for rank in 0..2 {
+            assert_eq!(marked(&fused, rank), 5);
+            // Nothing else changes: the all-reduces, adds and norms stay (each rank adds
+            // the whole residual), and no norm reduces its input the fast way.
+            for kind in ["all_reduce", "add", "rms_norm"] {
+                assert_eq!(
+                    kinds(&fused, rank, kind),
+                    kinds(&plain, rank, kind),
+                    "{kind}"
+                );
+            }
+            assert_eq!(kinds(&fused, rank, "all_reduce_rms_norm"), 0);
+        }
+        assert!(fused
+            .notes
+            .iter()
+            .any(|n| n.contains("norm fusion (invariant): 5")));
+        // Sequence parallelism leaves no all-reduce to join (as in fast numerics), and tp 1
+        // has none.
+        for p in [compile(2, true, true), compile(1, false, true)] {
+            assert_eq!(marked(&p, 0), 0);
+        }
     }
 
     #[test]

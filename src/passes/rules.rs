@@ -295,6 +295,7 @@ mod tests {
             eps: F64(1e-5),
             group: None,
             reduce_input: None,
+            with_reduce: false,
         });
         assert_eq!(
             rule(&norm, &[Some(split(2)), None], &[3, 1], None).inputs[0],
@@ -304,6 +305,7 @@ mod tests {
             eps: F64(1e-5),
             group: Some(4),
             reduce_input: None,
+            with_reduce: false,
         });
         assert_eq!(
             rule(&head_norm, &[Some(split(2)), None], &[3, 1], None).output,

@@ -5,6 +5,7 @@ pub mod balance;
 pub mod diff;
 pub mod dot;
 pub mod fuse;
+pub mod fuse_norm;
 pub mod partition;
 pub mod report;
 pub mod source;

@@ -266,6 +266,18 @@ fn check_rank<'a>(
             Problem::OutputCount { found: outputs },
         );
     }
+    for (id, problem) in super::fuse_norm::groups(program).1 {
+        let name = program
+            .instrs
+            .iter()
+            .find(|i| i.id == id)
+            .map(|i| i.name.clone())
+            .unwrap_or_default();
+        found.say(
+            Place::Instr { rank, id, name },
+            Problem::ReduceNorm(problem),
+        );
+    }
     for (index, problem) in super::fuse::problems(program) {
         found.say(Place::Rank { rank }, Problem::Fused { index, problem });
     }

@@ -32,6 +32,65 @@ pub fn reduce_then_rms_norm<B: Backend + ?Sized>(
     Ok((out, ran))
 }
 
+/// The norm of a fused reduce + add + norm step ([`Backend::all_reduce_add_rms_norm`]):
+/// whether the sum is held as limbs, the residual added to it (if any), and the norm.
+pub struct NormStep<'s, B: Backend + ?Sized> {
+    pub limbs: bool,
+    pub residual: Option<&'s B::Act>,
+    pub weight: &'s B::Weight,
+    pub group: usize,
+    pub eps: f32,
+}
+
+/// What a fused reduce + add + norm step makes: the new residual, its norm, and the
+/// all-reduce algorithm that ran.
+pub struct NormStepOut<A> {
+    pub residual: A,
+    pub normed: A,
+    pub ran: Option<CollectiveAlgorithm>,
+}
+
+/// The invariant reduce + add + norm as the unfused ops ([`Backend::all_reduce_add_rms_norm`]'s
+/// default): reduce, decode the limbs, add the residual, normalize.
+pub fn reduce_add_then_rms_norm<B: Backend + ?Sized>(
+    backend: &B,
+    comm: &mut dyn Collectives<B::Act>,
+    mut sum: B::Act,
+    step: NormStep<'_, B>,
+    algorithm: Option<CollectiveAlgorithm>,
+) -> Result<NormStepOut<B::Act>, ReduceNormError> {
+    let ran = match comm.all_reduce_sum_planned(&mut sum, algorithm) {
+        Ok(ran) => ran,
+        Err(e) => {
+            backend.release(sum);
+            return Err(ReduceNormError::Collective(e));
+        }
+    };
+    let mut h = if step.limbs {
+        let values = backend.decode_limbs(&sum);
+        backend.release(sum);
+        values.map_err(ReduceNormError::Norm)?
+    } else {
+        sum
+    };
+    let normed = match step.residual {
+        Some(r) => backend.binary(&mut h, r, BinaryOp::Add),
+        None => Ok(()),
+    }
+    .and_then(|()| backend.rms_norm(&h, step.weight, step.group, step.eps));
+    match normed {
+        Ok(normed) => Ok(NormStepOut {
+            residual: h,
+            normed,
+            ran,
+        }),
+        Err(e) => {
+            backend.release(h);
+            Err(ReduceNormError::Norm(e))
+        }
+    }
+}
+
 /// Why a fused all-reduce + norm failed: its collective (a peer failed, buffers disagree),
 /// or the norm.
 #[derive(Debug)]
@@ -152,6 +211,21 @@ pub trait Backend: Send + Sync {
         algorithm: Option<CollectiveAlgorithm>,
     ) -> Result<(Self::Act, Option<CollectiveAlgorithm>), ReduceNormError> {
         reduce_then_rms_norm(self, comm, sum, w, group, eps, algorithm)
+    }
+    /// The invariant norm fusion (`plan::fuse_norm`): `sum`, a partial sum (as limbs when
+    /// `step.limbs`), is reduced over `comm`'s ranks and decoded, `step.residual` added, and
+    /// the result normalized; returns the new residual, its norm and the all-reduce
+    /// algorithm that ran. The arithmetic must be the unfused ops' (`decode_limbs`, an add,
+    /// `rms_norm`) in their order, so that the bits are theirs: this default is those ops;
+    /// a backend may make them one loop.
+    fn all_reduce_add_rms_norm(
+        &self,
+        comm: &mut dyn Collectives<Self::Act>,
+        sum: Self::Act,
+        step: NormStep<'_, Self>,
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<NormStepOut<Self::Act>, ReduceNormError> {
+        reduce_add_then_rms_norm(self, comm, sum, step, algorithm)
     }
     fn layer_norm(
         &self,

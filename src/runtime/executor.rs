@@ -11,11 +11,12 @@
 //! executor's own allocator ([`RankExecutor::forward`], [`RankExecutor::reserve`]).
 
 use super::backend::{
-    Activation, Backend, BackendError, BinaryOp, ReduceNormError, Segment, WeightUse,
+    Activation, Backend, BackendError, BinaryOp, NormStep, ReduceNormError, Segment, WeightUse,
 };
 use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
-use super::exact::DepthOrder;
+use super::exact::{DepthOrder, LIMBS};
+use super::norm_steps::NormSteps;
 use super::stage_link::StageLink;
 use super::tensor::Tensor;
 use super::weights::WeightSource;
@@ -100,6 +101,9 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     invariant: HashMap<u32, DepthOrder>,
     /// Values held as limbs (exact partial sums a collective is to add, `runtime::exact`).
     limbs: HashSet<u32>,
+    /// All-reduces that add a residual and normalize in the same step (`--fuse-norm` under
+    /// `--numerics invariant`).
+    norm_steps: NormSteps<B>,
 }
 
 /// One forward call's inputs: every row's token id and position, the sequences' rows, and
@@ -349,6 +353,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             link: None,
             invariant,
             limbs,
+            norm_steps: NormSteps::new(program),
         };
         Ok(exec)
     }
@@ -884,8 +889,15 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                             break;
                         }
                     };
-                    if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
-                        let e = p.entry(op.kind()).or_default();
+                    // A fused step counts once, as itself; its add and norm only hand on
+                    // its values.
+                    let handoff = self.norm_steps.hands_on(i.id);
+                    if let (Some(t), Some(p), false) = (started, self.profile.as_mut(), handoff) {
+                        let kind = match self.norm_steps.by_reduce.contains_key(&i.id) {
+                            true => "all_reduce_add_rms_norm",
+                            false => op.kind(),
+                        };
+                        let e = p.entry(kind).or_default();
                         e.seconds[call.phase] += t.elapsed().as_secs_f64();
                         e.calls[call.phase] += 1;
                     }
@@ -931,6 +943,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 self.backend.release(t);
             }
         }
+        self.norm_steps.release_waiting(&self.backend);
         self.values = values;
         result?;
         let Some(output) = output else {
@@ -1081,6 +1094,26 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         call: &Call<'_>,
         ropes: &mut HashMap<RopeOp, B::RopeTables>,
     ) -> Result<B::Act> {
+        // The add and the norm of an invariant norm fusion ran in their all-reduce's step:
+        // the add hands on the new residual (left as the all-reduce's value, which only it
+        // reads), the norm its waiting value.
+        if let Some(&reduce) = self.norm_steps.adds.get(&i.id) {
+            return match values.get_mut(reduce as usize).and_then(Option::take) {
+                Some(Value::Act(h)) => Ok(h),
+                _ => Err(bad(
+                    i,
+                    "its all-reduce's fused step did not run before it (a bug in tpc)",
+                )),
+            };
+        }
+        if self.norm_steps.norms.contains(&i.id) {
+            return self.norm_steps.normed.remove(&i.id).ok_or_else(|| {
+                bad(
+                    i,
+                    "its all-reduce's fused step did not run before it (a bug in tpc)",
+                )
+            });
+        }
         // Elementwise ops write into their first input when nothing reads it later; a norm
         // fused with an all-reduce reduces its first input in place.
         let in_place =
@@ -1229,6 +1262,55 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     unfuse_block(&u.groups, u.part as usize, x.rows_cols().1)
                         .ok_or_else(|| bad(i, "its structure does not fit its input"))?;
                 b.unfuse(x, block, offset, len).map_err(err)?
+            }
+            Op::AllReduce(a) if self.norm_steps.by_reduce.contains_key(&i.id) => {
+                let group = self.norm_steps.by_reduce[&i.id];
+                let sum = owned()?;
+                let bytes = message_bytes(&sum);
+                self.collective_bytes += bytes;
+                let planned = a.algorithm.as_ref().and_then(|c| c.for_bytes(bytes));
+                let limbs = i.inputs.first().is_some_and(|x| self.limbs.contains(x));
+                let norm = &self.program.instrs[group.norm_at];
+                let Op::RmsNorm(n) = &norm.op else {
+                    return Err(bad(
+                        norm,
+                        "its fused step names it, but it is not a norm (a bug in tpc)",
+                    ));
+                };
+                let residual = match group.add {
+                    Some(add) => match values.get(add.residual as usize) {
+                        Some(Some(Value::Act(r))) => Some(r),
+                        _ => {
+                            return Err(bad(
+                                i,
+                                format!(
+                                    "its fused step's residual %{} is not computed",
+                                    add.residual
+                                ),
+                            ))
+                        }
+                    },
+                    None => None,
+                };
+                let cols = sum.rows_cols().1 / if limbs { LIMBS } else { 1 };
+                let step = NormStep {
+                    limbs,
+                    residual,
+                    weight: weight_of(&self.weights, norm, 1)?,
+                    group: n.group.map(|g| g as usize).unwrap_or(cols),
+                    eps: n.eps.0 as f32,
+                };
+                let out = b
+                    .all_reduce_add_rms_norm(&mut self.comm, sum, step, planned)
+                    .map_err(|e| match e {
+                        ReduceNormError::Collective(c) => RunError::from(c),
+                        ReduceNormError::Norm(e) => err(e),
+                    })?;
+                self.all_reduces.add(out.ran);
+                if let Some(stale) = self.norm_steps.normed.insert(group.norm, out.normed) {
+                    b.release(stale);
+                }
+                out.residual
             }
             Op::AllReduce(a) => {
                 let mut out = owned()?;

@@ -23,10 +23,10 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 /// Every fixture in `numerics`, ranks on `gpus`, for each (dtype, tolerance, tps) at each tp
-/// that divides it (and, in f32, tp 2 with sequence parallelism): the prompt's logits alone and
-/// as the middle of a ragged batch of three, and 3 seeded samples. Returns the report lines
-/// and how many runs differed from the first of their fixture and dtype (none may under
-/// `invariant`).
+/// that divides it (and, in f32, tp 2 with sequence parallelism and with norm fusion): the
+/// prompt's logits alone and as the middle of a ragged batch of three, and 3 seeded
+/// samples. Returns the report lines and how many runs differed from the first of their
+/// fixture and dtype (none may under `invariant`).
 fn compare_every_fixture(
     numerics: NumericsMode,
     gpus: &[usize],
@@ -54,15 +54,18 @@ fn compare_every_fixture(
         let alone = vec![batch[1].clone()];
         for &(dtype, tol, tps) in dtypes {
             let mut first: Option<(Vec<u32>, Vec<i64>)> = None;
+            // (tp, sequence parallelism, norm fusion)
+            let extra = tps.contains(&2) && dtype == ComputeDtype::F32;
             let variants = tps
                 .iter()
-                .map(|&tp| (tp, false))
-                .chain((tps.contains(&2) && dtype == ComputeDtype::F32).then_some((2, true)));
-            for (tp, sp) in variants {
+                .map(|&tp| (tp, false, false))
+                .chain(extra.then_some((2, true, false)))
+                .chain(extra.then_some((2, false, true)));
+            for (tp, sp, fuse_norm) in variants {
                 let options = ShardOptions {
                     sequence_parallel: sp,
+                    fuse_norm,
                     numerics,
-                    ..Default::default()
                 };
                 let Ok(compiled) = compile_with(&def, tp, options) else {
                     continue;
@@ -76,9 +79,10 @@ fn compare_every_fixture(
                     ..Default::default()
                 };
                 let what = format!(
-                    "{} {numerics} tp={tp}{} {dtype:?} on GPUs {gpus:?}",
+                    "{} {numerics} tp={tp}{}{} {dtype:?} on GPUs {gpus:?}",
                     dir.display(),
-                    if sp { " --sequence-parallel" } else { "" }
+                    if sp { " --sequence-parallel" } else { "" },
+                    if fuse_norm { " --fuse-norm" } else { "" }
                 );
                 let mut runs = Vec::new();
                 for requests in [&alone, &batch] {

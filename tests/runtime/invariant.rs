@@ -247,3 +247,76 @@ fn a_sequence_gets_the_same_bits_alone_in_a_ragged_batch_and_in_chunks() {
         "the fast order gave the same bits in every batch: the check cannot fail"
     );
 }
+
+/// `--fuse-norm` under `--numerics invariant`: the all-reduce, the residual add and the
+/// norm run as one step (the profile counts the steps, and no separate all-reduce is left)
+/// and the logits keep tp=1's bits, on one thread per rank (the one-loop step) and on two
+/// (prompts long enough to take the parallel ops).
+#[test]
+fn norm_fusion_runs_as_one_step_and_keeps_the_bits() {
+    let mut checked = 0;
+    for dir in fixtures() {
+        let r = read_reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let one = |tp: u64, fuse: bool| {
+            compile_with(&def, tp, options(NumericsMode::Invariant, false, fuse)).map(|c| c.plan)
+        };
+        let Ok(plan) = one(2, true) else { continue };
+        let marked = plan.ranks[0]
+            .instrs
+            .iter()
+            .filter(|i| matches!(&i.op, tpc::ir::Op::RmsNorm(n) if n.with_reduce))
+            .count() as u64;
+        if marked == 0 {
+            continue; // LayerNorm families
+        }
+        // The fixture's prompt, and two of 100 tokens beside it: the batch's sums are large
+        // enough for a rank of two threads to take the unfused (parallel) ops.
+        let vocab = r.logits.len() as i64 / r.prompt.len() as i64;
+        let mut requests = vec![tpc::runtime::generate::Request {
+            prompt: r.prompt.clone(),
+            max_new_tokens: Some(r.greedy.len()),
+        }];
+        for salt in [3, 5] {
+            requests.push(tpc::runtime::generate::Request {
+                prompt: (0..100).map(|i| (i * salt + 1) % vocab).collect(),
+                max_new_tokens: Some(3),
+            });
+        }
+        let run = |plan: &Plan, threads: usize| {
+            let mut opts = run_opts(threads, r.greedy.len(), Sampling::default());
+            opts.profile = true;
+            run_batch(plan, &ckpt, &requests, &opts).unwrap()
+        };
+        let want = run(&one(1, false).unwrap(), 1);
+        for threads in [1, 2] {
+            let got = run(&plan, threads);
+            let ctx = format!("{} {threads} thread(s)", dir.display());
+            let calls = |kind: &str| {
+                got.profile
+                    .iter()
+                    .find(|(k, _)| k == kind)
+                    .map_or(0, |(_, t)| t.calls[0] + t.calls[1])
+            };
+            let forwards = got.profiled_steps[0] + got.profiled_steps[1];
+            assert_eq!(calls("all_reduce_add_rms_norm"), marked * forwards, "{ctx}");
+            for (k, (seq, want)) in got.sequences.iter().zip(&want.sequences).enumerate() {
+                let want_bits = bits(&want.prompt_logits);
+                let got_bits = bits(&seq.prompt_logits);
+                let at = got_bits.iter().zip(&want_bits).position(|(a, b)| a != b);
+                assert!(
+                    at.is_none() && got_bits.len() == want_bits.len(),
+                    "{ctx}, sequence {k}: logit {at:?} differs from tp=1's"
+                );
+                assert_eq!(seq.generated, want.generated, "{ctx}, sequence {k}");
+            }
+            assert_eq!(
+                got.sequences[0].generated, r.greedy,
+                "{ctx}: HF's greedy tokens"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 8, "only {checked} fused runs checked");
+}

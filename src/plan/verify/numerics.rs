@@ -3,6 +3,7 @@
 //! depth respects) and reaches nothing but a collective, and the ranks fit the limbs.
 
 use super::Found;
+use crate::error::fuse_norm::ReduceNormProblem;
 use crate::error::plan::{Place, Problem};
 use crate::ir::numerics::MAX_INVARIANT_RANKS;
 use crate::ir::{Layout, NumericsMode, Op};
@@ -10,6 +11,7 @@ use crate::plan::{Plan, RankProgram};
 use std::collections::HashMap;
 
 pub(super) fn check_numerics(plan: &Plan, found: &mut Found) {
+    check_norm_fusions(plan, found);
     if plan.numerics != NumericsMode::Invariant {
         return;
     }
@@ -102,6 +104,35 @@ fn check_rank(tp: u64, rank: usize, program: &RankProgram, found: &mut Found) {
                         exact.block
                     )),
                 );
+            }
+        }
+    }
+}
+
+/// Each mode's norm fusion only: the fast one (`reduce_input`) keeps the residual stream as
+/// partial sums, which an invariant plan cannot; the invariant one (`with_reduce`) belongs
+/// to invariant plans.
+fn check_norm_fusions(plan: &Plan, found: &mut Found) {
+    let invariant = plan.numerics == NumericsMode::Invariant;
+    for (rank, program) in plan.ranks.iter().enumerate() {
+        for i in &program.instrs {
+            let Op::RmsNorm(n) = &i.op else { continue };
+            let place = || Place::Instr {
+                rank,
+                id: i.id,
+                name: i.name.clone(),
+            };
+            if invariant && n.reduce_input.is_some() {
+                found.say(
+                    place(),
+                    Problem::Numerics(
+                        "a norm fused with its all-reduce the fast way (`reduce_input`) keeps the residual stream as partial sums, which round differently at each tp; compile with --numerics invariant again"
+                            .into(),
+                    ),
+                );
+            }
+            if !invariant && n.with_reduce {
+                found.say(place(), Problem::ReduceNorm(ReduceNormProblem::FastPlan));
             }
         }
     }

@@ -10,8 +10,9 @@ use super::team::Team;
 use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
 use crate::runtime::backend::{
-    reduce_then_rms_norm, Activation, Backend, BackendError, BackendResult, BinaryOp, HostBuffer,
-    HostData, HostDataRef, ReduceNormError, Segment, WeightUse,
+    reduce_add_then_rms_norm, reduce_then_rms_norm, Activation, Backend, BackendError,
+    BackendResult, BinaryOp, HostBuffer, HostData, HostDataRef, NormStep, NormStepOut,
+    ReduceNormError, Segment, WeightUse,
 };
 use crate::runtime::collectives::Collectives;
 use crate::runtime::exact::{decode_limb_rows, DepthOrder, LIMBS};
@@ -589,6 +590,75 @@ impl Backend for CpuBackend {
         match fused {
             Some(done) => done.map_err(ReduceNormError::Collective),
             None => reduce_then_rms_norm(self, comm, sum, w, group, eps, algorithm),
+        }
+    }
+
+    /// One loop over the rows where the communicator can (as [`Self::all_reduce_rms_norm`]):
+    /// each row is summed over the ranks, decoded, given its residual and normalized while
+    /// it is in cache — the unfused ops' arithmetic, so their bits. A sum the team would
+    /// share takes the unfused ops, which stay parallel.
+    fn all_reduce_add_rms_norm(
+        &self,
+        comm: &mut dyn Collectives<Tensor>,
+        mut sum: Tensor,
+        step: NormStep<'_, Self>,
+        algorithm: Option<CollectiveAlgorithm>,
+    ) -> Result<NormStepOut<Tensor>, ReduceNormError> {
+        if self.team.size() > 1 && sum.data.len() >= PARALLEL_MIN {
+            return reduce_add_then_rms_norm(self, comm, sum, step, algorithm);
+        }
+        let norm = |e| ReduceNormError::Norm(e);
+        let scales = &step.weight.dense().map_err(norm)?.data;
+        let (rows, width) = sum.rows_cols();
+        let per_value = if step.limbs { LIMBS } else { 1 };
+        if width == 0 || !width.is_multiple_of(per_value) {
+            return Err(norm(shape_err(format!(
+                "RMSNorm of rows of {width} values held as {per_value} limb(s) each"
+            ))));
+        }
+        let cols = width / per_value;
+        shape_rules::rms_norm_group(cols, step.group, scales.len()).map_err(norm)?;
+        if let Some(r) = step.residual.filter(|r| r.data.len() != rows * cols) {
+            return Err(norm(shape_err(format!(
+                "a residual of {} values added to {rows} rows of {cols}",
+                r.data.len()
+            ))));
+        }
+        let mut shape = sum.shape.clone();
+        *shape.last_mut().expect("rows_cols gave a last dim") = cols;
+        let mut h = Tensor::new(shape.clone(), pool::take(rows * cols));
+        let mut y = Tensor::new(shape, pool::take(rows * cols));
+        let (limbs, residual, eps) = (step.limbs, step.residual, step.eps);
+        let done = comm.all_reduce_sum_rows(&mut sum, width, algorithm, &mut |r, row| {
+            let at = r * cols..(r + 1) * cols;
+            let h_row = &mut h.data[at.clone()];
+            if limbs {
+                decode_limb_rows(row, h_row);
+            } else {
+                h_row.copy_from_slice(row);
+            }
+            if let Some(residual) = residual {
+                let add = &residual.data[at.clone()];
+                with_avx2(|| h_row.iter_mut().zip(add).for_each(|(o, v)| *o += v));
+            }
+            rms_norm_rows(h_row, &mut y.data[at], scales, eps);
+        });
+        match done {
+            Some(Ok(ran)) => {
+                sum.release();
+                Ok(NormStepOut {
+                    residual: h,
+                    normed: y,
+                    ran,
+                })
+            }
+            Some(Err(e)) => Err(ReduceNormError::Collective(e)),
+            // Not a host communicator: the unfused ops.
+            None => {
+                h.release();
+                y.release();
+                reduce_add_then_rms_norm(self, comm, sum, step, algorithm)
+            }
         }
     }
 
