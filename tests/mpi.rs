@@ -105,8 +105,12 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
         let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
         let reference = read_reference(&fixture);
         let n = reference.greedy.len().min(6);
-        // (processes, tp, pp): tp alone, stages alone, both.
-        for (np, tp, pp) in [(2usize, 2u64, 1u64), (2, 1, 2), (4, 2, 2)] {
+        // (processes, tp, pp): tp alone, stages alone, both, and an uneven tp where the
+        // fixture's heads allow it.
+        for (np, tp, pp) in [(2usize, 2u64, 1u64), (2, 1, 2), (4, 2, 2), (3, 3, 1)] {
+            if tp == 3 && !compiles(&fixture, tp) {
+                continue;
+            }
             let what = format!("{name} np={np} tp={tp} pp={pp}");
             let args = |dump: &Path| -> Vec<String> {
                 vec![
@@ -153,7 +157,20 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
             ran.push(what);
         }
     }
-    assert!(ran.len() >= 21, "{ran:?}");
+    assert!(ran.len() >= 26, "{ran:?}");
+}
+
+/// Whether tpc splits `fixture` `tp` ways.
+fn compiles(fixture: &Path, tp: u64) -> bool {
+    Command::new(TPC)
+        .args([
+            "compile",
+            &fixture.to_string_lossy(),
+            "--tp",
+            &tp.to_string(),
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 /// `--numerics invariant` as processes: every fixture's logits at tp 2 and 4, and at tp 2

@@ -130,11 +130,14 @@ struct Dims {
     act: ActivationKind,
 }
 
-fn heads(count: u64, size: u64) -> Groups {
+/// Query heads (and o_proj's input), by their key/value groups where the family keeps q,
+/// k and v in separate weights (then a tp may deal them unevenly, `Groups::Heads`).
+fn heads(count: u64, size: u64, kv_groups: Option<u64>) -> Groups {
     Groups::Heads {
         count,
         size,
         replicable: false,
+        kv_groups,
     }
 }
 
@@ -143,6 +146,7 @@ fn kv_heads(count: u64, size: u64) -> Groups {
         count,
         size,
         replicable: true,
+        kv_groups: Some(count),
     }
 }
 
@@ -359,7 +363,7 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         }
         y
     };
-    let q = proj(&mut l, "q", q_out, heads(d.heads, hd));
+    let q = proj(&mut l, "q", q_out, heads(d.heads, hd, Some(d.kv_heads)));
     let k = proj(&mut l, "k", kv_out, kv_heads(d.kv_heads, hd));
     let v = proj(&mut l, "v", kv_out, kv_heads(d.kv_heads, hd));
     let attn_op = Op::Attention(AttentionOp {
@@ -373,7 +377,7 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         WeightOrder::OutIn,
         (q_out, d.h),
         None,
-        Some(heads(d.heads, hd)),
+        Some(heads(d.heads, hd, Some(d.kv_heads))),
         d.bias && c.family != Family::Qwen2,
     );
     let h1 = l.node(
@@ -450,7 +454,11 @@ fn gpt2(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
     let mut l = Emit::default();
     let p = "transformer.h.{i}";
     let x = l.layer_norm(&format!("{p}.ln_1"), "hidden", d.h, d.eps);
-    let fused = Groups::Concat(vec![heads(n, hd), heads(n, hd), heads(n, hd)]);
+    let fused = Groups::Concat(vec![
+        heads(n, hd, None),
+        heads(n, hd, None),
+        heads(n, hd, None),
+    ]);
     let qkv = l.linear(
         &format!("{p}.attn.c_attn"),
         &x,
@@ -486,7 +494,7 @@ fn gpt2(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         WeightOrder::InOut,
         (d.h, d.h),
         None,
-        Some(heads(n, hd)),
+        Some(heads(n, hd, None)),
         true,
     );
     let h1 = l.node(
@@ -588,7 +596,7 @@ fn gpt_neox(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         WeightOrder::OutIn,
         (d.h, d.h),
         None,
-        Some(heads(n, hd)),
+        Some(heads(n, hd, None)),
         d.bias,
     );
     let parallel = c.use_parallel_residual.unwrap_or(true);

@@ -343,6 +343,7 @@ mod tests {
                 count: 2,
                 size: 2,
                 replicable: false,
+                kv_groups: None,
             },
         );
         let msg = weight_elements(&[4, 4], &groups).unwrap_err();
@@ -354,6 +355,7 @@ mod tests {
                 count: 0,
                 size: 4,
                 replicable: false,
+                kv_groups: None,
             },
         );
         let msg = weight_elements(&[4, 4], &groups).unwrap_err();
@@ -365,6 +367,7 @@ mod tests {
                 count: 1 << 40,
                 size: 1 << 40,
                 replicable: false,
+                kv_groups: None,
             },
         );
         assert!(weight_elements(&[4, 4], &groups).is_err());

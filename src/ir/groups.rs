@@ -17,6 +17,12 @@ pub enum Groups {
         size: u64,
         #[serde(default)]
         replicable: bool,
+        /// The key/value groups the heads fall into, in order (query heads: the kv heads;
+        /// kv heads: their own count). Declared, a tp that neither divides the groups nor is
+        /// a multiple of them deals whole groups unevenly (each rank's piece padded to the
+        /// largest), so that query and kv heads stay together; absent, only even splits.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kv_groups: Option<u64>,
     },
     /// A fused dimension that concatenates parts, each split on its own (`[q | k | v]`).
     Concat(Vec<Groups>),
@@ -34,6 +40,10 @@ impl Default for Groups {
 /// Why a dimension cannot be split `tp` ways.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SplitProblem {
+    /// More ranks than heads: some rank would hold none.
+    MoreRanksThanHeads { count: u64 },
+    /// A fused dimension whose parts would be dealt unevenly (padding inside the piece).
+    UnevenFused,
     /// `what` (e.g. "32 attention heads") is not divisible by tp.
     NotDivisible { count: u64, unit: &'static str },
     /// Replicable heads: tp neither divides nor is a multiple of the count.
@@ -45,6 +55,12 @@ pub enum SplitProblem {
 impl SplitProblem {
     pub fn describe(&self, tp: u64) -> String {
         match self {
+            SplitProblem::MoreRanksThanHeads { count } => format!(
+                "{count} attention heads cannot be shared by tp={tp}: every rank needs at least one"
+            ),
+            SplitProblem::UnevenFused => format!(
+                "a fused dimension (q|k|v or gate|up stored as one weight) does not divide evenly by tp={tp}, and its parts cannot be dealt unevenly yet"
+            ),
             SplitProblem::NotDivisible { count, unit } => {
                 format!("{count} {unit} are not divisible by tp={tp}")
             }
@@ -151,15 +167,16 @@ impl Groups {
     ) -> Result<u64, SplitProblem> {
         match self {
             Groups::Plain { padded: false } => {
-                if !total.is_multiple_of(tp) {
-                    return Err(SplitProblem::NotDivisible {
-                        count: total,
-                        unit: "elements",
-                    });
+                if total.is_multiple_of(tp) {
+                    let n = total / tp;
+                    push_range(out, base + rank * n, n);
+                    return Ok(0);
                 }
-                let n = total / tp;
-                push_range(out, base + rank * n, n);
-                Ok(0)
+                // Blocks of 64 (or the largest power of two under it that divides the
+                // length), dealt as evenly as whole blocks allow: the first ranks take one
+                // more, and every piece is padded to the largest.
+                let block = gcd(total, PLAIN_BLOCK);
+                Ok(deal(out, base, total / block, block, tp, rank))
             }
             Groups::Plain { padded: true } => {
                 let chunk = total.div_ceil(tp);
@@ -172,6 +189,15 @@ impl Groups {
                 count,
                 size,
                 replicable,
+                kv_groups: Some(groups),
+            } if count % tp != 0 || !groups.is_multiple_of(tp) && !tp.is_multiple_of(*groups) => {
+                uneven_heads(out, base, *count, *size, *replicable, *groups, tp, rank)
+            }
+            Groups::Heads {
+                count,
+                size,
+                replicable,
+                ..
             } => {
                 if count % tp == 0 {
                     let per = count / tp;
@@ -199,6 +225,11 @@ impl Groups {
                 for part in parts {
                     let len = part.covered_len().unwrap_or(0);
                     part.slice_into(offset, len, tp, rank, out)?;
+                    // Padding would fall inside the rank's piece, on some rank if not this one.
+                    let padded = |r| part.slice_into(0, len, tp, r, &mut Vec::new());
+                    if (0..tp).any(|r| padded(r).is_ok_and(|p| p > 0)) {
+                        return Err(SplitProblem::UnevenFused);
+                    }
                     offset += len;
                 }
                 Ok(0)
@@ -218,6 +249,21 @@ impl Groups {
         }
     }
 
+    /// Each rank's real length of a `total`-long dimension split `tp` ways, when the split
+    /// is uneven (some rank's piece is padded); `None` when it is even or impossible.
+    pub fn uneven_shares(&self, total: u64, tp: u64) -> Option<Vec<u64>> {
+        let pieces: Vec<DimSlice> = (0..tp)
+            .map(|r| self.slice(total, tp, r))
+            .collect::<Result<_, _>>()
+            .ok()?;
+        pieces.iter().any(|p| p.padding > 0).then(|| {
+            pieces
+                .iter()
+                .map(|p| p.local_len().saturating_sub(p.padding))
+                .collect()
+        })
+    }
+
     /// The structure of one rank's piece (for ops that unfuse a split fused value).
     pub fn localize(&self, tp: u64) -> Groups {
         match self {
@@ -226,10 +272,12 @@ impl Groups {
                 count,
                 size,
                 replicable,
+                kv_groups,
             } => Groups::Heads {
                 count: if count % tp == 0 { count / tp } else { 1 },
                 size: *size,
                 replicable: *replicable,
+                kv_groups: kv_groups.map(|g| if g % tp == 0 { g / tp } else { 1 }),
             },
             Groups::Concat(parts) => Groups::Concat(parts.iter().map(|p| p.localize(tp)).collect()),
             Groups::Interleaved { heads, parts } => Groups::Interleaved {
@@ -238,6 +286,79 @@ impl Groups {
             },
         }
     }
+}
+
+/// Block of an uneven plain split: MLP columns and such, in whole SIMD-friendly runs.
+const PLAIN_BLOCK: u64 = 64;
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Deals `atoms` atoms of `atom` elements over `tp` ranks, `ceil(atoms / tp)` to each until
+/// they run out (the last ranks take fewer, perhaps none), and pushes `rank`'s; returns its
+/// padding up to the largest piece. All padding lies after every rank's real atoms in the
+/// dimension's order, so a gather of the pieces drops it from the end.
+fn deal(out: &mut Vec<SliceRange>, base: u64, atoms: u64, atom: u64, tp: u64, rank: u64) -> u64 {
+    let per = atoms.div_ceil(tp);
+    let start = (rank * per).min(atoms);
+    let held = per.min(atoms - start);
+    if held > 0 {
+        push_range(out, base + start * atom, held * atom);
+    }
+    (per - held) * atom
+}
+
+/// Heads dealt by key/value group when tp does not split them evenly. Fewer ranks than
+/// groups: whole groups as evenly as they allow (query and kv heads alike, so each rank's
+/// query heads use its kv heads). As many or more: each rank serves one group (rank `r`
+/// group `r·groups/tp`), holds its kv head (replicated) and shares its query heads with the
+/// group's other ranks as evenly as they allow. Every piece is padded to the largest.
+#[allow(clippy::too_many_arguments)]
+fn uneven_heads(
+    out: &mut Vec<SliceRange>,
+    base: u64,
+    count: u64,
+    size: u64,
+    replicable: bool,
+    groups: u64,
+    tp: u64,
+    rank: u64,
+) -> Result<u64, SplitProblem> {
+    if groups == 0 || !count.is_multiple_of(groups) {
+        return Err(SplitProblem::NotDivisible {
+            count,
+            unit: "attention heads (by their key/value groups)",
+        });
+    }
+    if !replicable && count < tp {
+        return Err(SplitProblem::MoreRanksThanHeads { count });
+    }
+    let per_group = count / groups;
+    if tp < groups {
+        return Ok(deal(out, base, groups, per_group * size, tp, rank));
+    }
+    let group = rank * groups / tp;
+    let first = |g: u64| (g * tp).div_ceil(groups);
+    let (ranks, j) = (first(group + 1) - first(group), rank - first(group));
+    let base = base + group * per_group * size;
+    if replicable {
+        push_range(out, base, per_group * size);
+        return Ok(0);
+    }
+    // The largest share: a group with the fewest ranks (tp / groups) splits its heads.
+    let largest = per_group.div_ceil(tp / groups);
+    let share = per_group.div_ceil(ranks);
+    let start = (j * share).min(per_group);
+    let held = share.min(per_group - start);
+    if held > 0 {
+        push_range(out, base + start * size, held * size);
+    }
+    Ok((largest - held) * size)
 }
 
 fn push_range(out: &mut Vec<SliceRange>, offset: u64, len: u64) {
@@ -263,7 +384,16 @@ mod tests {
     fn plain_split_is_contiguous() {
         let g = Groups::default();
         assert_eq!(ranges(&g.slice(8, 4, 2).unwrap()), vec![(4, 2)]);
-        assert!(g.slice(10, 4, 0).is_err());
+        // 10 = 5 blocks of 2 at tp 4: 2, 2, 1 and 0 blocks, each piece padded to 4.
+        assert_eq!(
+            dealt(&g, 10, 4),
+            vec![
+                (vec![(0, 4)], 0),
+                (vec![(4, 4)], 0),
+                (vec![(8, 2)], 2),
+                (vec![], 4)
+            ]
+        );
     }
 
     #[test]
@@ -286,6 +416,7 @@ mod tests {
             count: 2,
             size: 4,
             replicable: true,
+            kv_groups: None,
         };
         let heads: Vec<_> = (0..4).map(|r| ranges(&g.slice(8, 4, r).unwrap())).collect();
         assert_eq!(
@@ -305,12 +436,14 @@ mod tests {
             count: 2,
             size: 2,
             replicable: true,
+            kv_groups: None,
         };
         let g = Groups::Concat(vec![
             Groups::Heads {
                 count: 4,
                 size: 2,
                 replicable: false,
+                kv_groups: None,
             },
             kv.clone(),
             kv,
@@ -329,12 +462,117 @@ mod tests {
         assert!(g.slice(24, 3, 0).is_err());
     }
 
+    /// Each rank's (ranges, padding) of `g` over `total` at `tp`.
+    fn dealt(g: &Groups, total: u64, tp: u64) -> Vec<(Vec<(u64, u64)>, u64)> {
+        (0..tp)
+            .map(|r| {
+                let s = g.slice(total, tp, r).unwrap();
+                (ranges(&s), s.padding)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn plain_dims_deal_blocks_of_64_unevenly_padding_to_the_largest() {
+        let g = Groups::default();
+        // 5632 = 88 blocks of 64 at tp 3: 30, 30, 28 blocks.
+        assert_eq!(
+            dealt(&g, 5632, 3),
+            vec![
+                (vec![(0, 1920)], 0),
+                (vec![(1920, 1920)], 0),
+                (vec![(3840, 1792)], 128)
+            ]
+        );
+        // 96 = 3 blocks of 32 at tp 5: the last two ranks hold only padding.
+        let five = dealt(&g, 96, 5);
+        assert_eq!(five[2], (vec![(64, 32)], 0));
+        assert_eq!(five[4], (vec![], 32));
+        // Even splits are unchanged.
+        assert_eq!(dealt(&g, 96, 2)[1], (vec![(48, 48)], 0));
+    }
+
+    #[test]
+    fn heads_with_kv_groups_deal_whole_groups_so_queries_keep_their_kv_heads() {
+        let q = |count, groups| Groups::Heads {
+            count,
+            size: 1,
+            replicable: false,
+            kv_groups: Some(groups),
+        };
+        let kv = |count| Groups::Heads {
+            count,
+            size: 1,
+            replicable: true,
+            kv_groups: Some(count),
+        };
+        // Llama-3-8B at tp 3: kv groups 3/3/2, query heads 12/12/8 (padded to 12).
+        assert_eq!(
+            dealt(&kv(8), 8, 3),
+            vec![(vec![(0, 3)], 0), (vec![(3, 3)], 0), (vec![(6, 2)], 1)]
+        );
+        assert_eq!(
+            dealt(&q(32, 8), 32, 3),
+            vec![(vec![(0, 12)], 0), (vec![(12, 12)], 0), (vec![(24, 8)], 4)]
+        );
+        // Qwen2-7B at tp 8: 28 query heads in 4 groups of 7; two ranks per group, 4 and 3
+        // query heads, each holding the group's kv head.
+        let q8 = dealt(&q(28, 4), 28, 8);
+        assert_eq!(&q8[..2], &[(vec![(0, 4)], 0), (vec![(4, 3)], 1)]);
+        assert_eq!(q8[7], (vec![(25, 3)], 1));
+        assert_eq!(dealt(&kv(4), 4, 8)[7], (vec![(3, 1)], 0));
+        // 8 query heads in 2 groups at tp 3: ranks 0 and 1 share group 0, rank 2 has group 1.
+        assert_eq!(
+            dealt(&q(8, 2), 8, 3),
+            vec![(vec![(0, 2)], 2), (vec![(2, 2)], 2), (vec![(4, 4)], 0)]
+        );
+        assert_eq!(
+            dealt(&kv(2), 2, 3),
+            vec![(vec![(0, 1)], 0), (vec![(0, 1)], 0), (vec![(1, 1)], 0)]
+        );
+        // More ranks than query heads, and even splits as before.
+        assert_eq!(
+            q(8, 2).check(8, 9),
+            Err(SplitProblem::MoreRanksThanHeads { count: 8 })
+        );
+        assert_eq!(dealt(&q(8, 2), 8, 4)[1], (vec![(2, 2)], 0));
+        // Without kv groups, heads split only evenly.
+        let plain_heads = Groups::Heads {
+            count: 8,
+            size: 1,
+            replicable: false,
+            kv_groups: None,
+        };
+        assert!(plain_heads.check(8, 3).is_err());
+    }
+
+    #[test]
+    fn a_fused_dimension_is_not_dealt_unevenly() {
+        let parts = Groups::Concat(vec![
+            Groups::Heads {
+                count: 4,
+                size: 1,
+                replicable: false,
+                kv_groups: Some(4),
+            },
+            Groups::Heads {
+                count: 4,
+                size: 1,
+                replicable: true,
+                kv_groups: Some(4),
+            },
+        ]);
+        assert_eq!(parts.check(8, 3), Err(SplitProblem::UnevenFused));
+        assert!(parts.check(8, 2).is_ok());
+    }
+
     #[test]
     fn wrong_structure_length_is_reported() {
         let g = Groups::Heads {
             count: 4,
             size: 2,
             replicable: false,
+            kv_groups: None,
         };
         assert!(matches!(
             g.slice(10, 2, 0),

@@ -53,16 +53,27 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     let tp = ctx.tp;
     // One reason per distinct constraint, with every weight it concerns.
     let mut reasons: Vec<(String, Vec<String>)> = Vec::new();
+    let mut uneven: Vec<(String, Vec<String>)> = Vec::new();
+    let say = |list: &mut Vec<(String, Vec<String>)>, text: String, pattern: &str| match list
+        .iter_mut()
+        .find(|(t, _)| *t == text)
+    {
+        Some((_, names)) => names.push(format!("`{pattern}`")),
+        None => list.push((text, vec![format!("`{pattern}`")])),
+    };
     for (pattern, (groups, len)) in &dims {
         if let Err(problem) = groups.check(*len, tp) {
-            let text = problem.describe(tp);
-            match reasons.iter_mut().find(|(t, _)| *t == text) {
-                Some((_, names)) => names.push(format!("`{pattern}`")),
-                None => reasons.push((text, vec![format!("`{pattern}`")])),
-            }
+            say(&mut reasons, problem.describe(tp), pattern);
+        } else if let Some(text) = uneven_note(groups, *len, tp) {
+            say(&mut uneven, text, pattern);
         }
         notes_for(groups, *len, tp, &mut ctx.notes);
     }
+    ctx.notes.extend(
+        uneven
+            .into_iter()
+            .map(|(text, names)| format!("{text} ({})", names.join(", "))),
+    );
     let reasons: Vec<String> = reasons
         .into_iter()
         .map(|(text, names)| format!("{text} ({})", names.join(", ")))
@@ -79,6 +90,25 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         reasons,
         valid,
     })
+}
+
+/// What an uneven split gives each rank (vocabularies have their own note).
+fn uneven_note(groups: &Groups, len: u64, tp: u64) -> Option<String> {
+    if matches!(groups, Groups::Plain { padded: true }) {
+        return None;
+    }
+    let shares = groups.uneven_shares(len, tp)?;
+    let (unit, size) = match groups {
+        Groups::Heads { size, .. } if *size > 1 => ("heads", *size),
+        _ => ("columns", 1),
+    };
+    let list: Vec<String> = shares.iter().map(|s| (s / size).to_string()).collect();
+    let largest = shares.iter().max().copied().unwrap_or(0) / size;
+    Some(format!(
+        "uneven split at tp={tp}: {} {unit} dealt {} (each piece padded with zeros to {largest}, the largest, which sets the step's pace anyway)",
+        len / size,
+        list.join("/")
+    ))
 }
 
 fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
@@ -103,6 +133,18 @@ fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
             add(format!(
                 "{count} key/value heads for tp={tp}: each kv head is replicated on {} ranks",
                 tp / count
+            ));
+        }
+        Groups::Heads {
+            count,
+            replicable: true,
+            kv_groups: Some(_),
+            ..
+        } if tp > *count => {
+            add(format!(
+                "{count} key/value heads for tp={tp}: each kv head is replicated on {} or {} ranks (its query heads shared among them)",
+                tp / count,
+                tp / count + 1
             ));
         }
         Groups::Concat(parts) => {

@@ -377,7 +377,7 @@ fn bad_input_fails_cleanly() {
             "2",
             "no_such_weight",
         ][..],
-        &["explain", "models/tiny-llama.ron", "--tp", "3"],
+        &["explain", "models/tiny-llama.ron", "--tp", "9"],
         &["explain", "models/tiny-llama.ron", "--tp", "0"],
         &["explain", "models/does-not-exist.ron", "--tp", "2"],
     ] {

@@ -108,15 +108,41 @@ fn expected_total_bytes(def: &ModelDef, tp: u64) -> u64 {
     let hd = c.head_dim.unwrap_or(h / heads);
     let ffn = c.intermediate_size;
     let vocab_padded = c.vocab_size.div_ceil(tp) * tp;
-    let kv_total = if kv % tp == 0 { kv } else { tp }; // heads held over all ranks
+    // Heads held over all ranks, padding included: tp pieces of the largest share.
+    let even = heads % tp == 0 && (kv % tp == 0 || tp.is_multiple_of(kv));
+    let q_total = if even {
+        heads
+    } else if tp < kv {
+        tp * kv.div_ceil(tp) * (heads / kv)
+    } else {
+        tp * (heads / kv).div_ceil(tp / kv)
+    };
+    let kv_total = if kv % tp == 0 {
+        kv
+    } else if tp < kv {
+        tp * kv.div_ceil(tp)
+    } else {
+        tp
+    };
+    // MLP columns held over all ranks: blocks of gcd(ffn, 64) dealt unevenly.
+    let block = (0..=6)
+        .rev()
+        .map(|k| 1u64 << k)
+        .find(|b| ffn % b == 0)
+        .unwrap_or(1);
+    let ffn = if ffn % tp == 0 {
+        ffn
+    } else {
+        tp * (ffn / block).div_ceil(tp) * block
+    };
     let size = c.dtype.size_bytes();
     let family = c.family;
     let (per_layer, other) = match family {
         Family::Llama | Family::Qwen2 | Family::Qwen3 => {
             let norms = 2 * h * tp;
-            let attn = h * heads * hd * 2 + 2 * h * kv_total * hd;
+            let attn = h * q_total * hd * 2 + 2 * h * kv_total * hd;
             let bias = if family == Family::Qwen2 {
-                heads * hd + 2 * kv_total * hd
+                q_total * hd + 2 * kv_total * hd
             } else {
                 0
             };

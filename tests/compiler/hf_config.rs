@@ -673,18 +673,21 @@ fn compile_json_from_the_binary_matches_the_library() {
 
 #[test]
 fn an_impossible_tp_names_the_constraint() {
-    // Qwen2 7B: 28 query heads, 4 kv heads; 8 ranks cannot split 28 heads.
-    let err = compile(&load(&fixture("qwen2-7b")), 8).unwrap_err();
+    // Qwen2 7B: 28 query heads in 4 kv groups; tp 8 deals them unevenly (two ranks per
+    // group, 4 and 3 query heads), but 29 ranks are more than the query heads.
+    compile(&load(&fixture("qwen2-7b")), 8).unwrap();
+    let err = compile(&load(&fixture("qwen2-7b")), 29).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("cannot be split 8 ways"), "{msg}");
+    assert!(msg.contains("cannot be split 29 ways"), "{msg}");
+    assert!(msg.contains("28 attention heads cannot be shared"), "{msg}");
     assert!(msg.contains("Valid tp values"), "{msg}");
     let stderr = tpc_fails([
         "compile".as_ref(),
         fixture("qwen2-7b").as_os_str(),
         "--tp".as_ref(),
-        "8".as_ref(),
+        "29".as_ref(),
     ]);
-    assert!(stderr.contains("cannot be split 8 ways"), "{stderr}");
+    assert!(stderr.contains("cannot be split 29 ways"), "{stderr}");
 }
 
 // ---- bad inputs: exit code 1 and a message naming the problem ----

@@ -240,10 +240,24 @@ enum Split {
     Rank0,
     /// Vocabulary rows: contiguous blocks of ceil(len / tp), the tail padded with zeros.
     Padded { dim: u32 },
-    /// tp equal pieces of whole units of `unit` elements (heads, or 1 for plain dims).
+    /// tp equal pieces of whole units of `unit` elements (heads of a fused q|k|v weight).
     Exact { dim: u32, unit: u64 },
-    /// `count` kv heads of `unit`: split when tp divides `count`, else each head replicated
-    /// on tp / count ranks.
+    /// A plain dim (MLP columns): tp equal pieces when tp divides it, else blocks of
+    /// gcd(len, 64) dealt ceil(blocks / tp) to each rank in order, every piece padded to
+    /// that.
+    Blocks { dim: u32 },
+    /// `count` query heads of `unit` in `groups` kv groups: tp equal pieces when tp divides
+    /// the heads and divides or is a multiple of the groups; else fewer ranks than groups
+    /// take ceil(groups / tp) whole groups each, and more ranks share a group's heads
+    /// (rank r serves group r·groups/tp), each piece padded to the largest.
+    Heads {
+        dim: u32,
+        count: u64,
+        groups: u64,
+        unit: u64,
+    },
+    /// `count` kv heads of `unit`: split when tp divides `count`, dealt ceil(count / tp) per
+    /// rank when tp is below it, else rank r holds head r·count/tp (replicated).
     Kv { dim: u32, count: u64, unit: u64 },
 }
 
@@ -251,7 +265,11 @@ impl Split {
     fn dim(self) -> Option<u32> {
         match self {
             Split::Whole | Split::Rank0 => None,
-            Split::Padded { dim } | Split::Exact { dim, .. } | Split::Kv { dim, .. } => Some(dim),
+            Split::Padded { dim }
+            | Split::Exact { dim, .. }
+            | Split::Blocks { dim }
+            | Split::Heads { dim, .. }
+            | Split::Kv { dim, .. } => Some(dim),
         }
     }
 
@@ -261,15 +279,38 @@ impl Split {
             Split::Whole | Split::Rank0 => len,
             Split::Padded { .. } => len.div_ceil(tp),
             Split::Exact { .. } => len / tp,
+            Split::Blocks { .. } if len.is_multiple_of(tp) => len / tp,
+            Split::Blocks { .. } => {
+                let block = gcd(len, 64);
+                (len / block).div_ceil(tp) * block
+            }
+            Split::Heads {
+                count,
+                groups,
+                unit,
+                ..
+            } => {
+                if count % tp == 0 && (groups % tp == 0 || tp.is_multiple_of(groups)) {
+                    len / tp
+                } else if tp < groups {
+                    groups.div_ceil(tp) * (count / groups) * unit
+                } else {
+                    (count / groups).div_ceil(tp / groups) * unit
+                }
+            }
             Split::Kv { count, .. } if count % tp == 0 => len / tp,
-            Split::Kv { count, .. } => len / count,
+            Split::Kv { count, unit, .. } if tp < count => count.div_ceil(tp) * unit,
+            Split::Kv { unit, .. } => unit,
         }
     }
 
-    /// How many ranks hold each index of the split dim.
-    fn copies(self, tp: u64) -> u64 {
+    /// How many ranks hold index `i` of the split dim.
+    fn copies(self, i: u64, tp: u64) -> u64 {
         match self {
-            Split::Kv { count, .. } if count % tp != 0 => tp / count,
+            Split::Kv { count, unit, .. } if count % tp != 0 && tp > count => {
+                let head = i / unit;
+                (0..tp).filter(|r| r * count / tp == head).count() as u64
+            }
             _ => 1,
         }
     }
@@ -280,9 +321,17 @@ impl Split {
 
     fn unit(self) -> u64 {
         match self {
-            Split::Exact { unit, .. } | Split::Kv { unit, .. } => unit,
+            Split::Exact { unit, .. } | Split::Kv { unit, .. } | Split::Heads { unit, .. } => unit,
             _ => 1,
         }
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
@@ -309,6 +358,13 @@ fn expected_tensors(d: &Dims) -> BTreeMap<String, Tensor> {
     let once = Split::Rank0;
     let vocab_rows = Split::Padded { dim: 0 };
     let exact = |dim: u32, unit: u64| Split::Exact { dim, unit };
+    let blocks = |dim: u32| Split::Blocks { dim };
+    let q_heads = |dim: u32| Split::Heads {
+        dim,
+        count: n,
+        groups: kv,
+        unit: hd,
+    };
     let kv_heads = Split::Kv {
         dim: 0,
         count: kv,
@@ -321,11 +377,11 @@ fn expected_tensors(d: &Dims) -> BTreeMap<String, Tensor> {
                 let p = format!("model.layers.{i}");
                 t(format!("{p}.input_layernorm.weight"), &[h], whole);
                 let a = format!("{p}.self_attn");
-                t(format!("{a}.q_proj.weight"), &[n * hd, h], exact(0, hd));
+                t(format!("{a}.q_proj.weight"), &[n * hd, h], q_heads(0));
                 t(format!("{a}.k_proj.weight"), &[kv * hd, h], kv_heads);
                 t(format!("{a}.v_proj.weight"), &[kv * hd, h], kv_heads);
                 if d.bias {
-                    t(format!("{a}.q_proj.bias"), &[n * hd], exact(0, hd));
+                    t(format!("{a}.q_proj.bias"), &[n * hd], q_heads(0));
                     t(format!("{a}.k_proj.bias"), &[kv * hd], kv_heads);
                     t(format!("{a}.v_proj.bias"), &[kv * hd], kv_heads);
                 }
@@ -333,15 +389,15 @@ fn expected_tensors(d: &Dims) -> BTreeMap<String, Tensor> {
                     t(format!("{a}.q_norm.weight"), &[hd], whole);
                     t(format!("{a}.k_norm.weight"), &[hd], whole);
                 }
-                t(format!("{a}.o_proj.weight"), &[h, n * hd], exact(1, hd));
+                t(format!("{a}.o_proj.weight"), &[h, n * hd], q_heads(1));
                 // Qwen2 has biases on q, k, v only.
                 if d.bias && d.family != Family::Qwen2 {
                     t(format!("{a}.o_proj.bias"), &[h], once);
                 }
                 t(format!("{p}.post_attention_layernorm.weight"), &[h], whole);
-                t(format!("{p}.mlp.gate_proj.weight"), &[ffn, h], exact(0, 1));
-                t(format!("{p}.mlp.up_proj.weight"), &[ffn, h], exact(0, 1));
-                t(format!("{p}.mlp.down_proj.weight"), &[h, ffn], exact(1, 1));
+                t(format!("{p}.mlp.gate_proj.weight"), &[ffn, h], blocks(0));
+                t(format!("{p}.mlp.up_proj.weight"), &[ffn, h], blocks(0));
+                t(format!("{p}.mlp.down_proj.weight"), &[h, ffn], blocks(1));
             }
             t("model.norm.weight".into(), &[h], whole);
             if !d.tie {
@@ -366,9 +422,9 @@ fn expected_tensors(d: &Dims) -> BTreeMap<String, Tensor> {
                 t(format!("{p}.attn.c_attn.bias"), &[3 * h], exact(0, hd));
                 t(format!("{p}.attn.c_proj.weight"), &[h, h], exact(0, hd));
                 t(format!("{p}.attn.c_proj.bias"), &[h], once);
-                t(format!("{p}.mlp.c_fc.weight"), &[h, ffn], exact(1, 1));
-                t(format!("{p}.mlp.c_fc.bias"), &[ffn], exact(0, 1));
-                t(format!("{p}.mlp.c_proj.weight"), &[ffn, h], exact(0, 1));
+                t(format!("{p}.mlp.c_fc.weight"), &[h, ffn], blocks(1));
+                t(format!("{p}.mlp.c_fc.bias"), &[ffn], blocks(0));
+                t(format!("{p}.mlp.c_proj.weight"), &[ffn, h], blocks(0));
                 t(format!("{p}.mlp.c_proj.bias"), &[h], once);
             }
             t("transformer.ln_f.weight".into(), &[h], whole);
@@ -389,17 +445,17 @@ fn expected_tensors(d: &Dims) -> BTreeMap<String, Tensor> {
                 t(
                     format!("{p}.mlp.dense_h_to_4h.weight"),
                     &[ffn, h],
-                    exact(0, 1),
+                    blocks(0),
                 );
                 t(
                     format!("{p}.mlp.dense_4h_to_h.weight"),
                     &[h, ffn],
-                    exact(1, 1),
+                    blocks(1),
                 );
                 if d.bias {
                     t(format!("{qkv}.bias"), &[3 * h], exact(0, 3 * hd));
                     t(format!("{p}.attention.dense.bias"), &[h], once);
-                    t(format!("{p}.mlp.dense_h_to_4h.bias"), &[ffn], exact(0, 1));
+                    t(format!("{p}.mlp.dense_h_to_4h.bias"), &[ffn], blocks(0));
                     t(format!("{p}.mlp.dense_4h_to_h.bias"), &[h], once);
                 }
             }
@@ -439,11 +495,16 @@ fn hand_param_count(d: &Dims) -> u64 {
     }
 }
 
-/// Whole heads per rank, kv heads shared or replicated, an exactly divided MLP.
+/// Separate q, k and v weights: any tp up to the query heads (dealt by kv group). A fused
+/// q|k|v weight (GPT-2, NeoX): whole heads per rank, kv heads shared or replicated. The MLP
+/// is dealt in blocks whatever the tp.
 fn feasible(d: &Dims, tp: u64) -> bool {
-    d.heads.is_multiple_of(tp)
-        && d.ffn.is_multiple_of(tp)
-        && (d.kv.is_multiple_of(tp) || tp.is_multiple_of(d.kv))
+    match d.family {
+        Family::Llama | Family::Qwen2 | Family::Qwen3 => tp <= d.heads,
+        Family::Gpt2 | Family::GptNeox => {
+            d.heads.is_multiple_of(tp) && (d.kv.is_multiple_of(tp) || tp.is_multiple_of(d.kv))
+        }
+    }
 }
 
 /// Parameter bytes each rank holds.
@@ -566,7 +627,7 @@ fn check_tensor(name: &str, t: &Tensor, slices: &[&WeightSlice], tp: u64, dtype:
             real + w.padding
         );
         ensure!(
-            w.padding == 0 || matches!(split, Split::Padded { .. }),
+            w.padding == 0 || !matches!(split, Split::Exact { .. }),
             "`{name}` rank {rank}: padding {} on a dim that must divide exactly",
             w.padding
         );
@@ -587,11 +648,12 @@ fn check_tensor(name: &str, t: &Tensor, slices: &[&WeightSlice], tp: u64, dtype:
             }
         }
     }
-    let copies = split.copies(tp);
-    if let Some(i) = covered.iter().position(|&c| c != copies) {
+    let held = |i: usize| split.copies(i as u64, tp);
+    if let Some(i) = (0..covered.len()).find(|&i| covered[i] != held(i)) {
         return Err(format!(
-            "`{name}`: index {i} of dim {dim} is held by {} ranks, expected {copies} ({split:?})",
-            covered[i]
+            "`{name}`: index {i} of dim {dim} is held by {} ranks, expected {} ({split:?})",
+            covered[i],
+            held(i)
         ));
     }
     if let Split::Padded { .. } = split {

@@ -64,7 +64,7 @@ fn without_a_driver_device_cuda_is_a_clear_error() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
-/// Every fixture at each of `tps` that divides it, with each of `dtypes` (and its tolerance),
+/// Every fixture at each of `tps` that splits it, with each of `dtypes` (and its tolerance),
 /// ranks on `gpus`: HF's prefill logits within the tolerance, and its greedy tokens in f32.
 /// One report line per run.
 fn every_fixture_matches_hf(
@@ -112,12 +112,13 @@ fn every_fixture_on_one_gpu_matches_hf_at_every_valid_tp() {
         (ComputeDtype::F32, REL_TOL),
         (ComputeDtype::Bf16, BF16_REL_TOL),
     ];
-    let report = every_fixture_matches_hf(&[1, 2, 4, 8], &[0], &dtypes);
+    let report = every_fixture_matches_hf(&[1, 2, 3, 4, 8], &[0], &dtypes);
     eprintln!("{}", report.join("\n"));
 }
 
 /// Ranks on two GPUs: at tp=2 each rank has its own GPU and the group all-reduces through
-/// NCCL; at tp=4 two ranks share each GPU and the group goes through the host communicator.
+/// NCCL; at tp=3 and 4 ranks share GPUs and the group goes through the host communicator
+/// (tp 3 deals the heads unevenly).
 /// Every fixture, f32, against HF's logits and tokens. Skips with fewer than two GPUs.
 #[test]
 fn every_fixture_on_two_gpus_matches_hf() {
@@ -129,7 +130,7 @@ fn every_fixture_on_two_gpus_matches_hf() {
         eprintln!("SKIP every_fixture_on_two_gpus_matches_hf: {count} GPU");
         return;
     }
-    let report = every_fixture_matches_hf(&[2, 4], &[0, 1], &[(ComputeDtype::F32, REL_TOL)]);
+    let report = every_fixture_matches_hf(&[2, 3, 4], &[0, 1], &[(ComputeDtype::F32, REL_TOL)]);
     eprintln!("{}", report.join("\n"));
 }
 

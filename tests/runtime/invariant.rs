@@ -53,7 +53,7 @@ fn run_opts(threads: usize, new_tokens: usize, sampling: Sampling) -> RunOptions
 fn plans(dir: &Path, numerics: NumericsMode) -> Vec<(String, Plan)> {
     let def = load_model(dir).unwrap();
     let mut out = Vec::new();
-    for tp in [1u64, 2, 4, 8] {
+    for tp in [1u64, 2, 3, 4, 6, 8] {
         for (label, sp, fuse, pp) in [
             ("plain", false, false, 1),
             ("--sequence-parallel", true, false, 1),

@@ -44,7 +44,7 @@ fn matches_hf_with(options: ShardOptions, check: impl Fn(&Plan, &Plan, &str)) {
         let (prompt, logits, greedy) = (r.prompt, r.logits, r.greedy);
         let def = load_model(&dir).unwrap();
         let ckpt = Checkpoint::open(&dir).unwrap();
-        for tp in [2u64, 4] {
+        for tp in [2u64, 3, 4] {
             let Ok(plain) = compile(&def, tp) else {
                 continue;
             };
