@@ -172,11 +172,9 @@ impl Groups {
                     push_range(out, base + rank * n, n);
                     return Ok(0);
                 }
-                // Blocks of 64 (or the largest power of two under it that divides the
-                // length), dealt as evenly as whole blocks allow: the first ranks take one
-                // more, and every piece is padded to the largest.
-                let block = gcd(total, PLAIN_BLOCK);
-                Ok(deal(out, base, total / block, block, tp, rank))
+                // Atoms dealt as evenly as they allow, every piece padded to the largest.
+                let atom = plain_atom(total);
+                Ok(deal(out, base, total / atom, atom, tp, rank))
             }
             Groups::Plain { padded: true } => {
                 let chunk = total.div_ceil(tp);
@@ -288,14 +286,20 @@ impl Groups {
     }
 }
 
-/// Block of an uneven plain split: MLP columns and such, in whole SIMD-friendly runs.
-const PLAIN_BLOCK: u64 = 64;
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
+/// The atom of an uneven plain split (MLP columns and such): a 32nd of the length where
+/// 32 divides it — the piece of an even tp of 32, so that every even split's boundaries
+/// (tp a power of two up to 32) and every uneven one fall on atoms, and the exact sums of
+/// `--numerics invariant` keep the blocks they had — else the largest power of two up to 64
+/// that divides the length.
+fn plain_atom(total: u64) -> u64 {
+    if total.is_multiple_of(32) {
+        total / 32
     } else {
-        gcd(b, a % b)
+        (0..=6)
+            .rev()
+            .map(|k| 1u64 << k)
+            .find(|&b| total.is_multiple_of(b))
+            .unwrap_or(1)
     }
 }
 
@@ -384,7 +388,7 @@ mod tests {
     fn plain_split_is_contiguous() {
         let g = Groups::default();
         assert_eq!(ranges(&g.slice(8, 4, 2).unwrap()), vec![(4, 2)]);
-        // 10 = 5 blocks of 2 at tp 4: 2, 2, 1 and 0 blocks, each piece padded to 4.
+        // 10 = 5 atoms of 2 at tp 4: 2, 2, 1 and 0 atoms, each piece padded to 4.
         assert_eq!(
             dealt(&g, 10, 4),
             vec![
@@ -473,21 +477,23 @@ mod tests {
     }
 
     #[test]
-    fn plain_dims_deal_blocks_of_64_unevenly_padding_to_the_largest() {
+    fn plain_dims_deal_atoms_unevenly_padding_to_the_largest() {
         let g = Groups::default();
-        // 5632 = 88 blocks of 64 at tp 3: 30, 30, 28 blocks.
+        // 5632 (TinyLlama's MLP) = 32 atoms of 176 at tp 3: 11, 11, 10.
         assert_eq!(
             dealt(&g, 5632, 3),
             vec![
-                (vec![(0, 1920)], 0),
-                (vec![(1920, 1920)], 0),
-                (vec![(3840, 1792)], 128)
+                (vec![(0, 1936)], 0),
+                (vec![(1936, 1936)], 0),
+                (vec![(3872, 1760)], 176)
             ]
         );
-        // 96 = 3 blocks of 32 at tp 5: the last two ranks hold only padding.
+        // 96 = 32 atoms of 3 at tp 5: 7 each until they run out.
         let five = dealt(&g, 96, 5);
-        assert_eq!(five[2], (vec![(64, 32)], 0));
-        assert_eq!(five[4], (vec![], 32));
+        assert_eq!(five[0], (vec![(0, 21)], 0));
+        assert_eq!(five[4], (vec![(84, 12)], 9));
+        // 100 = 25 atoms of 4 at tp 3: 9, 9, 7.
+        assert_eq!(dealt(&g, 100, 3)[2], (vec![(72, 28)], 8));
         // Even splits are unchanged.
         assert_eq!(dealt(&g, 96, 2)[1], (vec![(48, 48)], 0));
     }

@@ -125,15 +125,18 @@ fn expected_total_bytes(def: &ModelDef, tp: u64) -> u64 {
         tp
     };
     // MLP columns held over all ranks: blocks of gcd(ffn, 64) dealt unevenly.
-    let block = (0..=6)
-        .rev()
-        .map(|k| 1u64 << k)
-        .find(|b| ffn % b == 0)
-        .unwrap_or(1);
+    let atom = if ffn % 32 == 0 {
+        ffn / 32
+    } else {
+        [64, 32, 16, 8, 4, 2]
+            .into_iter()
+            .find(|b| ffn % b == 0)
+            .unwrap_or(1)
+    };
     let ffn = if ffn % tp == 0 {
         ffn
     } else {
-        tp * (ffn / block).div_ceil(tp) * block
+        tp * (ffn / atom).div_ceil(tp) * atom
     };
     let size = c.dtype.size_bytes();
     let family = c.family;

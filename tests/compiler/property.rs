@@ -242,9 +242,9 @@ enum Split {
     Padded { dim: u32 },
     /// tp equal pieces of whole units of `unit` elements (heads of a fused q|k|v weight).
     Exact { dim: u32, unit: u64 },
-    /// A plain dim (MLP columns): tp equal pieces when tp divides it, else blocks of
-    /// gcd(len, 64) dealt ceil(blocks / tp) to each rank in order, every piece padded to
-    /// that.
+    /// A plain dim (MLP columns): tp equal pieces when tp divides it, else atoms (a 32nd of
+    /// it, or a power of two up to 64) dealt ceil(atoms / tp) to each rank in order, every
+    /// piece padded to that.
     Blocks { dim: u32 },
     /// `count` query heads of `unit` in `groups` kv groups: tp equal pieces when tp divides
     /// the heads and divides or is a multiple of the groups; else fewer ranks than groups
@@ -281,8 +281,17 @@ impl Split {
             Split::Exact { .. } => len / tp,
             Split::Blocks { .. } if len.is_multiple_of(tp) => len / tp,
             Split::Blocks { .. } => {
-                let block = gcd(len, 64);
-                (len / block).div_ceil(tp) * block
+                // A 32nd of len where 32 divides it, else the largest power of two up to
+                // 64 that does.
+                let atom = if len.is_multiple_of(32) {
+                    len / 32
+                } else {
+                    [64, 32, 16, 8, 4, 2]
+                        .into_iter()
+                        .find(|&b| len.is_multiple_of(b))
+                        .unwrap_or(1)
+                };
+                (len / atom).div_ceil(tp) * atom
             }
             Split::Heads {
                 count,
@@ -324,14 +333,6 @@ impl Split {
             Split::Exact { unit, .. } | Split::Kv { unit, .. } | Split::Heads { unit, .. } => unit,
             _ => 1,
         }
-    }
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }
 
