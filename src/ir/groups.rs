@@ -286,21 +286,20 @@ impl Groups {
     }
 }
 
-/// The atom of an uneven plain split (MLP columns and such): a 32nd of the length where
-/// 32 divides it — the piece of an even tp of 32, so that every even split's boundaries
-/// (tp a power of two up to 32) and every uneven one fall on atoms, and the exact sums of
-/// `--numerics invariant` keep the blocks they had — else the largest power of two up to 64
-/// that divides the length.
+/// The atom of an uneven plain split (MLP columns and such): a 32nd of the length where that
+/// is a whole run of at least 64 — the piece of an even tp of 32, so that the boundaries of
+/// the power-of-two tps and of every uneven one fall on atoms and the exact sums of
+/// `--numerics invariant` keep the blocks the even tps give them — else the largest power of
+/// two up to 64 that divides the length.
 fn plain_atom(total: u64) -> u64 {
-    if total.is_multiple_of(32) {
-        total / 32
-    } else {
-        (0..=6)
-            .rev()
-            .map(|k| 1u64 << k)
-            .find(|&b| total.is_multiple_of(b))
-            .unwrap_or(1)
+    if total.is_multiple_of(32) && total / 32 >= 64 {
+        return total / 32;
     }
+    (0..=6)
+        .rev()
+        .map(|k| 1u64 << k)
+        .find(|&b| total.is_multiple_of(b))
+        .unwrap_or(1)
 }
 
 /// Deals `atoms` atoms of `atom` elements over `tp` ranks, `ceil(atoms / tp)` to each until
@@ -488,10 +487,10 @@ mod tests {
                 (vec![(3872, 1760)], 176)
             ]
         );
-        // 96 = 32 atoms of 3 at tp 5: 7 each until they run out.
+        // 96 = 3 atoms of 32 at tp 5: the last two ranks hold only padding.
         let five = dealt(&g, 96, 5);
-        assert_eq!(five[0], (vec![(0, 21)], 0));
-        assert_eq!(five[4], (vec![(84, 12)], 9));
+        assert_eq!(five[2], (vec![(64, 32)], 0));
+        assert_eq!(five[4], (vec![], 32));
         // 100 = 25 atoms of 4 at tp 3: 9, 9, 7.
         assert_eq!(dealt(&g, 100, 3)[2], (vec![(72, 28)], 8));
         // Even splits are unchanged.

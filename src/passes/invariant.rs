@@ -64,7 +64,8 @@ pub fn mark_exact_linears(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     let valid: Vec<u64> = (2..=MAX_RANKS)
         .filter(|&t| dims.iter().all(|(_, (g, len))| g.check(*len, t).is_ok()))
         .collect();
-    let mut marked = 0;
+    // Each row-split linear's depth and its split structure.
+    let mut linears = Vec::new();
     for id in nominal.g.node_indices() {
         if !matches!(nominal.node(id).op, Op::Linear(_)) || nominal.layout(id) != Layout::Partial {
             continue;
@@ -77,17 +78,48 @@ pub fn mark_exact_linears(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         let Some(&depth) = p.shape.get(in_dim as usize) else {
             continue;
         };
-        let groups = p.groups_of(in_dim);
-        let mut block = depth;
-        for &t in &valid {
-            for r in 0..t {
-                if let Ok(slice) = groups.slice(depth, t, r) {
-                    for range in slice.ranges {
-                        block = gcd(block, gcd(range.offset, range.len));
-                    }
-                }
-            }
-        }
+        linears.push((id, depth, p.groups_of(in_dim)));
+    }
+    // The blocks come from the tps that are powers of two; any other valid tp is covered
+    // when its boundaries fall on those blocks (uneven tps do, by their atoms), else left
+    // out rather than shrink every tp's blocks (TinyLlama's even tp 11 would cut them to 16).
+    let cuts = |depth: u64, groups: &crate::ir::Groups, t: u64| {
+        (0..t)
+            .filter_map(|r| groups.slice(depth, t, r).ok())
+            .flat_map(|s| s.ranges)
+            .fold(0, |g, range| gcd(g, gcd(range.offset, range.len)))
+    };
+    let blocks: Vec<u64> = linears
+        .iter()
+        .map(|(_, depth, groups)| {
+            valid
+                .iter()
+                .filter(|t| t.is_power_of_two())
+                .fold(*depth, |b, &t| gcd(b, cuts(*depth, groups, t)))
+        })
+        .collect();
+    let covers = |t: u64| {
+        linears
+            .iter()
+            .zip(&blocks)
+            .all(|((_, depth, groups), &b)| cuts(*depth, groups, t) % b.max(1) == 0)
+    };
+    let covered: Vec<u64> = valid.iter().copied().filter(|&t| covers(t)).collect();
+    if ctx.tp > 1 && !covered.contains(&ctx.tp) {
+        let list: Vec<String> = std::iter::once(1)
+            .chain(covered.iter().copied())
+            .map(|t| t.to_string())
+            .collect();
+        return Err(TpcError::Numerics {
+            problem: format!(
+                "tp {} splits a row-parallel linear off the blocks that the other tps' exact sums keep; --numerics invariant covers tp {} for this model: choose one of those or --numerics fast",
+                ctx.tp,
+                list.join(", ")
+            ),
+        });
+    }
+    let mut marked = 0;
+    for ((id, depth, _), block) in linears.into_iter().zip(blocks) {
         let block = refine(block.max(1));
         if let Op::Linear(l) = &mut graph.node_mut(id).op {
             l.exact = Some(ExactBlocks {
@@ -131,5 +163,41 @@ mod tests {
         assert_eq!(refine(512), 256);
         assert_eq!(refine(1009), 1009);
         assert_eq!(gcd(0, 12), 12);
+    }
+
+    /// TinyLlama (32 heads in 4 kv groups, MLP 5632 = 32 × 176): the power-of-two tps give
+    /// o_proj blocks of 64 and down_proj blocks of 176; uneven tp 3 falls on them, the even
+    /// tp 11 (512 columns a rank) would not and is refused naming the tps covered.
+    #[test]
+    fn uneven_tps_keep_the_power_of_two_blocks_and_a_cutting_tp_is_refused() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tinyllama-1.1b.ron");
+        let def = crate::frontend::load::load_model(&path).unwrap();
+        let options = crate::passes::ShardOptions {
+            numerics: NumericsMode::Invariant,
+            ..Default::default()
+        };
+        let compile = |tp| crate::pipeline::compile_with(&def, tp, options);
+        let plan = compile(3).unwrap().plan;
+        let block = |name: &str| {
+            plan.ranks[0]
+                .instrs
+                .iter()
+                .find_map(|i| match &i.op {
+                    Op::Linear(l) if i.name.ends_with(name) => l.exact.map(|e| e.block),
+                    _ => None,
+                })
+                .unwrap()
+        };
+        assert_eq!((block("o_proj"), block("down_proj")), (64, 176));
+        plan.verify().unwrap();
+        let refused = compile(11).unwrap_err().to_string();
+        assert!(
+            refused.contains("tp 11 splits a row-parallel linear off the blocks")
+                && refused.contains("covers tp 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12,"),
+            "{refused}"
+        );
+        // The fast order has no blocks to keep.
+        crate::pipeline::compile(&def, 11).unwrap();
     }
 }

@@ -125,7 +125,7 @@ fn expected_total_bytes(def: &ModelDef, tp: u64) -> u64 {
         tp
     };
     // MLP columns held over all ranks: blocks of gcd(ffn, 64) dealt unevenly.
-    let atom = if ffn % 32 == 0 {
+    let atom = if ffn % 32 == 0 && ffn / 32 >= 64 {
         ffn / 32
     } else {
         [64, 32, 16, 8, 4, 2]

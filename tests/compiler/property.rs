@@ -281,9 +281,9 @@ impl Split {
             Split::Exact { .. } => len / tp,
             Split::Blocks { .. } if len.is_multiple_of(tp) => len / tp,
             Split::Blocks { .. } => {
-                // A 32nd of len where 32 divides it, else the largest power of two up to
-                // 64 that does.
-                let atom = if len.is_multiple_of(32) {
+                // A 32nd of len where that is a run of 64 or more, else the largest power of
+                // two up to 64 that divides len.
+                let atom = if len.is_multiple_of(32) && len / 32 >= 64 {
                     len / 32
                 } else {
                     [64, 32, 16, 8, 4, 2]
