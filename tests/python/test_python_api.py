@@ -174,13 +174,14 @@ def test_bad_inputs_raise_with_the_servers_messages(llm):
     with pytest.raises(TypeError, match="not_an_argument"):
         LLM(str(FIXTURE), not_an_argument=1)
     # A tp that does not split the model lists the ones that do, in the CLI's words.
+    # (8 query heads: tp 9 would leave a rank without one.)
     with pytest.raises(ValueError) as refused:
-        LLM(str(FIXTURE), tensor_parallel_size=3)
-    cli = subprocess.run([str(TPC_BIN), "compile", str(FIXTURE), "--tp", "3"], capture_output=True, text=True,
+        LLM(str(FIXTURE), tensor_parallel_size=9)
+    cli = subprocess.run([str(TPC_BIN), "compile", str(FIXTURE), "--tp", "9"], capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert cli.returncode != 0
     assert cli.stderr.strip() == f"error: {refused.value}"
-    assert str(refused.value).endswith("Valid tp values for this model: 1, 2, 4, 8.")
+    assert str(refused.value).endswith("Valid tp values for this model: 1, 2, 3, 4, 5, 6, 7, 8.")
     with pytest.raises(ValueError, match="not a model directory"):
         LLM(str(FIXTURE / "config.json"))
     # The engine is still serving after every refusal.
@@ -205,8 +206,10 @@ def test_compile_and_simulate_from_python(tmp_path):
     assert estimate["tp"] == 8
     with pytest.raises(ValueError, match="Shipped profiles .*h100-sxm-nvswitch-8"):
         tpc.simulate(str(FIXTURE), tp=1, hw="no-such-profile")
-    with pytest.raises(ValueError, match="Valid tp values for this model: 1, 2, 4, 8"):
-        tpc.compile(str(FIXTURE), tp=3)
+    with pytest.raises(ValueError, match="Valid tp values for this model: 1, 2, 3, 4, 5, 6, 7, 8"):
+        tpc.compile(str(FIXTURE), tp=9)
+    # An uneven tp compiles: the heads are dealt by their kv groups, padded to the largest.
+    assert tpc.compile(str(FIXTURE), tp=3).tp == 3
 
 
 VLLM_QUICKSTART = """
