@@ -1,6 +1,6 @@
 //! Parity with Hugging Face transformers: every tiny reference checkpoint, at every valid
-//! tp up to 8 (uneven ones included), reproduces HF's prefill logits (relative error ≤ 1e-4) and greedy
-//! continuation exactly, with kernels that keep activations f32; in bf16 compute, every
+//! tp up to 8 (uneven ones included), reproduces HF's prefill logits (relative error
+//! ≤ 1e-4) and greedy continuation exactly, with kernels that keep activations f32; in bf16 compute, every
 //! kernel variant this host runs stays within the bf16 tolerance. References come from
 //! `scripts/make_fixtures.py`.
 
