@@ -1,8 +1,8 @@
 //! Parity with Hugging Face transformers: every tiny reference checkpoint, at every valid
 //! tp up to 8 (uneven ones included), reproduces HF's prefill logits (relative error
-//! ≤ 1e-4) and greedy continuation exactly, with kernels that keep activations f32; in bf16 compute, every
-//! kernel variant this host runs stays within the bf16 tolerance. References come from
-//! `scripts/make_fixtures.py`.
+//! ≤ 1e-4) and greedy continuation exactly, with kernels that keep activations f32; in bf16
+//! compute, every kernel variant this host runs stays within the bf16 tolerance. References
+//! come from `scripts/make_fixtures.py`.
 
 use crate::common;
 use common::{fixtures, read_reference, rel_error, BF16_REL_TOL, REL_TOL};
