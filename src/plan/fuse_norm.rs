@@ -219,28 +219,32 @@ mod tests {
             &|p| norm_op(p, ATTN_NORM).reduce_input = Some(AllReduceOp::default()),
             "keep one",
         );
+        // `reader`'s first input rewired to `source`'s value.
+        let rewired = |reader: &str, source: &str, what: &str| {
+            refused(
+                &|p| {
+                    let from = id(p, source);
+                    instr(p, reader).inputs[0] = from;
+                },
+                what,
+            )
+        };
         // The norm reads a linear's output instead.
-        refused(
-            &|p| {
-                let q = id(p, "model.layers.0.self_attn.q_proj");
-                instr(p, ATTN_NORM).inputs[0] = q;
-            },
+        rewired(
+            ATTN_NORM,
+            "model.layers.0.self_attn.q_proj",
             "neither an all-reduce nor an add of one",
         );
         // Something else reads o_proj's all-reduce too.
-        refused(
-            &|p| {
-                let reduce = id(p, "model.layers.0.self_attn.o_proj.all_reduce");
-                instr(p, "model.layers.0.mlp_residual").inputs[0] = reduce;
-            },
+        rewired(
+            "model.layers.0.mlp_residual",
+            "model.layers.0.self_attn.o_proj.all_reduce",
             "is also read by something else",
         );
         // Two norms join one all-reduce.
-        refused(
-            &|p| {
-                let add = id(p, "model.layers.0.attn_residual");
-                instr(p, NEXT_NORM).inputs[0] = add;
-            },
+        rewired(
+            NEXT_NORM,
+            "model.layers.0.attn_residual",
             "which another marked norm joins already",
         );
         refused(

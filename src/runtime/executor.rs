@@ -891,8 +891,8 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     };
                     // A fused step counts once, as itself; its add and norm only hand on
                     // its values.
-                    let handoff = self.norm_steps.hands_on(i.id);
-                    if let (Some(t), Some(p), false) = (started, self.profile.as_mut(), handoff) {
+                    let counted = started.filter(|_| !self.norm_steps.hands_on(i.id));
+                    if let (Some(t), Some(p)) = (counted, self.profile.as_mut()) {
                         let kind = match self.norm_steps.by_reduce.contains_key(&i.id) {
                             true => "all_reduce_add_rms_norm",
                             false => op.kind(),
