@@ -63,6 +63,7 @@ pub fn compile_full(
         numerics: options.numerics,
         forced: forced.clone(),
         algorithms: None,
+        shares: options.shares.filter(|s| !s.is_even()),
     });
     Ok(Compiled { sharded, plan })
 }

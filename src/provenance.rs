@@ -110,6 +110,8 @@ fn check_unrecorded(
                 numerics: plan.numerics,
                 forced: BTreeMap::new(),
                 algorithms: algorithms.clone(),
+                // A plan written before shares existed deals every dimension evenly.
+                shares: None,
             };
             // An option the model cannot take is simply not the one.
             let Ok(mut fresh) = compile_source(&source, plan.tp, layers) else {

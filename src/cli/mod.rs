@@ -246,6 +246,12 @@ pub struct ShardArgs {
     /// logits are the same bits at every tp up to 32, in any batch, on any thread count).
     #[arg(long, value_enum, default_value = "fast")]
     pub numerics: NumericsArg,
+    /// Each rank's share of every split dimension, one per rank (with --tp): `3,1,1,1`
+    /// gives rank 0 three times the heads and MLP columns of each other rank (unequal
+    /// devices). Rounded to whole atoms (kv groups with their query heads, MLP column
+    /// blocks); the compile notes give what each rank got. The vocabulary stays even.
+    #[arg(long, value_name = "SHARES")]
+    pub tp_shares: Option<tpc::ir::TpShares>,
 }
 
 /// `--numerics`.
@@ -364,6 +370,7 @@ impl ShardArgs {
             sequence_parallel: self.sequence_parallel == SequenceParallelMode::On,
             fuse_norm: self.fuse_norm,
             numerics: self.numerics.into(),
+            shares: self.tp_shares,
         }
     }
 
@@ -406,7 +413,7 @@ impl ShardArgs {
 pub fn refuse_options_with_plan(options: tpc::passes::ShardOptions) -> anyhow::Result<()> {
     anyhow::ensure!(
         options == tpc::passes::ShardOptions::default(),
-        "--sequence-parallel, --fuse-norm and --numerics apply when tpc compiles the model; a saved plan (--plan) was compiled with its choices already: drop one or the other"
+        "--sequence-parallel, --fuse-norm, --numerics and --tp-shares apply when tpc compiles the model; a saved plan (--plan) was compiled with its choices already: drop one or the other"
     );
     Ok(())
 }

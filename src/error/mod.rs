@@ -85,6 +85,9 @@ pub enum TpcError {
     #[error("tp must be at least 1, got {tp}.")]
     ZeroTp { tp: u64 },
 
+    #[error("--tp-shares {shares} names {count} ranks but tp is {tp}; give one share per rank, e.g. --tp {tp} with {tp} shares.")]
+    SharesCount { shares: String, count: u64, tp: u64 },
+
     #[error("tp={tp} is more than tpc plans for: at most {max} ranks share one tensor-parallel group (each rank gets its own program, and no interconnect makes a wider group pay off). Use a tp of {max} or less.")]
     TpTooLarge { tp: u64, max: u64 },
 

@@ -2,6 +2,7 @@
 //! (attention heads, fused q|k|v parts, vocab rows), and how such a dimension is sliced
 //! for one rank.
 
+use super::shares::TpShares;
 use serde::{Deserialize, Serialize};
 
 /// The structure of a splittable dimension.
@@ -50,6 +51,9 @@ pub enum SplitProblem {
     NotShareable { count: u64 },
     /// The structure says a length other than the tensor's.
     LengthMismatch { structure: u64, tensor: u64 },
+    /// Per-rank shares of heads whose key/value groups the model does not declare: the
+    /// query and kv heads could not be dealt so that each rank keeps its queries' kv heads.
+    SharesNeedGroups,
 }
 
 impl SplitProblem {
@@ -59,7 +63,7 @@ impl SplitProblem {
                 "{count} attention heads cannot be shared by tp={tp}: every rank needs at least one"
             ),
             SplitProblem::UnevenFused => format!(
-                "a fused dimension (q|k|v or gate|up stored as one weight) does not divide evenly by tp={tp}, and its parts cannot be dealt unevenly yet"
+                "a fused dimension (q|k|v or gate|up stored as one weight) does not divide evenly by tp={tp} (or --tp-shares deals it unevenly), and its parts cannot be dealt unevenly yet"
             ),
             SplitProblem::NotDivisible { count, unit } => {
                 format!("{count} {unit} are not divisible by tp={tp}")
@@ -70,6 +74,9 @@ impl SplitProblem {
             ),
             SplitProblem::LengthMismatch { structure, tensor } => format!(
                 "the declared head structure covers {structure} elements but the dimension has {tensor}"
+            ),
+            SplitProblem::SharesNeedGroups => format!(
+                "attention heads without declared key/value groups split only evenly, not by --tp-shares (tp={tp}); declare the groups (a preset does) or drop the shares"
             ),
         }
     }
@@ -87,6 +94,35 @@ pub struct DimSlice {
 pub struct SliceRange {
     pub offset: u64,
     pub len: u64,
+}
+
+/// How a dimension is dealt: over `tp` ranks evenly, or by per-rank `shares`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deal {
+    pub tp: u64,
+    /// Unequal shares, one per rank (`--tp-shares`); `None` for the even split.
+    pub shares: Option<TpShares>,
+}
+
+impl Deal {
+    /// The even split over `tp` ranks.
+    pub fn even(tp: u64) -> Deal {
+        Deal { tp, shares: None }
+    }
+
+    /// A split over `tp` ranks by `shares` when they are given and unequal (equal shares
+    /// are the even split). The caller has checked that there is one share per rank.
+    pub fn by(tp: u64, shares: Option<TpShares>) -> Deal {
+        Deal {
+            tp,
+            shares: shares.filter(|s| !s.is_even()),
+        }
+    }
+
+    /// How many of `items` atoms each rank holds, when dealt by shares.
+    fn counts(&self, items: u64) -> Option<Vec<u64>> {
+        self.shares.map(|s| s.apportion(items))
+    }
 }
 
 impl DimSlice {
@@ -139,11 +175,21 @@ impl Groups {
 
     /// Whether a dimension of `total` elements with this structure splits `tp` ways.
     pub fn check(&self, total: u64, tp: u64) -> Result<(), SplitProblem> {
-        self.slice(total, tp, 0).map(|_| ())
+        self.check_dealt(total, Deal::even(tp))
+    }
+
+    /// Whether a dimension of `total` elements with this structure can be dealt so.
+    pub fn check_dealt(&self, total: u64, deal: Deal) -> Result<(), SplitProblem> {
+        self.slice_dealt(total, deal, 0).map(|_| ())
     }
 
     /// The piece of a `total`-long dimension that `rank` of `tp` holds.
     pub fn slice(&self, total: u64, tp: u64, rank: u64) -> Result<DimSlice, SplitProblem> {
+        self.slice_dealt(total, Deal::even(tp), rank)
+    }
+
+    /// The piece of a `total`-long dimension that `rank` holds when it is dealt so.
+    pub fn slice_dealt(&self, total: u64, deal: Deal, rank: u64) -> Result<DimSlice, SplitProblem> {
         if let Some(len) = self.covered_len() {
             if len != total {
                 return Err(SplitProblem::LengthMismatch {
@@ -153,7 +199,7 @@ impl Groups {
             }
         }
         let mut ranges = Vec::new();
-        let padding = self.slice_into(0, total, tp, rank, &mut ranges)?;
+        let padding = self.slice_into(0, total, deal, rank, &mut ranges)?;
         Ok(DimSlice { ranges, padding })
     }
 
@@ -161,11 +207,17 @@ impl Groups {
         &self,
         base: u64,
         total: u64,
-        tp: u64,
+        deal: Deal,
         rank: u64,
         out: &mut Vec<SliceRange>,
     ) -> Result<u64, SplitProblem> {
+        let tp = deal.tp;
         match self {
+            Groups::Plain { padded: false } if deal.shares.is_some() => {
+                let atom = plain_atom(total);
+                let counts = deal.counts(total / atom).unwrap_or_default();
+                Ok(deal_counts(out, base, &counts, atom, rank))
+            }
             Groups::Plain { padded: false } => {
                 if total.is_multiple_of(tp) {
                     let n = total / tp;
@@ -174,7 +226,7 @@ impl Groups {
                 }
                 // Atoms dealt as evenly as they allow, every piece padded to the largest.
                 let atom = plain_atom(total);
-                Ok(deal(out, base, total / atom, atom, tp, rank))
+                Ok(deal_evenly(out, base, total / atom, atom, tp, rank))
             }
             Groups::Plain { padded: true } => {
                 let chunk = total.div_ceil(tp);
@@ -188,9 +240,19 @@ impl Groups {
                 size,
                 replicable,
                 kv_groups: Some(groups),
-            } if count % tp != 0 || !groups.is_multiple_of(tp) && !tp.is_multiple_of(*groups) => {
-                uneven_heads(out, base, *count, *size, *replicable, *groups, tp, rank)
+            } if deal.shares.is_some()
+                || count % tp != 0
+                || !groups.is_multiple_of(tp) && !tp.is_multiple_of(*groups) =>
+            {
+                let heads = HeadGroups {
+                    count: *count,
+                    size: *size,
+                    replicable: *replicable,
+                    groups: *groups,
+                };
+                uneven_heads(out, base, heads, deal, rank)
             }
+            Groups::Heads { .. } if deal.shares.is_some() => Err(SplitProblem::SharesNeedGroups),
             Groups::Heads {
                 count,
                 size,
@@ -218,13 +280,15 @@ impl Groups {
                 }
                 Ok(0)
             }
+            // Each part would be padded inside the piece.
+            Groups::Concat(_) if deal.shares.is_some() => Err(SplitProblem::UnevenFused),
             Groups::Concat(parts) => {
                 let mut offset = base;
                 for part in parts {
                     let len = part.covered_len().unwrap_or(0);
-                    part.slice_into(offset, len, tp, rank, out)?;
+                    part.slice_into(offset, len, deal, rank, out)?;
                     // Padding would fall inside the rank's piece, on some rank if not this one.
-                    let padded = |r| part.slice_into(0, len, tp, r, &mut Vec::new());
+                    let padded = |r| part.slice_into(0, len, deal, r, &mut Vec::new());
                     if (0..tp).any(|r| padded(r).is_ok_and(|p| p > 0)) {
                         return Err(SplitProblem::UnevenFused);
                     }
@@ -232,6 +296,7 @@ impl Groups {
                 }
                 Ok(0)
             }
+            Groups::Interleaved { .. } if deal.shares.is_some() => Err(SplitProblem::UnevenFused),
             Groups::Interleaved { heads, parts } => {
                 let per_head: u64 = parts.iter().sum();
                 if heads % tp != 0 {
@@ -249,9 +314,9 @@ impl Groups {
 
     /// Each rank's real length of a `total`-long dimension split `tp` ways, when the split
     /// is uneven (some rank's piece is padded); `None` when it is even or impossible.
-    pub fn uneven_shares(&self, total: u64, tp: u64) -> Option<Vec<u64>> {
-        let pieces: Vec<DimSlice> = (0..tp)
-            .map(|r| self.slice(total, tp, r))
+    pub fn uneven_shares(&self, total: u64, deal: Deal) -> Option<Vec<u64>> {
+        let pieces: Vec<DimSlice> = (0..deal.tp)
+            .map(|r| self.slice_dealt(total, deal, r))
             .collect::<Result<_, _>>()
             .ok()?;
         pieces.iter().any(|p| p.padding > 0).then(|| {
@@ -302,11 +367,31 @@ fn plain_atom(total: u64) -> u64 {
         .unwrap_or(1)
 }
 
+/// Deals atoms of `atom` elements, `counts[r]` to rank `r` in rank order, and pushes
+/// `rank`'s; returns its padding up to the largest piece.
+fn deal_counts(out: &mut Vec<SliceRange>, base: u64, counts: &[u64], atom: u64, rank: u64) -> u64 {
+    let r = rank as usize;
+    let start: u64 = counts[..r.min(counts.len())].iter().sum();
+    let held = counts.get(r).copied().unwrap_or(0);
+    if held > 0 {
+        push_range(out, base + start * atom, held * atom);
+    }
+    let largest = counts.iter().copied().max().unwrap_or(0);
+    (largest - held) * atom
+}
+
 /// Deals `atoms` atoms of `atom` elements over `tp` ranks, `ceil(atoms / tp)` to each until
 /// they run out (the last ranks take fewer, perhaps none), and pushes `rank`'s; returns its
 /// padding up to the largest piece. All padding lies after every rank's real atoms in the
 /// dimension's order, so a gather of the pieces drops it from the end.
-fn deal(out: &mut Vec<SliceRange>, base: u64, atoms: u64, atom: u64, tp: u64, rank: u64) -> u64 {
+fn deal_evenly(
+    out: &mut Vec<SliceRange>,
+    base: u64,
+    atoms: u64,
+    atom: u64,
+    tp: u64,
+    rank: u64,
+) -> u64 {
     let per = atoms.div_ceil(tp);
     let start = (rank * per).min(atoms);
     let held = per.min(atoms - start);
@@ -316,22 +401,35 @@ fn deal(out: &mut Vec<SliceRange>, base: u64, atoms: u64, atom: u64, tp: u64, ra
     (per - held) * atom
 }
 
-/// Heads dealt by key/value group when tp does not split them evenly. Fewer ranks than
-/// groups: whole groups as evenly as they allow (query and kv heads alike, so each rank's
-/// query heads use its kv heads). As many or more: each rank serves one group (rank `r`
-/// group `r·groups/tp`), holds its kv head (replicated) and shares its query heads with the
-/// group's other ranks as evenly as they allow. Every piece is padded to the largest.
-#[allow(clippy::too_many_arguments)]
-fn uneven_heads(
-    out: &mut Vec<SliceRange>,
-    base: u64,
+/// A head dimension whose heads fall into key/value groups.
+#[derive(Debug, Clone, Copy)]
+struct HeadGroups {
     count: u64,
     size: u64,
     replicable: bool,
     groups: u64,
-    tp: u64,
+}
+
+/// Heads dealt by key/value group when tp does not split them evenly, or by shares. Fewer
+/// ranks than groups: whole groups, as evenly as they allow or by the shares (query and kv
+/// heads alike, so each rank's query heads use its kv heads). As many or more: each rank
+/// serves one group (rank `r` group `r·groups/tp`), holds its kv head (replicated) and
+/// shares its query heads with the group's other ranks, as evenly as they allow or by their
+/// shares. Every piece is padded to the largest.
+fn uneven_heads(
+    out: &mut Vec<SliceRange>,
+    base: u64,
+    heads: HeadGroups,
+    deal: Deal,
     rank: u64,
 ) -> Result<u64, SplitProblem> {
+    let HeadGroups {
+        count,
+        size,
+        replicable,
+        groups,
+    } = heads;
+    let tp = deal.tp;
     if groups == 0 || !count.is_multiple_of(groups) {
         return Err(SplitProblem::NotDivisible {
             count,
@@ -343,24 +441,44 @@ fn uneven_heads(
     }
     let per_group = count / groups;
     if tp < groups {
-        return Ok(deal(out, base, groups, per_group * size, tp, rank));
+        return Ok(match deal.counts(groups) {
+            Some(counts) => deal_counts(out, base, &counts, per_group * size, rank),
+            None => deal_evenly(out, base, groups, per_group * size, tp, rank),
+        });
     }
-    let group = rank * groups / tp;
     let first = |g: u64| (g * tp).div_ceil(groups);
-    let (ranks, j) = (first(group + 1) - first(group), rank - first(group));
+    // The query heads of group `g` held by each of its ranks.
+    let held_in = |g: u64| -> Vec<u64> {
+        let ranks = first(g + 1) - first(g);
+        match deal.shares {
+            Some(s) => {
+                let of_group = &s.parts()[first(g) as usize..first(g + 1) as usize];
+                TpShares::new(&of_group.iter().map(|&p| u64::from(p)).collect::<Vec<_>>())
+                    .map(|t| t.apportion(per_group))
+                    .unwrap_or_default()
+            }
+            None => {
+                let share = per_group.div_ceil(ranks);
+                (0..ranks)
+                    .map(|j| share.min(per_group.saturating_sub(j * share)))
+                    .collect()
+            }
+        }
+    };
+    let group = rank * groups / tp;
     let base = base + group * per_group * size;
     if replicable {
         push_range(out, base, per_group * size);
         return Ok(0);
     }
-    // The largest share: a group with the fewest ranks (tp / groups) splits its heads.
-    let largest = per_group.div_ceil(tp / groups);
-    let share = per_group.div_ceil(ranks);
-    let start = (j * share).min(per_group);
-    let held = share.min(per_group - start);
+    let mine = held_in(group);
+    let j = (rank - first(group)) as usize;
+    let held = mine.get(j).copied().unwrap_or(0);
+    let start: u64 = mine[..j.min(mine.len())].iter().sum();
     if held > 0 {
         push_range(out, base + start * size, held * size);
     }
+    let largest = (0..groups).flat_map(held_in).max().unwrap_or(held);
     Ok((largest - held) * size)
 }
 
@@ -549,6 +667,102 @@ mod tests {
             kv_groups: None,
         };
         assert!(plain_heads.check(8, 3).is_err());
+    }
+
+    /// Each rank's (ranges, padding) of `g` over `total` dealt by `shares`.
+    fn shared(g: &Groups, total: u64, shares: &str) -> Vec<(Vec<(u64, u64)>, u64)> {
+        let shares: TpShares = shares.parse().unwrap();
+        let deal = Deal::by(shares.tp(), Some(shares));
+        (0..shares.tp())
+            .map(|r| {
+                let s = g.slice_dealt(total, deal, r).unwrap();
+                (ranges(&s), s.padding)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn shares_deal_atoms_and_groups_in_proportion() {
+        // TinyLlama's MLP, 32 atoms of 176, at 2:1 → 21 and 11 atoms.
+        assert_eq!(
+            shared(&Groups::default(), 5632, "2,1"),
+            vec![(vec![(0, 3696)], 0), (vec![(3696, 1936)], 1760)]
+        );
+        // Equal shares are the even split.
+        assert_eq!(
+            shared(&Groups::default(), 5632, "3,3"),
+            dealt(&Groups::default(), 5632, 2)
+        );
+        let q = Groups::Heads {
+            count: 32,
+            size: 2,
+            replicable: false,
+            kv_groups: Some(8),
+        };
+        let kv = Groups::Heads {
+            count: 8,
+            size: 2,
+            replicable: true,
+            kv_groups: Some(8),
+        };
+        // 8 kv groups at 3:1:1:1 → 4, 2, 1, 1 groups (4 query heads each): queries and kv
+        // heads go together, every piece padded to rank 0's.
+        assert_eq!(
+            shared(&kv, 16, "3,1,1,1"),
+            vec![
+                (vec![(0, 8)], 0),
+                (vec![(8, 4)], 4),
+                (vec![(12, 2)], 6),
+                (vec![(14, 2)], 6)
+            ]
+        );
+        assert_eq!(
+            shared(&q, 64, "3,1,1,1"),
+            vec![
+                (vec![(0, 32)], 0),
+                (vec![(32, 16)], 16),
+                (vec![(48, 8)], 24),
+                (vec![(56, 8)], 24)
+            ]
+        );
+        // More ranks than groups (2 groups, 4 ranks): each group's query heads go to its two
+        // ranks by their shares, the kv head replicated on both.
+        let q2 = Groups::Heads {
+            count: 8,
+            size: 1,
+            replicable: false,
+            kv_groups: Some(2),
+        };
+        assert_eq!(
+            shared(&q2, 8, "3,1,1,1"),
+            vec![
+                (vec![(0, 3)], 0),
+                (vec![(3, 1)], 2),
+                (vec![(4, 2)], 1),
+                (vec![(6, 2)], 1)
+            ]
+        );
+        // Heads without declared groups, and fused dimensions, are not dealt by shares.
+        let bare = Groups::Heads {
+            count: 8,
+            size: 1,
+            replicable: false,
+            kv_groups: None,
+        };
+        let deal = Deal::by(2, Some("2,1".parse().unwrap()));
+        assert_eq!(
+            bare.check_dealt(8, deal),
+            Err(SplitProblem::SharesNeedGroups)
+        );
+        assert_eq!(
+            Groups::Concat(vec![q2.clone(), q2]).check_dealt(16, deal),
+            Err(SplitProblem::UnevenFused)
+        );
+        // The vocabulary stays even.
+        assert_eq!(
+            shared(&Groups::Plain { padded: true }, 10, "3,1"),
+            dealt(&Groups::Plain { padded: true }, 10, 2)
+        );
     }
 
     #[test]

@@ -9,13 +9,15 @@ pub mod op;
 pub mod op_dims;
 pub mod saturating;
 pub mod shape;
+pub mod shares;
 pub mod tensor;
 pub mod verify;
 
 pub use algorithm::{AlgorithmChoice, CollectiveAlgorithm, SizeRange};
 pub use graph::{Edge, Graph, Node, NodeId, ORDER_STEP};
-pub use groups::{DimSlice, Groups, SliceRange, SplitProblem};
+pub use groups::{Deal, DimSlice, Groups, SliceRange, SplitProblem};
 pub use layout::Layout;
 pub use numerics::{ExactBlocks, NumericsMode};
 pub use op::*;
+pub use shares::TpShares;
 pub use tensor::{DType, Dim, Name, Shape, TensorFact};

@@ -4,7 +4,7 @@
 
 use super::ShardCtx;
 use crate::error::{Result, TpcError};
-use crate::ir::{Graph, Groups, Layout, Op};
+use crate::ir::{Deal, Graph, Groups, Layout, Op};
 use std::collections::BTreeSet;
 
 /// Largest tp tpc plans for (checked before the graph is built); also the range the
@@ -62,12 +62,17 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         None => list.push((text, vec![format!("`{pattern}`")])),
     };
     for (pattern, (groups, len)) in &dims {
-        if let Err(problem) = groups.check(*len, tp) {
+        if let Err(problem) = groups.check_dealt(*len, ctx.deal()) {
             say(&mut reasons, problem.describe(tp), pattern);
-        } else if let Some(text) = uneven_note(groups, *len, tp) {
+        } else if let Some(text) = uneven_note(groups, *len, ctx.deal()) {
             say(&mut uneven, text, pattern);
         }
         notes_for(groups, *len, tp, &mut ctx.notes);
+    }
+    if let Some(shares) = ctx.shares {
+        ctx.notes.push(format!(
+            "--tp-shares {shares}: every split dimension but the vocabulary dealt by the shares in whole atoms (heads by their key/value groups, MLP columns in blocks); the vocabulary rows stay dealt evenly"
+        ));
     }
     ctx.notes.extend(
         uneven
@@ -93,11 +98,16 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
 }
 
 /// What an uneven split gives each rank (vocabularies have their own note).
-fn uneven_note(groups: &Groups, len: u64, tp: u64) -> Option<String> {
+fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
     if matches!(groups, Groups::Plain { padded: true }) {
         return None;
     }
-    let shares = groups.uneven_shares(len, tp)?;
+    let shares = groups.uneven_shares(len, deal)?;
+    let tp = deal.tp;
+    let by = match deal.shares {
+        Some(s) => format!(" by shares {s}"),
+        None => String::new(),
+    };
     let (unit, size) = match groups {
         Groups::Heads { size, .. } if *size > 1 => ("heads", *size),
         _ => ("columns", 1),
@@ -105,7 +115,7 @@ fn uneven_note(groups: &Groups, len: u64, tp: u64) -> Option<String> {
     let list: Vec<String> = shares.iter().map(|s| (s / size).to_string()).collect();
     let largest = shares.iter().max().copied().unwrap_or(0) / size;
     Some(format!(
-        "uneven split at tp={tp}: {} {unit} dealt {} (each piece padded with zeros to {largest}, the largest, which sets the step's pace anyway)",
+        "uneven split at tp={tp}{by}: {} {unit} dealt {} (each piece padded with zeros to {largest}, the largest; the CPU backend skips the padding)",
         len / size,
         list.join("/")
     ))

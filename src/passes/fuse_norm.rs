@@ -198,6 +198,7 @@ mod tests {
                 fuse_norm,
                 sequence_parallel,
                 numerics: crate::ir::NumericsMode::Invariant,
+                shares: None,
             };
             compile_with(&load_model(&path).unwrap(), tp, options)
                 .unwrap()

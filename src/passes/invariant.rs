@@ -83,11 +83,14 @@ pub fn mark_exact_linears(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     // The blocks come from the tps that are powers of two; any other valid tp is covered
     // when its boundaries fall on those blocks (uneven tps do, by their atoms), else left
     // out rather than shrink every tp's blocks (TinyLlama's even tp 11 would cut them to 16).
-    let cuts = |depth: u64, groups: &crate::ir::Groups, t: u64| {
-        (0..t)
-            .filter_map(|r| groups.slice(depth, t, r).ok())
+    let cuts_dealt = |depth: u64, groups: &crate::ir::Groups, deal: crate::ir::Deal| {
+        (0..deal.tp)
+            .filter_map(|r| groups.slice_dealt(depth, deal, r).ok())
             .flat_map(|s| s.ranges)
             .fold(0, |g, range| gcd(g, gcd(range.offset, range.len)))
+    };
+    let cuts = |depth: u64, groups: &crate::ir::Groups, t: u64| {
+        cuts_dealt(depth, groups, crate::ir::Deal::even(t))
     };
     let blocks: Vec<u64> = linears
         .iter()
@@ -105,6 +108,20 @@ pub fn mark_exact_linears(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
             .all(|((_, depth, groups), &b)| cuts(*depth, groups, t) % b.max(1) == 0)
     };
     let covered: Vec<u64> = valid.iter().copied().filter(|&t| covers(t)).collect();
+    let deal = ctx.deal();
+    if let Some(shares) = deal.shares {
+        let on_blocks = linears
+            .iter()
+            .zip(&blocks)
+            .all(|((_, depth, groups), &b)| cuts_dealt(*depth, groups, deal) % b.max(1) == 0);
+        if !on_blocks {
+            return Err(TpcError::Numerics {
+                problem: format!(
+                    "--tp-shares {shares} cuts a row-parallel linear off the blocks that the exact sums of every tp keep; choose other shares, no shares, or --numerics fast"
+                ),
+            });
+        }
+    }
     if ctx.tp > 1 && !covered.contains(&ctx.tp) {
         let list: Vec<String> = std::iter::once(1)
             .chain(covered.iter().copied())

@@ -16,7 +16,7 @@ pub mod sequence_parallel;
 use crate::error::{Result, TpcError};
 use crate::frontend::TpWord;
 use crate::ir::verify::verify;
-use crate::ir::{Graph, Layout, NodeId, NumericsMode};
+use crate::ir::{Deal, Graph, Layout, NodeId, NumericsMode, TpShares};
 pub use decision::{Decision, Reason};
 pub use regions::Region;
 use rustc_hash::FxHashMap as HashMap;
@@ -43,9 +43,16 @@ pub struct ShardCtx {
     pub fuse_norm: bool,
     /// How the plan's sums are ordered (`--numerics`).
     pub numerics: NumericsMode,
+    /// Each rank's share of every split dimension (`--tp-shares`); `None`: even.
+    pub shares: Option<TpShares>,
 }
 
 impl ShardCtx {
+    /// How every split dimension is dealt over the ranks.
+    pub fn deal(&self) -> Deal {
+        Deal::by(self.tp, self.shares)
+    }
+
     fn cycle_error(&self) -> TpcError {
         TpcError::Verify {
             pass: "topological order",
@@ -101,6 +108,8 @@ pub struct ShardOptions {
     pub sequence_parallel: bool,
     pub fuse_norm: bool,
     pub numerics: NumericsMode,
+    /// Each rank's share of every split dimension (`--tp-shares`); `None`: even.
+    pub shares: Option<TpShares>,
 }
 
 /// Shards `graph` for `tp` ranks with the model's overrides.
@@ -126,6 +135,15 @@ pub fn shard_with(
     if tp == 0 {
         return Err(TpcError::ZeroTp { tp });
     }
+    if let Some(shares) = options.shares {
+        if shares.tp() != tp {
+            return Err(TpcError::SharesCount {
+                shares: shares.to_string(),
+                count: shares.tp(),
+                tp,
+            });
+        }
+    }
     let mut overrides = overrides::resolve_overrides(&graph, tp_plan)?;
     overrides.extend(overrides::resolve_overrides(&graph, forced)?);
     let mut ctx = ShardCtx {
@@ -134,6 +152,7 @@ pub fn shard_with(
         sequence_parallel: options.sequence_parallel,
         fuse_norm: options.fuse_norm,
         numerics: options.numerics,
+        shares: options.shares,
         ..Default::default()
     };
     run_passes(&mut graph, &mut ctx, PIPELINE)?;

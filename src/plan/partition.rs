@@ -6,7 +6,8 @@ use crate::error::{Result, TpcError};
 use crate::ir::op_dims::dims;
 use crate::ir::shape::infer;
 use crate::ir::{
-    AllGatherOp, Dim, DimSlice, Graph, LocalSliceOp, NodeId, Op, ParamOp, ReduceScatterOp, Shape,
+    AllGatherOp, Deal, Dim, DimSlice, Graph, LocalSliceOp, NodeId, Op, ParamOp, ReduceScatterOp,
+    Shape,
 };
 use crate::passes::Sharded;
 use smallvec::SmallVec;
@@ -35,7 +36,7 @@ fn rank0_only(graph: &Graph, id: NodeId) -> Option<usize> {
 fn weight_slice(
     p: &ParamOp,
     layout: Layout,
-    tp: u64,
+    deal: Deal,
     rank: u64,
     dtype: DType,
 ) -> std::result::Result<WeightSlice, String> {
@@ -47,8 +48,8 @@ fn weight_slice(
                 .ok_or("split dim outside the weight")?;
             let s: DimSlice = p
                 .groups_of(dim)
-                .slice(len, tp, rank)
-                .map_err(|e| e.describe(tp))?;
+                .slice_dealt(len, deal, rank)
+                .map_err(|e| e.describe(deal.tp))?;
             (Some(dim), Some(s))
         }
         _ => (None, None),
@@ -110,7 +111,7 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
     };
     let mut ranks = Vec::with_capacity(tp as usize);
     for rank in 0..tp {
-        ranks.push(rank_program(graph, &walk, tp, rank)?);
+        ranks.push(rank_program(graph, &walk, sharded.ctx.deal(), rank)?);
     }
     let order = walk.order;
     let collectives = collectives(graph, &order, &ranks[0], tp);
@@ -150,7 +151,8 @@ struct Walk {
     rank0_keep: Vec<Option<usize>>,
 }
 
-fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankProgram> {
+fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<RankProgram> {
+    let tp = deal.tp;
     let order = &walk.order;
     // `holder[id]` is the value id that holds value `id` on this rank (itself unless aliased).
     let mut holder: Vec<u32> = (0..order.len() as u32).collect();
@@ -180,7 +182,7 @@ fn rank_program(graph: &Graph, walk: &Walk, tp: u64, rank: u64) -> Result<RankPr
         let mut op = match &node.op {
             // The rank's weight: its local shape, without the split structure.
             Op::Param(p) => {
-                let s = weight_slice(p, layout, tp, rank, graph.dtype).map_err(bad)?;
+                let s = weight_slice(p, layout, deal, rank, graph.dtype).map_err(bad)?;
                 slice_of[pos] = Some(weights.len());
                 let op = Op::Param(ParamOp {
                     tensor: p.tensor.clone(),

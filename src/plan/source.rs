@@ -4,7 +4,7 @@
 //! the model the plan was made for can be named by the field that differs.
 
 use crate::frontend::{ModelDef, TpWord};
-use crate::ir::{AlgorithmChoice, NumericsMode};
+use crate::ir::{AlgorithmChoice, NumericsMode, TpShares};
 use crate::passes::ShardOptions;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -29,6 +29,9 @@ pub struct PlanSource {
     /// every all-reduce of the plan.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub algorithms: Option<AlgorithmChoice>,
+    /// Each rank's share of the split dimensions (`--tp-shares`); absent: even.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shares: Option<TpShares>,
 }
 
 impl PlanSource {
@@ -37,6 +40,7 @@ impl PlanSource {
             sequence_parallel: self.sequence_parallel,
             fuse_norm: self.fuse_norm,
             numerics: self.numerics,
+            shares: self.shares,
         }
     }
 }

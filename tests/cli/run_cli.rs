@@ -1042,7 +1042,10 @@ fn verify_numerics_invariant_checks_every_bit_and_a_plan_records_the_mode() {
         "--prompt-ids",
         "1,2",
     ]));
-    assert!(err.contains("--numerics apply when tpc compiles"), "{err}");
+    assert!(
+        err.contains("--numerics and --tp-shares apply when tpc compiles"),
+        "{err}"
+    );
     // Beyond the limbs' 32 ranks: refused with the reason.
     let err = fails(&tpc(&[
         "compile",

@@ -66,6 +66,7 @@ fn compare_every_fixture(
                     sequence_parallel: sp,
                     fuse_norm,
                     numerics,
+                    shares: None,
                 };
                 let Ok(compiled) = compile_with(&def, tp, options) else {
                     continue;

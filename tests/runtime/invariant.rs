@@ -29,6 +29,7 @@ fn options(numerics: NumericsMode, sequence_parallel: bool, fuse_norm: bool) -> 
         sequence_parallel,
         fuse_norm,
         numerics,
+        shares: None,
     }
 }
 

@@ -22,3 +22,4 @@ mod rng;
 mod runtime;
 mod serve_http;
 mod shard_options;
+mod tp_shares;

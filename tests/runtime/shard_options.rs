@@ -22,12 +22,14 @@ const SP: ShardOptions = ShardOptions {
     sequence_parallel: true,
     fuse_norm: false,
     numerics: tpc::ir::NumericsMode::Fast,
+    shares: None,
 };
 
 const FUSED: ShardOptions = ShardOptions {
     sequence_parallel: false,
     fuse_norm: true,
     numerics: tpc::ir::NumericsMode::Fast,
+    shares: None,
 };
 
 fn count(plan: &Plan, kind: &str) -> usize {

@@ -7,6 +7,7 @@ use super::fastmath;
 use super::isa::Kernels;
 use super::packed::PackedMatrix;
 use super::team::Team;
+use super::unpadded::Unpadded;
 use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
 use crate::runtime::backend::{
@@ -218,6 +219,31 @@ impl CpuBackend {
         super::attention::causal_attention(&self.team, q, kv, d, kv_heads, scale)
     }
 
+    /// Packs one linear's slices (several: a fused product), leaving out the padding of an
+    /// uneven split unless the sums must keep their invariant blocks (whose order counts
+    /// the padding's place).
+    fn pack(
+        &self,
+        src: &dyn WeightSource,
+        slices: &[&WeightSlice],
+        order: WeightOrder,
+    ) -> crate::runtime::weights::WeightResult<(PackedMatrix, Option<Unpadded>)> {
+        let trimmed = (!self.invariant)
+            .then(|| Unpadded::trim(slices, order))
+            .flatten();
+        Ok(match trimmed {
+            Some((real, unpadded)) => {
+                let refs: Vec<&WeightSlice> = real.iter().collect();
+                let packed = PackedMatrix::pack_slices(src, &refs, order, self.bf16_linears)?;
+                (packed, Some(unpadded))
+            }
+            None => (
+                PackedMatrix::pack_slices(src, slices, order, self.bf16_linears)?,
+                None,
+            ),
+        })
+    }
+
     /// `x[i] = f(x[i])`, split over the team for long tensors; `f` is inlined into an
     /// AVX2 loop where the CPU has it (so SiLU's `exp` vectorises).
     fn map_in_place(&self, x: &mut Tensor, f: impl Fn(f32) -> f32 + Sync) {
@@ -236,6 +262,8 @@ pub struct CpuWeight {
     /// An embedding table kept in bf16 (bf16 compute): `[rows, cols]`, widened row by row
     /// on lookup.
     table_bf16: Option<(usize, Vec<half::bf16>)>,
+    /// The padding of an uneven split that the packed weight leaves out.
+    unpadded: Option<Unpadded>,
 }
 
 impl CpuWeight {
@@ -385,10 +413,13 @@ impl Backend for CpuBackend {
         let weights = BackendError::Weights;
         // Linear weights go from the checkpoint straight into packed panels, in the compute
         // dtype (no f32 copy of a bf16 weight); only other uses get a plain f32 tensor.
+        let mut unpadded = None;
         let packed = match usage.linear {
-            Some(order) if slice.local_shape.len() == 2 => Some(
-                PackedMatrix::pack_slice(src, slice, order, self.bf16_linears).map_err(weights)?,
-            ),
+            Some(order) if slice.local_shape.len() == 2 => {
+                let (packed, skipped) = self.pack(src, &[slice], order).map_err(weights)?;
+                unpadded = skipped;
+                Some(packed)
+            }
             Some(_) => {
                 return Err(shape_err(format!(
                     "a linear weight of shape {:?}; linear weights are 2-D",
@@ -414,6 +445,7 @@ impl Backend for CpuBackend {
             packed,
             dense,
             table_bf16,
+            unpadded,
         })
     }
 
@@ -423,12 +455,14 @@ impl Backend for CpuBackend {
         slices: &[&WeightSlice],
         order: WeightOrder,
     ) -> BackendResult<CpuWeight> {
-        let packed = PackedMatrix::pack_slices(src, slices, order, self.bf16_linears)
+        let (packed, unpadded) = self
+            .pack(src, slices, order)
             .map_err(BackendError::Weights)?;
         Ok(CpuWeight {
             packed: Some(packed),
             dense: None,
             table_bf16: None,
+            unpadded,
         })
     }
 
@@ -478,7 +512,19 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &Tensor, w: &CpuWeight) -> BackendResult<Tensor> {
-        Ok(packed_for(x, w)?.matmul_with(self.kernels, x, &self.team))
+        let Some(u) = &w.unpadded else {
+            return Ok(packed_for(x, w)?.matmul_with(self.kernels, x, &self.team));
+        };
+        if x.cols() != u.depth {
+            return Err(shape_err(format!(
+                "{} input features against a weight of {} inputs",
+                x.cols(),
+                u.depth
+            )));
+        }
+        let real = u.real_inputs(x);
+        let y = packed_for(&real, w)?.matmul_with(self.kernels, &real, &self.team);
+        Ok(u.widen(y))
     }
 
     fn linear_invariant(
@@ -1078,6 +1124,7 @@ mod tests {
     fn dense(t: Tensor) -> CpuWeight {
         CpuWeight {
             packed: None,
+            unpadded: None,
             dense: Some(t),
             table_bf16: None,
         }
@@ -1105,6 +1152,7 @@ mod tests {
                 gemm_f32((3, 4, 5), &mut y, 4, &x.data, (&w.data, rs, cs), threads);
                 let weight = CpuWeight {
                     packed: Some(PackedMatrix::pack(w, order, false)),
+                    unpadded: None,
                     dense: None,
                     table_bf16: None,
                 };
