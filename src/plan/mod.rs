@@ -184,6 +184,23 @@ impl WeightSlice {
     pub fn local_elements(&self) -> u64 {
         crate::ir::saturating::product(self.local_shape.iter().copied())
     }
+    /// Elements of the rank's piece without its padding (what a backend that skips the
+    /// padding of an uneven split holds).
+    pub fn real_elements(&self) -> u64 {
+        let Some(d) = self.dim else {
+            return self.local_elements();
+        };
+        let others = crate::ir::saturating::product(
+            self.local_shape
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != d as usize)
+                .map(|(_, &n)| n),
+        );
+        others.saturating_mul(crate::ir::saturating::sum(
+            self.ranges.iter().map(|r| r.len),
+        ))
+    }
     pub fn local_bytes(&self) -> u64 {
         self.local_elements()
             .saturating_mul(self.dtype.size_bytes())

@@ -14,6 +14,10 @@ pub struct Summary {
     pub dtype: String,
     pub param_count_per_rank: Vec<u64>,
     pub param_bytes_per_rank: Vec<u64>,
+    /// Parameters per rank without the zero padding of an uneven split (each rank's share;
+    /// what the CPU backend holds and multiplies); absent when no rank has padding.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub real_param_count_per_rank: Vec<u64>,
     /// Parameters of the unsplit model (each checkpoint tensor once).
     pub model_param_count: u64,
     pub model_param_bytes: u64,
@@ -253,7 +257,17 @@ fn recorded_algorithms(
 }
 
 pub fn summarize(plan: &Plan) -> Summary {
-    let param_count_per_rank = plan.ranks.iter().map(param_count).collect();
+    let param_count_per_rank: Vec<u64> = plan.ranks.iter().map(param_count).collect();
+    let real: Vec<u64> = plan
+        .ranks
+        .iter()
+        .map(|r| sum(r.weights.iter().map(|w| w.real_elements())))
+        .collect();
+    let real_param_count_per_rank = if real == param_count_per_rank {
+        Vec::new()
+    } else {
+        real
+    };
     let param_bytes_per_rank = plan.ranks.iter().map(param_bytes).collect();
     let (model_param_count, model_param_bytes) = plan.ranks.first().map_or((0, 0), |r| {
         r.weights.iter().fold((0u64, 0u64), |(c, b), w| {
@@ -273,6 +287,7 @@ pub fn summarize(plan: &Plan) -> Summary {
         dtype: plan.dtype.to_string(),
         param_count_per_rank,
         param_bytes_per_rank,
+        real_param_count_per_rank,
         model_param_count,
         model_param_bytes,
         kv_cache_bytes_per_token_per_rank,
@@ -379,19 +394,42 @@ pub fn render_table(s: &Summary) -> String {
         human_count(s.model_param_count),
         human_bytes(s.model_param_bytes)
     );
-    let _ = writeln!(
+    let shares = !s.real_param_count_per_rank.is_empty();
+    let _ = write!(
         out,
         "\n{:>5}  {:>12}  {:>12}  {:>16}",
         "rank", "params", "bytes", "kv bytes/token"
     );
+    let _ = writeln!(
+        out,
+        "{}",
+        if shares { "   real params (share)" } else { "" }
+    );
+    let real_total = sum(s.real_param_count_per_rank.iter().copied()).max(1);
     for r in 0..s.tp as usize {
-        let _ = writeln!(
+        let _ = write!(
             out,
             "{:>5}  {:>12}  {:>12}  {:>16}",
             r,
             human_count(s.param_count_per_rank[r]),
             human_bytes(s.param_bytes_per_rank[r]),
             s.kv_cache_bytes_per_token_per_rank[r]
+        );
+        let real = s.real_param_count_per_rank.get(r).copied();
+        let _ = match real.filter(|_| shares) {
+            Some(n) => writeln!(
+                out,
+                "  {:>12} ({:>4.1} %)",
+                human_count(n),
+                n as f64 * 100.0 / real_total as f64
+            ),
+            None => writeln!(out),
+        };
+    }
+    if shares {
+        let _ = writeln!(
+            out,
+            "(an uneven split: params count every piece padded to the largest; real params leave the padding out, as the CPU backend does)"
         );
     }
     let _ = writeln!(

@@ -1057,3 +1057,99 @@ fn verify_numerics_invariant_checks_every_bit_and_a_plan_records_the_mode() {
     ]));
     assert!(err.contains("choose tp ≤ 32"), "{err}");
 }
+
+/// `--tp-shares`: the run gives tp 1's tokens, the compile report shows each rank's real
+/// share, a saved plan keeps the shares, and malformed or mismatched shares are refused.
+#[test]
+fn tp_shares_run_report_and_refusals() {
+    let plain = ok(&tpc(&[
+        "run",
+        MODEL,
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "6",
+    ]));
+    let tokens = plain.lines().next().unwrap().to_string();
+    let shared = ok(&tpc(&[
+        "run",
+        MODEL,
+        "--tp",
+        "4",
+        "--tp-shares",
+        "3,1,1,1",
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "6",
+    ]));
+    assert_eq!(shared.lines().next().unwrap(), tokens);
+    let report = ok(&tpc(&[
+        "compile",
+        "models/tinyllama-1.1b.ron",
+        "--tp",
+        "4",
+        "--tp-shares",
+        "3,1,1,1",
+    ]));
+    assert!(report.contains("real params (share)"), "{report}");
+    assert!(
+        report.contains("(42.3 %)") && report.contains("(20.7 %)"),
+        "{report}"
+    );
+    assert!(
+        report.contains("by shares 3,1,1,1: 5632 columns dealt 2816/1056/880/880"),
+        "{report}"
+    );
+    // A saved plan runs with its shares; the flag is refused beside it.
+    let dir = scratch("tp-shares");
+    let plan = dir.join("plan.ron");
+    let p = plan.to_str().unwrap();
+    ok(&tpc(&[
+        "compile",
+        MODEL,
+        "--tp",
+        "2",
+        "--tp-shares",
+        "2,1",
+        "-o",
+        p,
+    ]));
+    let saved = ok(&tpc(&[
+        "run",
+        MODEL,
+        "--plan",
+        p,
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "6",
+    ]));
+    assert_eq!(saved.lines().next().unwrap(), tokens);
+    let err = fails(&tpc(&[
+        "run",
+        MODEL,
+        "--plan",
+        p,
+        "--tp-shares",
+        "2,1",
+        "--prompt-ids",
+        PROMPT,
+    ]));
+    assert!(err.contains("--tp-shares apply when tpc compiles"), "{err}");
+    let err = fails(&tpc(&["compile", MODEL, "--tp", "3", "--tp-shares", "2,1"]));
+    assert!(err.contains("names 2 ranks but tp is 3"), "{err}");
+    let err = tpc(&["compile", MODEL, "--tp", "2", "--tp-shares", "2,0"]);
+    assert!(!err.status.success());
+    assert!(String::from_utf8_lossy(&err.stderr).contains("positive share"));
+    let err = fails(&tpc(&[
+        "compile",
+        "tests/fixtures/checkpoints/gpt2",
+        "--tp",
+        "2",
+        "--tp-shares",
+        "2,1",
+    ]));
+    assert!(err.contains("fused dimension"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
