@@ -215,8 +215,33 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     bar.finish_and_clear();
     anyhow::ensure!(!ranked.is_empty(), "no tp value splits this model");
     tpc::cost::prefer::rank(&mut ranked);
+    // Unequal devices: the shares that pace the group best at the profile's tp.
+    let proposal = if hw.rank_speeds.is_empty() {
+        None
+    } else {
+        let tp = hw.rank_speeds.len() as u64;
+        Some(tpc::cost::shares::propose_shares(
+            &hw,
+            work,
+            |shares| {
+                let mut options = a.shard.options();
+                options.shares = shares;
+                tpc::pipeline::compile_with(&def, tp, options).map(|c| c.plan)
+            },
+            number_types,
+        )?)
+    };
     let text = if a.json {
-        format!("{}\n", serde_json::to_string_pretty(&ranked)?)
+        match &proposal {
+            None => format!("{}\n", serde_json::to_string_pretty(&ranked)?),
+            Some(p) => format!(
+                "{}\n",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "ranked": ranked,
+                    "shares_proposal": p,
+                }))?
+            ),
+        }
     } else {
         let mut s = format!(
             "{:>4} {:>4} {:>14} {:>14} {:>16} {:>6}\n",
@@ -233,7 +258,37 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 if e.fits { "yes" } else { "no" }
             );
         }
+        if let Some(p) = &proposal {
+            s += &shares_note(&hw, p);
+        }
         s + &rough_note(&hw)
     };
     super::print_stdout(&text)
+}
+
+/// The `--search` line for unequal devices.
+fn shares_note(
+    hw: &tpc::cost::profile::HwProfile,
+    p: &tpc::cost::shares::SharesProposal,
+) -> String {
+    let speeds: Vec<String> = hw.rank_speeds.iter().map(|s| format!("{s}")).collect();
+    let (e, even) = (&p.estimate, &p.even);
+    match p.shares {
+        Some(shares) => format!(
+            "unequal devices (rank_speeds {}): --tp {} --tp-shares {shares} decodes {:.1} tok/s, the even split {:.1} ({:.2}x); prefill {:.0} vs {:.0} tok/s\n",
+            speeds.join(", "),
+            e.tp,
+            e.tokens_per_s.decode,
+            even.tokens_per_s.decode,
+            e.tokens_per_s.decode / even.tokens_per_s.decode,
+            e.tokens_per_s.prefill,
+            even.tokens_per_s.prefill
+        ),
+        None => format!(
+            "unequal devices (rank_speeds {}): the even split at --tp {} is the fastest of the shares tried ({:.1} tok/s decode)\n",
+            speeds.join(", "),
+            even.tp,
+            even.tokens_per_s.decode
+        ),
+    }
 }

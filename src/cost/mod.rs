@@ -5,6 +5,7 @@ pub mod decide;
 pub mod prefer;
 pub mod profile;
 pub mod search;
+pub mod shares;
 pub mod shipped_profiles;
 pub mod simulate;
 

@@ -56,6 +56,12 @@ pub struct HwProfile {
     /// Absent (false) in other profiles and in files written before the field.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rough: bool,
+    /// Unequal devices: the speed of the device each rank of a group runs on, in rank
+    /// order, relative to the figures above (1.0: as fast; 0.5: each op takes twice as
+    /// long). Empty: every device alike. `simulate` paces each step by the slowest rank and
+    /// `simulate --search` proposes `--tp-shares` from these.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_speeds: Vec<f64>,
 }
 
 /// One host whose cores and memory bandwidth the ranks of a group share.
@@ -293,6 +299,23 @@ impl HwProfile {
         for (name, v, bound) in figures {
             bound.check(name, v)?;
         }
+        if self.rank_speeds.len() > crate::ir::shares::MAX_SHARED_RANKS {
+            return Err(format!(
+                "rank_speeds lists {} ranks; it may list at most {}",
+                self.rank_speeds.len(),
+                crate::ir::shares::MAX_SHARED_RANKS
+            ));
+        }
+        if let Some(v) = self
+            .rank_speeds
+            .iter()
+            .find(|v| !(v.is_normal() && (1e-3..=1e3).contains(*v)))
+        {
+            return Err(format!(
+                "rank_speeds holds {}; each speed must be a number from 0.001 to 1000 (1.0: as fast as the profile's device)",
+                readable(*v)
+            ));
+        }
         if shared.cores == 0 || shared.cores > MAX_DEVICES {
             return Err(format!(
                 "shared.cores is {}; it must be in 1..=2^20",
@@ -447,6 +470,7 @@ mod tests {
             attention_flops_by_head_dim: vec![(8, 5e9), (64, 5e10)],
             shared: Some(SharedHost::new(2)),
             rough: false,
+            rank_speeds: Vec::new(),
         }
     }
 

@@ -530,6 +530,56 @@ fn price(
     (prefill, decode_step)
 }
 
+/// How much longer than the fullest rank's figures the slowest rank takes: its part of the
+/// work (`work`: the real share of its padded parameters, where the backend skips the
+/// padding of an uneven split, as the CPU's does on a shared host) and its device's speed
+/// (`speed`, the profile's `rank_speeds`). The ranks meet at every collective, so the
+/// slowest one sets the pace.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Pace {
+    work: f64,
+    speed: f64,
+}
+
+impl Pace {
+    fn apply(self, p: PhaseTime) -> PhaseTime {
+        let scale = self.work / self.speed;
+        phase(
+            p.compute_s * scale,
+            p.memory_s * scale,
+            p.comm_s,
+            p.overhead_s / self.speed,
+            p.elementwise_s * scale,
+        )
+    }
+}
+
+/// Each rank's pace.
+fn rank_paces(plan: &Plan, hw: &HwProfile) -> Vec<Pace> {
+    let summary = crate::plan::report::summarize(plan);
+    (0..plan.ranks.len())
+        .map(|r| {
+            let padded = summary.param_count_per_rank.get(r).copied().unwrap_or(0) as f64;
+            let real = summary.real_param_count_per_rank.get(r).copied();
+            let work = match (real, hw.shared.is_some(), padded > 0.0) {
+                (Some(real), true, true) => real as f64 / padded,
+                _ => 1.0,
+            };
+            let speed = hw.rank_speeds.get(r).copied().unwrap_or(1.0);
+            Pace { work, speed }
+        })
+        .collect()
+}
+
+/// `p` as the slowest of the ranks takes it.
+fn slowest(paces: &[Pace], p: PhaseTime) -> PhaseTime {
+    paces
+        .iter()
+        .map(|pace| pace.apply(p))
+        .max_by(|a, b| a.time_s.total_cmp(&b.time_s))
+        .unwrap_or(p)
+}
+
 /// The estimate for `plan` running `work` on `hw`, in the plan's dtype throughout.
 pub fn simulate(plan: &Plan, hw: &HwProfile, work: Workload) -> Estimate {
     simulate_as(plan, hw, work, Numerics::of_plan(plan))
@@ -567,6 +617,8 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
         act_bytes,
         &plan.collectives.iter().collect::<Vec<_>>(),
     );
+    let paces = rank_paces(plan, hw);
+    let (prefill, decode_step) = (slowest(&paces, prefill), slowest(&paces, decode_step));
     let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
     let kv_bytes = w.kv_bytes_per_token * b * (s + g);
     let memory = w.weight_bytes + kv_bytes;
@@ -908,6 +960,7 @@ mod tests {
             attention_flops_by_head_dim: vec![],
             shared: None,
             rough: false,
+            rank_speeds: Vec::new(),
         }
     }
 
@@ -1003,6 +1056,52 @@ mod tests {
 
     fn tinyllama(tp: u64) -> Plan {
         super::super::shipped::plan("tinyllama-1.1b", tp)
+    }
+
+    #[test]
+    fn the_slowest_rank_paces_unequal_devices_and_shares() {
+        let mut hw = flat_hw();
+        hw.shared = Some(crate::cost::profile::SharedHost::new(2));
+        let work = Workload {
+            batch: 1,
+            prompt: 64,
+            gen: 32,
+        };
+        let num = Numerics::cpu_runtime(true);
+        let def = crate::frontend::load::load_model(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tinyllama-1.1b.ron"),
+        )
+        .unwrap();
+        let shared = |s: &str| {
+            let options = crate::passes::ShardOptions {
+                shares: Some(s.parse().unwrap()),
+                ..Default::default()
+            };
+            crate::pipeline::compile_with(&def, 2, options)
+                .unwrap()
+                .plan
+        };
+        let even = simulate_as(&tinyllama(2), &hw, work, num);
+        // One device at a quarter of the speed: every step takes four times as long.
+        hw.rank_speeds = vec![1.0, 0.25];
+        let slow = simulate_as(&tinyllama(2), &hw, work, num);
+        let ratio = slow.decode_step.memory_s / even.decode_step.memory_s;
+        assert!((ratio - 4.0).abs() < 1e-9, "{ratio}");
+        assert_eq!(slow.decode_step.comm_s, even.decode_step.comm_s);
+        // Shares 4,1: rank 1 holds about a fifth of the split weights (a bit more: the
+        // vocabulary and the norms stay even); rank 0 pads nothing and paces the step.
+        let four = simulate_as(&shared("4,1"), &hw, work, num);
+        assert!(
+            four.tokens_per_s.decode > 1.5 * slow.tokens_per_s.decode,
+            "{four:?} {slow:?}"
+        );
+        // Padding is priced only where the backend skips it (a CPU host): on a GPU profile
+        // the padded pieces cost as much as the largest.
+        hw.shared = None;
+        hw.rank_speeds.clear();
+        let padded = simulate_as(&shared("4,1"), &hw, work, num);
+        let plain = simulate_as(&tinyllama(2), &hw, work, num);
+        assert!(padded.decode_step.memory_s > plain.decode_step.memory_s);
     }
 
     #[test]

@@ -937,6 +937,7 @@ impl Calibration {
                 one_thread_flops_f32: self.one_thread_flops.map(|f| f.1),
             }),
             rough: s.rough,
+            rank_speeds: Vec::new(),
         }
     }
 

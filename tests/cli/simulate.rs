@@ -518,3 +518,94 @@ fn compile_with_a_profile_keeps_the_cheaper_plan_and_says_why() {
     ]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// A profile's `rank_speeds` for unequal devices: `simulate` paces by the slowest rank and
+/// `--search` proposes shares where the backend skips the padding (a CPU host's ranks);
+/// on a GPU profile, whose backend computes the padding, the even split stays.
+#[test]
+fn unequal_devices_get_shares_proposed_where_padding_is_skipped() {
+    let dir = std::env::temp_dir().join(format!("tpc-unequal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let with_speeds = |text: &str, name: &str| {
+        let end = text.trim_end().rfind(')').unwrap();
+        let edited = format!(
+            "{},\n    rank_speeds: [1.0, 0.25],\n)\n",
+            text[..end].trim_end().trim_end_matches(',')
+        );
+        let path = dir.join(name);
+        std::fs::write(&path, edited).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let host = dir.join("host.ron");
+    let o = tpc(&["calibrate", "--quick", "-o", host.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cpu = with_speeds(&std::fs::read_to_string(&host).unwrap(), "cpu.ron");
+    let gpu = with_speeds(&std::fs::read_to_string(NVSWITCH).unwrap(), "gpu.ron");
+    let run = |hw: &str, extra: &[&str]| {
+        let args = [
+            &["simulate", "models/tinyllama-1.1b.ron", "--hw", hw][..],
+            &[
+                "--sequence-parallel=off",
+                "--prompt-len",
+                "64",
+                "--gen",
+                "32",
+            ],
+            extra,
+        ]
+        .concat();
+        let o = tpc(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let decode = |hw: &str, extra: &[&str]| {
+        let v: serde_json::Value =
+            serde_json::from_str(&run(hw, &[&["--tp", "2", "--json"], extra].concat())).unwrap();
+        v["tokens_per_s"]["decode"].as_f64().unwrap()
+    };
+    // The slow rank paces the even split; shares toward the fast one win on the CPU host.
+    assert!(decode(&cpu, &["--tp-shares", "4,1"]) > 1.5 * decode(&cpu, &[]));
+    let text = run(&cpu, &["--search"]);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("unequal devices (rank_speeds 1, 0.25): --tp 2 --tp-shares "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let shares: Vec<u64> = line
+        .split("--tp-shares ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .unwrap()
+        .split(',')
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert!(shares[0] >= 3 * shares[1], "{line}");
+    let v: serde_json::Value = serde_json::from_str(&run(&cpu, &["--search", "--json"])).unwrap();
+    assert!(
+        v["ranked"].is_array() && v["shares_proposal"]["shares"].is_array(),
+        "{v}"
+    );
+    // On the GPU profile the padded pieces cost the largest's: even stays.
+    let text = run(&gpu, &["--search"]);
+    assert!(
+        text.contains("the even split at --tp 2 is the fastest"),
+        "{text}"
+    );
+    // A speed outside the bounds is refused with the field's name.
+    let bad = dir.join("bad.ron");
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(&cpu)
+            .unwrap()
+            .replace("0.25", "0.0"),
+    )
+    .unwrap();
+    let o = tpc(&[
+        "simulate",
+        "models/tinyllama-1.1b.ron",
+        "--hw",
+        bad.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("rank_speeds"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
