@@ -105,15 +105,26 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
         let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
         let reference = read_reference(&fixture);
         let n = reference.greedy.len().min(6);
-        // (processes, tp, pp): tp alone, stages alone, both, and an uneven tp where the
-        // fixture's heads allow it.
-        for (np, tp, pp) in [(2usize, 2u64, 1u64), (2, 1, 2), (4, 2, 2), (3, 3, 1)] {
-            if tp == 3 && !compiles(&fixture, tp) {
+        // (processes, tp, pp, shares): tp alone, stages alone, both, and an uneven tp and
+        // unequal shares where the fixture's heads allow them.
+        for (np, tp, pp, shares) in [
+            (2usize, 2u64, 1u64, ""),
+            (2, 1, 2, ""),
+            (4, 2, 2, ""),
+            (3, 3, 1, ""),
+            (2, 2, 1, "2,1"),
+        ] {
+            let extra: Vec<String> = if shares.is_empty() {
+                Vec::new()
+            } else {
+                vec!["--tp-shares".into(), shares.into()]
+            };
+            if (tp == 3 || !shares.is_empty()) && !compiles(&fixture, tp, &extra) {
                 continue;
             }
-            let what = format!("{name} np={np} tp={tp} pp={pp}");
+            let what = format!("{name} np={np} tp={tp} pp={pp} shares={shares}");
             let args = |dump: &Path| -> Vec<String> {
-                vec![
+                let mut args: Vec<String> = vec![
                     "run".into(),
                     fixture.to_string_lossy().into_owned(),
                     "--tp".into(),
@@ -128,11 +139,15 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
                     "1".into(),
                     "--dump-logits".into(),
                     dump.to_string_lossy().into_owned(),
-                ]
+                ];
+                args.extend(extra.iter().cloned());
+                args
             };
             let (a, b) = (
-                dir.join(format!("{name}-{np}-threads.safetensors")),
-                dir.join(format!("{name}-{np}-{tp}-{pp}-mpi.safetensors")),
+                dir.join(format!(
+                    "{name}-{np}-{tp}-{pp}-{shares}-threads.safetensors"
+                )),
+                dir.join(format!("{name}-{np}-{tp}-{pp}-{shares}-mpi.safetensors")),
             );
             let mut threads = Command::new(TPC);
             threads.args(args(&a));
@@ -157,11 +172,11 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
             ran.push(what);
         }
     }
-    assert!(ran.len() >= 26, "{ran:?}");
+    assert!(ran.len() >= 31, "{ran:?}");
 }
 
-/// Whether tpc splits `fixture` `tp` ways.
-fn compiles(fixture: &Path, tp: u64) -> bool {
+/// Whether tpc splits `fixture` `tp` ways (with `extra` flags).
+fn compiles(fixture: &Path, tp: u64, extra: &[String]) -> bool {
     Command::new(TPC)
         .args([
             "compile",
@@ -169,6 +184,7 @@ fn compiles(fixture: &Path, tp: u64) -> bool {
             "--tp",
             &tp.to_string(),
         ])
+        .args(extra)
         .output()
         .is_ok_and(|o| o.status.success())
 }
