@@ -85,6 +85,13 @@ pub enum TpcError {
     #[error("tp must be at least 1, got {tp}.")]
     ZeroTp { tp: u64 },
 
+    #[error("{model} cannot take --tp-shares {shares}: {problem}")]
+    SharesUnsupported {
+        model: String,
+        shares: String,
+        problem: String,
+    },
+
     #[error("--tp-shares {shares} names {count} ranks but tp is {tp}; give one share per rank, e.g. --tp {tp} with {tp} shares.")]
     SharesCount { shares: String, count: u64, tp: u64 },
 

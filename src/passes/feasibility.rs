@@ -165,3 +165,42 @@ fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
         _ => {}
     }
 }
+
+/// Under `--tp-shares`, refuses a plan that all-gathers or locally slices a split dimension
+/// other than the logits' vocabulary (which stays evenly dealt): a smaller share's padding
+/// would fall inside the gathered value, and a local slice cuts even pieces that the
+/// shares' weights do not match. Only a `tp_plan` override that makes an op read a split
+/// value whole brings such a collective into a plan.
+pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
+    let Some(shares) = ctx.deal().shares else {
+        return Ok(());
+    };
+    for id in graph.g.node_indices() {
+        let node = graph.node(id);
+        let dim = match &node.op {
+            Op::AllGather(g) => g.dim,
+            Op::LocalSlice(s) => s.dim,
+            _ => continue,
+        };
+        if node.fact.shape.is_sequence(dim) {
+            continue;
+        }
+        let logits = matches!(node.op, Op::AllGather(_))
+            && graph
+                .users(id)
+                .iter()
+                .all(|&(user, _)| matches!(graph.node(user).op, Op::Output(_)));
+        if !logits {
+            return Err(TpcError::SharesUnsupported {
+                model: graph.name.clone(),
+                shares: shares.to_string(),
+                problem: format!(
+                    "`{}` {} a dimension dealt by the shares (a tp_plan override makes an op read it whole), and pieces of unequal shares cannot be joined or cut yet; drop the override or the shares",
+                    node.name,
+                    if matches!(node.op, Op::AllGather(_)) { "all-gathers" } else { "slices" }
+                ),
+            });
+        }
+    }
+    Ok(())
+}

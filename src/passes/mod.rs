@@ -69,6 +69,10 @@ pub const PIPELINE: &[(&str, Pass)] = &[
     ("check_feasibility", feasibility::check_feasibility),
     ("mark_exact_linears", invariant::mark_exact_linears),
     ("insert_collectives", insert_collectives::insert_collectives),
+    (
+        "check_shared_collectives",
+        feasibility::check_shared_collectives,
+    ),
     ("check_partials", partial_check::check_partials),
     ("find_regions", regions::find_regions),
     ("split_sequence", sequence_parallel::split_sequence),

@@ -1151,5 +1151,23 @@ fn tp_shares_run_report_and_refusals() {
         "2,1",
     ]));
     assert!(err.contains("fused dimension"), "{err}");
+    // An override that makes the MLP's output read whole would all-gather pieces of
+    // unequal shares: refused, where the even uneven split (padding at the end) compiles.
+    let model = std::fs::read_to_string("models/tinyllama-1.1b.ron")
+        .unwrap()
+        .replacen(
+            "    dtype: Bf16,\n",
+            "    dtype: Bf16,\n    tp_plan: {\"model.layers.*.mlp.down_proj\": replicate},\n",
+            1,
+        );
+    let over = dir.join("override.ron");
+    std::fs::write(&over, model).unwrap();
+    let o = over.to_str().unwrap();
+    let err = fails(&tpc(&["compile", o, "--tp", "2", "--tp-shares", "1,3"]));
+    assert!(
+        err.contains("cannot take --tp-shares 1,3") && err.contains("all-gathers"),
+        "{err}"
+    );
+    ok(&tpc(&["compile", o, "--tp", "3"]));
     let _ = std::fs::remove_dir_all(&dir);
 }
