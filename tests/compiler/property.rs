@@ -981,3 +981,106 @@ fn generators_cover_every_family() {
         assert!(seen.contains(want), "never generated {want}: {seen:?}");
     }
 }
+
+/// One random `--tp-shares` list: 2 to 6 ranks, shares 1 to 5.
+fn any_shares() -> impl Strategy<Value = Vec<u64>> {
+    proptest::collection::vec(1u64..=5, 2..=6)
+}
+
+/// `--tp-shares` on a random model: the plan verifies, every rank's piece of a split weight
+/// has one shape, the pieces cover the weight exactly once (kv heads replicated where tp
+/// exceeds them: at least once), and where the ranks are no more than the kv groups a larger
+/// share never holds less of a dimension dealt by shares; or the compile is refused with a
+/// reason that names the shares or a fused weight.
+fn check_shares(c: &FamilyConfig, shares: &[u64]) -> Check {
+    let def = ModelDef::Preset(c.clone());
+    let d = dims(c);
+    let tp = shares.len() as u64;
+    let list: Vec<String> = shares.iter().map(u64::to_string).collect();
+    let options = tpc::passes::ShardOptions {
+        shares: Some(list.join(",").parse().map_err(|e: String| e)?),
+        ..Default::default()
+    };
+    let plan = match tpc::pipeline::compile_with(&def, tp, options) {
+        Ok(c) => c.plan,
+        Err(e) => {
+            let text = e.to_string();
+            ensure!(
+                text.contains("fused dimension")
+                    || text.contains("--tp-shares")
+                    || text.contains("cannot be split"),
+                "shares {list:?}: unclear refusal: {text}"
+            );
+            return Ok(());
+        }
+    };
+    plan.verify()
+        .map_err(|e| format!("shares {list:?}: the plan does not verify: {e}"))?;
+    let expected = expected_tensors(&d);
+    for w in &plan.ranks[0].weights {
+        let Some(dim) = w.dim else { continue };
+        let len = w.shape[dim as usize];
+        let pieces: Vec<&WeightSlice> = plan
+            .ranks
+            .iter()
+            .filter_map(|r| r.weights.iter().find(|x| x.tensor == w.tensor))
+            .collect();
+        ensure!(
+            pieces.len() == plan.ranks.len(),
+            "shares {list:?}: {} missing on a rank",
+            w.tensor
+        );
+        ensure!(
+            pieces.iter().all(|p| p.local_shape == w.local_shape),
+            "shares {list:?}: {}: local shapes differ",
+            w.tensor
+        );
+        let mut covered = vec![0u32; len as usize];
+        for p in &pieces {
+            for r in &p.ranges {
+                for c in &mut covered[r.offset as usize..(r.offset + r.len) as usize] {
+                    *c += 1;
+                }
+            }
+        }
+        let replicated_kv = matches!(
+            expected.get(&*w.tensor).map(|t| t.split),
+            Some(Split::Kv { count, .. }) if tp > count
+        );
+        let once = covered.iter().all(|&n| n == 1);
+        let at_least = covered.iter().all(|&n| n >= 1);
+        ensure!(
+            once || (replicated_kv && at_least),
+            "shares {list:?}: {} is not covered exactly once",
+            w.tensor
+        );
+        let by_shares = !matches!(
+            expected.get(&*w.tensor).map(|t| t.split),
+            Some(Split::Padded { .. })
+        );
+        if once && by_shares && tp <= d.kv {
+            let real = |p: &WeightSlice| p.ranges.iter().map(|r| r.len).sum::<u64>();
+            for a in 0..shares.len() {
+                for b in 0..shares.len() {
+                    ensure!(
+                        shares[a] <= shares[b] || real(pieces[a]) >= real(pieces[b]),
+                        "shares {list:?}: {}: rank {a} holds less than rank {b}",
+                        w.tensor
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(config(96))]
+
+    /// Random models and random `--tp-shares`: a verified plan that covers every weight
+    /// once with larger pieces for larger shares, or a clear refusal.
+    #[test]
+    fn shares_give_a_covering_plan_or_a_clear_refusal(c in any_model(), shares in any_shares()) {
+        report(&c, check_shares(&c, &shares))?;
+    }
+}
