@@ -556,14 +556,17 @@ impl Pace {
 
 /// Each rank's pace.
 fn rank_paces(plan: &Plan, hw: &HwProfile) -> Vec<Pace> {
-    let summary = crate::plan::report::summarize(plan);
-    (0..plan.ranks.len())
-        .map(|r| {
-            let padded = summary.param_count_per_rank.get(r).copied().unwrap_or(0) as f64;
-            let real = summary.real_param_count_per_rank.get(r).copied();
-            let work = match (real, hw.shared.is_some(), padded > 0.0) {
-                (Some(real), true, true) => real as f64 / padded,
-                _ => 1.0,
+    use crate::ir::saturating::sum;
+    plan.ranks
+        .iter()
+        .enumerate()
+        .map(|(r, program)| {
+            let padded = sum(program.weights.iter().map(|w| w.local_elements())) as f64;
+            let real = sum(program.weights.iter().map(|w| w.real_elements())) as f64;
+            let work = if hw.shared.is_some() && padded > 0.0 {
+                real / padded
+            } else {
+                1.0
             };
             let speed = hw.rank_speeds.get(r).copied().unwrap_or(1.0);
             Pace { work, speed }

@@ -393,12 +393,10 @@ fn deal_evenly(
     rank: u64,
 ) -> u64 {
     let per = atoms.div_ceil(tp);
-    let start = (rank * per).min(atoms);
-    let held = per.min(atoms - start);
-    if held > 0 {
-        push_range(out, base + start * atom, held * atom);
-    }
-    (per - held) * atom
+    let counts: Vec<u64> = (0..tp)
+        .map(|r| per.min(atoms.saturating_sub(r * per)))
+        .collect();
+    deal_counts(out, base, &counts, atom, rank)
 }
 
 /// A head dimension whose heads fall into key/value groups.

@@ -24,6 +24,19 @@ fn options(shares: &str) -> ShardOptions {
     }
 }
 
+/// CPU ranks with the kernels that keep activations f32 (f32 parity is theirs), generating
+/// `tokens` tokens.
+fn exact_cpu(tokens: usize) -> RunOptions {
+    RunOptions {
+        max_new_tokens: tokens,
+        device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+            isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 /// A rank's real (unpadded) length of a split weight.
 fn real_len(w: &WeightSlice) -> u64 {
     w.ranges.iter().map(|r| r.len).sum()
@@ -118,14 +131,7 @@ fn shared_plans_match_hf_and_give_larger_shares_larger_slices() {
             let plan = compiled.plan;
             let vocab = (reference.logits.len() / reference.prompt.len()) as u64;
             check_slices(&plan, &shares, vocab, &ctx);
-            let opts = RunOptions {
-                max_new_tokens: reference.greedy.len(),
-                device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
-                    isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            };
+            let opts = exact_cpu(reference.greedy.len());
             let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();
             let err = rel_error(&out.prompt_logits.data, &reference.logits);
             report.push(format!("{ctx}: rel err {err:.2e}"));
@@ -162,14 +168,7 @@ fn shares_combine_with_sequence_parallelism_and_norm_fusion() {
                 ..options("3,1,1,1")
             };
             let plan = compile_with(&def, 4, options).unwrap().plan;
-            let opts = RunOptions {
-                max_new_tokens: reference.greedy.len(),
-                device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
-                    isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            };
+            let opts = exact_cpu(reference.greedy.len());
             let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();
             let err = rel_error(&out.prompt_logits.data, &reference.logits);
             let ctx = format!("sp {sequence_parallel} fuse_norm {fuse_norm}");
