@@ -57,6 +57,18 @@ extern "C" __global__ void rank_major_to_rows(float* out, const float* x, i64 ro
     }
 }
 
+// The first `width` columns of rank-major part `part` ([parts][rows][n]) into columns
+// [column, column + width) of out [rows, keep]: one rank's real part of a gather whose
+// ranks hold unequal parts.
+extern "C" __global__ void rank_major_part_to_rows(float* out, const float* x, i64 rows, i64 n,
+                                                   i64 part, i64 width, i64 column, i64 keep) {
+    FOR_EACH(i, rows * width) {
+        const i64 r = i / width;
+        const i64 j = i % width;
+        out[r * keep + column + j] = x[(part * rows + r) * n + j];
+    }
+}
+
 // Row i of out is row index[i] of x, or zeros where index[i] < 0 (padding rows).
 extern "C" __global__ void gather_rows(float* out, const float* x, const i64* index, i64 count,
                                        i64 cols) {

@@ -3,7 +3,7 @@
 use anyhow::Context;
 use std::path::PathBuf;
 use tpc::frontend::load::load_model;
-use tpc::pipeline::compile;
+use tpc::pipeline::compile_with;
 use tpc::plan::dot::{draw, DotOptions, Picture, READABLE_NODES};
 
 #[derive(Debug, clap::Args)]
@@ -22,6 +22,11 @@ pub struct Args {
     /// Only these layers, e.g. `0..1` or `3`; others are elided.
     #[arg(long)]
     layers: Option<String>,
+    /// Each rank's share of every split dimension, one per rank (as `tpc compile
+    /// --tp-shares`); a weight whose piece is padded shows its real length. A saved plan
+    /// keeps the shares it was compiled with.
+    #[arg(long, value_name = "SHARES")]
+    tp_shares: Option<tpc::ir::TpShares>,
     #[command(flatten)]
     pipe: super::PipelineArgs,
 }
@@ -65,12 +70,22 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     };
     let plan = match tpc::plan::Plan::looks_like_plan(&a.input) {
         Some(plan) => {
+            anyhow::ensure!(
+                a.tp_shares.is_none(),
+                "--tp-shares applies when tpc compiles; {} is a saved plan, which keeps the shares it was compiled with: drop --tp-shares",
+                a.input.display()
+            );
             let plan = super::plan_for_tp(plan?, &a.input, a.tp)?;
             a.pipe.check_saved(&plan, &a.input)?;
             plan
         }
         None => {
-            let mut plan = compile(&load_model(&a.input)?, a.tp.unwrap_or(1))?.plan;
+            let options = tpc::passes::ShardOptions {
+                shares: a.tp_shares,
+                ..Default::default()
+            };
+            let def = load_model(&a.input)?;
+            let mut plan = compile_with(&def, a.tp.unwrap_or(1), options)?.plan;
             a.pipe.apply(&mut plan)?;
             plan
         }

@@ -14,6 +14,10 @@ pub struct Args {
     /// Number of tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     tp: u64,
+    /// Each rank's part of every split dimension, e.g. `3,1,1,1` (one share per rank, as
+    /// `tpc compile --tp-shares`); the weights' pieces show what each rank got.
+    #[arg(long, value_name = "SHARES")]
+    tp_shares: Option<tpc::ir::TpShares>,
     /// Print a JSON list of weights instead of text.
     #[arg(long)]
     json: bool,
@@ -21,7 +25,11 @@ pub struct Args {
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
     let def = load_model(&a.model)?;
-    let e = explain(&def, a.tp, a.pattern.as_deref())?;
+    let options = tpc::passes::ShardOptions {
+        shares: a.tp_shares,
+        ..Default::default()
+    };
+    let e = explain(&def, a.tp, options, a.pattern.as_deref())?;
     let text = if a.json {
         format!("{}\n", serde_json::to_string_pretty(&e.weights)?)
     } else {

@@ -247,9 +247,9 @@ pub struct ShardArgs {
     #[arg(long, value_enum, default_value = "fast")]
     pub numerics: NumericsArg,
     /// Each rank's share of every split dimension, one per rank (with --tp): `3,1,1,1`
-    /// gives rank 0 three times the heads and MLP columns of each other rank (unequal
-    /// devices). Rounded to whole atoms (kv groups with their query heads, MLP column
-    /// blocks); the compile notes give what each rank got. The vocabulary stays even.
+    /// gives rank 0 three times the heads, MLP columns and vocabulary rows of each other
+    /// rank (unequal devices). Rounded to whole atoms (kv groups with their query heads,
+    /// MLP column and vocabulary row blocks); the compile notes give what each rank got.
     #[arg(long, value_name = "SHARES")]
     pub tp_shares: Option<tpc::ir::TpShares>,
 }

@@ -230,6 +230,13 @@ pub enum Problem {
     },
     #[error("unpad_to is {unpad_to} but the gathered dim has only {gathered} elements (local size × tp); it must be at most {gathered}")]
     UnpadTooLarge { unpad_to: u64, gathered: u64 },
+    #[error("pieces {pieces:?} of an all-gather must give one count per rank (tp={tp}), each at most the local size {local}, summing to the gathered size {size}")]
+    BadPieces {
+        pieces: Vec<u64>,
+        tp: u64,
+        local: u64,
+        size: u64,
+    },
     #[error("vocab_range ({offset}, {len}) reaches outside its table: the rank holds {local_rows} rows{}; offset + len must stay within the checkpoint's rows and len within the rank's rows", checkpoint_rows.map(|r| format!(" of a {r}-row checkpoint table")).unwrap_or_default())]
     VocabRangeOutside {
         offset: u64,

@@ -10,9 +10,11 @@ use crate::error::{Result, TpcError};
 use crate::frontend::{ModelDef, TpWord};
 use crate::ir::op_dims::{dims, Role};
 use crate::ir::{Graph, Groups, Layout, NodeId, Op};
+use crate::passes::ShardOptions;
 use crate::passes::{Decision, Reason};
-use crate::pipeline::{compile, compile_forcing};
+use crate::pipeline::compile_full;
 use crate::plan::report::{summarize, Summary};
+use crate::plan::Plan;
 pub use render::render_text;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -22,6 +24,8 @@ use std::collections::BTreeMap;
 pub struct Explanation {
     pub model: String,
     pub tp: u64,
+    /// The `--tp-shares` the plan was dealt by, if any.
+    pub shares: Option<String>,
     /// The element type collective bytes count.
     pub dtype: String,
     pub weights: Vec<WeightExplain>,
@@ -43,6 +47,11 @@ pub struct WeightExplain {
     pub vocab_dim: bool,
     /// Bytes of one tensor on the fullest rank.
     pub bytes_per_rank: u64,
+    /// Where the split is uneven (a tp that the atoms do not divide, or `--tp-shares`):
+    /// each rank's real length of the split dim, in rank order; every piece is padded to
+    /// the largest. Empty for an even split.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pieces: Vec<u64>,
     /// The rule branch as a word (`reads_whole_activation`, `reads_split_activation`,
     /// `embedding_vocab`, `override`, `follows_its_op`, `no_splittable_dim`, `tp_1`).
     pub rule: String,
@@ -112,10 +121,32 @@ pub enum Alternative {
     None { reason: String },
 }
 
-/// Explains every weight of `def` at `tp` whose checkpoint name `pattern` matches (see
-/// [`name_matches`]).
-pub fn explain(def: &ModelDef, tp: u64, pattern: Option<&str>) -> Result<Explanation> {
-    let base = compile(def, tp)?;
+/// Each rank's real length of `tensor`'s split dim, where some rank's piece is padded;
+/// empty where the split is even or the weight is replicated.
+fn uneven_pieces(plan: &Plan, tensor: &str) -> Vec<u64> {
+    let slices: Vec<_> = plan
+        .ranks
+        .iter()
+        .filter_map(|r| r.weights.iter().find(|w| &*w.tensor == tensor))
+        .collect();
+    if slices.len() != plan.ranks.len() || slices.iter().all(|w| w.padding == 0) {
+        return Vec::new();
+    }
+    slices
+        .iter()
+        .map(|w| w.ranges.iter().map(|r| r.len).sum())
+        .collect()
+}
+
+/// Explains every weight of `def` at `tp`, compiled with `options` (its `--tp-shares`),
+/// whose checkpoint name `pattern` matches (see [`name_matches`]).
+pub fn explain(
+    def: &ModelDef,
+    tp: u64,
+    options: ShardOptions,
+    pattern: Option<&str>,
+) -> Result<Explanation> {
+    let base = compile_full(def, tp, &BTreeMap::new(), options)?;
     let summary = summarize(&base.plan);
     let graph = &base.sharded.graph;
     let decisions = &base.sharded.ctx.decisions;
@@ -186,6 +217,7 @@ pub fn explain(def: &ModelDef, tp: u64, pattern: Option<&str>) -> Result<Explana
                 dim: key.dim,
                 vocab_dim: key.vocab,
                 bytes_per_rank: bytes.get(tensor).copied().unwrap_or(0),
+                pieces: uneven_pieces(&base.plan, tensor),
                 rule: decision.reason.word().to_string(),
                 why: match (decision.reason, key.layout, key.vocab) {
                     (Reason::ReadsWhole, "column", true) => "linear reads a whole activation → column split; its columns are the vocabulary, so each rank makes its slice of the logits".to_string(),
@@ -206,13 +238,21 @@ pub fn explain(def: &ModelDef, tp: u64, pattern: Option<&str>) -> Result<Explana
                     .map(|u| link(graph, u))
                     .collect(),
                 collectives,
-                alternative: alternative(def, tp, &summary, graph, first, decision, key.layout),
+                alternative: alternative(
+                    (def, tp, &options),
+                    &summary,
+                    graph,
+                    first,
+                    decision,
+                    key.layout,
+                ),
             }
         })
         .collect();
     Ok(Explanation {
         model: base.plan.model.clone(),
         tp,
+        shares: options.shares.map(|s| s.to_string()),
         dtype: base.plan.dtype.to_string(),
         weights,
     })
@@ -416,8 +456,7 @@ fn delta(new: u64, old: u64) -> i64 {
 
 /// Forces the other split on weight `p` alone and compares the whole plan with `base`.
 fn alternative(
-    def: &ModelDef,
-    tp: u64,
+    (def, tp, options): (&ModelDef, u64, &ShardOptions),
     base: &Summary,
     graph: &Graph,
     p: NodeId,
@@ -448,7 +487,7 @@ fn alternative(
     };
     let forced = tensor_of(graph, p).to_string();
     let plan = BTreeMap::from([(forced.clone(), word)]);
-    match compile_forcing(def, tp, &plan) {
+    match compile_full(def, tp, &plan, *options) {
         Err(e) => Alternative::Infeasible {
             word: word.word().into(),
             forced,

@@ -132,9 +132,13 @@ fn instead(w: &WeightExplain) -> String {
 pub fn render_text(e: &Explanation) -> String {
     let tensors: usize = e.weights.iter().map(|w| w.tensors.len()).sum();
     let mut out = format!(
-        "{} at tp={}: {} weight{} in {} entr{} (repeated layers once). Bytes per token are {} messages, as `tpc compile --json` counts them.\n",
+        "{} at tp={}{}: {} weight{} in {} entr{} (repeated layers once). Bytes per token are {} messages, as `tpc compile --json` counts them.\n",
         e.model,
         e.tp,
+        match &e.shares {
+            Some(s) => format!(" (--tp-shares {s})"),
+            None => String::new(),
+        },
         tensors,
         if tensors == 1 { "" } else { "s" },
         e.weights.len(),
@@ -150,6 +154,16 @@ pub fn render_text(e: &Explanation) -> String {
             layout_words(&w.layout, w.dim, w.vocab_dim),
             human_bytes(w.bytes_per_rank)
         );
+        if let (false, Some(dim)) = (w.pieces.is_empty(), w.dim) {
+            let list: Vec<String> = w.pieces.iter().map(u64::to_string).collect();
+            let largest = w.pieces.iter().max().copied().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "  pieces      {} of {} along dim {dim}, rank by rank (each padded to {largest}, the largest)",
+                list.join("/"),
+                w.shape.get(dim as usize).copied().unwrap_or(0)
+            );
+        }
         let _ = writeln!(out, "  rule        {}", w.why);
         let _ = writeln!(out, "  decided     {}", decided(w));
         for other in &w.also_read_by {

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 pub enum Groups {
     /// Every index is its own unit; ranks get contiguous blocks. With `padded`, a size that
     /// tp does not divide is padded up (vocab); the padding is masked, never visible.
+    /// Dealt by shares, either kind is dealt in atoms (see `plain_atom`).
     Plain { padded: bool },
     /// `count` contiguous heads of `size` each. `replicable` heads (kv heads) may be
     /// replicated when tp is a multiple of `count`.
@@ -213,7 +214,8 @@ impl Groups {
     ) -> Result<u64, SplitProblem> {
         let tp = deal.tp;
         match self {
-            Groups::Plain { padded: false } if deal.shares.is_some() => {
+            // Vocabulary rows too: the logits' all-gather joins pieces by their counts.
+            Groups::Plain { .. } if deal.shares.is_some() => {
                 let atom = plain_atom(total);
                 let counts = deal.counts(total / atom).unwrap_or_default();
                 Ok(deal_counts(out, base, &counts, atom, rank))
@@ -756,10 +758,10 @@ mod tests {
             Groups::Concat(vec![q2.clone(), q2]).check_dealt(16, deal),
             Err(SplitProblem::UnevenFused)
         );
-        // The vocabulary stays even.
+        // The vocabulary too, in atoms (of 2 rows here), each piece padded to the largest.
         assert_eq!(
             shared(&Groups::Plain { padded: true }, 10, "3,1"),
-            dealt(&Groups::Plain { padded: true }, 10, 2)
+            vec![(vec![(0, 8)], 0), (vec![(8, 2)], 6)]
         );
     }
 

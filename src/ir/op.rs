@@ -213,6 +213,26 @@ pub struct AllGatherOp {
     pub dim: u32,
     #[serde(default)]
     pub unpad_to: Option<u64>,
+    /// Per-rank counts, set by partitioning where the ranks hold unequal real parts (a
+    /// vocabulary dealt by `--tp-shares`): rank `r`'s piece starts with its `pieces[r]`
+    /// real elements, the rest is padding, and the gathered value joins only the real
+    /// parts in rank order. Empty: every piece is whole but for `unpad_to`'s end padding.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pieces: Vec<u64>,
+}
+
+impl AllGatherOp {
+    /// Each rank's real count along `dim` when every rank's piece holds `local` elements:
+    /// `pieces` where set, else whole pieces up to `unpad_to`'s end padding.
+    pub fn real_counts(&self, local: u64, tp: u64) -> Vec<u64> {
+        if !self.pieces.is_empty() {
+            return self.pieces.clone();
+        }
+        let keep = self.unpad_to.unwrap_or(local.saturating_mul(tp));
+        (0..tp)
+            .map(|r| local.min(keep.saturating_sub(r.saturating_mul(local))))
+            .collect()
+    }
 }
 
 /// Sum over ranks, each rank keeping its piece along `dim`.
@@ -340,10 +360,17 @@ impl Op {
             Op::Attention(a) => format!("head_dim={}", a.head_dim),
             Op::Unfuse(u) => format!("part {}", u.part),
             Op::Output(o) => o.name.clone(),
-            Op::AllGather(g) => match g.unpad_to {
-                Some(n) => format!("dim={} unpad_to={n}", g.dim),
-                None => format!("dim={}", g.dim),
-            },
+            Op::AllGather(g) => {
+                let mut text = format!("dim={}", g.dim);
+                if let Some(n) = g.unpad_to {
+                    text.push_str(&format!(" unpad_to={n}"));
+                }
+                if !g.pieces.is_empty() {
+                    let list: Vec<String> = g.pieces.iter().map(u64::to_string).collect();
+                    text.push_str(&format!(" pieces={}", list.join("/")));
+                }
+                text
+            }
             Op::ReduceScatter(r) => format!("dim={}", r.dim),
             Op::LocalSlice(s) => format!("dim={}", s.dim),
             Op::BiasAdd(_) | Op::Add(_) | Op::Mul(_) => String::new(),

@@ -740,10 +740,12 @@ pub(crate) mod tests {
             Op::AllGather(AllGatherOp {
                 dim: 2,
                 unpad_to: None,
+                pieces: Vec::new(),
             }),
             Op::AllGather(AllGatherOp {
                 dim: 0,
                 unpad_to: None,
+                pieces: Vec::new(),
             }),
             Op::ReduceScatter(ReduceScatterOp { dim: 2 }),
             Op::LocalSlice(LocalSliceOp { dim: 2 }),
@@ -1109,6 +1111,7 @@ pub(crate) mod tests {
         let gather = dims(&Op::AllGather(AllGatherOp {
             dim: 2,
             unpad_to: None,
+            pieces: Vec::new(),
         }));
         assert_eq!(gather.admits(&[s(2)], &[3], R), Ok(()));
         assert!(err(gather.admits(&[P], &[3], R)).contains("turns S(2) into R"));

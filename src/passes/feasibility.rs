@@ -67,11 +67,11 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         } else if let Some(text) = uneven_note(groups, *len, ctx.deal()) {
             say(&mut uneven, text, pattern);
         }
-        notes_for(groups, *len, tp, &mut ctx.notes);
+        notes_for(groups, *len, ctx.deal(), &mut ctx.notes);
     }
     if let Some(shares) = ctx.shares {
         ctx.notes.push(format!(
-            "--tp-shares {shares}: every split dimension but the vocabulary dealt by the shares in whole atoms (heads by their key/value groups, MLP columns in blocks); the vocabulary rows stay dealt evenly"
+            "--tp-shares {shares}: every split dimension dealt by the shares in whole atoms (heads by their key/value groups, MLP columns and vocabulary rows in blocks)"
         ));
     }
     ctx.notes.extend(
@@ -97,9 +97,10 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     })
 }
 
-/// What an uneven split gives each rank (vocabularies have their own note).
+/// What an uneven split gives each rank (an evenly dealt vocabulary has its own note).
 fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
-    if matches!(groups, Groups::Plain { padded: true }) {
+    let vocabulary = matches!(groups, Groups::Plain { padded: true });
+    if vocabulary && deal.shares.is_none() {
         return None;
     }
     let shares = groups.uneven_shares(len, deal)?;
@@ -110,6 +111,7 @@ fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
     };
     let (unit, size) = match groups {
         Groups::Heads { size, .. } if *size > 1 => ("heads", *size),
+        _ if vocabulary => ("vocabulary rows", 1),
         _ => ("columns", 1),
     };
     let list: Vec<String> = shares.iter().map(|s| (s / size).to_string()).collect();
@@ -121,14 +123,16 @@ fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
     ))
 }
 
-fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
+fn notes_for(groups: &Groups, len: u64, deal: Deal, notes: &mut Vec<String>) {
+    let tp = deal.tp;
     let mut add = |s: String| {
         if !notes.contains(&s) {
             notes.push(s)
         }
     };
     match groups {
-        Groups::Plain { padded: true } if !len.is_multiple_of(tp) => {
+        // Dealt by shares, the vocabulary has its uneven note instead.
+        Groups::Plain { padded: true } if !len.is_multiple_of(tp) && deal.shares.is_none() => {
             let padded = len.div_ceil(tp) * tp;
             add(format!(
                 "vocabulary of {len} rows padded to {padded} for tp={tp} ({} padding rows at the end); padded rows are masked and padded logits are dropped",
@@ -159,7 +163,7 @@ fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
         }
         Groups::Concat(parts) => {
             for p in parts {
-                notes_for(p, p.covered_len().unwrap_or(0), tp, &mut *notes);
+                notes_for(p, p.covered_len().unwrap_or(0), deal, &mut *notes);
             }
         }
         _ => {}
@@ -167,10 +171,11 @@ fn notes_for(groups: &Groups, len: u64, tp: u64, notes: &mut Vec<String>) {
 }
 
 /// Under `--tp-shares`, refuses a plan that all-gathers or locally slices a split dimension
-/// other than the logits' vocabulary (which stays evenly dealt): a smaller share's padding
-/// would fall inside the gathered value, and a local slice cuts even pieces that the
-/// shares' weights do not match. Only a `tp_plan` override that makes an op read a split
-/// value whole brings such a collective into a plan.
+/// other than the logits' vocabulary (whose gather joins the pieces by their per-rank
+/// counts, `plan::partition`): a local slice cuts even pieces that the shares' weights do
+/// not match, and a gather's counts are known only where a split linear produces the
+/// value. Only a `tp_plan` override that makes an op read a split value whole brings such
+/// a collective into a plan.
 pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     let Some(shares) = ctx.deal().shares else {
         return Ok(());
@@ -194,11 +199,16 @@ pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result
             return Err(TpcError::SharesUnsupported {
                 model: graph.name.clone(),
                 shares: shares.to_string(),
-                problem: format!(
-                    "`{}` {} a dimension dealt by the shares (a tp_plan override makes an op read it whole), and pieces of unequal shares cannot be joined or cut yet; drop the override or the shares",
-                    node.name,
-                    if matches!(node.op, Op::AllGather(_)) { "all-gathers" } else { "slices" }
-                ),
+                problem: match node.op {
+                    Op::AllGather(_) => format!(
+                        "`{}` all-gathers a dimension dealt by the shares for an op other than the logits (a tp_plan override makes an op read it whole), and such pieces of unequal shares cannot be joined yet; drop the override or the shares",
+                        node.name
+                    ),
+                    _ => format!(
+                        "`{}` cuts a whole value into even pieces on each rank (a tp_plan override makes an op read a split value that was whole), which the pieces the shares deal would not match; drop the override or the shares",
+                        node.name
+                    ),
+                },
             });
         }
     }

@@ -15,12 +15,14 @@ pub fn reshard(from: Layout, to: Layout) -> Option<Vec<Op>> {
         (Split { dim }, Replicated) => vec![Op::AllGather(AllGatherOp {
             dim,
             unpad_to: None,
+            pieces: Vec::new(),
         })],
         (Replicated, Split { dim }) => vec![Op::LocalSlice(LocalSliceOp { dim })],
         (Split { dim: a }, Split { dim: b }) => vec![
             Op::AllGather(AllGatherOp {
                 dim: a,
                 unpad_to: None,
+                pieces: Vec::new(),
             }),
             Op::LocalSlice(LocalSliceOp { dim: b }),
         ],
@@ -58,7 +60,8 @@ mod tests {
             steps,
             vec![Op::AllGather(AllGatherOp {
                 dim: 2,
-                unpad_to: None
+                unpad_to: None,
+                pieces: Vec::new(),
             })]
         );
     }

@@ -120,6 +120,7 @@ pub fn split_sequence(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
                     op: Op::AllGather(AllGatherOp {
                         dim,
                         unpad_to: None,
+                        pieces: Vec::new(),
                     }),
                     layout: Some(Layout::Replicated),
                     order: src.order + AFTER_PRODUCER,

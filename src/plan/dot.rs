@@ -103,12 +103,24 @@ fn node_label(
     (label, style)
 }
 
-/// Weight descriptions by value id ("[64, 32] S(0)") for labels of ops that read them.
+/// Weight descriptions by value id ("[64, 32] S(0)") for labels of ops that read them; a
+/// padded piece (an uneven split, `--tp-shares`) says how much of its split dim is real.
 fn weight_notes(r: &RankProgram) -> HashMap<u32, String> {
     r.instrs
         .iter()
-        .filter(|i| matches!(i.op, Op::Param(_)))
-        .map(|i| (i.id, format!("{} {}", i.fact.shape, i.layout)))
+        .filter_map(|i| match &i.op {
+            Op::Param(p) => Some((i, p)),
+            _ => None,
+        })
+        .map(|(i, p)| {
+            let mut note = format!("{} {}", i.fact.shape, i.layout);
+            let slice = r.weights.iter().find(|w| w.tensor == p.tensor);
+            if let Some(w) = slice.filter(|w| w.padding > 0) {
+                let real: u64 = w.ranges.iter().map(|r| r.len).sum();
+                let _ = write!(note, " real {real}+{} pad", w.padding);
+            }
+            (i.id, note)
+        })
         .collect()
 }
 
@@ -246,9 +258,13 @@ pub fn draw(plan: &Plan, o: &DotOptions) -> Picture {
     } else {
         "rank 0".to_string()
     };
+    let shares = match plan.source.as_ref().and_then(|s| s.shares) {
+        Some(s) => format!(" shares {s}"),
+        None => String::new(),
+    };
     let _ = writeln!(
         out,
-        "  label=\"{} — tp={} — {view}\\nedges: layout (R replicated, S(d) split on dim d, P partial sums) and local shape\"; labelloc=t;",
+        "  label=\"{} — tp={}{shares} — {view}\\nedges: layout (R replicated, S(d) split on dim d, P partial sums) and local shape\"; labelloc=t;",
         esc(&plan.model),
         plan.tp
     );

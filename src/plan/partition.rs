@@ -107,6 +107,10 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
             .map(|&n| graph.inputs(n).iter().map(|i| id_of[i.index()]).collect())
             .collect(),
         rank0_keep: order.iter().map(|&n| rank0_only(graph, n)).collect(),
+        gather_pieces: order
+            .iter()
+            .map(|&n| gather_pieces(graph, n, sharded.ctx.deal()))
+            .collect::<Result<_>>()?,
         order,
     };
     let mut ranks = Vec::with_capacity(tp as usize);
@@ -149,6 +153,61 @@ struct Walk {
     order: Vec<NodeId>,
     inputs: Vec<Vec<u32>>,
     rank0_keep: Vec<Option<usize>>,
+    /// Each all-gather's per-rank counts (`AllGatherOp::pieces`); empty for other ops.
+    gather_pieces: Vec<Vec<u64>>,
+}
+
+/// The per-rank real counts of an all-gather's dim under unequal shares: each rank's piece
+/// of the weight of the linear that produces the gathered value (the logits' vocabulary),
+/// which must be one run of the dim, the ranks' runs in rank order. Empty without shares
+/// (every piece is whole but the last ones' end padding, which `unpad_to` drops) and for
+/// other ops. Sequence gathers keep their run-time token blocks.
+fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
+    let node = graph.node(id);
+    let (Op::AllGather(g), Some(_)) = (&node.op, deal.shares) else {
+        return Ok(Vec::new());
+    };
+    if node.fact.shape.is_sequence(g.dim) {
+        return Ok(Vec::new());
+    }
+    let refuse = |problem: String| TpcError::SharesUnsupported {
+        model: graph.name.clone(),
+        shares: deal.shares.map(|s| s.to_string()).unwrap_or_default(),
+        problem: format!("`{}` {problem}", node.name),
+    };
+    let producer = graph.inputs(id).first().copied();
+    let weight = producer
+        .filter(|&p| matches!(graph.node(p).op, Op::Linear(_)))
+        .and_then(|p| graph.inputs(p).get(1).copied())
+        .map(|w| graph.node(w));
+    let Some((Op::Param(p), Some(Layout::Split { dim }))) = weight.map(|w| (&w.op, w.layout))
+    else {
+        return Err(refuse(
+            "gathers a value that no split linear produces, so its pieces' counts are unknown"
+                .into(),
+        ));
+    };
+    let len = p.shape.get(dim as usize).copied().unwrap_or(0);
+    let mut pieces = Vec::with_capacity(deal.tp as usize);
+    let mut next = 0u64;
+    for rank in 0..deal.tp {
+        let piece = p
+            .groups_of(dim)
+            .slice_dealt(len, deal, rank)
+            .map_err(|e| refuse(e.describe(deal.tp)))?;
+        let real = piece.local_len() - piece.padding;
+        // One run right after the previous rank's, so that joining real parts in rank
+        // order rebuilds the dim.
+        if piece.ranges.len() > 1 || piece.ranges.first().is_some_and(|r| r.offset != next) {
+            return Err(refuse(format!(
+                "gathers pieces of `{}` that are not one run each in rank order",
+                p.tensor
+            )));
+        }
+        next += real;
+        pieces.push(real);
+    }
+    Ok(pieces)
 }
 
 fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<RankProgram> {
@@ -225,6 +284,7 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
                 if gathered.fixed_at(g.dim as usize) != whole {
                     g.unpad_to = whole;
                 }
+                g.pieces = walk.gather_pieces[pos].clone();
                 let shape = match g.unpad_to {
                     Some(w) => resize(&gathered, g.dim, |_| Some(w)).unwrap_or(gathered),
                     None => gathered,

@@ -579,6 +579,7 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
         Op::AllGather(AllGatherOp {
             dim,
             unpad_to: None,
+            ..
         })
         | Op::ReduceScatter(ReduceScatterOp { dim })
         | Op::LocalSlice(LocalSliceOp { dim })
@@ -599,6 +600,18 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
                 Some(unpad_to) => unpad_to,
                 None => gathered,
             };
+            let counted = g.pieces.iter().try_fold(0u64, |t, &p| t.checked_add(p));
+            let fits = g.pieces.len() as u64 == tp
+                && g.pieces.iter().all(|&p| p <= n)
+                && counted == Some(size);
+            if !g.pieces.is_empty() && !fits {
+                return Err(Problem::BadPieces {
+                    pieces: g.pieces.clone(),
+                    tp,
+                    local: n,
+                    size,
+                });
+            }
             Ok(with_dim(x, g.dim, size))
         }
         Op::ReduceScatter(ReduceScatterOp { dim }) | Op::LocalSlice(LocalSliceOp { dim }) => {

@@ -281,14 +281,10 @@ pub trait Backend: Send + Sync {
     fn column_block(&self, x: &Self::Act, k: usize, parts: usize) -> BackendResult<Self::Act>;
     /// `[rows, parts·n]` → rank-major `[parts][rows][n]` (what a reduce-scatter takes).
     fn rows_to_rank_major(&self, x: &Self::Act, parts: usize) -> BackendResult<Self::Act>;
-    /// Rank-major `[parts][rows][n]` → `[rows, keep]`, keeping the first `keep` of the
-    /// `parts·n` columns (vocab padding dropped).
-    fn rank_major_to_rows(
-        &self,
-        x: &Self::Act,
-        parts: usize,
-        keep: usize,
-    ) -> BackendResult<Self::Act>;
+    /// Rank-major `[parts][rows][n]` → `[rows, Σ widths]`, keeping the first `widths[k]`
+    /// columns of part `k` (padding dropped: a vocabulary's end padding, or each rank's
+    /// own where shares deal it unequal parts); `parts = widths.len()`.
+    fn rank_major_to_rows(&self, x: &Self::Act, widths: &[usize]) -> BackendResult<Self::Act>;
     /// The index of the largest value of each row (the first on ties, as `torch.argmax`):
     /// greedy sampling without bringing the logits to the host.
     fn argmax_rows(&self, x: &Self::Act) -> BackendResult<Vec<usize>>;

@@ -676,11 +676,8 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 .fixed_at(input.fact.shape.rank().checked_sub(1)?)?,
         )
         .ok()?;
-        let keep = match op.unpad_to {
-            Some(u) => usize::try_from(u).ok()?,
-            None => n.checked_mul(self.tp)?,
-        };
-        Some((n, keep))
+        let keep = op.real_counts(n as u64, self.tp as u64).iter().sum::<u64>();
+        Some((n, usize::try_from(keep).ok()?))
     }
 
     /// Recomputes `tokens` as one fresh sequence, checking every op's output, and returns
@@ -1331,9 +1328,9 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 // Each rank's best candidates of its vocabulary slice, then the best of all.
                 let x = x(0)?;
                 let n = x.rows_cols().1;
-                let keep = g.unpad_to.map(|u| u as usize).unwrap_or(n * self.tp);
-                let offset = self.rank * n;
-                let valid = keep.saturating_sub(offset).min(n);
+                let counts = g.real_counts(n as u64, self.tp as u64);
+                let offset = counts.iter().take(self.rank).sum::<u64>() as usize;
+                let valid = counts.get(self.rank).copied().unwrap_or(0) as usize;
                 let local = match call.exchange {
                     Exchange::TopK(k) => b.top_k_pairs(x, k, valid, offset),
                     _ => b.argmax_pairs(x, valid, offset),
@@ -1372,21 +1369,22 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 )?
             }
             Op::AllGather(g) => {
-                // Rank-major pieces [tp][rows][n] → [rows][tp·n], then drop vocab padding.
+                // Rank-major pieces [tp][rows][n] → [rows][Σ real], each rank's padding
+                // dropped.
                 let x = x(0)?;
-                let keep = g
-                    .unpad_to
-                    .map(|u| u as usize)
-                    .unwrap_or(x.rows_cols().1 * self.tp);
-                let tp = self.tp;
+                let widths: Vec<usize> = g
+                    .real_counts(x.rows_cols().1 as u64, self.tp as u64)
+                    .into_iter()
+                    .map(|c| c as usize)
+                    .collect();
                 gather_then(
                     b,
                     &mut self.comm,
                     &mut self.collective_bytes,
-                    tp,
+                    self.tp,
                     x,
                     &err,
-                    |all| b.rank_major_to_rows(all, tp, keep).map_err(&err),
+                    |all| b.rank_major_to_rows(all, &widths).map_err(&err),
                 )?
             }
             Op::ReduceScatter(r) if i.fact.shape.is_sequence(r.dim) => {

@@ -115,22 +115,27 @@ pub fn to_rank_major(n: usize, parts: usize) -> BackendResult<usize> {
     Ok(n / parts)
 }
 
-/// `all_rows` rank-major rows of `n` from `parts` parts, keeping `keep` columns: the rows.
+/// `all_rows` rank-major rows of `n` from `widths.len()` parts, keeping the first
+/// `widths[k]` columns of part `k`: the rows and the kept width.
 pub fn from_rank_major(
     all_rows: usize,
     n: usize,
-    parts: usize,
-    keep: usize,
-) -> BackendResult<usize> {
-    if parts == 0
-        || !all_rows.is_multiple_of(parts)
-        || n.checked_mul(parts).is_none_or(|w| keep > w)
-    {
+    widths: &[usize],
+) -> BackendResult<(usize, usize)> {
+    let parts = widths.len();
+    if parts == 0 || !all_rows.is_multiple_of(parts) || widths.iter().any(|&w| w > n) {
         refuse(format!(
-            "{all_rows} rank-major rows of {n} from {parts} parts, keeping {keep} columns"
+            "{all_rows} rank-major rows of {n} from {parts} parts, keeping {widths:?} columns of each"
         ))?;
     }
-    Ok(all_rows / parts)
+    Ok((all_rows / parts, widths.iter().sum()))
+}
+
+/// Whether keeping `widths[k]` columns of each part of `n` is keeping the first
+/// `Σ widths` of the joined columns (only end padding dropped).
+pub fn is_prefix(widths: &[usize], n: usize) -> bool {
+    let short = widths.iter().position(|&w| w < n).unwrap_or(widths.len());
+    widths.iter().skip(short + 1).all(|&w| w == 0)
 }
 
 /// RMSNorm over groups of `group` columns with `scales` scales on rows of `cols`: the group.
@@ -185,8 +190,14 @@ mod tests {
         assert!(column_block(12, 3, 3).is_err());
         assert_eq!(to_rank_major(12, 4).unwrap(), 3);
         assert!(to_rank_major(12, 5).is_err());
-        assert_eq!(from_rank_major(8, 3, 4, 10).unwrap(), 2);
-        assert!(from_rank_major(8, 3, 4, 13).is_err());
+        assert_eq!(from_rank_major(8, 3, &[3, 3, 3, 1]).unwrap(), (2, 10));
+        assert_eq!(from_rank_major(8, 3, &[3, 1, 2, 0]).unwrap(), (2, 6));
+        assert!(from_rank_major(8, 3, &[3, 4, 3, 3]).is_err());
+        assert!(from_rank_major(9, 3, &[3, 3, 3, 3]).is_err());
+        assert!(is_prefix(&[3, 3, 1, 0], 3));
+        assert!(is_prefix(&[3, 3, 3], 3));
+        assert!(!is_prefix(&[3, 1, 3], 3));
+        assert!(!is_prefix(&[2, 0, 1], 3));
         assert_eq!(rms_norm_group(8, 4, 4).unwrap(), 4);
         assert_eq!(rms_norm_group(8, 0, 1).unwrap(), 1);
         assert!(rms_norm_group(8, 3, 3).is_err());

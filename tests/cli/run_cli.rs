@@ -1094,13 +1094,59 @@ fn tp_shares_run_report_and_refusals() {
     ]));
     assert!(report.contains("real params (share)"), "{report}");
     assert!(
-        report.contains("(42.3 %)") && report.contains("(20.7 %)"),
+        report.contains("(45.3 %)") && report.contains("(19.9 %)"),
         "{report}"
     );
     assert!(
         report.contains("by shares 3,1,1,1: 5632 columns dealt 2816/1056/880/880"),
         "{report}"
     );
+    assert!(
+        report.contains("by shares 3,1,1,1: 32000 vocabulary rows dealt 16000/6000/5000/5000"),
+        "{report}"
+    );
+    // explain and DOT show each rank's piece.
+    let explained = ok(&tpc(&[
+        "explain",
+        "models/tinyllama-1.1b.ron",
+        "--tp",
+        "4",
+        "--tp-shares",
+        "3,1,1,1",
+        "*.0.mlp.up_proj*",
+    ]));
+    assert!(
+        explained.contains("at tp=4 (--tp-shares 3,1,1,1)")
+            && explained.contains("pieces      2816/1056/880/880 of 5632 along dim 0"),
+        "{explained}"
+    );
+    let json = ok(&tpc(&[
+        "explain",
+        MODEL,
+        "--tp",
+        "2",
+        "--tp-shares",
+        "1,3",
+        "lm_head*",
+        "--json",
+    ]));
+    let weights: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let pieces = &weights[0]["pieces"];
+    let [a, b] = [&pieces[0], &pieces[1]].map(|v| v.as_u64().unwrap());
+    assert!(a < b, "{json}");
+    let dot = ok(&tpc(&[
+        "dot",
+        MODEL,
+        "--tp",
+        "2",
+        "--tp-shares",
+        "1,3",
+        "--all-ranks",
+        "--layers",
+        "0",
+    ]));
+    assert!(dot.contains("tp=2 shares 1,3"), "{dot}");
+    assert!(dot.contains(" pad\\n"), "{dot}");
     // A saved plan runs with its shares; the flag is refused beside it.
     let dir = scratch("tp-shares");
     let plan = dir.join("plan.ron");

@@ -719,12 +719,23 @@ pub fn layout_ops_move_values_exactly<B: Backend>(b: &B) {
         .collect();
     assert_eq!(y.shape(), &[3 * rows, 4]);
     assert_same("rows_to_rank_major", &read(b, &y).data, &want);
-    let back = b.rank_major_to_rows(&y, 3, 10).unwrap();
+    let back = b.rank_major_to_rows(&y, &[4, 4, 2]).unwrap();
     let want: Vec<f32> = (0..rows)
         .flat_map(|r| (0..10).map(move |c| at(r, c)))
         .collect();
     assert_eq!(back.shape(), &[rows, 10]);
     assert_same("rank_major_to_rows", &read(b, &back).data, &want);
+    // Unequal parts (shares): the first 1, 4 and 3 columns of the three parts.
+    let back = b.rank_major_to_rows(&y, &[1, 4, 3]).unwrap();
+    let want: Vec<f32> = (0..rows)
+        .flat_map(|r| [0, 4, 5, 6, 7, 8, 9, 10].map(|c| at(r, c)))
+        .collect();
+    assert_eq!(back.shape(), &[rows, 8]);
+    assert_same(
+        "rank_major_to_rows, unequal parts",
+        &read(b, &back).data,
+        &want,
+    );
 }
 
 /// The sampler's order over (value, index): larger value first, lower index among equals.

@@ -469,6 +469,31 @@ fn rank_major_layouts_round_trip() {
 }
 
 #[test]
+fn rank_major_part_lands_in_its_columns_only() {
+    let mut values = Values(41);
+    // Unequal real widths of parts of 9 columns (shares): one part's real columns, joined
+    // at their column offset; the other columns are the other launches'.
+    let (rows, n, widths) = (5usize, 9usize, [9usize, 4, 0, 6]);
+    let keep: usize = widths.iter().sum();
+    let major = values.take(widths.len() * rows * n);
+    let mut column = 0;
+    for (part, &width) in widths.iter().enumerate() {
+        if width == 0 {
+            continue;
+        }
+        let mut want = vec![UNWRITTEN; rows * keep];
+        for r in 0..rows {
+            let from = (part * rows + r) * n;
+            want[r * keep + column..r * keep + column + width]
+                .copy_from_slice(&major[from..from + width]);
+        }
+        let ints = [rows, n, part, width, column, keep].map(|v| v as i64);
+        check_copy("rank_major_part_to_rows", &major, None, &ints, &want);
+        column += width;
+    }
+}
+
+#[test]
 fn gather_rows_pads_with_zero_rows() {
     let mut values = Values(37);
     let (rows, cols) = (6usize, 70usize);

@@ -37,6 +37,9 @@ fn bits(t: &Tensor) -> Vec<u32> {
     t.data.iter().map(|v| v.to_bits()).collect()
 }
 
+/// CPU ranks of `threads` threads with the kernels that keep activations f32: HF's f32
+/// tolerance is theirs (on a CPU with AVX512-BF16 or AMX the fastest kernels round the
+/// activations to bf16, which `tests/runtime/parity.rs` holds to the bf16 tolerance).
 fn run_opts(threads: usize, new_tokens: usize, sampling: Sampling) -> RunOptions {
     RunOptions {
         max_new_tokens: new_tokens,
@@ -44,6 +47,7 @@ fn run_opts(threads: usize, new_tokens: usize, sampling: Sampling) -> RunOptions
         sampling,
         device: Device::Cpu(CpuOptions {
             threads_per_rank: threads,
+            isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
             ..Default::default()
         }),
         ..Default::default()

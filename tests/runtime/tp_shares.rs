@@ -1,18 +1,21 @@
 //! `--tp-shares` (unequal devices) against HF transformers: every fixture whose q, k and v
 //! are separate weights, at shares 2,1 / 1,3 / 3,1,1,1 / 1,2,3 / 5,1,1,1,1,1, reproduces
 //! HF's prefill logits and greedy tokens; the plan gives the rank with the larger share the
-//! larger slices and covers every weight exactly once; fused q|k|v is refused by name.
+//! larger slices (the vocabulary rows too) and covers every weight exactly once; the
+//! logits' gather joins unequal vocabulary pieces, and sampling over them picks what the
+//! gathered logits give; fused q|k|v is refused by name.
 
 use crate::common;
 use common::{fixtures, read_reference, rel_error, REL_TOL};
 
 use tpc::frontend::load::load_model;
+use tpc::ir::Op;
 use tpc::ir::TpShares;
 use tpc::passes::ShardOptions;
 use tpc::pipeline::compile_with;
 use tpc::plan::{Plan, WeightSlice};
 use tpc::runtime::generate::RunOptions;
-use tpc::runtime::run::run;
+use tpc::runtime::run::{run, run_batch};
 use tpc::runtime::weights::Checkpoint;
 
 const SHARES: [&str; 5] = ["2,1", "1,3", "3,1,1,1", "1,2,3", "5,1,1,1,1,1"];
@@ -42,17 +45,14 @@ fn real_len(w: &WeightSlice) -> u64 {
     w.ranges.iter().map(|r| r.len).sum()
 }
 
-/// Every split weight but the vocabulary (`vocab` rows, dealt evenly): each rank's real
-/// length grows with its share, and the ranks' ranges cover the dimension exactly once, or,
-/// for replicated kv heads, at least once.
-fn check_slices(plan: &Plan, shares: &TpShares, vocab: u64, ctx: &str) {
+/// Every split weight, the vocabulary too: each rank's real length grows with its share,
+/// and the ranks' ranges cover the dimension exactly once, or, for replicated kv heads, at
+/// least once.
+fn check_slices(plan: &Plan, shares: &TpShares, ctx: &str) {
     let parts = shares.parts();
     for w in &plan.ranks[0].weights {
         let Some(dim) = w.dim else { continue };
         let len = w.shape[dim as usize];
-        if len == vocab {
-            continue;
-        }
         let pieces: Vec<&WeightSlice> = plan
             .ranks
             .iter()
@@ -129,8 +129,8 @@ fn shared_plans_match_hf_and_give_larger_shares_larger_slices() {
                 }
             };
             let plan = compiled.plan;
-            let vocab = (reference.logits.len() / reference.prompt.len()) as u64;
-            check_slices(&plan, &shares, vocab, &ctx);
+            check_slices(&plan, &shares, &ctx);
+            check_logits_gather(&plan, &ctx);
             let opts = exact_cpu(reference.greedy.len());
             let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();
             let err = rel_error(&out.prompt_logits.data, &reference.logits);
@@ -153,6 +153,87 @@ fn shared_plans_match_hf_and_give_larger_shares_larger_slices() {
             .all(|r| r.contains("fused dimension") && (r.contains("gpt2") || r.contains("neox"))),
         "{refused:#?}"
     );
+}
+
+/// The logits' all-gather joins each rank's real vocabulary rows: its per-rank counts are
+/// the LM head's real rows on each rank, in rank order.
+fn check_logits_gather(plan: &Plan, ctx: &str) {
+    let gather = plan.ranks[0]
+        .instrs
+        .iter()
+        .find_map(|i| match &i.op {
+            Op::AllGather(g) if i.name.starts_with("lm_head") => Some(g.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{ctx}: no logits gather"));
+    let head = |rank: &tpc::plan::RankProgram| {
+        let linear = rank.instrs.iter().find(|i| &*i.name == "lm_head").unwrap();
+        let weight = rank
+            .instrs
+            .iter()
+            .find(|i| i.id == linear.inputs[1])
+            .unwrap();
+        let Op::Param(p) = &weight.op else {
+            panic!("{ctx}: lm_head's weight is not a param")
+        };
+        let slice = rank.weights.iter().find(|w| w.tensor == p.tensor).unwrap();
+        real_len(slice)
+    };
+    let rows: Vec<u64> = plan.ranks.iter().map(head).collect();
+    assert_eq!(gather.pieces, rows, "{ctx}: the gather's counts");
+    assert!(
+        rows.windows(2).any(|w| w[0] != w[1]),
+        "{ctx}: the vocabulary is dealt evenly: {rows:?}"
+    );
+}
+
+/// Greedy and top-k sampling exchange each rank's best (logit, token) pairs over its
+/// vocabulary rows, which the shares make unequal: every pick equals the pick from the
+/// gathered logits, for several seeds and k.
+#[test]
+fn sampling_over_shared_vocabulary_rows_equals_sampling_from_gathered_logits() {
+    let mut checked = 0;
+    for dir in fixtures() {
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for text in ["5,2,1", "1,3"] {
+            let shares: TpShares = text.parse().unwrap();
+            let Ok(compiled) = compile_with(&def, shares.tp(), options(text)) else {
+                continue;
+            };
+            let plan = compiled.plan;
+            let vocab = tpc::runtime::generate::output_vocab(&plan).unwrap() as i64;
+            let reqs = common::ragged_requests(vocab);
+            for seed in 0..4u64 {
+                for (k, temperature) in
+                    [(None, 0.0), (Some(1), 1.0), (Some(5), 2.0), (Some(40), 1.0)]
+                {
+                    let opts = RunOptions {
+                        sampling: tpc::runtime::sampling::Sampling {
+                            temperature,
+                            top_k: k,
+                            top_p: None,
+                            seed,
+                        },
+                        all_prompt_logits: false,
+                        ..exact_cpu(6)
+                    };
+                    let exchanged = run_batch(&plan, &ckpt, &reqs, &opts).unwrap();
+                    let gathered = RunOptions {
+                        gather_logits: true,
+                        ..opts
+                    };
+                    let gathered = run_batch(&plan, &ckpt, &reqs, &gathered).unwrap();
+                    let ctx = format!("{} shares {text} seed {seed} k {k:?}", dir.display());
+                    for (a, b) in exchanged.sequences.iter().zip(&gathered.sequences) {
+                        assert_eq!(a.generated, b.generated, "{ctx}");
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 5 * 2 * 4 * 4, "only {checked} runs checked");
 }
 
 #[test]

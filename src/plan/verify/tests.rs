@@ -679,6 +679,7 @@ fn ranks_must_issue_the_same_collectives() {
     instr.op = Op::AllGather(AllGatherOp {
         dim: 2,
         unpad_to: None,
+        pieces: Vec::new(),
     });
     expect_has(
         &plan,
@@ -868,6 +869,49 @@ fn vocab_range_must_be_the_tables_rows() {
             },
         )],
     );
+}
+
+#[test]
+fn gather_pieces_must_give_each_rank_a_count_that_sums_to_the_gathered_dim() {
+    let def = crate::frontend::load::load_model(&models_dir().join("tiny-llama.ron")).unwrap();
+    let options = crate::passes::ShardOptions {
+        shares: Some("3,1".parse().unwrap()),
+        ..Default::default()
+    };
+    let plan = crate::pipeline::compile_with(&def, 2, options)
+        .unwrap()
+        .plan;
+    let g = plan.ranks[0]
+        .instrs
+        .iter()
+        .position(|i| matches!(i.op, Op::AllGather(_)))
+        .unwrap();
+    // 250 vocabulary rows in atoms of 2 by shares 3,1: 188 and 62, each piece 188 long.
+    let Op::AllGather(op) = &plan.ranks[0].instrs[g].op else {
+        unreachable!()
+    };
+    assert_eq!(op.pieces, vec![188, 62]);
+    plan.verify().unwrap();
+    let bad = [vec![188, 63], vec![189, 61], vec![250], vec![188, 62, 0]];
+    for pieces in bad {
+        let mut plan = plan.clone();
+        let mut want = Vec::new();
+        for r in 0..2 {
+            let g = at(&plan, r, "lm_head.all_gather");
+            let Op::AllGather(op) = &mut plan.ranks[r].instrs[g].op else {
+                unreachable!()
+            };
+            op.pieces = pieces.clone();
+            let problem = Problem::BadPieces {
+                pieces: pieces.clone(),
+                tp: 2,
+                local: 188,
+                size: 250,
+            };
+            want.push((iplace(&plan, r, g), problem));
+        }
+        expect_exactly(&plan, want);
+    }
 }
 
 #[test]

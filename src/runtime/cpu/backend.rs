@@ -946,16 +946,15 @@ impl Backend for CpuBackend {
         Ok(Tensor::new(vec![x.rows_cols().0 * parts, n / parts], out))
     }
 
-    fn rank_major_to_rows(&self, x: &Tensor, parts: usize, keep: usize) -> BackendResult<Tensor> {
+    fn rank_major_to_rows(&self, x: &Tensor, widths: &[usize]) -> BackendResult<Tensor> {
         let (all_rows, n) = x.rows_cols();
-        let rows = shape_rules::from_rank_major(all_rows, n, parts, keep)?;
+        let (rows, keep) = shape_rules::from_rank_major(all_rows, n, widths)?;
         let mut out = pool::empty(rows * keep);
         for r in 0..rows {
-            let row_start = out.len();
-            for k in 0..parts {
-                out.extend_from_slice(&x.data[(k * rows + r) * n..(k * rows + r + 1) * n]);
+            for (k, &width) in widths.iter().enumerate() {
+                let start = (k * rows + r) * n;
+                out.extend_from_slice(&x.data[start..start + width]);
             }
-            out.truncate(row_start + keep);
         }
         Ok(Tensor::new(vec![rows, keep], out))
     }
@@ -1550,10 +1549,14 @@ mod tests {
             rm.data,
             vec![0., 1., 6., 7., 2., 3., 8., 9., 4., 5., 10., 11.]
         );
-        let back = cpu.rank_major_to_rows(&rm, 3, 5).unwrap();
+        let back = cpu.rank_major_to_rows(&rm, &[2, 2, 1]).unwrap();
         assert_eq!(back.shape, vec![2, 5]);
         assert_eq!(back.data, vec![0., 1., 2., 3., 4., 6., 7., 8., 9., 10.]);
-        assert!(cpu.rank_major_to_rows(&rm, 5, 5).is_err());
+        // Unequal parts (shares): each part's own padding dropped.
+        let back = cpu.rank_major_to_rows(&rm, &[1, 2, 0]).unwrap();
+        assert_eq!(back.data, vec![0., 2., 3., 6., 8., 9.]);
+        assert!(cpu.rank_major_to_rows(&rm, &[1; 5]).is_err());
+        assert!(cpu.rank_major_to_rows(&rm, &[3, 0, 0]).is_err());
         let block = cpu.column_block(&x, 1, 3).unwrap();
         assert_eq!(block.data, vec![2., 3., 8., 9.]);
         let part = cpu.unfuse(&x, 3, 1, 2).unwrap();

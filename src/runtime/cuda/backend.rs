@@ -1211,24 +1211,48 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn rank_major_to_rows(&self, x: &CudaAct, parts: usize, keep: usize) -> BackendResult<CudaAct> {
+    fn rank_major_to_rows(&self, x: &CudaAct, widths: &[usize]) -> BackendResult<CudaAct> {
         let (all_rows, n) = x.rows_cols();
-        let rows = shape_rules::from_rank_major(all_rows, n, parts, keep)?;
+        let (rows, keep) = shape_rules::from_rank_major(all_rows, n, widths)?;
         let mut out = self.output(vec![rows, keep])?;
         if rows * keep == 0 {
             return Ok(out);
         }
         let (r, w, kp) = (i64_of(rows), i64_of(n), i64_of(keep));
-        launch!(
-            self.gpu,
-            "rank_major_to_rows",
-            grid_for(rows * keep),
-            out.data_mut(),
-            x.data(),
-            &r,
-            &w,
-            &kp
-        )?;
+        if shape_rules::is_prefix(widths, n) {
+            launch!(
+                self.gpu,
+                "rank_major_to_rows",
+                grid_for(rows * keep),
+                out.data_mut(),
+                x.data(),
+                &r,
+                &w,
+                &kp
+            )?;
+            return Ok(out);
+        }
+        // Unequal parts (shares): one copy of each part's real columns to its place.
+        let mut column = 0usize;
+        for (part, &width) in widths.iter().enumerate() {
+            if rows * width > 0 {
+                let (k, wd, c) = (i64_of(part), i64_of(width), i64_of(column));
+                launch!(
+                    self.gpu,
+                    "rank_major_part_to_rows",
+                    grid_for(rows * width),
+                    out.data_mut(),
+                    x.data(),
+                    &r,
+                    &w,
+                    &k,
+                    &wd,
+                    &c,
+                    &kp
+                )?;
+            }
+            column += width;
+        }
         Ok(out)
     }
 
