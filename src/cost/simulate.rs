@@ -562,7 +562,7 @@ fn rank_paces(plan: &Plan, hw: &HwProfile) -> Vec<Pace> {
         .enumerate()
         .map(|(r, program)| {
             let padded = sum(program.weights.iter().map(|w| w.local_elements())) as f64;
-            let real = sum(program.weights.iter().map(|w| w.real_elements())) as f64;
+            let real = sum(program.weights.iter().map(|w| w.computed_elements())) as f64;
             let work = if hw.shared.is_some() && padded > 0.0 {
                 real / padded
             } else {

@@ -14,7 +14,7 @@ use crate::passes::ShardOptions;
 use crate::passes::{Decision, Reason};
 use crate::pipeline::compile_full;
 use crate::plan::report::{summarize, Summary};
-use crate::plan::Plan;
+use crate::plan::{Plan, WeightSlice};
 pub use render::render_text;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -129,7 +129,8 @@ fn uneven_pieces(plan: &Plan, tensor: &str) -> Vec<u64> {
         .iter()
         .filter_map(|r| r.weights.iter().find(|w| &*w.tensor == tensor))
         .collect();
-    if slices.len() != plan.ranks.len() || slices.iter().all(|w| w.padding == 0) {
+    let padded = |w: &&WeightSlice| w.padding > 0 || w.ranges.iter().any(|r| r.pad > 0);
+    if slices.len() != plan.ranks.len() || !slices.iter().any(padded) {
         return Vec::new();
     }
     slices

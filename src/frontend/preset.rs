@@ -130,8 +130,8 @@ struct Dims {
     act: ActivationKind,
 }
 
-/// Query heads (and o_proj's input), by their key/value groups where the family keeps q,
-/// k and v in separate weights (then a tp may deal them unevenly, `Groups::Heads`).
+/// Query heads (and o_proj's input) by their key/value groups (a multi-head family's
+/// heads are each their own group), so that a tp may deal them unevenly (`Groups::Heads`).
 fn heads(count: u64, size: u64, kv_groups: Option<u64>) -> Groups {
     Groups::Heads {
         count,
@@ -455,9 +455,9 @@ fn gpt2(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
     let p = "transformer.h.{i}";
     let x = l.layer_norm(&format!("{p}.ln_1"), "hidden", d.h, d.eps);
     let fused = Groups::Concat(vec![
-        heads(n, hd, None),
-        heads(n, hd, None),
-        heads(n, hd, None),
+        heads(n, hd, Some(n)),
+        heads(n, hd, Some(n)),
+        heads(n, hd, Some(n)),
     ]);
     let qkv = l.linear(
         &format!("{p}.attn.c_attn"),
@@ -494,7 +494,7 @@ fn gpt2(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         WeightOrder::InOut,
         (d.h, d.h),
         None,
-        Some(heads(n, hd, None)),
+        Some(heads(n, hd, Some(n))),
         true,
     );
     let h1 = l.node(
@@ -596,7 +596,7 @@ fn gpt_neox(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         WeightOrder::OutIn,
         (d.h, d.h),
         None,
-        Some(heads(n, hd, None)),
+        Some(heads(n, hd, Some(n))),
         d.bias,
     );
     let parallel = c.use_parallel_residual.unwrap_or(true);

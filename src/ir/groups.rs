@@ -44,8 +44,6 @@ impl Default for Groups {
 pub enum SplitProblem {
     /// More ranks than heads: some rank would hold none.
     MoreRanksThanHeads { count: u64 },
-    /// A fused dimension whose parts would be dealt unevenly (padding inside the piece).
-    UnevenFused,
     /// `what` (e.g. "32 attention heads") is not divisible by tp.
     NotDivisible { count: u64, unit: &'static str },
     /// Replicable heads: tp neither divides nor is a multiple of the count.
@@ -62,9 +60,6 @@ impl SplitProblem {
         match self {
             SplitProblem::MoreRanksThanHeads { count } => format!(
                 "{count} attention heads cannot be shared by tp={tp}: every rank needs at least one"
-            ),
-            SplitProblem::UnevenFused => format!(
-                "a fused dimension (q|k|v or gate|up stored as one weight) does not divide evenly by tp={tp} (or --tp-shares deals it unevenly), and its parts cannot be dealt unevenly yet"
             ),
             SplitProblem::NotDivisible { count, unit } => {
                 format!("{count} {unit} are not divisible by tp={tp}")
@@ -83,18 +78,27 @@ impl SplitProblem {
     }
 }
 
-/// One rank's piece of a dimension: ranges of the checkpoint dimension, in order, plus
-/// zero padding appended at the end.
+/// One rank's piece of a dimension: ranges of the checkpoint dimension, in order, each
+/// followed by its own zero padding (a fused dimension's part padded to the largest piece
+/// of that part), plus zero padding appended at the end.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DimSlice {
     pub ranges: Vec<SliceRange>,
     pub padding: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub struct SliceRange {
     pub offset: u64,
     pub len: u64,
+    /// Zeros that follow this range in the local piece (inside a fused dimension whose
+    /// parts are dealt unevenly); the piece's end padding is `DimSlice::padding`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pad: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// How a dimension is dealt: over `tp` ranks evenly, or by per-rank `shares`.
@@ -129,7 +133,18 @@ impl Deal {
 impl DimSlice {
     /// Local length including padding.
     pub fn local_len(&self) -> u64 {
-        super::saturating::sum(self.ranges.iter().map(|r| r.len)).saturating_add(self.padding)
+        super::saturating::sum(self.ranges.iter().map(|r| r.len.saturating_add(r.pad)))
+            .saturating_add(self.padding)
+    }
+
+    /// Local length without padding: the checkpoint elements the piece holds.
+    pub fn real_len(&self) -> u64 {
+        super::saturating::sum(self.ranges.iter().map(|r| r.len))
+    }
+
+    /// Whether some padding lies inside the piece (not only at its end).
+    pub fn padded_inside(&self) -> bool {
+        self.ranges.iter().any(|r| r.pad > 0)
     }
 }
 
@@ -282,34 +297,35 @@ impl Groups {
                 }
                 Ok(0)
             }
-            // Each part would be padded inside the piece.
-            Groups::Concat(_) if deal.shares.is_some() => Err(SplitProblem::UnevenFused),
+            // Each part dealt on its own; a part dealt unevenly is padded to its largest
+            // piece right after the rank's real share of it, so that every rank's piece has
+            // the same parts at the same local offsets.
             Groups::Concat(parts) => {
                 let mut offset = base;
+                let mut padding = 0;
                 for part in parts {
                     let len = part.covered_len().unwrap_or(0);
-                    part.slice_into(offset, len, deal, rank, out)?;
-                    // Padding would fall inside the rank's piece, on some rank if not this one.
-                    let padded = |r| part.slice_into(0, len, deal, r, &mut Vec::new());
-                    if (0..tp).any(|r| padded(r).is_ok_and(|p| p > 0)) {
-                        return Err(SplitProblem::UnevenFused);
-                    }
+                    pad_after(out, offset, padding);
+                    padding = part.slice_into(offset, len, deal, rank, out)?;
                     offset += len;
                 }
-                Ok(0)
+                Ok(padding)
             }
-            Groups::Interleaved { .. } if deal.shares.is_some() => Err(SplitProblem::UnevenFused),
+            // Whole heads of all parts, dealt as heads of their own key/value group are.
             Groups::Interleaved { heads, parts } => {
                 let per_head: u64 = parts.iter().sum();
-                if heads % tp != 0 {
-                    return Err(SplitProblem::NotDivisible {
-                        count: *heads,
-                        unit: "attention heads",
-                    });
+                if heads % tp == 0 && deal.shares.is_none() {
+                    let per = heads / tp;
+                    push_range(out, base + rank * per * per_head, per * per_head);
+                    return Ok(0);
                 }
-                let per = heads / tp;
-                push_range(out, base + rank * per * per_head, per * per_head);
-                Ok(0)
+                let heads = HeadGroups {
+                    count: *heads,
+                    size: per_head,
+                    replicable: false,
+                    groups: *heads,
+                };
+                uneven_heads(out, base, heads, deal, rank)
             }
         }
     }
@@ -321,32 +337,45 @@ impl Groups {
             .map(|r| self.slice_dealt(total, deal, r))
             .collect::<Result<_, _>>()
             .ok()?;
-        pieces.iter().any(|p| p.padding > 0).then(|| {
-            pieces
-                .iter()
-                .map(|p| p.local_len().saturating_sub(p.padding))
-                .collect()
-        })
+        pieces
+            .iter()
+            .any(|p| p.padding > 0 || p.padded_inside())
+            .then(|| pieces.iter().map(DimSlice::real_len).collect())
     }
 
-    /// The structure of one rank's piece (for ops that unfuse a split fused value).
-    pub fn localize(&self, tp: u64) -> Groups {
+    /// The structure of one rank's piece of a `total`-long dimension dealt so (for ops that
+    /// unfuse a split fused value): every rank's piece has the same parts of the same local
+    /// lengths, padding included, so the structure is one for all ranks.
+    pub fn localize(&self, total: u64, deal: Deal) -> Groups {
+        let local = |g: &Groups, len: u64| {
+            g.slice_dealt(len, deal, 0)
+                .map(|s| s.local_len())
+                .unwrap_or(len)
+        };
         match self {
             Groups::Plain { padded } => Groups::Plain { padded: *padded },
             Groups::Heads {
-                count,
                 size,
                 replicable,
                 kv_groups,
+                ..
             } => Groups::Heads {
-                count: if count % tp == 0 { count / tp } else { 1 },
+                count: local(self, total) / (*size).max(1),
                 size: *size,
                 replicable: *replicable,
-                kv_groups: kv_groups.map(|g| if g % tp == 0 { g / tp } else { 1 }),
+                kv_groups: kv_groups.map(|g| match g % deal.tp {
+                    0 => g / deal.tp,
+                    _ => 1,
+                }),
             },
-            Groups::Concat(parts) => Groups::Concat(parts.iter().map(|p| p.localize(tp)).collect()),
-            Groups::Interleaved { heads, parts } => Groups::Interleaved {
-                heads: (heads / tp).max(1),
+            Groups::Concat(parts) => Groups::Concat(
+                parts
+                    .iter()
+                    .map(|p| p.localize(p.covered_len().unwrap_or(0), deal))
+                    .collect(),
+            ),
+            Groups::Interleaved { parts, .. } => Groups::Interleaved {
+                heads: local(self, total) / parts.iter().sum::<u64>().max(1),
                 parts: parts.clone(),
             },
         }
@@ -485,12 +514,32 @@ fn uneven_heads(
 fn push_range(out: &mut Vec<SliceRange>, offset: u64, len: u64) {
     // Adjacent ranges merge so a plain split is always one range.
     if let Some(last) = out.last_mut() {
-        if last.offset + last.len == offset {
+        if last.offset + last.len == offset && last.pad == 0 {
             last.len += len;
             return;
         }
     }
-    out.push(SliceRange { offset, len });
+    out.push(SliceRange {
+        offset,
+        len,
+        pad: 0,
+    });
+}
+
+/// Puts `padding` zeros after the ranges pushed so far: after the last one, or, where the
+/// rank holds nothing yet, after an empty range at `offset`.
+fn pad_after(out: &mut Vec<SliceRange>, offset: u64, padding: u64) {
+    if padding == 0 {
+        return;
+    }
+    match out.last_mut() {
+        Some(last) => last.pad += padding,
+        None => out.push(SliceRange {
+            offset,
+            len: 0,
+            pad: padding,
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -580,7 +629,9 @@ mod tests {
             parts: vec![2, 2, 2],
         };
         assert_eq!(ranges(&g.slice(24, 2, 1).unwrap()), vec![(12, 12)]);
-        assert!(g.slice(24, 3, 0).is_err());
+        // Unevenly: whole heads, 2/2/0, padded at the end; never more ranks than heads.
+        assert_eq!(dealt(&g, 24, 3)[2], (vec![], 12));
+        assert!(g.slice(24, 5, 0).is_err());
     }
 
     /// Each rank's (ranges, padding) of `g` over `total` at `tp`.
@@ -742,7 +793,7 @@ mod tests {
                 (vec![(6, 2)], 1)
             ]
         );
-        // Heads without declared groups, and fused dimensions, are not dealt by shares.
+        // Heads without declared groups are not dealt by shares.
         let bare = Groups::Heads {
             count: 8,
             size: 1,
@@ -754,10 +805,17 @@ mod tests {
             bare.check_dealt(8, deal),
             Err(SplitProblem::SharesNeedGroups)
         );
-        assert_eq!(
-            Groups::Concat(vec![q2.clone(), q2]).check_dealt(16, deal),
-            Err(SplitProblem::UnevenFused)
-        );
+        // A fused dimension deals each part by the shares, each padded after its piece.
+        let fused = Groups::Concat(vec![q2.clone(), q2]);
+        let deal4 = Deal::by(4, Some("3,1,1,1".parse().unwrap()));
+        let pieces: Vec<DimSlice> = (0..4)
+            .map(|r| fused.slice_dealt(16, deal4, r).unwrap())
+            .collect();
+        let range = |offset, len, pad| SliceRange { offset, len, pad };
+        assert_eq!(pieces[0].ranges, vec![range(0, 3, 0), range(8, 3, 0)]);
+        assert_eq!(pieces[1].ranges, vec![range(3, 1, 2), range(11, 1, 0)]);
+        assert_eq!((pieces[1].padding, pieces[1].local_len()), (2, 6));
+        assert!(pieces.iter().all(|p| p.local_len() == 6));
         // The vocabulary too, in atoms (of 2 rows here), each piece padded to the largest.
         assert_eq!(
             shared(&Groups::Plain { padded: true }, 10, "3,1"),
@@ -766,7 +824,7 @@ mod tests {
     }
 
     #[test]
-    fn a_fused_dimension_is_not_dealt_unevenly() {
+    fn a_fused_dimension_pads_each_part_after_its_piece() {
         let parts = Groups::Concat(vec![
             Groups::Heads {
                 count: 4,
@@ -781,8 +839,27 @@ mod tests {
                 kv_groups: Some(4),
             },
         ]);
-        assert_eq!(parts.check(8, 3), Err(SplitProblem::UnevenFused));
-        assert!(parts.check(8, 2).is_ok());
+        // 4 heads over 3 ranks: 2, 2 and none of each part; every piece [q, q | k, k].
+        let range = |offset, len, pad| SliceRange { offset, len, pad };
+        let piece = |r| parts.slice(8, 3, r).unwrap();
+        assert_eq!(piece(0).ranges, vec![range(0, 2, 0), range(4, 2, 0)]);
+        assert_eq!(piece(1).ranges, vec![range(2, 2, 0), range(6, 2, 0)]);
+        assert_eq!(piece(2).ranges, vec![range(4, 0, 2)]);
+        assert_eq!(piece(2).padding, 2);
+        assert!((0..3).all(|r| piece(r).local_len() == 4));
+        // Evenly over 2 ranks, no padding; never more ranks than heads.
+        assert_eq!(
+            parts.slice(8, 2, 1).unwrap().ranges,
+            vec![range(2, 2, 0), range(6, 2, 0)]
+        );
+        assert!(parts.check(8, 5).is_err());
+        // An interleaved dimension ([heads, q|k|v]) deals whole heads, padding at the end.
+        let neox = Groups::Interleaved {
+            heads: 8,
+            parts: vec![2, 2, 2],
+        };
+        assert_eq!(neox.slice(48, 3, 2).unwrap().ranges, vec![range(36, 12, 0)]);
+        assert_eq!(neox.slice(48, 3, 2).unwrap().padding, 6);
     }
 
     #[test]

@@ -103,6 +103,9 @@ fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
     if vocabulary && deal.shares.is_none() {
         return None;
     }
+    if let Groups::Concat(parts) = groups {
+        return fused_note(parts, deal);
+    }
     let shares = groups.uneven_shares(len, deal)?;
     let tp = deal.tp;
     let by = match deal.shares {
@@ -118,6 +121,30 @@ fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
     let largest = shares.iter().max().copied().unwrap_or(0) / size;
     Some(format!(
         "uneven split at tp={tp}{by}: {} {unit} dealt {} (each piece padded with zeros to {largest}, the largest; the CPU backend skips the padding)",
+        len / size,
+        list.join("/")
+    ))
+}
+
+/// What an uneven split of a fused dimension (`[q | k | v]`) gives each rank: each part is
+/// dealt on its own and padded inside the piece, which every backend computes.
+fn fused_note(parts: &[Groups], deal: Deal) -> Option<String> {
+    let part = parts.first()?;
+    let len = part.covered_len()?;
+    let shares = part.uneven_shares(len, deal)?;
+    let size = match part {
+        Groups::Heads { size, .. } => (*size).max(1),
+        _ => 1,
+    };
+    let list: Vec<String> = shares.iter().map(|s| (s / size).to_string()).collect();
+    let by = deal
+        .shares
+        .map(|s| format!(" by shares {s}"))
+        .unwrap_or_default();
+    Some(format!(
+        "uneven split at tp={}{by}: a fused dimension of {} parts, {} heads of each dealt {} (each part padded with zeros inside the piece to the largest; computed, not skipped)",
+        deal.tp,
+        parts.len(),
         len / size,
         list.join("/")
     ))

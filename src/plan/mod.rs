@@ -201,6 +201,15 @@ impl WeightSlice {
             self.ranges.iter().map(|r| r.len),
         ))
     }
+    /// Elements the CPU backend multiplies: the real ones, or the whole piece where padding
+    /// lies inside it (a fused q|k|v dealt unevenly), which it computes.
+    pub fn computed_elements(&self) -> u64 {
+        if self.ranges.iter().any(|r| r.pad > 0) {
+            self.local_elements()
+        } else {
+            self.real_elements()
+        }
+    }
     pub fn local_bytes(&self) -> u64 {
         self.local_elements()
             .saturating_mul(self.dtype.size_bytes())

@@ -195,10 +195,13 @@ fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
             .groups_of(dim)
             .slice_dealt(len, deal, rank)
             .map_err(|e| refuse(e.describe(deal.tp)))?;
-        let real = piece.local_len() - piece.padding;
-        // One run right after the previous rank's, so that joining real parts in rank
-        // order rebuilds the dim.
-        if piece.ranges.len() > 1 || piece.ranges.first().is_some_and(|r| r.offset != next) {
+        let real = piece.real_len();
+        // One run right after the previous rank's, its padding at the end, so that joining
+        // real parts in rank order rebuilds the dim.
+        if piece.ranges.len() > 1
+            || piece.padded_inside()
+            || piece.ranges.first().is_some_and(|r| r.offset != next)
+        {
             return Err(refuse(format!(
                 "gathers pieces of `{}` that are not one run each in rank order",
                 p.tensor
@@ -273,7 +276,8 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
             }
             Op::Unfuse(u) => {
                 if matches!(layout, Layout::Split { .. }) {
-                    u.groups = u.groups.localize(tp);
+                    let total = u.groups.covered_len().unwrap_or(0);
+                    u.groups = u.groups.localize(total, deal);
                 }
                 infer(&op, &local_in, graph.dtype).map_err(bad)?
             }

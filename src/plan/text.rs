@@ -12,7 +12,10 @@ fn weight_line(w: &super::WeightSlice) -> String {
             let ranges: Vec<String> = w
                 .ranges
                 .iter()
-                .map(|r| format!("{}..{}", r.offset, r.offset + r.len))
+                .map(|r| match r.pad {
+                    0 => format!("{}..{}", r.offset, r.offset + r.len),
+                    pad => format!("{}..{} +{pad}", r.offset, r.offset + r.len),
+                })
                 .collect();
             let pad = if w.padding > 0 {
                 format!(" +{} pad", w.padding)

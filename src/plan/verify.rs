@@ -379,7 +379,7 @@ fn slice_problems(w: &WeightSlice) -> Vec<Problem> {
     let covered = w
         .ranges
         .iter()
-        .try_fold(w.padding, |n, r| n.checked_add(r.len));
+        .try_fold(w.padding, |n, r| n.checked_add(r.len)?.checked_add(r.pad));
     if covered != Some(w.local_shape[d]) {
         out.push(Problem::RangeTotal {
             dim,

@@ -165,9 +165,11 @@ fn expected_total_bytes(def: &ModelDef, tp: u64) -> u64 {
         Family::Gpt2 => {
             let positions = c.max_position_embeddings.unwrap().div_ceil(tp) * tp;
             let norms = 4 * h * tp;
-            // c_attn (+bias) split; c_proj split by rows, its bias added (and held) on rank 0
-            // only, because it is added to partial sums; the same for the MLP.
-            let attn = 3 * h * h + 3 * h + h * h + h;
+            // c_attn (+bias) split (each of q, k, v padded to the largest share of heads);
+            // c_proj split by rows, its bias added (and held) on rank 0 only, because it is
+            // added to partial sums; the same for the MLP.
+            let aw = q_total * hd;
+            let attn = 3 * h * aw + 3 * aw + aw * h + h;
             let mlp = h * ffn + ffn + ffn * h + h;
             (
                 norms + attn + mlp,
@@ -176,7 +178,8 @@ fn expected_total_bytes(def: &ModelDef, tp: u64) -> u64 {
         }
         Family::GptNeox => {
             let norms = 4 * h * tp;
-            let attn = 3 * h * h + 3 * h + h * h + h;
+            let aw = q_total * hd;
+            let attn = 3 * h * aw + 3 * aw + aw * h + h;
             let mlp = h * ffn + ffn + ffn * h + h;
             (norms + attn + mlp, 2 * vocab_padded * h + 2 * h * tp)
         }

@@ -528,6 +528,7 @@ fn ranges_must_lie_inside_the_checkpoint_dim() {
     plan.ranks[1].weights[w].ranges = vec![SliceRange {
         offset: 100,
         len: 64,
+        pad: 0,
     }];
     expect_exactly(
         &plan,
@@ -1092,6 +1093,7 @@ fn corrupt(plan: &mut Plan, rng: &mut Rng) {
             4 => w.ranges.push(SliceRange {
                 offset: size,
                 len: rng.size(),
+                pad: 0,
             }),
             _ => w.local_shape.push(size),
         }
@@ -1221,7 +1223,11 @@ fn split_tensors_are_loaded_whole_by_the_ranks_together() {
     let mut plan = llama2();
     let w = weight(&plan, 1, DOWN_W);
     // Both ranks load columns 0..64; nobody loads 64..128.
-    plan.ranks[1].weights[w].ranges = vec![SliceRange { offset: 0, len: 64 }];
+    plan.ranks[1].weights[w].ranges = vec![SliceRange {
+        offset: 0,
+        len: 64,
+        pad: 0,
+    }];
     expect_exactly(
         &plan,
         vec![(

@@ -1619,7 +1619,11 @@ mod tests {
             shape: vec![4, 3],
             dtype: DType::F32,
             dim: Some(0),
-            ranges: vec![SliceRange { offset: 1, len: 2 }],
+            ranges: vec![SliceRange {
+                offset: 1,
+                len: 2,
+                pad: 0,
+            }],
             padding: 1,
             local_shape: vec![3, 3],
         };

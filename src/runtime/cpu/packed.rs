@@ -1362,6 +1362,7 @@ mod slice_tests {
                 .map(|&(offset, len)| SliceRange {
                     offset: offset as u64,
                     len: len as u64,
+                    pad: 0,
                 })
                 .collect(),
             padding: padding as u64,
@@ -1370,13 +1371,14 @@ mod slice_tests {
     }
 
     /// A random slicing of a random `[rows, cols]` tensor: whole, or 1–3 ranges of dim 0
-    /// or 1 (within the dim, possibly overlapping, as fused pieces may be) plus padding.
+    /// or 1 (within the dim, possibly overlapping, as fused pieces may be), each followed by
+    /// some zeros (a fused part's padding), plus padding at the end.
     fn slicing() -> impl Strategy<Value = WeightSlice> {
         (
             1usize..40,
             1usize..40,
             0u32..3,
-            prop::collection::vec((any::<usize>(), any::<usize>()), 1..4),
+            prop::collection::vec((any::<usize>(), any::<usize>(), 0u64..4), 1..4),
             0usize..20,
         )
             .prop_map(|(rows, cols, dim, raw, padding)| {
@@ -1387,14 +1389,21 @@ mod slice_tests {
                 };
                 let ranges: Vec<(usize, usize)> = raw
                     .iter()
-                    .map(|&(a, b)| {
+                    .map(|&(a, b, _)| {
                         let offset = a % len;
                         (offset, b % (len - offset + 1))
                     })
                     .collect();
                 match dim {
                     None => slice_of([rows, cols], None, &[], 0),
-                    d => slice_of([rows, cols], d, &ranges, padding),
+                    Some(d) => {
+                        let mut w = slice_of([rows, cols], Some(d), &ranges, padding);
+                        for (r, &(_, _, pad)) in w.ranges.iter_mut().zip(&raw) {
+                            r.pad = pad;
+                            w.local_shape[d as usize] += pad;
+                        }
+                        w
+                    }
                 }
             })
     }

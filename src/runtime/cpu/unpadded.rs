@@ -28,7 +28,10 @@ impl Unpadded {
         let out_dim = order.out_dim();
         let in_dim = 1 - out_dim;
         let padding_on = |w: &WeightSlice, d: u32| if w.dim == Some(d) { w.padding } else { 0 };
-        if slices.iter().all(|w| w.padding == 0) || slices.iter().any(|w| w.local_shape.len() != 2)
+        // Padding inside a piece (a fused q|k|v dealt unevenly) is computed, not skipped.
+        let inside = |w: &&WeightSlice| w.ranges.iter().any(|r| r.pad > 0);
+        if slices.iter().all(|w| w.padding == 0)
+            || slices.iter().any(|w| w.local_shape.len() != 2 || inside(w))
         {
             return None;
         }
@@ -113,6 +116,7 @@ mod tests {
             ranges: vec![SliceRange {
                 offset: 0,
                 len: local[dim as usize] - padding,
+                pad: 0,
             }],
             padding,
             local_shape: local.to_vec(),

@@ -613,6 +613,8 @@ fn load_slice_as<T: Copy + Default>(
                 let from = offset.checked_mul(row).ok_or_else(too_big)?;
                 let count = len.checked_mul(row).ok_or_else(too_big)?;
                 read(&w.tensor, from, count, &mut out)?;
+                let pad = to_usize(w, r.pad)?.checked_mul(row).ok_or_else(too_big)?;
+                out.resize(out.len().saturating_add(pad), T::default());
             }
             let pad = to_usize(w, w.padding)?
                 .checked_mul(row)
@@ -627,6 +629,7 @@ fn load_slice_as<T: Copy + Default>(
                         .and_then(|a| a.checked_add(to_usize(w, r.offset).ok()?))
                         .ok_or_else(too_big)?;
                     read(&w.tensor, from, to_usize(w, r.len)?, &mut out)?;
+                    out.resize(out.len().saturating_add(to_usize(w, r.pad)?), T::default());
                 }
                 out.resize(
                     out.len().saturating_add(to_usize(w, w.padding)?),
@@ -742,6 +745,7 @@ impl SliceLayout {
                 out.push((at, offset, len));
                 at = at
                     .checked_add(len)
+                    .and_then(|a| a.checked_add(to_usize(w, r.pad).ok()?))
                     .ok_or_else(|| slice_err(w, "its ranges overflow the address space".into()))?;
             }
             let total = at
@@ -817,8 +821,17 @@ impl SliceLayout {
                 }
             }
             RowMap::Cols(ranges) => {
+                // Columns between ranges (a fused part's padding) and after them are zeros.
+                let zeros = |f: &mut dyn FnMut(usize, Piece) -> Result<()>, from, to| {
+                    let (a, b) = (usize::max(from, c0), usize::min(to, c1));
+                    if a < b {
+                        return f(a - c0, Piece::Zeros { len: b - a });
+                    }
+                    Ok(())
+                };
                 let mut end = 0;
                 for &(l, s, n) in ranges {
+                    zeros(&mut f, end, l)?;
                     end = l + n;
                     let (a, b) = (l.max(c0), end.min(c1));
                     if a < b {
@@ -826,11 +839,7 @@ impl SliceLayout {
                         f(a - c0, Piece::Stored { from, len: b - a })?;
                     }
                 }
-                let a = end.max(c0);
-                if a < c1 {
-                    f(a - c0, Piece::Zeros { len: c1 - a })?;
-                }
-                Ok(())
+                zeros(&mut f, end, c1)
             }
         }
     }
@@ -931,7 +940,11 @@ mod tests {
                                     dim,
                                     ranges: ranges
                                         .iter()
-                                        .map(|&(offset, len)| crate::ir::SliceRange { offset, len })
+                                        .map(|&(offset, len)| crate::ir::SliceRange {
+                                            offset,
+                                            len,
+                                            pad: 0,
+                                        })
                                         .collect(),
                                     padding: 0,
                                     local_shape: vec![local_rows, cols],
@@ -1001,6 +1014,74 @@ mod tests {
             }
             exercise(&bytes, &reads);
         }
+    }
+
+    /// 0, 1, 2, … as a tensor's values.
+    struct Counting;
+
+    impl WeightSource for Counting {
+        fn check(&self, _: &crate::plan::Plan) -> Result<()> {
+            Ok(())
+        }
+        fn read(&self, _: &str, from: usize, count: usize, out: &mut Vec<f32>) -> Result<()> {
+            out.extend((from..from + count).map(|v| v as f32));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn zeros_follow_each_range_then_the_piece() {
+        // A [2, 6] tensor (values 0..12): columns 0..2 then 2 zeros, columns 4..6 then 1,
+        // then 1 zero at the end (a fused dim's parts padded inside the piece).
+        let range = |offset, len, pad| crate::ir::SliceRange { offset, len, pad };
+        let cols = WeightSlice {
+            tensor: "w".into(),
+            shape: vec![2, 6],
+            dtype: crate::ir::DType::F32,
+            dim: Some(1),
+            ranges: vec![range(0, 2, 2), range(4, 2, 1)],
+            padding: 1,
+            local_shape: vec![2, 8],
+        };
+        let t = load_slice(&Counting, &cols).unwrap();
+        let want = [
+            0., 1., 0., 0., 4., 5., 0., 0., 6., 7., 0., 0., 10., 11., 0., 0.,
+        ];
+        assert_eq!(t.data, want);
+        // The row-by-row layout the packing reads gives the same zeros in the same places.
+        let layout = SliceLayout::new(&cols).unwrap();
+        for r in 0..2 {
+            let mut row = vec![f32::NAN; 8];
+            layout
+                .pieces(r, 0, 8, |at, piece| {
+                    match piece {
+                        Piece::Zeros { len } => row[at..at + len].fill(0.0),
+                        Piece::Stored { from, len } => {
+                            for (k, v) in row[at..at + len].iter_mut().enumerate() {
+                                *v = (from + k) as f32;
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(row, want[r * 8..(r + 1) * 8]);
+        }
+        // Rows: row 1 then a zero row, row 0.
+        let rows = WeightSlice {
+            dim: Some(0),
+            ranges: vec![range(1, 1, 1), range(0, 1, 0)],
+            padding: 0,
+            local_shape: vec![3, 6],
+            ..cols
+        };
+        let t = load_slice(&Counting, &rows).unwrap();
+        let want: Vec<f32> = (6..12)
+            .chain([0; 6])
+            .chain(0..6)
+            .map(|v| v as f32)
+            .collect();
+        assert_eq!(t.data, want);
     }
 
     #[test]
