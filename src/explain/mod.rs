@@ -14,7 +14,7 @@ use crate::passes::ShardOptions;
 use crate::passes::{Decision, Reason};
 use crate::pipeline::compile_full;
 use crate::plan::report::{summarize, Summary};
-use crate::plan::{Plan, WeightSlice};
+use crate::plan::Plan;
 pub use render::render_text;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -129,14 +129,10 @@ fn uneven_pieces(plan: &Plan, tensor: &str) -> Vec<u64> {
         .iter()
         .filter_map(|r| r.weights.iter().find(|w| &*w.tensor == tensor))
         .collect();
-    let padded = |w: &&WeightSlice| w.padding > 0 || w.ranges.iter().any(|r| r.pad > 0);
-    if slices.len() != plan.ranks.len() || !slices.iter().any(padded) {
+    if slices.len() != plan.ranks.len() || slices.iter().all(|w| w.pad_len() == 0) {
         return Vec::new();
     }
-    slices
-        .iter()
-        .map(|w| w.ranges.iter().map(|r| r.len).sum())
-        .collect()
+    slices.iter().map(|w| w.real_len()).collect()
 }
 
 /// Explains every weight of `def` at `tp`, compiled with `options` (its `--tp-shares`),

@@ -97,57 +97,44 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     })
 }
 
-/// What an uneven split gives each rank (an evenly dealt vocabulary has its own note).
+/// What an uneven split gives each rank (an evenly dealt vocabulary has its own note); a
+/// fused dimension (`[q | k | v]`) by its first part, each part being dealt on its own and
+/// padded inside the piece, which every backend computes.
 fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
     let vocabulary = matches!(groups, Groups::Plain { padded: true });
     if vocabulary && deal.shares.is_none() {
         return None;
     }
-    if let Groups::Concat(parts) = groups {
-        return fused_note(parts, deal);
-    }
-    let shares = groups.uneven_shares(len, deal)?;
-    let tp = deal.tp;
+    let (dealt, len, parts) = match groups {
+        Groups::Concat(parts) => {
+            let first = parts.first()?;
+            (first, first.covered_len()?, Some(parts.len()))
+        }
+        _ => (groups, len, None),
+    };
+    let shares = dealt.uneven_shares(len, deal)?;
     let by = match deal.shares {
         Some(s) => format!(" by shares {s}"),
         None => String::new(),
     };
-    let (unit, size) = match groups {
-        Groups::Heads { size, .. } if *size > 1 => ("heads", *size),
+    let (unit, size) = match dealt {
+        Groups::Heads { size, .. } if *size > 1 || parts.is_some() => ("heads", (*size).max(1)),
         _ if vocabulary => ("vocabulary rows", 1),
         _ => ("columns", 1),
     };
     let list: Vec<String> = shares.iter().map(|s| (s / size).to_string()).collect();
-    let largest = shares.iter().max().copied().unwrap_or(0) / size;
-    Some(format!(
-        "uneven split at tp={tp}{by}: {} {unit} dealt {} (each piece padded with zeros to {largest}, the largest; the CPU backend skips the padding)",
-        len / size,
-        list.join("/")
-    ))
-}
-
-/// What an uneven split of a fused dimension (`[q | k | v]`) gives each rank: each part is
-/// dealt on its own and padded inside the piece, which every backend computes.
-fn fused_note(parts: &[Groups], deal: Deal) -> Option<String> {
-    let part = parts.first()?;
-    let len = part.covered_len()?;
-    let shares = part.uneven_shares(len, deal)?;
-    let size = match part {
-        Groups::Heads { size, .. } => (*size).max(1),
-        _ => 1,
-    };
-    let list: Vec<String> = shares.iter().map(|s| (s / size).to_string()).collect();
-    let by = deal
-        .shares
-        .map(|s| format!(" by shares {s}"))
-        .unwrap_or_default();
-    Some(format!(
-        "uneven split at tp={}{by}: a fused dimension of {} parts, {} heads of each dealt {} (each part padded with zeros inside the piece to the largest; computed, not skipped)",
-        deal.tp,
-        parts.len(),
-        len / size,
-        list.join("/")
-    ))
+    let (tp, count, list) = (deal.tp, len / size, list.join("/"));
+    Some(match parts {
+        Some(n) => format!(
+            "uneven split at tp={tp}{by}: a fused dimension of {n} parts, {count} heads of each dealt {list} (each part padded with zeros inside the piece to the largest; computed, not skipped)"
+        ),
+        None => {
+            let largest = shares.iter().max().copied().unwrap_or(0) / size;
+            format!(
+                "uneven split at tp={tp}{by}: {count} {unit} dealt {list} (each piece padded with zeros to {largest}, the largest; the CPU backend skips the padding)"
+            )
+        }
+    })
 }
 
 fn notes_for(groups: &Groups, len: u64, deal: Deal, notes: &mut Vec<String>) {

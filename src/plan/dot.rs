@@ -115,12 +115,8 @@ fn weight_notes(r: &RankProgram) -> HashMap<u32, String> {
         .map(|(i, p)| {
             let mut note = format!("{} {}", i.fact.shape, i.layout);
             let slice = r.weights.iter().find(|w| w.tensor == p.tensor);
-            if let Some(w) = slice {
-                let real: u64 = w.ranges.iter().map(|r| r.len).sum();
-                let pad = w.padding + w.ranges.iter().map(|r| r.pad).sum::<u64>();
-                if pad > 0 {
-                    let _ = write!(note, " real {real}+{pad} pad");
-                }
+            if let Some(w) = slice.filter(|w| w.pad_len() > 0) {
+                let _ = write!(note, " real {}+{} pad", w.real_len(), w.pad_len());
             }
             (i.id, note)
         })

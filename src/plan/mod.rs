@@ -197,14 +197,24 @@ impl WeightSlice {
                 .filter(|&(i, _)| i != d as usize)
                 .map(|(_, &n)| n),
         );
-        others.saturating_mul(crate::ir::saturating::sum(
-            self.ranges.iter().map(|r| r.len),
-        ))
+        others.saturating_mul(self.real_len())
+    }
+    /// The split dim's checkpoint elements this piece holds (its padding left out).
+    pub fn real_len(&self) -> u64 {
+        crate::ir::saturating::sum(self.ranges.iter().map(|r| r.len))
+    }
+    /// The split dim's zeros in this piece: after its ranges and at its end.
+    pub fn pad_len(&self) -> u64 {
+        crate::ir::saturating::sum(self.ranges.iter().map(|r| r.pad)).saturating_add(self.padding)
+    }
+    /// Whether some padding lies inside the piece (a fused q|k|v dealt unevenly).
+    pub fn padded_inside(&self) -> bool {
+        self.ranges.iter().any(|r| r.pad > 0)
     }
     /// Elements the CPU backend multiplies: the real ones, or the whole piece where padding
     /// lies inside it (a fused q|k|v dealt unevenly), which it computes.
     pub fn computed_elements(&self) -> u64 {
-        if self.ranges.iter().any(|r| r.pad > 0) {
+        if self.padded_inside() {
             self.local_elements()
         } else {
             self.real_elements()

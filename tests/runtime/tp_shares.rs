@@ -40,11 +40,6 @@ fn exact_cpu(tokens: usize) -> RunOptions {
     }
 }
 
-/// A rank's real (unpadded) length of a split weight.
-fn real_len(w: &WeightSlice) -> u64 {
-    w.ranges.iter().map(|r| r.len).sum()
-}
-
 /// Every split weight, the vocabulary too: each rank's real length grows with its share,
 /// and the ranks' ranges cover the dimension exactly once, or, for replicated kv heads, at
 /// least once.
@@ -88,13 +83,13 @@ fn check_slices(plan: &Plan, shares: &TpShares, ctx: &str) {
                 for b in 0..parts.len() {
                     if parts[a] > parts[b] {
                         assert!(
-                            real_len(pieces[a]) >= real_len(pieces[b]),
+                            pieces[a].real_len() >= pieces[b].real_len(),
                             "{ctx}: {}: rank {a} (share {}) holds {} < rank {b} (share {}) {}",
                             w.tensor,
                             parts[a],
-                            real_len(pieces[a]),
+                            pieces[a].real_len(),
                             parts[b],
-                            real_len(pieces[b])
+                            pieces[b].real_len()
                         );
                     }
                 }
@@ -172,7 +167,7 @@ fn check_logits_gather(plan: &Plan, ctx: &str) {
             panic!("{ctx}: lm_head's weight is not a param")
         };
         let slice = rank.weights.iter().find(|w| w.tensor == p.tensor).unwrap();
-        real_len(slice)
+        slice.real_len()
     };
     let rows: Vec<u64> = plan.ranks.iter().map(head).collect();
     assert_eq!(gather.pieces, rows, "{ctx}: the gather's counts");

@@ -29,9 +29,10 @@ impl Unpadded {
         let in_dim = 1 - out_dim;
         let padding_on = |w: &WeightSlice, d: u32| if w.dim == Some(d) { w.padding } else { 0 };
         // Padding inside a piece (a fused q|k|v dealt unevenly) is computed, not skipped.
-        let inside = |w: &&WeightSlice| w.ranges.iter().any(|r| r.pad > 0);
         if slices.iter().all(|w| w.padding == 0)
-            || slices.iter().any(|w| w.local_shape.len() != 2 || inside(w))
+            || slices
+                .iter()
+                .any(|w| w.local_shape.len() != 2 || w.padded_inside())
         {
             return None;
         }
