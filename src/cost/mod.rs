@@ -4,6 +4,7 @@ pub mod algorithms;
 pub mod decide;
 pub mod prefer;
 pub mod profile;
+pub mod rank_speed;
 pub mod search;
 pub mod shares;
 pub mod shipped_profiles;

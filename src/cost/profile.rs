@@ -3,6 +3,7 @@
 //! collective algorithm over the link that joins the ranks. Shipped as RON in `models/hw/`,
 //! each with the sources of its figures.
 
+use super::rank_speed::RankSpeed;
 use crate::error::{Result, TpcError};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -58,10 +59,11 @@ pub struct HwProfile {
     pub rough: bool,
     /// Unequal devices: the speed of the device each rank of a group runs on, in rank
     /// order, relative to the figures above (1.0: as fast; 0.5: each op takes twice as
-    /// long). Empty: every device alike. `simulate` paces each step by the slowest rank and
+    /// long), one number or compute and memory apart (`(compute: 0.15, memory: 0.2)`).
+    /// Empty: every device alike. `simulate` paces each step by the slowest rank and
     /// `simulate --search` proposes `--tp-shares` from these.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub rank_speeds: Vec<f64>,
+    pub rank_speeds: Vec<RankSpeed>,
 }
 
 /// One host whose cores and memory bandwidth the ranks of a group share.
@@ -306,14 +308,10 @@ impl HwProfile {
                 crate::ir::shares::MAX_SHARED_RANKS
             ));
         }
-        if let Some(v) = self
-            .rank_speeds
-            .iter()
-            .find(|v| !(v.is_normal() && (1e-3..=1e3).contains(*v)))
-        {
+        if let Some(v) = self.rank_speeds.iter().find_map(|s| s.out_of_range()) {
             return Err(format!(
                 "rank_speeds holds {}; each speed must be a number from 0.001 to 1000 (1.0: as fast as the profile's device)",
-                readable(*v)
+                readable(v)
             ));
         }
         if shared.cores == 0 || shared.cores > MAX_DEVICES {

@@ -1,9 +1,10 @@
 //! `simulate --search` on unequal devices: which `--tp-shares` to give ranks whose devices
-//! run at the profile's `rank_speeds`. Shares in proportion to the speeds are the first
-//! guess; since atoms round and the vocabulary stays even, their neighbours are priced
-//! too and the fastest decode wins.
+//! run at the profile's `rank_speeds`. Shares in proportion to the speeds (memory and,
+//! where they differ, compute) are the first guesses; since atoms round, their neighbours
+//! are priced too and the fastest decode wins.
 
 use super::profile::HwProfile;
+use super::rank_speed::RankSpeed;
 use super::simulate::{simulate_as, Estimate, Numerics, Workload};
 use crate::error::TpcError;
 use crate::ir::shares::MAX_SHARE;
@@ -57,6 +58,20 @@ pub fn candidates(speeds: &[f64]) -> Vec<TpShares> {
     out
 }
 
+/// The candidates for the memory speeds (decode's pace), then those the compute speeds
+/// add where a rank's two differ.
+fn speed_candidates(speeds: &[RankSpeed]) -> Vec<TpShares> {
+    let memory: Vec<f64> = speeds.iter().map(|s| s.memory).collect();
+    let compute: Vec<f64> = speeds.iter().map(|s| s.compute).collect();
+    let mut out = candidates(&memory);
+    for s in candidates(&compute) {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    out
+}
+
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 {
         a
@@ -77,7 +92,7 @@ pub fn propose_shares(
     let price = |plan: &Plan| simulate_as(plan, hw, work, numerics(plan));
     let even = price(&compile(None)?);
     let mut best: Option<(TpShares, Estimate)> = None;
-    for shares in candidates(&hw.rank_speeds) {
+    for shares in speed_candidates(&hw.rank_speeds) {
         let Ok(plan) = compile(Some(shares)) else {
             continue;
         };

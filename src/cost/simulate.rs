@@ -7,6 +7,7 @@
 
 use super::algorithms::all_reduce_time;
 use super::profile::HwProfile;
+use super::rank_speed::RankSpeed;
 use crate::ir::{DType, Op};
 use crate::plan::{Collective, Plan};
 use serde::Serialize;
@@ -531,25 +532,29 @@ fn price(
 }
 
 /// How much longer than the fullest rank's figures the slowest rank takes: its part of the
-/// work (`work`: the real share of its padded parameters, where the backend skips the
-/// padding of an uneven split, as the CPU's does on a shared host) and its device's speed
-/// (`speed`, the profile's `rank_speeds`). The ranks meet at every collective, so the
-/// slowest one sets the pace.
+/// work (`work`: the real share of its padded parameters, as the CPU and CUDA backends skip
+/// the padding of an uneven split) and its device's speed
+/// (`speed`, the profile's `rank_speeds`: compute scales the products and the per-op
+/// overhead, memory the reads and the elementwise ops). The ranks meet at every
+/// collective, so the slowest one sets the pace.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Pace {
     work: f64,
-    speed: f64,
+    speed: RankSpeed,
 }
 
 impl Pace {
     fn apply(self, p: PhaseTime) -> PhaseTime {
-        let scale = self.work / self.speed;
+        let (compute, memory) = (
+            self.work / self.speed.compute,
+            self.work / self.speed.memory,
+        );
         phase(
-            p.compute_s * scale,
-            p.memory_s * scale,
+            p.compute_s * compute,
+            p.memory_s * memory,
             p.comm_s,
-            p.overhead_s / self.speed,
-            p.elementwise_s * scale,
+            p.overhead_s / self.speed.compute,
+            p.elementwise_s * memory,
         )
     }
 }
@@ -562,13 +567,9 @@ fn rank_paces(plan: &Plan, hw: &HwProfile) -> Vec<Pace> {
         .enumerate()
         .map(|(r, program)| {
             let padded = sum(program.weights.iter().map(|w| w.local_elements())) as f64;
-            let real = sum(program.weights.iter().map(|w| w.computed_elements())) as f64;
-            let work = if hw.shared.is_some() && padded > 0.0 {
-                real / padded
-            } else {
-                1.0
-            };
-            let speed = hw.rank_speeds.get(r).copied().unwrap_or(1.0);
+            let real = sum(program.weights.iter().map(|w| w.real_elements())) as f64;
+            let work = if padded > 0.0 { real / padded } else { 1.0 };
+            let speed = hw.rank_speeds.get(r).copied().unwrap_or(RankSpeed::SAME);
             Pace { work, speed }
         })
         .collect()
@@ -1086,7 +1087,7 @@ mod tests {
         };
         let even = simulate_as(&tinyllama(2), &hw, work, num);
         // One device at a quarter of the speed: every step takes four times as long.
-        hw.rank_speeds = vec![1.0, 0.25];
+        hw.rank_speeds = vec![RankSpeed::SAME, RankSpeed::both(0.25)];
         let slow = simulate_as(&tinyllama(2), &hw, work, num);
         let ratio = slow.decode_step.memory_s / even.decode_step.memory_s;
         assert!((ratio - 4.0).abs() < 1e-9, "{ratio}");
@@ -1098,13 +1099,69 @@ mod tests {
             four.tokens_per_s.decode > 1.5 * slow.tokens_per_s.decode,
             "{four:?} {slow:?}"
         );
-        // Padding is priced only where the backend skips it (a CPU host): on a GPU profile
-        // the padded pieces cost as much as the largest.
+        // The GPU backend skips the padding too: the same on a profile of separate devices.
         hw.shared = None;
+        let slow = simulate_as(&tinyllama(2), &hw, work, num);
+        let four = simulate_as(&shared("4,1"), &hw, work, num);
+        assert!(
+            four.tokens_per_s.decode > 1.5 * slow.tokens_per_s.decode,
+            "{four:?} {slow:?}"
+        );
+        // Alike devices: shares only slow the group (the larger piece paces every step).
         hw.rank_speeds.clear();
         let padded = simulate_as(&shared("4,1"), &hw, work, num);
         let plain = simulate_as(&tinyllama(2), &hw, work, num);
         assert!(padded.decode_step.memory_s > plain.decode_step.memory_s);
+    }
+
+    #[test]
+    fn a_rank_slow_at_compute_only_slows_the_compute_bound_phase() {
+        let mut hw = flat_hw();
+        // A CPU host's rates: a 64-token prompt is compute-bound, a decode step read-bound.
+        hw.op_overhead_s = 1e-6;
+        hw.peak_flops_bf16 = 4e11;
+        hw.peak_flops_f32 = 2e11;
+        hw.memory_bandwidth = 4e10;
+        hw.shared = Some(crate::cost::profile::SharedHost::new(2));
+        let work = Workload {
+            batch: 1,
+            prompt: 64,
+            gen: 32,
+        };
+        let num = Numerics::cpu_runtime(true);
+        let even = simulate_as(&tinyllama(2), &hw, work, num);
+        let lagging = RankSpeed {
+            compute: 0.25,
+            memory: 1.0,
+        };
+        hw.rank_speeds = vec![RankSpeed::SAME, lagging];
+        let slow = simulate_as(&tinyllama(2), &hw, work, num);
+        let ratio = |a: f64, b: f64| a / b;
+        // The products and the per-op overhead take four times as long ...
+        for (a, b) in [
+            (slow.prefill.compute_s, even.prefill.compute_s),
+            (slow.decode_step.compute_s, even.decode_step.compute_s),
+            (slow.decode_step.overhead_s, even.decode_step.overhead_s),
+        ] {
+            assert!((ratio(a, b) - 4.0).abs() < 1e-9, "{a} {b}");
+        }
+        // ... the reads and elementwise ops as long as before.
+        assert_eq!(slow.decode_step.memory_s, even.decode_step.memory_s);
+        assert_eq!(slow.prefill.elementwise_s, even.prefill.elementwise_s);
+        assert!(slow.tokens_per_s.prefill < 0.5 * even.tokens_per_s.prefill);
+        assert!(slow.tokens_per_s.decode > 0.8 * even.tokens_per_s.decode);
+        // The other way round: decode, bound by the reads, slows; the step is the slowest
+        // rank's, so a rank slow at memory paces decode by its memory speed.
+        hw.rank_speeds = vec![
+            RankSpeed::SAME,
+            RankSpeed {
+                compute: 1.0,
+                memory: 0.25,
+            },
+        ];
+        let slow_reads = simulate_as(&tinyllama(2), &hw, work, num);
+        assert!((slow_reads.decode_step.memory_s / even.decode_step.memory_s - 4.0).abs() < 1e-9);
+        assert_eq!(slow_reads.prefill.compute_s, even.prefill.compute_s);
     }
 
     #[test]

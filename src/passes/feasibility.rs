@@ -126,12 +126,12 @@ fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
     let (tp, count, list) = (deal.tp, len / size, list.join("/"));
     Some(match parts {
         Some(n) => format!(
-            "uneven split at tp={tp}{by}: a fused dimension of {n} parts, {count} heads of each dealt {list} (each part padded with zeros inside the piece to the largest; computed, not skipped)"
+            "uneven split at tp={tp}{by}: a fused dimension of {n} parts, {count} heads of each dealt {list} (each part padded with zeros inside the piece to the largest; linears skip the padding on CPUs and GPUs)"
         ),
         None => {
             let largest = shares.iter().max().copied().unwrap_or(0) / size;
             format!(
-                "uneven split at tp={tp}{by}: {count} {unit} dealt {list} (each piece padded with zeros to {largest}, the largest; the CPU backend skips the padding)"
+                "uneven split at tp={tp}{by}: {count} {unit} dealt {list} (each piece padded with zeros to {largest}, the largest; linears skip the padding on CPUs and GPUs)"
             )
         }
     })

@@ -211,15 +211,6 @@ impl WeightSlice {
     pub fn padded_inside(&self) -> bool {
         self.ranges.iter().any(|r| r.pad > 0)
     }
-    /// Elements the CPU backend multiplies: the real ones, or the whole piece where padding
-    /// lies inside it (a fused q|k|v dealt unevenly), which it computes.
-    pub fn computed_elements(&self) -> u64 {
-        if self.padded_inside() {
-            self.local_elements()
-        } else {
-            self.real_elements()
-        }
-    }
     pub fn local_bytes(&self) -> u64 {
         self.local_elements()
             .saturating_mul(self.dtype.size_bytes())

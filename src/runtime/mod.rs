@@ -42,5 +42,6 @@ pub mod shape_rules;
 pub mod simd;
 pub mod stage_link;
 pub mod tensor;
+pub mod unpadded;
 pub mod verify;
 pub mod weights;

@@ -520,16 +520,16 @@ fn compile_with_a_profile_keeps_the_cheaper_plan_and_says_why() {
 }
 
 /// A profile's `rank_speeds` for unequal devices: `simulate` paces by the slowest rank and
-/// `--search` proposes shares where the backend skips the padding (a CPU host's ranks);
-/// on a GPU profile, whose backend computes the padding, the even split stays.
+/// `--search` proposes shares on a CPU host's and on a GPU profile (both backends skip the
+/// padding); alike devices keep the even split.
 #[test]
-fn unequal_devices_get_shares_proposed_where_padding_is_skipped() {
+fn unequal_devices_get_shares_proposed() {
     let dir = std::env::temp_dir().join(format!("tpc-unequal-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let with_speeds = |text: &str, name: &str| {
+    let with_speeds = |text: &str, name: &str, speeds: &str| {
         let end = text.trim_end().rfind(')').unwrap();
         let edited = format!(
-            "{},\n    rank_speeds: [1.0, 0.25],\n)\n",
+            "{},\n    rank_speeds: [{speeds}],\n)\n",
             text[..end].trim_end().trim_end_matches(',')
         );
         let path = dir.join(name);
@@ -539,8 +539,13 @@ fn unequal_devices_get_shares_proposed_where_padding_is_skipped() {
     let host = dir.join("host.ron");
     let o = tpc(&["calibrate", "--quick", "-o", host.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let cpu = with_speeds(&std::fs::read_to_string(&host).unwrap(), "cpu.ron");
-    let gpu = with_speeds(&std::fs::read_to_string(NVSWITCH).unwrap(), "gpu.ron");
+    let host_text = std::fs::read_to_string(&host).unwrap();
+    let cpu = with_speeds(&host_text, "cpu.ron", "1.0, 0.25");
+    let gpu = with_speeds(
+        &std::fs::read_to_string(NVSWITCH).unwrap(),
+        "gpu.ron",
+        "1.0, 0.25",
+    );
     let run = |hw: &str, extra: &[&str]| {
         let args = [
             &["simulate", "models/tinyllama-1.1b.ron", "--hw", hw][..],
@@ -565,6 +570,38 @@ fn unequal_devices_get_shares_proposed_where_padding_is_skipped() {
     };
     // The slow rank paces the even split; shares toward the fast one win on the CPU host.
     assert!(decode(&cpu, &["--tp-shares", "4,1"]) > 1.5 * decode(&cpu, &[]));
+    // The same speeds written apart price the same; a rank slow at compute only (memory
+    // as fast) slows the compute-bound prompt far more than the read-bound decode.
+    let apart = with_speeds(
+        &host_text,
+        "apart.ron",
+        "1.0, (compute: 0.25, memory: 0.25)",
+    );
+    assert_eq!(
+        decode(&apart, &["--tp-shares", "4,1"]),
+        decode(&cpu, &["--tp-shares", "4,1"])
+    );
+    let compute_only = with_speeds(
+        &host_text,
+        "compute.ron",
+        "1.0, (compute: 0.25, memory: 1.0)",
+    );
+    let both = |hw: &str| {
+        let v: serde_json::Value =
+            serde_json::from_str(&run(hw, &["--tp", "2", "--json"])).unwrap();
+        let t = &v["tokens_per_s"];
+        (
+            t["prefill"].as_f64().unwrap(),
+            t["decode"].as_f64().unwrap(),
+        )
+    };
+    let alike = with_speeds(&host_text, "alike.ron", "1.0, 1.0");
+    let (slow_prefill, slow_decode) = both(&compute_only);
+    let (prefill, decode_alike) = both(&alike);
+    assert!(
+        slow_prefill / prefill < 0.6 * (slow_decode / decode_alike),
+        "prefill {slow_prefill} vs {prefill}, decode {slow_decode} vs {decode_alike}"
+    );
     let text = run(&cpu, &["--search"]);
     let line = text
         .lines()
@@ -584,8 +621,19 @@ fn unequal_devices_get_shares_proposed_where_padding_is_skipped() {
         v["ranked"].is_array() && v["shares_proposal"]["shares"].is_array(),
         "{v}"
     );
-    // On the GPU profile the padded pieces cost the largest's: even stays.
+    // The CUDA backend skips the padding too: shares are proposed on a GPU profile.
     let text = run(&gpu, &["--search"]);
+    assert!(
+        text.contains("unequal devices (rank_speeds 1, 0.25): --tp 2 --tp-shares "),
+        "{text}"
+    );
+    // Alike devices: the even split is the fastest.
+    let alike_gpu = with_speeds(
+        &std::fs::read_to_string(NVSWITCH).unwrap(),
+        "alike-gpu.ron",
+        "1.0, 1.0",
+    );
+    let text = run(&alike_gpu, &["--search"]);
     assert!(
         text.contains("the even split at --tp 2 is the fastest"),
         "{text}"

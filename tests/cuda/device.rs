@@ -12,10 +12,14 @@ use common::{fixtures, read_reference, rel_error, BF16_REL_TOL, REL_TOL};
 
 use std::process::Command;
 use tpc::frontend::load::load_model;
-use tpc::pipeline::compile;
+use tpc::ir::Op;
+use tpc::passes::ShardOptions;
+use tpc::pipeline::{compile, compile_with};
+use tpc::plan::Plan;
 use tpc::runtime::cuda::probe::{require, Library};
-use tpc::runtime::generate::{ComputeDtype, Device, RunOptions};
-use tpc::runtime::run::run;
+use tpc::runtime::executor::weight_uses;
+use tpc::runtime::generate::{ComputeDtype, Device, Request, RunOptions};
+use tpc::runtime::run::{run, run_batch};
 use tpc::runtime::weights::Checkpoint;
 
 /// Whether a GPU can be used here; prints why not.
@@ -134,6 +138,104 @@ fn every_fixture_on_two_gpus_matches_hf() {
     eprintln!("{}", report.join("\n"));
 }
 
+/// The f32 bytes of rank 0's weights on a backend that leaves out the padding of every
+/// weight that only linears read (an embedding table, a bias or a tied table is whole).
+fn unpadded_f32_bytes(plan: &Plan) -> u64 {
+    let program = &plan.ranks[0];
+    let uses = weight_uses(program);
+    let elements: u64 = program
+        .instrs
+        .iter()
+        .filter_map(|i| {
+            let Op::Param(p) = &i.op else {
+                return None;
+            };
+            let w = program.weights.iter().find(|w| w.tensor == p.tensor)?;
+            let u = uses.get(&i.id).copied().unwrap_or_default();
+            Some(if u.linear.is_some() && !u.other {
+                w.real_elements()
+            } else {
+                w.local_elements()
+            })
+        })
+        .sum();
+    elements * 4
+}
+
+/// Unequal shares on one GPU: every fixture (GPT-2's fused q|k|v padded inside its piece
+/// too) at shares 1,3 and 1,2,3 matches HF's logits and greedy tokens (f32), and the
+/// backend leaves the padding out of a smaller share's linears: rank 0's weights take the
+/// bytes of their real parts (whole where other ops read them), fewer than the padded
+/// pieces wherever a linear's piece is padded.
+#[test]
+fn every_fixture_under_shares_on_one_gpu_matches_hf() {
+    if !gpu_present("every_fixture_under_shares_on_one_gpu_matches_hf") {
+        return;
+    }
+    let mut report = Vec::new();
+    for dir in fixtures() {
+        let reference = read_reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let opts = RunOptions {
+            device: Device::Cuda(vec![0]),
+            dtype: ComputeDtype::F32,
+            max_new_tokens: reference.greedy.len(),
+            ..Default::default()
+        };
+        let request = [Request {
+            prompt: reference.prompt.clone(),
+            max_new_tokens: None,
+        }];
+        let mut shed = Vec::new();
+        for shares in [None, Some("1,3"), Some("1,2,3")] {
+            let options = ShardOptions {
+                shares: shares.map(|s| s.parse().unwrap()),
+                ..Default::default()
+            };
+            let tp = shares.map_or(2, |s| s.split(',').count() as u64);
+            let what = format!("{} tp={tp} shares {shares:?}", dir.display());
+            let compiled =
+                compile_with(&def, tp, options).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let out = run_batch(&compiled.plan, &ckpt, &request, &opts)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let seq = &out.sequences[0];
+            let err = rel_error(&seq.prompt_logits.data, &reference.logits);
+            report.push(format!(
+                "{what}: rel err {err:.2e}, rank 0 weights {} B",
+                out.weight_bytes
+            ));
+            assert!(
+                err <= REL_TOL,
+                "{what}: relative error {err:.3e} > {REL_TOL}"
+            );
+            assert_eq!(seq.generated, reference.greedy, "{what}: greedy tokens");
+            assert_eq!(
+                out.weight_bytes,
+                unpadded_f32_bytes(&compiled.plan),
+                "{what}: rank 0's weight bytes"
+            );
+            let padded: u64 = compiled.plan.ranks[0]
+                .weights
+                .iter()
+                .map(|w| w.local_bytes())
+                .sum();
+            shed.push(padded - out.weight_bytes);
+        }
+        // At 1,3 rank 0's linears are padded (at least its LM head's vocabulary rows), but
+        // for qwen3-tied, whose only uneven piece is the LM head's table that the embedding
+        // reads too.
+        let tied = dir.ends_with("qwen3-tied");
+        assert_eq!(
+            shed[1] > 0,
+            !tied,
+            "{}: {shed:?} bytes left out",
+            dir.display()
+        );
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
 /// A test of this module by the name the harness knows it (`device::test`, in the `cuda`
 /// test target), for `--exact`.
 fn in_this_module(test: &str) -> String {
@@ -218,6 +320,7 @@ fn every_fixture_matches_hf_on_the_emulated_gpu() {
         (one_gpu, "tiled"),
         (one_gpu, "split"),
         ("every_fixture_on_two_gpus_matches_hf", ""),
+        ("every_fixture_under_shares_on_one_gpu_matches_hf", ""),
     ];
     let children: Vec<(&str, &str, std::process::Child)> = runs
         .into_iter()

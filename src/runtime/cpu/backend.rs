@@ -7,7 +7,6 @@ use super::fastmath;
 use super::isa::Kernels;
 use super::packed::PackedMatrix;
 use super::team::Team;
-use super::unpadded::Unpadded;
 use crate::ir::{ActivationKind, CollectiveAlgorithm, DType, RopeOp, WeightOrder};
 use crate::plan::WeightSlice;
 use crate::runtime::backend::{
@@ -22,6 +21,7 @@ use crate::runtime::sampling::{host_best_k_of_pairs, host_top_k_pairs};
 use crate::runtime::shape_rules;
 use crate::runtime::simd::{widest_simd_fn, with_avx2};
 use crate::runtime::tensor::{pool, Tensor};
+use crate::runtime::unpadded::Unpadded;
 use crate::runtime::weights::{load_slice, load_slice_bf16, WeightSource};
 
 /// Elementwise work at least this long (elements) is split over the team: a prompt's
@@ -1607,6 +1607,61 @@ mod tests {
         ) -> crate::runtime::weights::WeightResult<()> {
             out.extend((from..from + count).map(|i| i as f32 + 1.0 / 3.0));
             Ok(())
+        }
+    }
+
+    #[test]
+    fn padding_inside_a_piece_is_neither_packed_nor_multiplied() {
+        use crate::ir::SliceRange;
+        // A fused [q | k]-like piece of a 64×8 weight: rows 0..16 and 32..48, each followed
+        // by 8 zero rows (the parts dealt unevenly), 48 rows in all.
+        let range = |offset, len| SliceRange {
+            offset,
+            len,
+            pad: 8,
+        };
+        let slice = WeightSlice {
+            tensor: "w".into(),
+            shape: vec![64, 8],
+            dtype: DType::F32,
+            dim: Some(0),
+            ranges: vec![range(0, 16), range(32, 16)],
+            padding: 0,
+            local_shape: vec![48, 8],
+        };
+        let usage = WeightUse {
+            linear: Some(WeightOrder::OutIn),
+            other: false,
+        };
+        let cpu = CpuBackend::new(1);
+        let w = cpu.upload(&Table, &slice, usage).unwrap();
+        // Only the 32 real rows are packed (f32 panels of 16 columns: no rounding here).
+        assert_eq!(cpu.weight_bytes(&w), 32 * 8 * 4);
+        let x = Tensor::new(
+            vec![2, 8],
+            (0..16).map(|i| (i as f32 * 0.3).sin()).collect(),
+        );
+        let y = cpu.linear(&x, &w).unwrap();
+        assert_eq!(y.shape, vec![2, 48]);
+        let weight_row = |r: usize| (0..8).map(move |c| (r * 8 + c) as f32 + 1.0 / 3.0);
+        for (i, row) in y.data.chunks(48).enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                let source = match j {
+                    0..16 => Some(j),
+                    24..40 => Some(32 + j - 24),
+                    _ => None,
+                };
+                let want: f32 = source.map_or(0.0, |r| {
+                    weight_row(r)
+                        .zip(&x.data[i * 8..i * 8 + 8])
+                        .map(|(a, b)| a * b)
+                        .sum()
+                });
+                assert!(
+                    (v - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{i},{j}: {v} vs {want}"
+                );
+            }
         }
     }
 

@@ -14,7 +14,6 @@ pub mod options;
 pub mod packed;
 pub(crate) mod self_check;
 pub mod team;
-pub mod unpadded;
 
 pub use backend::{gemm_f32, CpuBackend};
 pub use options::CpuOptions;

@@ -16,6 +16,7 @@ use crate::runtime::exact::{DepthOrder, LIMBS};
 use crate::runtime::sampling::{host_best_k_of_pairs, host_top_k_pairs};
 use crate::runtime::shape_rules;
 use crate::runtime::tensor::Tensor;
+use crate::runtime::unpadded::Unpadded;
 use crate::runtime::weights::{load_slice, load_slice_bf16, side_by_side, WeightSource};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -128,12 +129,26 @@ pub struct CudaWeight {
     data: WeightData,
     /// How a linear op reads it.
     order: WeightOrder,
+    /// The padding of an uneven split left out of `data`: a rank with a smaller share
+    /// uploads and multiplies only its real columns (`None`: nothing left out).
+    unpadded: Option<Unpadded>,
 }
 
 enum WeightData {
     F32(CudaSlice<f32>),
     /// bf16 as its bits.
     Bf16(CudaSlice<u16>),
+}
+
+/// One product's part: `n` output columns from the weight's column `w_col` into column
+/// `out_col` of output rows `ldc` wide, over x's first `k` inputs.
+#[derive(Clone, Copy)]
+struct GemmPart {
+    k: usize,
+    n: usize,
+    w_col: usize,
+    out_col: usize,
+    ldc: usize,
 }
 
 impl CudaWeight {
@@ -265,6 +280,7 @@ impl CudaBackend {
     }
 
     /// `out [m, n] = x [m, k] · Wᵀ` through cuBLAS (column-major: `outᵀ = W · xᵀ`).
+    /// `x · W` into a new `[.., n]` buffer: one part, the whole weight.
     fn gemm(
         &self,
         x: &CudaAct,
@@ -283,24 +299,66 @@ impl CudaBackend {
         } else {
             self.output(out_shape)?
         };
-        let dims: Vec<i32> = [m, k, n]
-            .iter()
-            .map(|&d| i32::try_from(d))
-            .collect::<Result<_, _>>()
-            .map_err(|_| {
-                BackendError::Unsupported(format!(
-                    "a product of [{m}, {k}] by [{k}, {n}]: cuBLAS takes dimensions below 2^31"
-                ))
-            })?;
-        let (mi, ki, ni) = (dims[0], dims[1], dims[2]);
-        if m == 0 || n == 0 {
-            return Ok(out);
-        }
-        // W stored [n, k] (out, in) is read transposed; [k, n] (in, out) as it is.
-        let (trans_w, ld_w) = match w.order {
-            WeightOrder::OutIn => (blas::cublasOperation_t::CUBLAS_OP_T, ki),
-            WeightOrder::InOut => (blas::cublasOperation_t::CUBLAS_OP_N, ni),
+        let whole = GemmPart {
+            k,
+            n,
+            w_col: 0,
+            out_col: 0,
+            ldc: n,
         };
+        self.gemm_parts(x, w, m, &mut out, &[whole])?;
+        Ok(out)
+    }
+
+    /// The parts of `x · W` that `parts` name, each into its columns of `out` (`[m, ldc]`);
+    /// `out`'s other columns are left as they are.
+    fn gemm_parts(
+        &self,
+        x: &CudaAct,
+        w: &CudaWeight,
+        m: usize,
+        out: &mut CudaAct,
+        parts: &[GemmPart],
+    ) -> BackendResult<()> {
+        let ldx = x.rows_cols().1;
+        let i32_of = |d: usize| {
+            i32::try_from(d).map_err(|_| {
+                BackendError::Unsupported(format!(
+                    "a product of [{m}, {ldx}] by a weight of shape {:?}: cuBLAS takes dimensions below 2^31",
+                    w.shape
+                ))
+            })
+        };
+        let (w_rows, w_cols) = match w.shape[..] {
+            [a, b] => (a, b),
+            _ => return Err(shape_err(format!("a linear weight of shape {:?}", w.shape))),
+        };
+        // W stored [n, k] (out, in) is read transposed; [k, n] (in, out) as it is. A part's
+        // first weight column is `w_col` rows (out-in) or elements (in-out) in.
+        let (trans_w, ld_w, w_step) = match w.order {
+            WeightOrder::OutIn => (blas::cublasOperation_t::CUBLAS_OP_T, w_cols, w_cols),
+            WeightOrder::InOut => (blas::cublasOperation_t::CUBLAS_OP_N, w_cols, 1),
+        };
+        let (depth, width) = match w.order {
+            WeightOrder::OutIn => (w_cols, w_rows),
+            WeightOrder::InOut => (w_rows, w_cols),
+        };
+        let (mi, ldxi, ld_wi) = (i32_of(m)?, i32_of(ldx)?, i32_of(ld_w)?);
+        for p in parts {
+            let fits = p.k <= depth.min(ldx)
+                && p.w_col.checked_add(p.n).is_some_and(|e| e <= width)
+                && p.out_col.checked_add(p.n).is_some_and(|e| e <= p.ldc)
+                && out.data().len() >= m.saturating_mul(p.ldc);
+            if !fits {
+                return Err(shape_err(format!(
+                    "a product part of {} columns from weight column {} into column {} of {} over depth {} (x [{m}, {ldx}], weight {:?})",
+                    p.n, p.w_col, p.out_col, p.ldc, p.k, w.shape
+                )));
+            }
+        }
+        if m == 0 || parts.iter().all(|p| p.n == 0 || p.k == 0) {
+            return Ok(());
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         let stream = self.gpu.stream.clone();
         self.gpu
@@ -312,7 +370,7 @@ impl CudaBackend {
         let rounded: Option<&CudaSlice<u16>> = match &w.data {
             WeightData::F32(_) => None,
             WeightData::Bf16(_) => Some(x.rounded(|data| -> BackendResult<CudaSlice<u16>> {
-                let len = m * k;
+                let len = m * ldx;
                 // SAFETY: device memory, written whole by round_to_bf16 below.
                 let mut r = unsafe { stream.alloc::<u16>(len.max(1)) }
                     .map_err(|e| self.gpu.fail("bf16 activations", Some(len * 2), e))?;
@@ -321,18 +379,20 @@ impl CudaBackend {
                 Ok(r)
             })?),
         };
-        // The operands' addresses and element type; the guards keep cudarc's stream
-        // ordering until the call is enqueued.
-        let ((wp, _w), (xp, _x), operands) = match (&w.data, rounded) {
+        // The operands' addresses, element type and the weight's element size; the guards
+        // keep cudarc's stream ordering until the calls are enqueued.
+        let ((wp, _w), (xp, _x), operands, w_size) = match (&w.data, rounded) {
             (WeightData::F32(wd), _) => (
                 wd.device_ptr(&stream),
                 x.data().device_ptr(&stream),
                 blas::cudaDataType::CUDA_R_32F,
+                4u64,
             ),
             (WeightData::Bf16(wd), Some(r)) => (
                 wd.device_ptr(&stream),
                 r.device_ptr(&stream),
                 blas::cudaDataType::CUDA_R_16BF,
+                2u64,
             ),
             (WeightData::Bf16(_), None) => {
                 return Err(BackendError::Device(
@@ -341,38 +401,87 @@ impl CudaBackend {
             }
         };
         let (out_ptr, _o) = out.data_mut().device_ptr_mut(&stream);
-        // SAFETY: W holds n·k and x m·k values of `operands`' type, out m·n f32 values
-        // (checked by the caller and allocated here); the handle runs on this rank's stream.
-        let status = unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.gpu.blas.handle(),
-                trans_w,
-                blas::cublasOperation_t::CUBLAS_OP_N,
-                ni,
-                mi,
-                ki,
-                &alpha as *const f32 as *const c_void,
-                wp as *const c_void,
-                operands,
-                ld_w,
-                xp as *const c_void,
-                operands,
-                ki,
-                &beta as *const f32 as *const c_void,
-                out_ptr as *mut c_void,
-                blas::cudaDataType::CUDA_R_32F,
-                ni,
-                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        };
+        for p in parts.iter().filter(|p| p.n > 0 && p.k > 0) {
+            let (ni, ki, ldci) = (i32_of(p.n)?, i32_of(p.k)?, i32_of(p.ldc)?);
+            let w_at = wp + (p.w_col * w_step) as u64 * w_size;
+            let out_at = out_ptr + p.out_col as u64 * 4;
+            // SAFETY: the part's weight columns, x's first k inputs of each of its m rows
+            // (ldx apart) and the part's output columns of out's m rows (ldc apart) lie in
+            // their buffers (checked above); the handle runs on this rank's stream.
+            let status = unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.gpu.blas.handle(),
+                    trans_w,
+                    blas::cublasOperation_t::CUBLAS_OP_N,
+                    ni,
+                    mi,
+                    ki,
+                    &alpha as *const f32 as *const c_void,
+                    w_at as *const c_void,
+                    operands,
+                    ld_wi,
+                    xp as *const c_void,
+                    operands,
+                    ldxi,
+                    &beta as *const f32 as *const c_void,
+                    out_at as *mut c_void,
+                    blas::cudaDataType::CUDA_R_32F,
+                    ldci,
+                    blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            };
+            status.map_err(|e| {
+                BackendError::Device(format!(
+                    "rank {} on GPU {}: cuBLAS GEMM [{m}, {}] x [{}, {}]: {e:?}",
+                    self.gpu.rank, self.gpu.ordinal, p.k, p.k, p.n
+                ))
+            })?;
+        }
         drop((_o, _w, _x));
-        status.map_err(|e| {
-            BackendError::Device(format!(
-                "rank {} on GPU {}: cuBLAS GEMM [{m}, {k}] x [{k}, {n}]: {e:?}",
-                self.gpu.rank, self.gpu.ordinal
-            ))
-        })?;
+        Ok(())
+    }
+
+    /// A padded linear without its padding: each real column run of `u` from the trimmed
+    /// weight over x's real inputs, into a zeroed output of the padded width.
+    fn linear_unpadded(&self, x: &CudaAct, w: &CudaWeight, u: &Unpadded) -> BackendResult<CudaAct> {
+        let (m, k) = x.rows_cols();
+        let &[(real_k, _)] = &u.depth_runs[..] else {
+            return Err(BackendError::Device(
+                "a weight trimmed with inputs padded inside (a bug in tpc: it is not trimmed on GPUs)"
+                    .into(),
+            ));
+        };
+        if k != u.depth {
+            return Err(shape_err(format!(
+                "{k} input features against a weight of {} inputs",
+                u.depth
+            )));
+        }
+        let width = u
+            .columns
+            .iter()
+            .try_fold(0usize, |a, &(n, pad)| a.checked_add(n)?.checked_add(pad))
+            .ok_or_else(|| shape_err("a weight wider than memory".into()))?;
+        let mut shape = x.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = width;
+        }
+        let mut out = self.zeros(shape)?;
+        let (mut w_col, mut out_col) = (0, 0);
+        let mut parts = Vec::with_capacity(u.columns.len());
+        for &(n, pad) in &u.columns {
+            parts.push(GemmPart {
+                k: real_k,
+                n,
+                w_col,
+                out_col,
+                ldc: width,
+            });
+            w_col += n;
+            out_col += n + pad;
+        }
+        self.gemm_parts(x, w, m, &mut out, &parts)?;
         Ok(out)
     }
 
@@ -570,6 +679,10 @@ impl Backend for CudaBackend {
                 slice.local_shape
             )));
         }
+        // A weight read only by linears leaves out the padding of an uneven split.
+        if let (Some(order), false, true) = (usage.linear, usage.other, two_d) {
+            return self.upload_linears(src, &[slice], order);
+        }
         // Matrices (linear weights, embedding tables) in bf16 compute stay bf16; vectors
         // (norm scales, biases) are f32.
         let bf16 = self.bf16_linears && two_d;
@@ -591,6 +704,7 @@ impl Backend for CudaBackend {
             shape,
             data,
             order: usage.linear.unwrap_or_default(),
+            unpadded: None,
         })
     }
 
@@ -601,6 +715,22 @@ impl Backend for CudaBackend {
         order: WeightOrder,
     ) -> BackendResult<CudaWeight> {
         let weights = |e| BackendError::Weights(e);
+        // Without the padding of an uneven split, unless the invariant sums keep its place;
+        // inputs padded inside (no model has them) are multiplied as stored.
+        let trimmed = (!self.invariant)
+            .then(|| Unpadded::trim(slices, order))
+            .flatten()
+            .filter(|(_, u)| u.depth_runs.len() == 1);
+        let (real, unpadded) = match trimmed {
+            Some((real, u)) => (real, Some(u)),
+            None => (Vec::new(), None),
+        };
+        let real_refs: Vec<&WeightSlice> = real.iter().collect();
+        let slices = if unpadded.is_some() {
+            &real_refs[..]
+        } else {
+            slices
+        };
         let names: Vec<&str> = slices.iter().map(|w| &*w.tensor).collect();
         // Joined on the host, in the dtype the weight keeps, then one upload.
         let (shape, data) = if self.bf16_linears {
@@ -629,7 +759,12 @@ impl Backend for CudaBackend {
                 WeightData::F32(self.upload_f32(&values, "a fused weight")?),
             )
         };
-        Ok(CudaWeight { shape, data, order })
+        Ok(CudaWeight {
+            shape,
+            data,
+            order,
+            unpadded,
+        })
     }
 
     fn weight_bytes(&self, w: &CudaWeight) -> usize {
@@ -681,6 +816,9 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaAct, w: &CudaWeight) -> BackendResult<CudaAct> {
+        if let Some(u) = &w.unpadded {
+            return self.linear_unpadded(x, w, u);
+        }
         let (m, k) = x.rows_cols();
         let n = linear_width(x, w)?;
         self.gemm(x, w, m, k, n)
@@ -692,6 +830,11 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         order: DepthOrder,
     ) -> BackendResult<CudaAct> {
+        if w.unpadded.is_some() {
+            return Err(BackendError::Device(
+                "an invariant product of a weight trimmed of its padding (a bug in tpc: the invariant mode keeps the padding)".into(),
+            ));
+        }
         let (m, k) = x.rows_cols();
         let n = linear_width(x, w)?;
         let width = order.width();
