@@ -186,6 +186,30 @@ fn hf_default_kv_heads(model_type: &str) -> Option<u64> {
     }
 }
 
+/// A quantized checkpoint (`quantization_config`) is refused before any weight is read,
+/// naming its method: read as plain weights it would fail on missing tensors that never
+/// mention quantization.
+fn quantization(r: &Reader) -> Result<()> {
+    let Some(q) = r.json.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(());
+    };
+    let method = q
+        .get("quant_method")
+        .and_then(Value::as_str)
+        .map_or_else(|| "no `quant_method`".to_string(), |m| format!("`{m}`"));
+    let format = q
+        .get("format")
+        .and_then(Value::as_str)
+        .map(|f| format!(", format `{f}`"))
+        .unwrap_or_default();
+    Err(r.err(format!(
+        "the checkpoint is quantized (`quantization_config`: {method}{format}); tpc reads only \
+         unquantized f32, bf16 and f16 weights and supports no quantization method yet. Use \
+         the model's unquantized release, or dequantize this one first (e.g. load it with \
+         transformers and save it in bf16)"
+    )))
+}
+
 /// Reads an HF config into the matching family preset. Keys a config leaves out take the
 /// HF config class's default where it differs from the tpc family default.
 pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
@@ -209,6 +233,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             )))
         }
     };
+    quantization(&r)?;
     if r.bool_opt(&["mlp_bias"])? == Some(true) {
         return Err(r.err(
             "`mlp_bias: true` is not supported; tpc's presets have no MLP biases for this model type \

@@ -792,6 +792,42 @@ fn a_string_where_a_number_belongs_is_named() {
 }
 
 #[test]
+fn a_quantized_checkpoint_is_refused_naming_its_method() {
+    let scratch = Scratch::new("quantized");
+    for (sub, config, named) in [
+        (
+            "fp8",
+            json!({"quant_method": "fp8", "weight_block_size": [128, 128]}),
+            "`fp8`",
+        ),
+        (
+            "gptq",
+            json!({"quant_method": "gptq", "bits": 4, "group_size": 128}),
+            "`gptq`",
+        ),
+        (
+            "ct",
+            json!({"quant_method": "compressed-tensors", "format": "int-quantized"}),
+            "`compressed-tensors`, format `int-quantized`",
+        ),
+        ("none", json!({"bits": 8}), "no `quant_method`"),
+    ] {
+        let dir = edited(&scratch, sub, |o| {
+            o.insert("quantization_config".into(), config);
+        });
+        rejected(
+            &dir,
+            &["the checkpoint is quantized", named, "unquantized release"],
+        );
+    }
+    // A null `quantization_config` is no quantization.
+    let dir = edited(&scratch, "null", |o| {
+        o.insert("quantization_config".into(), Value::Null);
+    });
+    load_model(&dir).unwrap();
+}
+
+#[test]
 fn unsupported_values_are_named() {
     let scratch = Scratch::new("values");
     let dir = edited(&scratch, "act", |o| {

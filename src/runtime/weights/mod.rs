@@ -169,13 +169,31 @@ impl Checkpoint {
             .map(|(k, &f)| (k.as_str(), f))
     }
 
+    /// A tensor the checkpoint stores in a quantized layout in place of `tensor` (GPTQ's and
+    /// AWQ's `qweight`, compressed-tensors' `weight_packed`, FP8's `weight_scale_inv`).
+    fn quantized_sibling(&self, tensor: &str) -> Option<String> {
+        let stem = tensor.strip_suffix(".weight").unwrap_or(tensor);
+        [
+            format!("{stem}.qweight"),
+            format!("{stem}.weight_packed"),
+            format!("{stem}.weight_scale"),
+            format!("{tensor}_scale_inv"),
+        ]
+        .into_iter()
+        .find(|name| self.resolve(name).is_some())
+    }
+
     fn info(&self, tensor: &str) -> Result<(&ShardFile, &TensorInfo)> {
         let (name, f) = self.resolve(tensor).ok_or_else(|| WeightError::Tensor {
             path: self.dir.clone(),
             tensor: tensor.to_string(),
-            problem:
-                "missing from the checkpoint; the model definition does not match these weights"
+            problem: match self.quantized_sibling(tensor) {
+                Some(q) => format!(
+                    "missing from the checkpoint, which holds `{q}` instead: it is quantized, and tpc reads only unquantized f32, bf16 and f16 weights (no quantization method yet); use the model's unquantized release or dequantize this one first"
+                ),
+                None => "missing from the checkpoint; the model definition does not match these weights"
                     .into(),
+            },
         })?;
         let file = &self.files[f];
         let info = file.meta.info(name).ok_or_else(|| WeightError::Tensor {
@@ -198,9 +216,18 @@ impl Checkpoint {
             problem,
         };
         let dtype = StoredDtype::of(info.dtype).ok_or_else(|| {
+            let name = format!("{:?}", info.dtype);
+            // 8-bit floats and small integers hold quantized weights.
+            let quantized = name.starts_with("F8")
+                || name.starts_with("F4")
+                || matches!(name.as_str(), "I8" | "U8" | "I32" | "U32" | "I4" | "U4");
             bad(format!(
-                "has dtype {:?}; tpc reads F32, BF16 and F16",
-                info.dtype
+                "has dtype {name}; tpc reads F32, BF16 and F16{}",
+                if quantized {
+                    " (this looks like a quantized checkpoint: tpc runs no quantization method yet; use the model's unquantized release or dequantize this one first)"
+                } else {
+                    ""
+                }
             ))
         })?;
         let (start, end) = info.data_offsets;
@@ -885,6 +912,33 @@ mod tests {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    #[test]
+    fn a_quantized_checkpoint_is_named_so() {
+        let dir = temp_dir();
+        let header = r#"{"l.qweight":{"dtype":"I32","shape":[2,2],"data_offsets":[0,16]},"f":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[16,20]},"p":{"dtype":"F32","shape":[1],"data_offsets":[20,24]}}"#;
+        std::fs::write(dir.join("model.safetensors"), raw_file(header, 24)).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        // GPTQ's packed weight in place of the plain one.
+        let e = ckpt.tensor("l.weight").err().unwrap().to_string();
+        assert!(
+            e.contains("holds `l.qweight` instead: it is quantized"),
+            "{e}"
+        );
+        // An 8-bit float weight.
+        let e = ckpt.tensor("f").err().unwrap().to_string();
+        assert!(
+            e.contains("F8_E4M3") && e.contains("quantized checkpoint"),
+            "{e}"
+        );
+        // A missing tensor with no quantized sibling says nothing of quantization.
+        let e = ckpt.tensor("m.weight").err().unwrap().to_string();
+        assert!(
+            e.contains("does not match") && !e.contains("quantiz"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A safetensors file from a raw header and data, as a corrupt writer might make it.
