@@ -105,24 +105,30 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
         let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
         let reference = read_reference(&fixture);
         let n = reference.greedy.len().min(6);
-        // (processes, tp, pp, shares): tp alone, stages alone, both, and an uneven tp and
+        // (processes, tp, pp, shares, flag): tp alone, stages alone, both, and an uneven
+        // tp (alone, with sequence parallelism, with the fused all-reduce + norm) and
         // unequal shares where the fixture's heads allow them.
-        for (np, tp, pp, shares) in [
-            (2usize, 2u64, 1u64, ""),
-            (2, 1, 2, ""),
-            (4, 2, 2, ""),
-            (3, 3, 1, ""),
-            (2, 2, 1, "2,1"),
+        for (np, tp, pp, shares, flag) in [
+            (2usize, 2u64, 1u64, "", ""),
+            (2, 1, 2, "", ""),
+            (4, 2, 2, "", ""),
+            (3, 3, 1, "", ""),
+            (3, 3, 1, "", "--sequence-parallel"),
+            (3, 3, 1, "", "--fuse-norm"),
+            (2, 2, 1, "2,1", ""),
         ] {
-            let extra: Vec<String> = if shares.is_empty() {
+            let mut extra: Vec<String> = if shares.is_empty() {
                 Vec::new()
             } else {
                 vec!["--tp-shares".into(), shares.into()]
             };
+            if !flag.is_empty() {
+                extra.push(flag.into());
+            }
             if (tp == 3 || !shares.is_empty()) && !compiles(&fixture, tp, &extra) {
                 continue;
             }
-            let what = format!("{name} np={np} tp={tp} pp={pp} shares={shares}");
+            let what = format!("{name} np={np} tp={tp} pp={pp} shares={shares} {flag}");
             let args = |dump: &Path| -> Vec<String> {
                 let mut args: Vec<String> = vec![
                     "run".into(),
@@ -145,9 +151,11 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
             };
             let (a, b) = (
                 dir.join(format!(
-                    "{name}-{np}-{tp}-{pp}-{shares}-threads.safetensors"
+                    "{name}-{np}-{tp}-{pp}-{shares}{flag}-threads.safetensors"
                 )),
-                dir.join(format!("{name}-{np}-{tp}-{pp}-{shares}-mpi.safetensors")),
+                dir.join(format!(
+                    "{name}-{np}-{tp}-{pp}-{shares}{flag}-mpi.safetensors"
+                )),
             );
             let mut threads = Command::new(TPC);
             threads.args(args(&a));
@@ -172,8 +180,8 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
             ran.push(what);
         }
     }
-    // Every fixture at all five, GPT-2 and NeoX (fused q|k|v) included.
-    assert!(ran.len() >= 35, "{ran:?}");
+    // Every fixture at all seven, GPT-2 and NeoX (fused q|k|v) included.
+    assert!(ran.len() >= 49, "{ran:?}");
 }
 
 /// Whether tpc splits `fixture` `tp` ways (with `extra` flags).

@@ -162,16 +162,27 @@ fn unpadded_f32_bytes(plan: &Plan) -> u64 {
     elements * 4
 }
 
-/// Unequal shares on one GPU: every fixture (GPT-2's fused q|k|v padded inside its piece
-/// too) at shares 1,3 and 1,2,3 matches HF's logits and greedy tokens (f32), and the
-/// backend leaves the padding out of a smaller share's linears: rank 0's weights take the
-/// bytes of their real parts (whole where other ops read them), fewer than the padded
-/// pieces wherever a linear's piece is padded.
+/// Uneven splits and unequal shares on one GPU: every fixture (GPT-2's fused q|k|v padded
+/// inside its piece too) at shares 1,3 and 1,2,3, and at tp 3 with sequence parallelism and
+/// with the fused all-reduce + norm (shares 1,2,3 with sequence parallelism too), matches
+/// HF's logits and greedy tokens (f32), and the backend leaves the padding out of a
+/// smaller share's linears: rank 0's weights take the bytes of their real parts (whole
+/// where other ops read them), fewer than the padded pieces wherever a linear's piece is
+/// padded.
 #[test]
 fn every_fixture_under_shares_on_one_gpu_matches_hf() {
     if !gpu_present("every_fixture_under_shares_on_one_gpu_matches_hf") {
         return;
     }
+    // (tp, shares, sequence parallelism, norm fusion); the first two are compared below.
+    let configs: [(u64, Option<&str>, bool, bool); 6] = [
+        (2, None, false, false),
+        (2, Some("1,3"), false, false),
+        (3, Some("1,2,3"), false, false),
+        (3, None, true, false),
+        (3, None, false, true),
+        (3, Some("1,2,3"), true, false),
+    ];
     let mut report = Vec::new();
     for dir in fixtures() {
         let reference = read_reference(&dir);
@@ -188,13 +199,17 @@ fn every_fixture_under_shares_on_one_gpu_matches_hf() {
             max_new_tokens: None,
         }];
         let mut shed = Vec::new();
-        for shares in [None, Some("1,3"), Some("1,2,3")] {
+        for (tp, shares, sequence_parallel, fuse_norm) in configs {
             let options = ShardOptions {
                 shares: shares.map(|s| s.parse().unwrap()),
+                sequence_parallel,
+                fuse_norm,
                 ..Default::default()
             };
-            let tp = shares.map_or(2, |s| s.split(',').count() as u64);
-            let what = format!("{} tp={tp} shares {shares:?}", dir.display());
+            let what = format!(
+                "{} tp={tp} shares {shares:?} sp {sequence_parallel} fuse-norm {fuse_norm}",
+                dir.display()
+            );
             let compiled =
                 compile_with(&def, tp, options).unwrap_or_else(|e| panic!("{what}: {e}"));
             let out = run_batch(&compiled.plan, &ckpt, &request, &opts)
