@@ -28,6 +28,15 @@ fn value_error(e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
+/// `tp_shares` ("3,1,1,1"), checked as `--tp-shares` is.
+fn shares_of(text: Option<&str>) -> PyResult<Option<tpc::ir::TpShares>> {
+    text.map(|t| {
+        t.parse()
+            .map_err(|e: String| value_error(format!("tp_shares {t:?}: {e}")))
+    })
+    .transpose()
+}
+
 fn dtype_of(name: &str) -> PyResult<ComputeDtype> {
     match name {
         "auto" => Ok(ComputeDtype::Auto),
@@ -95,7 +104,7 @@ impl Engine {
     #[pyo3(signature = (
         model, tp=1, pp=None, dp=1, device="cpu", dtype="auto", max_model_len=None,
         kv_cache_memory=None, max_num_seqs=None, max_num_batched_tokens=None, block_size=16,
-        enable_prefix_caching=true, threads_per_rank=0
+        enable_prefix_caching=true, threads_per_rank=0, tp_shares=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -113,7 +122,9 @@ impl Engine {
         block_size: usize,
         enable_prefix_caching: bool,
         threads_per_rank: usize,
+        tp_shares: Option<&str>,
     ) -> PyResult<Engine> {
+        let shares = shares_of(tp_shares)?;
         let mut device: Device = device.parse().map_err(value_error)?;
         if let Device::Cpu(cpu) = &mut device {
             cpu.threads_per_rank = threads_per_rank;
@@ -127,6 +138,7 @@ impl Engine {
         let name = served_name(&model);
         let options = OfflineOptions {
             tp,
+            shares,
             pp,
             dp,
             device,
@@ -275,17 +287,24 @@ impl Plan {
 
 /// Compiles a model (.ron, HF folder or config.json) for `tp` ranks (and `pp` stages).
 #[pyfunction]
-#[pyo3(signature = (model, tp=1, pp=None))]
-fn compile(py: Python<'_>, model: PathBuf, tp: u64, pp: Option<u64>) -> PyResult<Plan> {
+#[pyo3(signature = (model, tp=1, pp=None, tp_shares=None))]
+fn compile(
+    py: Python<'_>,
+    model: PathBuf,
+    tp: u64,
+    pp: Option<u64>,
+    tp_shares: Option<&str>,
+) -> PyResult<Plan> {
+    let shares = shares_of(tp_shares)?;
     let plan = py
-        .allow_threads(|| compile_model(&model, tp, pp))
+        .allow_threads(|| compile_model(&model, tp, pp, shares))
         .map_err(offline_error)?;
     Ok(Plan { plan })
 }
 
 /// The cost model's estimate of the plan for `tp` × `pp` on a hardware profile, as JSON.
 #[pyfunction]
-#[pyo3(signature = (model, tp=1, pp=1, hw="h100-sxm-nvswitch-8", batch=1, prompt_len=128, gen=128))]
+#[pyo3(signature = (model, tp=1, pp=1, hw="h100-sxm-nvswitch-8", batch=1, prompt_len=128, gen=128, tp_shares=None))]
 #[allow(clippy::too_many_arguments)]
 fn simulate(
     py: Python<'_>,
@@ -296,11 +315,13 @@ fn simulate(
     batch: u64,
     prompt_len: u64,
     gen: u64,
+    tp_shares: Option<&str>,
 ) -> PyResult<String> {
+    let shares = shares_of(tp_shares)?;
     py.allow_threads(|| {
         let hw = tpc::cost::shipped_profiles::find_profile(std::path::Path::new(hw))
             .map_err(value_error)?;
-        let plan = compile_model(&model, tp, None).map_err(offline_error)?;
+        let plan = compile_model(&model, tp, None, shares).map_err(offline_error)?;
         let work = tpc::cost::simulate::Workload {
             batch,
             prompt: prompt_len,

@@ -186,7 +186,9 @@ class LLM:
     dtype: "auto" (the checkpoint's), "float32" or "bfloat16". device: "cpu", "cuda",
     "cuda:0,1". seed: the seed of every request whose SamplingParams give none (each prompt
     of a call gets seed + its index, so reruns are identical). max_model_len caps the
-    context; kv_cache_memory (bytes per rank) sizes the KV cache.
+    context; kv_cache_memory (bytes per rank) sizes the KV cache. tp_shares ("3,1" or
+    [3, 1], one per tensor-parallel rank) deals every split dimension by per-rank shares
+    for unequal devices (`--tp-shares`).
     """
 
     def __init__(
@@ -206,6 +208,7 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         threads_per_rank: int = 0,
+        tp_shares: Union[str, Sequence[int], None] = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - _IGNORED_ENGINE_ARGS)
@@ -228,6 +231,7 @@ class LLM:
             block_size=int(block_size),
             enable_prefix_caching=bool(enable_prefix_caching),
             threads_per_rank=int(threads_per_rank),
+            tp_shares=_shares(tp_shares),
         )
         info = json.loads(self._engine.info())
         self.model_name: str = info["name"]
@@ -384,9 +388,24 @@ class Plan:
         self._inner.save(str(path))
 
 
-def compile(model: str, tp: int = 1, pp: Optional[int] = None) -> Plan:  # noqa: A001 (tpc's name)
-    """Compiles a model (.ron, HF folder or config.json) for tp ranks (and pp stages)."""
-    return Plan(_tpc.compile(str(model), tp=int(tp), pp=None if pp is None else int(pp)))
+def _shares(shares: Union[str, Sequence[int], None]) -> Optional[str]:
+    """`tp_shares` as `--tp-shares` spells it: "3,1,1,1" or [3, 1, 1, 1]."""
+    if shares is None or isinstance(shares, str):
+        return shares
+    return ",".join(str(int(s)) for s in shares)
+
+
+def compile(  # noqa: A001 (tpc's name)
+    model: str,
+    tp: int = 1,
+    pp: Optional[int] = None,
+    tp_shares: Union[str, Sequence[int], None] = None,
+) -> Plan:
+    """Compiles a model (.ron, HF folder or config.json) for tp ranks (and pp stages);
+    tp_shares ("3,1,1,1" or [3, 1, 1, 1]) deals every split dimension by per-rank shares."""
+    return Plan(
+        _tpc.compile(str(model), tp=int(tp), pp=None if pp is None else int(pp), tp_shares=_shares(tp_shares))
+    )
 
 
 def simulate(
@@ -397,8 +416,18 @@ def simulate(
     batch: int = 1,
     prompt_len: int = 128,
     gen: int = 128,
+    tp_shares: Union[str, Sequence[int], None] = None,
 ) -> Dict[str, Any]:
     """The cost model's estimate (`tpc simulate --json`) on a hardware profile."""
     return json.loads(
-        _tpc.simulate(str(model), tp=int(tp), pp=int(pp), hw=str(hw), batch=int(batch), prompt_len=int(prompt_len), gen=int(gen))
+        _tpc.simulate(
+            str(model),
+            tp=int(tp),
+            pp=int(pp),
+            hw=str(hw),
+            batch=int(batch),
+            prompt_len=int(prompt_len),
+            gen=int(gen),
+            tp_shares=_shares(tp_shares),
+        )
     )

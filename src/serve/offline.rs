@@ -55,6 +55,8 @@ fn invalid(e: impl std::fmt::Display) -> OfflineError {
 #[derive(Debug, Clone)]
 pub struct OfflineOptions {
     pub tp: u64,
+    /// Each rank's share of every split dimension (`--tp-shares`); `None`: even.
+    pub shares: Option<crate::ir::TpShares>,
     /// Pipeline stages (layers dealt evenly); `None`: one.
     pub pp: Option<u64>,
     pub dp: usize,
@@ -99,9 +101,13 @@ pub fn compile_model(
     model: &Path,
     tp: u64,
     pp: Option<u64>,
+    shares: Option<crate::ir::TpShares>,
 ) -> Result<crate::plan::Plan, OfflineError> {
     let def = crate::frontend::load::load_model(model).map_err(invalid)?;
-    let options = crate::passes::ShardOptions::default();
+    let options = crate::passes::ShardOptions {
+        shares,
+        ..Default::default()
+    };
     let mut plan = crate::pipeline::compile_with(&def, tp, options)
         .map_err(invalid)?
         .plan;
@@ -146,7 +152,7 @@ impl OfflineEngine {
         }
         let text = TextSide::open(model).map_err(invalid)?;
         let template = compiled_template(&text).map_err(invalid)?;
-        let plan = compile_model(model, o.tp, o.pp)?;
+        let plan = compile_model(model, o.tp, o.pp, o.shares)?;
         let ckpt = Checkpoint::open(model).map_err(invalid)?;
         let layout = format!("tp={} pp={} dp={}", plan.tp, plan.pp(), o.dp);
         let (ready_tx, ready_rx) = channel::<Arc<dyn Serving>>();

@@ -212,6 +212,30 @@ def test_compile_and_simulate_from_python(tmp_path):
     assert tpc.compile(str(FIXTURE), tp=3).tp == 3
 
 
+def test_tp_shares_from_python():
+    # Rank 1 gets three times rank 0's part of every split dimension (as --tp-shares 1,3).
+    for shares in ("1,3", [1, 3]):
+        real = tpc.compile(str(FIXTURE), tp=2, tp_shares=shares).summary_dict()["real_param_count_per_rank"]
+        assert len(real) == 2 and real[0] < real[1], real
+    # An even split pads nothing: the report leaves the per-rank real counts out.
+    assert "real_param_count_per_rank" not in tpc.compile(str(FIXTURE), tp=2).summary_dict()
+    # The slow rank of a shared split sets its pace: shares toward rank 1 change the estimate.
+    a = tpc.simulate(str(ROOT / "models/tinyllama-1.1b.ron"), tp=2, hw="h100-sxm-nvswitch-8")
+    b = tpc.simulate(str(ROOT / "models/tinyllama-1.1b.ron"), tp=2, hw="h100-sxm-nvswitch-8", tp_shares=[1, 3])
+    assert b["tokens_per_s"]["decode"] < a["tokens_per_s"]["decode"]
+    with pytest.raises(ValueError, match="1,2,3 names 3 ranks but tp is 2"):
+        tpc.compile(str(FIXTURE), tp=2, tp_shares="1,2,3")
+    with pytest.raises(ValueError, match='tp_shares "1,x"'):
+        tpc.compile(str(FIXTURE), tp=2, tp_shares="1,x")
+    # An engine under shares gives HF's greedy tokens.
+    model = LLM(str(FIXTURE), tensor_parallel_size=2, tp_shares=[1, 3])
+    try:
+        [out] = model.generate(PROMPT_IDS, GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == GREEDY_IDS
+    finally:
+        model.close()
+
+
 VLLM_QUICKSTART = """
 from tpc import LLM, SamplingParams
 
