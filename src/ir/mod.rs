@@ -1,6 +1,7 @@
 //! The dataflow IR: ops, tensor facts, layouts, the graph and its verifier.
 
 pub mod algorithm;
+pub mod dealing;
 pub mod graph;
 pub mod groups;
 pub mod layout;

@@ -86,15 +86,20 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     if reasons.is_empty() {
         return Ok(());
     }
-    let valid = (1..=MAX_TP)
-        .filter(|&t| dims.iter().all(|(_, (g, len))| g.check(*len, t).is_ok()))
-        .collect();
+    let valid = valid_tps(&dims, |_| true);
     Err(TpcError::Infeasible {
         model: graph.name.clone(),
         tp,
         reasons,
         valid,
     })
+}
+
+/// The tps every split dim allows and `also` accepts.
+fn valid_tps(dims: &[(String, SplitDim)], also: impl Fn(u64) -> bool) -> Vec<u64> {
+    (1..=MAX_TP)
+        .filter(|&t| also(t) && dims.iter().all(|(_, (g, len))| g.check(*len, t).is_ok()))
+        .collect()
 }
 
 /// What an uneven split gives each rank (an evenly dealt vocabulary has its own note); a
@@ -184,16 +189,15 @@ fn notes_for(groups: &Groups, len: u64, deal: Deal, notes: &mut Vec<String>) {
     }
 }
 
-/// Under `--tp-shares`, refuses a plan that all-gathers or locally slices a split dimension
-/// other than the logits' vocabulary (whose gather joins the pieces by their per-rank
-/// counts, `plan::partition`): a local slice cuts even pieces that the shares' weights do
-/// not match, and a gather's counts are known only where a split linear produces the
-/// value. Only a `tp_plan` override that makes an op read a split value whole brings such
-/// a collective into a plan.
+/// Refuses a local slice of a dim that tp does not divide, and under `--tp-shares` a plan
+/// that locally slices a split dimension, or
+/// all-gathers one that no split linear deals (an all-gather joins the pieces by their
+/// per-rank counts, which `plan::partition` takes from that linear's weight: the logits'
+/// vocabulary, or an MLP product or attention output a `tp_plan` override reads whole). A
+/// local slice cuts even pieces that the shares' weights do not match. Only a `tp_plan`
+/// override that makes an op read a split value whole, or a whole value split, brings
+/// such a collective into a plan.
 pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
-    let Some(shares) = ctx.deal().shares else {
-        return Ok(());
-    };
     for id in graph.g.node_indices() {
         let node = graph.node(id);
         let dim = match &node.op {
@@ -204,22 +208,46 @@ pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result
         if node.fact.shape.is_sequence(dim) {
             continue;
         }
-        let logits = matches!(node.op, Op::AllGather(_))
+        // A local slice cuts even pieces: the dim must divide by tp.
+        let len = match node.fact.shape.0.get(dim as usize) {
+            Some(crate::ir::Dim::Fixed(n)) => Some(*n),
+            _ => None,
+        };
+        if let (Op::LocalSlice(_), None, Some(len)) = (&node.op, ctx.shares, len) {
+            if len % ctx.tp != 0 {
+                let dims = split_dims(graph);
+                return Err(TpcError::Infeasible {
+                    model: graph.name.clone(),
+                    tp: ctx.tp,
+                    reasons: vec![format!(
+                        "`{}` cuts a whole value's {len} entries into {} even pieces (a tp_plan override makes an op read it split), and {len} does not divide by {}; drop the override for this tp",
+                        node.name, ctx.tp, ctx.tp
+                    )],
+                    valid: valid_tps(&dims, |t| len % t == 0),
+                });
+            }
+            continue;
+        }
+        let counted = matches!(node.op, Op::AllGather(_))
             && graph
-                .users(id)
-                .iter()
-                .all(|&(user, _)| matches!(graph.node(user).op, Op::Output(_)));
-        if !logits {
+                .inputs(id)
+                .first()
+                .and_then(|&p| crate::ir::dealing::dealing_linear(graph, p, dim))
+                .is_some();
+        let Some(shares) = ctx.shares else {
+            continue;
+        };
+        if !counted {
             return Err(TpcError::SharesUnsupported {
                 model: graph.name.clone(),
                 shares: shares.to_string(),
                 problem: match node.op {
                     Op::AllGather(_) => format!(
-                        "`{}` all-gathers a dimension dealt by the shares for an op other than the logits (a tp_plan override makes an op read it whole), and such pieces of unequal shares cannot be joined yet; drop the override or the shares",
+                        "`{}` all-gathers a dimension dealt by the shares that no split linear deals (a tp_plan override makes an op read it whole), so the pieces' counts are unknown; drop the override or the shares",
                         node.name
                     ),
                     _ => format!(
-                        "`{}` cuts a whole value into even pieces on each rank (a tp_plan override makes an op read a split value that was whole), which the pieces the shares deal would not match; drop the override or the shares",
+                        "`{}` cuts a whole value into even pieces on each rank (a tp_plan override makes an op read it split), which the pieces the shares deal would not match; drop the override or the shares",
                         node.name
                     ),
                 },

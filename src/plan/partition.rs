@@ -158,8 +158,9 @@ struct Walk {
 }
 
 /// The per-rank real counts of an all-gather's dim under unequal shares: each rank's piece
-/// of the weight of the linear that produces the gathered value (the logits' vocabulary),
-/// which must be one run of the dim, the ranks' runs in rank order. Empty without shares
+/// of the weight of the linear that deals the gathered dim (the LM head's vocabulary for
+/// the logits; gate/up's columns for an MLP product an override reads whole), which must
+/// be one run of the dim, the ranks' runs in rank order. Empty without shares
 /// (every piece is whole but the last ones' end padding, which `unpad_to` drops) and for
 /// other ops. Sequence gathers keep their run-time token blocks.
 fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
@@ -175,16 +176,17 @@ fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
         shares: deal.shares.map(|s| s.to_string()).unwrap_or_default(),
         problem: format!("`{}` {problem}", node.name),
     };
-    let producer = graph.inputs(id).first().copied();
+    let producer = graph
+        .inputs(id)
+        .first()
+        .and_then(|&p| crate::ir::dealing::dealing_linear(graph, p, g.dim));
     let weight = producer
-        .filter(|&p| matches!(graph.node(p).op, Op::Linear(_)))
         .and_then(|p| graph.inputs(p).get(1).copied())
         .map(|w| graph.node(w));
     let Some((Op::Param(p), Some(Layout::Split { dim }))) = weight.map(|w| (&w.op, w.layout))
     else {
         return Err(refuse(
-            "gathers a value that no split linear produces, so its pieces' counts are unknown"
-                .into(),
+            "gathers a dim that no split linear deals, so its pieces' counts are unknown".into(),
         ));
     };
     let len = p.shape.get(dim as usize).copied().unwrap_or(0);

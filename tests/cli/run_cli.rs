@@ -1201,23 +1201,55 @@ fn tp_shares_run_report_and_refusals() {
         report.contains("a fused dimension of 3 parts, 8 heads of each dealt 5/3"),
         "{report}"
     );
-    // An override that makes the MLP's output read whole would all-gather pieces of
-    // unequal shares: refused, where the even uneven split (padding at the end) compiles.
-    let model = std::fs::read_to_string("models/tinyllama-1.1b.ron")
-        .unwrap()
-        .replacen(
-            "    dtype: Bf16,\n",
-            "    dtype: Bf16,\n    tp_plan: {\"model.layers.*.mlp.down_proj\": replicate},\n",
-            1,
-        );
-    let over = dir.join("override.ron");
-    std::fs::write(&over, model).unwrap();
-    let o = over.to_str().unwrap();
-    let err = fails(&tpc(&["compile", o, "--tp", "2", "--tp-shares", "1,3"]));
+    // An override that makes the MLP's product read whole all-gathers pieces of unequal
+    // shares, joined by gate/up's per-rank counts; one that makes an op read a whole value
+    // split cuts even pieces: refused under shares and where tp does not divide the value
+    // (2048 at tp 3), naming the tps that do.
+    let with_override = |name: &str, tp_plan: &str| {
+        let model = std::fs::read_to_string("models/tinyllama-1.1b.ron")
+            .unwrap()
+            .replacen(
+                "    dtype: Bf16,\n",
+                &format!("    dtype: Bf16,\n    tp_plan: {tp_plan},\n"),
+                1,
+            );
+        let path = dir.join(name);
+        std::fs::write(&path, model).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let gathered = with_override(
+        "gathered.ron",
+        "{\"model.layers.*.mlp.down_proj\": replicate}",
+    );
+    let text = ok(&tpc(&[
+        "compile",
+        &gathered,
+        "--tp",
+        "2",
+        "--tp-shares",
+        "1,3",
+        "--text",
+    ]));
+    assert!(text.contains("pieces"), "{text}");
+    let sliced = with_override("sliced.ron", "{\"model.layers.*.mlp.gate_proj\": rowwise}");
+    let err = fails(&tpc(&[
+        "compile",
+        &sliced,
+        "--tp",
+        "2",
+        "--tp-shares",
+        "1,3",
+    ]));
     assert!(
-        err.contains("cannot take --tp-shares 1,3") && err.contains("all-gathers"),
+        err.contains("cannot take --tp-shares 1,3") && err.contains("cuts a whole value"),
         "{err}"
     );
-    ok(&tpc(&["compile", o, "--tp", "3"]));
+    let err = fails(&tpc(&["compile", &sliced, "--tp", "3"]));
+    assert!(
+        err.contains("2048 does not divide by 3")
+            && err.contains("Valid tp values for this model: 1, 2, 4, 8, 16, 32."),
+        "{err}"
+    );
+    ok(&tpc(&["compile", &sliced, "--tp", "2"]));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -249,6 +249,72 @@ fn shares_combine_with_sequence_parallelism_and_norm_fusion() {
     }
 }
 
+/// A `tp_plan` override that makes an op read a split value whole all-gathers pieces of
+/// unequal shares: the MLP product before a replicated `down_proj`, the attention output
+/// before a replicated `o_proj`. The gather joins each rank's real part by the counts of
+/// the linear that dealt the dim (gate/up's columns, q's heads), and the logits and tokens
+/// are HF's.
+#[test]
+fn overrides_that_read_split_values_whole_gather_unequal_pieces() {
+    let mut ran = 0;
+    for dir in fixtures() {
+        let reference = read_reference(&dir);
+        let mut def = load_model(&dir).unwrap();
+        let tpc::frontend::ModelDef::Preset(preset) = &mut def else {
+            continue;
+        };
+        if !matches!(
+            preset.family,
+            tpc::frontend::Family::Llama
+                | tpc::frontend::Family::Qwen2
+                | tpc::frontend::Family::Qwen3
+        ) {
+            continue;
+        }
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for layer in ["mlp.down_proj", "self_attn.o_proj"] {
+            let mut over = def.clone();
+            let tpc::frontend::ModelDef::Preset(p) = &mut over else {
+                unreachable!()
+            };
+            p.tp_plan.insert(
+                format!("model.layers.*.{layer}"),
+                tpc::frontend::TpWord::Replicate,
+            );
+            for text in ["1,3", "3,1,1,1"] {
+                let shares: TpShares = text.parse().unwrap();
+                let ctx = format!("{} {layer} replicated, shares {text}", dir.display());
+                let plan = compile_with(&over, shares.tp(), options(text))
+                    .unwrap_or_else(|e| panic!("{ctx}: {e}"))
+                    .plan;
+                // Gathers besides the logits', each with unequal per-rank counts.
+                let counted: Vec<&Vec<u64>> = plan.ranks[0]
+                    .instrs
+                    .iter()
+                    .filter_map(|i| match &i.op {
+                        Op::AllGather(g) if !g.pieces.is_empty() => Some(&g.pieces),
+                        _ => None,
+                    })
+                    .collect();
+                assert!(counted.len() > 1, "{ctx}: {counted:?}");
+                assert!(
+                    counted.iter().any(|p| p.iter().any(|&c| c != p[0])),
+                    "{ctx}: {counted:?}"
+                );
+                let opts = exact_cpu(reference.greedy.len());
+                let out = run(&plan, &ckpt, &reference.prompt, &opts)
+                    .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                let err = rel_error(&out.prompt_logits.data, &reference.logits);
+                assert!(err <= REL_TOL, "{ctx}: relative error {err:.3e}");
+                assert_eq!(out.generated, reference.greedy, "{ctx}: greedy tokens");
+                ran += 1;
+            }
+        }
+    }
+    // Five Llama/Qwen fixtures, two overrides, two shares lists.
+    assert!(ran >= 20, "only {ran} runs");
+}
+
 #[test]
 fn shares_that_do_not_name_every_rank_are_refused() {
     let dir = fixtures()

@@ -1,0 +1,37 @@
+//! Which linear deals a split dim of a value: the weight whose pieces (under unequal
+//! shares, uneven ones) fix how many of the dim's entries each rank holds.
+
+use super::graph::{Graph, NodeId};
+use super::layout::Layout;
+use super::op::Op;
+use super::op_dims::dims;
+
+/// The linear whose weight's split deals dim `dim` of value `id`: `id` itself, or the one
+/// reached back through ops that carry the dim from a split input (elementwise products,
+/// activations, attention's heads: the output's letter at `dim` on an input split there,
+/// per `op_dims`). `None` where the trail ends elsewhere.
+pub fn dealing_linear(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
+    let (mut at, mut dim) = (id, dim);
+    // Each step moves to an earlier node: the graph is acyclic, so the walk ends.
+    loop {
+        let node = graph.node(at);
+        if matches!(node.op, Op::Linear(_)) {
+            return Some(at);
+        }
+        let d = dims(&node.op);
+        if d.collective || d.moves.is_some() {
+            return None;
+        }
+        let letter = d.output.letter_at(dim, node.fact.shape.rank())?;
+        let inputs = graph.inputs(at);
+        let (next, next_dim) = d.inputs.iter().zip(&inputs).find_map(|(operand, &i)| {
+            let input = graph.node(i);
+            let rank = input.fact.shape.rank();
+            let split_at = operand.dim_of(letter, rank)?;
+            (input.layout == Some(Layout::Split { dim: split_at })
+                && !matches!(input.op, Op::Param(_)))
+            .then_some((i, split_at))
+        })?;
+        (at, dim) = (next, next_dim);
+    }
+}
