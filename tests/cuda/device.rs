@@ -165,7 +165,8 @@ fn unpadded_f32_bytes(plan: &Plan) -> u64 {
 /// Uneven splits and unequal shares on one GPU: every fixture (GPT-2's fused q|k|v padded
 /// inside its piece too) at shares 1,3 and 1,2,3, and at tp 3 with sequence parallelism and
 /// with the fused all-reduce + norm (shares 1,2,3 with sequence parallelism too), matches
-/// HF's logits and greedy tokens (f32), and the backend leaves the padding out of a
+/// HF's logits and greedy tokens (f32) — so does a replicated `down_proj` at 1,3, whose
+/// all-gather joins unequal pieces — and the backend leaves the padding out of a
 /// smaller share's linears: rank 0's weights take the bytes of their real parts (whole
 /// where other ops read them), fewer than the padded pieces wherever a linear's piece is
 /// padded.
@@ -236,6 +237,36 @@ fn every_fixture_under_shares_on_one_gpu_matches_hf() {
                 .map(|w| w.local_bytes())
                 .sum();
             shed.push(padded - out.weight_bytes);
+        }
+        // A replicated down_proj reads the MLP product whole: an all-gather of unequal
+        // pieces joined by gate/up's counts (Llama and Qwen weight names only).
+        if let tpc::frontend::ModelDef::Preset(p) = &def {
+            if p.family != tpc::frontend::Family::Gpt2 && p.family != tpc::frontend::Family::GptNeox
+            {
+                let mut over = def.clone();
+                if let tpc::frontend::ModelDef::Preset(p) = &mut over {
+                    p.tp_plan.insert(
+                        "model.layers.*.mlp.down_proj".into(),
+                        tpc::frontend::TpWord::Replicate,
+                    );
+                }
+                let options = ShardOptions {
+                    shares: Some("1,3".parse().unwrap()),
+                    ..Default::default()
+                };
+                let what = format!("{} down_proj replicated, shares 1,3", dir.display());
+                let plan = compile_with(&over, 2, options).unwrap().plan;
+                let out = run_batch(&plan, &ckpt, &request, &opts)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let seq = &out.sequences[0];
+                let err = rel_error(&seq.prompt_logits.data, &reference.logits);
+                report.push(format!("{what}: rel err {err:.2e}"));
+                assert!(
+                    err <= REL_TOL,
+                    "{what}: relative error {err:.3e} > {REL_TOL}"
+                );
+                assert_eq!(seq.generated, reference.greedy, "{what}: greedy tokens");
+            }
         }
         // At 1,3 rank 0's linears are padded (at least its LM head's vocabulary rows), but
         // for qwen3-tied, whose only uneven piece is the LM head's table that the embedding
