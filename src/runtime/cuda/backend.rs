@@ -279,8 +279,8 @@ impl CudaBackend {
         Ok(all)
     }
 
-    /// `out [m, n] = x [m, k] · Wᵀ` through cuBLAS (column-major: `outᵀ = W · xᵀ`).
-    /// `x · W` into a new `[.., n]` buffer: one part, the whole weight.
+    /// `out [m, n] = x [m, k] · Wᵀ` through cuBLAS (column-major: `outᵀ = W · xᵀ`) into a
+    /// new buffer: one part, the whole weight.
     fn gemm(
         &self,
         x: &CudaAct,
@@ -345,7 +345,8 @@ impl CudaBackend {
         };
         let (mi, ldxi, ld_wi) = (i32_of(m)?, i32_of(ldx)?, i32_of(ld_w)?);
         for p in parts {
-            let fits = p.k <= depth.min(ldx)
+            let fits = w.len() == w_rows.saturating_mul(w_cols)
+                && p.k <= depth.min(ldx)
                 && p.w_col.checked_add(p.n).is_some_and(|e| e <= width)
                 && p.out_col.checked_add(p.n).is_some_and(|e| e <= p.ldc)
                 && out.data().len() >= m.saturating_mul(p.ldc);
@@ -467,7 +468,13 @@ impl CudaBackend {
         if let Some(last) = shape.last_mut() {
             *last = width;
         }
-        let mut out = self.zeros(shape)?;
+        // cuBLAS writes every real column; padded ones (or all, over no real input) stay
+        // zeros.
+        let mut out = if real_k == 0 || u.columns.iter().any(|&(_, pad)| pad > 0) {
+            self.zeros(shape)?
+        } else {
+            self.output(shape)?
+        };
         let (mut w_col, mut out_col) = (0, 0);
         let mut parts = Vec::with_capacity(u.columns.len());
         for &(n, pad) in &u.columns {
