@@ -35,3 +35,39 @@ pub fn dealing_linear(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
         (at, dim) = (next, next_dim);
     }
 }
+
+/// The split weight whose pieces local slice `id` must cut: that of the linear reading
+/// the slice as its input (split by its input dim), or, for another op, that of the linear
+/// dealing the same dim of an input beside the slice (split by its output dim: an MLP's
+/// `up` beside a sliced activation). `None` when neither exists.
+pub fn slicing_weight(graph: &Graph, id: NodeId) -> Option<NodeId> {
+    let node = graph.node(id);
+    let Op::LocalSlice(s) = &node.op else {
+        return None;
+    };
+    graph.users(id).into_iter().find_map(|(user, slot)| {
+        let inputs = graph.inputs(user);
+        let u = graph.node(user);
+        if matches!(u.op, Op::Linear(_)) {
+            return (slot == 0).then(|| inputs.get(1).copied()).flatten();
+        }
+        let d = dims(&u.op);
+        let letter = d
+            .inputs
+            .get(slot as usize)?
+            .letter_at(s.dim, node.fact.shape.rank())?;
+        d.inputs
+            .iter()
+            .zip(&inputs)
+            .enumerate()
+            .filter(|&(j, _)| j != slot as usize)
+            .find_map(|(_, (operand, &i))| {
+                let input = graph.node(i);
+                let at = operand.dim_of(letter, input.fact.shape.rank())?;
+                (input.layout == Some(Layout::Split { dim: at }))
+                    .then(|| dealing_linear(graph, i, at))
+                    .flatten()
+                    .and_then(|linear| graph.inputs(linear).get(1).copied())
+            })
+    })
+}

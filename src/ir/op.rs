@@ -245,6 +245,22 @@ pub struct ReduceScatterOp {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LocalSliceOp {
     pub dim: u32,
+    /// Per-rank counts, set by partitioning where the ranks take unequal parts (the dim
+    /// dealt unevenly or by `--tp-shares`, as the weight of the linear that reads the
+    /// slice): rank `r` keeps its `pieces[r]` entries after the earlier ranks', padded with
+    /// zeros to the largest. Empty: even pieces.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pieces: Vec<u64>,
+}
+
+impl LocalSliceOp {
+    /// An even slice along `dim`.
+    pub fn even(dim: u32) -> LocalSliceOp {
+        LocalSliceOp {
+            dim,
+            pieces: Vec::new(),
+        }
+    }
 }
 
 /// Every operation tpc knows. Collectives are only ever inserted by passes.
@@ -372,7 +388,11 @@ impl Op {
                 text
             }
             Op::ReduceScatter(r) => format!("dim={}", r.dim),
-            Op::LocalSlice(s) => format!("dim={}", s.dim),
+            Op::LocalSlice(s) if s.pieces.is_empty() => format!("dim={}", s.dim),
+            Op::LocalSlice(s) => {
+                let list: Vec<String> = s.pieces.iter().map(u64::to_string).collect();
+                format!("dim={} pieces={}", s.dim, list.join("/"))
+            }
             Op::BiasAdd(_) | Op::Add(_) | Op::Mul(_) => String::new(),
             Op::AllReduce(a) => a
                 .algorithm

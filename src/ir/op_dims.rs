@@ -748,7 +748,7 @@ pub(crate) mod tests {
                 pieces: Vec::new(),
             }),
             Op::ReduceScatter(ReduceScatterOp { dim: 2 }),
-            Op::LocalSlice(LocalSliceOp { dim: 2 }),
+            Op::LocalSlice(LocalSliceOp::even(2)),
         ]
     }
 

@@ -189,8 +189,9 @@ fn notes_for(groups: &Groups, len: u64, deal: Deal, notes: &mut Vec<String>) {
     }
 }
 
-/// Refuses a local slice of a dim that tp does not divide, and under `--tp-shares` a plan
-/// that locally slices a split dimension, or
+/// Refuses a local slice of a dim that tp does not divide and that no split linear reads
+/// (one that a linear reads cuts its weight's pieces, `plan::partition`), and under
+/// `--tp-shares` a plan that locally slices a split dimension for another op, or
 /// all-gathers one that no split linear deals (an all-gather joins the pieces by their
 /// per-rank counts, which `plan::partition` takes from that linear's weight: the logits'
 /// vocabulary, or an MLP product or attention output a `tp_plan` override reads whole). A
@@ -208,7 +209,13 @@ pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result
         if node.fact.shape.is_sequence(dim) {
             continue;
         }
-        // A local slice cuts even pieces: the dim must divide by tp.
+        // A local slice that a split linear reads cuts that weight's pieces; any other cuts
+        // even ones, so the dim must divide by tp.
+        let sliced_for_weight = crate::ir::dealing::slicing_weight(graph, id)
+            .is_some_and(|w| matches!(graph.node(w).layout, Some(Layout::Split { .. })));
+        if matches!(node.op, Op::LocalSlice(_)) && sliced_for_weight {
+            continue;
+        }
         let len = match node.fact.shape.0.get(dim as usize) {
             Some(crate::ir::Dim::Fixed(n)) => Some(*n),
             _ => None,

@@ -17,14 +17,14 @@ pub fn reshard(from: Layout, to: Layout) -> Option<Vec<Op>> {
             unpad_to: None,
             pieces: Vec::new(),
         })],
-        (Replicated, Split { dim }) => vec![Op::LocalSlice(LocalSliceOp { dim })],
+        (Replicated, Split { dim }) => vec![Op::LocalSlice(LocalSliceOp::even(dim))],
         (Split { dim: a }, Split { dim: b }) => vec![
             Op::AllGather(AllGatherOp {
                 dim: a,
                 unpad_to: None,
                 pieces: Vec::new(),
             }),
-            Op::LocalSlice(LocalSliceOp { dim: b }),
+            Op::LocalSlice(LocalSliceOp::even(b)),
         ],
         (_, Partial) => return None,
     };

@@ -80,7 +80,7 @@ pub fn split_sequence(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
                     let src = graph.node(input).clone();
                     let node = Node {
                         name: format!("{}.sequence_slice", src.name).into(),
-                        op: Op::LocalSlice(LocalSliceOp { dim }),
+                        op: Op::LocalSlice(LocalSliceOp::even(dim)),
                         layout: Some(Layout::Split { dim }),
                         order: src.order + AFTER_PRODUCER,
                         ..src

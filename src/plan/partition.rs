@@ -111,6 +111,10 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
             .iter()
             .map(|&n| gather_pieces(graph, n, sharded.ctx.deal()))
             .collect::<Result<_>>()?,
+        slice_pieces: order
+            .iter()
+            .map(|&n| slice_pieces(graph, n, sharded.ctx.deal()))
+            .collect::<Result<_>>()?,
         order,
     };
     let mut ranks = Vec::with_capacity(tp as usize);
@@ -155,6 +159,8 @@ struct Walk {
     rank0_keep: Vec<Option<usize>>,
     /// Each all-gather's per-rank counts (`AllGatherOp::pieces`); empty for other ops.
     gather_pieces: Vec<Vec<u64>>,
+    /// Each uneven local slice's per-rank counts (`LocalSliceOp::pieces`).
+    slice_pieces: Vec<Vec<u64>>,
 }
 
 /// The per-rank real counts of an all-gather's dim under unequal shares: each rank's piece
@@ -189,6 +195,19 @@ fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
             "gathers a dim that no split linear deals, so its pieces' counts are unknown".into(),
         ));
     };
+    run_counts(p, dim, deal, "gathers", &refuse)
+}
+
+/// Each rank's real length of `p`'s split `dim`, which must be one run per rank, the runs
+/// in rank order (so that the real parts in rank order rebuild the dim); `refuse` names
+/// the op (`what` it does) otherwise.
+fn run_counts(
+    p: &ParamOp,
+    dim: u32,
+    deal: Deal,
+    what: &str,
+    refuse: &dyn Fn(String) -> TpcError,
+) -> Result<Vec<u64>> {
     let len = p.shape.get(dim as usize).copied().unwrap_or(0);
     let mut pieces = Vec::with_capacity(deal.tp as usize);
     let mut next = 0u64;
@@ -198,14 +217,12 @@ fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
             .slice_dealt(len, deal, rank)
             .map_err(|e| refuse(e.describe(deal.tp)))?;
         let real = piece.real_len();
-        // One run right after the previous rank's, its padding at the end, so that joining
-        // real parts in rank order rebuilds the dim.
         if piece.ranges.len() > 1
             || piece.padded_inside()
             || piece.ranges.first().is_some_and(|r| r.offset != next)
         {
             return Err(refuse(format!(
-                "gathers pieces of `{}` that are not one run each in rank order",
+                "{what} pieces of `{}` that are not one run each in rank order",
                 p.tensor
             )));
         }
@@ -213,6 +230,37 @@ fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
         pieces.push(real);
     }
     Ok(pieces)
+}
+
+/// The per-rank counts of a local slice whose pieces are uneven (a dim that tp does not
+/// divide evenly, or dealt by `--tp-shares`): the real lengths of the split input dim of
+/// the linear that reads the slice. Empty where the pieces are even (or the dim is the
+/// sequence's, cut at run time) and for other ops.
+fn slice_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
+    let node = graph.node(id);
+    let Op::LocalSlice(s) = &node.op else {
+        return Ok(Vec::new());
+    };
+    if node.fact.shape.is_sequence(s.dim) {
+        return Ok(Vec::new());
+    }
+    let refuse = |problem: String| {
+        bug(
+            "partition",
+            &node.name,
+            format!("its slice cannot follow the weight that reads it: {problem}"),
+        )
+    };
+    let Some(p) = crate::ir::dealing::slicing_weight(graph, id) else {
+        return Ok(Vec::new());
+    };
+    let (Op::Param(p), Some(Layout::Split { dim })) = (&graph.node(p).op, graph.node(p).layout)
+    else {
+        return Ok(Vec::new());
+    };
+    let pieces = run_counts(p, dim, deal, "slices", &refuse)?;
+    let even = pieces.windows(2).all(|w| w[0] == w[1]);
+    Ok(if even { Vec::new() } else { pieces })
 }
 
 fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<RankProgram> {
@@ -300,7 +348,18 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
                     shape,
                 }
             }
-            Op::ReduceScatter(ReduceScatterOp { dim }) | Op::LocalSlice(LocalSliceOp { dim }) => {
+            Op::LocalSlice(s) if !walk.slice_pieces[pos].is_empty() => {
+                s.pieces = walk.slice_pieces[pos].clone();
+                let local = s.pieces.iter().copied().max().unwrap_or(0);
+                let shape = resize(&local_in[0].shape, s.dim, |_| Some(local))
+                    .ok_or_else(|| bad("a local slice of a symbolic dim".into()))?;
+                TensorFact {
+                    dtype: local_in[0].dtype,
+                    shape,
+                }
+            }
+            Op::ReduceScatter(ReduceScatterOp { dim })
+            | Op::LocalSlice(LocalSliceOp { dim, .. }) => {
                 let dim = *dim;
                 let shape = resize(&local_in[0].shape, dim, |n| (n % tp == 0).then_some(n / tp))
                     .ok_or_else(|| {

@@ -582,7 +582,7 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             ..
         })
         | Op::ReduceScatter(ReduceScatterOp { dim })
-        | Op::LocalSlice(LocalSliceOp { dim })
+        | Op::LocalSlice(LocalSliceOp { dim, .. })
             if inputs[0].shape.is_sequence(*dim) =>
         {
             Ok(inputs[0].clone())
@@ -614,7 +614,22 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             }
             Ok(with_dim(x, g.dim, size))
         }
-        Op::ReduceScatter(ReduceScatterOp { dim }) | Op::LocalSlice(LocalSliceOp { dim }) => {
+        Op::LocalSlice(s) if !s.pieces.is_empty() => {
+            let x = inputs[0];
+            let n = moved_dim(op.kind(), s.dim, x)?;
+            let counted = s.pieces.iter().try_fold(0u64, |t, &p| t.checked_add(p));
+            let local = s.pieces.iter().copied().max().unwrap_or(0);
+            if s.pieces.len() as u64 != tp || counted != Some(n) {
+                return Err(Problem::BadPieces {
+                    pieces: s.pieces.clone(),
+                    tp,
+                    local,
+                    size: n,
+                });
+            }
+            Ok(with_dim(x, s.dim, local))
+        }
+        Op::ReduceScatter(ReduceScatterOp { dim }) | Op::LocalSlice(LocalSliceOp { dim, .. }) => {
             let x = inputs[0];
             let n = moved_dim(op.kind(), *dim, x)?;
             if tp == 0 || n % tp != 0 {

@@ -279,6 +279,15 @@ pub trait Backend: Send + Sync {
     fn split_columns(&self, x: Self::Act, widths: &[usize]) -> BackendResult<Vec<Self::Act>>;
     /// Column block `k` of `parts` equal blocks.
     fn column_block(&self, x: &Self::Act, k: usize, parts: usize) -> BackendResult<Self::Act>;
+    /// Columns `offset .. offset + len` of `x [.., n]`, then zeros up to `width`
+    /// (`shape_rules::column_window`): a rank's uneven piece of a local slice.
+    fn column_window(
+        &self,
+        x: &Self::Act,
+        offset: usize,
+        len: usize,
+        width: usize,
+    ) -> BackendResult<Self::Act>;
     /// `[rows, parts·n]` → rank-major `[parts][rows][n]` (what a reduce-scatter takes).
     fn rows_to_rank_major(&self, x: &Self::Act, parts: usize) -> BackendResult<Self::Act>;
     /// Rank-major `[parts][rows][n]` → `[rows, Σ widths]`, keeping the first `widths[k]`

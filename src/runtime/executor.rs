@@ -1425,6 +1425,13 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 let block = x.rows_cols().0.div_ceil(self.tp);
                 b.row_window(x, self.rank * block, block).map_err(err)?
             }
+            Op::LocalSlice(l) if !l.pieces.is_empty() => {
+                // This rank's uneven piece, after the earlier ranks', padded to the largest.
+                let offset = l.pieces.iter().take(self.rank).sum::<u64>() as usize;
+                let len = l.pieces.get(self.rank).copied().unwrap_or(0) as usize;
+                let width = l.pieces.iter().copied().max().unwrap_or(0) as usize;
+                b.column_window(x(0)?, offset, len, width).map_err(err)?
+            }
             Op::LocalSlice(_) => b.column_block(x(0)?, self.rank, self.tp).map_err(err)?,
             Op::Param(_) | Op::Input(_) | Op::Output(_) => {
                 return Err(bad(i, "is not a compute op"))

@@ -107,6 +107,17 @@ pub fn column_block(n: usize, k: usize, parts: usize) -> BackendResult<usize> {
     Ok(n / parts)
 }
 
+/// Columns `offset .. offset + len` of rows of `n`, padded to `width`: all within the rows
+/// and the width.
+pub fn column_window(n: usize, offset: usize, len: usize, width: usize) -> BackendResult<()> {
+    if offset.checked_add(len).is_none_or(|end| end > n) || len > width {
+        refuse(format!(
+            "columns {offset}..{offset}+{len} padded to {width} from rows of {n}"
+        ))?;
+    }
+    Ok(())
+}
+
 /// Rows of `n` into `parts` rank-major blocks: a block's width.
 pub fn to_rank_major(n: usize, parts: usize) -> BackendResult<usize> {
     if parts == 0 || !n.is_multiple_of(parts) {
@@ -187,6 +198,10 @@ mod tests {
         assert!(unfuse(12, 6, 3, 4).is_err());
         assert!(unfuse(12, 0, 0, 0).is_err());
         assert_eq!(column_block(12, 2, 3).unwrap(), 4);
+        assert!(column_window(12, 8, 4, 5).is_ok());
+        assert!(column_window(12, 9, 4, 5).is_err());
+        assert!(column_window(12, 0, 6, 5).is_err());
+        assert!(column_window(12, usize::MAX, 1, 5).is_err());
         assert!(column_block(12, 3, 3).is_err());
         assert_eq!(to_rank_major(12, 4).unwrap(), 3);
         assert!(to_rank_major(12, 5).is_err());

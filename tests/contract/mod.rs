@@ -712,6 +712,18 @@ pub fn layout_ops_move_values_exactly<B: Backend>(b: &B) {
     assert_eq!(y.shape(), &[rows, 4]);
     assert_same("column_block", &read(b, &y).data, &want);
 
+    // An uneven piece: columns 5..9, then zeros up to 6; a rank with no columns; too far.
+    let y = b.column_window(&x, 5, 4, 6).unwrap();
+    let want: Vec<f32> = (0..rows)
+        .flat_map(|r| (5..11).map(move |c| if c < 9 { at(r, c) } else { 0.0 }))
+        .collect();
+    assert_eq!(y.shape(), &[rows, 6]);
+    assert_same("column_window", &read(b, &y).data, &want);
+    let y = b.column_window(&x, 12, 0, 2).unwrap();
+    assert_same("column_window (none)", &read(b, &y).data, &[0.0; 6]);
+    assert!(b.column_window(&x, 10, 3, 4).is_err());
+    assert!(b.column_window(&x, 0, 5, 4).is_err());
+
     // [rows, 3·4] → rank-major [3][rows][4], and back keeping the first 10 columns.
     let y = b.rows_to_rank_major(&x, 3).unwrap();
     let want: Vec<f32> = (0..3)

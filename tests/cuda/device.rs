@@ -165,8 +165,9 @@ fn unpadded_f32_bytes(plan: &Plan) -> u64 {
 /// Uneven splits and unequal shares on one GPU: every fixture (GPT-2's fused q|k|v padded
 /// inside its piece too) at shares 1,3 and 1,2,3, and at tp 3 with sequence parallelism and
 /// with the fused all-reduce + norm (shares 1,2,3 with sequence parallelism too), matches
-/// HF's logits and greedy tokens (f32) — so does a replicated `down_proj` at 1,3, whose
-/// all-gather joins unequal pieces — and the backend leaves the padding out of a
+/// HF's logits and greedy tokens (f32) — so do a replicated `down_proj` at 1,3, whose
+/// all-gather joins unequal pieces, and a rowwise `gate_proj` at tp 3, whose local slices
+/// cut them — and the backend leaves the padding out of a
 /// smaller share's linears: rank 0's weights take the bytes of their real parts (whole
 /// where other ops read them), fewer than the padded pieces wherever a linear's piece is
 /// padded.
@@ -265,6 +266,25 @@ fn every_fixture_under_shares_on_one_gpu_matches_hf() {
                     err <= REL_TOL,
                     "{what}: relative error {err:.3e} > {REL_TOL}"
                 );
+                assert_eq!(seq.generated, reference.greedy, "{what}: greedy tokens");
+                // A rowwise gate_proj slices whole values into uneven pieces at tp 3.
+                let mut over = def.clone();
+                if let tpc::frontend::ModelDef::Preset(p) = &mut over {
+                    p.tp_plan.insert(
+                        "model.layers.*.mlp.gate_proj".into(),
+                        tpc::frontend::TpWord::Rowwise,
+                    );
+                }
+                let what = format!("{} gate_proj rowwise, tp 3", dir.display());
+                let plan = compile_with(&over, 3, ShardOptions::default())
+                    .unwrap()
+                    .plan;
+                let out = run_batch(&plan, &ckpt, &request, &opts)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let seq = &out.sequences[0];
+                let err = rel_error(&seq.prompt_logits.data, &reference.logits);
+                report.push(format!("{what}: rel err {err:.2e}"));
+                assert!(err <= REL_TOL, "{what}: relative error {err:.3e}");
                 assert_eq!(seq.generated, reference.greedy, "{what}: greedy tokens");
             }
         }

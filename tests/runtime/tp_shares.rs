@@ -315,6 +315,61 @@ fn overrides_that_read_split_values_whole_gather_unequal_pieces() {
     assert!(ran >= 20, "only {ran} runs");
 }
 
+/// A `tp_plan` override that makes an op read a whole value split (a row-parallel
+/// `gate_proj` reading the normed hidden state; then SiLU's output cut beside `up`) slices
+/// it locally; at a tp that deals the dim unevenly or by shares, each rank keeps the piece
+/// of the weight that reads it (its real entries, zeros to the largest), and the logits and
+/// tokens are HF's.
+#[test]
+fn overrides_that_slice_whole_values_cut_uneven_pieces() {
+    let mut ran = 0;
+    for dir in fixtures() {
+        let reference = read_reference(&dir);
+        let mut def = load_model(&dir).unwrap();
+        let tpc::frontend::ModelDef::Preset(p) = &mut def else {
+            continue;
+        };
+        if !matches!(
+            p.family,
+            tpc::frontend::Family::Llama
+                | tpc::frontend::Family::Qwen2
+                | tpc::frontend::Family::Qwen3
+        ) {
+            continue;
+        }
+        p.tp_plan.insert(
+            "model.layers.*.mlp.gate_proj".into(),
+            tpc::frontend::TpWord::Rowwise,
+        );
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for (tp, shares) in [(3u64, None), (2, Some("1,3")), (4, Some("3,1,1,1"))] {
+            let ctx = format!(
+                "{} rowwise gate_proj, tp {tp} shares {shares:?}",
+                dir.display()
+            );
+            let options = match shares {
+                Some(s) => options(s),
+                None => ShardOptions::default(),
+            };
+            let plan = compile_with(&def, tp, options)
+                .unwrap_or_else(|e| panic!("{ctx}: {e}"))
+                .plan;
+            let uneven = plan.ranks[0].instrs.iter().any(
+                |i| matches!(&i.op, Op::LocalSlice(s) if s.pieces.windows(2).any(|w| w[0] != w[1])),
+            );
+            assert!(uneven, "{ctx}: no uneven local slice");
+            let opts = exact_cpu(reference.greedy.len());
+            let out = run(&plan, &ckpt, &reference.prompt, &opts)
+                .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            let err = rel_error(&out.prompt_logits.data, &reference.logits);
+            assert!(err <= REL_TOL, "{ctx}: relative error {err:.3e}");
+            assert_eq!(out.generated, reference.greedy, "{ctx}: greedy tokens");
+            ran += 1;
+        }
+    }
+    assert!(ran >= 15, "only {ran} runs");
+}
+
 #[test]
 fn shares_that_do_not_name_every_rank_are_refused() {
     let dir = fixtures()

@@ -307,7 +307,7 @@ fn collectives_change_the_split_dim_by_tp() {
         shape: Shape::tokens(&[64]),
     };
     let rs = Op::ReduceScatter(ReduceScatterOp { dim: 2 });
-    let ls = Op::LocalSlice(LocalSliceOp { dim: 2 });
+    let ls = Op::LocalSlice(LocalSliceOp::even(2));
     for op in [&rs, &ls] {
         assert_eq!(
             local_fact(&plan, op, &[&x]),
@@ -331,7 +331,7 @@ fn collectives_change_the_split_dim_by_tp() {
         })
     );
     assert_eq!(
-        local_fact(&plan, &Op::LocalSlice(LocalSliceOp { dim: 0 }), &[&x]),
+        local_fact(&plan, &Op::LocalSlice(LocalSliceOp::even(0)), &[&x]),
         Err(Problem::CollectiveDim {
             kind: "local_slice",
             dim: 0,

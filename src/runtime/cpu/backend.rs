@@ -936,6 +936,24 @@ impl Backend for CpuBackend {
         Ok(x.with_cols(n / parts, out))
     }
 
+    fn column_window(
+        &self,
+        x: &Tensor,
+        offset: usize,
+        len: usize,
+        width: usize,
+    ) -> BackendResult<Tensor> {
+        let (rows, n) = x.rows_cols();
+        shape_rules::column_window(n, offset, len, width)?;
+        let mut out = pool::empty(rows * width);
+        for row in x.data.chunks_exact(n.max(1)).take(rows) {
+            out.extend_from_slice(&row[offset..offset + len]);
+            out.resize(out.len() + width - len, 0.0);
+        }
+        out.resize(rows * width, 0.0);
+        Ok(x.with_cols(width, out))
+    }
+
     fn rows_to_rank_major(&self, x: &Tensor, parts: usize) -> BackendResult<Tensor> {
         let n = x.cols();
         shape_rules::to_rank_major(n, parts)?;

@@ -1340,6 +1340,50 @@ impl Backend for CudaBackend {
         self.unfuse(x, n, k * width, width)
     }
 
+    fn column_window(
+        &self,
+        x: &CudaAct,
+        offset: usize,
+        len: usize,
+        width: usize,
+    ) -> BackendResult<CudaAct> {
+        let (rows, n) = x.rows_cols();
+        shape_rules::column_window(n, offset, len, width)?;
+        let mut shape = x.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = width;
+        }
+        let mut out = self.zeros(shape)?;
+        if rows * len == 0 {
+            return Ok(out);
+        }
+        // x from column `offset` on, read as one rank-major part of rows of n: its first
+        // `len` columns of each row into columns 0..len of out.
+        let from = x.data().slice(offset..);
+        let (r, c, part, l, col, keep) = (
+            i64_of(rows),
+            i64_of(n),
+            0i64,
+            i64_of(len),
+            0i64,
+            i64_of(width),
+        );
+        launch!(
+            self.gpu,
+            "rank_major_part_to_rows",
+            grid_for(rows * len),
+            out.data_mut(),
+            &from,
+            &r,
+            &c,
+            &part,
+            &l,
+            &col,
+            &keep
+        )?;
+        Ok(out)
+    }
+
     fn rows_to_rank_major(&self, x: &CudaAct, parts: usize) -> BackendResult<CudaAct> {
         let (rows, n) = x.rows_cols();
         let width = shape_rules::to_rank_major(n, parts)?;
