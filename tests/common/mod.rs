@@ -91,3 +91,22 @@ pub fn ragged_requests(vocab: i64) -> Vec<Request> {
         },
     ]
 }
+
+/// `def` with one `tp_plan` override (`pattern` → `word`), for the fixtures whose weights
+/// have Llama's names (the Llama and Qwen presets); `None` for the others.
+pub fn with_llama_override(
+    def: &tpc::frontend::ModelDef,
+    pattern: &str,
+    word: tpc::frontend::TpWord,
+) -> Option<tpc::frontend::ModelDef> {
+    use tpc::frontend::{Family, ModelDef};
+    let mut over = def.clone();
+    let ModelDef::Preset(p) = &mut over else {
+        return None;
+    };
+    if !matches!(p.family, Family::Llama | Family::Qwen2 | Family::Qwen3) {
+        return None;
+    }
+    p.tp_plan.insert(pattern.into(), word);
+    Some(over)
+}

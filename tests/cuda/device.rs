@@ -8,10 +8,11 @@
 
 use crate::common;
 use crate::emulator;
-use common::{fixtures, read_reference, rel_error, BF16_REL_TOL, REL_TOL};
+use common::{fixtures, read_reference, rel_error, with_llama_override, BF16_REL_TOL, REL_TOL};
 
 use std::process::Command;
 use tpc::frontend::load::load_model;
+use tpc::frontend::TpWord;
 use tpc::ir::Op;
 use tpc::passes::ShardOptions;
 use tpc::pipeline::{compile, compile_with};
@@ -240,53 +241,40 @@ fn every_fixture_under_shares_on_one_gpu_matches_hf() {
             shed.push(padded - out.weight_bytes);
         }
         // A replicated down_proj reads the MLP product whole: an all-gather of unequal
-        // pieces joined by gate/up's counts (Llama and Qwen weight names only).
-        if let tpc::frontend::ModelDef::Preset(p) = &def {
-            if p.family != tpc::frontend::Family::Gpt2 && p.family != tpc::frontend::Family::GptNeox
-            {
-                let mut over = def.clone();
-                if let tpc::frontend::ModelDef::Preset(p) = &mut over {
-                    p.tp_plan.insert(
-                        "model.layers.*.mlp.down_proj".into(),
-                        tpc::frontend::TpWord::Replicate,
-                    );
-                }
-                let options = ShardOptions {
-                    shares: Some("1,3".parse().unwrap()),
-                    ..Default::default()
-                };
-                let what = format!("{} down_proj replicated, shares 1,3", dir.display());
-                let plan = compile_with(&over, 2, options).unwrap().plan;
-                let out = run_batch(&plan, &ckpt, &request, &opts)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
-                let seq = &out.sequences[0];
-                let err = rel_error(&seq.prompt_logits.data, &reference.logits);
-                report.push(format!("{what}: rel err {err:.2e}"));
-                assert!(
-                    err <= REL_TOL,
-                    "{what}: relative error {err:.3e} > {REL_TOL}"
-                );
-                assert_eq!(seq.generated, reference.greedy, "{what}: greedy tokens");
-                // A rowwise gate_proj slices whole values into uneven pieces at tp 3.
-                let mut over = def.clone();
-                if let tpc::frontend::ModelDef::Preset(p) = &mut over {
-                    p.tp_plan.insert(
-                        "model.layers.*.mlp.gate_proj".into(),
-                        tpc::frontend::TpWord::Rowwise,
-                    );
-                }
-                let what = format!("{} gate_proj rowwise, tp 3", dir.display());
-                let plan = compile_with(&over, 3, ShardOptions::default())
-                    .unwrap()
-                    .plan;
-                let out = run_batch(&plan, &ckpt, &request, &opts)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
-                let seq = &out.sequences[0];
-                let err = rel_error(&seq.prompt_logits.data, &reference.logits);
-                report.push(format!("{what}: rel err {err:.2e}"));
-                assert!(err <= REL_TOL, "{what}: relative error {err:.3e}");
-                assert_eq!(seq.generated, reference.greedy, "{what}: greedy tokens");
-            }
+        // pieces joined by gate/up's counts; a rowwise gate_proj slices whole values into
+        // uneven pieces at tp 3 (Llama and Qwen weight names only).
+        let overrides = [
+            (
+                "model.layers.*.mlp.down_proj",
+                TpWord::Replicate,
+                2,
+                Some("1,3"),
+            ),
+            ("model.layers.*.mlp.gate_proj", TpWord::Rowwise, 3, None),
+        ];
+        for (pattern, word, tp, shares) in overrides {
+            let Some(over) = with_llama_override(&def, pattern, word) else {
+                continue;
+            };
+            let options = ShardOptions {
+                shares: shares.map(|s| s.parse().unwrap()),
+                ..Default::default()
+            };
+            let what = format!(
+                "{} {pattern} {word:?}, tp {tp} shares {shares:?}",
+                dir.display()
+            );
+            let plan = compile_with(&over, tp, options).unwrap().plan;
+            let out =
+                run_batch(&plan, &ckpt, &request, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let seq = &out.sequences[0];
+            let err = rel_error(&seq.prompt_logits.data, &reference.logits);
+            report.push(format!("{what}: rel err {err:.2e}"));
+            assert!(
+                err <= REL_TOL,
+                "{what}: relative error {err:.3e} > {REL_TOL}"
+            );
+            assert_eq!(seq.generated, reference.greedy, "{what}: greedy tokens");
         }
         // At 1,3 rank 0's linears are padded (at least its LM head's vocabulary rows), but
         // for qwen3-tied, whose only uneven piece is the LM head's table that the embedding

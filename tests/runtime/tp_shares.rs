@@ -6,9 +6,10 @@
 //! gathered logits give.
 
 use crate::common;
-use common::{fixtures, read_reference, rel_error, REL_TOL};
+use common::{fixtures, read_reference, rel_error, with_llama_override, REL_TOL};
 
 use tpc::frontend::load::load_model;
+use tpc::frontend::TpWord;
 use tpc::ir::Op;
 use tpc::ir::TpShares;
 use tpc::passes::ShardOptions;
@@ -249,6 +250,15 @@ fn shares_combine_with_sequence_parallelism_and_norm_fusion() {
     }
 }
 
+/// `plan` on the CPU gives HF's prompt logits (f32 tolerance) and greedy tokens.
+fn matches_hf(plan: &Plan, ckpt: &Checkpoint, reference: &common::Reference, ctx: &str) {
+    let opts = exact_cpu(reference.greedy.len());
+    let out = run(plan, ckpt, &reference.prompt, &opts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    let err = rel_error(&out.prompt_logits.data, &reference.logits);
+    assert!(err <= REL_TOL, "{ctx}: relative error {err:.3e}");
+    assert_eq!(out.generated, reference.greedy, "{ctx}: greedy tokens");
+}
+
 /// A `tp_plan` override that makes an op read a split value whole all-gathers pieces of
 /// unequal shares: the MLP product before a replicated `down_proj`, the attention output
 /// before a replicated `o_proj`. The gather joins each rank's real part by the counts of
@@ -259,28 +269,13 @@ fn overrides_that_read_split_values_whole_gather_unequal_pieces() {
     let mut ran = 0;
     for dir in fixtures() {
         let reference = read_reference(&dir);
-        let mut def = load_model(&dir).unwrap();
-        let tpc::frontend::ModelDef::Preset(preset) = &mut def else {
-            continue;
-        };
-        if !matches!(
-            preset.family,
-            tpc::frontend::Family::Llama
-                | tpc::frontend::Family::Qwen2
-                | tpc::frontend::Family::Qwen3
-        ) {
-            continue;
-        }
+        let def = load_model(&dir).unwrap();
         let ckpt = Checkpoint::open(&dir).unwrap();
         for layer in ["mlp.down_proj", "self_attn.o_proj"] {
-            let mut over = def.clone();
-            let tpc::frontend::ModelDef::Preset(p) = &mut over else {
-                unreachable!()
+            let pattern = format!("model.layers.*.{layer}");
+            let Some(over) = with_llama_override(&def, &pattern, TpWord::Replicate) else {
+                continue;
             };
-            p.tp_plan.insert(
-                format!("model.layers.*.{layer}"),
-                tpc::frontend::TpWord::Replicate,
-            );
             for text in ["1,3", "3,1,1,1"] {
                 let shares: TpShares = text.parse().unwrap();
                 let ctx = format!("{} {layer} replicated, shares {text}", dir.display());
@@ -301,12 +296,7 @@ fn overrides_that_read_split_values_whole_gather_unequal_pieces() {
                     counted.iter().any(|p| p.iter().any(|&c| c != p[0])),
                     "{ctx}: {counted:?}"
                 );
-                let opts = exact_cpu(reference.greedy.len());
-                let out = run(&plan, &ckpt, &reference.prompt, &opts)
-                    .unwrap_or_else(|e| panic!("{ctx}: {e}"));
-                let err = rel_error(&out.prompt_logits.data, &reference.logits);
-                assert!(err <= REL_TOL, "{ctx}: relative error {err:.3e}");
-                assert_eq!(out.generated, reference.greedy, "{ctx}: greedy tokens");
+                matches_hf(&plan, &ckpt, &reference, &ctx);
                 ran += 1;
             }
         }
@@ -325,22 +315,11 @@ fn overrides_that_slice_whole_values_cut_uneven_pieces() {
     let mut ran = 0;
     for dir in fixtures() {
         let reference = read_reference(&dir);
-        let mut def = load_model(&dir).unwrap();
-        let tpc::frontend::ModelDef::Preset(p) = &mut def else {
+        let def = load_model(&dir).unwrap();
+        let Some(def) = with_llama_override(&def, "model.layers.*.mlp.gate_proj", TpWord::Rowwise)
+        else {
             continue;
         };
-        if !matches!(
-            p.family,
-            tpc::frontend::Family::Llama
-                | tpc::frontend::Family::Qwen2
-                | tpc::frontend::Family::Qwen3
-        ) {
-            continue;
-        }
-        p.tp_plan.insert(
-            "model.layers.*.mlp.gate_proj".into(),
-            tpc::frontend::TpWord::Rowwise,
-        );
         let ckpt = Checkpoint::open(&dir).unwrap();
         for (tp, shares) in [(3u64, None), (2, Some("1,3")), (4, Some("3,1,1,1"))] {
             let ctx = format!(
@@ -358,12 +337,7 @@ fn overrides_that_slice_whole_values_cut_uneven_pieces() {
                 |i| matches!(&i.op, Op::LocalSlice(s) if s.pieces.windows(2).any(|w| w[0] != w[1])),
             );
             assert!(uneven, "{ctx}: no uneven local slice");
-            let opts = exact_cpu(reference.greedy.len());
-            let out = run(&plan, &ckpt, &reference.prompt, &opts)
-                .unwrap_or_else(|e| panic!("{ctx}: {e}"));
-            let err = rel_error(&out.prompt_logits.data, &reference.logits);
-            assert!(err <= REL_TOL, "{ctx}: relative error {err:.3e}");
-            assert_eq!(out.generated, reference.greedy, "{ctx}: greedy tokens");
+            matches_hf(&plan, &ckpt, &reference, &ctx);
             ran += 1;
         }
     }
