@@ -50,8 +50,16 @@ pub fn compile_full(
     if tp > MAX_TP {
         return Err(TpcError::TpTooLarge { tp, max: MAX_TP });
     }
+    let split;
+    let def = match options.moe {
+        Some(s) => {
+            split = def.with_expert_split(s)?;
+            &split
+        }
+        None => def,
+    };
     let graph = to_graph(def)?;
-    let sharded = shard_with(graph, tp, def.tp_plan(), forced, options)?;
+    let sharded = shard_with(graph, tp, &def.tp_plan(), forced, options)?;
     let mut plan = partition(&sharded)?;
     plan.max_positions = def.max_positions();
     plan.attention_window = def.sliding_window();

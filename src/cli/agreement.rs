@@ -60,6 +60,10 @@ pub fn record(job: &Job<'_>) -> anyhow::Result<Record> {
         .argument("--sequence-parallel", on_off(job.shard.sequence_parallel))
         .argument("--fuse-norm", on_off(job.shard.fuse_norm))
         .argument("--numerics", job.shard.numerics)
+        .argument(
+            "--moe",
+            job.shard.moe.map_or("as the model says", |m| m.word()),
+        )
         .argument("--device", device)
         .argument(
             "--dtype",

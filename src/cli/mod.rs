@@ -252,6 +252,27 @@ pub struct ShardArgs {
     /// MLP column and vocabulary row blocks); the compile notes give what each rank got.
     #[arg(long, value_name = "SHARES")]
     pub tp_shares: Option<tpc::ir::TpShares>,
+    /// How mixture-of-experts layers are split: `tensor` (every expert's gate/up by columns
+    /// and down by rows on every rank) or `expert` (whole experts dealt to the ranks; each
+    /// computes only its experts). Both end the layer in one all-reduce. Default: tensor.
+    #[arg(long, value_enum)]
+    pub moe: Option<MoeArg>,
+}
+
+/// `--moe`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MoeArg {
+    Tensor,
+    Expert,
+}
+
+impl From<MoeArg> for tpc::ir::ExpertSplit {
+    fn from(a: MoeArg) -> Self {
+        match a {
+            MoeArg::Tensor => tpc::ir::ExpertSplit::Tensor,
+            MoeArg::Expert => tpc::ir::ExpertSplit::Expert,
+        }
+    }
 }
 
 /// `--numerics`.
@@ -371,6 +392,7 @@ impl ShardArgs {
             fuse_norm: self.fuse_norm,
             numerics: self.numerics.into(),
             shares: self.tp_shares,
+            moe: self.moe.map(Into::into),
         }
     }
 
@@ -413,7 +435,7 @@ impl ShardArgs {
 pub fn refuse_options_with_plan(options: tpc::passes::ShardOptions) -> anyhow::Result<()> {
     anyhow::ensure!(
         options == tpc::passes::ShardOptions::default(),
-        "--sequence-parallel, --fuse-norm, --numerics and --tp-shares apply when tpc compiles the model; a saved plan (--plan) was compiled with its choices already: drop one or the other"
+        "--moe, --sequence-parallel, --fuse-norm, --numerics and --tp-shares apply when tpc compiles the model; a saved plan (--plan) was compiled with its choices already: drop one or the other"
     );
     Ok(())
 }

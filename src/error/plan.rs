@@ -278,7 +278,7 @@ pub enum Problem {
     },
     #[error("splits dim {dim} of a rank-{rank} tensor; the split dim must be below {rank}")]
     SplitDimOutside { dim: u32, rank: usize },
-    #[error("splits dim {dim} of a rank-{rank} tensor; the loader slices only dim 0, or dim 1 of a 2-D tensor")]
+    #[error("splits dim {dim} of a rank-{rank} tensor; the loader slices only dim 0, dim 1 of a 2-D tensor, or any dim of a stack of experts")]
     LoaderCannotSlice { dim: u32, rank: usize },
     #[error("range {index} ({offset} + {len}) lies outside dim {dim} of size {size}; every range must end at or before {size}")]
     RangeOutside {

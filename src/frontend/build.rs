@@ -96,10 +96,17 @@ impl Builder<'_> {
                 format!("init `{}` is not defined before the repeat", r.init),
             )
         })?;
-        if r.count > u32::MAX as u64 {
-            return Err(self.err(&place, format!("{} layers is too many", r.count)));
-        }
-        for i in 0..r.count as u32 {
+        let end = r
+            .start
+            .checked_add(r.count)
+            .filter(|&e| e <= u32::MAX as u64);
+        let Some(end) = end else {
+            return Err(self.err(
+                &place,
+                format!("layers {}..+{} is too many", r.start, r.count),
+            ));
+        };
+        for i in r.start as u32..end as u32 {
             self.env.insert(r.carry.clone(), carried);
             for stmt in &r.body {
                 if let Stmt::Repeat(_) = stmt {

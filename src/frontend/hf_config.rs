@@ -1,6 +1,6 @@
 //! Hugging Face `config.json` → family preset. Accepts transformers 4.x and 5.x spellings.
 
-use super::spec::{Family, FamilyConfig};
+use super::spec::{Family, FamilyConfig, MoeConfig};
 use crate::error::{Result, TpcError};
 use crate::ir::{ActivationKind, DType, RopeScaling, F64};
 use serde_json::Value;
@@ -157,7 +157,7 @@ fn rope_theta(r: &Reader, legacy: &[&str]) -> Result<Option<f64>> {
 fn sliding_window(r: &Reader, model_type: &str, context: Option<u64>) -> Result<Option<u64>> {
     let active = r
         .bool_opt(&["use_sliding_window"])?
-        .unwrap_or(model_type == "mistral");
+        .unwrap_or(matches!(model_type, "mistral" | "mixtral"));
     if !active {
         return Ok(None);
     }
@@ -180,10 +180,51 @@ fn sliding_window(r: &Reader, model_type: &str, context: Option<u64>) -> Result<
 /// `None` (one kv head per query head); Mistral's, Qwen2's and Qwen3's are fixed numbers.
 fn hf_default_kv_heads(model_type: &str) -> Option<u64> {
     match model_type {
-        "mistral" => Some(8),
+        "mistral" | "mixtral" => Some(8),
+        "qwen3_moe" => Some(4),
         "qwen2" | "qwen3" => Some(32),
         _ => None,
     }
+}
+
+/// The experts of a mixture-of-experts family, with the HF config classes' defaults
+/// (Mixtral: 8 experts, 2 per token, always renormalized; Qwen3-MoE: 128, 8, as
+/// `norm_topk_prob` says); `None` for a dense family.
+fn moe(r: &Reader, family: Family) -> Result<Option<MoeConfig>> {
+    let (experts, top_k) = match family {
+        Family::Mixtral => (8, 2),
+        Family::Qwen3Moe => (128, 8),
+        _ => return Ok(None),
+    };
+    let mlp_only_layers = match r.get(&["mlp_only_layers"]) {
+        None => Vec::new(),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(serde_json::Value::as_u64)
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| {
+                r.err(format!(
+                    "`mlp_only_layers` must be a list of layer indices, found {v}"
+                ))
+            })?,
+    };
+    Ok(Some(MoeConfig {
+        num_experts: r
+            .u64_opt(&["num_local_experts", "num_experts"])?
+            .unwrap_or(experts),
+        num_experts_per_tok: r.u64_opt(&["num_experts_per_tok"])?.unwrap_or(top_k),
+        moe_intermediate_size: r.u64_opt(&["moe_intermediate_size"])?,
+        norm_topk_prob: match family {
+            Family::Mixtral => true,
+            _ => r.bool_opt(&["norm_topk_prob"])?.unwrap_or(false),
+        },
+        mlp_only_layers,
+        decoder_sparse_step: r.u64_opt(&["decoder_sparse_step"])?,
+        split: Default::default(),
+    }))
 }
 
 /// A quantized checkpoint (`quantization_config`) is refused before any weight is read,
@@ -226,9 +267,16 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
         "qwen3" => Family::Qwen3,
         "gpt2" => Family::Gpt2,
         "gpt_neox" => Family::GptNeox,
+        "mixtral" => Family::Mixtral,
+        "qwen3_moe" => Family::Qwen3Moe,
+        "deepseek_v2" | "deepseek_v3" | "kimi_k2" => {
+            return Err(r.err(format!(
+                "model_type `{model_type}` is a mixture of experts with multi-head latent attention (compressed, low-rank keys and values with a decoupled rotary part), which tpc has no op for; tpc's mixture-of-experts families are mixtral and qwen3_moe"
+            )))
+        }
         other => {
             return Err(r.err(format!(
-                "model_type `{other}` is not supported; tpc reads llama, mistral, qwen2, qwen3, gpt2 and gpt_neox \
+                "model_type `{other}` is not supported; tpc reads llama, mistral, qwen2, qwen3, gpt2, gpt_neox, mixtral and qwen3_moe \
                  (or write the architecture as an explicit graph in RON)"
             )))
         }
@@ -276,6 +324,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             sliding_window: None,
             dtype: DType::F32,
             tp_plan: BTreeMap::new(),
+            moe: None,
         }
     } else {
         FamilyConfig {
@@ -292,6 +341,8 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             },
             head_dim: match r.u64_opt(&["head_dim"])? {
                 Some(d) => Some(d),
+                // Qwen3MoeConfig has no head_dim default: hidden_size / heads.
+                None if family == Family::Qwen3Moe => None,
                 // Qwen3Config's head_dim defaults to 128, not hidden_size / heads.
                 None if family == Family::Qwen3 => Some(128),
                 None => None,
@@ -317,6 +368,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             sliding_window: None,
             dtype: DType::Bf16,
             tp_plan: BTreeMap::new(),
+            moe: moe(&r, family)?.map(Box::new),
         }
     };
     if family == Family::Gpt2 {

@@ -8,7 +8,7 @@ use crate::ir::*;
 use std::collections::BTreeMap;
 
 /// Appends statements; each weight is declared right before its first use.
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Emit {
     body: Vec<Stmt>,
 }
@@ -234,7 +234,24 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
         Family::Qwen3 => (1e-6, false, false, ActivationKind::Silu),
         Family::Gpt2 => (1e-5, true, true, ActivationKind::GeluTanh),
         Family::GptNeox => (1e-5, true, false, ActivationKind::Gelu),
+        Family::Mixtral | Family::Qwen3Moe => (1e-6, false, false, ActivationKind::Silu),
     };
+    match (&c.moe, c.family.is_moe()) {
+        (None, true) => {
+            return Err(bad(format!(
+                "a {:?} model needs `moe` (its experts: num_experts, num_experts_per_tok)",
+                c.family
+            )))
+        }
+        (Some(_), false) => {
+            return Err(bad(format!(
+                "`moe` is set, but {:?} has no mixture-of-experts layers; use a mixture-of-experts family (Mixtral, Qwen3Moe) or remove it",
+                c.family
+            )))
+        }
+        (Some(m), true) => check_moe(m).map_err(bad)?,
+        (None, false) => {}
+    }
     if c.family == Family::Gpt2 && c.tie_word_embeddings == Some(false) {
         return Err(bad(
             "GPT-2 always ties its LM head to wte; remove tie_word_embeddings: false".into(),
@@ -253,6 +270,29 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
         bias: c.attention_bias.unwrap_or(default_bias),
         act: c.hidden_act.unwrap_or(default_act),
     })
+}
+
+/// The experts' counts fit: at least one expert, each token routed to 1 to all of them.
+fn check_moe(m: &MoeConfig) -> std::result::Result<(), String> {
+    if m.num_experts == 0 || m.num_experts > MAX_DIM {
+        return Err(format!(
+            "num_experts is {}; it must be 1 to {MAX_DIM}",
+            m.num_experts
+        ));
+    }
+    if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
+        return Err(format!(
+            "num_experts_per_tok is {}; each token is routed to 1 to the {} experts there are",
+            m.num_experts_per_tok, m.num_experts
+        ));
+    }
+    match m.moe_intermediate_size {
+        Some(0) => Err("moe_intermediate_size must be positive".into()),
+        Some(f) if f > MAX_DIM => Err(format!(
+            "moe_intermediate_size is {f}; tpc's limit is {MAX_DIM}"
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn rope_op(c: &FamilyConfig, d: &Dims) -> Result<Op> {
@@ -302,18 +342,37 @@ pub fn lower_preset(c: &FamilyConfig) -> Result<GraphDef> {
         &[],
     );
     let (layer, init, result, post) = match c.family {
-        Family::Llama | Family::Qwen2 | Family::Qwen3 => llama_like(c, &d, &mut pre)?,
+        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mixtral | Family::Qwen3Moe => {
+            llama_like(c, &d, &mut pre)?
+        }
         Family::Gpt2 => gpt2(c, &d, &mut pre)?,
         Family::GptNeox => gpt_neox(c, &d, &mut pre)?,
     };
     let mut body = pre.body;
-    body.push(Stmt::Repeat(RepeatDef {
-        count: d.layers,
-        carry: "hidden".into(),
-        init,
-        result,
-        body: layer.body,
-    }));
+    // Runs of layers alike, one repeat each: every layer the same, or a mixture-of-experts
+    // model's sparse and dense layers.
+    let mut start = 0;
+    let mut init = init;
+    while start < d.layers {
+        let sparse =
+            |i: u64| layer.sparse.is_some() && c.moe.as_ref().is_some_and(|m| m.is_sparse(i));
+        let kind = sparse(start);
+        let count = (start..d.layers).take_while(|&i| sparse(i) == kind).count() as u64;
+        let body_of = match (&layer.sparse, kind) {
+            (Some(s), true) => s,
+            _ => &layer.dense,
+        };
+        body.push(Stmt::Repeat(RepeatDef {
+            count,
+            start,
+            carry: "hidden".into(),
+            init: init.clone(),
+            result: result.clone(),
+            body: body_of.body.clone(),
+        }));
+        init = "hidden".into();
+        start += count;
+    }
     body.extend(post.body);
     Ok(GraphDef {
         name: model_name(c),
@@ -325,8 +384,23 @@ pub fn lower_preset(c: &FamilyConfig) -> Result<GraphDef> {
     })
 }
 
-/// One decoder layer, the carried value's init and result names, and the epilogue.
-type Lowered = (Emit, String, String, Emit);
+/// One decoder layer (and a mixture-of-experts model's sparse one), the carried value's
+/// init and result names, and the epilogue.
+type Lowered = (Layer, String, String, Emit);
+
+struct Layer {
+    dense: Emit,
+    sparse: Option<Emit>,
+}
+
+impl From<Emit> for Layer {
+    fn from(dense: Emit) -> Layer {
+        Layer {
+            dense,
+            sparse: None,
+        }
+    }
+}
 
 fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
     let embed = pre.embedding("model.embed_tokens", "input_ids", d.vocab, d.h);
@@ -345,7 +419,7 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
             None,
             d.bias,
         );
-        if c.family == Family::Qwen3 && name != "v" {
+        if matches!(c.family, Family::Qwen3 | Family::Qwen3Moe) && name != "v" {
             y = l.rms_norm(
                 &format!("{p}.self_attn.{name}_norm"),
                 &y,
@@ -392,6 +466,20 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         d.eps,
         None,
     );
+    let sparse = c.moe.as_ref().map(|m| {
+        let mut s = l.clone();
+        let (block, names) = match c.family {
+            Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        };
+        let moe = experts_block(&mut s, &format!("{p}.{block}"), &x2, d, m, names);
+        s.node(
+            &format!("{p}.mlp_residual"),
+            Op::Add(AddOp {}),
+            &[&h1, &moe],
+        );
+        s
+    });
     let mlp = |l: &mut Emit, name: &str| {
         let n = format!("{p}.mlp.{name}_proj");
         l.linear(&n, &x2, WeightOrder::OutIn, (d.h, d.ffn), None, None, false)
@@ -422,7 +510,67 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
     let mut post = Emit::default();
     let n = post.rms_norm("model.norm", "hidden", d.h, d.eps, None);
     lm_head(&mut post, d, &n, "model.embed_tokens.weight", "lm_head");
-    Ok((l, embed, result, post))
+    let layer = Layer { dense: l, sparse };
+    Ok((layer, embed, result, post))
+}
+
+/// A mixture-of-experts block at `prefix` reading `x`: the router (`prefix.gate`, a linear
+/// to one logit per expert, then the top-k choice) and the experts, whose weights are
+/// stacks of the checkpoint's per-expert tensors (`prefix.experts.{e}.<name>.weight`,
+/// `names` = gate, up, down). Returns the block's output.
+fn experts_block(
+    l: &mut Emit,
+    prefix: &str,
+    x: &str,
+    d: &Dims,
+    m: &MoeConfig,
+    names: [&str; 3],
+) -> String {
+    let e = m.num_experts;
+    let f = m.moe_intermediate_size.unwrap_or(d.ffn);
+    let router = l.linear(
+        &format!("{prefix}.gate"),
+        x,
+        WeightOrder::OutIn,
+        (d.h, e),
+        None,
+        None,
+        false,
+    );
+    let routing = l.node(
+        &format!("{prefix}.route"),
+        Op::Route(RouteOp {
+            top_k: m.num_experts_per_tok,
+            normalize: m.norm_topk_prob,
+        }),
+        &[&router],
+    );
+    // Each expert is an atom of the experts dim: dealt whole, unevenly where tp does not
+    // divide the count.
+    let experts = Groups::Heads {
+        count: e,
+        size: 1,
+        replicable: false,
+        kv_groups: Some(e),
+    };
+    let stack = |l: &mut Emit, name: &str, shape: [u64; 3]| {
+        l.weight(
+            &format!("{prefix}.experts.{{e}}.{name}.weight"),
+            &shape,
+            &[(0, experts.clone())],
+        )
+    };
+    let gate = stack(l, names[0], [e, f, d.h]);
+    let up = stack(l, names[1], [e, f, d.h]);
+    let down = stack(l, names[2], [e, d.h, f]);
+    l.node(
+        &format!("{prefix}.experts"),
+        Op::Experts(ExpertsOp {
+            act: d.act,
+            split: m.split,
+        }),
+        &[x, &routing, &gate, &up, &down],
+    )
 }
 
 fn lm_head(post: &mut Emit, d: &Dims, x: &str, tied_to: &str, name: &str) {
@@ -535,7 +683,7 @@ fn gpt2(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
     let mut post = Emit::default();
     let f = post.layer_norm("transformer.ln_f", "hidden", d.h, d.eps);
     lm_head(&mut post, d, &f, "transformer.wte.weight", "lm_head");
-    Ok((l, embed, result, post))
+    Ok((l.into(), embed, result, post))
 }
 
 fn gpt_neox(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
@@ -657,5 +805,5 @@ fn gpt_neox(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
     let mut post = Emit::default();
     let f = post.layer_norm("gpt_neox.final_layer_norm", "hidden", d.h, d.eps);
     lm_head(&mut post, d, &f, "gpt_neox.embed_in.weight", "embed_out");
-    Ok((l, embed, result, post))
+    Ok((l.into(), embed, result, post))
 }

@@ -2,7 +2,7 @@
 //! graph of named ops with a repeat over layers.
 
 use crate::error::{Result, TpcError};
-use crate::ir::{ActivationKind, DType, Groups, Op, RopeScaling};
+use crate::ir::{ActivationKind, DType, ExpertSplit, Groups, Op, RopeScaling};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -13,10 +13,20 @@ pub enum ModelDef {
 }
 
 impl ModelDef {
-    pub fn tp_plan(&self) -> &BTreeMap<String, TpWord> {
+    /// The model's `tp_plan` overrides; a mixture-of-experts preset's routers are
+    /// replicated unless the model says otherwise (their logits are small, and the softmax
+    /// over the experts needs them whole).
+    pub fn tp_plan(&self) -> std::borrow::Cow<'_, BTreeMap<String, TpWord>> {
         match self {
-            ModelDef::Preset(p) => &p.tp_plan,
-            ModelDef::Graph(g) => &g.tp_plan,
+            ModelDef::Preset(p) => match p.router_pattern() {
+                Some(router) => {
+                    let mut plan = p.tp_plan.clone();
+                    plan.entry(router.into()).or_insert(TpWord::Replicate);
+                    std::borrow::Cow::Owned(plan)
+                }
+                None => std::borrow::Cow::Borrowed(&p.tp_plan),
+            },
+            ModelDef::Graph(g) => std::borrow::Cow::Borrowed(&g.tp_plan),
         }
     }
 
@@ -27,6 +37,51 @@ impl ModelDef {
             ModelDef::Preset(p) => p.max_positions(),
             ModelDef::Graph(g) => g.max_position_embeddings,
         }
+    }
+
+    /// The model with its mixture-of-experts layers split as `split` says (`--moe`); a
+    /// model without experts is refused, so that the flag never goes unheard.
+    pub fn with_expert_split(&self, split: ExpertSplit) -> Result<ModelDef> {
+        let mut def = self.clone();
+        let found = match &mut def {
+            ModelDef::Preset(p) => p.moe.as_mut().map(|m| m.split = split).is_some(),
+            ModelDef::Graph(g) => {
+                let mut found = false;
+                let mut visit = |body: &mut Vec<Stmt>| {
+                    for stmt in body {
+                        if let Stmt::Node(NodeDef {
+                            op: Op::Experts(e), ..
+                        }) = stmt
+                        {
+                            e.split = split;
+                            found = true;
+                        }
+                    }
+                };
+                visit(&mut g.body);
+                for stmt in &mut g.body {
+                    if let Stmt::Repeat(r) = stmt {
+                        visit(&mut r.body);
+                    }
+                }
+                found
+            }
+        };
+        if !found {
+            let model = match self {
+                ModelDef::Preset(p) => p.name.clone().unwrap_or_else(|| format!("{:?}", p.family)),
+                ModelDef::Graph(g) => g.name.clone(),
+            };
+            return Err(TpcError::Model {
+                model,
+                place: "--moe".into(),
+                message: format!(
+                    "`--moe {}` splits mixture-of-experts layers, and this model has none; drop --moe",
+                    split.word()
+                ),
+            });
+        }
+        Ok(def)
     }
 
     /// The attention window (Mistral's `sliding_window`) when it limits the context.
@@ -76,6 +131,50 @@ pub enum Family {
     Gpt2,
     /// GPT-NeoX / Pythia: parallel residual, partial rotary, per-head fused qkv.
     GptNeox,
+    /// Mixtral: Llama attention, a mixture of experts (`block_sparse_moe`) in every layer.
+    Mixtral,
+    /// Qwen3-MoE: Qwen3 attention, a mixture of experts (`mlp`) in the sparse layers and a
+    /// dense MLP in the others.
+    Qwen3Moe,
+}
+
+impl Family {
+    /// Whether the family's layers hold a mixture of experts.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Family::Mixtral | Family::Qwen3Moe)
+    }
+}
+
+/// A mixture-of-experts model's experts, as HF configs name them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Experts per layer (`num_local_experts` / `num_experts`).
+    pub num_experts: u64,
+    /// Experts each token is routed to.
+    pub num_experts_per_tok: u64,
+    /// Each expert's features; `intermediate_size` when absent (Mixtral).
+    #[serde(default)]
+    pub moe_intermediate_size: Option<u64>,
+    /// Whether the chosen experts' weights are divided by their sum.
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    /// Layers with a dense MLP instead of experts (Qwen3-MoE's `mlp_only_layers`).
+    #[serde(default)]
+    pub mlp_only_layers: Vec<u64>,
+    /// Every this many layers is sparse (layer `i` when `(i + 1) % step == 0`); 1: all.
+    #[serde(default)]
+    pub decoder_sparse_step: Option<u64>,
+    /// How the sharding pass splits the experts (`--moe`).
+    #[serde(default)]
+    pub split: ExpertSplit,
+}
+
+impl MoeConfig {
+    /// Whether layer `i` holds experts (transformers' rule for Qwen-MoE layers).
+    pub fn is_sparse(&self, layer: u64) -> bool {
+        let step = self.decoder_sparse_step.unwrap_or(1);
+        !self.mlp_only_layers.contains(&layer) && step > 0 && (layer + 1).is_multiple_of(step)
+    }
 }
 
 /// HF tensor-parallel plan words for per-weight overrides.
@@ -100,6 +199,15 @@ impl TpWord {
 }
 
 impl FamilyConfig {
+    /// The `tp_plan` pattern of a mixture-of-experts family's router weights.
+    pub fn router_pattern(&self) -> Option<&'static str> {
+        match self.family {
+            Family::Mixtral => Some("model.layers.*.block_sparse_moe.gate.weight"),
+            Family::Qwen3Moe => Some("model.layers.*.mlp.gate.weight"),
+            _ => None,
+        }
+    }
+
     /// `max_position_embeddings`, or the family's default where it has a hard one (GPT-2's
     /// learned positions: 1024).
     pub fn max_positions(&self) -> Option<u64> {
@@ -153,6 +261,13 @@ pub struct FamilyConfig {
     /// Overrides: weight name pattern (`*` matches one dotted segment) → HF tp_plan word.
     #[serde(default)]
     pub tp_plan: BTreeMap<String, TpWord>,
+    /// The experts of a mixture-of-experts family (required there, refused elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<Box<MoeConfig>>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 pub fn default_dtype() -> DType {
@@ -206,9 +321,13 @@ pub struct NodeDef {
 
 /// `count` layers. Inside the body, the name `carry` means `init` in layer 0 and the
 /// previous layer's `result` after that; after the loop it means the last layer's result.
+/// Layers are numbered from `start` (several repeats in a row make a model whose layers
+/// differ, such as dense layers among mixture-of-experts ones).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RepeatDef {
     pub count: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub start: u64,
     pub carry: String,
     pub init: String,
     pub result: String,

@@ -39,7 +39,8 @@ pub fn dealing_linear(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
 /// The split weight whose pieces local slice `id` must cut: that of the linear reading
 /// the slice as its input (split by its input dim), or, for another op, that of the linear
 /// dealing the same dim of an input beside the slice (split by its output dim: an MLP's
-/// `up` beside a sliced activation). `None` when neither exists.
+/// `up` beside a sliced activation), or a split weight beside it (the expert stacks beside
+/// a mixture-of-experts layer's routing). `None` when none exists.
 pub fn slicing_weight(graph: &Graph, id: NodeId) -> Option<NodeId> {
     let node = graph.node(id);
     let Op::LocalSlice(s) = &node.op else {
@@ -64,10 +65,15 @@ pub fn slicing_weight(graph: &Graph, id: NodeId) -> Option<NodeId> {
             .find_map(|(_, (operand, &i))| {
                 let input = graph.node(i);
                 let at = operand.dim_of(letter, input.fact.shape.rank())?;
-                (input.layout == Some(Layout::Split { dim: at }))
-                    .then(|| dealing_linear(graph, i, at))
-                    .flatten()
-                    .and_then(|linear| graph.inputs(linear).get(1).copied())
+                if input.layout != Some(Layout::Split { dim: at }) {
+                    return None;
+                }
+                // A weight beside the slice deals the dim itself (a mixture-of-experts
+                // layer's expert stacks beside its routing).
+                if matches!(input.op, Op::Param(_)) {
+                    return Some(i);
+                }
+                dealing_linear(graph, i, at).and_then(|linear| graph.inputs(linear).get(1).copied())
             })
     })
 }

@@ -263,6 +263,49 @@ impl LocalSliceOp {
     }
 }
 
+/// A mixture-of-experts router: softmax over the experts' logits (in f32), the `top_k`
+/// largest kept (the lower expert first among equal values) and, with `normalize`, divided
+/// by their sum; every other expert's weight is zero. Input `logits [.., e]` → `[.., e]` f32.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RouteOp {
+    pub top_k: u64,
+    #[serde(default)]
+    pub normalize: bool,
+}
+
+/// How a mixture-of-experts layer is split over the ranks (`--moe`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ExpertSplit {
+    /// Every expert's gate/up by columns and down by rows on every rank.
+    #[default]
+    Tensor,
+    /// Whole experts dealt to the ranks; each computes only its experts.
+    Expert,
+}
+
+impl ExpertSplit {
+    pub fn word(self) -> &'static str {
+        match self {
+            ExpertSplit::Tensor => "tensor",
+            ExpertSplit::Expert => "expert",
+        }
+    }
+}
+
+/// The experts of a mixture-of-experts layer, each a gated MLP
+/// `down · (act(gate · x) ⊙ up · x)`, summed with the router's weights:
+/// inputs `x [.., h]`, `routing [.., e]` (a [`RouteOp`]'s output), `gate [e, f, h]`,
+/// `up [e, f, h]`, `down [e, h, f]` → `[.., h]`. A token reads only the experts its routing
+/// weight is non-zero for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ExpertsOp {
+    pub act: ActivationKind,
+    /// Which dim the sharding pass splits: the experts, or each expert's features.
+    #[serde(default)]
+    pub split: ExpertSplit,
+}
+
 /// Every operation tpc knows. Collectives are only ever inserted by passes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Op {
@@ -284,6 +327,8 @@ pub enum Op {
     AllGather(AllGatherOp),
     ReduceScatter(ReduceScatterOp),
     LocalSlice(LocalSliceOp),
+    Route(RouteOp),
+    Experts(ExpertsOp),
 }
 
 impl Op {
@@ -309,6 +354,8 @@ impl Op {
             Op::AllGather(_) => "all_gather",
             Op::ReduceScatter(_) => "reduce_scatter",
             Op::LocalSlice(_) => "local_slice",
+            Op::Route(_) => "route",
+            Op::Experts(_) => "experts",
         }
     }
 
@@ -322,7 +369,8 @@ impl Op {
             | Op::AllReduce(_)
             | Op::AllGather(_)
             | Op::ReduceScatter(_)
-            | Op::LocalSlice(_) => 1,
+            | Op::LocalSlice(_)
+            | Op::Route(_) => 1,
             Op::Embedding(_)
             | Op::Linear(_)
             | Op::BiasAdd(_)
@@ -331,6 +379,7 @@ impl Op {
             | Op::RmsNorm(_)
             | Op::Rope(_) => 2,
             Op::LayerNorm(_) | Op::Attention(_) => 3,
+            Op::Experts(_) => 5,
         }
     }
 
@@ -393,6 +442,12 @@ impl Op {
                 let list: Vec<String> = s.pieces.iter().map(u64::to_string).collect();
                 format!("dim={} pieces={}", s.dim, list.join("/"))
             }
+            Op::Route(r) => format!(
+                "top_k={}{}",
+                r.top_k,
+                if r.normalize { " normalized" } else { "" }
+            ),
+            Op::Experts(e) => format!("{:?} split={}", e.act, e.split.word()),
             Op::BiasAdd(_) | Op::Add(_) | Op::Mul(_) => String::new(),
             Op::AllReduce(a) => a
                 .algorithm

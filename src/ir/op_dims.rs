@@ -178,6 +178,12 @@ const Y_N: Operand = act(&["n"]);
 const W_NK: Operand = weight(&["n", "k"]);
 const W_KN: Operand = weight(&["k", "n"]);
 const TABLE: Operand = weight(&["v", "h"]);
+/// `[.., e]`: one value per expert (router logits, routing weights).
+const PER_EXPERT: Operand = act(&["e"]);
+/// `[e, f, h]`: each expert's gate or up projection.
+const EXPERT_IN: Operand = weight(&["e", "f", "h"]);
+/// `[e, h, f]`: each expert's down projection.
+const EXPERT_OUT: Operand = weight(&["e", "h", "f"]);
 /// A param's output: its dims are named where it is read.
 const PARAM: Operand = weight(&[]);
 
@@ -395,6 +401,31 @@ pub fn dims(op: &Op) -> OpDims {
             collective: false,
             in_place: false,
             row_wise: feature(s.dim),
+        },
+        // Softmax and top-k over all experts: the logits must be whole.
+        Op::Route(_) => OpDims {
+            inputs: &[PER_EXPERT],
+            output: PER_EXPERT,
+            letters: &[('e', Mixed)],
+            linear: Linearity::None,
+            moves: None,
+            collective: false,
+            in_place: false,
+            row_wise: true,
+        },
+        // Σ_e routing[e] · down_e(act(gate_e · x) ⊙ up_e · x): split by experts (each rank
+        // sums its experts, reading its columns of the routing) or by each expert's
+        // features (each rank sums its columns of every expert's product), the output is a
+        // partial sum either way. x is read whole by every expert.
+        Op::Experts(_) => OpDims {
+            inputs: &[FEAT, PER_EXPERT, EXPERT_IN, EXPERT_IN, EXPERT_OUT],
+            output: FEAT,
+            letters: &[('h', Mixed), ('e', Contracted), ('f', Contracted)],
+            linear: Linearity::None,
+            moves: None,
+            collective: false,
+            in_place: false,
+            row_wise: false,
         },
     }
 }
@@ -749,6 +780,14 @@ pub(crate) mod tests {
             }),
             Op::ReduceScatter(ReduceScatterOp { dim: 2 }),
             Op::LocalSlice(LocalSliceOp::even(2)),
+            Op::Route(RouteOp {
+                top_k: 2,
+                normalize: true,
+            }),
+            Op::Experts(ExpertsOp {
+                act: ActivationKind::Silu,
+                split: ExpertSplit::Expert,
+            }),
         ]
     }
 
@@ -857,6 +896,13 @@ pub(crate) mod tests {
             Op::AllGather(g) => moving(L::None, false, g.dim >= 2, true, (s(g.dim), R)),
             Op::ReduceScatter(r) => moving(L::Each(&[0]), false, r.dim >= 2, true, (P, s(r.dim))),
             Op::LocalSlice(l) => moving(L::None, false, l.dim >= 2, false, (R, s(l.dim))),
+            Op::Route(_) => e("[.., e] -> [.., e]; e mixed", L::None, false, true),
+            Op::Experts(_) => e(
+                "[.., h], [.., e], [e, f, h], [e, f, h], [e, h, f] -> [.., h]; h mixed, e contracted, f contracted",
+                L::None,
+                false,
+                false,
+            ),
         }
     }
 
@@ -906,7 +952,7 @@ pub(crate) mod tests {
     #[test]
     fn every_variant_is_sampled() {
         let names = variant_names();
-        assert_eq!(names.len(), 18, "{names:?}");
+        assert_eq!(names.len(), 20, "{names:?}");
         let sampled: Vec<String> = samples()
             .iter()
             .map(|op| {

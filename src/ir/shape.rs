@@ -145,6 +145,54 @@ pub fn infer(op: &Op, inputs: &[&TensorFact], model_dtype: DType) -> Result<Tens
         Op::Output(_) | Op::AllReduce(_) | Op::ReduceScatter(_) | Op::LocalSlice(_) => {
             same(inputs[0])
         }
+        Op::Route(r) => {
+            let experts = last_fixed(inputs[0], "router logits")?;
+            if r.top_k == 0 || r.top_k > experts {
+                return Err(format!(
+                    "the router keeps {} experts per token, which must be 1 to the {experts} experts there are",
+                    r.top_k
+                ));
+            }
+            Ok(TensorFact {
+                dtype: DType::F32,
+                shape: inputs[0].shape.clone(),
+            })
+        }
+        Op::Experts(_) => {
+            let (x, routing) = (inputs[0], inputs[1]);
+            let h = last_fixed(x, "experts input")?;
+            let e = last_fixed(routing, "experts routing")?;
+            let want = |f: &TensorFact, what: &str, shape: [Option<u64>; 3]| {
+                let dims: Vec<Option<u64>> = (0..3).map(|d| f.shape.fixed_at(d)).collect();
+                let fits = f.shape.rank() == 3
+                    && dims
+                        .iter()
+                        .zip(shape)
+                        .all(|(got, want)| got.is_some() && (want.is_none() || *got == want));
+                if fits {
+                    Ok(dims[1].unwrap_or(0))
+                } else {
+                    Err(format!(
+                        "{what} must be [experts {e}, .., ..] matching {h} features, got {}",
+                        f.shape
+                    ))
+                }
+            };
+            let f = want(inputs[2], "expert gate weights", [Some(e), None, Some(h)])?;
+            want(inputs[3], "expert up weights", [Some(e), Some(f), Some(h)])?;
+            want(
+                inputs[4],
+                "expert down weights",
+                [Some(e), Some(h), Some(f)],
+            )?;
+            if routing.shape.rank() != x.shape.rank() {
+                return Err(format!(
+                    "routing {} and input {} must have the same token dims",
+                    routing.shape, x.shape
+                ));
+            }
+            same(x)
+        }
         Op::AllGather(g) => match g.unpad_to {
             Some(n) => Ok(TensorFact {
                 dtype: inputs[0].dtype,

@@ -24,6 +24,9 @@ pub enum Reason {
     Follows,
     /// tp = 1: nothing is split.
     SingleRank,
+    /// A mixture-of-experts layer's weights, split as `--moe` says: whole experts dealt to
+    /// the ranks, or every expert's features.
+    Experts(crate::ir::ExpertSplit),
 }
 
 impl Reason {
@@ -37,6 +40,8 @@ impl Reason {
             Reason::NoSplittableDim => "no_splittable_dim",
             Reason::Follows => "follows_its_op",
             Reason::SingleRank => "tp_1",
+            Reason::Experts(crate::ir::ExpertSplit::Expert) => "moe_expert_split",
+            Reason::Experts(crate::ir::ExpertSplit::Tensor) => "moe_tensor_split",
         }
     }
 
@@ -61,6 +66,12 @@ impl Reason {
                 "not a contraction weight: takes the layout its op needs for the activation's split".into()
             }
             Reason::SingleRank => "tp = 1: everything is replicated".into(),
+            Reason::Experts(crate::ir::ExpertSplit::Expert) => {
+                "mixture of experts, --moe expert: whole experts dealt to the ranks, each rank reads its columns of the routing and sums its experts (partial sums)".into()
+            }
+            Reason::Experts(crate::ir::ExpertSplit::Tensor) => {
+                "mixture of experts, --moe tensor: every expert's gate/up split by columns and down by rows (partial sums)".into()
+            }
         }
     }
 }

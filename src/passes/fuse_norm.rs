@@ -199,6 +199,7 @@ mod tests {
                 sequence_parallel,
                 numerics: crate::ir::NumericsMode::Invariant,
                 shares: None,
+                moe: None,
             };
             compile_with(&load_model(&path).unwrap(), tp, options)
                 .unwrap()

@@ -114,6 +114,8 @@ pub struct ShardOptions {
     pub numerics: NumericsMode,
     /// Each rank's share of every split dimension (`--tp-shares`); `None`: even.
     pub shares: Option<TpShares>,
+    /// How mixture-of-experts layers are split (`--moe`); `None`: as the model says.
+    pub moe: Option<crate::ir::ExpertSplit>,
 }
 
 /// Shards `graph` for `tp` ranks with the model's overrides.

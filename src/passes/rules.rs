@@ -66,6 +66,11 @@ pub fn rule_with_reason(
         Some(w) => {
             g[w] = match given.get(w).copied().flatten() {
                 Some(placed) => placed,
+                None if matches!(op, Op::Experts(_)) => {
+                    let (layout, why) = place_experts(op, word);
+                    placed_why = Some((w, why));
+                    layout
+                }
                 None => {
                     let (layout, why) = place_weight(&d, w, g[0], ranks, word);
                     placed_why = Some((w, why));
@@ -106,6 +111,19 @@ fn summed_weight(d: &OpDims) -> Option<usize> {
                     .any(|l| matches!(d.role(l), Some(Role::Contracted | Role::Lookup)))
             })
     })
+}
+
+/// Where a mixture-of-experts layer's gate weights `[e, f, h]` go: split by experts or by
+/// each expert's features as the op says, unless the model's tp_plan replicates them.
+fn place_experts(op: &Op, word: Option<TpWord>) -> (Layout, Reason) {
+    match (op, word) {
+        (_, Some(TpWord::Replicate)) => (R, Reason::Override(TpWord::Replicate)),
+        (Op::Experts(e), _) => match e.split {
+            crate::ir::ExpertSplit::Expert => (split(0), Reason::Experts(e.split)),
+            crate::ir::ExpertSplit::Tensor => (split(1), Reason::Experts(e.split)),
+        },
+        _ => (R, Reason::NoSplittableDim),
+    }
 }
 
 /// Where an undecided contraction weight goes. Its kept dim split is a column split (the

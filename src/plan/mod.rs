@@ -4,6 +4,7 @@
 pub mod balance;
 pub mod diff;
 pub mod dot;
+pub mod experts;
 pub mod fuse;
 pub mod fuse_norm;
 pub mod partition;

@@ -41,6 +41,8 @@ impl PlanSource {
             fuse_norm: self.fuse_norm,
             numerics: self.numerics,
             shares: self.shares,
+            // The model recorded has the split applied already.
+            moe: None,
         }
     }
 }

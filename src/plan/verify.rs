@@ -360,8 +360,10 @@ fn slice_problems(w: &WeightSlice) -> Vec<Problem> {
         out.push(Problem::SplitDimOutside { dim, rank });
         return out;
     }
-    // `load_slice` reads row blocks (dim 0) or column blocks of a matrix (dim 1).
-    if !(d == 0 || (d == 1 && rank == 2)) {
+    // `load_slice` reads row blocks (dim 0) or column blocks of a matrix (dim 1); a stack
+    // of experts is read as each expert's matrix, so one dim further.
+    let stacked = crate::plan::experts::is_stacked(&w.tensor) && rank == 3;
+    if !(d == 0 || (d == 1 && rank == 2) || (stacked && d <= 2)) {
         out.push(Problem::LoaderCannotSlice { dim, rank });
     }
     let size = w.shape[d];

@@ -336,6 +336,16 @@ pub trait Backend: Send + Sync {
     /// tokens padded to a multiple of tp, for sequence parallelism).
     fn row_window(&self, x: &Self::Act, from: usize, count: usize) -> BackendResult<Self::Act>;
 
+    /// `[rows, width]`: zeros, plus for each `(y, at, weights)` row `j` of `y` times
+    /// `weights[j]` added to row `at[j]` (the experts' outputs of a mixture-of-experts layer,
+    /// each weighted by the router, summed in the order given).
+    fn weighted_rows_sum(
+        &self,
+        rows: usize,
+        width: usize,
+        parts: &[(&Self::Act, &[usize], &[f32])],
+    ) -> BackendResult<Self::Act>;
+
     /// A buffer of this shape and dtype (contents unspecified).
     fn alloc(&self, shape: &[usize], dtype: DType) -> BackendResult<Self::Act>;
     /// A copy.

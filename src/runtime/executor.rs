@@ -16,11 +16,12 @@ use super::backend::{
 use super::collectives::{AllReduceTally, Collectives};
 use super::error::{NonFiniteOp, Result, RunError};
 use super::exact::{DepthOrder, LIMBS};
+use super::moe::ExpertWeights;
 use super::norm_steps::NormSteps;
 use super::stage_link::StageLink;
 use super::tensor::Tensor;
 use super::weights::WeightSource;
-use crate::ir::{op_dims, Groups, InputKind, Layout, NumericsMode, Op, RopeOp};
+use crate::ir::{op_dims, Groups, InputKind, Layout, NumericsMode, Op, RopeOp, WeightOrder};
 use crate::plan::{Instr, RankProgram};
 use std::collections::{HashMap, HashSet};
 
@@ -56,6 +57,8 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     weights: HashMap<u32, B::Weight>,
     /// Linears that run as one product (`plan::fuse`), with their weights.
     fused: super::fused::FusedProducts<B::Weight, B::Act>,
+    /// Per mixture-of-experts op, its experts' weights by routing column on this rank.
+    experts: HashMap<u32, Vec<Option<ExpertWeights<B::Weight>>>>,
     /// Per attention op, its pool of KV blocks.
     pools: HashMap<u32, B::Kv>,
     /// Per attention op, its key and value widths per token.
@@ -271,8 +274,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let mut loaded = HashMap::new();
         let (fused, in_products, mut weight_bytes) =
             super::fused::FusedProducts::load(program, weights, &backend)?;
+        let (experts, in_experts, expert_bytes) =
+            load_experts(program, &slices, weights, &backend)?;
+        weight_bytes += expert_bytes;
         for i in &program.instrs {
-            if in_products.contains(&i.id) {
+            if in_products.contains(&i.id) || in_experts.contains(&i.id) {
                 continue;
             }
             if let Op::Param(p) = &i.op {
@@ -332,6 +338,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             comm,
             weights: loaded,
             fused,
+            experts,
             pools,
             kv_widths,
             block_size: DEFAULT_BLOCK_SIZE,
@@ -1433,11 +1440,108 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 b.column_window(x(0)?, offset, len, width).map_err(err)?
             }
             Op::LocalSlice(_) => b.column_block(x(0)?, self.rank, self.tp).map_err(err)?,
+            Op::Route(r) => {
+                let logits = b.copy(x(0)?).and_then(|l| b.to_host(l)).map_err(&err)?;
+                let top_k = usize::try_from(r.top_k).unwrap_or(usize::MAX);
+                let routing = super::moe::route(&logits, top_k, r.normalize).map_err(&err)?;
+                b.upload_host(&routing).map_err(err)?
+            }
+            Op::Experts(e) => {
+                let routing = b.copy(x(1)?).and_then(|r| b.to_host(r)).map_err(&err)?;
+                let experts = self
+                    .experts
+                    .get(&i.id)
+                    .ok_or_else(|| bad(i, "its experts' weights were not loaded"))?;
+                super::moe::run_experts(b, x(0)?, &routing, experts, e.act).map_err(err)?
+            }
             Op::Param(_) | Op::Input(_) | Op::Output(_) => {
                 return Err(bad(i, "is not a compute op"))
             }
         })
     }
+}
+
+/// Every mixture-of-experts op's experts on this rank: per routing column, the expert's
+/// gate and up as one weight (one product) and its down, read from the experts' own
+/// tensors (`plan::experts`). Also the ids of the stacked params they replace, and bytes.
+#[allow(clippy::type_complexity)]
+fn load_experts<B: Backend>(
+    program: &RankProgram,
+    slices: &HashMap<&str, &crate::plan::WeightSlice>,
+    src: &dyn WeightSource,
+    backend: &B,
+) -> Result<(
+    HashMap<u32, Vec<Option<ExpertWeights<B::Weight>>>>,
+    HashSet<u32>,
+    u64,
+)> {
+    let by_id: HashMap<u32, &Instr> = program.instrs.iter().map(|i| (i.id, i)).collect();
+    let mut all = HashMap::new();
+    let mut params = HashSet::new();
+    let mut bytes = 0u64;
+    for i in program
+        .instrs
+        .iter()
+        .filter(|i| matches!(i.op, Op::Experts(_)))
+    {
+        let stack = |slot: usize| -> Result<Vec<Option<crate::plan::WeightSlice>>> {
+            let id = *i
+                .inputs
+                .get(slot)
+                .ok_or_else(|| bad(i, "an input is missing"))?;
+            let Some(Op::Param(p)) = by_id.get(&id).map(|w| &w.op) else {
+                return Err(bad(i, format!("input {slot} is not a weight")));
+            };
+            let w = slices
+                .get(&*p.tensor)
+                .ok_or_else(|| bad(i, "its weight is not in the rank's manifest"))?;
+            crate::plan::experts::expert_slices(w).ok_or_else(|| {
+                bad(
+                    i,
+                    format!(
+                        "its weight `{}` is not a stack of experts (a name with `{}`)",
+                        p.tensor,
+                        crate::plan::experts::EXPERT_MARK
+                    ),
+                )
+            })
+        };
+        let (gate, up, down) = (stack(2)?, stack(3)?, stack(4)?);
+        params.extend(i.inputs.iter().skip(2).copied());
+        if gate.len() != up.len() || gate.len() != down.len() {
+            return Err(bad(i, "its gate, up and down hold different experts"));
+        }
+        let fail = |e: BackendError| match e {
+            BackendError::Weights(e) => e.into(),
+            error => on(i)(error),
+        };
+        let mut experts = Vec::with_capacity(gate.len());
+        for ((g, u), d) in gate.iter().zip(&up).zip(&down) {
+            let (Some(g), Some(u), Some(d)) = (g, u, d) else {
+                experts.push(None);
+                continue;
+            };
+            let features = g.local_shape.first().copied().unwrap_or(0);
+            let features =
+                usize::try_from(features).map_err(|_| bad(i, "an expert wider than memory"))?;
+            let gate_up = backend
+                .upload_linears(src, &[g, u], WeightOrder::OutIn)
+                .map_err(fail)?;
+            let usage = WeightUse {
+                linear: Some(WeightOrder::OutIn),
+                other: false,
+            };
+            let down = backend.upload(src, d, usage).map_err(fail)?;
+            bytes += (backend.weight_bytes(&gate_up) + backend.weight_bytes(&down)) as u64;
+            experts.push(Some(ExpertWeights {
+                gate_up,
+                down,
+                features,
+            }));
+        }
+        all.insert(i.id, experts);
+    }
+    Ok((all, params, bytes))
 }
 
 /// All-gathers `local` from every rank into a new rank-major `[rows · tp, cols]` buffer,

@@ -29,6 +29,7 @@ pub mod fused;
 pub mod generate;
 pub mod launch;
 pub mod memory;
+pub mod moe;
 pub mod norm_steps;
 #[cfg(feature = "mpi")]
 pub mod processes;

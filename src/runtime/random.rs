@@ -70,6 +70,20 @@ impl RandomWeights {
                             }
                         }
                     };
+                    // A stack of experts is read as the experts' own tensors, each a
+                    // matrix scaled by its depth (the last dim: h for gate/up, f for down).
+                    let shape = rank
+                        .weights
+                        .iter()
+                        .find(|w| &*w.tensor == *name)
+                        .map(|w| w.shape.clone())
+                        .unwrap_or_default();
+                    if let Some(experts) = crate::plan::experts::expert_tensors(name, &shape) {
+                        for (tensor, shape) in experts {
+                            let cols = shape.last().copied().unwrap_or(1) as usize;
+                            tensors.insert(tensor, Kind::Matrix { cols });
+                        }
+                    }
                     tensors.insert(name.to_string(), kind);
                 }
             }

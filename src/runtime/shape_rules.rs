@@ -118,6 +118,30 @@ pub fn column_window(n: usize, offset: usize, len: usize, width: usize) -> Backe
     Ok(())
 }
 
+/// Weighted rows added into `[rows, width]`: each part's `(rows, cols)` has `width` columns
+/// and one target row (below `rows`) and one weight per row.
+pub fn weighted_rows<'p>(
+    rows: usize,
+    width: usize,
+    parts: impl Iterator<Item = ((usize, usize), &'p [usize], &'p [f32])>,
+) -> BackendResult<()> {
+    rows.checked_mul(width)
+        .ok_or_else(|| BackendError::OutOfMemory(format!("[{rows}, {width}]")))?;
+    for ((n, cols), at, weights) in parts {
+        if (n > 0 && cols != width) || at.len() != n || weights.len() != n {
+            refuse(format!(
+                "{n} rows of {cols} columns with {} targets and {} weights into rows of {width}",
+                at.len(),
+                weights.len()
+            ))?;
+        }
+        if let Some(r) = at.iter().find(|&&r| r >= rows) {
+            refuse(format!("a weighted row added to row {r} of {rows}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// Rows of `n` into `parts` rank-major blocks: a block's width.
 pub fn to_rank_major(n: usize, parts: usize) -> BackendResult<usize> {
     if parts == 0 || !n.is_multiple_of(parts) {

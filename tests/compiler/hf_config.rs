@@ -161,6 +161,7 @@ fn blank(family: Family, name: &str, dtype: DType) -> FamilyConfig {
         sliding_window: None,
         dtype,
         tp_plan: BTreeMap::new(),
+        moe: None,
     }
 }
 

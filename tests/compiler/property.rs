@@ -51,6 +51,7 @@ fn blank(family: Family) -> FamilyConfig {
         sliding_window: None,
         dtype: DType::Bf16,
         tp_plan: BTreeMap::new(),
+        moe: None,
     }
 }
 
@@ -412,6 +413,7 @@ fn expected_tensors(d: &Dims) -> BTreeMap<String, Tensor> {
                 t("lm_head.weight".into(), &[v, h], vocab_rows);
             }
         }
+        Family::Mixtral | Family::Qwen3Moe => unreachable!("{NOT_GENERATED}"),
         Family::Gpt2 => {
             // Conv1D weights are stored [in, out].
             t("transformer.wte.weight".into(), &[v, h], vocab_rows);
@@ -500,8 +502,12 @@ fn hand_param_count(d: &Dims) -> u64 {
             let biases = b * (3 * h + h + ffn + h);
             v * h + l * (weights + biases) + 2 * h + head
         }
+        Family::Mixtral | Family::Qwen3Moe => unreachable!("{NOT_GENERATED}"),
     }
 }
+
+/// The generators draw dense families only; mixture-of-experts presets have their own tests.
+const NOT_GENERATED: &str = "mixture-of-experts families are not generated here";
 
 /// Any tp up to the query heads: separate q, k and v weights dealt by kv group, a fused
 /// q|k|v weight (GPT-2, NeoX, whose heads are each their own group) by whole heads of every

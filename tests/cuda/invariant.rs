@@ -67,6 +67,7 @@ fn compare_every_fixture(
                     fuse_norm,
                     numerics,
                     shares: None,
+                    moe: None,
                 };
                 let Ok(compiled) = compile_with(&def, tp, options) else {
                     continue;

@@ -30,6 +30,7 @@ fn options(numerics: NumericsMode, sequence_parallel: bool, fuse_norm: bool) -> 
         fuse_norm,
         numerics,
         shares: None,
+        moe: None,
     }
 }
 

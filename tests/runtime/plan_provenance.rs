@@ -74,6 +74,7 @@ fn every_fixture_plan_is_accepted_as_compiled() {
                     fuse_norm: sequence_parallel,
                     numerics: tpc::ir::NumericsMode::Fast,
                     shares: None,
+                    moe: None,
                 };
                 let def = load_model(&dir).unwrap();
                 let Ok(c) = tpc::pipeline::compile_with(&def, tp, options) else {
@@ -268,6 +269,7 @@ fn plans_without_a_source_run_when_they_are_what_tpc_compiles() {
             fuse_norm: true,
             numerics: tpc::ir::NumericsMode::Fast,
             shares: None,
+            moe: None,
         },
     ] {
         let mut plan = compiled(&dir, 2, options);

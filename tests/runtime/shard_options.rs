@@ -23,6 +23,7 @@ const SP: ShardOptions = ShardOptions {
     fuse_norm: false,
     numerics: tpc::ir::NumericsMode::Fast,
     shares: None,
+    moe: None,
 };
 
 const FUSED: ShardOptions = ShardOptions {
@@ -30,6 +31,7 @@ const FUSED: ShardOptions = ShardOptions {
     fuse_norm: true,
     numerics: tpc::ir::NumericsMode::Fast,
     shares: None,
+    moe: None,
 };
 
 fn count(plan: &Plan, kind: &str) -> usize {

@@ -1076,6 +1076,27 @@ impl Backend for CpuBackend {
         Ok(Tensor::new(vec![count, cols], out))
     }
 
+    fn weighted_rows_sum(
+        &self,
+        rows: usize,
+        width: usize,
+        parts: &[(&Tensor, &[usize], &[f32])],
+    ) -> BackendResult<Tensor> {
+        shape_rules::weighted_rows(
+            rows,
+            width,
+            parts.iter().map(|(y, at, w)| (y.rows_cols(), *at, *w)),
+        )?;
+        let mut out = Tensor::zeros(vec![rows, width]);
+        for (y, at, weights) in parts {
+            for ((src, &r), &w) in y.data.chunks_exact(width.max(1)).zip(*at).zip(*weights) {
+                let dst = &mut out.data[r * width..(r + 1) * width];
+                dst.iter_mut().zip(src).for_each(|(o, v)| *o += w * v);
+            }
+        }
+        Ok(out)
+    }
+
     fn alloc(&self, shape: &[usize], dtype: DType) -> BackendResult<Tensor> {
         if dtype != DType::F32 {
             return Err(BackendError::Unsupported(format!(

@@ -1547,6 +1547,18 @@ impl Backend for CudaBackend {
         self.gather_rows(x, &index)
     }
 
+    fn weighted_rows_sum(
+        &self,
+        _rows: usize,
+        _width: usize,
+        _parts: &[(&CudaAct, &[usize], &[f32])],
+    ) -> BackendResult<CudaAct> {
+        // Not yet: mixture-of-experts layers run on the CPU backend only.
+        Err(BackendError::Unsupported(
+            "mixture-of-experts layers on the CUDA backend (the experts' weighted sum has no GPU kernel yet); run the model with --device cpu".into(),
+        ))
+    }
+
     fn row_window(&self, x: &CudaAct, from: usize, count: usize) -> BackendResult<CudaAct> {
         let all = x.rows_cols().0;
         let index: Vec<i64> = (0..count)

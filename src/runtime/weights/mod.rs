@@ -269,16 +269,24 @@ impl Checkpoint {
             if !seen.insert(&*w.tensor) {
                 continue;
             }
-            let (file, info) = self.info(&w.tensor)?;
-            let expected: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
-            if info.shape != expected {
-                return Err(WeightError::Tensor {
-                    path: file.path.clone(),
-                    tensor: w.tensor.to_string(),
-                    problem: format!("has shape {:?}, the model expects {expected:?}", info.shape),
-                });
+            // A stack of experts is checked as the experts' own tensors.
+            let tensors = crate::plan::experts::expert_tensors(&w.tensor, &w.shape)
+                .unwrap_or_else(|| vec![(w.tensor.to_string(), w.shape.clone())]);
+            for (tensor, shape) in tensors {
+                let (file, info) = self.info(&tensor)?;
+                let expected: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+                if info.shape != expected {
+                    return Err(WeightError::Tensor {
+                        path: file.path.clone(),
+                        tensor,
+                        problem: format!(
+                            "has shape {:?}, the model expects {expected:?}",
+                            info.shape
+                        ),
+                    });
+                }
+                self.tensor(&tensor)?;
             }
-            self.tensor(&w.tensor)?;
         }
         Ok(())
     }
