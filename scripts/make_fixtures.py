@@ -28,6 +28,19 @@ moves the logits by a relative norm > MIN_REL_CHANGE), that logits are finite an
 out, and that greedy decoding does not collapse to one token.  A case whose first seed fails
 a check tries the next seed (deterministically); the seed used is recorded.
 
+Mixture-of-experts cases (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE): transformers 5.x holds each
+layer's experts fused (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) and
+``save_pretrained`` writes them back per expert (``mlp.experts.{j}.gate_proj.weight`` ...,
+Mixtral's ``block_sparse_moe.experts.{j}.w1/w2/w3.weight``); ``check_moe_reload`` checks the
+reload is bit-identical to the saved model.  Experts run with ``experts_implementation="eager"``
+(a plain loop over experts).  Router weights are drawn with ROUTER_GAIN so that routing is not
+trivial; ``routing_stats`` records, per MoE layer, which experts the prompt and the greedy tokens
+picked and the smallest gap between the top_k-th and (top_k+1)-th router probability and logit,
+and a seed is rejected if a layer uses fewer than MIN_EXPERTS_USED experts, if one expert takes
+every token, or if a gap is below MIN_ROUTER_PROB_GAP / MIN_ROUTER_LOGIT_GAP (a near-tie that
+rounding could flip).  The ablations also zero Qwen2-MoE's routed experts and shared expert, drop
+its shared-expert sigmoid gate, and flip norm_topk_prob where the family has the flag.
+
 Determinism: fixed seeds, weights drawn from a private ``torch.Generator`` on CPU,
 ``torch.use_deterministic_algorithms(True)``, one CPU thread, float32 math throughout.
 
@@ -60,8 +73,12 @@ from transformers import (
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,6 +113,10 @@ MIN_VOCAB_STD = 0.1  # std of the logits across the vocab, every position
 MIN_DISTINCT_GREEDY = 4  # greedy continuation must not collapse into a loop of 1-3 tokens
 MIN_GREEDY_MARGIN = 0.1  # top-1 minus top-2 logit at every greedy step (no near-ties)
 MAX_SEED_TRIES = 50
+# Mixture-of-experts routing (see routing_stats).
+MIN_EXPERTS_USED = 5  # every MoE layer routes some token to at least 5 of its 8 experts
+MIN_ROUTER_PROB_GAP = 1e-4  # top_k-th minus (top_k+1)-th router probability, every token
+MIN_ROUTER_LOGIT_GAP = 1e-3  # the same gap between router logits
 
 
 def common_eos_free() -> dict:
@@ -216,6 +237,101 @@ def neox_parallel() -> GPTNeoXConfig:
     )
 
 
+def mixtral_moe() -> MixtralConfig:
+    # 8 experts of 128 features (intermediate_size is the expert size), 2 per token; Mixtral
+    # always renormalises the top-2 probabilities.  head_dim = 64 / 8 = 8.
+    return MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POS,
+        rope_theta=10000.0,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        **common_eos_free(),
+    )
+
+
+def qwen3_moe() -> Qwen3MoeConfig:
+    # 3 layers, layer 1 dense (mlp_only_layers) with intermediate 192; layers 0 and 2 have 8
+    # experts of 128 features, 2 per token, renormalised.  Qwen3 attention: head_dim 16, per-head
+    # q/k RMSNorm.  transformers 5.x writes the expert count as num_local_experts; CONFIG_RENAMES
+    # puts back the published spelling (num_experts), which the reload must honour.
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=MAX_POS,
+        rope_theta=10000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        **common_eos_free(),
+    )
+
+
+def qwen2_moe() -> Qwen2MoeConfig:
+    # q/k/v biases; 8 experts of 128, 2 per token, NOT renormalised; plus a shared expert of 192
+    # scaled by sigmoid(shared_expert_gate(x)).  intermediate_size would size dense layers (none).
+    return Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=192,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POS,
+        rope_theta=10000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=192,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        **common_eos_free(),
+    )
+
+
+def olmoe() -> OlmoeConfig:
+    # q_norm / k_norm are RMSNorms over the whole q (64) and k (2 kv heads * 8 = 16) projections,
+    # before the split into heads; 8 experts of 128, 2 per token, NOT renormalised.
+    return OlmoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POS,
+        rope_theta=10000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        clip_qkv=None,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        **common_eos_free(),
+    )
+
+
 # name -> (config factory, save dtype, prompt, base seed, one-line description)
 CASES = {
     "llama-gqa": (llama_gqa, torch.float32, PROMPT_7, 1000,
@@ -232,6 +348,21 @@ CASES = {
              "GPT-2: tied, Conv1D [in, out] weights, fused c_attn, learned positions, gelu_new"),
     "neox-parallel": (neox_parallel, torch.float32, PROMPT_7, 7000,
                       "GPT-NeoX: fused per-head query_key_value, partial rotary 0.25, parallel residual, untied"),
+    "mixtral-moe": (mixtral_moe, torch.float32, PROMPT_7, 8000,
+                    "Mixtral: 8 experts of 128, top-2 renormalised, block_sparse_moe w1/w2/w3, 2 kv heads"),
+    "qwen3-moe": (qwen3_moe, torch.float32, PROMPT_7, 9000,
+                  "Qwen3-MoE: 3 layers, layer 1 dense (mlp_only_layers), 8 experts of 128, top-2 renormalised, head_dim 16"),
+    "qwen2-moe": (qwen2_moe, torch.float32, PROMPT_7, 10000,
+                  "Qwen2-MoE: q/k/v biases, 8 experts of 128, top-2 not renormalised, sigmoid-gated shared expert of 192"),
+    "olmoe": (olmoe, torch.float32, PROMPT_7, 11000,
+              "OLMoE: q/k RMSNorm over the whole projections, 8 experts of 128, top-2 not renormalised"),
+}
+
+# config.json keys renamed after save_pretrained, so that the fixture carries the spelling of the
+# published checkpoints.  transformers 5.x's Qwen3MoeConfig maps num_experts onto
+# num_local_experts and writes the latter; Qwen/Qwen3-30B-A3B's config.json says num_experts.
+CONFIG_RENAMES = {
+    "qwen3-moe": {"num_local_experts": "num_experts"},
 }
 
 
@@ -245,10 +376,26 @@ LM_HEAD_GAIN = 3.0  # untied lm_head: logits std of about 3
 BIAS_STD = 0.2
 NORM_W_STD = 0.1  # norm weights = 1 + 0.1 N(0,1)
 NORM_B_STD = 0.1  # LayerNorm biases
+# MoE router weights: std = gain / sqrt(hidden).  The router sees an RMS-normed input, so its
+# logits have a std of about ROUTER_GAIN: distinct experts win for distinct tokens, and the
+# top_k-th and (top_k+1)-th logits are well apart.  A larger gain separates the logits more but
+# makes the (top_k+1)-th probability tiny, which shrinks the probability gap (both are checked,
+# see routing_stats); 3 passes both for most seeds.
+ROUTER_GAIN = 3.0
 
 
 def is_norm(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.LayerNorm) or "RMSNorm" in type(module).__name__
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """A fused collection of MoE experts (transformers 5.x ``*Experts``)."""
+    return type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj")
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    """An MoE router (transformers 5.x ``*TopKRouter``): weight [num_experts, hidden]."""
+    return type(module).__name__.endswith("TopKRouter")
 
 
 def init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -265,7 +412,14 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if isinstance(module, torch.nn.Embedding):
+        if is_experts(module):
+            # transformers 5.x keeps the experts fused: gate_up_proj [E, 2I, H] (gate rows then up
+            # rows, each [out, in] like nn.Linear) and down_proj [E, H, I].
+            draw(module.gate_up_proj, 0.0, LINEAR_GAIN / math.sqrt(module.gate_up_proj.shape[-1]))
+            draw(module.down_proj, 0.0, LINEAR_GAIN / math.sqrt(module.down_proj.shape[-1]))
+        elif is_router(module):
+            draw(module.weight, 0.0, ROUTER_GAIN / math.sqrt(module.weight.shape[-1]))
+        elif isinstance(module, torch.nn.Embedding):
             draw(module.weight, 0.0, EMBED_STD)
         elif is_norm(module):
             draw(module.weight, 1.0, NORM_W_STD)
@@ -316,6 +470,16 @@ def mlp_of(layer):
     return sublayer(layer, ("mlp",))
 
 
+def moe_of(layer):
+    """The layer's sparse MoE block, or None for a dense MLP.  In transformers 5.x every family
+    here calls it ``mlp`` (Mixtral's checkpoint name block_sparse_moe is renamed on load), with
+    ``gate`` (router) and ``experts``; Qwen2-MoE adds ``shared_expert`` and ``shared_expert_gate``."""
+    mlp = mlp_of(layer)
+    if hasattr(mlp, "gate") and is_router(mlp.gate) and hasattr(mlp, "experts"):
+        return mlp
+    return None
+
+
 def _replace_first(output, new):
     """Decoder layers / attention return a tensor or a tuple whose first item is the output."""
     if isinstance(output, tuple):
@@ -332,6 +496,58 @@ def skip_hook(module, args, kwargs, output):
 def zero_hook(module, args, output):
     first = output[0] if isinstance(output, tuple) else output
     return _replace_first(output, torch.zeros_like(first))
+
+
+def saturate_hook(module, args, output):
+    """Qwen2-MoE's shared_expert_gate logit -> 30, so sigmoid(gate) = 1: the gate is dropped."""
+    return torch.full_like(output, 30.0)
+
+
+class flipped_norm_topk_prob:
+    """Context: every router with a norm_topk_prob flag computes with the opposite setting."""
+
+    def __init__(self, model):
+        self.routers = [m for m in model.modules() if is_router(m) and hasattr(m, "norm_topk_prob")]
+
+    def __enter__(self):
+        for r in self.routers:
+            r.norm_topk_prob = not r.norm_topk_prob
+        return self
+
+    def __exit__(self, *exc):
+        for r in self.routers:
+            r.norm_topk_prob = not r.norm_topk_prob
+        return False
+
+
+class RouterRecorder:
+    """Context: record every router call's logits and chosen experts, per MoE layer."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.top_k: dict[int, int] = {}
+        self.handles = []
+
+    def __enter__(self):
+        for i, layer in enumerate(decoder_layers(self.model)):
+            moe = moe_of(layer)
+            if moe is None:
+                continue
+            self.calls[i] = []
+            self.top_k[i] = moe.gate.top_k
+
+            def hook(module, args, output, i=i):
+                router_logits, _scores, indices = output
+                self.calls[i].append((router_logits.detach().float().clone(), indices.detach().clone()))
+
+            self.handles.append(moe.gate.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
 
 
 # ---------------------------------------------------------------------------------------
@@ -364,6 +580,24 @@ def ablations(model, ids: torch.Tensor, base: torch.Tensor) -> dict:
                 result[f"{what}_{i}"] = rel_change(prefill_logits(model, ids), base)
             finally:
                 handle.remove()
+        moe = moe_of(layer)
+        if moe is not None and hasattr(moe, "shared_expert"):
+            # Qwen2-MoE: the routed experts, the shared expert and its sigmoid gate each matter.
+            for what, module, hook in (
+                ("zero_routed_experts", moe.experts, zero_hook),
+                ("zero_shared_expert", moe.shared_expert, zero_hook),
+                ("drop_shared_expert_gate", moe.shared_expert_gate, saturate_hook),
+            ):
+                handle = module.register_forward_hook(hook)
+                try:
+                    result[f"{what}_{i}"] = rel_change(prefill_logits(model, ids), base)
+                finally:
+                    handle.remove()
+    flip = flipped_norm_topk_prob(model)
+    if flip.routers:
+        # norm_topk_prob true or false: a runtime that got it the other way round must not match.
+        with flip:
+            result["flip_norm_topk_prob"] = rel_change(prefill_logits(model, ids), base)
     return result
 
 
@@ -397,7 +631,62 @@ def greedy_no_cache(model, ids: torch.Tensor, n_new: int) -> torch.Tensor:
     return seq[ids.numel():]
 
 
-def check_model(model, ids, logits, new_ids, step_logits) -> tuple[list[str], dict]:
+def routing_stats(prefill: RouterRecorder, gen: RouterRecorder) -> tuple[list[str], dict]:
+    """Routing of the reference computations: ``prefill`` recorded the prompt prefill, ``gen``
+    generate() (its prompt prefill, then one row per decode step: prompt_len + n_new - 1 tokens).
+    Per MoE layer: how often each expert was picked over gen's tokens, how many experts were
+    picked at all, and over every router row of both the smallest gap between the top_k-th and
+    the (top_k+1)-th router probability (softmax in float32, as every family here computes it)
+    and logit.  A small gap is a near-tie that rounding could flip between implementations."""
+    fails = []
+    layers = {}
+    for i, calls in gen.calls.items():
+        k = gen.top_k[i]
+        n_tokens = sum(c[1].shape[0] for c in calls)
+        chosen_prompt = torch.cat([c[1] for c in prefill.calls[i]]).sort(dim=-1).values
+        if not torch.equal(chosen_prompt, calls[0][1].sort(dim=-1).values):
+            fails.append(f"layer {i}: prompt routing differs between prefill and generate()")
+        calls = prefill.calls[i] + calls
+        router_logits = torch.cat([c[0] for c in calls])  # [rows, num_experts]
+        chosen = torch.cat([c[1] for c in calls])  # [rows, top_k]
+        n_experts = router_logits.shape[1]
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        p_sorted = probs.sort(dim=-1, descending=True).values
+        l_sorted = router_logits.sort(dim=-1, descending=True).values
+        prob_gap = float((p_sorted[:, k - 1] - p_sorted[:, k]).min())
+        logit_gap = float((l_sorted[:, k - 1] - l_sorted[:, k]).min())
+        # HF's choice is the top-k of the probabilities (as a set)
+        mine = probs.topk(k, dim=-1).indices.sort(dim=-1).values
+        if not torch.equal(mine, chosen.sort(dim=-1).values):
+            fails.append(f"layer {i}: router indices are not the top-{k} probabilities")
+        counts = torch.bincount(chosen[-n_tokens:].reshape(-1), minlength=n_experts)  # gen's tokens
+        used = int((counts > 0).sum())
+        layers[str(i)] = {
+            "tokens": n_tokens,
+            "expert_counts": counts.tolist(),
+            "experts_used": used,
+            "min_topk_prob_gap": prob_gap,
+            "min_topk_logit_gap": logit_gap,
+        }
+        if used < MIN_EXPERTS_USED:
+            fails.append(f"layer {i}: only {used} of {n_experts} experts ever picked")
+        if int(counts.max()) >= n_tokens:
+            fails.append(f"layer {i}: expert {int(counts.argmax())} picked by every token")
+        if prob_gap < MIN_ROUTER_PROB_GAP or logit_gap < MIN_ROUTER_LOGIT_GAP:
+            fails.append(f"layer {i}: near-tie in routing: top-k gap {prob_gap:.2e} in probability,"
+                         f" {logit_gap:.2e} in logit")
+    stats = {
+        "moe_layers": [int(i) for i in layers],
+        "per_layer": layers,
+        "min_experts_used": min(v["experts_used"] for v in layers.values()),
+        "max_expert_share": max(max(v["expert_counts"]) / v["tokens"] for v in layers.values()),
+        "min_topk_prob_gap": min(v["min_topk_prob_gap"] for v in layers.values()),
+        "min_topk_logit_gap": min(v["min_topk_logit_gap"] for v in layers.values()),
+    }
+    return fails, stats
+
+
+def check_model(model, ids, logits, new_ids, step_logits, routing=()) -> tuple[list[str], dict]:
     """Return (failures, stats).  An empty failure list means the case is usable."""
     fails = []
     stats = {}
@@ -435,6 +724,10 @@ def check_model(model, ids, logits, new_ids, step_logits) -> tuple[list[str], di
         fails.append("first greedy step logits != last prefill row")
     if not torch.equal(new_ids, greedy_no_cache(model, ids, new_ids.numel())):
         fails.append("generate() (KV cache) disagrees with the no-cache argmax loop")
+
+    if routing and routing[0].calls:
+        route_fails, stats["routing"] = routing_stats(*routing)
+        fails += route_fails
     return fails, stats
 
 
@@ -443,18 +736,25 @@ def check_model(model, ids, logits, new_ids, step_logits) -> tuple[list[str], di
 # ---------------------------------------------------------------------------------------
 
 
+def impl_kwargs(cfg) -> dict:
+    """Eager attention always; for MoE models also the eager experts loop (a plain per-expert
+    gate/up/down; transformers 5.x would otherwise pick torch's grouped_mm where it can)."""
+    kw = {"attn_implementation": "eager"}
+    if getattr(cfg, "num_experts_per_tok", None):
+        kw["experts_implementation"] = "eager"
+    return kw
+
+
 def build(cfg, seed: int):
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **impl_kwargs(cfg))
     init_weights(model, seed)
     model.eval()
     return model
 
 
-def load(case_dir: Path, save_dtype: torch.dtype):
+def load(case_dir: Path, save_dtype: torch.dtype, cfg):
     """Reload the written checkpoint; bf16 weights are upcast so all math is float32."""
-    model = AutoModelForCausalLM.from_pretrained(
-        case_dir, dtype=save_dtype, attn_implementation="eager"
-    )
+    model = AutoModelForCausalLM.from_pretrained(case_dir, dtype=save_dtype, **impl_kwargs(cfg))
     for p in model.parameters():
         assert p.dtype == save_dtype, f"{p.dtype} != {save_dtype}"
     model = model.float().eval()
@@ -472,6 +772,36 @@ def rope_scaling_matters(model, cfg, ids, logits) -> float:
     return rel_change(prefill_logits(other, ids), logits)
 
 
+def rename_config_keys(path: Path, renames: dict) -> None:
+    """Rename top-level config.json keys, keeping save_pretrained's formatting (sorted, indent 2)."""
+    text = path.read_text()
+    cfg = json.loads(text)
+    assert json.dumps(cfg, indent=2, sort_keys=True) + "\n" == text, "unexpected config.json format"
+    for old, new in renames.items():
+        assert old in cfg and new not in cfg, (old, new, sorted(cfg))
+        cfg[new] = cfg.pop(old)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def check_moe_reload(model, cfg, saved: dict, case_dir: Path) -> None:
+    """The MoE checkpoint on disk has per-expert tensors that transformers 5.x fuses on load
+    (and un-fuses in save_pretrained): check that the reload is the model that was saved, that
+    config.json's expert count was honoured, and that the file has no fused expert tensors."""
+    n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    routers = [m for m in model.modules() if is_router(m)]
+    assert routers and all(r.weight.shape[0] == n_experts for r in routers), "expert count lost"
+    loaded = model.state_dict()
+    assert sorted(loaded) == sorted(saved), "reloaded parameter names differ"
+    for k, v in saved.items():
+        assert torch.equal(loaded[k].float(), v), f"{k} changed in the save/load round trip"
+    with safetensors.safe_open(str(case_dir / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    fused = [n for n in names if n.endswith(("gate_up_proj", "experts.down_proj"))]
+    assert not fused, f"fused expert tensors on disk: {fused}"
+    per_expert = [n for n in names if ".experts." in n]
+    assert len(per_expert) == 3 * n_experts * len(routers), f"per-expert tensors: {len(per_expert)}"
+
+
 def make_case(name: str) -> dict:
     factory, save_dtype, prompt, base_seed, what = CASES[name]
     case_dir = OUT_DIR / name
@@ -487,13 +817,22 @@ def make_case(name: str) -> dict:
             shutil.rmtree(case_dir)
         case_dir.mkdir(parents=True)
         model.to(save_dtype).save_pretrained(case_dir)
+        if name in CONFIG_RENAMES:
+            rename_config_keys(case_dir / "config.json", CONFIG_RENAMES[name])
+        moe = getattr(cfg, "num_experts_per_tok", None) is not None
+        saved = {k: v.float().clone() for k, v in model.state_dict().items()} if moe else None
         del model
 
         # Every reference comes from the checkpoint as it is on disk.
-        model = load(case_dir, save_dtype)
-        logits = prefill_logits(model, ids)
-        new_ids, step_logits = greedy(model, ids, N_NEW)
-        fails, stats = check_model(model, ids, logits, new_ids, step_logits)
+        model = load(case_dir, save_dtype, cfg)
+        if moe:
+            check_moe_reload(model, cfg, saved, case_dir)
+        with RouterRecorder(model) as prefill_routing:
+            logits = prefill_logits(model, ids)
+        with RouterRecorder(model) as greedy_routing:
+            new_ids, step_logits = greedy(model, ids, N_NEW)
+        routing = (prefill_routing, greedy_routing)
+        fails, stats = check_model(model, ids, logits, new_ids, step_logits, routing)
         if name == "llama3-scaled":
             d = rope_scaling_matters(model, cfg, ids, logits)
             stats["rope_scaling_rel_change"] = d
@@ -561,6 +900,14 @@ def main() -> None:
             f"  margin {s['min_greedy_top1_top2_margin']:.3f}"
             f"  greedy {info['greedy_ids']}  {size / 1024:.0f} KiB"
         )
+        if "routing" in s:
+            r = s["routing"]
+            print(
+                f"{'':14s} routing: experts used {[v['experts_used'] for v in r['per_layer'].values()]}"
+                f"  max share {r['max_expert_share']:.2f}"
+                f"  min top-k prob gap {r['min_topk_prob_gap']:.2e}"
+                f"  logit gap {r['min_topk_logit_gap']:.3f}"
+            )
 
 
 if __name__ == "__main__":

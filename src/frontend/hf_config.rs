@@ -274,6 +274,16 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
                 "model_type `{model_type}` is a mixture of experts with multi-head latent attention (compressed, low-rank keys and values with a decoupled rotary part), which tpc has no op for; tpc's mixture-of-experts families are mixtral and qwen3_moe"
             )))
         }
+        "qwen2_moe" | "olmoe" => {
+            return Err(r.err(format!(
+                "model_type `{model_type}` is a mixture of experts tpc does not read yet ({}); tpc's mixture-of-experts families are mixtral and qwen3_moe",
+                if model_type == "olmoe" {
+                    "its q_norm and k_norm normalise the whole q and k projections, not each head"
+                } else {
+                    "its shared expert with a sigmoid gate beside the routed ones"
+                }
+            )))
+        }
         other => {
             return Err(r.err(format!(
                 "model_type `{other}` is not supported; tpc reads llama, mistral, qwen2, qwen3, gpt2, gpt_neox, mixtral and qwen3_moe \
