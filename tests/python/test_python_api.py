@@ -270,7 +270,7 @@ from tpc import LLM, SamplingParams
 llm = LLM({model!r}, tensor_parallel_size=2)
 print("generating", flush=True)
 try:
-    llm.generate([{prompt}] * 3000, SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=True), use_tqdm=False)
+    llm.generate([{prompt}] * 12000, SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=True), use_tqdm=False)
 except KeyboardInterrupt:
     print("interrupted at", time.monotonic(), flush=True)
     llm.close()
