@@ -311,7 +311,7 @@ def qwen2_moe() -> Qwen2MoeConfig:
 
 
 def olmoe() -> OlmoeConfig:
-    # q_norm / k_norm are RMSNorms over the whole q (64) and k (2 kv heads * 8 = 16) projections,
+    # q_norm / k_norm are RMSNorms over the whole q (64) and k (4 kv heads * 8 = 32) projections,
     # before the split into heads; 8 experts of 128, 2 per token, NOT renormalised.
     return OlmoeConfig(
         vocab_size=VOCAB,
@@ -319,7 +319,7 @@ def olmoe() -> OlmoeConfig:
         intermediate_size=128,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        num_key_value_heads=2,
+        num_key_value_heads=4,  # every tp from 1 to 4 gathers q and k in runs
         max_position_embeddings=MAX_POS,
         rope_theta=10000.0,
         num_experts=8,

@@ -299,6 +299,7 @@ fn is_compute_op(op: &Op) -> bool {
             | Op::BiasAdd(_)
             | Op::Add(_)
             | Op::Mul(_)
+            | Op::SigmoidGate(_)
             | Op::Activation(_)
             | Op::RmsNorm(_)
             | Op::LayerNorm(_)

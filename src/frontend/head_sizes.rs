@@ -77,7 +77,8 @@ fn unit_of(graph: &Graph, mut id: NodeId) -> Unit {
             | Op::Activation(_)
             | Op::Rope(_)
             | Op::Add(_)
-            | Op::Mul(_) => match inputs.first() {
+            | Op::Mul(_)
+            | Op::SigmoidGate(_) => match inputs.first() {
                 Some(&first) => id = first,
                 None => return Unit::Unknown,
             },

@@ -182,18 +182,22 @@ fn hf_default_kv_heads(model_type: &str) -> Option<u64> {
     match model_type {
         "mistral" | "mixtral" => Some(8),
         "qwen3_moe" => Some(4),
+        "qwen2_moe" => Some(16),
         "qwen2" | "qwen3" => Some(32),
         _ => None,
     }
 }
 
 /// The experts of a mixture-of-experts family, with the HF config classes' defaults
-/// (Mixtral: 8 experts, 2 per token, always renormalized; Qwen3-MoE: 128, 8, as
-/// `norm_topk_prob` says); `None` for a dense family.
+/// (Mixtral: 8 experts, 2 per token, always renormalized; Qwen3-MoE: 128, 8; Qwen2-MoE:
+/// 60, 4, a shared expert of 5632 features; OLMoE: 64, 8; the Qwen and OLMoE ones
+/// renormalize as `norm_topk_prob` says); `None` for a dense family.
 fn moe(r: &Reader, family: Family) -> Result<Option<MoeConfig>> {
     let (experts, top_k) = match family {
         Family::Mixtral => (8, 2),
         Family::Qwen3Moe => (128, 8),
+        Family::Qwen2Moe => (60, 4),
+        Family::Olmoe => (64, 8),
         _ => return Ok(None),
     };
     let mlp_only_layers = match r.get(&["mlp_only_layers"]) {
@@ -216,13 +220,27 @@ fn moe(r: &Reader, family: Family) -> Result<Option<MoeConfig>> {
             .u64_opt(&["num_local_experts", "num_experts"])?
             .unwrap_or(experts),
         num_experts_per_tok: r.u64_opt(&["num_experts_per_tok"])?.unwrap_or(top_k),
-        moe_intermediate_size: r.u64_opt(&["moe_intermediate_size"])?,
+        // Mixtral's and OLMoE's experts are `intermediate_size` wide (None); the Qwen
+        // classes default to their own expert width.
+        moe_intermediate_size: match (r.u64_opt(&["moe_intermediate_size"])?, family) {
+            (Some(f), _) => Some(f),
+            (None, Family::Qwen3Moe) => Some(768),
+            (None, Family::Qwen2Moe) => Some(1408),
+            (None, _) => None,
+        },
         norm_topk_prob: match family {
             Family::Mixtral => true,
             _ => r.bool_opt(&["norm_topk_prob"])?.unwrap_or(false),
         },
         mlp_only_layers,
         decoder_sparse_step: r.u64_opt(&["decoder_sparse_step"])?,
+        shared_expert_intermediate_size: match family {
+            Family::Qwen2Moe => Some(
+                r.u64_opt(&["shared_expert_intermediate_size"])?
+                    .unwrap_or(5632),
+            ),
+            _ => None,
+        },
         split: Default::default(),
     }))
 }
@@ -271,22 +289,14 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
         "qwen3_moe" => Family::Qwen3Moe,
         "deepseek_v2" | "deepseek_v3" | "kimi_k2" => {
             return Err(r.err(format!(
-                "model_type `{model_type}` is a mixture of experts with multi-head latent attention (compressed, low-rank keys and values with a decoupled rotary part), which tpc has no op for; tpc's mixture-of-experts families are mixtral and qwen3_moe"
+                "model_type `{model_type}` is a mixture of experts with multi-head latent attention (compressed, low-rank keys and values with a decoupled rotary part), which tpc has no op for; tpc's mixture-of-experts families are mixtral, qwen2_moe, qwen3_moe and olmoe"
             )))
         }
-        "qwen2_moe" | "olmoe" => {
-            return Err(r.err(format!(
-                "model_type `{model_type}` is a mixture of experts tpc does not read yet ({}); tpc's mixture-of-experts families are mixtral and qwen3_moe",
-                if model_type == "olmoe" {
-                    "its q_norm and k_norm normalise the whole q and k projections, not each head"
-                } else {
-                    "its shared expert with a sigmoid gate beside the routed ones"
-                }
-            )))
-        }
+        "qwen2_moe" => Family::Qwen2Moe,
+        "olmoe" => Family::Olmoe,
         other => {
             return Err(r.err(format!(
-                "model_type `{other}` is not supported; tpc reads llama, mistral, qwen2, qwen3, gpt2, gpt_neox, mixtral and qwen3_moe \
+                "model_type `{other}` is not supported; tpc reads llama, mistral, qwen2, qwen3, gpt2, gpt_neox, mixtral, qwen2_moe, qwen3_moe and olmoe \
                  (or write the architecture as an explicit graph in RON)"
             )))
         }
@@ -394,6 +404,17 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
     if family == Family::Qwen2 {
         // Qwen2 always has q/k/v bias (not in its config).
         c.attention_bias = Some(true);
+    }
+    if family == Family::Qwen2Moe {
+        // Qwen2-MoE's q/k/v bias is `qkv_bias` (default true); o_proj never has one.
+        c.attention_bias = Some(r.bool_opt(&["qkv_bias"])?.unwrap_or(true));
+    }
+    if family == Family::Olmoe {
+        if let Some(clip) = r.get(&["clip_qkv"]).filter(|v| !v.is_null()) {
+            return Err(r.err(format!(
+                "`clip_qkv` {clip} clamps q, k and v after their projections, which tpc has no op for; only OLMoE checkpoints with clip_qkv null are supported"
+            )));
+        }
     }
     Ok(c)
 }

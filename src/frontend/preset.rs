@@ -235,6 +235,8 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
         Family::Gpt2 => (1e-5, true, true, ActivationKind::GeluTanh),
         Family::GptNeox => (1e-5, true, false, ActivationKind::Gelu),
         Family::Mixtral | Family::Qwen3Moe => (1e-6, false, false, ActivationKind::Silu),
+        Family::Qwen2Moe => (1e-6, true, false, ActivationKind::Silu),
+        Family::Olmoe => (1e-5, false, false, ActivationKind::Silu),
     };
     match (&c.moe, c.family.is_moe()) {
         (None, true) => {
@@ -245,7 +247,7 @@ fn check_dims(c: &FamilyConfig) -> Result<Dims> {
         }
         (Some(_), false) => {
             return Err(bad(format!(
-                "`moe` is set, but {:?} has no mixture-of-experts layers; use a mixture-of-experts family (Mixtral, Qwen3Moe) or remove it",
+                "`moe` is set, but {:?} has no mixture-of-experts layers; use a mixture-of-experts family (Mixtral, Qwen2Moe, Qwen3Moe, Olmoe) or remove it",
                 c.family
             )))
         }
@@ -286,13 +288,22 @@ fn check_moe(m: &MoeConfig) -> std::result::Result<(), String> {
             m.num_experts_per_tok, m.num_experts
         ));
     }
-    match m.moe_intermediate_size {
-        Some(0) => Err("moe_intermediate_size must be positive".into()),
-        Some(f) if f > MAX_DIM => Err(format!(
-            "moe_intermediate_size is {f}; tpc's limit is {MAX_DIM}"
-        )),
-        _ => Ok(()),
+    for (name, size) in [
+        ("moe_intermediate_size", m.moe_intermediate_size),
+        (
+            "shared_expert_intermediate_size",
+            m.shared_expert_intermediate_size,
+        ),
+    ] {
+        match size {
+            Some(0) => return Err(format!("{name} must be positive")),
+            Some(f) if f > MAX_DIM => {
+                return Err(format!("{name} is {f}; tpc's limit is {MAX_DIM}"))
+            }
+            _ => {}
+        }
     }
+    Ok(())
 }
 
 fn rope_op(c: &FamilyConfig, d: &Dims) -> Result<Op> {
@@ -342,9 +353,13 @@ pub fn lower_preset(c: &FamilyConfig) -> Result<GraphDef> {
         &[],
     );
     let (layer, init, result, post) = match c.family {
-        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mixtral | Family::Qwen3Moe => {
-            llama_like(c, &d, &mut pre)?
-        }
+        Family::Llama
+        | Family::Qwen2
+        | Family::Qwen3
+        | Family::Mixtral
+        | Family::Qwen3Moe
+        | Family::Qwen2Moe
+        | Family::Olmoe => llama_like(c, &d, &mut pre)?,
         Family::Gpt2 => gpt2(c, &d, &mut pre)?,
         Family::GptNeox => gpt_neox(c, &d, &mut pre)?,
     };
@@ -428,6 +443,11 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
                 Some(hd),
             );
         }
+        // OLMoE normalises the whole projection: its statistics span every head, so the
+        // sharding pass gathers the heads before the norm and slices them after.
+        if c.family == Family::Olmoe && name != "v" {
+            y = l.rms_norm(&format!("{p}.self_attn.{name}_norm"), &y, out, d.eps, None);
+        }
         if name != "v" {
             y = l.node(
                 &format!("{p}.self_attn.{name}_rope"),
@@ -452,7 +472,7 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         (q_out, d.h),
         None,
         Some(heads(d.heads, hd, Some(d.kv_heads))),
-        d.bias && c.family != Family::Qwen2,
+        d.bias && !matches!(c.family, Family::Qwen2 | Family::Qwen2Moe),
     );
     let h1 = l.node(
         &format!("{p}.attn_residual"),
@@ -472,7 +492,11 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
             Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
             _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
         };
-        let moe = experts_block(&mut s, &format!("{p}.{block}"), &x2, d, m, names);
+        let prefix = format!("{p}.{block}");
+        let mut moe = experts_block(&mut s, &prefix, &x2, d, m, names);
+        if let Some(f) = m.shared_expert_intermediate_size {
+            moe = shared_expert(&mut s, &prefix, &x2, &moe, d, f);
+        }
         s.node(
             &format!("{p}.mlp_residual"),
             Op::Add(AddOp {}),
@@ -480,27 +504,7 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
         );
         s
     });
-    let mlp = |l: &mut Emit, name: &str| {
-        let n = format!("{p}.mlp.{name}_proj");
-        l.linear(&n, &x2, WeightOrder::OutIn, (d.h, d.ffn), None, None, false)
-    };
-    let gate = mlp(&mut l, "gate");
-    let act = l.node(
-        &format!("{p}.mlp.act"),
-        Op::Activation(ActivationOp { kind: d.act }),
-        &[&gate],
-    );
-    let up = mlp(&mut l, "up");
-    let m = l.node(&format!("{p}.mlp.gate_up"), Op::Mul(MulOp {}), &[&act, &up]);
-    let down = l.linear(
-        &format!("{p}.mlp.down_proj"),
-        &m,
-        WeightOrder::OutIn,
-        (d.ffn, d.h),
-        None,
-        None,
-        false,
-    );
+    let down = gated_mlp(&mut l, &format!("{p}.mlp"), &x2, d, d.ffn);
     let result = l.node(
         &format!("{p}.mlp_residual"),
         Op::Add(AddOp {}),
@@ -512,6 +516,63 @@ fn llama_like(c: &FamilyConfig, d: &Dims, pre: &mut Emit) -> Result<Lowered> {
     lm_head(&mut post, d, &n, "model.embed_tokens.weight", "lm_head");
     let layer = Layer { dense: l, sparse };
     Ok((layer, embed, result, post))
+}
+
+/// `down(act(gate · x) ⊙ up · x)` with `ffn` features, weights `prefix.{gate,up,down}_proj`.
+/// Returns the down projection's output.
+fn gated_mlp(l: &mut Emit, prefix: &str, x: &str, d: &Dims, ffn: u64) -> String {
+    let proj = |l: &mut Emit, name: &str| {
+        let n = format!("{prefix}.{name}_proj");
+        l.linear(&n, x, WeightOrder::OutIn, (d.h, ffn), None, None, false)
+    };
+    let gate = proj(l, "gate");
+    let act = l.node(
+        &format!("{prefix}.act"),
+        Op::Activation(ActivationOp { kind: d.act }),
+        &[&gate],
+    );
+    let up = proj(l, "up");
+    let m = l.node(
+        &format!("{prefix}.gate_up"),
+        Op::Mul(MulOp {}),
+        &[&act, &up],
+    );
+    l.linear(
+        &format!("{prefix}.down_proj"),
+        &m,
+        WeightOrder::OutIn,
+        (ffn, d.h),
+        None,
+        None,
+        false,
+    )
+}
+
+/// Qwen2-MoE's shared expert beside the routed ones: a gated MLP of `ffn` features every
+/// token goes through, scaled by `σ(shared_expert_gate · x)` and added to the routed
+/// experts' output `routed`. Both are partial sums under tp, so the layer keeps its one
+/// all-reduce.
+fn shared_expert(l: &mut Emit, prefix: &str, x: &str, routed: &str, d: &Dims, ffn: u64) -> String {
+    let out = gated_mlp(l, &format!("{prefix}.shared_expert"), x, d, ffn);
+    let logit = l.linear(
+        &format!("{prefix}.shared_expert_gate"),
+        x,
+        WeightOrder::OutIn,
+        (d.h, 1),
+        None,
+        None,
+        false,
+    );
+    let gated = l.node(
+        &format!("{prefix}.shared_expert_gated"),
+        Op::SigmoidGate(SigmoidGateOp {}),
+        &[&out, &logit],
+    );
+    l.node(
+        &format!("{prefix}.with_shared_expert"),
+        Op::Add(AddOp {}),
+        &[routed, &gated],
+    )
 }
 
 /// A mixture-of-experts block at `prefix` reading `x`: the router (`prefix.gate`, a linear

@@ -18,13 +18,15 @@ impl ModelDef {
     /// over the experts needs them whole).
     pub fn tp_plan(&self) -> std::borrow::Cow<'_, BTreeMap<String, TpWord>> {
         match self {
-            ModelDef::Preset(p) => match p.router_pattern() {
-                Some(router) => {
+            ModelDef::Preset(p) => match p.replicated_patterns() {
+                [] => std::borrow::Cow::Borrowed(&p.tp_plan),
+                patterns => {
                     let mut plan = p.tp_plan.clone();
-                    plan.entry(router.into()).or_insert(TpWord::Replicate);
+                    for &pattern in patterns {
+                        plan.entry(pattern.into()).or_insert(TpWord::Replicate);
+                    }
                     std::borrow::Cow::Owned(plan)
                 }
-                None => std::borrow::Cow::Borrowed(&p.tp_plan),
             },
             ModelDef::Graph(g) => std::borrow::Cow::Borrowed(&g.tp_plan),
         }
@@ -136,12 +138,21 @@ pub enum Family {
     /// Qwen3-MoE: Qwen3 attention, a mixture of experts (`mlp`) in the sparse layers and a
     /// dense MLP in the others.
     Qwen3Moe,
+    /// Qwen2-MoE: Qwen2 attention (q/k/v bias), routed experts plus a shared expert scaled
+    /// by a sigmoid gate, dense MLPs where Qwen3-MoE would have them.
+    Qwen2Moe,
+    /// OLMoE: Llama attention whose q and k are RMS-normalised over the whole projection
+    /// (not per head), a mixture of experts in every layer.
+    Olmoe,
 }
 
 impl Family {
     /// Whether the family's layers hold a mixture of experts.
     pub fn is_moe(self) -> bool {
-        matches!(self, Family::Mixtral | Family::Qwen3Moe)
+        matches!(
+            self,
+            Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe
+        )
     }
 }
 
@@ -164,6 +175,10 @@ pub struct MoeConfig {
     /// Every this many layers is sparse (layer `i` when `(i + 1) % step == 0`); 1: all.
     #[serde(default)]
     pub decoder_sparse_step: Option<u64>,
+    /// The shared expert's features (Qwen2-MoE: every token goes through it, scaled by
+    /// `shared_expert_gate`); `None` where the family has no shared expert.
+    #[serde(default)]
+    pub shared_expert_intermediate_size: Option<u64>,
     /// How the sharding pass splits the experts (`--moe`).
     #[serde(default)]
     pub split: ExpertSplit,
@@ -199,12 +214,18 @@ impl TpWord {
 }
 
 impl FamilyConfig {
-    /// The `tp_plan` pattern of a mixture-of-experts family's router weights.
-    pub fn router_pattern(&self) -> Option<&'static str> {
+    /// The `tp_plan` patterns of a mixture-of-experts family's weights that every rank
+    /// holds whole: the router (it needs every expert's logit) and a shared expert's gate
+    /// (one output).
+    pub fn replicated_patterns(&self) -> &'static [&'static str] {
         match self.family {
-            Family::Mixtral => Some("model.layers.*.block_sparse_moe.gate.weight"),
-            Family::Qwen3Moe => Some("model.layers.*.mlp.gate.weight"),
-            _ => None,
+            Family::Mixtral => &["model.layers.*.block_sparse_moe.gate.weight"],
+            Family::Qwen3Moe | Family::Olmoe => &["model.layers.*.mlp.gate.weight"],
+            Family::Qwen2Moe => &[
+                "model.layers.*.mlp.gate.weight",
+                "model.layers.*.mlp.shared_expert_gate.weight",
+            ],
+            _ => &[],
         }
     }
 

@@ -36,8 +36,35 @@ pub fn dealing_linear(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
     }
 }
 
-/// The split weight whose pieces local slice `id` must cut: that of the linear reading
-/// the slice as its input (split by its input dim), or, for another op, that of the linear
+/// The weight of the linear that dealt dim `dim` of value `id` before an all-gather joined
+/// it: followed back through ops that carry the dim (whatever their layout) to an
+/// all-gather of that dim. `None` where the trail reaches anything else first.
+fn gathered_dealer(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
+    let (mut at, mut dim) = (id, dim);
+    // Each step moves to an earlier node: the graph is acyclic, so the walk ends.
+    loop {
+        let node = graph.node(at);
+        let inputs = graph.inputs(at);
+        if let Op::AllGather(g) = &node.op {
+            let linear = dealing_linear(graph, *inputs.first()?, g.dim).filter(|_| g.dim == dim)?;
+            return graph.inputs(linear).get(1).copied();
+        }
+        let d = dims(&node.op);
+        if d.collective || d.moves.is_some() || matches!(node.op, Op::Linear(_)) {
+            return None;
+        }
+        let letter = d.output.letter_at(dim, node.fact.shape.rank())?;
+        (at, dim) = d.inputs.iter().zip(&inputs).find_map(|(operand, &i)| {
+            let input = graph.node(i);
+            let found = operand.dim_of(letter, input.fact.shape.rank())?;
+            (!matches!(input.op, Op::Param(_))).then_some((i, found))
+        })?;
+    }
+}
+
+/// The split weight whose pieces local slice `id` must cut: that of the linear that dealt
+/// the value before it was gathered whole, or that of the linear reading the slice as its
+/// input (split by its input dim), or, for another op, that of the linear
 /// dealing the same dim of an input beside the slice (split by its output dim: an MLP's
 /// `up` beside a sliced activation), or a split weight beside it (the expert stacks beside
 /// a mixture-of-experts layer's routing). `None` when none exists.
@@ -46,6 +73,15 @@ pub fn slicing_weight(graph: &Graph, id: NodeId) -> Option<NodeId> {
     let Op::LocalSlice(s) = &node.op else {
         return None;
     };
+    // A value gathered whole and sliced again (OLMoE's q and k around their whole-width
+    // norms) is cut as the linear that made it was dealt, not as a value beside it.
+    if let Some(w) = graph
+        .inputs(id)
+        .first()
+        .and_then(|&x| gathered_dealer(graph, x, s.dim))
+    {
+        return Some(w);
+    }
     graph.users(id).into_iter().find_map(|(user, slot)| {
         let inputs = graph.inputs(user);
         let u = graph.node(user);

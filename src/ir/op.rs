@@ -110,6 +110,11 @@ pub struct AddOp {}
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub struct MulOp {}
 
+/// `x ⊙ σ(g)`: `x [.., h]` scaled per token by the sigmoid of `g [.., 1]` (Qwen2-MoE's gate
+/// on its shared expert).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct SigmoidGateOp {}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ActivationKind {
     Silu,
@@ -316,6 +321,7 @@ pub enum Op {
     BiasAdd(BiasAddOp),
     Add(AddOp),
     Mul(MulOp),
+    SigmoidGate(SigmoidGateOp),
     Activation(ActivationOp),
     RmsNorm(RmsNormOp),
     LayerNorm(LayerNormOp),
@@ -342,6 +348,7 @@ impl Op {
             Op::BiasAdd(_) => "bias_add",
             Op::Add(_) => "add",
             Op::Mul(_) => "mul",
+            Op::SigmoidGate(_) => "sigmoid_gate",
             Op::Activation(_) => "activation",
             Op::RmsNorm(n) if n.reduce_input.is_some() => "all_reduce_rms_norm",
             Op::RmsNorm(_) => "rms_norm",
@@ -376,6 +383,7 @@ impl Op {
             | Op::BiasAdd(_)
             | Op::Add(_)
             | Op::Mul(_)
+            | Op::SigmoidGate(_)
             | Op::RmsNorm(_)
             | Op::Rope(_) => 2,
             Op::LayerNorm(_) | Op::Attention(_) => 3,
@@ -448,7 +456,7 @@ impl Op {
                 if r.normalize { " normalized" } else { "" }
             ),
             Op::Experts(e) => format!("{:?} split={}", e.act, e.split.word()),
-            Op::BiasAdd(_) | Op::Add(_) | Op::Mul(_) => String::new(),
+            Op::BiasAdd(_) | Op::Add(_) | Op::Mul(_) | Op::SigmoidGate(_) => String::new(),
             Op::AllReduce(a) => a
                 .algorithm
                 .as_ref()

@@ -272,6 +272,18 @@ pub fn dims(op: &Op) -> OpDims {
             in_place: true,
             row_wise: false,
         },
+        // x[.., h] ⊙ σ(g), one gate value per token (`[.., 1]`, taken whole): a partial x
+        // scales by the whole gate.
+        Op::SigmoidGate(_) => OpDims {
+            inputs: &[FEAT, WHOLE],
+            output: FEAT,
+            letters: &[('h', Kept)],
+            linear: Linearity::Each(&[0]),
+            moves: None,
+            collective: false,
+            in_place: false,
+            row_wise: false,
+        },
         Op::Activation(_) => OpDims {
             inputs: &[FEAT],
             output: FEAT,
@@ -728,6 +740,7 @@ pub(crate) mod tests {
             Op::BiasAdd(BiasAddOp {}),
             Op::Add(AddOp {}),
             Op::Mul(MulOp {}),
+            Op::SigmoidGate(SigmoidGateOp {}),
             Op::Activation(ActivationOp {
                 kind: ActivationKind::Silu,
             }),
@@ -859,6 +872,12 @@ pub(crate) mod tests {
                 true,
                 false,
             ),
+            Op::SigmoidGate(_) => e(
+                "[.., h], [..] -> [.., h]; h kept",
+                L::Each(&[0]),
+                false,
+                false,
+            ),
             Op::Activation(_) => e("[.., h] -> [.., h]; h kept", L::None, true, true),
             Op::RmsNorm(n) => Expect {
                 collective: n.reduce_input.is_some(),
@@ -952,7 +971,7 @@ pub(crate) mod tests {
     #[test]
     fn every_variant_is_sampled() {
         let names = variant_names();
-        assert_eq!(names.len(), 20, "{names:?}");
+        assert_eq!(names.len(), 21, "{names:?}");
         let sampled: Vec<String> = samples()
             .iter()
             .map(|op| {

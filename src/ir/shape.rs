@@ -76,6 +76,20 @@ pub fn infer(op: &Op, inputs: &[&TensorFact], model_dtype: DType) -> Result<Tens
             }
             same(inputs[0])
         }
+        Op::SigmoidGate(_) => {
+            let (x, g) = (inputs[0], inputs[1]);
+            let lead = x.shape.rank().saturating_sub(1);
+            let fits = g.shape.rank() == x.shape.rank()
+                && g.shape.fixed_at(lead) == Some(1)
+                && g.shape.0[..lead] == x.shape.0[..lead];
+            if !fits {
+                return Err(format!(
+                    "sigmoid_gate scales {} by one gate value per token, [.., 1], got {}",
+                    x.shape, g.shape
+                ));
+            }
+            same(x)
+        }
         Op::Activation(_) => same(inputs[0]),
         Op::RmsNorm(n) => {
             let x = inputs[0];

@@ -209,6 +209,9 @@ pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result
         if node.fact.shape.is_sequence(dim) {
             continue;
         }
+        if matches!(node.op, Op::AllGather(_)) {
+            check_gathered_runs(graph, id, dim, ctx)?;
+        }
         // A local slice that a split linear reads cuts that weight's pieces; any other cuts
         // even ones, so the dim must divide by tp.
         let sliced_for_weight = crate::ir::dealing::slicing_weight(graph, id)
@@ -262,4 +265,55 @@ pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result
         }
     }
     Ok(())
+}
+
+/// An all-gather joins the ranks' pieces in rank order, so the linear that dealt them must
+/// give each rank one run of the dim, the runs in rank order. Heads replicated because tp
+/// exceeds their count (kv heads) do not: gathering them back whole (OLMoE's q and k, whose
+/// norms span every head) is refused, naming the tp values that work.
+fn check_gathered_runs(
+    graph: &Graph,
+    id: crate::ir::NodeId,
+    dim: u32,
+    ctx: &ShardCtx,
+) -> Result<()> {
+    let weight = graph
+        .inputs(id)
+        .first()
+        .and_then(|&p| crate::ir::dealing::dealing_linear(graph, p, dim))
+        .and_then(|linear| graph.inputs(linear).get(1).copied())
+        .map(|w| graph.node(w));
+    let Some((Op::Param(p), Some(Layout::Split { dim: wdim }))) = weight.map(|w| (&w.op, w.layout))
+    else {
+        return Ok(());
+    };
+    let len = p.shape.get(wdim as usize).copied().unwrap_or(0);
+    let groups = p.groups_of(wdim);
+    // Each rank's piece one run, starting where the previous rank's ended.
+    let runs = |deal: Deal| {
+        let mut next = 0u64;
+        (0..deal.tp).all(|rank| match groups.slice_dealt(len, deal, rank) {
+            Ok(piece) if piece.ranges.len() <= 1 && !piece.padded_inside() => {
+                let starts_here = piece.ranges.first().is_none_or(|r| r.offset == next);
+                next += piece.real_len();
+                starts_here
+            }
+            _ => false,
+        })
+    };
+    if runs(Deal::by(ctx.tp, ctx.shares)) {
+        return Ok(());
+    }
+    let dims = split_dims(graph);
+    Err(TpcError::Infeasible {
+        model: graph.name.clone(),
+        tp: ctx.tp,
+        reasons: vec![format!(
+            "`{}` gathers `{}`'s split dim whole (a norm over every head), and at tp={} some of its heads are replicated on several ranks (more ranks than heads), which a gather cannot join back; use a tp at most their count",
+            graph.node(id).name,
+            p.tensor,
+            ctx.tp
+        )],
+        valid: valid_tps(&dims, |t| runs(Deal::by(t, None))),
+    })
 }

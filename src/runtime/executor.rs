@@ -1181,6 +1181,10 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 b.binary(&mut out, x(1)?, kind).map_err(err)?;
                 out
             }
+            Op::SigmoidGate(_) => {
+                let gate = b.copy(x(1)?).and_then(|g| b.to_host(g)).map_err(&err)?;
+                super::moe::sigmoid_gate(b, x(0)?, &gate).map_err(err)?
+            }
             Op::Activation(a) => {
                 let mut out = owned()?;
                 b.activation(&mut out, a.kind).map_err(err)?;

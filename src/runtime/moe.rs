@@ -150,6 +150,30 @@ pub fn run_experts<B: Backend + ?Sized>(
     result
 }
 
+/// `x ⊙ σ(gate)`, one gate value per row of `x` (`gate [rows, 1]`, on the host): a shared
+/// expert's output scaled by its gate, as one weighted sum of all rows.
+pub fn sigmoid_gate<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Act,
+    gate: &Tensor,
+) -> BackendResult<B::Act> {
+    let (rows, width) = super::backend::Activation::rows_cols(x);
+    if gate.rows_cols() != (rows, 1) {
+        return Err(BackendError::Shape(format!(
+            "a gate of shape {:?} for {rows} rows; it must be [{rows}, 1]",
+            gate.shape
+        )));
+    }
+    let every: Vec<usize> = (0..rows).collect();
+    // σ in f32 as transformers computes it.
+    let weights: Vec<f32> = gate
+        .data
+        .iter()
+        .map(|&g| 1.0 / (1.0 + (-g).exp()))
+        .collect();
+    b.weighted_rows_sum(rows, width, &[(x, &every, &weights)])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

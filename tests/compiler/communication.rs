@@ -183,7 +183,7 @@ fn expected_total_bytes(def: &ModelDef, tp: u64) -> u64 {
             let mlp = h * ffn + ffn + ffn * h + h;
             (norms + attn + mlp, 2 * vocab_padded * h + 2 * h * tp)
         }
-        Family::Mixtral | Family::Qwen3Moe => {
+        Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe => {
             unreachable!(
                 "the presets listed below are dense; mixture-of-experts ones have their own tests"
             )

@@ -1140,3 +1140,91 @@ fn a_windowed_model_compiles_but_runs_only_within_its_window() {
     assert!(def.check_executable(9).is_err());
     assert!(plain.check_executable(1 << 20).is_ok());
 }
+
+/// The mixture-of-experts configs' absent keys take their HF classes' defaults, and what
+/// tpc cannot compute (OLMoE's `clip_qkv`) is refused by name.
+#[test]
+fn moe_configs_take_their_class_defaults_and_refuse_clip_qkv() {
+    let scratch = Scratch::new("moe-defaults");
+    let checkpoint = |name: &str| -> Value {
+        let text = std::fs::read_to_string(
+            root()
+                .join("tests/fixtures/checkpoints")
+                .join(name)
+                .join("config.json"),
+        )
+        .unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let edits = std::cell::Cell::new(0);
+    let family = |name: &str, edit: &dyn Fn(&mut serde_json::Map<String, Value>)| {
+        let mut j = checkpoint(name);
+        edit(j.as_object_mut().unwrap());
+        edits.set(edits.get() + 1);
+        let def = load(&scratch.model_json(&format!("{name}-{}", edits.get()), &j));
+        family_of(&def).clone()
+    };
+    let drop = |key: &'static str| {
+        move |o: &mut serde_json::Map<String, Value>| {
+            assert!(o.remove(key).is_some(), "{key}");
+        }
+    };
+    let moe = |c: FamilyConfig| *c.moe.unwrap();
+    // Qwen2MoeConfig: 60 experts, 4 per token, 1408 features each, shared expert 5632,
+    // q/k/v bias on.
+    assert_eq!(family("qwen2-moe", &|_| {}).family, Family::Qwen2Moe);
+    assert_eq!(
+        moe(family("qwen2-moe", &drop("num_experts"))).num_experts,
+        60
+    );
+    assert_eq!(
+        moe(family("qwen2-moe", &drop("num_experts_per_tok"))).num_experts_per_tok,
+        4
+    );
+    assert_eq!(
+        moe(family("qwen2-moe", &drop("moe_intermediate_size"))).moe_intermediate_size,
+        Some(1408)
+    );
+    assert_eq!(
+        moe(family(
+            "qwen2-moe",
+            &drop("shared_expert_intermediate_size")
+        ))
+        .shared_expert_intermediate_size,
+        Some(5632)
+    );
+    assert_eq!(
+        family("qwen2-moe", &drop("qkv_bias")).attention_bias,
+        Some(true)
+    );
+    let no_bias = family("qwen2-moe", &|o| {
+        o.insert("qkv_bias".into(), json!(false));
+    });
+    assert_eq!(no_bias.attention_bias, Some(false));
+    // Qwen3MoeConfig: 768 features per expert; OLMoE: intermediate_size, 64 experts, top 8.
+    assert_eq!(
+        moe(family("qwen3-moe", &drop("moe_intermediate_size"))).moe_intermediate_size,
+        Some(768)
+    );
+    let olmoe = family("olmoe", &|_| {});
+    assert_eq!(olmoe.family, Family::Olmoe);
+    assert_eq!(moe(olmoe).moe_intermediate_size, None);
+    assert_eq!(moe(family("olmoe", &drop("num_experts"))).num_experts, 64);
+    assert_eq!(
+        moe(family("olmoe", &drop("num_experts_per_tok"))).num_experts_per_tok,
+        8
+    );
+    // Only the routed experts have no shared one outside Qwen2-MoE.
+    assert_eq!(
+        moe(family("olmoe", &|_| {})).shared_expert_intermediate_size,
+        None
+    );
+    let mut j = checkpoint("olmoe");
+    j.as_object_mut()
+        .unwrap()
+        .insert("clip_qkv".into(), json!(8.0));
+    rejected(
+        &scratch.model_json("olmoe-clip", &j),
+        &["`clip_qkv` 8.0", "clip_qkv null"],
+    );
+}

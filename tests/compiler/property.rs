@@ -413,7 +413,9 @@ fn expected_tensors(d: &Dims) -> BTreeMap<String, Tensor> {
                 t("lm_head.weight".into(), &[v, h], vocab_rows);
             }
         }
-        Family::Mixtral | Family::Qwen3Moe => unreachable!("{NOT_GENERATED}"),
+        Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe => {
+            unreachable!("{NOT_GENERATED}")
+        }
         Family::Gpt2 => {
             // Conv1D weights are stored [in, out].
             t("transformer.wte.weight".into(), &[v, h], vocab_rows);
@@ -502,7 +504,9 @@ fn hand_param_count(d: &Dims) -> u64 {
             let biases = b * (3 * h + h + ffn + h);
             v * h + l * (weights + biases) + 2 * h + head
         }
-        Family::Mixtral | Family::Qwen3Moe => unreachable!("{NOT_GENERATED}"),
+        Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe => {
+            unreachable!("{NOT_GENERATED}")
+        }
     }
 }
 

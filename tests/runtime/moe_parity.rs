@@ -1,8 +1,9 @@
-//! Mixture-of-experts parity with Hugging Face transformers: the tiny Mixtral and
-//! Qwen3-MoE checkpoints (`scripts/make_fixtures.py`; Qwen3-MoE with a dense layer among
-//! its sparse ones) reproduce HF's prefill logits and greedy tokens at tp 1 to 4 with the
-//! experts split by features (`--moe tensor`) and dealt whole (`--moe expert`, 8 experts
-//! dealt 3/3/2 at tp 3).
+//! Mixture-of-experts parity with Hugging Face transformers: the tiny Mixtral, Qwen2-MoE
+//! (a shared expert behind a sigmoid gate), Qwen3-MoE (a dense layer among its sparse ones)
+//! and OLMoE (q and k normalised over the whole projection) checkpoints
+//! (`scripts/make_fixtures.py`) reproduce HF's prefill logits and greedy tokens at tp 1 to
+//! 4 with the experts split by features (`--moe tensor`) and dealt whole (`--moe expert`,
+//! 8 experts dealt 3/3/2 at tp 3).
 
 use crate::common;
 use common::{read_reference, rel_error, REL_TOL};
@@ -16,9 +17,9 @@ use tpc::runtime::run::run;
 use tpc::runtime::weights::Checkpoint;
 
 #[test]
-fn mixtral_and_qwen3_moe_match_hf_with_both_splits_at_tp_1_to_4() {
+fn every_moe_family_matches_hf_with_both_splits_at_tp_1_to_4() {
     let mut runs = 0;
-    for case in ["mixtral-moe", "qwen3-moe"] {
+    for case in common::MOE_FIXTURES {
         let dir = std::path::Path::new("tests/fixtures/checkpoints").join(case);
         let reference = read_reference(&dir);
         let def = load_model(&dir).unwrap();
@@ -51,7 +52,7 @@ fn mixtral_and_qwen3_moe_match_hf_with_both_splits_at_tp_1_to_4() {
             }
         }
     }
-    assert_eq!(runs, 16);
+    assert_eq!(runs, 32);
 }
 
 #[test]
@@ -86,4 +87,58 @@ fn expert_split_deals_whole_experts_and_slices_the_routing_by_their_counts() {
         .collectives
         .iter()
         .all(|c| c.kind != "all_gather" || c.layer.is_none()));
+}
+
+/// Qwen2-MoE's shared expert and its gate add no communication: the routed and the
+/// shared experts' partial sums meet before the layer's one all-reduce after attention's.
+#[test]
+fn the_shared_expert_shares_the_layers_all_reduce() {
+    let dir = std::path::Path::new("tests/fixtures/checkpoints/qwen2-moe");
+    let def = load_model(dir).unwrap();
+    for split in [ExpertSplit::Tensor, ExpertSplit::Expert] {
+        let options = ShardOptions {
+            moe: Some(split),
+            ..Default::default()
+        };
+        let plan = compile_with(&def, 2, options).unwrap().plan;
+        let in_layer_0 = |kind: &str| {
+            plan.collectives
+                .iter()
+                .filter(|c| c.kind == kind && c.layer == Some(0))
+                .count()
+        };
+        assert_eq!(in_layer_0("all_reduce"), 2, "--moe {}", split.word());
+        assert_eq!(in_layer_0("all_gather"), 0, "--moe {}", split.word());
+        // The gate is replicated: one logit per token on every rank.
+        let gate = plan.ranks[1]
+            .weights
+            .iter()
+            .find(|w| &*w.tensor == "model.layers.0.mlp.shared_expert_gate.weight")
+            .unwrap();
+        assert_eq!(gate.dim, None);
+    }
+}
+
+/// OLMoE's q and k norms span every head: the heads are gathered for them, which works
+/// while each rank holds its own run of kv heads and is refused, naming the valid tps,
+/// once tp exceeds the kv heads (4 here).
+#[test]
+fn olmoe_gathers_q_and_k_for_their_norms_and_refuses_replicated_kv_heads() {
+    let dir = std::path::Path::new("tests/fixtures/checkpoints/olmoe");
+    let def = load_model(dir).unwrap();
+    let plan = compile_with(&def, 4, ShardOptions::default()).unwrap().plan;
+    let gathers: Vec<_> = plan
+        .collectives
+        .iter()
+        .filter(|c| c.kind == "all_gather" && c.layer == Some(0))
+        .collect();
+    assert_eq!(gathers.len(), 2, "{gathers:?}");
+    let err = compile_with(&def, 8, ShardOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("k_proj") && err.contains("replicated") && err.contains("1, 2, 3, 4"),
+        "{err}"
+    );
 }
