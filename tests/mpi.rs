@@ -103,8 +103,6 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
     let mut ran = Vec::new();
     for fixture in fixtures() {
         let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
-        let reference = read_reference(&fixture);
-        let n = reference.greedy.len().min(6);
         // (processes, tp, pp, shares, flag): tp alone, stages alone, both, and an uneven
         // tp (alone, with sequence parallelism, with the fused all-reduce + norm) and
         // unequal shares where the fixture's heads allow them.
@@ -129,59 +127,92 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
                 continue;
             }
             let what = format!("{name} np={np} tp={tp} pp={pp} shares={shares} {flag}");
-            let args = |dump: &Path| -> Vec<String> {
-                let mut args: Vec<String> = vec![
-                    "run".into(),
-                    fixture.to_string_lossy().into_owned(),
-                    "--tp".into(),
-                    tp.to_string(),
-                    "--pp".into(),
-                    pp.to_string(),
-                    "--prompt-ids".into(),
-                    csv(&reference.prompt),
-                    "--max-new-tokens".into(),
-                    n.to_string(),
-                    "--threads-per-rank".into(),
-                    "1".into(),
-                    "--dump-logits".into(),
-                    dump.to_string_lossy().into_owned(),
-                ];
-                args.extend(extra.iter().cloned());
-                args
-            };
-            let (a, b) = (
-                dir.join(format!(
-                    "{name}-{np}-{tp}-{pp}-{shares}{flag}-threads.safetensors"
-                )),
-                dir.join(format!(
-                    "{name}-{np}-{tp}-{pp}-{shares}{flag}-mpi.safetensors"
-                )),
-            );
-            let mut threads = Command::new(TPC);
-            threads.args(args(&a));
-            let threads = ok(run(threads, &what), &what);
-            let mut procs = mpirun(np);
-            procs.args(args(&b));
-            let procs = ok(run(procs, &what), &what);
-            assert_eq!(procs, threads, "{what}: tokens");
-            assert_eq!(
-                procs.trim(),
-                csv(&reference.greedy[..n]),
-                "{what}: HF's tokens"
-            );
-            let (x, y) = (logits(&b), logits(&a));
-            assert_eq!(x.len(), y.len(), "{what}");
-            let differ = x
-                .iter()
-                .zip(&y)
-                .filter(|(p, q)| p.to_bits() != q.to_bits())
-                .count();
-            assert_eq!(differ, 0, "{what}: logits not bit-identical to threads");
+            processes_equal_threads_and_hf(&fixture, &dir, &what, (np, tp, pp), &extra);
             ran.push(what);
         }
     }
     // Every fixture at all seven, GPT-2 and NeoX (fused q|k|v) included.
     assert!(ran.len() >= 49, "{ran:?}");
+}
+
+/// `tpc run fixture` as `np` MPI processes gives the tokens of the same run as threads,
+/// HF's greedy tokens, and logits bit-identical to the threads'.
+fn processes_equal_threads_and_hf(
+    fixture: &Path,
+    dir: &Path,
+    what: &str,
+    (np, tp, pp): (usize, u64, u64),
+    extra: &[String],
+) {
+    let reference = read_reference(fixture);
+    let n = reference.greedy.len().min(6);
+    let args = |dump: &Path| -> Vec<String> {
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            fixture.to_string_lossy().into_owned(),
+            "--tp".into(),
+            tp.to_string(),
+            "--pp".into(),
+            pp.to_string(),
+            "--prompt-ids".into(),
+            csv(&reference.prompt),
+            "--max-new-tokens".into(),
+            n.to_string(),
+            "--threads-per-rank".into(),
+            "1".into(),
+            "--dump-logits".into(),
+            dump.to_string_lossy().into_owned(),
+        ];
+        args.extend(extra.iter().cloned());
+        args
+    };
+    let file = what.replace([' ', '=', ',', '/'], "_");
+    let (a, b) = (
+        dir.join(format!("{file}-threads.safetensors")),
+        dir.join(format!("{file}-mpi.safetensors")),
+    );
+    let mut threads = Command::new(TPC);
+    threads.args(args(&a));
+    let threads = ok(run(threads, what), what);
+    let mut procs = mpirun(np);
+    procs.args(args(&b));
+    let procs = ok(run(procs, what), what);
+    assert_eq!(procs, threads, "{what}: tokens");
+    assert_eq!(
+        procs.trim(),
+        csv(&reference.greedy[..n]),
+        "{what}: HF's tokens"
+    );
+    let (x, y) = (logits(&b), logits(&a));
+    assert_eq!(x.len(), y.len(), "{what}");
+    let differ = x
+        .iter()
+        .zip(&y)
+        .filter(|(p, q)| p.to_bits() != q.to_bits())
+        .count();
+    assert_eq!(differ, 0, "{what}: logits not bit-identical to threads");
+}
+
+/// The mixture-of-experts fixtures as processes: experts split by features, dealt whole
+/// unevenly (8 experts over 3 ranks), and dealt within each of two pipeline stages.
+#[test]
+fn moe_fixtures_as_processes_equal_threads_and_hf() {
+    let dir = scratch("moe");
+    let mut ran = 0;
+    for name in common::MOE_FIXTURES {
+        let fixture = Path::new("tests/fixtures/checkpoints").join(name);
+        for (np, tp, pp, moe) in [
+            (2usize, 2u64, 1u64, "tensor"),
+            (3, 3, 1, "expert"),
+            (4, 2, 2, "expert"),
+        ] {
+            let what = format!("{name} np={np} tp={tp} pp={pp} --moe {moe}");
+            let extra = vec!["--moe".to_string(), moe.to_string()];
+            processes_equal_threads_and_hf(&fixture, &dir, &what, (np, tp, pp), &extra);
+            ran += 1;
+        }
+    }
+    assert_eq!(ran, 12);
 }
 
 /// Whether tpc splits `fixture` `tp` ways (with `extra` flags).

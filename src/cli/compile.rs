@@ -81,7 +81,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         tpc::fsio::write_text(path, &picture.text)?;
     }
     if a.json {
-        let json = super::with_decision(serde_json::to_value(&summary)?, decision.as_ref())?;
+        let json = super::with_decision(serde_json::to_value(&summary)?, &decision)?;
         super::print_stdout(&format!("{}\n", serde_json::to_string_pretty(&json)?))?;
     } else {
         super::print_stdout(&render_table(&summary))?;

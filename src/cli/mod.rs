@@ -253,8 +253,10 @@ pub struct ShardArgs {
     #[arg(long, value_name = "SHARES")]
     pub tp_shares: Option<tpc::ir::TpShares>,
     /// How mixture-of-experts layers are split: `tensor` (every expert's gate/up by columns
-    /// and down by rows on every rank) or `expert` (whole experts dealt to the ranks; each
-    /// computes only its experts). Both end the layer in one all-reduce. Default: tensor.
+    /// and down by rows on every rank), `expert` (whole experts dealt to the ranks; each
+    /// computes only its experts) or `auto` (the cheaper of the two for the workload on the
+    /// hardware profile given with --hw; without one, tensor). Both end the layer in one
+    /// all-reduce. Default: tensor.
     #[arg(long, value_enum)]
     pub moe: Option<MoeArg>,
 }
@@ -264,12 +266,25 @@ pub struct ShardArgs {
 pub enum MoeArg {
     Tensor,
     Expert,
+    Auto,
+}
+
+impl MoeArg {
+    pub fn word(self) -> &'static str {
+        match self {
+            MoeArg::Tensor => "tensor",
+            MoeArg::Expert => "expert",
+            MoeArg::Auto => "auto",
+        }
+    }
 }
 
 impl From<MoeArg> for tpc::ir::ExpertSplit {
+    /// The split compiled when nobody prices the choice: `auto` without a profile is the
+    /// split by features.
     fn from(a: MoeArg) -> Self {
         match a {
-            MoeArg::Tensor => tpc::ir::ExpertSplit::Tensor,
+            MoeArg::Tensor | MoeArg::Auto => tpc::ir::ExpertSplit::Tensor,
             MoeArg::Expert => tpc::ir::ExpertSplit::Expert,
         }
     }
@@ -361,16 +376,22 @@ impl WorkloadArgs {
     }
 }
 
-/// `json` (an object) with the cost model's sequence-parallelism decision added, if any.
+/// `json` (an object) with the cost model's decisions added, if any
+/// (`sequence_parallel_decision`, `expert_split_decision`).
 pub fn with_decision(
     mut json: serde_json::Value,
-    decision: Option<&tpc::cost::decide::SequenceParallelDecision>,
+    decisions: &tpc::cost::decide::Decisions,
 ) -> serde_json::Result<serde_json::Value> {
-    if let (Some(d), Some(fields)) = (decision, json.as_object_mut()) {
-        fields.insert(
-            "sequence_parallel_decision".into(),
-            serde_json::to_value(d)?,
-        );
+    if let Some(fields) = json.as_object_mut() {
+        if let Some(d) = &decisions.sequence_parallel {
+            fields.insert(
+                "sequence_parallel_decision".into(),
+                serde_json::to_value(d)?,
+            );
+        }
+        if let Some(d) = &decisions.experts {
+            fields.insert("expert_split_decision".into(), serde_json::to_value(d)?);
+        }
     }
     Ok(json)
 }
@@ -401,9 +422,10 @@ impl ShardArgs {
         self.sequence_parallel == SequenceParallelMode::Auto
     }
 
-    /// Compiles `def` for `tp` ranks: with a profile and `auto`, the cheaper of the plans
-    /// with and without sequence parallelism for `work` (and the decision), else as the
-    /// options say.
+    /// Compiles `def` for `tp` ranks: with a profile, `--sequence-parallel auto` keeps the
+    /// cheaper of the plans with and without sequence parallelism for `work`, and `--moe
+    /// auto` the cheaper of the two expert splits (and the decisions); else as the options
+    /// say.
     pub fn compile(
         &self,
         def: &tpc::frontend::ModelDef,
@@ -411,23 +433,53 @@ impl ShardArgs {
         hw: Option<&tpc::cost::profile::HwProfile>,
         work: tpc::cost::simulate::Workload,
         numerics: impl Fn(&tpc::plan::Plan) -> tpc::cost::simulate::Numerics,
-    ) -> tpc::error::Result<(
-        tpc::pipeline::Compiled,
-        Option<tpc::cost::decide::SequenceParallelDecision>,
-    )> {
-        match hw {
-            Some(hw) if self.cost_decides() => {
-                tpc::cost::decide::compile_choosing_sequence_parallel(
-                    def,
-                    tp,
-                    self.options(),
-                    hw,
-                    work,
-                    numerics,
-                )
-            }
-            _ => Ok((tpc::pipeline::compile_with(def, tp, self.options())?, None)),
+    ) -> tpc::error::Result<(tpc::pipeline::Compiled, tpc::cost::decide::Decisions)> {
+        use tpc::cost::decide::{compile_choosing_expert_split, Decisions};
+        let Some(hw) = hw else {
+            return Ok((
+                tpc::pipeline::compile_with(def, tp, self.options())?,
+                Decisions::default(),
+            ));
+        };
+        if self.moe == Some(MoeArg::Auto) {
+            compile_choosing_expert_split(def, tp, hw, work, &numerics, |d| {
+                self.compile_priced(d, tp, hw, work, &numerics)
+            })
+        } else {
+            self.compile_priced(def, tp, hw, work, &numerics)
         }
+    }
+
+    /// [`ShardArgs::compile`] with a profile, the experts split as `def` says when `--moe
+    /// auto` leaves it to the caller.
+    fn compile_priced(
+        &self,
+        def: &tpc::frontend::ModelDef,
+        tp: u64,
+        hw: &tpc::cost::profile::HwProfile,
+        work: tpc::cost::simulate::Workload,
+        numerics: &dyn Fn(&tpc::plan::Plan) -> tpc::cost::simulate::Numerics,
+    ) -> tpc::error::Result<(tpc::pipeline::Compiled, tpc::cost::decide::Decisions)> {
+        let mut options = self.options();
+        if self.moe == Some(MoeArg::Auto) {
+            options.moe = None;
+        }
+        if !self.cost_decides() {
+            return Ok((
+                tpc::pipeline::compile_with(def, tp, options)?,
+                Default::default(),
+            ));
+        }
+        let (c, d) = tpc::cost::decide::compile_choosing_sequence_parallel(
+            def, tp, options, hw, work, numerics,
+        )?;
+        Ok((
+            c,
+            tpc::cost::decide::Decisions {
+                sequence_parallel: d,
+                experts: None,
+            },
+        ))
     }
 }
 

@@ -187,11 +187,14 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         let plan = compiled.plan;
         let e = simulate_pp(&plan, &hw, work, number_types(&plan), a.pp)?;
         let text = if a.json {
-            let json = super::with_decision(serde_json::to_value(&e)?, decision.as_ref())?;
+            let json = super::with_decision(serde_json::to_value(&e)?, &decision)?;
             format!("{}\n", serde_json::to_string_pretty(&json)?)
         } else {
             let mut t = table(&e);
-            if let Some(d) = &decision {
+            if let Some(d) = &decision.experts {
+                t += &format!("{}\n", d.note());
+            }
+            if let Some(d) = &decision.sequence_parallel {
                 t += &format!("{}\n", d.note());
             }
             t + &rough_note(&hw)

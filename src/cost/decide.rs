@@ -123,6 +123,88 @@ pub fn compile_choosing_sequence_parallel(
     Ok((kept, Some(decision)))
 }
 
+/// What the cost model weighed for splitting a mixture of experts (`--moe auto`), and
+/// what it chose.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExpertSplitDecision {
+    /// `tensor` or `expert`.
+    pub chosen: &'static str,
+    /// Seconds for the workload with the experts split by features and dealt whole.
+    pub tensor_s: f64,
+    pub expert_s: f64,
+    pub batch: u64,
+    pub prompt: u64,
+    pub gen: u64,
+    pub hw: String,
+}
+
+impl ExpertSplitDecision {
+    /// One line for the plan's notes and the report.
+    pub fn note(&self) -> String {
+        format!(
+            "experts split by {} by cost on {}: {:.3} ms by features (tensor), {:.3} ms dealt whole (expert), for batch {}, prompt {}, {} new tokens",
+            self.chosen,
+            self.hw,
+            self.tensor_s * 1e3,
+            self.expert_s * 1e3,
+            self.batch,
+            self.prompt,
+            self.gen
+        )
+    }
+}
+
+/// The choices the cost model made for a plan.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Decisions {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sequence_parallel: Option<SequenceParallelDecision>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertSplitDecision>,
+}
+
+/// Compiles `def` (a mixture of experts) for `tp` ranks with its experts split by features
+/// and dealt whole, each through `compile` (which may make its own choices), prices both
+/// for `work` on `hw`, and keeps the cheaper; a tie keeps the split by features, whose
+/// ranks share every token's work evenly. At tp 1 there is nothing to split: by features.
+pub fn compile_choosing_expert_split(
+    def: &ModelDef,
+    tp: u64,
+    hw: &HwProfile,
+    work: Workload,
+    numerics: impl Fn(&Plan) -> Numerics,
+    compile: impl Fn(&ModelDef) -> Result<(Compiled, Decisions)>,
+) -> Result<(Compiled, Decisions)> {
+    let by_features = def.with_expert_split(crate::ir::ExpertSplit::Tensor)?;
+    let (tensor, mut tensor_decisions) = compile(&by_features)?;
+    if tp == 1 {
+        return Ok((tensor, tensor_decisions));
+    }
+    let (expert, expert_decisions) =
+        compile(&def.with_expert_split(crate::ir::ExpertSplit::Expert)?)?;
+    let price =
+        |c: &Compiled| workload_seconds(&simulate_as(&c.plan, hw, work, numerics(&c.plan)), work);
+    let (tensor_s, expert_s) = (price(&tensor), price(&expert));
+    let dealt = expert_s < tensor_s;
+    let decision = ExpertSplitDecision {
+        chosen: if dealt { "expert" } else { "tensor" },
+        tensor_s,
+        expert_s,
+        batch: work.batch,
+        prompt: work.prompt,
+        gen: work.gen,
+        hw: hw.name.clone(),
+    };
+    let (mut kept, mut decisions) = if dealt {
+        (expert, expert_decisions)
+    } else {
+        (tensor, std::mem::take(&mut tensor_decisions))
+    };
+    kept.plan.notes.push(decision.note());
+    decisions.experts = Some(decision);
+    Ok((kept, decisions))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +286,55 @@ mod tests {
         assert!(!keeps_split(at(1e-3, p), at(1e-3, p)));
         // Cheaper wins whatever it communicates.
         assert!(keeps_split(at(0.9e-3, s), at(1e-3, p)));
+    }
+
+    #[test]
+    fn the_expert_split_is_chosen_by_the_workload() {
+        let def = shipped::model("qwen3-30b-a3b");
+        let choose = |work: Workload, op_overhead_s: f64| {
+            let mut hw = nvswitch();
+            hw.op_overhead_s = op_overhead_s;
+            compile_choosing_expert_split(&def, 8, &hw, work, Numerics::of_plan, |d| {
+                Ok((
+                    compile_with(d, 8, ShardOptions::default())?,
+                    Decisions::default(),
+                ))
+            })
+            .unwrap()
+        };
+        // One conversation, kernels free: a token's 8 experts land unevenly on 8 ranks, so
+        // every rank reading an eighth of each is faster. (With a cost per kernel, the
+        // fewer kernels of a deal can win even here: the runtime launches per expert.)
+        let (c, d) = choose(
+            Workload {
+                batch: 1,
+                prompt: 16,
+                gen: 256,
+            },
+            0.0,
+        );
+        let d = d.experts.unwrap();
+        assert_eq!(d.chosen, "tensor", "{}", d.note());
+        assert!(d.tensor_s < d.expert_s);
+        assert!(c.plan.notes.contains(&d.note()));
+        // A large batch of long prompts uses every expert on every rank: dealing them
+        // runs an eighth of the kernels.
+        let (c, d) = choose(
+            Workload {
+                batch: 64,
+                prompt: 2048,
+                gen: 1,
+            },
+            5e-6,
+        );
+        let d = d.experts.unwrap();
+        assert_eq!(d.chosen, "expert", "{}", d.note());
+        let dealt = c.plan.ranks[0]
+            .weights
+            .iter()
+            .find(|w| crate::plan::experts::is_stacked(&w.tensor))
+            .unwrap();
+        assert_eq!(dealt.dim, Some(0));
     }
 
     #[test]

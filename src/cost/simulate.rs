@@ -140,6 +140,72 @@ struct RankWork {
     elementwise_elements_per_token: f64,
     /// Compute ops in its program (each pays the profile's fixed cost once per pass).
     ops: f64,
+    /// Its mixture-of-experts layers, read apart from `weight_read_bytes`: a pass reads
+    /// only the experts its tokens chose ([`ExpertWork`]).
+    experts: ExpertWork,
+}
+
+/// The experts a rank holds, over its mixture-of-experts layers.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct ExpertWork {
+    /// Layers with experts.
+    layers: f64,
+    /// Bytes and elements of the rank's expert weights, all layers.
+    bytes: f64,
+    elements: f64,
+    /// Experts the rank holds per layer (all of them split by features, its deal split by
+    /// experts).
+    local: f64,
+    /// Experts in a layer, and how many each token chooses.
+    total: f64,
+    top_k: f64,
+}
+
+/// Kernels the runtime launches per chosen expert: gather the rows, the gate|up product,
+/// split it, the activation, the product, the down product (`runtime::moe`).
+const OPS_PER_EXPERT: f64 = 6.0;
+
+impl ExpertWork {
+    /// The busiest rank's share of `tokens` tokens' routing, with uniform routing: FLOPs,
+    /// bytes of expert weights read, and kernels. A rank holding all experts (split by
+    /// features) sees every token's choice; one holding a deal sees a binomial share, and
+    /// the slowest of `tp` such ranks sets the pace (mean + √(2 ln tp) standard
+    /// deviations, the expected maximum of tp normal draws).
+    fn busiest(&self, tokens: f64, tp: u64) -> (f64, f64, f64) {
+        if self.layers == 0.0 || self.local == 0.0 || self.total == 0.0 || tokens <= 0.0 {
+            return (0.0, 0.0, 0.0);
+        }
+        let pick = (self.top_k / self.total).clamp(0.0, 1.0);
+        let share = (self.local / self.total).clamp(0.0, 1.0);
+        let spread = if share < 1.0 && tp > 1 {
+            (2.0 * (tp as f64).ln()).sqrt()
+        } else {
+            0.0
+        };
+        // Each expert is chosen by at least one token with probability 1 − (1 − k/E)^n.
+        let used_p = 1.0 - (1.0 - pick).powf(tokens);
+        let used_mean = self.local * used_p;
+        let used = (used_mean + spread * (used_mean * (1.0 - used_p)).sqrt()).min(self.local);
+        // Token-expert pairs routed to this rank's experts.
+        let routed = tokens * self.top_k;
+        let mine = routed * share;
+        let pairs = (mine + spread * (mine * (1.0 - share)).sqrt())
+            .min(tokens * self.top_k.min(self.local));
+        let flops = 2.0 * self.elements / self.local * pairs;
+        let bytes = self.bytes / self.local * used;
+        (flops, bytes, self.layers * used * OPS_PER_EXPERT)
+    }
+}
+
+impl std::ops::AddAssign for ExpertWork {
+    fn add_assign(&mut self, o: ExpertWork) {
+        self.layers += o.layers;
+        self.bytes += o.bytes;
+        self.elements += o.elements;
+        self.local = self.local.max(o.local);
+        self.total = self.total.max(o.total);
+        self.top_k = self.top_k.max(o.top_k);
+    }
 }
 
 impl std::ops::AddAssign for RankWork {
@@ -154,6 +220,7 @@ impl std::ops::AddAssign for RankWork {
         self.kv_bytes_per_token += o.kv_bytes_per_token;
         self.elementwise_elements_per_token += o.elementwise_elements_per_token;
         self.ops += o.ops;
+        self.experts += o.experts;
     }
 }
 
@@ -200,6 +267,19 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                 .map(|s| (&*s.tensor, s.local_bytes() as f64))
                 .collect();
             let heads = r.head_linears();
+            let by_id: HashMap<u32, &crate::plan::Instr> =
+                r.instrs.iter().map(|i| (i.id, i)).collect();
+            let weight_of = |id: &u32| match by_id.get(id).map(|i| &i.op) {
+                Some(Op::Param(p)) => r.weights.iter().find(|w| w.tensor == p.tensor),
+                _ => None,
+            };
+            // Expert stacks are read by the experts chosen, priced apart.
+            let stacks: HashSet<u32> = r
+                .instrs
+                .iter()
+                .filter(|i| matches!(i.op, Op::Experts(_)))
+                .flat_map(|i| i.inputs.iter().skip(2).copied())
+                .collect();
             // A fused product's linears after its first run inside its one product: one op.
             let in_product: HashSet<u32> = r
                 .fused
@@ -211,7 +291,7 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                 if let Op::Param(p) = &i.op {
                     let bytes = slice_bytes.get(&*p.tensor).copied().unwrap_or(0.0);
                     w.weight_bytes += bytes;
-                    if read_whole.contains(&i.id) {
+                    if read_whole.contains(&i.id) && !stacks.contains(&i.id) {
                         w.weight_read_bytes += bytes;
                     }
                 }
@@ -222,6 +302,38 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                         if heads.contains(&i.id) {
                             w.head_flops_per_token += flops;
                         }
+                    }
+                    Op::Experts(_) => {
+                        let gate = i.inputs.get(2).and_then(weight_of);
+                        let total = gate.and_then(|g| g.shape.first()).copied().unwrap_or(0);
+                        let local = gate.map_or(0, |g| match g.dim {
+                            Some(0) => g.ranges.iter().map(|r| r.len).sum(),
+                            _ => total,
+                        });
+                        // The router feeding it (through the slice of an expert deal).
+                        let mut at = i.inputs.get(1).and_then(|id| by_id.get(id));
+                        if let Some(Op::LocalSlice(_)) = at.map(|x| &x.op) {
+                            at = at
+                                .and_then(|x| x.inputs.first())
+                                .and_then(|id| by_id.get(id));
+                        }
+                        let top_k = match at.map(|x| &x.op) {
+                            Some(Op::Route(route)) => route.top_k,
+                            _ => 0,
+                        };
+                        let stack = i.inputs.iter().skip(2);
+                        w.experts += ExpertWork {
+                            layers: 1.0,
+                            bytes: stack
+                                .clone()
+                                .filter_map(weight_of)
+                                .map(|s| s.local_bytes() as f64)
+                                .sum(),
+                            elements: stack.map(|id| elements(Some(id))).sum(),
+                            local: local as f64,
+                            total: total as f64,
+                            top_k: top_k as f64,
+                        };
                     }
                     Op::Attention(a) => {
                         let q = elements(i.inputs.first());
@@ -300,6 +412,7 @@ fn is_compute_op(op: &Op) -> bool {
             | Op::Add(_)
             | Op::Mul(_)
             | Op::SigmoidGate(_)
+            | Op::Route(_)
             | Op::Activation(_)
             | Op::RmsNorm(_)
             | Op::LayerNorm(_)
@@ -506,27 +619,31 @@ fn price(
     // Prefill: every prompt token through every linear but the LM head, which runs on the
     // last token of each sequence; causal attention over s(s+1)/2 pairs per sequence;
     // weights read once, the prompt's keys and values written.
-    let prefill_linear =
-        (w.linear_flops_per_token - w.head_flops_per_token) * b * s + w.head_flops_per_token * b;
-    let prefill_bytes = w.weight_read_bytes + w.kv_bytes_per_token * b * s;
+    // Experts: only those the pass's tokens chose are read and run.
+    let (expert_flops, expert_bytes, expert_ops) = w.experts.busiest(b * s, plan.tp);
+    let prefill_linear = (w.linear_flops_per_token - w.head_flops_per_token) * b * s
+        + w.head_flops_per_token * b
+        + expert_flops;
+    let prefill_bytes = w.weight_read_bytes + expert_bytes + w.kv_bytes_per_token * b * s;
     let prefill = phase(
         prefill_linear / r.peak + attention(b * s * (s + 1.0) / 2.0),
         prefill_bytes / r.bandwidth,
         comm_s(plan, hw, recorded, b * s, act_scale, collectives),
-        overhead,
+        overhead + expert_ops * r.op_overhead_s,
         elementwise(b * s),
     );
 
     // A decode step at the middle of generation: one token per sequence, attending to
     // about s + g/2 cached positions; all weights and that cache are read.
     let context = s + g / 2.0;
-    let decode_linear = w.linear_flops_per_token * b;
-    let decode_bytes = w.weight_read_bytes + w.kv_bytes_per_token * b * context;
+    let (expert_flops, expert_bytes, expert_ops) = w.experts.busiest(b, plan.tp);
+    let decode_linear = w.linear_flops_per_token * b + expert_flops;
+    let decode_bytes = w.weight_read_bytes + expert_bytes + w.kv_bytes_per_token * b * context;
     let decode_step = phase(
         decode_linear / r.peak + attention(b * context),
         decode_bytes / r.bandwidth,
         comm_s(plan, hw, recorded, b, act_scale, collectives),
-        overhead,
+        overhead + expert_ops * r.op_overhead_s,
         elementwise(b),
     );
     (prefill, decode_step)
@@ -601,6 +718,7 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
     let act_scale = num.activations.size_bytes() as f64 / plan_size;
     w.weight_bytes *= weight_scale;
     w.weight_read_bytes *= weight_scale;
+    w.experts.bytes *= weight_scale;
     w.kv_bytes_per_token *= act_scale;
     let r = rates(
         hw,
@@ -857,6 +975,7 @@ impl<'a> StagedPlan<'a> {
             let mut w = best.unwrap_or_default();
             w.weight_bytes *= weight_scale;
             w.weight_read_bytes *= weight_scale;
+            w.experts.bytes *= weight_scale;
             w.kv_bytes_per_token *= act_scale;
             let r = rates(
                 hw,
@@ -971,6 +1090,105 @@ mod tests {
 
     fn plan(tp: u64) -> Plan {
         super::super::shipped::plan("llama3-8b", tp)
+    }
+
+    fn moe_plan(name: &str, tp: u64, split: crate::ir::ExpertSplit) -> Plan {
+        let def = super::super::shipped::model(name)
+            .with_expert_split(split)
+            .unwrap();
+        crate::pipeline::compile(&def, tp).unwrap().plan
+    }
+
+    /// Bytes of `plan`'s expert stacks on rank 0 (a stack's tensor name holds `{e}`).
+    fn expert_bytes(plan: &Plan) -> f64 {
+        plan.ranks[0]
+            .weights
+            .iter()
+            .filter(|w| crate::plan::experts::is_stacked(&w.tensor))
+            .map(|w| w.local_bytes() as f64)
+            .sum()
+    }
+
+    #[test]
+    fn a_decode_step_reads_the_chosen_experts_and_a_long_prefill_all_of_them() {
+        // Qwen3-30B-A3B: 128 experts, 8 per token. One token reads 8 of each layer's 128
+        // experts; 4096 prompt tokens choose (nearly) every one.
+        let plan = moe_plan("qwen3-30b-a3b", 1, crate::ir::ExpertSplit::Tensor);
+        let hw = flat_hw();
+        let bw = hw.per_rank(1, false).1;
+        let experts = expert_bytes(&plan);
+        let w = rank_work(&plan);
+        assert!(
+            experts > 0.9 * w.weight_bytes,
+            "{experts} of {}",
+            w.weight_bytes
+        );
+        let one = Workload {
+            batch: 1,
+            prompt: 4096,
+            gen: 1,
+        };
+        let e = simulate(&plan, &hw, one);
+        let decode_bytes = e.decode_step.memory_s * bw;
+        let chosen = experts * 8.0 / 128.0;
+        let want = w.weight_read_bytes + chosen;
+        let kv = w.kv_bytes_per_token * 4096.5;
+        assert!(
+            (decode_bytes - kv - want).abs() <= 1e-6 * want,
+            "{decode_bytes} vs {want} + kv {kv}"
+        );
+        // Active parameters: about 3.3B of 30.5B (non-expert weights read whole included).
+        assert!(want < 0.15 * w.weight_bytes, "{want} of {}", w.weight_bytes);
+        let prefill_bytes = e.prefill.memory_s * bw - w.kv_bytes_per_token * 4096.0;
+        assert!(
+            prefill_bytes > w.weight_read_bytes + 0.999 * experts,
+            "{prefill_bytes}"
+        );
+        // One token: 2 FLOPs per weight element of its 8 experts, 8 experts' kernels per
+        // layer.
+        let (flops, bytes, ops) = w.experts.busiest(1.0, 1);
+        let per_expert = w.experts.elements / 128.0;
+        assert!((flops - 2.0 * 8.0 * per_expert).abs() <= 1e-9 * flops);
+        assert!((bytes - chosen).abs() <= 1e-9 * bytes);
+        assert_eq!(ops, 48.0 * 8.0 * OPS_PER_EXPERT);
+    }
+
+    #[test]
+    fn dealing_experts_pays_for_the_busiest_rank_and_saves_kernels() {
+        let (tensor, expert) = (
+            moe_plan("qwen3-30b-a3b", 4, crate::ir::ExpertSplit::Tensor),
+            moe_plan("qwen3-30b-a3b", 4, crate::ir::ExpertSplit::Expert),
+        );
+        let mut hw = flat_hw();
+        hw.op_overhead_s = 5e-6;
+        // Both hold a quarter of the experts' bytes.
+        let (t, x) = (expert_bytes(&tensor), expert_bytes(&expert));
+        assert!((t - x).abs() <= 1e-9 * t, "{t} {x}");
+        // One decoded token: its 8 experts land unevenly on 4 ranks, whose busiest reads
+        // more than the quarter of each that every rank reads when split by features.
+        let chat = Workload {
+            batch: 1,
+            prompt: 16,
+            gen: 64,
+        };
+        let (a, b) = (simulate(&tensor, &hw, chat), simulate(&expert, &hw, chat));
+        assert!(
+            b.decode_step.memory_s > a.decode_step.memory_s * 1.2,
+            "{a:?} {b:?}"
+        );
+        // A long prompt uses every expert on every rank: the same bytes, but a quarter of
+        // the kernels per rank when the experts are dealt.
+        let long = Workload {
+            batch: 8,
+            prompt: 2048,
+            gen: 1,
+        };
+        let (a, b) = (simulate(&tensor, &hw, long), simulate(&expert, &hw, long));
+        assert!((a.prefill.memory_s - b.prefill.memory_s).abs() <= 0.01 * a.prefill.memory_s);
+        assert!(
+            b.prefill.overhead_s < 0.5 * a.prefill.overhead_s,
+            "{a:?} {b:?}"
+        );
     }
 
     #[test]

@@ -210,7 +210,7 @@ pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result
             continue;
         }
         if matches!(node.op, Op::AllGather(_)) {
-            check_gathered_runs(graph, id, dim, ctx)?;
+            check_gathered_heads_disjoint(graph, id, dim, ctx)?;
         }
         // A local slice that a split linear reads cuts that weight's pieces; any other cuts
         // even ones, so the dim must divide by tp.
@@ -267,11 +267,10 @@ pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result
     Ok(())
 }
 
-/// An all-gather joins the ranks' pieces in rank order, so the linear that dealt them must
-/// give each rank one run of the dim, the runs in rank order. Heads replicated because tp
-/// exceeds their count (kv heads) do not: gathering them back whole (OLMoE's q and k, whose
-/// norms span every head) is refused, naming the tp values that work.
-fn check_gathered_runs(
+/// An all-gather joins the ranks' pieces, so no entry may be on two ranks. Heads replicated
+/// because tp exceeds their count (kv heads) are: gathering them back whole (OLMoE's q and
+/// k, whose norms span every head) is refused, naming the tp values that work.
+fn check_gathered_heads_disjoint(
     graph: &Graph,
     id: crate::ir::NodeId,
     dim: u32,
@@ -289,19 +288,19 @@ fn check_gathered_runs(
     };
     let len = p.shape.get(wdim as usize).copied().unwrap_or(0);
     let groups = p.groups_of(wdim);
-    // Each rank's piece one run, starting where the previous rank's ended.
-    let runs = |deal: Deal| {
-        let mut next = 0u64;
-        (0..deal.tp).all(|rank| match groups.slice_dealt(len, deal, rank) {
-            Ok(piece) if piece.ranges.len() <= 1 && !piece.padded_inside() => {
-                let starts_here = piece.ranges.first().is_none_or(|r| r.offset == next);
-                next += piece.real_len();
-                starts_here
+    // Replicated heads: the ranks' pieces hold more entries than the dim has. (A deal that
+    // fails is another check's refusal.)
+    let disjoint = |deal: Deal| {
+        let mut total = 0u64;
+        for rank in 0..deal.tp {
+            match groups.slice_dealt(len, deal, rank) {
+                Ok(piece) => total = total.saturating_add(piece.real_len()),
+                Err(_) => return true,
             }
-            _ => false,
-        })
+        }
+        total <= len
     };
-    if runs(Deal::by(ctx.tp, ctx.shares)) {
+    if disjoint(Deal::by(ctx.tp, ctx.shares)) {
         return Ok(());
     }
     let dims = split_dims(graph);
@@ -314,6 +313,6 @@ fn check_gathered_runs(
             p.tensor,
             ctx.tp
         )],
-        valid: valid_tps(&dims, |t| runs(Deal::by(t, None))),
+        valid: valid_tps(&dims, |t| disjoint(Deal::by(t, None))),
     })
 }

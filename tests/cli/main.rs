@@ -6,6 +6,7 @@ mod explain;
 mod hardening;
 mod inputs;
 mod messages;
+mod moe;
 mod outputs;
 mod plans;
 mod ranks;

@@ -11,6 +11,7 @@ mod backend_contract;
 mod batch;
 mod engine_serve;
 mod invariant;
+mod moe_edges;
 mod moe_parity;
 mod paged;
 mod parity;

@@ -1,0 +1,141 @@
+//! `--moe` at the command line: both splits run a mixture of experts to the same tokens,
+//! `auto` leaves the choice to the cost model when a profile is given, and a dense model
+//! refuses the flag.
+
+use crate::cli::{fails_cleanly, scratch, stderr, tpc};
+use serde_json::Value;
+use std::process::Output;
+
+const QWEN2_MOE: &str = "tests/fixtures/checkpoints/qwen2-moe";
+
+fn ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "exit {:?}: {}",
+        o.status.code(),
+        stderr(o)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn every_split_runs_to_the_same_tokens_and_auto_without_a_profile_is_tensor() {
+    let run = |moe: &str| {
+        ok(&tpc(&[
+            "run",
+            QWEN2_MOE,
+            "--tp",
+            "3",
+            "--moe",
+            moe,
+            "--prompt-ids",
+            "3,71,249",
+            "--max-new-tokens",
+            "4",
+        ]))
+    };
+    let tensor = run("tensor");
+    assert_eq!(run("expert"), tensor);
+    assert_eq!(run("auto"), tensor);
+    // The plan records the split it was compiled with: the expert stacks' split dim.
+    let dir = scratch("moe-plans");
+    let stack_dim = |moe: &str| -> Value {
+        let path = dir.join(format!("{moe}.json"));
+        let p = path.to_str().unwrap();
+        ok(&tpc(&[
+            "compile", QWEN2_MOE, "--tp", "2", "--moe", moe, "-o", p,
+        ]));
+        let plan: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        plan["ranks"][0]["weights"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["tensor"] == "model.layers.0.mlp.experts.{e}.gate_proj.weight")
+            .map(|w| w["dim"].clone())
+            .unwrap()
+    };
+    assert_eq!(stack_dim("tensor"), 1);
+    assert_eq!(stack_dim("auto"), 1);
+    assert_eq!(stack_dim("expert"), 0);
+}
+
+#[test]
+fn auto_with_a_profile_prices_both_splits_and_keeps_the_cheaper() {
+    for (batch, prompt, gen) in [("1", "16", "256"), ("64", "2048", "1")] {
+        let out = ok(&tpc(&[
+            "simulate",
+            "models/qwen3-30b-a3b.ron",
+            "--tp",
+            "8",
+            "--hw",
+            "h100-sxm-nvswitch-8",
+            "--moe",
+            "auto",
+            "--batch",
+            batch,
+            "--prompt-len",
+            prompt,
+            "--gen",
+            gen,
+            "--json",
+        ]));
+        let e: Value = serde_json::from_str(&out).unwrap();
+        let d = &e["expert_split_decision"];
+        let (t, x) = (
+            d["tensor_s"].as_f64().unwrap(),
+            d["expert_s"].as_f64().unwrap(),
+        );
+        assert!(t > 0.0 && x > 0.0, "{d}");
+        let cheaper = if x < t { "expert" } else { "tensor" };
+        assert_eq!(d["chosen"], cheaper, "{d}");
+        assert_eq!(d["batch"].as_u64().unwrap().to_string(), batch);
+        // The estimate is the kept plan's: its time for the workload is the cheaper one.
+        let workload = e["prefill"]["time_s"].as_f64().unwrap()
+            + gen.parse::<f64>().unwrap() * e["decode_step"]["time_s"].as_f64().unwrap();
+        assert!(
+            (workload - t.min(x)).abs() <= 1e-9 * workload,
+            "{workload} {d}"
+        );
+    }
+    // The text report says why.
+    let text = ok(&tpc(&[
+        "simulate",
+        "models/qwen3-30b-a3b.ron",
+        "--tp",
+        "8",
+        "--hw",
+        "h100-sxm-nvswitch-8",
+        "--moe",
+        "auto",
+    ]));
+    assert!(
+        text.contains("experts split by") && text.contains("dealt whole (expert)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_dense_model_refuses_every_moe_word() {
+    for moe in ["tensor", "expert", "auto"] {
+        let e = fails_cleanly(&tpc(&[
+            "compile",
+            "models/tiny-llama.ron",
+            "--tp",
+            "2",
+            "--moe",
+            moe,
+        ]));
+        assert!(e.contains("has none; drop --moe"), "{moe}: {e}");
+    }
+    let e = fails_cleanly(&tpc(&[
+        "simulate",
+        "models/tiny-llama.ron",
+        "--tp",
+        "2",
+        "--hw",
+        "h100-sxm-nvswitch-8",
+        "--moe",
+        "auto",
+    ]));
+    assert!(e.contains("has none; drop --moe"), "{e}");
+}
