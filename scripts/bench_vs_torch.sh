@@ -9,6 +9,12 @@
 #   PROMPT_LEN=512 scripts/bench_vs_torch.sh
 #   TPC_DTYPES="bf16" TORCH_TIMEOUT=3600 TPC_TIMEOUT=1800 scripts/bench_vs_torch.sh
 #   BASELINE_BIN=/path/to/older/tpc scripts/bench_vs_torch.sh   # before/after in one run
+#   MODEL=target/bench-model/qwen3-moe-random TPC_MOES="tensor expert" TPS="1 2" \
+#       TORCH_DTYPES=bfloat16 scripts/bench_vs_torch.sh   # the mixture of experts (issue 29)
+#
+# TPC_MOES: for a mixture of experts, each tpc row once per `--moe` word (labels "tpc tp2
+# expert"); the bandwidth bound then counts the weights a decoded token reads: every
+# non-expert weight and k of each layer's E experts (k/E of the expert weights).
 #
 # With BASELINE_BIN, every tpc row is followed by the same run of that binary (labelled
 # "base ..."), alternating within each round, so a change is measured against its parent
@@ -71,6 +77,8 @@ cargo build --release >&2 || { echo "cargo build --release failed" >&2; exit 1; 
 # 2. the model
 if [ "$MODEL" = "$DEFAULT_MODEL" ]; then
     python3 scripts/make_bench_model.py --out "$MODEL" >&2 || { echo "make_bench_model.py failed" >&2; exit 1; }
+elif [ "$MODEL" = target/bench-model/qwen3-moe-random ]; then
+    python3 scripts/make_bench_model.py --shape qwen3-moe >&2 || { echo "make_bench_model.py failed" >&2; exit 1; }
 elif [ ! -f "$MODEL/config.json" ]; then
     echo "MODEL=$MODEL has no config.json" >&2
     exit 1
@@ -239,7 +247,9 @@ for ((r = 1; r <= ROUNDS; r++)); do
         tpr=$((THREADS / tp))
         [ "$tpr" -ge 1 ] || tpr=1
         for dt in ${TPC_DTYPES:-default}; do
+          for moe in ${TPC_MOES:-default}; do
             if [ "$dt" = default ]; then flag=(); label="tpc tp$tp"; else flag=(--dtype "$dt"); label="tpc $dt tp$tp"; fi
+            if [ "$moe" != default ]; then flag+=(--moe "$moe"); label="$label $moe"; fi
             run_one "$label" "$r" "$TPC_TIMEOUT" \
                 "$BIN" run "$MODEL" --tp "$tp" --threads-per-rank "$tpr" "${flag[@]}" \
                 --prompt-ids "$IDS" --max-new-tokens "$NEW_TOKENS" --warmup 1 --repeat "$REPS" --json
@@ -248,6 +258,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
                     "$BASELINE_BIN" run "$MODEL" --tp "$tp" --threads-per-rank "$tpr" "${flag[@]}" \
                     --prompt-ids "$IDS" --max-new-tokens "$NEW_TOKENS" --warmup 1 --repeat "$REPS" --json
             fi
+          done
         done
     done
 done
@@ -285,9 +296,16 @@ for shard in sorted(set(index["weight_map"].values())):
             numel[name] = c
 total = sum(numel.values())
 embed = numel.get("model.embed_tokens.weight", 0)
-hidden = json.loads((model / "config.json").read_text())["hidden_size"]
-# A decode step reads every weight once, except the embedding table (one row).
-per_token = total - embed + hidden
+config = json.loads((model / "config.json").read_text())
+hidden = config["hidden_size"]
+# A decode step reads every weight once, except the embedding table (one row) and, in a
+# mixture of experts, the experts the token did not choose (k of each layer's E are read).
+experts = sum(n for name, n in numel.items() if ".experts." in name)
+n_experts = config.get("num_experts", config.get("num_local_experts"))
+unread = experts * (1 - config["num_experts_per_tok"] / n_experts) if n_experts else 0
+per_token = int(total - embed + hidden - unread)
+read_what = "all but the embedding table" + (
+    f" and {n_experts - config['num_experts_per_tok']} of each layer's {n_experts} experts" if n_experts else "")
 bw = max((b["result"]["best_gb_per_s"] for b in bws), default=float("nan"))
 bound = {"bf16": bw * 1e9 / (2 * per_token), "f32": bw * 1e9 / (4 * per_token)}
 
@@ -355,7 +373,7 @@ loads = [r["load1"] for r in runs]
 if loads:
     print(f"      1-min load average at the start of each run: min {min(loads):.2f}, max {max(loads):.2f} "
           f"({meta.get('nproc')} cores; our own runs count for up to {meta.get('threads')})")
-print(f"model: {model} ({total:,} parameters; {per_token:,} read per decoded token = all but the embedding table)")
+print(f"model: {model} ({total:,} parameters; {per_token:,} read per decoded token = {read_what})")
 print(f"workload: batch 1, {os.environ.get('PROMPT_LEN', '128')} prompt ids (i*7919)%32000, 16 greedy new tokens; decode tok/s = 15 / time of the 15 steps after the first token")
 for b in bws:
     x = b["result"]

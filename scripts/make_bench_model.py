@@ -1,5 +1,11 @@
 #!/usr/bin/env python3
-"""Write a random-weight checkpoint with TinyLlama-1.1B's shape, for speed benchmarks.
+"""Write a random-weight checkpoint with TinyLlama-1.1B's (or a Qwen3-MoE) shape, for speed benchmarks.
+
+``--shape qwen3-moe`` writes a mixture of experts instead (issue 29's benchmark):
+Qwen3MoeConfig with Qwen3-30B-A3B's attention (hidden 2048, 32 heads of 128, 4 kv heads) and
+expert width (768), but 8 layers and 64 experts, 8 per token (renormalised), vocab 32000:
+2,699,071,488 parameters (5.4 GB). Default output
+``target/bench-model/qwen3-moe-random``.
 
 The shape is TinyLlama/TinyLlama-1.1B-Chat-v1.0's published ``config.json``: LlamaConfig
 with hidden 2048, 22 layers, 32 attention heads (head_dim 64), 4 kv heads, intermediate
@@ -37,10 +43,13 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 SEED = 20240101
-DEFAULT_OUT = "target/bench-model/tinyllama-1.1b-random"
+DEFAULT_OUT = {
+    "tinyllama": "target/bench-model/tinyllama-1.1b-random",
+    "qwen3-moe": "target/bench-model/qwen3-moe-random",
+}
 
 # TinyLlama-1.1B's shape. Checked against the written config.json to decide whether an
 # existing directory can be reused.
@@ -58,6 +67,45 @@ SHAPE = {
     "hidden_act": "silu",
 }
 ROPE_THETA = 10000.0
+
+# The mixture of experts (see the module docs); rope_theta as Qwen3-30B-A3B.
+MOE_SHAPE = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+MOE_ROPE_THETA = 1000000.0
+
+
+def shape_of(kind: str) -> tuple[dict, float]:
+    return (MOE_SHAPE, MOE_ROPE_THETA) if kind == "qwen3-moe" else (SHAPE, ROPE_THETA)
+
+
+def make_moe_config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        **MOE_SHAPE,
+        rope_parameters={"rope_type": "default", "rope_theta": MOE_ROPE_THETA},
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        attention_bias=False,
+        initializer_range=0.02,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=None,
+        dtype="bfloat16",
+    )
 
 
 def make_config() -> LlamaConfig:
@@ -82,8 +130,9 @@ def rope_theta_of(cfg: dict) -> float | None:
     return cfg.get("rope_theta")
 
 
-def existing_matches(out: Path) -> tuple[bool, str]:
+def existing_matches(out: Path, kind: str) -> tuple[bool, str]:
     """Whether `out` holds a complete checkpoint of the wanted shape (and why not)."""
+    shape, rope_theta = shape_of(kind)
     cfg_path = out / "config.json"
     index_path = out / "model.safetensors.index.json"
     if not cfg_path.is_file() or not index_path.is_file():
@@ -93,11 +142,13 @@ def existing_matches(out: Path) -> tuple[bool, str]:
         index = json.loads(index_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         return False, f"unreadable: {e}"
-    for key, want in SHAPE.items():
-        if cfg.get(key) != want:
-            return False, f"config {key} = {cfg.get(key)!r}, want {want!r}"
-    if rope_theta_of(cfg) != ROPE_THETA:
-        return False, f"rope_theta = {rope_theta_of(cfg)!r}, want {ROPE_THETA}"
+    for key, want in shape.items():
+        # transformers 5.x writes Qwen3-MoE's expert count as num_local_experts.
+        got = cfg.get(key, cfg.get("num_local_experts") if key == "num_experts" else None)
+        if got != want:
+            return False, f"config {key} = {got!r}, want {want!r}"
+    if rope_theta_of(cfg) != rope_theta:
+        return False, f"rope_theta = {rope_theta_of(cfg)!r}, want {rope_theta}"
     if cfg.get("dtype", cfg.get("torch_dtype")) != "bfloat16":
         return False, "not a bfloat16 checkpoint"
     shards = sorted(set(index.get("weight_map", {}).values()))
@@ -111,13 +162,14 @@ def existing_matches(out: Path) -> tuple[bool, str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    ap.add_argument("--shape", choices=sorted(DEFAULT_OUT), default="tinyllama")
+    ap.add_argument("--out", help="output directory (default: per shape, under target/bench-model/)")
     ap.add_argument("--force", action="store_true", help="rewrite even if a matching checkpoint exists")
     ap.add_argument("--max-shard-size", default="500MB")
     a = ap.parse_args()
-    out = Path(a.out)
+    out = Path(a.out or DEFAULT_OUT[a.shape])
 
-    ok, why = existing_matches(out)
+    ok, why = existing_matches(out, a.shape)
     if ok and not a.force:
         print(f"{out}: matching checkpoint already there ({why}); --force to rewrite")
         return 0
@@ -126,9 +178,14 @@ def main() -> int:
 
     t0 = time.time()
     torch.manual_seed(SEED)
-    config = make_config()
-    # Built in float32 (the default init's statistics), then stored in bfloat16.
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    if a.shape == "qwen3-moe":
+        # Built in bfloat16 directly: 2.7 B parameters in float32 would take 11 GB.
+        torch.set_default_dtype(torch.bfloat16)
+        model = Qwen3MoeForCausalLM(make_moe_config()).eval()
+        torch.set_default_dtype(torch.float32)
+    else:
+        # Built in float32 (the default init's statistics), then stored in bfloat16.
+        model = LlamaForCausalLM(make_config()).to(torch.bfloat16).eval()
     n_params = sum(p.numel() for p in model.parameters())
     t1 = time.time()
 
@@ -142,7 +199,7 @@ def main() -> int:
         return 1
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    ok, why = existing_matches(out)
+    ok, why = existing_matches(out, a.shape)
     if not ok:
         print(f"{out}: written checkpoint does not check out: {why}", file=sys.stderr)
         return 1
