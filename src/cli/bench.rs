@@ -139,7 +139,7 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     if a.exec.profile {
         eprint!("{}", tpc::runtime::generate::render_profile(&out));
     }
-    let json = serde_json::json!({
+    let mut json = serde_json::json!({
         "model": plan.model,
         "tp": a.tp,
         "pp": plan.pp(),
@@ -160,6 +160,7 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         "linear_kernels": super::kernels_json(&out),
         "device": a.exec.device.to_string(),
     });
+    super::with_expert_load(&mut json, &out.routed_pairs_per_rank);
     super::print_stdout(&format!("{}\n", serde_json::to_string(&json)?))?;
     Ok(())
 }

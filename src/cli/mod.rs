@@ -396,6 +396,33 @@ pub fn with_decision(
     Ok(json)
 }
 
+/// `json` (an object) with the run's mixture-of-experts load, when the model has experts:
+/// the (token, expert) pairs each rank of the lead's group computed, and the busiest rank's
+/// load over the mean (1 is perfect balance).
+pub fn with_expert_load(json: &mut serde_json::Value, pairs: &[u64]) {
+    if let (Some(imbalance), Some(fields)) = (expert_imbalance(pairs), json.as_object_mut()) {
+        fields.insert("moe_routed_pairs_per_rank".into(), serde_json::json!(pairs));
+        fields.insert("moe_load_imbalance".into(), serde_json::json!(imbalance));
+    }
+}
+
+/// The busiest rank's pairs over the mean; `None` without experts or pairs.
+fn expert_imbalance(pairs: &[u64]) -> Option<f64> {
+    let total: f64 = pairs.iter().map(|&p| p as f64).sum();
+    let max = pairs.iter().copied().max()? as f64;
+    (total > 0.0).then(|| max * pairs.len() as f64 / total)
+}
+
+/// One line for a run's text report: each rank's expert load.
+pub fn expert_load_line(pairs: &[u64]) -> Option<String> {
+    let imbalance = expert_imbalance(pairs)?;
+    let list: Vec<String> = pairs.iter().map(u64::to_string).collect();
+    Some(format!(
+        "expert load, (token, expert) pairs per rank: {} (busiest / mean {imbalance:.2})",
+        list.join(", ")
+    ))
+}
+
 /// Whether sequence parallelism is forced, refused or left to the cost model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SequenceParallelMode {

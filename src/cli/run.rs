@@ -242,7 +242,7 @@ impl InOrder {
 
 /// Figures of a run for `--json`.
 fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value {
-    serde_json::json!({
+    let mut json = serde_json::json!({
         "tp": tp,
         "pp": pp,
         "dp": a.dp,
@@ -262,7 +262,9 @@ fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value
         "peak_resident_bytes": tpc::runtime::memory::peak_resident_bytes(),
         "linear_kernels": super::kernels_json(out),
         "device": a.exec.device.to_string(),
-    })
+    });
+    super::with_expert_load(&mut json, &out.routed_pairs_per_rank);
+    json
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
@@ -463,6 +465,9 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
                 out.prompt_tokens,
                 out.decode_tokens_per_s(),
             );
+            if let Some(line) = super::expert_load_line(&out.routed_pairs_per_rank) {
+                eprintln!("{line}");
+            }
         }
         return Ok(());
     }
@@ -496,6 +501,9 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
             out.decode_tokens_per_s(),
             seq.generated.len().saturating_sub(1)
         );
+            if let Some(line) = super::expert_load_line(&out.routed_pairs_per_rank) {
+                eprintln!("{line}");
+            }
         }
         Ok(())
     })();

@@ -85,6 +85,9 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     values: Vec<Option<Value<B::Act>>>,
     /// Bytes of every collective message so far (the whole value, in its dtype).
     pub collective_bytes: u64,
+    /// (token, expert) pairs this rank's mixture-of-experts layers computed so far: its
+    /// load, which an expert deal spreads unevenly.
+    pub routed_pairs: u64,
     /// The algorithms rank's all-reduces ran with.
     pub all_reduces: AllReduceTally,
     /// Bytes the weights occupy on the device.
@@ -351,6 +354,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             last_use,
             values: Vec::new(),
             collective_bytes: 0,
+            routed_pairs: 0,
             all_reduces: AllReduceTally::default(),
             weight_bytes,
             profile: None,
@@ -439,6 +443,43 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let body = b.to_host(body).map_err(on)?;
         sent?;
         Ok(body.data)
+    }
+
+    /// Whether the program has mixture-of-experts layers.
+    pub fn has_experts(&self) -> bool {
+        !self.experts.is_empty()
+    }
+
+    /// Every rank of the tensor-parallel group's `count`, in rank order (an all-gather of
+    /// three 24-bit limbs each, exact in f32, through the backend's memory).
+    pub fn gather_counts(&mut self, count: u64) -> Result<Vec<u64>> {
+        let on = |error| RunError::Backend {
+            name: "load report".into(),
+            error,
+        };
+        const LIMB: u64 = 1 << 24;
+        let limbs: Vec<f32> = (0..3)
+            .map(|i| ((count >> (24 * i)) % LIMB) as f32)
+            .collect();
+        let b = &self.backend;
+        let local = b.upload_host(&Tensor::new(vec![1, 3], limbs)).map_err(on)?;
+        let ranks = self.comm.world_size();
+        let mut all = b
+            .alloc(&[1, 3 * ranks], crate::ir::DType::F32)
+            .map_err(on)?;
+        let sent = self.comm.all_gather(&local, &mut all);
+        b.release(local);
+        let all = b.to_host(all).map_err(on)?;
+        sent?;
+        Ok(all
+            .data
+            .chunks_exact(3)
+            .map(|l| {
+                l.iter().rev().fold(0u64, |n, &limb| {
+                    n.saturating_mul(LIMB).saturating_add(limb as u64)
+                })
+            })
+            .collect())
     }
 
     /// Whether this rank computes the model output (no pipeline, or its last stage).
@@ -1452,6 +1493,8 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             }
             Op::Experts(e) => {
                 let routing = b.copy(x(1)?).and_then(|r| b.to_host(r)).map_err(&err)?;
+                let pairs = routing.data.iter().filter(|&&w| w != 0.0).count();
+                self.routed_pairs = self.routed_pairs.saturating_add(pairs as u64);
                 let experts = self
                     .experts
                     .get(&i.id)

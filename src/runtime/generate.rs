@@ -146,6 +146,9 @@ pub struct BatchOutput {
     pub decode_seconds: f64,
     /// Bytes of collective messages rank 0 sent in the (last timed) generation.
     pub collective_bytes: u64,
+    /// (token, expert) pairs each rank of the lead's tensor-parallel group computed in that
+    /// generation, in rank order (its mixture-of-experts load); empty for a dense model.
+    pub routed_pairs_per_rank: Vec<u64>,
     /// Rank 0's all-reduces in that generation, by the algorithm that ran.
     pub all_reduces: AllReduceTally,
     /// Bytes rank 0's weights occupy in its backend.

@@ -142,3 +142,63 @@ fn olmoe_gathers_q_and_k_for_their_norms_and_refuses_replicated_kv_heads() {
         "{err}"
     );
 }
+
+/// A run reports each rank's expert load: every rank computes every (token, expert) pair
+/// when the experts are split by features; a deal shares the same pairs out, each rank
+/// counting those of its own experts.
+#[test]
+fn each_rank_reports_the_token_expert_pairs_it_computed() {
+    let dir = std::path::Path::new("tests/fixtures/checkpoints/qwen3-moe");
+    let reference = read_reference(dir);
+    let def = load_model(dir).unwrap();
+    let ckpt = Checkpoint::open(dir).unwrap();
+    // Prompt plus the fed-back tokens (the last new one is not fed), 2 experts each, in
+    // the 2 sparse layers (layer 1 is dense).
+    let n_new = reference.greedy.len();
+    let pairs = ((reference.prompt.len() + n_new - 1) * 2 * 2) as u64;
+    let request = tpc::runtime::generate::Request {
+        prompt: reference.prompt.clone(),
+        max_new_tokens: None,
+    };
+    for (split, tp) in [(ExpertSplit::Tensor, 3u64), (ExpertSplit::Expert, 3)] {
+        let options = ShardOptions {
+            moe: Some(split),
+            ..Default::default()
+        };
+        let plan = compile_with(&def, tp, options).unwrap().plan;
+        let opts = RunOptions {
+            max_new_tokens: n_new,
+            ..Default::default()
+        };
+        let out = tpc::runtime::run::run_batch(&plan, &ckpt, std::slice::from_ref(&request), &opts)
+            .unwrap();
+        let load = out.routed_pairs_per_rank;
+        assert_eq!(load.len(), tp as usize, "{load:?}");
+        match split {
+            ExpertSplit::Tensor => assert!(load.iter().all(|&p| p == pairs), "{load:?}"),
+            ExpertSplit::Expert => {
+                assert_eq!(load.iter().sum::<u64>(), pairs, "{load:?}");
+                assert!(load.iter().all(|&p| p < pairs), "{load:?}");
+            }
+        }
+    }
+    // A dense model reports no load.
+    let dense = std::path::Path::new("tests/fixtures/checkpoints/llama-gqa");
+    let plan = compile_with(&load_model(dense).unwrap(), 2, ShardOptions::default())
+        .unwrap()
+        .plan;
+    let out = tpc::runtime::run::run_batch(
+        &plan,
+        &Checkpoint::open(dense).unwrap(),
+        &[tpc::runtime::generate::Request {
+            prompt: vec![1, 2, 3],
+            max_new_tokens: None,
+        }],
+        &RunOptions {
+            max_new_tokens: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(out.routed_pairs_per_rank.is_empty());
+}

@@ -287,6 +287,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         finished: &dyn Fn(usize, &[i64]),
     ) -> Result<BatchOutput> {
         let bytes_before = self.exec.collective_bytes;
+        let routed_before = self.exec.routed_pairs;
         let all_reduces_before = self.exec.all_reduces;
         self.exec.reset();
         self.exec.set_kv_pool(cfg.block_size, cfg.blocks)?;
@@ -305,6 +306,13 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
             follow(&mut steps)?;
             None
         };
+        // Every rank of the group learns each rank's expert load (the lead reports it).
+        let routed_pairs_per_rank = if self.exec.has_experts() {
+            let mine = self.exec.routed_pairs - routed_before;
+            self.exec.gather_counts(mine)?
+        } else {
+            Vec::new()
+        };
         let exec = &self.exec;
         let (sequences, prefill_seconds, decode_seconds) = match run {
             Some(r) => (r.sequences, r.prefill_seconds, r.decode_seconds),
@@ -317,6 +325,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
             prefill_seconds,
             decode_seconds,
             collective_bytes: exec.collective_bytes - bytes_before,
+            routed_pairs_per_rank,
             all_reduces: exec.all_reduces.since(&all_reduces_before),
             weight_bytes: 0,
             profile: Vec::new(),
