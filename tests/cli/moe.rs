@@ -139,3 +139,55 @@ fn a_dense_model_refuses_every_moe_word() {
     ]));
     assert!(e.contains("has none; drop --moe"), "{e}");
 }
+
+#[test]
+fn explain_names_the_split_and_why_auto_chose_it() {
+    let text = ok(&tpc(&[
+        "explain",
+        "models/qwen3-30b-a3b.ron",
+        "--tp",
+        "8",
+        "--moe",
+        "auto",
+        "--hw",
+        "h100-sxm-nvswitch-8",
+        "--batch",
+        "1",
+        "--gen",
+        "256",
+        "*layers.0.mlp.experts*gate_proj*",
+    ]));
+    let note = text.lines().next().unwrap();
+    assert!(note.starts_with("note: experts split by "), "{text}");
+    let chosen = if note.starts_with("note: experts split by expert") {
+        "--moe expert"
+    } else {
+        "--moe tensor"
+    };
+    assert!(
+        text.contains(&format!("mixture of experts, {chosen}")),
+        "{text}"
+    );
+    let dealt = ok(&tpc(&[
+        "explain",
+        "models/tiny-qwen3-moe.ron",
+        "--tp",
+        "2",
+        "--moe",
+        "expert",
+        "*experts*gate*",
+    ]));
+    assert!(
+        dealt.contains("mixture of experts, --moe expert"),
+        "{dealt}"
+    );
+    let e = fails_cleanly(&tpc(&[
+        "explain",
+        "models/tiny-qwen3-moe.ron",
+        "--tp",
+        "2",
+        "--hw",
+        "h100-sxm-nvswitch-8",
+    ]));
+    assert!(e.contains("--hw prices `--moe auto` only"), "{e}");
+}
