@@ -225,7 +225,8 @@ fn elements(shape: &[usize]) -> BackendResult<usize> {
 /// threads add into one value): `at` as i64, a row left out (-1) of every launch but the
 /// one for its target's `k`-th occurrence, the `k`-th launch. Rows adding into one target
 /// thus add in row order, as on the CPU. Almost always one launch: the rows an expert took
-/// are distinct tokens. `seen` holds a zero per output row and is left so.
+/// are distinct tokens. `seen` holds a zero per output row and is left so; every target
+/// is below its length (`shape_rules::weighted_rows` checked them).
 fn repeat_rounds(at: &[usize], seen: &mut [u32]) -> Vec<Vec<i64>> {
     let round: Vec<u32> = at
         .iter()
