@@ -146,9 +146,14 @@ fn every_fixture_on_two_gpus_matches_hf() {
 const MOE_CASES: [&str; 2] = ["mixtral-moe", "qwen3-moe"];
 const MOE_SPLITS: [ExpertSplit; 2] = [ExpertSplit::Tensor, ExpertSplit::Expert];
 
-/// Every case of [`MOE_CASES`] with each split at each of `tps`, f32, ranks on `gpus`: HF's
-/// prefill logits within [`REL_TOL`] and its greedy tokens. One report line per run.
-fn moe_fixtures_match_hf(tps: &[u64], gpus: &[usize]) -> Vec<String> {
+/// Every case of [`MOE_CASES`] with each split at each of `tps`, with each of `dtypes` (and
+/// its tolerance), ranks on `gpus`: HF's prefill logits within the tolerance, and its greedy
+/// tokens in f32. One report line per run.
+fn moe_fixtures_match_hf(
+    tps: &[u64],
+    gpus: &[usize],
+    dtypes: &[(ComputeDtype, f64)],
+) -> Vec<String> {
     let mut report = Vec::new();
     for case in MOE_CASES {
         let dir = Path::new("tests/fixtures/checkpoints").join(case);
@@ -157,29 +162,33 @@ fn moe_fixtures_match_hf(tps: &[u64], gpus: &[usize]) -> Vec<String> {
         let ckpt = Checkpoint::open(&dir).unwrap();
         for split in MOE_SPLITS {
             for &tp in tps {
-                let what = format!("{case} --moe {} tp={tp} on GPUs {gpus:?}", split.word());
                 let options = ShardOptions {
                     moe: Some(split),
                     ..Default::default()
                 };
                 let plan = compile_with(&def, tp, options)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"))
+                    .unwrap_or_else(|e| panic!("{case} --moe {} tp={tp}: {e}", split.word()))
                     .plan;
-                let opts = RunOptions {
-                    device: Device::Cuda(gpus.to_vec()),
-                    dtype: ComputeDtype::F32,
-                    max_new_tokens: reference.greedy.len(),
-                    ..Default::default()
-                };
-                let out = run(&plan, &ckpt, &reference.prompt, &opts)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
-                let err = rel_error(&out.prompt_logits.data, &reference.logits);
-                report.push(format!("{what}: rel err {err:.2e}"));
-                assert!(
-                    err <= REL_TOL,
-                    "{what}: relative error {err:.3e} > {REL_TOL}"
-                );
-                assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
+                for &(dtype, tol) in dtypes {
+                    let what = format!(
+                        "{case} --moe {} tp={tp} {dtype:?} on GPUs {gpus:?}",
+                        split.word()
+                    );
+                    let opts = RunOptions {
+                        device: Device::Cuda(gpus.to_vec()),
+                        dtype,
+                        max_new_tokens: reference.greedy.len(),
+                        ..Default::default()
+                    };
+                    let out = run(&plan, &ckpt, &reference.prompt, &opts)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let err = rel_error(&out.prompt_logits.data, &reference.logits);
+                    report.push(format!("{what}: rel err {err:.2e}"));
+                    assert!(err <= tol, "{what}: relative error {err:.3e} > {tol}");
+                    if dtype == ComputeDtype::F32 {
+                        assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
+                    }
+                }
             }
         }
     }
@@ -188,13 +197,19 @@ fn moe_fixtures_match_hf(tps: &[u64], gpus: &[usize]) -> Vec<String> {
 
 /// Mixture-of-experts layers on one GPU: the router on the host, one product per chosen
 /// expert, the weighted sum in `kernels/moe.cu`; at tp 2 and 3 the ranks share the GPU, and
-/// tp 3 deals the 8 experts 3/3/2 (each rank's columns of the routing cut unevenly).
+/// tp 3 deals the 8 experts 3/3/2 (each rank's columns of the routing cut unevenly); f32, and
+/// bf16 linear weights within the bf16 tolerance.
 #[test]
 fn moe_fixtures_on_one_gpu_match_hf_with_both_splits() {
     if !gpu_present("moe_fixtures_on_one_gpu_match_hf_with_both_splits") {
         return;
     }
-    eprintln!("{}", moe_fixtures_match_hf(&[1, 2, 3], &[0]).join("\n"));
+    let dtypes = [
+        (ComputeDtype::F32, REL_TOL),
+        (ComputeDtype::Bf16, BF16_REL_TOL),
+    ];
+    let report = moe_fixtures_match_hf(&[1, 2, 3], &[0], &dtypes);
+    eprintln!("{}", report.join("\n"));
 }
 
 /// Mixture-of-experts layers at tp 2 with a GPU per rank (the layer's all-reduce through
@@ -209,7 +224,8 @@ fn moe_fixtures_on_two_gpus_match_hf() {
         eprintln!("SKIP moe_fixtures_on_two_gpus_match_hf: {count} GPU");
         return;
     }
-    eprintln!("{}", moe_fixtures_match_hf(&[2], &[0, 1]).join("\n"));
+    let report = moe_fixtures_match_hf(&[2], &[0, 1], &[(ComputeDtype::F32, REL_TOL)]);
+    eprintln!("{}", report.join("\n"));
 }
 
 /// The f32 bytes of rank 0's weights on a backend that leaves out the padding of every
@@ -487,8 +503,9 @@ fn every_fixture_matches_hf_on_the_emulated_gpu() {
 
 /// The mixture-of-experts tests above on the emulated GPUs, each in a child process as
 /// [`every_fixture_matches_hf_on_the_emulated_gpu`] runs its tests: both cases with both
-/// splits at tp 1, 2 and 3 on one GPU, and at tp 2 on two GPUs (NCCL through the stand-in
-/// libnccl). Every run must have passed: the children require a GPU, so none can skip.
+/// splits at tp 1, 2 and 3 on one GPU in f32 and bf16, and in f32 at tp 2 on two GPUs (NCCL
+/// through the stand-in libnccl). Every run must have passed: the children require a GPU,
+/// so none can skip.
 #[test]
 fn moe_fixtures_match_hf_on_the_emulated_gpu() {
     if !emulation_wanted("moe_fixtures_match_hf_on_the_emulated_gpu") {
@@ -500,7 +517,7 @@ fn moe_fixtures_match_hf_on_the_emulated_gpu() {
     let runs = [
         (
             "moe_fixtures_on_one_gpu_match_hf_with_both_splits",
-            3 * cases,
+            3 * 2 * cases,
         ),
         ("moe_fixtures_on_two_gpus_match_hf", cases),
     ];
