@@ -110,6 +110,12 @@ macro_rules! backend_contract {
                 $crate::contract::argmax_and_top_k_follow_the_samplers_order(&b);
             }
         }
+        #[test]
+        fn weighted_rows_sum_adds_the_parts_in_order() {
+            if let Some(b) = $make(false) {
+                $crate::contract::weighted_rows_sum_adds_the_parts_in_order(&b);
+            }
+        }
     };
 }
 pub(crate) use backend_contract;
@@ -748,6 +754,96 @@ pub fn layout_ops_move_values_exactly<B: Backend>(b: &B) {
         &read(b, &back).data,
         &want,
     );
+}
+
+/// The experts' weighted sum of a mixture-of-experts layer, bit for bit as the host adds it:
+/// zeros, then each part's rows times their weights into their target rows, the parts in
+/// the order given and a part's rows in row order — rows chosen by several parts, a row
+/// that one part adds into twice, an empty part. Wrong shapes and targets are errors.
+pub fn weighted_rows_sum_adds_the_parts_in_order<B: Backend>(b: &B) {
+    let mut values = Values(61);
+    let (rows, width) = (7usize, 13usize);
+    // Rows 2 and 3: a small value and a large one and its negation, so that the sum is the
+    // small value rounded to the large one's step, and in another order exact; row 3 gets
+    // the negation and the small value from one part (the large one's repeat comes first).
+    let parts: [(&[usize], f32); 4] = [
+        (&[0, 2, 5], 1e-3),
+        (&[], 1.0),
+        (&[5, 2, 3, 1], 3e4),
+        (&[3, 2, 3], 1e-3),
+    ];
+    let mut ys: Vec<Vec<f32>> = parts
+        .iter()
+        .map(|(at, scale)| {
+            let y = values.take(at.len() * width);
+            y.iter().map(|v| v * scale).collect()
+        })
+        .collect();
+    let mut weights: Vec<Vec<f32>> = parts.iter().map(|(at, _)| values.take(at.len())).collect();
+    // Part 3's rows 0 and 1 cancel part 2's rows 2 and 1 (targets 3 and 2).
+    for (mine, theirs) in [(0, 2), (1, 1)] {
+        let large: Vec<f32> = ys[2][theirs * width..(theirs + 1) * width]
+            .iter()
+            .map(|v| -v)
+            .collect();
+        ys[3][mine * width..(mine + 1) * width].copy_from_slice(&large);
+        weights[3][mine] = weights[2][theirs];
+    }
+    // The host's sum, the parts in `order`, each part's rows in row order or reversed.
+    let sum = |order: &mut dyn Iterator<Item = usize>, reversed_rows: bool| {
+        let mut out = vec![0f32; rows * width];
+        for k in order {
+            let mut js: Vec<usize> = (0..parts[k].0.len()).collect();
+            if reversed_rows {
+                js.reverse();
+            }
+            for j in js {
+                let r = parts[k].0[j];
+                for c in 0..width {
+                    out[r * width + c] += weights[k][j] * ys[k][j * width + c];
+                }
+            }
+        }
+        out
+    };
+    let want = sum(&mut (0..parts.len()), false);
+    for (what, other) in [
+        ("the parts", sum(&mut (0..parts.len()).rev(), false)),
+        ("a part's rows", sum(&mut (0..parts.len()), true)),
+    ] {
+        assert_ne!(
+            bits(&want),
+            bits(&other),
+            "data whose sum is the same in any order of {what}"
+        );
+    }
+    let acts: Vec<B::Act> = parts
+        .iter()
+        .zip(&ys)
+        .map(|((at, _), y)| act(b, &[at.len(), width], y.clone()))
+        .collect();
+    let args: Vec<(&B::Act, &[usize], &[f32])> = acts
+        .iter()
+        .zip(&parts)
+        .zip(&weights)
+        .map(|((y, (at, _)), w)| (y, *at, w.as_slice()))
+        .collect();
+    let got = b.weighted_rows_sum(rows, width, &args).unwrap();
+    assert_eq!(got.shape(), &[rows, width]);
+    assert_same("weighted_rows_sum", &read(b, &got).data, &want);
+
+    // No parts: zeros; no rows: an empty result.
+    let none = b.weighted_rows_sum(rows, width, &[]).unwrap();
+    assert_same("no parts", &read(b, &none).data, &vec![0.0; rows * width]);
+    let empty = b.weighted_rows_sum(0, width, &args[1..2]).unwrap();
+    assert_eq!(empty.shape(), &[0, width]);
+    // A target past the rows, a weight missing, rows of another width: errors.
+    let (y, at, w) = args[0];
+    assert!(b.weighted_rows_sum(5, width, &[(y, at, w)]).is_err());
+    assert!(b
+        .weighted_rows_sum(rows, width, &[(y, at, &w[..2])])
+        .is_err());
+    assert!(b.weighted_rows_sum(rows, width + 1, &[(y, at, w)]).is_err());
 }
 
 /// The sampler's order over (value, index): larger value first, lower index among equals.

@@ -9,11 +9,12 @@
 use crate::common;
 use crate::emulator;
 use common::{fixtures, read_reference, rel_error, with_llama_override, BF16_REL_TOL, REL_TOL};
+use std::path::Path;
 
 use std::process::Command;
 use tpc::frontend::load::load_model;
 use tpc::frontend::TpWord;
-use tpc::ir::Op;
+use tpc::ir::{ExpertSplit, Op};
 use tpc::passes::ShardOptions;
 use tpc::pipeline::{compile, compile_with};
 use tpc::plan::Plan;
@@ -136,6 +137,95 @@ fn every_fixture_on_two_gpus_matches_hf() {
         return;
     }
     let report = every_fixture_matches_hf(&[2, 3, 4], &[0, 1], &[(ComputeDtype::F32, REL_TOL)]);
+    eprintln!("{}", report.join("\n"));
+}
+
+/// The mixture-of-experts checkpoints (Mixtral; Qwen2-MoE with its gated shared expert;
+/// Qwen3-MoE with a dense layer among its sparse ones; OLMoE with whole-projection q/k
+/// norms), with the experts split by features (`--moe tensor`) and dealt whole (`--moe
+/// expert`).
+const MOE_CASES: [&str; 4] = common::MOE_FIXTURES;
+const MOE_SPLITS: [ExpertSplit; 2] = [ExpertSplit::Tensor, ExpertSplit::Expert];
+
+/// Every case of [`MOE_CASES`] with each split at each of `tps`, with each of `dtypes` (and
+/// its tolerance), ranks on `gpus`: HF's prefill logits within the tolerance, and its greedy
+/// tokens in f32. One report line per run.
+fn moe_fixtures_match_hf(
+    tps: &[u64],
+    gpus: &[usize],
+    dtypes: &[(ComputeDtype, f64)],
+) -> Vec<String> {
+    let mut report = Vec::new();
+    for case in MOE_CASES {
+        let dir = Path::new("tests/fixtures/checkpoints").join(case);
+        let reference = read_reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        for split in MOE_SPLITS {
+            for &tp in tps {
+                let options = ShardOptions {
+                    moe: Some(split),
+                    ..Default::default()
+                };
+                let plan = compile_with(&def, tp, options)
+                    .unwrap_or_else(|e| panic!("{case} --moe {} tp={tp}: {e}", split.word()))
+                    .plan;
+                for &(dtype, tol) in dtypes {
+                    let what = format!(
+                        "{case} --moe {} tp={tp} {dtype:?} on GPUs {gpus:?}",
+                        split.word()
+                    );
+                    let opts = RunOptions {
+                        device: Device::Cuda(gpus.to_vec()),
+                        dtype,
+                        max_new_tokens: reference.greedy.len(),
+                        ..Default::default()
+                    };
+                    let out = run(&plan, &ckpt, &reference.prompt, &opts)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let err = rel_error(&out.prompt_logits.data, &reference.logits);
+                    report.push(format!("{what}: rel err {err:.2e}"));
+                    assert!(err <= tol, "{what}: relative error {err:.3e} > {tol}");
+                    if dtype == ComputeDtype::F32 {
+                        assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
+                    }
+                }
+            }
+        }
+    }
+    report
+}
+
+/// Mixture-of-experts layers on one GPU: the router on the host, one product per chosen
+/// expert, the weighted sum in `kernels/moe.cu`; at tp 2 and 3 the ranks share the GPU, and
+/// tp 3 deals the 8 experts 3/3/2 (each rank's columns of the routing cut unevenly); f32, and
+/// bf16 linear weights within the bf16 tolerance.
+#[test]
+fn moe_fixtures_on_one_gpu_match_hf_with_both_splits() {
+    if !gpu_present("moe_fixtures_on_one_gpu_match_hf_with_both_splits") {
+        return;
+    }
+    let dtypes = [
+        (ComputeDtype::F32, REL_TOL),
+        (ComputeDtype::Bf16, BF16_REL_TOL),
+    ];
+    let report = moe_fixtures_match_hf(&[1, 2, 3], &[0], &dtypes);
+    eprintln!("{}", report.join("\n"));
+}
+
+/// Mixture-of-experts layers at tp 2 with a GPU per rank (the layer's all-reduce through
+/// NCCL). Skips with fewer than two GPUs.
+#[test]
+fn moe_fixtures_on_two_gpus_match_hf() {
+    if !gpu_present("moe_fixtures_on_two_gpus_match_hf") {
+        return;
+    }
+    let count = tpc::runtime::cuda::device::device_count().unwrap();
+    if count < 2 {
+        eprintln!("SKIP moe_fixtures_on_two_gpus_match_hf: {count} GPU");
+        return;
+    }
+    let report = moe_fixtures_match_hf(&[2], &[0, 1], &[(ComputeDtype::F32, REL_TOL)]);
     eprintln!("{}", report.join("\n"));
 }
 
@@ -409,5 +499,55 @@ fn every_fixture_matches_hf_on_the_emulated_gpu() {
             "{test}, attention {way}: {runs} runs:\n{stderr}"
         );
         eprintln!("{test}, attention {way}: {runs} runs passed");
+    }
+}
+
+/// The mixture-of-experts tests above on the emulated GPUs, each in a child process as
+/// [`every_fixture_matches_hf_on_the_emulated_gpu`] runs its tests: both cases with both
+/// splits at tp 1, 2 and 3 on one GPU in f32 and bf16, and in f32 at tp 2 on two GPUs (NCCL
+/// through the stand-in libnccl). Every run must have passed: the children require a GPU,
+/// so none can skip.
+#[test]
+fn moe_fixtures_match_hf_on_the_emulated_gpu() {
+    if !emulation_wanted("moe_fixtures_match_hf_on_the_emulated_gpu") {
+        return;
+    }
+    let path = emulated_gpu_path();
+    let cases = MOE_CASES.len() * MOE_SPLITS.len();
+    // (test, runs it makes); both children at once.
+    let runs = [
+        (
+            "moe_fixtures_on_one_gpu_match_hf_with_both_splits",
+            3 * 2 * cases,
+        ),
+        ("moe_fixtures_on_two_gpus_match_hf", cases),
+    ];
+    let children: Vec<(&str, usize, std::process::Child)> = runs
+        .into_iter()
+        .map(|(test, want)| {
+            let child = Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", &in_this_module(test), "--nocapture"])
+                .env("LD_LIBRARY_PATH", &path)
+                .env("TPC_REQUIRE_GPU", "1")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            (test, want, child)
+        })
+        .collect();
+    for (test, want, child) in children {
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{test} on the emulated GPUs failed:\n{stdout}\n{stderr}"
+        );
+        let runs = stderr.lines().filter(|l| l.contains(": rel err")).count();
+        assert_eq!(runs, want, "{test}: {runs} runs:\n{stderr}");
+        eprintln!("{test}: {runs} runs passed");
     }
 }

@@ -2,10 +2,10 @@
 //! (`tests/emulator`) with the launch shapes of the CUDA backend
 //! (`src/runtime/cuda/backend.rs`), against plain Rust references: layer norm, rotary
 //! embedding, embedding lookup, the elementwise ops, the copies of select.cu, greedy
-//! sampling (argmax.cu) and the one-shot all-reduce sum. Kernels that only move or select
-//! values, or do one f32 operation per value, must match bit for bit; the others an f64
-//! reference within a tolerance. Grid-stride kernels also run on a deliberately small grid,
-//! so that their loops take several rounds.
+//! sampling (argmax.cu), the experts' weighted sum (moe.cu) and the one-shot all-reduce
+//! sum. Kernels that only move or select values, or do one f32 operation per value, must
+//! match bit for bit; the others an f64 reference within a tolerance. Grid-stride kernels
+//! also run on a deliberately small grid, so that their loops take several rounds.
 
 use crate::emulator;
 
@@ -509,6 +509,72 @@ fn gather_rows_pads_with_zero_rows() {
         .collect();
     let ints = [index.len(), cols].map(|v| v as i64);
     check_copy("gather_rows", &x, Some(&index), &ints, &want);
+}
+
+/// The experts' weighted sum (moe.cu) as the backend launches it, one launch per part into
+/// one zeroed output, against the CPU backend's loop, bit for bit: rows chosen by two and
+/// three parts, an empty part (a launch over no rows writes nothing), a row left to another
+/// launch (-1), and a sum that another order of the parts would round differently.
+#[test]
+fn weighted_rows_add_adds_each_part_in_order() {
+    let mut values = Values(59);
+    let (rows, cols) = (7usize, 45usize);
+    // Row 2: a small value, then a large one and its negation (parts 2 and 3), so that the
+    // sum is the small value rounded to the large one's step, and in another order exact.
+    let parts: [(&[i64], f32); 4] = [
+        (&[0, 2, 5], 1e-3),
+        (&[], 1.0),
+        (&[5, 2, 6, 1], 3e4),
+        (&[-1, 2, 3], 1.0),
+    ];
+    let mut ys: Vec<Vec<f32>> = parts
+        .iter()
+        .map(|(at, scale)| {
+            values
+                .take(at.len() * cols)
+                .iter()
+                .map(|v| v * scale)
+                .collect()
+        })
+        .collect();
+    let mut ws: Vec<Vec<f32>> = parts.iter().map(|(at, _)| values.take(at.len())).collect();
+    let large: Vec<f32> = ys[2][cols..2 * cols].iter().map(|v| -v).collect();
+    ys[3][cols..2 * cols].copy_from_slice(&large);
+    ws[3][1] = ws[2][1];
+    let sum = |order: &mut dyn Iterator<Item = usize>| {
+        let mut out = vec![0f32; rows * cols];
+        for k in order {
+            for (j, &r) in parts[k].0.iter().enumerate() {
+                let Ok(r) = usize::try_from(r) else { continue };
+                for c in 0..cols {
+                    out[r * cols + c] += ws[k][j] * ys[k][j * cols + c];
+                }
+            }
+        }
+        out
+    };
+    let want = sum(&mut (0..parts.len()));
+    let reversed = sum(&mut (0..parts.len()).rev());
+    assert_ne!(want, reversed, "data whose sum is the same in any order");
+    for s in 0..2 {
+        let mut bufs = Buffers::default();
+        let out = bufs.f32(&vec![0.0; rows * cols]);
+        let mut what = String::new();
+        for (((at, _), y), w) in parts.iter().zip(&ys).zip(&ws) {
+            let shape = stride_shapes(at.len() * cols)[s];
+            let args = [
+                Arg::Buf(out),
+                Arg::Buf(bufs.f32(y)),
+                Arg::Buf(bufs.i64(at)),
+                Arg::Buf(bufs.f32(w)),
+                Arg::I64(at.len() as i64),
+                Arg::I64(cols as i64),
+            ];
+            launch("moe.cu", "weighted_rows_add", shape, &args, &mut bufs);
+            what.push_str(&format!("{}; ", label("weighted_rows_add", shape)));
+        }
+        assert_same(&what, &bufs.read_f32(out), &want);
+    }
 }
 
 /// argmax_pairs' contract for one row: (NaN, 0) when marking and any column is not finite;

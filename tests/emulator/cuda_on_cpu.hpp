@@ -348,6 +348,7 @@ inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 // Arithmetic with the rounding named (each one IEEE operation, never fused with another).
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline float __double2float_rn(double a) { return (float)a; }

@@ -221,6 +221,35 @@ fn elements(shape: &[usize]) -> BackendResult<usize> {
         .ok_or_else(|| BackendError::OutOfMemory(format!("a tensor of shape {shape:?}")))
 }
 
+/// The launches of one part of a weighted rows sum, each with distinct targets (so no two
+/// threads add into one value): `at` as i64, a row left out (-1) of every launch but the
+/// one for its target's `k`-th occurrence, the `k`-th launch. Rows adding into one target
+/// thus add in row order, as on the CPU. Almost always one launch: the rows an expert took
+/// are distinct tokens. `seen` holds a zero per output row and is left so; every target
+/// is below its length (`shape_rules::weighted_rows` checked them).
+fn repeat_rounds(at: &[usize], seen: &mut [u32]) -> Vec<Vec<i64>> {
+    let round: Vec<u32> = at
+        .iter()
+        .map(|&r| {
+            let k = seen[r];
+            seen[r] = k.saturating_add(1);
+            k
+        })
+        .collect();
+    for &r in at {
+        seen[r] = 0;
+    }
+    let rounds = round.iter().copied().max().map_or(0, |k| k as usize + 1);
+    (0..rounds)
+        .map(|k| {
+            at.iter()
+                .zip(&round)
+                .map(|(&r, &kr)| if kr as usize == k { i64_of(r) } else { -1 })
+                .collect()
+        })
+        .collect()
+}
+
 impl CudaBackend {
     pub fn new(gpu: Arc<GpuRank>, bf16_linears: bool) -> CudaBackend {
         CudaBackend {
@@ -1549,14 +1578,50 @@ impl Backend for CudaBackend {
 
     fn weighted_rows_sum(
         &self,
-        _rows: usize,
-        _width: usize,
-        _parts: &[(&CudaAct, &[usize], &[f32])],
+        rows: usize,
+        width: usize,
+        parts: &[(&CudaAct, &[usize], &[f32])],
     ) -> BackendResult<CudaAct> {
-        // Not yet: mixture-of-experts layers run on the CPU backend only.
-        Err(BackendError::Unsupported(
-            "mixture-of-experts layers on the CUDA backend (the experts' weighted sum has no GPU kernel yet); run the model with --device cpu".into(),
-        ))
+        shape_rules::weighted_rows(
+            rows,
+            width,
+            parts.iter().map(|(y, at, w)| (y.rows_cols(), *at, *w)),
+        )?;
+        let mut out = self.zeros(vec![rows, width])?;
+        if width == 0 {
+            return Ok(out);
+        }
+        // One count per output row, reused by every part (repeat_rounds leaves it zeroed).
+        let mut seen = vec![0u32; rows];
+        let w64 = i64_of(width);
+        // In the order given, each launch after the previous one on the stream: the CPU's
+        // order of additions into every output row.
+        for (y, at, weights) in parts {
+            if at.is_empty() {
+                continue;
+            }
+            let w = self.upload_f32(weights, "an expert's routing weights")?;
+            let count = i64_of(at.len());
+            let n = at
+                .len()
+                .checked_mul(width)
+                .ok_or_else(|| BackendError::OutOfMemory(format!("[{}, {width}]", at.len())))?;
+            for targets in repeat_rounds(at, &mut seen) {
+                let idx = self.upload_i64(&targets, "an expert's target rows")?;
+                launch!(
+                    self.gpu,
+                    "weighted_rows_add",
+                    grid_for(n),
+                    out.data_mut(),
+                    y.data(),
+                    &idx,
+                    &w,
+                    &count,
+                    &w64
+                )?;
+            }
+        }
+        Ok(out)
     }
 
     fn row_window(&self, x: &CudaAct, from: usize, count: usize) -> BackendResult<CudaAct> {
@@ -1618,7 +1683,7 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::AttentionWay;
+    use super::{repeat_rounds, AttentionWay};
 
     #[test]
     fn prompts_tile_decode_steps_split_long_caches_and_short_ones_run_in_one_pass() {
@@ -1656,5 +1721,23 @@ mod tests {
                 chunks: 64
             }
         );
+    }
+
+    #[test]
+    fn a_parts_repeated_targets_go_to_later_launches_in_row_order() {
+        let mut seen = vec![0u32; 6];
+        // Distinct targets (an expert's tokens): one launch, `at` as it is.
+        assert_eq!(repeat_rounds(&[4, 0, 2], &mut seen), vec![vec![4, 0, 2]]);
+        // Row 1 repeated twice, row 3 once: each occurrence in the next launch.
+        assert_eq!(
+            repeat_rounds(&[1, 3, 1, 5, 3, 1], &mut seen),
+            vec![
+                vec![1, 3, -1, 5, -1, -1],
+                vec![-1, -1, 1, -1, 3, -1],
+                vec![-1, -1, -1, -1, -1, 1],
+            ]
+        );
+        assert!(repeat_rounds(&[], &mut seen).is_empty());
+        assert_eq!(seen, vec![0; 6], "the counts are left zeroed");
     }
 }

@@ -30,6 +30,7 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "invariant.cu",
         include_str!("../../../kernels/invariant.cu"),
     ),
+    ("moe.cu", include_str!("../../../kernels/moe.cu")),
     ("norm.cu", include_str!("../../../kernels/norm.cu")),
     ("rope.cu", include_str!("../../../kernels/rope.cu")),
     ("select.cu", include_str!("../../../kernels/select.cu")),
