@@ -2,21 +2,11 @@
 //! `auto` leaves the choice to the cost model when a profile is given, and a dense model
 //! refuses the flag.
 
-use crate::cli::{fails_cleanly, scratch, stderr, tpc};
+use crate::cli::{fails_cleanly, scratch, tpc};
+use crate::plans::ok;
 use serde_json::Value;
-use std::process::Output;
 
 const QWEN2_MOE: &str = "tests/fixtures/checkpoints/qwen2-moe";
-
-fn ok(o: &Output) -> String {
-    assert!(
-        o.status.success(),
-        "exit {:?}: {}",
-        o.status.code(),
-        stderr(o)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
 
 #[test]
 fn every_split_runs_to_the_same_tokens_and_auto_without_a_profile_is_tensor() {
@@ -61,8 +51,8 @@ fn every_split_runs_to_the_same_tokens_and_auto_without_a_profile_is_tensor() {
 
 #[test]
 fn auto_with_a_profile_prices_both_splits_and_keeps_the_cheaper() {
-    for (batch, prompt, gen) in [("1", "16", "256"), ("64", "2048", "1")] {
-        let out = ok(&tpc(&[
+    let simulate = |extra: &[&str]| {
+        let mut args = vec![
             "simulate",
             "models/qwen3-30b-a3b.ron",
             "--tp",
@@ -71,6 +61,12 @@ fn auto_with_a_profile_prices_both_splits_and_keeps_the_cheaper() {
             "h100-sxm-nvswitch-8",
             "--moe",
             "auto",
+        ];
+        args.extend_from_slice(extra);
+        ok(&tpc(&args))
+    };
+    for (batch, prompt, gen) in [("1", "16", "256"), ("64", "2048", "1")] {
+        let out = simulate(&[
             "--batch",
             batch,
             "--prompt-len",
@@ -78,7 +74,7 @@ fn auto_with_a_profile_prices_both_splits_and_keeps_the_cheaper() {
             "--gen",
             gen,
             "--json",
-        ]));
+        ]);
         let e: Value = serde_json::from_str(&out).unwrap();
         let d = &e["expert_split_decision"];
         let (t, x) = (
@@ -98,16 +94,7 @@ fn auto_with_a_profile_prices_both_splits_and_keeps_the_cheaper() {
         );
     }
     // The text report says why.
-    let text = ok(&tpc(&[
-        "simulate",
-        "models/qwen3-30b-a3b.ron",
-        "--tp",
-        "8",
-        "--hw",
-        "h100-sxm-nvswitch-8",
-        "--moe",
-        "auto",
-    ]));
+    let text = simulate(&[]);
     assert!(
         text.contains("experts split by") && text.contains("dealt whole (expert)"),
         "{text}"

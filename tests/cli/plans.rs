@@ -5,7 +5,7 @@
 use crate::cli::{fails_cleanly, scratch, stderr, tpc};
 use std::process::Output;
 
-fn ok(o: &Output) -> String {
+pub(crate) fn ok(o: &Output) -> String {
     assert!(
         o.status.success(),
         "exit {:?}: {}",
