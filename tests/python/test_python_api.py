@@ -265,8 +265,11 @@ def test_a_vllm_quickstart_script_runs_with_only_its_import_changed(tmp_path):
 
 
 INTERRUPTED = """
-import sys, time
+import signal, sys, time
 from tpc import LLM, SamplingParams
+# Python's Ctrl-C handler even where the parent started this with SIGINT ignored (a
+# background job of a non-interactive shell), which Python would otherwise keep.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 llm = LLM({model!r}, tensor_parallel_size=2)
 print("generating", flush=True)
 try:
