@@ -33,6 +33,15 @@ pub enum Groups {
     Interleaved { heads: u64, parts: Vec<u64> },
 }
 
+impl Groups {
+    /// The experts dim of a mixture-of-experts weight stack (`frontend::preset`'s
+    /// `experts_block`): one-entry atoms, each its own group, dealt whole. No attention
+    /// structure has one-element heads (RoPE needs an even head size).
+    pub fn is_experts(&self) -> bool {
+        matches!(self, Groups::Heads { count, size: 1, replicable: false, kv_groups: Some(g) } if g == count)
+    }
+}
+
 impl Default for Groups {
     fn default() -> Self {
         Groups::Plain { padded: false }
@@ -42,8 +51,8 @@ impl Default for Groups {
 /// Why a dimension cannot be split `tp` ways.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SplitProblem {
-    /// More ranks than heads: some rank would hold none.
-    MoreRanksThanHeads { count: u64 },
+    /// More ranks than heads (or experts, `unit`): some rank would hold none.
+    MoreRanksThanHeads { count: u64, unit: &'static str },
     /// `what` (e.g. "32 attention heads") is not divisible by tp.
     NotDivisible { count: u64, unit: &'static str },
     /// Replicable heads: tp neither divides nor is a multiple of the count.
@@ -58,8 +67,8 @@ pub enum SplitProblem {
 impl SplitProblem {
     pub fn describe(&self, tp: u64) -> String {
         match self {
-            SplitProblem::MoreRanksThanHeads { count } => format!(
-                "{count} attention heads cannot be shared by tp={tp}: every rank needs at least one"
+            SplitProblem::MoreRanksThanHeads { count, unit } => format!(
+                "{count} {unit} cannot be shared by tp={tp}: every rank needs at least one"
             ),
             SplitProblem::NotDivisible { count, unit } => {
                 format!("{count} {unit} are not divisible by tp={tp}")
@@ -439,6 +448,13 @@ struct HeadGroups {
     groups: u64,
 }
 
+impl HeadGroups {
+    /// The experts of a mixture-of-experts stack: one-entry atoms, each its own group.
+    fn are_experts(&self) -> bool {
+        self.size == 1 && self.groups == self.count && !self.replicable
+    }
+}
+
 /// Heads dealt by key/value group when tp does not split them evenly, or by shares. Fewer
 /// ranks than groups: whole groups, as evenly as they allow or by the shares (query and kv
 /// heads alike, so each rank's query heads use its kv heads). As many or more: each rank
@@ -466,7 +482,12 @@ fn uneven_heads(
         });
     }
     if !replicable && count < tp {
-        return Err(SplitProblem::MoreRanksThanHeads { count });
+        let unit = if heads.are_experts() {
+            "experts"
+        } else {
+            "attention heads"
+        };
+        return Err(SplitProblem::MoreRanksThanHeads { count, unit });
     }
     let per_group = count / groups;
     if tp < groups {
@@ -707,7 +728,10 @@ mod tests {
         // More ranks than query heads, and even splits as before.
         assert_eq!(
             q(8, 2).check(8, 9),
-            Err(SplitProblem::MoreRanksThanHeads { count: 8 })
+            Err(SplitProblem::MoreRanksThanHeads {
+                count: 8,
+                unit: "attention heads"
+            })
         );
         assert_eq!(dealt(&q(8, 2), 8, 4)[1], (vec![(2, 2)], 0));
         // Without kv groups, heads split only evenly.

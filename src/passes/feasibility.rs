@@ -123,6 +123,7 @@ fn uneven_note(groups: &Groups, len: u64, deal: Deal) -> Option<String> {
         None => String::new(),
     };
     let (unit, size) = match dealt {
+        g if g.is_experts() => ("experts", 1),
         Groups::Heads { size, .. } if *size > 1 || parts.is_some() => ("heads", (*size).max(1)),
         _ if vocabulary => ("vocabulary rows", 1),
         _ => ("columns", 1),

@@ -82,6 +82,21 @@ fn expert_split_deals_whole_experts_and_slices_the_routing_by_their_counts() {
             .unwrap();
         assert_eq!(slice, vec![3, 3, 2]);
     }
+    // The notes and a refusal count experts, not columns or heads.
+    assert!(
+        plan.notes.iter().any(|n| n.contains("8 experts dealt 3/3/2")),
+        "{:?}",
+        plan.notes
+    );
+    let options = ShardOptions {
+        moe: Some(ExpertSplit::Expert),
+        ..Default::default()
+    };
+    let err = compile_with(&def, 9, options).err().unwrap().to_string();
+    assert!(
+        err.contains("8 experts cannot be shared by tp=9") && err.contains("8 attention heads"),
+        "{err}"
+    );
     // The router stays whole: no all-gather inside the layers.
     assert!(plan
         .collectives
