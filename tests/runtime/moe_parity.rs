@@ -84,7 +84,9 @@ fn expert_split_deals_whole_experts_and_slices_the_routing_by_their_counts() {
     }
     // The notes and a refusal count experts, not columns or heads.
     assert!(
-        plan.notes.iter().any(|n| n.contains("8 experts dealt 3/3/2")),
+        plan.notes
+            .iter()
+            .any(|n| n.contains("8 experts dealt 3/3/2")),
         "{:?}",
         plan.notes
     );
