@@ -261,16 +261,13 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                     }
                 }
             }
-            let slice_bytes: HashMap<&str, f64> = r
-                .weights
-                .iter()
-                .map(|s| (&*s.tensor, s.local_bytes() as f64))
-                .collect();
+            let slices: HashMap<&str, &crate::plan::WeightSlice> =
+                r.weights.iter().map(|s| (&*s.tensor, s)).collect();
             let heads = r.head_linears();
             let by_id: HashMap<u32, &crate::plan::Instr> =
                 r.instrs.iter().map(|i| (i.id, i)).collect();
             let weight_of = |id: &u32| match by_id.get(id).map(|i| &i.op) {
-                Some(Op::Param(p)) => r.weights.iter().find(|w| w.tensor == p.tensor),
+                Some(Op::Param(p)) => slices.get(&*p.tensor).copied(),
                 _ => None,
             };
             // Expert stacks are read by the experts chosen, priced apart.
@@ -289,7 +286,9 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
             for (i, &s) in r.instrs.iter().zip(&seg) {
                 let w = &mut out[s];
                 if let Op::Param(p) = &i.op {
-                    let bytes = slice_bytes.get(&*p.tensor).copied().unwrap_or(0.0);
+                    let bytes = slices
+                        .get(&*p.tensor)
+                        .map_or(0.0, |s| s.local_bytes() as f64);
                     w.weight_bytes += bytes;
                     if read_whole.contains(&i.id) && !stacks.contains(&i.id) {
                         w.weight_read_bytes += bytes;

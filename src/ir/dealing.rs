@@ -36,6 +36,11 @@ pub fn dealing_linear(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
     }
 }
 
+/// The weight of [`dealing_linear`]'s linear.
+pub fn dealing_weight(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
+    dealing_linear(graph, id, dim).and_then(|linear| graph.inputs(linear).get(1).copied())
+}
+
 /// The weight of the linear that dealt dim `dim` of value `id` before an all-gather joined
 /// it: followed back through ops that carry the dim (whatever their layout) to an
 /// all-gather of that dim. `None` where the trail reaches anything else first.
@@ -46,8 +51,7 @@ fn gathered_dealer(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
         let node = graph.node(at);
         let inputs = graph.inputs(at);
         if let Op::AllGather(g) = &node.op {
-            let linear = dealing_linear(graph, *inputs.first()?, g.dim).filter(|_| g.dim == dim)?;
-            return graph.inputs(linear).get(1).copied();
+            return dealing_weight(graph, *inputs.first()?, g.dim).filter(|_| g.dim == dim);
         }
         let d = dims(&node.op);
         if d.collective || d.moves.is_some() || matches!(node.op, Op::Linear(_)) {
@@ -109,7 +113,7 @@ pub fn slicing_weight(graph: &Graph, id: NodeId) -> Option<NodeId> {
                 if matches!(input.op, Op::Param(_)) {
                     return Some(i);
                 }
-                dealing_linear(graph, i, at).and_then(|linear| graph.inputs(linear).get(1).copied())
+                dealing_weight(graph, i, at)
             })
     })
 }

@@ -280,8 +280,7 @@ fn check_gathered_heads_disjoint(
     let weight = graph
         .inputs(id)
         .first()
-        .and_then(|&p| crate::ir::dealing::dealing_linear(graph, p, dim))
-        .and_then(|linear| graph.inputs(linear).get(1).copied())
+        .and_then(|&p| crate::ir::dealing::dealing_weight(graph, p, dim))
         .map(|w| graph.node(w));
     let Some((Op::Param(p), Some(Layout::Split { dim: wdim }))) = weight.map(|w| (&w.op, w.layout))
     else {

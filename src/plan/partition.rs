@@ -182,12 +182,10 @@ fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
         shares: deal.shares.map(|s| s.to_string()).unwrap_or_default(),
         problem: format!("`{}` {problem}", node.name),
     };
-    let producer = graph
+    let weight = graph
         .inputs(id)
         .first()
-        .and_then(|&p| crate::ir::dealing::dealing_linear(graph, p, g.dim));
-    let weight = producer
-        .and_then(|p| graph.inputs(p).get(1).copied())
+        .and_then(|&p| crate::ir::dealing::dealing_weight(graph, p, g.dim))
         .map(|w| graph.node(w));
     let Some((Op::Param(p), Some(Layout::Split { dim }))) = weight.map(|w| (&w.op, w.layout))
     else {

@@ -1493,13 +1493,14 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             }
             Op::Experts(e) => {
                 let routing = b.copy(x(1)?).and_then(|r| b.to_host(r)).map_err(&err)?;
-                let pairs = routing.data.iter().filter(|&&w| w != 0.0).count();
-                self.routed_pairs = self.routed_pairs.saturating_add(pairs as u64);
                 let experts = self
                     .experts
                     .get(&i.id)
                     .ok_or_else(|| bad(i, "its experts' weights were not loaded"))?;
-                super::moe::run_experts(b, x(0)?, &routing, experts, e.act).map_err(err)?
+                let (y, pairs) =
+                    super::moe::run_experts(b, x(0)?, &routing, experts, e.act).map_err(err)?;
+                self.routed_pairs = self.routed_pairs.saturating_add(pairs);
+                y
             }
             Op::Param(_) | Op::Input(_) | Op::Output(_) => {
                 return Err(bad(i, "is not a compute op"))

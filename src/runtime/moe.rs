@@ -88,15 +88,16 @@ pub struct ExpertWeights<W> {
 
 /// `Σ_e routing[e] · down_e(act(gate_e · x) ⊙ up_e · x)` over the experts this rank holds
 /// (`experts[j]` is the routing's column `j`; `None` for a padding column no token can
-/// choose). One product per chosen expert over the rows that chose it.
+/// choose). One product per chosen expert over the rows that chose it. Also returns the
+/// (token, expert) pairs computed: the rank's load.
 pub fn run_experts<B: Backend + ?Sized>(
     b: &B,
     x: &B::Act,
     routing: &Tensor,
     experts: &[Option<ExpertWeights<B::Weight>>],
     act: ActivationKind,
-) -> BackendResult<B::Act> {
-    let (rows, _) = super::backend::Activation::rows_cols(x);
+) -> BackendResult<(B::Act, u64)> {
+    let (rows, width) = super::backend::Activation::rows_cols(x);
     let (routed, columns) = routing.rows_cols();
     if routed != rows || columns != experts.len() {
         return Err(BackendError::Shape(format!(
@@ -141,8 +142,8 @@ pub fn run_experts<B: Backend + ?Sized>(
             .zip(&chosen)
             .map(|(y, g)| (y, g.rows.as_slice(), g.weights.as_slice()))
             .collect();
-        let width = super::backend::Activation::rows_cols(x).1;
-        b.weighted_rows_sum(rows, width, &parts)
+        let pairs: usize = chosen.iter().map(|g| g.rows.len()).sum();
+        Ok((b.weighted_rows_sum(rows, width, &parts)?, pairs as u64))
     })();
     for y in outputs {
         b.release(y);
