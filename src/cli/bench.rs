@@ -30,6 +30,12 @@ pub struct Args {
     /// out over them round robin. 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     dp: u64,
+    /// Expert parallelism over the replicas: deal each tp rank's experts of a
+    /// mixture-of-experts model over the --dp replicas (the EP group DP × TP of `tpc ranks`)
+    /// instead of every replica holding them all; the replicas swap the routed tokens at
+    /// every MoE layer. Replicas as threads, one pipeline stage.
+    #[arg(long)]
+    ep: bool,
     #[command(flatten)]
     shard: super::ShardArgs,
     #[command(flatten)]
@@ -95,10 +101,14 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
             a.exec.warmup as usize,
             a.exec.repeat as usize,
         )),
+        expert_parallel: a.ep,
         ..a.exec.options()
     };
     let out = match mpi {
         None => run_replicas(&plan, weights, &requests, &opts, a.dp as usize),
+        Some(_) if a.ep => anyhow::bail!(
+            "--ep deals the experts over replicas that run as threads of one process; under mpirun it is not supported yet: run without mpirun (--launcher threads)"
+        ),
         Some(world) => {
             // Every process would draw its own bar over the others'.
             bar.finish_and_clear();

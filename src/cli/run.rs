@@ -78,6 +78,12 @@ pub struct Args {
     /// input order. 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     dp: u64,
+    /// Expert parallelism over the replicas: deal each tp rank's experts of a
+    /// mixture-of-experts model over the --dp replicas (the EP group DP × TP of `tpc ranks`)
+    /// instead of every replica holding them all; the replicas swap the routed tokens at
+    /// every MoE layer. Replicas as threads, one pipeline stage.
+    #[arg(long)]
+    ep: bool,
     /// Where the ranks run: threads of this process, or MPI processes (one rank each,
     /// started by `mpirun -np W`; needs a build with `--features mpi`). auto: MPI when an
     /// MPI launcher started this process with more than one rank, else threads.
@@ -379,10 +385,14 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
             a.exec.repeat as usize,
         )),
         on_finished,
+        expert_parallel: a.ep,
         ..a.exec.options()
     };
     let out = match mpi {
         None => run_replicas(&plan, &ckpt, &requests, &opts, a.dp as usize),
+        Some(_) if a.ep => anyhow::bail!(
+            "--ep deals the experts over replicas that run as threads of one process; under mpirun it is not supported yet: run without mpirun (--launcher threads)"
+        ),
         Some(world) => {
             bar.finish_and_clear();
             let job = super::agreement::Job {

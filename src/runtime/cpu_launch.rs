@@ -29,7 +29,7 @@ pub fn run_batch_cpu(
     let kernels = Kernels::select(cpu.isa)?;
     let make = |rank: usize| placed_cpu_backend(rank, threads, cpu.pin_threads, bf16, kernels);
     let mut out = launch_stages(plan, weights, comms, pipes, &make, &|rt| {
-        rt.generate(requests, opts)
+        rt.generate_in_expert_group(requests, opts)
     })?;
     out.linear_kernels = Some(kernels.linear_kernels(bf16));
     Ok(out)

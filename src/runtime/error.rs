@@ -37,6 +37,11 @@ pub enum RunError {
     #[error("data parallelism: {0}")]
     Replicas(String),
 
+    /// Experts dealt over replicas (`--ep`): a replica that stopped, which the others
+    /// waiting on its experts learn of.
+    #[error("expert parallelism over replicas: {0}")]
+    ExpertExchange(#[from] super::expert_exchange::ExchangeError),
+
     #[error(
         "prompt token id {id} at position {position} is outside the vocabulary of {vocab} tokens"
     )]

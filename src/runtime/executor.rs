@@ -88,6 +88,9 @@ pub struct RankExecutor<'a, B: Backend, C: Collectives<B::Act>> {
     /// (token, expert) pairs this rank's mixture-of-experts layers computed so far: its
     /// load, which an expert deal spreads unevenly.
     pub routed_pairs: u64,
+    /// With experts dealt over data-parallel replicas (`--ep`): this rank's seat in its DP
+    /// group, whose members share out its experts.
+    expert_member: Option<super::expert_exchange::ExpertMember>,
     /// The algorithms rank's all-reduces ran with.
     pub all_reduces: AllReduceTally,
     /// Bytes the weights occupy on the device.
@@ -355,6 +358,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             values: Vec::new(),
             collective_bytes: 0,
             routed_pairs: 0,
+            expert_member: None,
             all_reduces: AllReduceTally::default(),
             weight_bytes,
             profile: None,
@@ -448,6 +452,51 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// Whether the program has mixture-of-experts layers.
     pub fn has_experts(&self) -> bool {
         !self.experts.is_empty()
+    }
+
+    /// Shares this rank's experts with the other members of its DP group (`--ep`): keeps
+    /// only its own columns' experts (the others' weights are freed) and from now on runs
+    /// every mixture-of-experts layer through the group's exchange.
+    pub fn join_expert_group(&mut self, member: super::expert_exchange::ExpertMember) {
+        for experts in self.experts.values_mut() {
+            let freed = super::moe_across::keep_own_experts(&self.backend, experts, &member);
+            self.weight_bytes = self.weight_bytes.saturating_sub(freed);
+        }
+        self.expert_member = Some(member);
+    }
+
+    /// After this replica's last forward call: answers the other members' mixture-of-experts
+    /// rounds, layer after layer in program order as their forward calls make them, until
+    /// every member is done. Nothing without a DP group.
+    pub fn serve_expert_group(&mut self) -> Result<()> {
+        let Some(member) = self.expert_member.clone() else {
+            return Ok(());
+        };
+        let layers: Vec<(u32, crate::ir::ActivationKind)> = self
+            .program
+            .instrs
+            .iter()
+            .filter_map(|i| match &i.op {
+                Op::Experts(e) => Some((i.id, e.act)),
+                _ => None,
+            })
+            .collect();
+        if layers.is_empty() {
+            return Ok(());
+        }
+        loop {
+            for &(id, act) in &layers {
+                let experts = self.experts.get(&id).map_or(&[][..], |e| e.as_slice());
+                let served = super::moe_across::serve_layer(&self.backend, &member, experts, act)
+                    .map_err(|e| {
+                    across_error("mixture-of-experts (serving the other replicas)", e)
+                })?;
+                match served {
+                    Some(pairs) => self.routed_pairs = self.routed_pairs.saturating_add(pairs),
+                    None => return Ok(()),
+                }
+            }
+        }
     }
 
     /// Every rank of the tensor-parallel group's `count`, in rank order (an all-gather of
@@ -1497,8 +1546,15 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                     .experts
                     .get(&i.id)
                     .ok_or_else(|| bad(i, "its experts' weights were not loaded"))?;
-                let (y, pairs) =
-                    super::moe::run_experts(b, x(0)?, &routing, experts, e.act).map_err(err)?;
+                let (y, pairs) = match &self.expert_member {
+                    Some(m) => {
+                        super::moe_across::experts_across(b, m, x(0)?, &routing, experts, e.act)
+                            .map_err(|e| across_error(&i.name, e))?
+                    }
+                    None => {
+                        super::moe::run_experts(b, x(0)?, &routing, experts, e.act).map_err(err)?
+                    }
+                };
                 self.routed_pairs = self.routed_pairs.saturating_add(pairs);
                 y
             }
@@ -1506,6 +1562,17 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 return Err(bad(i, "is not a compute op"))
             }
         })
+    }
+}
+
+/// An error of a mixture-of-experts layer dealt over replicas, for instruction `name`.
+fn across_error(name: &str, e: super::moe_across::AcrossError) -> RunError {
+    match e {
+        super::moe_across::AcrossError::Backend(error) => RunError::Backend {
+            name: name.to_string(),
+            error,
+        },
+        super::moe_across::AcrossError::Exchange(e) => RunError::ExpertExchange(e),
     }
 }
 

@@ -80,6 +80,11 @@ pub struct RunOptions {
     pub repeat: usize,
     pub progress: Option<Progress>,
     pub on_finished: Option<OnFinished>,
+    /// `--ep`: with data-parallel replicas, deal each tp rank's experts over the replicas
+    /// (its DP group) instead of every replica holding them all.
+    pub expert_parallel: bool,
+    /// This replica's seat in the EP group, set by the replica launcher under `--ep`.
+    pub expert_seat: Option<super::expert_exchange::ExpertSeat>,
 }
 
 impl std::fmt::Debug for RunOptions {
@@ -94,6 +99,7 @@ impl std::fmt::Debug for RunOptions {
             .field("gather_logits", &self.gather_logits)
             .field("warmup", &self.warmup)
             .field("repeat", &self.repeat)
+            .field("expert_parallel", &self.expert_parallel)
             .finish()
     }
 }
@@ -113,6 +119,8 @@ impl Default for RunOptions {
             repeat: 1,
             progress: None,
             on_finished: None,
+            expert_parallel: false,
+            expert_seat: None,
         }
     }
 }
@@ -305,6 +313,48 @@ pub fn rank_runtime<'p, B: Backend, C: Collectives<B::Act>>(
         leads: rank == 0,
         load_seconds: load.elapsed().as_secs_f64(),
     })
+}
+
+/// Leaves a DP group's exchange unless disarmed: a rank that fails or panics releases the
+/// other replicas waiting on its experts at once.
+struct LeaveUnlessDone(Option<super::expert_exchange::ExpertMember>);
+
+impl Drop for LeaveUnlessDone {
+    fn drop(&mut self) {
+        if let Some(m) = self.0.take() {
+            m.exchange.leave(m.member, "its rank failed");
+        }
+    }
+}
+
+impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
+    /// [`RankRuntime::generate`] for a rank of a replica that shares its experts with the
+    /// other replicas (`opts.expert_seat`): joins its DP group first and, once its own
+    /// requests are done, answers the others' until all are; the load report is then each
+    /// rank's (token, expert) pairs over the whole run, its answers to the others included.
+    /// Without a seat, just `generate`.
+    pub fn generate_in_expert_group(
+        &mut self,
+        requests: &[Request],
+        opts: &RunOptions,
+    ) -> Result<BatchOutput> {
+        let Some(member) = opts
+            .expert_seat
+            .as_ref()
+            .and_then(|s| s.member(self.exec.comm.rank()))
+        else {
+            return self.generate(requests, opts);
+        };
+        let mut guard = LeaveUnlessDone(Some(member.clone()));
+        self.exec.join_expert_group(member);
+        let mut out = self.generate(requests, opts)?;
+        self.exec.serve_expert_group()?;
+        if self.exec.has_experts() {
+            out.routed_pairs_per_rank = self.exec.gather_counts(self.exec.routed_pairs)?;
+        }
+        guard.0 = None;
+        Ok(out)
+    }
 }
 
 /// [`rank_runtime`] for one stage of a pipeline: `sp`'s weight slices, `comm` its tp

@@ -25,11 +25,13 @@ pub mod engine;
 pub mod error;
 pub mod exact;
 pub mod executor;
+pub mod expert_exchange;
 pub mod fused;
 pub mod generate;
 pub mod launch;
 pub mod memory;
 pub mod moe;
+pub mod moe_across;
 pub mod norm_steps;
 #[cfg(feature = "mpi")]
 pub mod processes;

@@ -4,15 +4,22 @@
 //! tokens do not depend on which replica ran it or beside which others (every sequence
 //! samples from its own seeded generator, and a batch gives each sequence what it gives it
 //! alone), so `--dp D` prints what `--dp 1` prints.
+//!
+//! Except under `--ep`: then each tp rank's experts are dealt over the replicas (the EP group
+//! DP × TP of `tpc ranks`), and the replicas swap tokens at every mixture-of-experts layer
+//! (`expert_exchange`, `moe_across`). A sequence's tokens are then the same as at `--dp 1`
+//! up to the order in which its experts' outputs are added.
 
 use super::cpu::CpuOptions;
 use super::error::{Result, RunError};
+use super::expert_exchange::{expert_seats, ExchangeError, ExpertSeat};
 use super::generate::{
     check_requests, BatchOutput, Device, OnFinished, Progress, Request, RunOptions, Stage,
 };
 use super::launch::{check_host_memory, check_replicas};
 use super::run::run_batch;
 use super::weights::WeightSource;
+use crate::ir::Op;
 use crate::plan::Plan;
 use std::sync::{Arc, Mutex};
 
@@ -58,6 +65,11 @@ pub fn run_replicas(
         }),
         other => other.clone(),
     };
+    let seats = if opts.expert_parallel {
+        Some(expert_seats_for(plan, dp)?)
+    } else {
+        None
+    };
     let mut parts: Vec<Vec<Request>> = vec![Vec::new(); dp];
     for (i, r) in requests.iter().enumerate() {
         parts[placement(i, dp).0].push(r.clone());
@@ -71,6 +83,7 @@ pub fn run_replicas(
             .map(|(replica, part)| {
                 let mut o = opts.clone();
                 o.device = device.clone();
+                o.expert_seat = seats.as_ref().map(|s| s[replica].clone());
                 o.on_finished = opts.on_finished.as_ref().map(|f| {
                     let f = f.clone();
                     Arc::new(move |j: usize, t: &[i64]| f(j * dp + replica, t)) as OnFinished
@@ -92,7 +105,15 @@ pub fn run_replicas(
                         _ => {}
                     }) as Progress
                 });
-                scope.spawn(move || run_batch(plan, weights, part, &o))
+                scope.spawn(move || {
+                    let out = run_batch(plan, weights, part, &o);
+                    // Whatever its end, the replica's ranks are gone: the others must not
+                    // wait on its experts (after a normal end none does).
+                    if let Some(seat) = &o.expert_seat {
+                        seat.leave("its run ended");
+                    }
+                    out
+                })
             })
             .collect();
         handles
@@ -105,16 +126,68 @@ pub fn run_replicas(
             })
             .collect()
     });
-    merge(outputs, requests.len(), dp)
+    merge(outputs, requests.len(), dp, seats.is_some())
+}
+
+/// The EP group's seats for `dp` replicas of `plan`, or why its experts cannot be dealt over
+/// replicas.
+fn expert_seats_for(plan: &Plan, dp: usize) -> Result<Vec<ExpertSeat>> {
+    let refuse = |why: String| Err(RunError::Replicas(format!("--ep: {why}")));
+    if !plan
+        .ranks
+        .first()
+        .is_some_and(|r| r.instrs.iter().any(|i| matches!(i.op, Op::Experts(_))))
+    {
+        return refuse("the model has no mixture-of-experts layers to deal over replicas".into());
+    }
+    if plan.pp() > 1 {
+        return refuse(format!(
+            "experts dealt over replicas with {} pipeline stages is not supported yet; use --pp 1",
+            plan.pp()
+        ));
+    }
+    expert_seats(plan.ranks.len(), dp).map_err(|e| RunError::Replicas(format!("--ep: {e}")))
 }
 
 /// The replicas' outputs as one batch in request order (the first failure, with its
 /// replica, if any failed).
-fn merge(outputs: Vec<Result<BatchOutput>>, n: usize, dp: usize) -> Result<BatchOutput> {
-    let mut parts = Vec::with_capacity(outputs.len());
-    for (replica, o) in outputs.into_iter().enumerate() {
-        parts.push(o.map_err(|e| RunError::Replicas(format!("replica {replica}: {e}")))?);
+fn merge(
+    outputs: Vec<Result<BatchOutput>>,
+    n: usize,
+    dp: usize,
+    sharing_experts: bool,
+) -> Result<BatchOutput> {
+    // A replica that only learnt another had stopped is not the cause: report the one that
+    // stopped first.
+    let echo = |e: &RunError| {
+        matches!(
+            e,
+            RunError::ExpertExchange(ExchangeError::MemberLeft { .. })
+        )
+    };
+    let first = outputs
+        .iter()
+        .position(|o| o.as_ref().is_err_and(|e| !echo(e)))
+        .or_else(|| outputs.iter().position(Result::is_err));
+    let mut outputs = outputs;
+    if let Some(replica) = first {
+        if let Err(e) = outputs.swap_remove(replica) {
+            return Err(RunError::Replicas(format!("replica {replica}: {e}")));
+        }
     }
+    let mut parts: Vec<BatchOutput> = outputs.into_iter().flatten().collect();
+    // Under --ep every replica's ranks are members of one EP group: all their loads.
+    let routed_pairs_per_rank = if sharing_experts {
+        parts
+            .iter()
+            .flat_map(|p| p.routed_pairs_per_rank.iter().copied())
+            .collect()
+    } else {
+        parts
+            .first()
+            .map(|p| p.routed_pairs_per_rank.clone())
+            .unwrap_or_default()
+    };
     let mut slots: Vec<Vec<Option<_>>> = parts
         .iter_mut()
         .map(|p| {
@@ -146,6 +219,7 @@ fn merge(outputs: Vec<Result<BatchOutput>>, n: usize, dp: usize) -> Result<Batch
     let first = parts.swap_remove(0);
     Ok(BatchOutput {
         sequences,
+        routed_pairs_per_rank,
         prompt_tokens,
         load_seconds,
         prefill_seconds,

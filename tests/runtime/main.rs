@@ -12,6 +12,7 @@ mod batch;
 mod engine_serve;
 mod invariant;
 mod moe_edges;
+mod moe_ep;
 mod moe_parity;
 mod paged;
 mod parity;

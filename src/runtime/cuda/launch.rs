@@ -129,6 +129,6 @@ pub fn run_batch_cuda(
     let bf16 = opts.dtype.bf16_linears(plan);
     let make = |rank: usize| open_rank(rank, &devices, &gpus, bf16);
     launch_stages(plan, weights, comms, pipes, &make, &|rt| {
-        rt.generate(requests, opts)
+        rt.generate_in_expert_group(requests, opts)
     })
 }

@@ -1,0 +1,378 @@
+//! Expert parallelism across data-parallel replicas (`--dp D --ep`): the experts a tp rank
+//! holds are dealt again over the D replicas at that tp rank (a DP group of `tpc ranks`; the
+//! DP groups of one stage together make its EP group, DP × TP), so each replica keeps 1/D of
+//! them. Replicas run different requests, so at every mixture-of-experts layer the members
+//! of a DP group swap tokens: each sends every other the rows routed to that member's
+//! experts (dispatch), computes its experts for all the rows it got, and sends the results
+//! back (combine). This file is the swap itself, an all-to-all of host parcels between the
+//! replicas' threads, and the deal of routing columns.
+//!
+//! A replica that has finished its requests keeps serving the others' rounds (with nothing
+//! of its own) until every member is idle; a replica that stops (an error, a panic) leaves,
+//! and every member waiting on it fails instead of waiting forever.
+
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// Rows of one member's tokens for one other member: `rows × width` values and, beside
+/// them, `rows × columns` routing weights (empty in a combine).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Parcel {
+    pub rows: usize,
+    pub values: Vec<f32>,
+    pub routing: Vec<f32>,
+}
+
+/// What one round gave a member: a parcel from every member (its own included), by member,
+/// and whether every member came idle (then nothing was sent and the members stop).
+#[derive(Debug)]
+pub struct Round {
+    pub parcels: Vec<Parcel>,
+    pub all_idle: bool,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Whether deposits for the current round are still coming in (else it is being taken).
+    filling: bool,
+    arrived: usize,
+    idle: usize,
+    taken: usize,
+    all_idle: bool,
+    /// `boxes[to][from]`.
+    boxes: Vec<Vec<Option<Parcel>>>,
+    /// A member that stopped, and why.
+    left: Option<(usize, String)>,
+}
+
+/// One DP group's all-to-all: `members` replicas' threads at the same tp rank.
+#[derive(Debug)]
+pub struct ExpertExchange {
+    members: usize,
+    state: Mutex<State>,
+    turn: Condvar,
+}
+
+/// Why a round could not complete.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExchangeError {
+    #[error("replica {member} stopped ({why}), so the experts it holds cannot answer; see its own error")]
+    MemberLeft { member: usize, why: String },
+    #[error(
+        "member {member} of an exchange of {members}, or {parcels} parcels for {members} members"
+    )]
+    Misuse {
+        member: usize,
+        members: usize,
+        parcels: usize,
+    },
+}
+
+impl ExpertExchange {
+    pub fn new(members: usize) -> Self {
+        ExpertExchange {
+            members,
+            state: Mutex::new(State {
+                filling: true,
+                arrived: 0,
+                idle: 0,
+                taken: 0,
+                all_idle: false,
+                boxes: vec![vec![None; members]; members],
+                left: None,
+            }),
+            turn: Condvar::new(),
+        }
+    }
+
+    pub fn members(&self) -> usize {
+        self.members
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A member that panicked holding the lock left nothing half-done that matters here:
+        // its replica reports the panic, and `leave` stops the others.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait<'a>(&self, s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.turn.wait(s).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Member `member` sends `parcels[j]` to member j and gets every member's parcel for it.
+    /// `idle`: this member has no tokens of its own left (its parcels are empty).
+    pub fn all_to_all(
+        &self,
+        member: usize,
+        parcels: Vec<Parcel>,
+        idle: bool,
+    ) -> Result<Round, ExchangeError> {
+        if member >= self.members || parcels.len() != self.members {
+            return Err(ExchangeError::Misuse {
+                member,
+                members: self.members,
+                parcels: parcels.len(),
+            });
+        }
+        let left = |s: &State| {
+            s.left
+                .as_ref()
+                .map(|(member, why)| ExchangeError::MemberLeft {
+                    member: *member,
+                    why: why.clone(),
+                })
+        };
+        let mut s = self.lock();
+        // The last round is still being taken: wait for it to empty.
+        while !s.filling {
+            if let Some(e) = left(&s) {
+                return Err(e);
+            }
+            s = self.wait(s);
+        }
+        if let Some(e) = left(&s) {
+            return Err(e);
+        }
+        for (to, p) in parcels.into_iter().enumerate() {
+            s.boxes[to][member] = Some(p);
+        }
+        s.arrived += 1;
+        s.idle += usize::from(idle);
+        if s.arrived == self.members {
+            s.filling = false;
+            s.all_idle = s.idle == self.members;
+            self.turn.notify_all();
+        }
+        while s.filling {
+            if let Some(e) = left(&s) {
+                return Err(e);
+            }
+            s = self.wait(s);
+        }
+        let parcels = s.boxes[member]
+            .iter_mut()
+            .map(|p| p.take().unwrap_or_default())
+            .collect();
+        let all_idle = s.all_idle;
+        s.taken += 1;
+        if s.taken == self.members {
+            s.arrived = 0;
+            s.idle = 0;
+            s.taken = 0;
+            s.filling = true;
+            self.turn.notify_all();
+        }
+        Ok(Round { parcels, all_idle })
+    }
+
+    /// Member `member` will take part in no further round: every member waiting in one, now
+    /// or later, fails. A member leaves only when it is done or has failed; after the round
+    /// in which all were idle nobody waits, so a normal end fails no one.
+    pub fn leave(&self, member: usize, why: &str) {
+        let mut s = self.lock();
+        if s.left.is_none() {
+            s.left = Some((member, why.to_string()));
+        }
+        self.turn.notify_all();
+    }
+}
+
+/// Routing columns `0..columns` dealt to `members` in order, as evenly as whole columns
+/// allow (the first ones one more): member j computes the experts of `deal[j]`.
+pub fn deal_columns(columns: usize, members: usize) -> Vec<Range<usize>> {
+    let members = members.max(1);
+    let (base, extra) = (columns / members, columns % members);
+    let mut start = 0;
+    (0..members)
+        .map(|j| {
+            let len = base + usize::from(j < extra);
+            let r = start..start + len;
+            start += len;
+            r
+        })
+        .collect()
+}
+
+/// One replica's place in the EP group: the exchange of each of its tp ranks' DP groups
+/// (index: tp rank) and its member index there.
+#[derive(Debug, Clone)]
+pub struct ExpertSeat {
+    pub exchanges: Arc<Vec<Arc<ExpertExchange>>>,
+    pub member: usize,
+}
+
+/// A tp rank's seat: its DP group's exchange and its member index there.
+#[derive(Debug, Clone)]
+pub struct ExpertMember {
+    pub exchange: Arc<ExpertExchange>,
+    pub member: usize,
+}
+
+impl ExpertSeat {
+    /// The seat of tp rank `tp_rank` of this replica.
+    pub fn member(&self, tp_rank: usize) -> Option<ExpertMember> {
+        Some(ExpertMember {
+            exchange: self.exchanges.get(tp_rank)?.clone(),
+            member: self.member,
+        })
+    }
+
+    /// This replica stops: every exchange it is in learns of it.
+    pub fn leave(&self, why: &str) {
+        for x in self.exchanges.iter() {
+            x.leave(self.member, why);
+        }
+    }
+}
+
+/// The seats of `dp` replicas of `tp` ranks, one exchange per DP group of the rank layout
+/// (`tpc ranks --world dp·tp --tp tp --dp dp`), members in the group's (replica) order.
+pub fn expert_seats(tp: usize, dp: usize) -> Result<Vec<ExpertSeat>, String> {
+    let world = (tp as u64).saturating_mul(dp as u64);
+    let groups = super::rank_groups::rank_groups(world, tp as u64, 1, dp as u64)
+        .map_err(|e| e.to_string())?;
+    // One exchange per DP group; `by_tp[t]` is tp rank t's.
+    let mut by_tp: Vec<Option<Arc<ExpertExchange>>> = vec![None; tp];
+    for group in &groups.dp_groups {
+        let tp_rank = groups.ranks[group[0]].tp;
+        by_tp[tp_rank] = Some(Arc::new(ExpertExchange::new(group.len())));
+    }
+    let exchanges: Vec<Arc<ExpertExchange>> = by_tp.into_iter().flatten().collect();
+    if exchanges.len() != tp {
+        return Err(format!(
+            "the layout of {dp} replicas of {tp} ranks has {} DP groups, expected {tp}",
+            exchanges.len()
+        ));
+    }
+    let exchanges = Arc::new(exchanges);
+    Ok((0..dp)
+        .map(|member| ExpertSeat {
+            exchanges: exchanges.clone(),
+            member,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parcel(v: f32) -> Parcel {
+        Parcel {
+            rows: 1,
+            values: vec![v],
+            routing: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn columns_are_dealt_in_order_the_first_members_one_more() {
+        assert_eq!(deal_columns(8, 3), vec![0..3, 3..6, 6..8]);
+        assert_eq!(deal_columns(2, 3), vec![0..1, 1..2, 2..2]);
+        assert_eq!(deal_columns(6, 1), vec![0..6]);
+    }
+
+    #[test]
+    fn every_member_gets_each_members_parcel_for_it_round_after_round() {
+        let x = Arc::new(ExpertExchange::new(3));
+        std::thread::scope(|s| {
+            for me in 0..3 {
+                let x = x.clone();
+                s.spawn(move || {
+                    for round in 0..50 {
+                        let out = (0..3)
+                            .map(|to| parcel((round * 100 + me * 10 + to) as f32))
+                            .collect();
+                        let got = x.all_to_all(me, out, false).unwrap();
+                        assert!(!got.all_idle);
+                        let want: Vec<_> = (0..3)
+                            .map(|from| parcel((round * 100 + from * 10 + me) as f32))
+                            .collect();
+                        assert_eq!(got.parcels, want, "member {me} round {round}");
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn an_idle_member_serves_until_all_are_idle() {
+        let x = Arc::new(ExpertExchange::new(2));
+        let rounds = std::thread::scope(|s| {
+            let busy = {
+                let x = x.clone();
+                s.spawn(move || {
+                    for _ in 0..5 {
+                        let r = x.all_to_all(0, vec![parcel(1.0), parcel(2.0)], false);
+                        assert!(!r.unwrap().all_idle);
+                    }
+                    // Done: idle like the other, and both stop on the same round.
+                    x.all_to_all(0, vec![Parcel::default(); 2], true).unwrap()
+                })
+            };
+            let mut served = 0;
+            loop {
+                let r = x.all_to_all(1, vec![Parcel::default(); 2], true).unwrap();
+                if r.all_idle {
+                    break;
+                }
+                assert_eq!(r.parcels[0], parcel(2.0));
+                served += 1;
+            }
+            assert!(busy.join().unwrap().all_idle);
+            served
+        });
+        assert_eq!(rounds, 5);
+    }
+
+    #[test]
+    fn a_member_that_leaves_fails_the_ones_waiting_on_it() {
+        let x = Arc::new(ExpertExchange::new(2));
+        let err = std::thread::scope(|s| {
+            let waiting = {
+                let x = x.clone();
+                s.spawn(move || x.all_to_all(0, vec![Parcel::default(); 2], false))
+            };
+            x.leave(1, "a bad token");
+            waiting.join().unwrap()
+        });
+        assert_eq!(
+            err.unwrap_err(),
+            ExchangeError::MemberLeft {
+                member: 1,
+                why: "a bad token".into()
+            }
+        );
+        // And any later round fails at once.
+        assert!(x.all_to_all(0, vec![Parcel::default(); 2], false).is_err());
+    }
+
+    #[test]
+    fn misuse_is_refused() {
+        let x = ExpertExchange::new(2);
+        assert!(matches!(
+            x.all_to_all(2, vec![Parcel::default(); 2], false),
+            Err(ExchangeError::Misuse { .. })
+        ));
+        assert!(matches!(
+            x.all_to_all(0, vec![Parcel::default(); 3], false),
+            Err(ExchangeError::Misuse { .. })
+        ));
+    }
+
+    #[test]
+    fn seats_follow_the_dp_groups_of_the_rank_layout() {
+        let seats = expert_seats(2, 3).unwrap();
+        assert_eq!(seats.len(), 3);
+        for (d, seat) in seats.iter().enumerate() {
+            assert_eq!(seat.member, d);
+            assert_eq!(seat.exchanges.len(), 2);
+            for t in 0..2 {
+                let m = seat.member(t).unwrap();
+                assert_eq!(m.exchange.members(), 3);
+                assert!(Arc::ptr_eq(&m.exchange, &seats[0].exchanges[t]));
+            }
+        }
+        assert!(!Arc::ptr_eq(&seats[0].exchanges[0], &seats[0].exchanges[1]));
+    }
+}
