@@ -261,8 +261,22 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         program: &'a RankProgram,
         numerics: NumericsMode,
         weights: &dyn WeightSource,
+        backend: B,
+        comm: C,
+    ) -> Result<Self> {
+        Self::new_sharing(program, numerics, weights, backend, comm, None)
+    }
+
+    /// [`RankExecutor::new`] for a rank that shares its experts with the other members of
+    /// its DP group (`--ep`, `member`): it loads only its own columns' experts and runs
+    /// every mixture-of-experts layer through the group's exchange.
+    pub fn new_sharing(
+        program: &'a RankProgram,
+        numerics: NumericsMode,
+        weights: &dyn WeightSource,
         mut backend: B,
         comm: C,
+        member: Option<super::expert_exchange::ExpertMember>,
     ) -> Result<Self> {
         let tp = comm.world_size();
         let (invariant, limbs) = invariant_orders(program, numerics, tp);
@@ -281,7 +295,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let (fused, in_products, mut weight_bytes) =
             super::fused::FusedProducts::load(program, weights, &backend)?;
         let (experts, in_experts, expert_bytes) =
-            load_experts(program, &slices, weights, &backend)?;
+            load_experts(program, &slices, weights, &backend, member.as_ref())?;
         weight_bytes += expert_bytes;
         for i in &program.instrs {
             if in_products.contains(&i.id) || in_experts.contains(&i.id) {
@@ -358,7 +372,7 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             values: Vec::new(),
             collective_bytes: 0,
             routed_pairs: 0,
-            expert_member: None,
+            expert_member: member,
             all_reduces: AllReduceTally::default(),
             weight_bytes,
             profile: None,
@@ -452,17 +466,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// Whether the program has mixture-of-experts layers.
     pub fn has_experts(&self) -> bool {
         !self.experts.is_empty()
-    }
-
-    /// Shares this rank's experts with the other members of its DP group (`--ep`): keeps
-    /// only its own columns' experts (the others' weights are freed) and from now on runs
-    /// every mixture-of-experts layer through the group's exchange.
-    pub fn join_expert_group(&mut self, member: super::expert_exchange::ExpertMember) {
-        for experts in self.experts.values_mut() {
-            let freed = super::moe_across::keep_own_experts(&self.backend, experts, &member);
-            self.weight_bytes = self.weight_bytes.saturating_sub(freed);
-        }
-        self.expert_member = Some(member);
     }
 
     /// After this replica's last forward call: answers the other members' mixture-of-experts
@@ -1579,12 +1582,14 @@ fn across_error(name: &str, e: super::moe_across::AcrossError) -> RunError {
 /// Every mixture-of-experts op's experts on this rank: per routing column, the expert's
 /// gate and up as one weight (one product) and its down, read from the experts' own
 /// tensors (`plan::experts`). Also the ids of the stacked params they replace, and bytes.
+/// A member of a DP group sharing its experts (`member`) loads only its own columns'.
 #[allow(clippy::type_complexity)]
 fn load_experts<B: Backend>(
     program: &RankProgram,
     slices: &HashMap<&str, &crate::plan::WeightSlice>,
     src: &dyn WeightSource,
     backend: &B,
+    member: Option<&super::expert_exchange::ExpertMember>,
 ) -> Result<(
     HashMap<u32, Vec<Option<ExpertWeights<B::Weight>>>>,
     HashSet<u32>,
@@ -1631,8 +1636,11 @@ fn load_experts<B: Backend>(
             error => on(i)(error),
         };
         let mut experts = Vec::with_capacity(gate.len());
-        for ((g, u), d) in gate.iter().zip(&up).zip(&down) {
-            let (Some(g), Some(u), Some(d)) = (g, u, d) else {
+        let mine = member.map_or(0..gate.len(), |m| {
+            super::moe_across::my_columns(gate.len(), m)
+        });
+        for (column, ((g, u), d)) in gate.iter().zip(&up).zip(&down).enumerate() {
+            let (true, Some(g), Some(u), Some(d)) = (mine.contains(&column), g, u, d) else {
                 experts.push(None);
                 continue;
             };

@@ -298,6 +298,19 @@ pub fn rank_runtime<'p, B: Backend, C: Collectives<B::Act>>(
     comm: C,
     weights: &dyn WeightSource,
 ) -> Result<RankRuntime<'p, B, C>> {
+    rank_runtime_sharing(plan, rank, backend, comm, weights, None)
+}
+
+/// [`rank_runtime`] for a rank whose experts are shared out over replicas (`--ep`): it
+/// loads only those its seat `member` computes.
+pub fn rank_runtime_sharing<'p, B: Backend, C: Collectives<B::Act>>(
+    plan: &'p Plan,
+    rank: usize,
+    backend: B,
+    comm: C,
+    weights: &dyn WeightSource,
+    member: Option<super::expert_exchange::ExpertMember>,
+) -> Result<RankRuntime<'p, B, C>> {
     let program = plan
         .ranks
         .get(rank)
@@ -306,7 +319,7 @@ pub fn rank_runtime<'p, B: Backend, C: Collectives<B::Act>>(
             problem: format!("the plan has {} ranks", plan.ranks.len()),
         })?;
     let load = Instant::now();
-    let exec = RankExecutor::new(program, plan.numerics, weights, backend, comm)?;
+    let exec = RankExecutor::new_sharing(program, plan.numerics, weights, backend, comm, member)?;
     Ok(RankRuntime {
         exec,
         rank,
@@ -345,8 +358,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         else {
             return self.generate(requests, opts);
         };
-        let mut guard = LeaveUnlessDone(Some(member.clone()));
-        self.exec.join_expert_group(member);
+        let mut guard = LeaveUnlessDone(Some(member));
         let mut out = self.generate(requests, opts)?;
         self.exec.serve_expert_group()?;
         if self.exec.has_experts() {

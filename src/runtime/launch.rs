@@ -9,7 +9,8 @@ use super::backend::Backend;
 use super::collectives::Collectives;
 use super::comm::{local_group, CommError, LocalComm, MAX_LOCAL_RANKS};
 use super::error::{Result, RunError};
-use super::generate::{check_requests, rank_runtime, stage_runtime, Request, RunOptions};
+use super::expert_exchange::ExpertSeat;
+use super::generate::{check_requests, rank_runtime_sharing, stage_runtime, Request, RunOptions};
 use super::rank_groups::rank_groups;
 use super::weights::WeightSource;
 use crate::plan::stages::{stage_program, StageProgram};
@@ -63,6 +64,30 @@ where
     C: Collectives<B::Act>,
     T: Send,
 {
+    launch_sharing_experts(plan, weights, comms, pipes, None, backend, job)
+}
+
+/// [`launch_stages`] for one replica of several that share their experts (`--ep`): each
+/// rank loads only the experts its seat in `seat`'s DP group computes.
+pub fn launch_sharing_experts<B, C, T>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    comms: Vec<C>,
+    pipes: Vec<C>,
+    seat: Option<&ExpertSeat>,
+    backend: &(dyn Fn(usize) -> Result<B> + Sync),
+    job: &(dyn Fn(&mut super::generate::RankRuntime<'_, B, C>) -> Result<T> + Sync),
+) -> Result<T>
+where
+    B: Backend,
+    C: Collectives<B::Act>,
+    T: Send,
+{
+    if seat.is_some() && plan.pp() > 1 {
+        return Err(RunError::Replicas(
+            "--ep with pipeline stages is not supported yet; use --pp 1".into(),
+        ));
+    }
     // The plan is a contract: checked before any rank starts.
     plan.verify()?;
     let (tp, pp, world) = (plan.ranks.len(), plan.pp(), plan.world());
@@ -100,7 +125,10 @@ where
                         let b = backend(rank)?;
                         let mut rt = match (sp, pipe) {
                             (Some(sp), Some(pipe)) => stage_runtime(sp, b, comm, pipe, weights)?,
-                            _ => rank_runtime(plan, rank, b, comm, weights)?,
+                            _ => {
+                                let member = seat.and_then(|s| s.member(rank));
+                                rank_runtime_sharing(plan, rank, b, comm, weights, member)?
+                            }
                         };
                         let out = job(&mut rt);
                         if out.is_err() {
@@ -240,8 +268,9 @@ pub fn check_before_start(
 }
 
 /// For ranks that compute in this host's memory (the CPU): refuses before any weight is
-/// loaded what cannot fit, `copies` copies of the weights (data-parallel replicas) and KV
-/// caches for `requests`. GPU ranks report their device's memory when they allocate.
+/// loaded what cannot fit, `copies` copies of the weights (data-parallel replicas; one copy
+/// of the experts between them under `--ep`) and KV caches for `requests`. GPU ranks
+/// report their device's memory when they allocate.
 pub fn check_host_memory(
     plan: &Plan,
     requests: &[Request],
@@ -252,5 +281,11 @@ pub fn check_host_memory(
         return Ok(());
     }
     let tokens = super::generate::total_tokens(requests, opts);
-    super::memory::check_fits_copies(plan, opts.dtype.bf16_linears(plan), tokens, copies)
+    super::memory::check_fits_copies(
+        plan,
+        opts.dtype.bf16_linears(plan),
+        tokens,
+        copies,
+        opts.expert_parallel,
+    )
 }

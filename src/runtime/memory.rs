@@ -47,22 +47,42 @@ pub fn check_fits(
     bf16: bool,
     tokens: u64,
 ) -> Result<(), crate::runtime::error::RunError> {
-    check_fits_copies(plan, bf16, tokens, 1)
+    check_fits_copies(plan, bf16, tokens, 1, false)
+}
+
+/// Bytes of the weights of `plan`'s ranks that are stacks of experts (`plan::experts`).
+pub fn expert_bytes(plan: &crate::plan::Plan, bf16: bool) -> u64 {
+    let per_element = if bf16 { 2 } else { 4 };
+    crate::ir::saturating::sum(plan.ranks.iter().flat_map(|r| {
+        r.weights
+            .iter()
+            .filter(|w| crate::plan::experts::is_stacked(&w.tensor))
+            .map(|w| w.local_elements().saturating_mul(per_element))
+    }))
 }
 
 /// [`check_fits`] for `copies` copies of the weights (data-parallel replicas) whose KV
-/// caches hold `tokens` in all.
+/// caches hold `tokens` in all; with `experts_shared` (`--ep`) the replicas hold one copy of
+/// the experts between them.
 pub fn check_fits_copies(
     plan: &crate::plan::Plan,
     bf16: bool,
     tokens: u64,
     copies: u64,
+    experts_shared: bool,
 ) -> Result<(), crate::runtime::error::RunError> {
     let Some(available) = available_bytes() else {
         return Ok(());
     };
     let (weights, kv) = least_run_bytes(plan, bf16, tokens);
-    let weights = weights.saturating_mul(copies.max(1));
+    let experts = if experts_shared {
+        expert_bytes(plan, bf16)
+    } else {
+        0
+    };
+    let weights = (weights - experts.min(weights))
+        .saturating_mul(copies.max(1))
+        .saturating_add(experts);
     let needed = weights.saturating_add(kv);
     if needed > available {
         return Err(crate::runtime::error::RunError::OutOfMemory {

@@ -33,25 +33,6 @@ pub fn my_columns(columns: usize, m: &ExpertMember) -> std::ops::Range<usize> {
         .unwrap_or(0..0)
 }
 
-/// Forgets the experts another member of `m`'s DP group computes (their weights freed).
-/// Returns the bytes they took.
-pub fn keep_own_experts<B: Backend>(
-    b: &B,
-    experts: &mut [Option<ExpertWeights<B::Weight>>],
-    m: &ExpertMember,
-) -> u64 {
-    let mine = my_columns(experts.len(), m);
-    let mut freed = 0u64;
-    for (j, slot) in experts.iter_mut().enumerate() {
-        if !mine.contains(&j) {
-            if let Some(w) = slot.take() {
-                freed += (b.weight_bytes(&w.gate_up) + b.weight_bytes(&w.down)) as u64;
-            }
-        }
-    }
-    freed
-}
-
 /// Runs this member's experts (`experts[mine]`) over every member's dispatched rows and
 /// returns each member's answer (its rows' weighted sums, in its order) and the (token,
 /// expert) pairs computed.

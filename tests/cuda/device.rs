@@ -213,6 +213,56 @@ fn moe_fixtures_on_one_gpu_match_hf_with_both_splits() {
     eprintln!("{}", report.join("\n"));
 }
 
+/// Experts dealt over two data-parallel replicas (`--dp 2 --ep`) on one GPU: each replica's
+/// ranks hold half of their experts and the replicas swap the routed rows at every MoE layer
+/// (through the host); the replica with the shorter request keeps answering the other. HF's
+/// prefill logits and greedy tokens for both sequences, f32, tp 1 (`--moe expert`) and tp 2
+/// (`--moe tensor`).
+#[test]
+fn moe_experts_over_replicas_on_one_gpu_match_hf() {
+    if !gpu_present("moe_experts_over_replicas_on_one_gpu_match_hf") {
+        return;
+    }
+    let mut report = Vec::new();
+    for case in MOE_CASES {
+        let dir = Path::new("tests/fixtures/checkpoints").join(case);
+        let reference = read_reference(&dir);
+        let def = load_model(&dir).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let n = reference.greedy.len();
+        let requests = [n, 2].map(|new| Request {
+            prompt: reference.prompt.clone(),
+            max_new_tokens: Some(new),
+        });
+        for (tp, split) in [(1, ExpertSplit::Expert), (2, ExpertSplit::Tensor)] {
+            let options = ShardOptions {
+                moe: Some(split),
+                ..Default::default()
+            };
+            let plan = compile_with(&def, tp, options).unwrap().plan;
+            let opts = RunOptions {
+                device: Device::Cuda(vec![0]),
+                expert_parallel: true,
+                ..Default::default()
+            };
+            let what = format!("{case} --moe {} tp={tp} --dp 2 --ep on GPU 0", split.word());
+            let out = tpc::runtime::replicas::run_replicas(&plan, &ckpt, &requests, &opts, 2)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            for (s, new) in out.sequences.iter().zip([n, 2]) {
+                let err = rel_error(&s.prompt_logits.data, &reference.logits);
+                report.push(format!("{what}, {new} tokens: rel err {err:.2e}"));
+                assert!(err <= REL_TOL, "{what}: relative error {err:.3e}");
+                assert_eq!(
+                    s.generated,
+                    reference.greedy[..new],
+                    "{what}: greedy tokens"
+                );
+            }
+        }
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
 /// Mixture-of-experts layers at tp 2 with a GPU per rank (the layer's all-reduce through
 /// NCCL). Skips with fewer than two GPUs.
 #[test]
@@ -521,6 +571,10 @@ fn moe_fixtures_match_hf_on_the_emulated_gpu() {
             3 * 2 * cases,
         ),
         ("moe_fixtures_on_two_gpus_match_hf", cases),
+        (
+            "moe_experts_over_replicas_on_one_gpu_match_hf",
+            4 * MOE_CASES.len(),
+        ),
     ];
     let children: Vec<(&str, usize, std::process::Child)> = runs
         .into_iter()
