@@ -154,6 +154,7 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         "tp": a.tp,
         "pp": plan.pp(),
         "dp": a.dp,
+        "experts_over_replicas": a.ep,
         "processes": super::launcher::processes(mpi),
         "dtype": format!("{dtype:?}").to_lowercase(),
         "batch": a.batch,

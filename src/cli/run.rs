@@ -252,6 +252,7 @@ fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value
         "tp": tp,
         "pp": pp,
         "dp": a.dp,
+        "experts_over_replicas": a.ep,
         "sequences": out.sequences.len(),
         "prompt_tokens": out.prompt_tokens,
         "generated_tokens": out.generated_tokens(),
@@ -333,10 +334,10 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         } else {
             String::new()
         },
-        if a.dp > 1 {
-            format!(" dp={}", a.dp)
-        } else {
-            String::new()
+        match (a.dp > 1, a.ep) {
+            (true, true) => format!(" dp={} ep={}", a.dp, a.dp * tp),
+            (true, false) => format!(" dp={}", a.dp),
+            _ => String::new(),
         }
     );
     let layout = match super::launcher::processes(mpi) {

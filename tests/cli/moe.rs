@@ -178,3 +178,87 @@ fn explain_names_the_split_and_why_auto_chose_it() {
     ]));
     assert!(e.contains("--hw prices `--moe auto` only"), "{e}");
 }
+
+/// `--dp D --ep`: the replicas share the experts (each holds 1/D of its tp rank's) and
+/// print the tokens `--dp 1` prints; the load report lists every rank of the EP group (DP ×
+/// TP) and adds up to the same (token, expert) pairs. Refused where it cannot apply.
+#[test]
+fn experts_dealt_over_replicas_print_what_one_replica_prints() {
+    let dir = scratch("moe-ep");
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt_ids\":[3,71,249],\"max_new_tokens\":6}\n{\"prompt_ids\":[9,8],\"max_new_tokens\":2}\n{\"prompt_ids\":[5,5,5,5]}\n",
+    )
+    .unwrap();
+    let p = prompts.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            QWEN2_MOE,
+            "--moe",
+            "expert",
+            "--prompts",
+            p,
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = ok(&tpc(&args));
+        let lines: Vec<Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let tokens: Vec<Value> = lines[..3].iter().map(|l| l["generated"].clone()).collect();
+        let loads: Vec<u64> = lines[3]["summary"]["moe_routed_pairs_per_rank"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        (tokens, loads)
+    };
+    let (alone, alone_loads) = run(&["--tp", "2"]);
+    for (tp, dp) in [("1", "3"), ("2", "2")] {
+        let (tokens, loads) = run(&["--tp", tp, "--dp", dp, "--ep"]);
+        assert_eq!(tokens, alone, "tp {tp} dp {dp} --ep");
+        let ranks: usize = tp.parse::<usize>().unwrap() * dp.parse::<usize>().unwrap();
+        assert_eq!(loads.len(), ranks, "tp {tp} dp {dp}: {loads:?}");
+        assert_eq!(
+            loads.iter().sum::<u64>(),
+            alone_loads.iter().sum::<u64>(),
+            "tp {tp} dp {dp}: {loads:?} vs {alone_loads:?}"
+        );
+    }
+    let refused = |args: &[&str], says: &str| {
+        let e = fails_cleanly(&tpc(args));
+        assert!(e.contains(says), "{args:?}: {e}");
+    };
+    refused(
+        &[
+            "run",
+            "tests/fixtures/checkpoints/llama-gqa",
+            "--dp",
+            "2",
+            "--ep",
+            "--prompts",
+            p,
+        ],
+        "no mixture-of-experts layers",
+    );
+    refused(
+        &[
+            "run",
+            QWEN2_MOE,
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--ep",
+            "--prompts",
+            p,
+        ],
+        "pipeline stages",
+    );
+}
