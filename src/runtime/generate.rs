@@ -342,9 +342,9 @@ impl Drop for LeaveUnlessDone {
 
 impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
     /// [`RankRuntime::generate`] for a rank of a replica that shares its experts with the
-    /// other replicas (`opts.expert_seat`): joins its DP group first and, once its own
-    /// requests are done, answers the others' until all are; the load report is then each
-    /// rank's (token, expert) pairs over the whole run, its answers to the others included.
+    /// other replicas (`opts.expert_seat`): once its own requests are done, it answers the
+    /// others' until all are; the load report is then each rank's (token, expert) pairs of
+    /// one generation, its answers to the other replicas included.
     /// Without a seat, just `generate`.
     pub fn generate_in_expert_group(
         &mut self,
@@ -362,7 +362,10 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         let mut out = self.generate(requests, opts)?;
         self.exec.serve_expert_group()?;
         if self.exec.has_experts() {
-            out.routed_pairs_per_rank = self.exec.gather_counts(self.exec.routed_pairs)?;
+            // Every generation routes the same tokens (a repeat that differs is refused), so
+            // the run's pairs over its generations are one generation's.
+            let runs = (opts.warmup + opts.repeat.max(1)) as u64;
+            out.routed_pairs_per_rank = self.exec.gather_counts(self.exec.routed_pairs / runs)?;
         }
         guard.0 = None;
         Ok(out)
