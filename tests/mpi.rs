@@ -215,6 +215,94 @@ fn moe_fixtures_as_processes_equal_threads_and_hf() {
     assert_eq!(ran, 12);
 }
 
+/// `--dp D --ep` as processes: each tp rank's experts dealt over the replicas' processes
+/// (the layout's DP groups as MPI communicators), the routed rows swapped by
+/// `MPI_Alltoallv`. Every MoE fixture at (np, tp, dp) = (2, 1, 2), (3, 1, 3) and (4, 2, 2)
+/// prints what the threaded `--ep` run prints (tokens and each EP rank's load, the same
+/// member order so the same sums) and HF's greedy tokens for the sequences with HF's prompt,
+/// while the replica with the 2-token request answers the others.
+#[test]
+fn moe_experts_over_replica_processes_equal_threads_and_hf() {
+    let dir = scratch("moe-ep");
+    let mut ran = 0;
+    for name in common::MOE_FIXTURES {
+        let fixture = Path::new("tests/fixtures/checkpoints").join(name);
+        let reference = read_reference(&fixture);
+        let n = reference.greedy.len().min(6);
+        let prompts = dir.join(format!("{name}.jsonl"));
+        let ids = |p: &[i64]| format!("[{}]", csv(p));
+        let other: Vec<i64> = reference.prompt.iter().rev().take(5).copied().collect();
+        std::fs::write(
+            &prompts,
+            format!(
+                "{{\"prompt_ids\":{}}}\n{{\"prompt_ids\":{},\"max_new_tokens\":2}}\n{{\"prompt_ids\":{}}}\n",
+                ids(&reference.prompt),
+                ids(&reference.prompt),
+                ids(&other)
+            ),
+        )
+        .unwrap();
+        for (np, tp, dp) in [(2usize, 1u64, 2u64), (3, 1, 3), (4, 2, 2)] {
+            let what = format!("{name} np={np} tp={tp} dp={dp} --ep");
+            let args: Vec<String> = [
+                "run",
+                &fixture.to_string_lossy(),
+                "--tp",
+                &tp.to_string(),
+                "--dp",
+                &dp.to_string(),
+                "--ep",
+                "--moe",
+                "expert",
+                "--prompts",
+                &prompts.to_string_lossy(),
+                "--max-new-tokens",
+                &n.to_string(),
+                "--threads-per-rank",
+                "1",
+                "--json",
+            ]
+            .map(String::from)
+            .to_vec();
+            let mut threads = Command::new(TPC);
+            threads.args(&args);
+            let threads = ok(run(threads, &what), &what);
+            let mut procs = mpirun(np);
+            procs.args(&args);
+            let procs = ok(run(procs, &what), &what);
+            let parse = |out: &str| -> (Vec<serde_json::Value>, serde_json::Value) {
+                let lines: Vec<serde_json::Value> = out
+                    .lines()
+                    .map(|l| serde_json::from_str(l).unwrap())
+                    .collect();
+                let tokens = lines[..3].iter().map(|l| l["generated"].clone()).collect();
+                (
+                    tokens,
+                    lines[3]["summary"]["moe_routed_pairs_per_rank"].clone(),
+                )
+            };
+            let (t_tokens, t_load) = parse(&threads);
+            let (p_tokens, p_load) = parse(&procs);
+            assert_eq!(p_tokens, t_tokens, "{what}: tokens");
+            assert_eq!(p_load, t_load, "{what}: load per EP rank");
+            assert_eq!(
+                p_load.as_array().map(Vec::len),
+                Some(np),
+                "{what}: one load per rank"
+            );
+            for (got, want) in p_tokens[..2].iter().zip([n, 2]) {
+                assert_eq!(
+                    got,
+                    &serde_json::json!(reference.greedy[..want]),
+                    "{what}: HF's tokens"
+                );
+            }
+            ran += 1;
+        }
+    }
+    assert_eq!(ran, 12);
+}
+
 /// Whether tpc splits `fixture` `tp` ways (with `extra` flags).
 fn compiles(fixture: &Path, tp: u64, extra: &[String]) -> bool {
     Command::new(TPC)

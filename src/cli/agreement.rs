@@ -57,6 +57,7 @@ pub fn record(job: &Job<'_>) -> anyhow::Result<Record> {
     r.argument("--tp", plan.tp)
         .argument("--pp / --pp-layers", stages)
         .argument("--dp", job.dp)
+        .argument("--ep", on_off(opts.expert_parallel))
         .argument("--sequence-parallel", on_off(job.shard.sequence_parallel))
         .argument("--fuse-norm", on_off(job.shard.fuse_norm))
         .argument("--numerics", job.shard.numerics)

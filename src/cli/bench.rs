@@ -106,9 +106,6 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     };
     let out = match mpi {
         None => run_replicas(&plan, weights, &requests, &opts, a.dp as usize),
-        Some(_) if a.ep => anyhow::bail!(
-            "--ep deals the experts over replicas that run as threads of one process; under mpirun it is not supported yet: run without mpirun (--launcher threads)"
-        ),
         Some(world) => {
             // Every process would draw its own bar over the others'.
             bar.finish_and_clear();

@@ -468,6 +468,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         !self.experts.is_empty()
     }
 
+    /// This rank's seat in its DP group when it shares its experts (`--ep`).
+    pub fn expert_member(&self) -> Option<&super::expert_exchange::ExpertMember> {
+        self.expert_member.as_ref()
+    }
+
     /// After this replica's last forward call: answers the other members' mixture-of-experts
     /// rounds, layer after layer in program order as their forward calls make them, until
     /// every member is done. Nothing without a DP group.

@@ -4,8 +4,9 @@
 //! them. Replicas run different requests, so at every mixture-of-experts layer the members
 //! of a DP group swap tokens: each sends every other the rows routed to that member's
 //! experts (dispatch), computes its experts for all the rows it got, and sends the results
-//! back (combine). This file is the swap itself, an all-to-all of host parcels between the
-//! replicas' threads, and the deal of routing columns.
+//! back (combine). This file is the swap itself ([`Exchanger`]: an all-to-all of host
+//! parcels; here between the replicas' threads, `processes/` has one over MPI) and the deal
+//! of routing columns.
 //!
 //! A replica that has finished its requests keeps serving the others' rounds (with nothing
 //! of its own) until every member is idle; a replica that stops (an error, a panic) leaves,
@@ -43,6 +44,21 @@ struct State {
     boxes: Vec<Vec<Option<Parcel>>>,
     /// A member that stopped, and why.
     left: Option<(usize, String)>,
+}
+
+/// A DP group's all-to-all of parcels, whatever carries them.
+pub trait Exchanger: Send + Sync {
+    fn members(&self) -> usize;
+    /// Member `member` sends `parcels[j]` to member j and gets every member's parcel for it.
+    /// `idle`: this member has no tokens of its own left (its parcels are empty).
+    fn all_to_all(
+        &self,
+        member: usize,
+        parcels: Vec<Parcel>,
+        idle: bool,
+    ) -> Result<Round, ExchangeError>;
+    /// Member `member` will take part in no further round (it is done or has failed).
+    fn leave(&self, member: usize, why: &str);
 }
 
 /// One DP group's all-to-all: `members` replicas' threads at the same tp rank.
@@ -85,10 +101,6 @@ impl ExpertExchange {
         }
     }
 
-    pub fn members(&self) -> usize {
-        self.members
-    }
-
     fn lock(&self) -> MutexGuard<'_, State> {
         // A member that panicked holding the lock left nothing half-done that matters here:
         // its replica reports the panic, and `leave` stops the others.
@@ -98,10 +110,14 @@ impl ExpertExchange {
     fn wait<'a>(&self, s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         self.turn.wait(s).unwrap_or_else(|p| p.into_inner())
     }
+}
 
-    /// Member `member` sends `parcels[j]` to member j and gets every member's parcel for it.
-    /// `idle`: this member has no tokens of its own left (its parcels are empty).
-    pub fn all_to_all(
+impl Exchanger for ExpertExchange {
+    fn members(&self) -> usize {
+        self.members
+    }
+
+    fn all_to_all(
         &self,
         member: usize,
         parcels: Vec<Parcel>,
@@ -165,10 +181,9 @@ impl ExpertExchange {
         Ok(Round { parcels, all_idle })
     }
 
-    /// Member `member` will take part in no further round: every member waiting in one, now
-    /// or later, fails. A member leaves only when it is done or has failed; after the round
-    /// in which all were idle nobody waits, so a normal end fails no one.
-    pub fn leave(&self, member: usize, why: &str) {
+    /// Every member waiting in a round, now or later, fails. After the round in which all
+    /// were idle nobody waits, so a normal end fails no one.
+    fn leave(&self, member: usize, why: &str) {
         let mut s = self.lock();
         if s.left.is_none() {
             s.left = Some((member, why.to_string()));
@@ -202,17 +217,23 @@ pub struct ExpertSeat {
 }
 
 /// A tp rank's seat: its DP group's exchange and its member index there.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ExpertMember {
-    pub exchange: Arc<ExpertExchange>,
+    pub exchange: Arc<dyn Exchanger>,
     pub member: usize,
+}
+
+impl std::fmt::Debug for ExpertMember {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "member {} of {}", self.member, self.exchange.members())
+    }
 }
 
 impl ExpertSeat {
     /// The seat of tp rank `tp_rank` of this replica.
     pub fn member(&self, tp_rank: usize) -> Option<ExpertMember> {
         Some(ExpertMember {
-            exchange: self.exchanges.get(tp_rank)?.clone(),
+            exchange: self.exchanges.get(tp_rank)?.clone() as Arc<dyn Exchanger>,
             member: self.member,
         })
     }
@@ -370,7 +391,8 @@ mod tests {
             for t in 0..2 {
                 let m = seat.member(t).unwrap();
                 assert_eq!(m.exchange.members(), 3);
-                assert!(Arc::ptr_eq(&m.exchange, &seats[0].exchanges[t]));
+                let first: Arc<dyn Exchanger> = seats[0].exchanges[t].clone();
+                assert!(Arc::ptr_eq(&m.exchange, &first));
             }
         }
         assert!(!Arc::ptr_eq(&seats[0].exchanges[0], &seats[0].exchanges[1]));

@@ -341,25 +341,25 @@ impl Drop for LeaveUnlessDone {
 }
 
 impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
-    /// [`RankRuntime::generate`] for a rank of a replica that shares its experts with the
-    /// other replicas (`opts.expert_seat`): once its own requests are done, it answers the
-    /// others' until all are; the load report is then each rank's (token, expert) pairs of
-    /// one generation, its answers to the other replicas included.
+    /// [`RankRuntime::generate`] for a rank that shares its experts with other replicas
+    /// (built with a seat in its DP group, `--ep`): once its own requests are done (it may
+    /// have none), it answers the others' until all are; the load report is then each rank's
+    /// (token, expert) pairs of one generation, its answers to the other replicas included.
     /// Without a seat, just `generate`.
     pub fn generate_in_expert_group(
         &mut self,
         requests: &[Request],
         opts: &RunOptions,
     ) -> Result<BatchOutput> {
-        let Some(member) = opts
-            .expert_seat
-            .as_ref()
-            .and_then(|s| s.member(self.exec.comm.rank()))
-        else {
+        let Some(member) = self.exec.expert_member().cloned() else {
             return self.generate(requests, opts);
         };
         let mut guard = LeaveUnlessDone(Some(member));
-        let mut out = self.generate(requests, opts)?;
+        let mut out = if requests.is_empty() {
+            BatchOutput::default()
+        } else {
+            self.generate(requests, opts)?
+        };
         self.exec.serve_expert_group()?;
         if self.exec.has_experts() {
             // Every generation routes the same tokens (a repeat that differs is refused), so

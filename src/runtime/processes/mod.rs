@@ -12,6 +12,7 @@
 //! collective is [`MpiWorld::agree`]: ranks started with different arguments or files stop
 //! there together ([`super::agreement`]).
 
+pub mod expert_exchange;
 pub mod serve;
 
 use super::agreement::{verdict, Record};
@@ -19,8 +20,9 @@ use super::comm::MpiComm;
 use super::cpu::isa::Kernels;
 use super::cpu_rank::cpu_backend;
 use super::error::{Result, RunError};
+use super::expert_exchange::ExpertMember;
 use super::generate::{
-    rank_runtime, stage_runtime, BatchOutput, Device, Request, RunOptions, SequenceOutput,
+    rank_runtime_sharing, stage_runtime, BatchOutput, Device, Request, RunOptions, SequenceOutput,
 };
 use super::launch::{check_before_start, check_host_memory};
 use super::rank_groups::{rank_groups, RankGroups};
@@ -181,15 +183,45 @@ pub fn abort_job_on_panic() {
 /// The sub-communicator of the group (one of `groups`) that holds this rank, ranked in the
 /// group's order. Collective over the world: every process calls it with the same lists.
 fn split(world: &SimpleCommunicator, groups: &[Vec<usize>], me: usize) -> Result<MpiComm> {
+    Ok(MpiComm::new(split_raw(world, groups, me)?))
+}
+
+/// [`split`] as MPI's own communicator.
+fn split_raw(
+    world: &SimpleCommunicator,
+    groups: &[Vec<usize>],
+    me: usize,
+) -> Result<SimpleCommunicator> {
     let (color, key) = groups
         .iter()
         .enumerate()
         .find_map(|(g, list)| list.iter().position(|&r| r == me).map(|k| (g, k)))
         .ok_or_else(|| processes(format!("rank {me} is in no group of the layout")))?;
-    let comm = world
+    world
         .split_by_color_with_key(Color::with_value(color as i32), key as i32)
-        .ok_or_else(|| processes(format!("rank {me}: MPI returned no communicator")))?;
-    Ok(MpiComm::new(comm))
+        .ok_or_else(|| processes(format!("rank {me}: MPI returned no communicator")))
+}
+
+/// Under `--ep` with more than one replica: why this run cannot deal its experts over the
+/// replicas, checked alike on every process before any collective.
+fn check_expert_parallel(plan: &Plan, opts: &RunOptions) -> Result<()> {
+    let refuse = |why: &str| Err(RunError::Replicas(format!("--ep: {why}")));
+    if !plan.ranks.first().is_some_and(|r| {
+        r.instrs
+            .iter()
+            .any(|i| matches!(i.op, crate::ir::Op::Experts(_)))
+    }) {
+        return refuse("the model has no mixture-of-experts layers to deal over replicas");
+    }
+    if plan.pp() > 1 {
+        return refuse(
+            "experts dealt over replicas with pipeline stages is not supported yet; use --pp 1",
+        );
+    }
+    if matches!(opts.device, Device::Cuda(_)) {
+        return refuse("under mpirun the replicas share their experts on the CPU only; run the GPU replicas as threads (without mpirun)");
+    }
+    Ok(())
 }
 
 /// The global rank that leads `replica`: tp rank 0 of its last stage.
@@ -210,6 +242,7 @@ struct ReplicaReport {
     load_seconds: f64,
     prefill_seconds: f64,
     decode_seconds: f64,
+    routed_pairs_per_rank: Vec<u64>,
 }
 
 const TAG_REPORT: i32 = 11;
@@ -227,6 +260,7 @@ fn send_report(world: &SimpleCommunicator, out: &BatchOutput) -> Result<()> {
         load_seconds: out.load_seconds,
         prefill_seconds: out.prefill_seconds,
         decode_seconds: out.decode_seconds,
+        routed_pairs_per_rank: out.routed_pairs_per_rank.clone(),
     };
     let bytes = serde_json::to_vec(&report).map_err(|e| processes(e.to_string()))?;
     let root = world.process_at_rank(0);
@@ -267,6 +301,7 @@ fn receive_report(world: &SimpleCommunicator, from: usize) -> Result<BatchOutput
         load_seconds: report.load_seconds,
         prefill_seconds: report.prefill_seconds,
         decode_seconds: report.decode_seconds,
+        routed_pairs_per_rank: report.routed_pairs_per_rank,
         ..BatchOutput::default()
     })
 }
@@ -313,6 +348,10 @@ pub fn run_batch_mpi(
     let groups = rank_groups(world as u64, tp as u64, pp as u64, dp as u64)
         .map_err(|e| processes(format!("mpirun -np {world}: {e}")))?;
     check_before_start(plan, weights, requests, opts)?;
+    let sharing = opts.expert_parallel && dp > 1;
+    if sharing {
+        check_expert_parallel(plan, opts)?;
+    }
     let coords = groups.ranks[me];
     let replicas = groups.ext_dp * groups.dp;
     let replica = coords.ext_dp * groups.dp + coords.dp;
@@ -320,6 +359,17 @@ pub fn run_batch_mpi(
     let comm = split(&mpi.world, &groups.tp_groups, me)?;
     let pipe = if pp > 1 {
         Some(split(&mpi.world, &groups.pp_groups, me)?)
+    } else {
+        None
+    };
+    // The DP group shares this tp rank's experts: member = this replica's place in it.
+    let member = if sharing {
+        let dp_comm = split_raw(&mpi.world, &groups.dp_groups, me)?;
+        let member = dp_comm.rank().max(0) as usize;
+        Some(ExpertMember {
+            exchange: std::sync::Arc::new(expert_exchange::MpiExchange::new(dp_comm)),
+            member,
+        })
     } else {
         None
     };
@@ -331,7 +381,8 @@ pub fn run_batch_mpi(
         .map(|(_, r)| r.clone())
         .collect();
     let mut outcome = Ok(None);
-    if !mine.is_empty() {
+    // Under --ep a replica without requests still answers the others.
+    if !mine.is_empty() || member.is_some() {
         outcome = match &opts.device {
             #[cfg(feature = "cuda")]
             Device::Cuda(listed) => {
@@ -361,10 +412,10 @@ pub fn run_batch_mpi(
                     .map_err(|e| RunError::Input(e.into()))?;
                 stage_runtime(&stage, backend, comm, pipe, weights)?
             }
-            None => rank_runtime(plan, coords.tp, backend, comm, weights)?,
+            None => rank_runtime_sharing(plan, coords.tp, backend, comm, weights, member)?,
         };
         injected_fault(me)?;
-        let mut out = rt.generate(&mine, opts)?;
+        let mut out = rt.generate_in_expert_group(&mine, opts)?;
         out.linear_kernels = Some(kernels.linear_kernels(bf16));
         Ok(Some(out))
             }
@@ -382,7 +433,7 @@ pub fn run_batch_mpi(
     }
     let mut parts = Vec::with_capacity(replicas);
     for (k, lead) in leads.iter().enumerate() {
-        let has_requests = k < requests.len();
+        let has_requests = k < requests.len() || sharing;
         parts.push(match (lead, has_requests) {
             (_, false) => BatchOutput::default(),
             (Some(0), true) => out.clone().unwrap_or_default(),
@@ -391,7 +442,12 @@ pub fn run_batch_mpi(
         });
     }
     mpi.world.barrier();
-    Ok(Some(merge(parts, requests.len(), out.unwrap_or_default())))
+    Ok(Some(merge(
+        parts,
+        requests.len(),
+        out.unwrap_or_default(),
+        sharing,
+    )))
 }
 
 /// A GPU rank's place among the processes.
@@ -458,20 +514,27 @@ fn generate_on_gpu(
                 weights,
             )?
         }
-        None => rank_runtime(plan, p.tp_rank, backend, comm, weights)?,
+        None => super::generate::rank_runtime(plan, p.tp_rank, backend, comm, weights)?,
     };
     injected_fault(p.me)?;
     rt.generate(mine, opts)
 }
 
 /// The replicas' results in request order; timings are the slowest replica's, the other
-/// figures those of world rank 0 (`own`).
-fn merge(parts: Vec<BatchOutput>, requests: usize, own: BatchOutput) -> BatchOutput {
+/// figures those of world rank 0 (`own`); under `--ep` (`sharing`) the load report is every
+/// replica's ranks', replica after replica.
+fn merge(parts: Vec<BatchOutput>, requests: usize, own: BatchOutput, sharing: bool) -> BatchOutput {
     let replicas = parts.len().max(1);
     let mut merged = BatchOutput {
         sequences: Vec::with_capacity(requests),
         ..own
     };
+    if sharing {
+        merged.routed_pairs_per_rank = parts
+            .iter()
+            .flat_map(|p| p.routed_pairs_per_rank.iter().copied())
+            .collect();
+    }
     merged.prompt_tokens = parts.iter().map(|p| p.prompt_tokens).sum();
     merged.load_seconds = parts.iter().map(|p| p.load_seconds).fold(0.0, f64::max);
     merged.prefill_seconds = parts.iter().map(|p| p.prefill_seconds).fold(0.0, f64::max);
