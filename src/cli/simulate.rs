@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use tpc::cost::search::search;
 use tpc::cost::shipped_profiles::find_profile;
-use tpc::cost::simulate::{simulate_pp, Estimate, Numerics};
+use tpc::cost::simulate::{simulate_pp, simulate_sharing_experts, Estimate, Numerics};
 use tpc::frontend::load::load_model;
 use tpc::plan::report::human_bytes;
 
@@ -21,6 +21,15 @@ pub struct Args {
     /// (ignored with --search).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pp: u64,
+    /// Data-parallel replicas of the tp ranks, each running the workload, with --ep (alone
+    /// they are independent, and one is priced): 1 to 64 (ignored with --search).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    dp: u64,
+    /// Price the experts dealt over the --dp replicas (`run --ep`): a rank's memory holds
+    /// 1/dp of its experts, its experts serve every replica's tokens, and each MoE layer adds
+    /// two all-to-all rounds; throughputs are the replicas' together.
+    #[arg(long)]
+    ep: bool,
     /// Hardware profile: a shipped one by name (a file of models/hw/ without `.ron`, e.g.
     /// h100-sxm-nvswitch-8) or a profile file (RON, e.g. `tpc calibrate`'s).
     #[arg(long)]
@@ -68,10 +77,10 @@ fn table(e: &Estimate) -> String {
         "model {}  tp={}{}  on {}  (weights {}, activations {})\n{:<12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
         e.model,
         e.tp,
-        if e.pp > 1 {
-            format!("  pp={}", e.pp)
-        } else {
-            String::new()
+        match (e.pp > 1, e.dp > 1) {
+            (true, _) => format!("  pp={}", e.pp),
+            (_, true) => format!("  dp={} ep={} (experts dealt over the replicas; tokens/s of all)", e.dp, e.dp * e.tp),
+            _ => String::new(),
         },
         e.hw,
         e.weight_dtype,
@@ -164,28 +173,54 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         None => Numerics::for_profile(plan, &hw),
     };
     if !a.search {
+        anyhow::ensure!(
+            a.dp == 1 || a.ep,
+            "--dp {} without --ep: the replicas are independent, so simulate prices one (drop --dp), or add --ep to price them sharing their experts",
+            a.dp
+        );
+        anyhow::ensure!(
+            !a.ep || a.pp == 1,
+            "--ep with --pp {}: experts dealt over replicas with pipeline stages is not supported yet",
+            a.pp
+        );
+        let dp = if a.ep { a.dp } else { 1 };
         let layout = format!(
-            "--tp {}{}",
+            "--tp {}{}{}",
             a.tp,
             if a.pp > 1 {
                 format!(" --pp {}", a.pp)
             } else {
                 String::new()
+            },
+            if dp > 1 {
+                format!(" --dp {dp} --ep")
+            } else {
+                String::new()
             }
         );
         // A product past 2^64 is said as such, never printed as a saturated count.
-        let devices =
-            a.tp.checked_mul(a.pp)
-                .map_or_else(|| "more than 2^64".to_string(), |d| d.to_string());
+        let ranks = a.tp.checked_mul(a.pp).and_then(|r| r.checked_mul(dp));
+        let devices = ranks.map_or_else(|| "more than 2^64".to_string(), |d| d.to_string());
         anyhow::ensure!(
-            a.tp.checked_mul(a.pp).is_some_and(|d| d <= hw.devices),
+            ranks.is_some_and(|d| d <= hw.devices),
             "{layout} needs {devices} devices, the profile {} has {}",
             hw.name,
             hw.devices
         );
         let (compiled, decision) = a.shard.compile(&def, a.tp, Some(&hw), work, number_types)?;
         let plan = compiled.plan;
-        let e = simulate_pp(&plan, &hw, work, number_types(&plan), a.pp)?;
+        let e = if dp > 1 {
+            anyhow::ensure!(
+                plan.ranks.first().is_some_and(|r| r
+                    .instrs
+                    .iter()
+                    .any(|i| matches!(i.op, tpc::ir::Op::Experts(_)))),
+                "--ep: the model has no mixture-of-experts layers to deal over replicas"
+            );
+            simulate_sharing_experts(&plan, &hw, work, number_types(&plan), dp)
+        } else {
+            simulate_pp(&plan, &hw, work, number_types(&plan), a.pp)?
+        };
         let text = if a.json {
             let json = super::with_decision(serde_json::to_value(&e)?, &decision)?;
             format!("{}\n", serde_json::to_string_pretty(&json)?)

@@ -91,6 +91,9 @@ pub struct Estimate {
     pub tp: u64,
     /// Pipeline stages (1: none).
     pub pp: u64,
+    /// Data-parallel replicas sharing their experts (`--dp D --ep`; 1: none). The
+    /// throughputs are then all replicas' together; times and memory are per rank.
+    pub dp: u64,
     pub hw: String,
     /// True when the profile is a rough one (`tpc calibrate --quick`): the figures are for
     /// trying the command, not predictions.
@@ -159,6 +162,10 @@ struct ExpertWork {
     /// Experts in a layer, and how many each token chooses.
     total: f64,
     top_k: f64,
+    /// Elements per token of the layer's input (a row dispatched to another replica).
+    width: f64,
+    /// Replicas whose tokens the rank's experts serve (`--ep`; 1: its own only).
+    replicas: f64,
 }
 
 /// Kernels the runtime launches per chosen expert: gather the rows, the gate|up product,
@@ -175,6 +182,10 @@ impl ExpertWork {
         if self.layers == 0.0 || self.local == 0.0 || self.total == 0.0 || tokens <= 0.0 {
             return (0.0, 0.0, 0.0);
         }
+        // Under --ep every replica's tokens reach the rank, and the busiest is one of all
+        // the replicas' ranks.
+        let replicas = self.replicas.max(1.0);
+        let (tokens, tp) = (tokens * replicas, tp.saturating_mul(replicas as u64));
         let pick = (self.top_k / self.total).clamp(0.0, 1.0);
         let share = (self.local / self.total).clamp(0.0, 1.0);
         let spread = if share < 1.0 && tp > 1 {
@@ -205,6 +216,40 @@ impl std::ops::AddAssign for ExpertWork {
         self.local = self.local.max(o.local);
         self.total = self.total.max(o.total);
         self.top_k = self.top_k.max(o.top_k);
+        self.width = self.width.max(o.width);
+        self.replicas = self.replicas.max(o.replicas);
+    }
+}
+
+impl ExpertWork {
+    /// The rank's experts dealt again over `dp` replicas (`--ep`): it keeps the largest
+    /// deal, ⌈local / dp⌉ per layer, and serves every replica's tokens.
+    fn over_replicas(self, dp: u64) -> ExpertWork {
+        if self.local == 0.0 || dp <= 1 {
+            return self;
+        }
+        let kept = (self.local / dp as f64).ceil();
+        let f = kept / self.local;
+        ExpertWork {
+            bytes: self.bytes * f,
+            elements: self.elements * f,
+            local: kept,
+            replicas: dp as f64,
+            ..self
+        }
+    }
+
+    /// Bytes one rank sends in one all-to-all round of a layer for `tokens` of its own
+    /// tokens under `--ep`: to each of the other dp − 1 members, the rows with a choice
+    /// among that member's experts (uniform routing: 1 − (1 − local/E)^k of them), each a
+    /// row of `width` activations and its routing weights.
+    fn dispatch_bytes(&self, tokens: f64, act_bytes: f64) -> f64 {
+        let others = self.replicas.max(1.0) - 1.0;
+        if others <= 0.0 || self.total == 0.0 {
+            return 0.0;
+        }
+        let hit = 1.0 - (1.0 - (self.local / self.total).clamp(0.0, 1.0)).powf(self.top_k);
+        tokens * others * hit * (self.width * act_bytes + self.local * 4.0)
     }
 }
 
@@ -322,6 +367,8 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                         };
                         let stack = i.inputs.iter().skip(2);
                         w.experts += ExpertWork {
+                            width: i.inputs.first().and_then(activation).unwrap_or(0.0),
+                            replicas: 1.0,
                             layers: 1.0,
                             bytes: stack
                                 .clone()
@@ -711,6 +758,24 @@ pub fn simulate(plan: &Plan, hw: &HwProfile, work: Workload) -> Estimate {
 /// `num.activations`; products run at the f32 peak when either operand is f32 on a device
 /// without mixed products, i.e. at the bf16 peak only for bf16 weights.
 pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -> Estimate {
+    simulate_sharing_experts(plan, hw, work, num, 1)
+}
+
+/// [`simulate_as`] for `dp` data-parallel replicas of `plan`, each running `work`, that deal
+/// every tp rank's experts over the replicas (`--dp D --ep`): a rank holds ⌈1/D⌉ of its
+/// experts (its memory), serves all replicas' tokens with them (the busiest of tp · D ranks
+/// paces), and swaps rows with the other D − 1 members in two all-to-all rounds per MoE
+/// layer (dispatch and combine, each α + bytes/β on the profile's direct link). On a shared
+/// host the tp · D ranks share its compute, bandwidth and memory. Throughputs are the D
+/// replicas' together.
+pub fn simulate_sharing_experts(
+    plan: &Plan,
+    hw: &HwProfile,
+    work: Workload,
+    num: Numerics,
+    dp: u64,
+) -> Estimate {
+    let dp = dp.max(1);
     let mut w = rank_work(plan);
     let plan_size = plan.dtype.size_bytes() as f64;
     let weight_scale = num.weights.size_bytes() as f64 / plan_size;
@@ -719,10 +784,16 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
     w.weight_read_bytes *= weight_scale;
     w.experts.bytes *= weight_scale;
     w.kv_bytes_per_token *= act_scale;
+    if dp > 1 {
+        let held = w.experts.bytes;
+        w.experts = w.experts.over_replicas(dp);
+        w.weight_bytes -= (held - w.experts.bytes).min(w.weight_bytes);
+    }
+    let ranks = plan.tp.saturating_mul(dp);
     let r = rates(
         hw,
-        plan.tp,
-        plan.tp,
+        ranks,
+        ranks,
         num.weights == DType::F32,
         w.attention_head_dim,
     );
@@ -742,17 +813,38 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
     let paces = rank_paces(plan, hw);
     let (prefill, decode_step) = (slowest(&paces, prefill), slowest(&paces, decode_step));
     let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
+    // Under --ep: two all-to-all rounds per MoE layer.
+    let swap = |tokens: f64| {
+        let sent = w.experts.dispatch_bytes(tokens, act_bytes);
+        if sent == 0.0 {
+            return 0.0;
+        }
+        let link = &hw.link.one_shot;
+        2.0 * w.experts.layers * (link.alpha_s + sent / link.beta_bytes_per_s)
+    };
+    let with_swap = |p: PhaseTime, tokens: f64| {
+        phase(
+            p.compute_s,
+            p.memory_s,
+            p.comm_s + swap(tokens),
+            p.overhead_s,
+            p.elementwise_s,
+        )
+    };
+    let (prefill, decode_step) = (with_swap(prefill, b * s), with_swap(decode_step, b));
     let kv_bytes = w.kv_bytes_per_token * b * (s + g);
     let memory = w.weight_bytes + kv_bytes;
     // Ranks on a shared host split its memory.
     let capacity = match hw.shared {
-        Some(_) => hw.memory_bytes / plan.tp.max(1) as f64,
+        Some(_) => hw.memory_bytes / ranks.max(1) as f64,
         None => hw.memory_bytes,
     };
+    let replicas = dp as f64;
     Estimate {
         model: plan.model.clone(),
         tp: plan.tp,
         pp: 1,
+        dp,
         hw: hw.name.clone(),
         rough_profile: hw.is_rough(),
         weight_dtype: num.weights,
@@ -765,8 +857,8 @@ pub fn simulate_as(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
         device_memory_bytes: capacity as u64,
         fits: memory <= capacity,
         tokens_per_s: TokensPerS {
-            prefill: b * s / prefill.time_s,
-            decode: b / decode_step.time_s,
+            prefill: replicas * b * s / prefill.time_s,
+            decode: replicas * b / decode_step.time_s,
         },
         collectives_per_pass: plan.collectives.len() as u64,
         stages: Vec::new(),
@@ -1031,6 +1123,7 @@ impl<'a> StagedPlan<'a> {
             model: plan.model.clone(),
             tp: plan.tp,
             pp,
+            dp: 1,
             hw: hw.name.clone(),
             rough_profile: hw.is_rough(),
             weight_dtype: num.weights,
@@ -1188,6 +1281,47 @@ mod tests {
             b.prefill.overhead_s < 0.5 * a.prefill.overhead_s,
             "{a:?} {b:?}"
         );
+    }
+
+    #[test]
+    fn experts_dealt_over_replicas_hold_a_share_serve_every_replica_and_swap_rows() {
+        // Qwen3-30B-A3B at tp 2, experts dealt: 64 experts per rank, 16 per rank over 4
+        // replicas.
+        let plan = moe_plan("qwen3-30b-a3b", 2, crate::ir::ExpertSplit::Expert);
+        let hw = flat_hw();
+        let num = Numerics::of_plan(&plan);
+        let work = Workload {
+            batch: 4,
+            prompt: 256,
+            gen: 32,
+        };
+        let alone = simulate_as(&plan, &hw, work, num);
+        assert_eq!(simulate_sharing_experts(&plan, &hw, work, num, 1), alone);
+        let shared = simulate_sharing_experts(&plan, &hw, work, num, 4);
+        assert_eq!(shared.dp, 4);
+        // Memory: the non-expert weights, and a quarter of the rank's experts.
+        let experts = expert_bytes(&plan);
+        let want = alone.weight_bytes_per_rank as f64 - 0.75 * experts;
+        let got = shared.weight_bytes_per_rank as f64;
+        assert!((got - want).abs() <= 1e-6 * want + 1.0, "{got} vs {want}");
+        // The rank's 16 experts serve the 4 replicas' 4 tokens of a decode step.
+        let w = rank_work(&plan).experts.over_replicas(4);
+        assert_eq!((w.local, w.replicas), (16.0, 4.0));
+        let (_, bytes, _) = w.busiest(4.0, 2);
+        assert!(bytes > 0.0 && bytes <= w.bytes, "{bytes} of {}", w.bytes);
+        // Two rounds per MoE layer; each row goes to a member that holds one of its 8 of
+        // 128 choices among that member's 16.
+        let hit = 1.0 - (1.0 - 16.0 / 128.0f64).powi(8);
+        let row = w.width * 2.0 + 16.0 * 4.0;
+        let sent = 4.0 * 3.0 * hit * row;
+        assert!((w.dispatch_bytes(4.0, 2.0) - sent).abs() <= 1e-9 * sent);
+        let link = hw.link.one_shot;
+        let swap = 2.0 * 48.0 * (link.alpha_s + sent / link.beta_bytes_per_s);
+        let extra = shared.decode_step.comm_s - alone.decode_step.comm_s;
+        assert!((extra - swap).abs() <= 1e-9 * swap, "{extra} vs {swap}");
+        // Throughput is the four replicas' together.
+        let per_replica = 4.0 / shared.decode_step.time_s;
+        assert!((shared.tokens_per_s.decode - 4.0 * per_replica).abs() <= 1e-9 * per_replica);
     }
 
     #[test]

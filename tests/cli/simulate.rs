@@ -661,3 +661,57 @@ fn unequal_devices_get_shares_proposed() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("rank_speeds"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--dp D --ep`: the replicas share their experts, so a rank holds fewer weights than the
+/// same tp alone, and the throughput is the replicas' together; `--dp` alone is refused.
+#[test]
+fn experts_over_replicas_are_priced_with_their_memory_and_swaps() {
+    let sim = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "simulate",
+            "models/qwen3-30b-a3b.ron",
+            "--hw",
+            "h100-sxm-nvswitch-8",
+            "--moe",
+            "expert",
+            "--tp",
+            "2",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let o = tpc(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let (alone, shared) = (sim(&[]), sim(&["--dp", "4", "--ep"]));
+    assert_eq!(alone["dp"], 1);
+    assert_eq!(shared["dp"], 4);
+    let w = |e: &serde_json::Value| e["weight_bytes_per_rank"].as_f64().unwrap();
+    // Experts are about 95 % of Qwen3-30B-A3B: a quarter of them is less than a third.
+    assert!(w(&shared) < w(&alone) / 3.0, "{shared} vs {alone}");
+    let comm = |e: &serde_json::Value| e["decode_step"]["comm_s"].as_f64().unwrap();
+    assert!(comm(&shared) > comm(&alone));
+    let o = tpc(&[
+        "simulate",
+        "models/qwen3-30b-a3b.ron",
+        "--hw",
+        "h100-sxm-nvswitch-8",
+        "--tp",
+        "2",
+        "--dp",
+        "4",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("without --ep"));
+    let o = tpc(&[
+        "simulate",
+        "models/tiny-llama.ron",
+        "--hw",
+        "h100-sxm-nvswitch-8",
+        "--dp",
+        "2",
+        "--ep",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no mixture-of-experts"));
+}
