@@ -61,6 +61,18 @@ pub trait Exchanger: Send + Sync {
     fn leave(&self, member: usize, why: &str);
 }
 
+/// Refuses a round by a member outside the group, or with other than a parcel per member.
+pub fn check_call(member: usize, members: usize, parcels: usize) -> Result<(), ExchangeError> {
+    if member >= members || parcels != members {
+        return Err(ExchangeError::Misuse {
+            member,
+            members,
+            parcels,
+        });
+    }
+    Ok(())
+}
+
 /// One DP group's all-to-all: `members` replicas' threads at the same tp rank.
 #[derive(Debug)]
 pub struct ExpertExchange {
@@ -74,9 +86,9 @@ pub struct ExpertExchange {
 pub enum ExchangeError {
     #[error("replica {member} stopped ({why}), so the experts it holds cannot answer; see its own error")]
     MemberLeft { member: usize, why: String },
-    #[error(
-        "member {member} of an exchange of {members}, or {parcels} parcels for {members} members"
-    )]
+    #[error("a round's parcels of member {member} exceed what MPI counts (2^31 - 1 elements); use smaller batches or more replicas")]
+    TooLarge { member: usize },
+    #[error("member {member} called a round of an exchange of {members} members with {parcels} parcels (one per member is needed); a bug in tpc")]
     Misuse {
         member: usize,
         members: usize,
@@ -123,13 +135,7 @@ impl Exchanger for ExpertExchange {
         parcels: Vec<Parcel>,
         idle: bool,
     ) -> Result<Round, ExchangeError> {
-        if member >= self.members || parcels.len() != self.members {
-            return Err(ExchangeError::Misuse {
-                member,
-                members: self.members,
-                parcels: parcels.len(),
-            });
-        }
+        check_call(member, self.members, parcels.len())?;
         let left = |s: &State| {
             s.left
                 .as_ref()

@@ -7,7 +7,7 @@
 //! A member does not `leave` under MPI: a failed process ends the job (`MPI_Abort` from the
 //! launcher), as for every other collective.
 
-use crate::runtime::expert_exchange::{ExchangeError, Exchanger, Parcel, Round};
+use crate::runtime::expert_exchange::{check_call, ExchangeError, Exchanger, Parcel, Round};
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::CommunicatorCollectives;
@@ -46,14 +46,6 @@ fn layout(lens: impl Iterator<Item = usize>) -> Option<(Vec<i32>, Vec<i32>, usiz
     Some((counts, offsets, at))
 }
 
-fn too_large(member: usize, members: usize) -> ExchangeError {
-    ExchangeError::Misuse {
-        member,
-        members,
-        parcels: members,
-    }
-}
-
 /// `parts[j]` to member j, each member's part for this one back, through `MPI_Alltoallv`.
 fn swap(
     comm: &SimpleCommunicator,
@@ -61,11 +53,11 @@ fn swap(
     incoming: &[usize],
     member: usize,
 ) -> Result<Vec<Vec<f32>>, ExchangeError> {
-    let members = parts.len();
+    let too_large = || ExchangeError::TooLarge { member };
     let (send_counts, send_offsets, _) =
-        layout(parts.iter().map(|p| p.len())).ok_or_else(|| too_large(member, members))?;
+        layout(parts.iter().map(|p| p.len())).ok_or_else(too_large)?;
     let (recv_counts, recv_offsets, total) =
-        layout(incoming.iter().copied()).ok_or_else(|| too_large(member, members))?;
+        layout(incoming.iter().copied()).ok_or_else(too_large)?;
     let flat: Vec<f32> = parts.concat();
     let mut got = vec![0f32; total];
     {
@@ -92,13 +84,7 @@ impl Exchanger for MpiExchange {
         idle: bool,
     ) -> Result<Round, ExchangeError> {
         let members = self.members;
-        if member >= members || parcels.len() != members {
-            return Err(ExchangeError::Misuse {
-                member,
-                members,
-                parcels: parcels.len(),
-            });
-        }
+        check_call(member, members, parcels.len())?;
         let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
         // Four words per pair: rows, values, routing weights, idle.
         let header: Vec<u64> = parcels
@@ -144,4 +130,21 @@ impl Exchanger for MpiExchange {
     }
 
     fn leave(&self, _member: usize, _why: &str) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layout;
+
+    #[test]
+    fn parts_are_laid_out_end_to_end_within_mpi_counts() {
+        assert_eq!(
+            layout([3, 0, 2].into_iter()),
+            Some((vec![3, 0, 2], vec![0, 3, 3], 5))
+        );
+        // Each part fits a C int, their sum does not.
+        let half = i32::MAX as usize / 2 + 1;
+        assert_eq!(layout([half, half].into_iter()), None);
+        assert_eq!(layout([i32::MAX as usize + 1].into_iter()), None);
+    }
 }
