@@ -327,6 +327,11 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     let plan = plan_for(&a.model, a.plan.as_ref(), a.tp, a.shard.options(), &a.pipe)?;
     let tp = plan.tp;
     let pp = plan.pp();
+    // Replicas as threads beyond the requests have nothing to run and are not started.
+    let dp = match mpi {
+        None => a.dp.min(requests.len().max(1) as u64),
+        Some(_) => a.dp,
+    };
     // "tp=2", "tp=2 pp=2 dp=2": the ranks' layout, the default 1s left out.
     let layout = format!(
         "tp={tp}{}{}",
@@ -335,9 +340,9 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         } else {
             String::new()
         },
-        match (a.dp > 1, a.ep) {
-            (true, true) => format!(" dp={} ep={}", a.dp, a.dp * tp),
-            (true, false) => format!(" dp={}", a.dp),
+        match (dp > 1, a.ep) {
+            (true, true) => format!(" dp={dp} ep={}", dp * tp),
+            (true, false) => format!(" dp={dp}"),
             _ => String::new(),
         }
     );
