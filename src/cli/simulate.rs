@@ -210,13 +210,11 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         let (compiled, decision) = a.shard.compile(&def, a.tp, Some(&hw), work, number_types)?;
         let plan = compiled.plan;
         let e = if dp > 1 {
-            anyhow::ensure!(
-                plan.ranks.first().is_some_and(|r| r
-                    .instrs
-                    .iter()
-                    .any(|i| matches!(i.op, tpc::ir::Op::Experts(_)))),
-                "--ep: the model has no mixture-of-experts layers to deal over replicas"
-            );
+            if let Some(why) =
+                tpc::runtime::expert_exchange::why_experts_cannot_span_replicas(&plan)
+            {
+                anyhow::bail!("--ep: {why}");
+            }
             simulate_sharing_experts(&plan, &hw, work, number_types(&plan), dp)
         } else {
             simulate_pp(&plan, &hw, work, number_types(&plan), a.pp)?

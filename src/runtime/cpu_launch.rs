@@ -9,7 +9,7 @@ use crate::plan::Plan;
 use crate::runtime::error::Result;
 use crate::runtime::generate::{BatchOutput, Request, RunOptions};
 use crate::runtime::launch::{
-    check_before_start, check_host_memory, launch_sharing_experts, local_groups,
+    check_before_start, check_host_memory, launch_generation, local_groups,
 };
 use crate::runtime::weights::WeightSource;
 
@@ -30,15 +30,7 @@ pub fn run_batch_cpu(
     check_host_memory(plan, requests, opts, 1)?;
     let kernels = Kernels::select(cpu.isa)?;
     let make = |rank: usize| placed_cpu_backend(rank, threads, cpu.pin_threads, bf16, kernels);
-    let mut out = launch_sharing_experts(
-        plan,
-        weights,
-        comms,
-        pipes,
-        opts.expert_seat.as_ref(),
-        &make,
-        &|rt| rt.generate_in_expert_group(requests, opts),
-    )?;
+    let mut out = launch_generation(plan, weights, comms, pipes, &make, requests, opts)?;
     out.linear_kernels = Some(kernels.linear_kernels(bf16));
     Ok(out)
 }

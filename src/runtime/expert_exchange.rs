@@ -5,8 +5,8 @@
 //! of a DP group swap tokens: each sends every other the rows routed to that member's
 //! experts (dispatch), computes its experts for all the rows it got, and sends the results
 //! back (combine). This file is the swap itself ([`Exchanger`]: an all-to-all of host
-//! parcels; here between the replicas' threads, `processes/` has one over MPI) and the deal
-//! of routing columns.
+//! parcels; here between the replicas' threads, `processes/` has one over MPI), the deal of
+//! routing columns, and which plans can deal their experts so.
 //!
 //! A replica that has finished its requests keeps serving the others' rounds (with nothing
 //! of its own) until every member is idle; a replica that stops (an error, a panic) leaves,
@@ -39,7 +39,6 @@ struct State {
     arrived: usize,
     idle: usize,
     taken: usize,
-    all_idle: bool,
     /// `boxes[to][from]`.
     boxes: Vec<Vec<Option<Parcel>>>,
     /// A member that stopped, and why.
@@ -105,7 +104,6 @@ impl ExpertExchange {
                 arrived: 0,
                 idle: 0,
                 taken: 0,
-                all_idle: false,
                 boxes: vec![vec![None; members]; members],
                 left: None,
             }),
@@ -162,7 +160,6 @@ impl Exchanger for ExpertExchange {
         s.idle += usize::from(idle);
         if s.arrived == self.members {
             s.filling = false;
-            s.all_idle = s.idle == self.members;
             self.turn.notify_all();
         }
         while s.filling {
@@ -175,7 +172,8 @@ impl Exchanger for ExpertExchange {
             .iter_mut()
             .map(|p| p.take().unwrap_or_default())
             .collect();
-        let all_idle = s.all_idle;
+        // The round's idle count stays until its last member has taken its parcels.
+        let all_idle = s.idle == self.members;
         s.taken += 1;
         if s.taken == self.members {
             s.arrived = 0;
@@ -196,6 +194,24 @@ impl Exchanger for ExpertExchange {
         }
         self.turn.notify_all();
     }
+}
+
+/// Why `plan`'s experts cannot be dealt over replicas (`--ep`), if they cannot: every
+/// launcher and `simulate` ask this one question.
+pub fn why_experts_cannot_span_replicas(plan: &crate::plan::Plan) -> Option<&'static str> {
+    if !plan.ranks.first().is_some_and(|r| {
+        r.instrs
+            .iter()
+            .any(|i| matches!(i.op, crate::ir::Op::Experts(_)))
+    }) {
+        return Some("the model has no mixture-of-experts layers to deal over replicas");
+    }
+    if plan.pp() > 1 {
+        return Some(
+            "experts dealt over replicas with pipeline stages is not supported yet; use --pp 1",
+        );
+    }
+    None
 }
 
 /// Routing columns `0..columns` dealt to `members` in order, as evenly as whole columns

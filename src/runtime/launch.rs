@@ -67,9 +67,36 @@ where
     launch_sharing_experts(plan, weights, comms, pipes, None, backend, job)
 }
 
+/// Every rank of `plan` generating for `requests` (a device's threaded launcher): as a
+/// replica sharing its experts when `opts` gives it a seat (`--ep`), each rank then loading
+/// only the experts it computes. Returns the leading rank's output.
+pub fn launch_generation<B, C>(
+    plan: &Plan,
+    weights: &dyn WeightSource,
+    comms: Vec<C>,
+    pipes: Vec<C>,
+    backend: &(dyn Fn(usize) -> Result<B> + Sync),
+    requests: &[Request],
+    opts: &RunOptions,
+) -> Result<super::generate::BatchOutput>
+where
+    B: Backend,
+    C: Collectives<B::Act>,
+{
+    launch_sharing_experts(
+        plan,
+        weights,
+        comms,
+        pipes,
+        opts.expert_seat.as_ref(),
+        backend,
+        &|rt| rt.generate_in_expert_group(requests, opts),
+    )
+}
+
 /// [`launch_stages`] for one replica of several that share their experts (`--ep`): each
 /// rank loads only the experts its seat in `seat`'s DP group computes.
-pub fn launch_sharing_experts<B, C, T>(
+fn launch_sharing_experts<B, C, T>(
     plan: &Plan,
     weights: &dyn WeightSource,
     comms: Vec<C>,
@@ -83,10 +110,11 @@ where
     C: Collectives<B::Act>,
     T: Send,
 {
-    if seat.is_some() && plan.pp() > 1 {
-        return Err(RunError::Replicas(
-            "--ep with pipeline stages is not supported yet; use --pp 1".into(),
-        ));
+    if let (Some(_), Some(why)) = (
+        seat,
+        super::expert_exchange::why_experts_cannot_span_replicas(plan),
+    ) {
+        return Err(RunError::Replicas(format!("--ep: {why}")));
     }
     // The plan is a contract: checked before any rank starts.
     plan.verify()?;

@@ -19,7 +19,6 @@ use super::generate::{
 use super::launch::{check_host_memory, check_replicas};
 use super::run::run_batch;
 use super::weights::WeightSource;
-use crate::ir::Op;
 use crate::plan::Plan;
 use std::sync::{Arc, Mutex};
 
@@ -132,21 +131,11 @@ pub fn run_replicas(
 /// The EP group's seats for `dp` replicas of `plan`, or why its experts cannot be dealt over
 /// replicas.
 fn expert_seats_for(plan: &Plan, dp: usize) -> Result<Vec<ExpertSeat>> {
-    let refuse = |why: String| Err(RunError::Replicas(format!("--ep: {why}")));
-    if !plan
-        .ranks
-        .first()
-        .is_some_and(|r| r.instrs.iter().any(|i| matches!(i.op, Op::Experts(_))))
-    {
-        return refuse("the model has no mixture-of-experts layers to deal over replicas".into());
+    let refuse = |why: String| RunError::Replicas(format!("--ep: {why}"));
+    if let Some(why) = super::expert_exchange::why_experts_cannot_span_replicas(plan) {
+        return Err(refuse(why.into()));
     }
-    if plan.pp() > 1 {
-        return refuse(format!(
-            "experts dealt over replicas with {} pipeline stages is not supported yet; use --pp 1",
-            plan.pp()
-        ));
-    }
-    expert_seats(plan.ranks.len(), dp).map_err(|e| RunError::Replicas(format!("--ep: {e}")))
+    expert_seats(plan.ranks.len(), dp).map_err(refuse)
 }
 
 /// The replicas' outputs as one batch in request order (the first failure, with its

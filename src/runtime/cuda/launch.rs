@@ -14,7 +14,7 @@ use crate::plan::Plan;
 use crate::runtime::comm::LocalComm;
 use crate::runtime::error::Result;
 use crate::runtime::generate::{BatchOutput, Request, RunOptions};
-use crate::runtime::launch::{check_before_start, launch_sharing_experts, local_groups};
+use crate::runtime::launch::{check_before_start, launch_generation, local_groups};
 use crate::runtime::weights::WeightSource;
 use std::sync::{Arc, OnceLock};
 
@@ -128,13 +128,5 @@ pub fn run_batch_cuda(
     let GpuGroups { comms, pipes, gpus } = gpu_groups(plan, &devices)?;
     let bf16 = opts.dtype.bf16_linears(plan);
     let make = |rank: usize| open_rank(rank, &devices, &gpus, bf16);
-    launch_sharing_experts(
-        plan,
-        weights,
-        comms,
-        pipes,
-        opts.expert_seat.as_ref(),
-        &make,
-        &|rt| rt.generate_in_expert_group(requests, opts),
-    )
+    launch_generation(plan, weights, comms, pipes, &make, requests, opts)
 }

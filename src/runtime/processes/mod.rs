@@ -206,17 +206,8 @@ fn split_raw(
 /// replicas, checked alike on every process before any collective.
 fn check_expert_parallel(plan: &Plan, opts: &RunOptions) -> Result<()> {
     let refuse = |why: &str| Err(RunError::Replicas(format!("--ep: {why}")));
-    if !plan.ranks.first().is_some_and(|r| {
-        r.instrs
-            .iter()
-            .any(|i| matches!(i.op, crate::ir::Op::Experts(_)))
-    }) {
-        return refuse("the model has no mixture-of-experts layers to deal over replicas");
-    }
-    if plan.pp() > 1 {
-        return refuse(
-            "experts dealt over replicas with pipeline stages is not supported yet; use --pp 1",
-        );
+    if let Some(why) = super::expert_exchange::why_experts_cannot_span_replicas(plan) {
+        return refuse(why);
     }
     if matches!(opts.device, Device::Cuda(_)) {
         return refuse("under mpirun the replicas share their experts on the CPU only; run the GPU replicas as threads (without mpirun)");
