@@ -38,7 +38,43 @@ pub fn build_graph(def: &GraphDef) -> Result<Graph> {
             "it has no Output node; add one for the logits".into(),
         ));
     }
+    if let Some(q) = &def.quantization {
+        mark_quantized(&mut b.graph, q).map_err(|m| b.err("the quantization", m))?;
+    }
     Ok(b.graph)
+}
+
+/// Marks the weights a quantized checkpoint stores quantized: every linear's 2-D weight
+/// but the output head's (its rows are the vocabulary, which HF never quantizes) and those
+/// `q` leaves unconverted.
+fn mark_quantized(graph: &mut Graph, q: &Quantization) -> std::result::Result<(), String> {
+    let ids: Vec<NodeId> = graph.g.node_indices().collect();
+    for id in ids {
+        let order = match &graph.node(id).op {
+            Op::Linear(l) => l.weight_order,
+            Op::Experts(_) => {
+                return Err(format!(
+                    "{} mixture-of-experts checkpoints are not read yet (dense models only); use the model's unquantized release",
+                    q.format.name()
+                ))
+            }
+            _ => continue,
+        };
+        let Some(&w) = graph.inputs(id).get(1) else {
+            continue;
+        };
+        let Op::Param(p) = &mut graph.node_mut(w).op else {
+            continue;
+        };
+        let vocabulary = matches!(
+            p.groups.get(&order.out_dim()),
+            Some(Groups::Plain { padded: true })
+        );
+        if p.shape.len() == 2 && !vocabulary && q.covers(&p.tensor) {
+            p.quant = Some(q.for_weight(order.out_dim()));
+        }
+    }
+    Ok(())
 }
 
 /// `s` with every `{i}` replaced by the layer index.
@@ -135,6 +171,7 @@ impl Builder<'_> {
                     shape: w.shape.clone(),
                     dtype: w.dtype,
                     groups: w.groups.clone(),
+                    quant: None,
                 });
                 (name, op, Vec::new())
             }

@@ -2,7 +2,7 @@
 
 use super::spec::{Family, FamilyConfig, MoeConfig};
 use crate::error::{Result, TpcError};
-use crate::ir::{ActivationKind, DType, RopeScaling, F64};
+use crate::ir::{ActivationKind, DType, QuantFormat, Quantization, RopeScaling, F64};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -245,28 +245,98 @@ fn moe(r: &Reader, family: Family) -> Result<Option<MoeConfig>> {
     }))
 }
 
-/// A quantized checkpoint (`quantization_config`) is refused before any weight is read,
-/// naming its method: read as plain weights it would fail on missing tensors that never
-/// mention quantization.
-fn quantization(r: &Reader) -> Result<()> {
+/// The quantization methods tpc reads, as `quant_method` names them.
+pub const QUANT_METHODS: &[&str] = &["fp8"];
+
+/// A quantized checkpoint's `quantization_config`: FP8 e4m3 with block scales
+/// (`quant_method: "fp8"`) is read; any other method is refused by name before any weight
+/// is read (read as plain weights it would fail on missing tensors that never mention
+/// quantization).
+fn quantization(r: &Reader) -> Result<Option<Quantization>> {
     let Some(q) = r.json.get("quantization_config").filter(|q| !q.is_null()) else {
-        return Ok(());
+        return Ok(None);
     };
-    let method = q
-        .get("quant_method")
-        .and_then(Value::as_str)
-        .map_or_else(|| "no `quant_method`".to_string(), |m| format!("`{m}`"));
-    let format = q
-        .get("format")
-        .and_then(Value::as_str)
-        .map(|f| format!(", format `{f}`"))
-        .unwrap_or_default();
-    Err(r.err(format!(
-        "the checkpoint is quantized (`quantization_config`: {method}{format}); tpc reads only \
-         unquantized f32, bf16 and f16 weights and supports no quantization method yet. Use \
-         the model's unquantized release, or dequantize this one first (e.g. load it with \
-         transformers and save it in bf16)"
-    )))
+    let bad = |what: String| {
+        r.err(format!(
+            "`quantization_config`: {what}; tpc reads {} (FP8 e4m3 with block scales, dynamic activations)",
+            QUANT_METHODS.join(", ")
+        ))
+    };
+    let text = |key: &str| q.get(key).filter(|v| !v.is_null());
+    let method = text("quant_method").and_then(Value::as_str);
+    if method != Some("fp8") {
+        let method = method.map_or_else(
+            || "no `quant_method`".to_string(),
+            |m| format!("`quant_method` `{m}`"),
+        );
+        let format = text("format")
+            .and_then(Value::as_str)
+            .map(|f| format!(", format `{f}`"))
+            .unwrap_or_default();
+        return Err(r.err(format!(
+            "the checkpoint is quantized with {method}{format}, which tpc does not read; tpc reads quant_method {} (FP8 e4m3 with block scales). Use the model's unquantized release, or dequantize this one first (e.g. load it with transformers and save it in bf16)",
+            QUANT_METHODS.join(", ")
+        )));
+    }
+    if let Some(fmt) = text("fmt") {
+        if fmt.as_str() != Some("e4m3") {
+            return Err(bad(format!("`fmt` {fmt} is not e4m3")));
+        }
+    }
+    if let Some(scheme) = text("activation_scheme") {
+        if scheme.as_str() != Some("dynamic") {
+            return Err(bad(format!(
+                "`activation_scheme` {scheme} needs stored activation scales, which tpc does not read"
+            )));
+        }
+    }
+    // HF's FineGrainedFP8Config default.
+    let block = match text("weight_block_size") {
+        None => [128, 128],
+        Some(v) => {
+            let dims: Option<Vec<u64>> = v
+                .as_array()
+                .map(|a| a.iter().map(|d| d.as_u64().filter(|&d| d > 0)).collect())
+                .unwrap_or(None);
+            match dims.as_deref() {
+                Some(&[out, inp])
+                    if out <= super::validate::MAX_DIM && inp <= super::validate::MAX_DIM =>
+                {
+                    [out, inp]
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "`weight_block_size` {v} is not two positive block sizes [out, in]"
+                    )))
+                }
+            }
+        }
+    };
+    let mut modules_to_not_convert = Vec::new();
+    if let Some(list) = text("modules_to_not_convert") {
+        let names = list
+            .as_array()
+            .map(|a| a.iter().map(Value::as_str).collect::<Option<Vec<_>>>());
+        let Some(Some(names)) = names else {
+            return Err(bad(format!(
+                "`modules_to_not_convert` {list} is not a list of module names"
+            )));
+        };
+        for name in names {
+            // HF matches these as regular expressions; tpc matches names (prefix or suffix).
+            if name.contains(|c: char| "*+?[](){}|^$\\".contains(c)) {
+                return Err(bad(format!(
+                    "`modules_to_not_convert` entry `{name}` is a pattern; tpc matches module names only (a prefix such as `model.layers.0` or a suffix such as `mlp.gate`)"
+                )));
+            }
+            modules_to_not_convert.push(name.to_string());
+        }
+    }
+    Ok(Some(Quantization {
+        format: QuantFormat::Fp8E4m3,
+        block,
+        modules_to_not_convert,
+    }))
 }
 
 /// Reads an HF config into the matching family preset. Keys a config leaves out take the
@@ -301,7 +371,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             )))
         }
     };
-    quantization(&r)?;
+    let quantization = quantization(&r)?;
     if r.bool_opt(&["mlp_bias"])? == Some(true) {
         return Err(r.err(
             "`mlp_bias: true` is not supported; tpc's presets have no MLP biases for this model type \
@@ -345,6 +415,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             dtype: DType::F32,
             tp_plan: BTreeMap::new(),
             moe: None,
+            quantization: None,
         }
     } else {
         FamilyConfig {
@@ -389,6 +460,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
             dtype: DType::Bf16,
             tp_plan: BTreeMap::new(),
             moe: moe(&r, family)?.map(Box::new),
+            quantization: None,
         }
     };
     if family == Family::Gpt2 {
@@ -401,6 +473,7 @@ pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {
         c.dtype = dtype(&r)?;
     }
     c.sliding_window = sliding_window(&r, model_type, c.max_position_embeddings)?;
+    c.quantization = quantization;
     if family == Family::Qwen2 {
         // Qwen2 always has q/k/v bias (not in its config).
         c.attention_bias = Some(true);

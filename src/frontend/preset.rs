@@ -396,6 +396,7 @@ pub fn lower_preset(c: &FamilyConfig) -> Result<GraphDef> {
         tp_plan: c.tp_plan.clone(),
         max_position_embeddings: c.max_positions(),
         sliding_window: c.sliding_window,
+        quantization: c.quantization.clone(),
     })
 }
 

@@ -2,7 +2,7 @@
 //! graph of named ops with a repeat over layers.
 
 use crate::error::{Result, TpcError};
-use crate::ir::{ActivationKind, DType, ExpertSplit, Groups, Op, RopeScaling};
+use crate::ir::{ActivationKind, DType, ExpertSplit, Groups, Op, Quantization, RopeScaling};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -285,6 +285,10 @@ pub struct FamilyConfig {
     /// The experts of a mixture-of-experts family (required there, refused elsewhere).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<Box<MoeConfig>>,
+    /// How the checkpoint stores its linear weights when it is quantized (HF
+    /// `quantization_config`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<Quantization>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -310,6 +314,10 @@ pub struct GraphDef {
     /// Each token attends to this many positions at most (Mistral's `sliding_window`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<u64>,
+    /// How the checkpoint stores the linear weights when it is quantized: every linear's
+    /// weight but the output head's and those it names as left unconverted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<Quantization>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -48,6 +48,10 @@ pub struct ParamOp {
     /// Structure of splittable dims (dim index → groups); unlisted dims are plain.
     #[serde(default)]
     pub groups: BTreeMap<u32, Groups>,
+    /// Stored quantized (a linear weight of a quantized checkpoint): the split must keep
+    /// its scale blocks whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant: Option<super::quant::Quantized>,
 }
 
 impl ParamOp {

@@ -730,6 +730,7 @@ pub(crate) mod tests {
                 shape: vec![8, 4],
                 dtype: None,
                 groups: Default::default(),
+                quant: None,
             }),
             Op::Embedding(EmbeddingOp::default()),
             Op::Linear(LinearOp::default()),

@@ -122,6 +122,7 @@ mod tests {
             shape: shape.to_vec(),
             dtype: None,
             groups: Default::default(),
+            quant: None,
         });
         g.add(
             Node {

@@ -4,15 +4,47 @@
 
 use super::ShardCtx;
 use crate::error::{Result, TpcError};
-use crate::ir::{Deal, Graph, Groups, Layout, Op};
+use crate::ir::{Deal, Graph, Groups, Layout, Op, Quantized};
 use std::collections::BTreeSet;
 
 /// Largest tp tpc plans for (checked before the graph is built); also the range the
 /// infeasibility message searches for valid values.
 pub const MAX_TP: u64 = 1024;
 
-/// One split dimension: its structure and length.
-type SplitDim = (Groups, u64);
+/// One split dimension of a weight: its structure, its length, and how the checkpoint
+/// stores the weight when it is quantized.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct SplitDim {
+    pub groups: Groups,
+    pub len: u64,
+    dim: u32,
+    quant: Option<Quantized>,
+}
+
+impl SplitDim {
+    /// Why the dim cannot be dealt so: its structure does not share, or some rank's piece
+    /// would cut the blocks that share one quantization scale.
+    pub fn problem(&self, deal: Deal) -> Option<String> {
+        if let Err(p) = self.groups.check_dealt(self.len, deal) {
+            return Some(p.describe(deal.tp));
+        }
+        let q = self.quant?;
+        (0..deal.tp).find_map(|rank| {
+            let piece = self.groups.slice_dealt(self.len, deal, rank).ok()?;
+            q.cut_by(self.dim, self.len, &piece.ranges).map(|why| {
+                format!(
+                    "at tp={} rank {rank}'s piece, {why}; a split must keep every block on one rank",
+                    deal.tp
+                )
+            })
+        })
+    }
+
+    /// Whether the dim splits evenly `tp` ways, blocks whole.
+    pub fn fits(&self, tp: u64) -> bool {
+        self.problem(Deal::even(tp)).is_none()
+    }
+}
 
 pub(crate) fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
     let mut seen = BTreeSet::new();
@@ -26,8 +58,16 @@ pub(crate) fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
         };
         let groups = p.groups_of(dim);
         let pattern = tensor_pattern(&p.tensor);
-        if seen.insert((pattern.clone(), format!("{groups:?}"), len)) {
-            out.push((pattern, (groups, len)));
+        if seen.insert((pattern.clone(), format!("{groups:?}{:?}", p.quant), len)) {
+            out.push((
+                pattern,
+                SplitDim {
+                    groups,
+                    len,
+                    dim,
+                    quant: p.quant,
+                },
+            ));
         }
     }
     out
@@ -61,13 +101,21 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         Some((_, names)) => names.push(format!("`{pattern}`")),
         None => list.push((text, vec![format!("`{pattern}`")])),
     };
-    for (pattern, (groups, len)) in &dims {
-        if let Err(problem) = groups.check_dealt(*len, ctx.deal()) {
-            say(&mut reasons, problem.describe(tp), pattern);
-        } else if let Some(text) = uneven_note(groups, *len, ctx.deal()) {
+    for (pattern, d) in &dims {
+        if let Some(problem) = d.problem(ctx.deal()) {
+            say(&mut reasons, problem, pattern);
+        } else if let Some(text) = uneven_note(&d.groups, d.len, ctx.deal()) {
             say(&mut uneven, text, pattern);
         }
-        notes_for(groups, *len, ctx.deal(), &mut ctx.notes);
+        notes_for(&d.groups, d.len, ctx.deal(), &mut ctx.notes);
+    }
+    if let Some(q) = dims.iter().find_map(|(_, d)| d.quant) {
+        ctx.notes.push(format!(
+            "quantized checkpoint ({}, one scale per {}×{} block): every split falls on block boundaries and each rank reads the scales of its blocks",
+            q.format.name(),
+            q.block[0],
+            q.block[1]
+        ));
     }
     if let Some(shares) = ctx.shares {
         ctx.notes.push(format!(
@@ -98,7 +146,7 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
 /// The tps every split dim allows and `also` accepts.
 fn valid_tps(dims: &[(String, SplitDim)], also: impl Fn(u64) -> bool) -> Vec<u64> {
     (1..=MAX_TP)
-        .filter(|&t| also(t) && dims.iter().all(|(_, (g, len))| g.check(*len, t).is_ok()))
+        .filter(|&t| also(t) && dims.iter().all(|(_, d)| d.fits(t)))
         .collect()
 }
 

@@ -62,7 +62,7 @@ pub fn mark_exact_linears(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     assign_layouts(&mut nominal, &mut nominal_ctx)?;
     let dims = split_dims(&nominal);
     let valid: Vec<u64> = (2..=MAX_RANKS)
-        .filter(|&t| dims.iter().all(|(_, (g, len))| g.check(*len, t).is_ok()))
+        .filter(|&t| dims.iter().all(|(_, d)| d.fits(t)))
         .collect();
     // Each row-split linear's depth and its split structure.
     let mut linears = Vec::new();

@@ -132,6 +132,7 @@ mod graph_tests {
             shape: vec![16, 8],
             dtype: None,
             groups: Default::default(),
+            quant: None,
         });
         let table = g.add(
             node(

@@ -48,6 +48,7 @@ pub fn expert_slices(w: &WeightSlice) -> Option<Vec<Option<WeightSlice>>> {
         ranges,
         padding,
         local_shape: local,
+        quant: w.quant,
     };
     let whole = w.shape[1..].to_vec();
     match w.dim {
@@ -102,6 +103,7 @@ mod tests {
             ranges,
             padding,
             local_shape: local,
+            quant: None,
         }
     }
 

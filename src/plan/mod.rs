@@ -179,6 +179,10 @@ pub struct WeightSlice {
     pub padding: u64,
     /// Shape the rank holds.
     pub local_shape: Vec<u64>,
+    /// How the checkpoint stores the tensor when it is quantized (the piece keeps its
+    /// scale blocks whole); `dtype` is then what the rank computes with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant: Option<crate::ir::Quantized>,
 }
 
 impl WeightSlice {
@@ -212,9 +216,23 @@ impl WeightSlice {
     pub fn padded_inside(&self) -> bool {
         self.ranges.iter().any(|r| r.pad > 0)
     }
+    /// Bytes of the whole tensor as the checkpoint stores it.
+    pub fn whole_bytes(&self) -> u64 {
+        match &self.quant {
+            Some(q) => q.stored_bytes(&self.shape),
+            None => crate::ir::saturating::product(self.shape.iter().copied())
+                .saturating_mul(self.dtype.size_bytes()),
+        }
+    }
+    /// Bytes of the piece as the checkpoint stores it (a quantized weight's elements and
+    /// the scales of the blocks it holds).
     pub fn local_bytes(&self) -> u64 {
-        self.local_elements()
-            .saturating_mul(self.dtype.size_bytes())
+        match &self.quant {
+            Some(q) => q.stored_bytes(&self.local_shape),
+            None => self
+                .local_elements()
+                .saturating_mul(self.dtype.size_bytes()),
+        }
     }
 }
 

@@ -66,6 +66,7 @@ fn weight_slice(
         ranges: piece.as_ref().map(|s| s.ranges.clone()).unwrap_or_default(),
         padding: piece.map(|s| s.padding).unwrap_or(0),
         local_shape,
+        quant: p.quant,
     })
 }
 
@@ -299,6 +300,7 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
                     shape: s.local_shape.clone(),
                     dtype: p.dtype,
                     groups: Default::default(),
+                    quant: p.quant,
                 });
                 weights.push(s);
                 op

@@ -272,10 +272,7 @@ pub fn summarize(plan: &Plan) -> Summary {
     let (model_param_count, model_param_bytes) = plan.ranks.first().map_or((0, 0), |r| {
         r.weights.iter().fold((0u64, 0u64), |(c, b), w| {
             let n = product(w.shape.iter().copied());
-            (
-                c.saturating_add(n),
-                b.saturating_add(n.saturating_mul(w.dtype.size_bytes())),
-            )
+            (c.saturating_add(n), b.saturating_add(w.whole_bytes()))
         })
     });
     let kv_cache_bytes_per_token_per_rank = plan.ranks.iter().map(kv_bytes_per_token).collect();

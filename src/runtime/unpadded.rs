@@ -155,6 +155,7 @@ mod tests {
             }],
             padding,
             local_shape: local.to_vec(),
+            quant: None,
         }
     }
 

@@ -162,6 +162,7 @@ fn blank(family: Family, name: &str, dtype: DType) -> FamilyConfig {
         dtype,
         tp_plan: BTreeMap::new(),
         moe: None,
+        quantization: None,
     }
 }
 
@@ -797,11 +798,6 @@ fn a_quantized_checkpoint_is_refused_naming_its_method() {
     let scratch = Scratch::new("quantized");
     for (sub, config, named) in [
         (
-            "fp8",
-            json!({"quant_method": "fp8", "weight_block_size": [128, 128]}),
-            "`fp8`",
-        ),
-        (
             "gptq",
             json!({"quant_method": "gptq", "bits": 4, "group_size": 128}),
             "`gptq`",
@@ -818,7 +814,12 @@ fn a_quantized_checkpoint_is_refused_naming_its_method() {
         });
         rejected(
             &dir,
-            &["the checkpoint is quantized", named, "unquantized release"],
+            &[
+                "the checkpoint is quantized",
+                named,
+                "tpc reads quant_method fp8",
+                "unquantized release",
+            ],
         );
     }
     // A null `quantization_config` is no quantization.
@@ -826,6 +827,57 @@ fn a_quantized_checkpoint_is_refused_naming_its_method() {
         o.insert("quantization_config".into(), Value::Null);
     });
     load_model(&dir).unwrap();
+}
+
+#[test]
+fn an_fp8_block_checkpoint_is_read_with_its_blocks_and_unconverted_modules() {
+    let scratch = Scratch::new("fp8");
+    let dir = edited(&scratch, "ok", |o| {
+        o.insert(
+            "quantization_config".into(),
+            json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [128, 64], "modules_to_not_convert": ["model.layers.0.mlp"]}),
+        );
+    });
+    let q = family_of(&load(&dir))
+        .quantization
+        .clone()
+        .expect("fp8 is read");
+    assert_eq!(q.block, [128, 64]);
+    assert_eq!(q.modules_to_not_convert, ["model.layers.0.mlp"]);
+    // HF's default block when the config leaves it out.
+    let dir = edited(&scratch, "default", |o| {
+        o.insert("quantization_config".into(), json!({"quant_method": "fp8"}));
+    });
+    let q = family_of(&load(&dir)).quantization.clone().unwrap();
+    assert_eq!(q.block, [128, 128]);
+    for (sub, config, named) in [
+        (
+            "e5m2",
+            json!({"quant_method": "fp8", "fmt": "e5m2"}),
+            "`fmt` \"e5m2\" is not e4m3",
+        ),
+        (
+            "static",
+            json!({"quant_method": "fp8", "activation_scheme": "static"}),
+            "needs stored activation scales",
+        ),
+        (
+            "block",
+            json!({"quant_method": "fp8", "weight_block_size": [0, 128]}),
+            "`weight_block_size` [0,128] is not two positive block sizes",
+        ),
+        (
+            "pattern",
+            json!({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.*.mlp"]}),
+            "is a pattern",
+        ),
+    ] {
+        let dir = edited(&scratch, sub, |o| {
+            o.insert("quantization_config".into(), config);
+        });
+        rejected(&dir, &["`quantization_config`", named, "tpc reads fp8"]);
+    }
 }
 
 #[test]

@@ -52,6 +52,7 @@ fn blank(family: Family) -> FamilyConfig {
         dtype: DType::Bf16,
         tp_plan: BTreeMap::new(),
         moe: None,
+        quantization: None,
     }
 }
 

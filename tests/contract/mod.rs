@@ -172,6 +172,7 @@ fn weight<B: Backend>(
         ranges: vec![],
         padding: 0,
         local_shape: dims,
+        quant: None,
     };
     let usage = WeightUse {
         linear: order,

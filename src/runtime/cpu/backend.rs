@@ -1667,6 +1667,7 @@ mod tests {
             ranges: vec![range(0, 16), range(32, 16)],
             padding: 0,
             local_shape: vec![48, 8],
+            quant: None,
         };
         let usage = WeightUse {
             linear: Some(WeightOrder::OutIn),
@@ -1720,6 +1721,7 @@ mod tests {
             }],
             padding: 1,
             local_shape: vec![3, 3],
+            quant: None,
         };
         let usage = WeightUse {
             linear: None,

@@ -1367,6 +1367,7 @@ mod slice_tests {
                 .collect(),
             padding: padding as u64,
             local_shape: local.iter().map(|&d| d as u64).collect(),
+            quant: None,
         }
     }
 

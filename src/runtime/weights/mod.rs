@@ -1010,6 +1010,7 @@ mod tests {
                                         .collect(),
                                     padding: 0,
                                     local_shape: vec![local_rows, cols],
+                                    quant: None,
                                 };
                                 let mut into = StoredRows::default();
                                 let _ = ckpt.read_stored_rows(&slice, batch, &mut into);
@@ -1104,6 +1105,7 @@ mod tests {
             ranges: vec![range(0, 2, 2), range(4, 2, 1)],
             padding: 1,
             local_shape: vec![2, 8],
+            quant: None,
         };
         let t = load_slice(&Counting, &cols).unwrap();
         let want = [
@@ -1207,6 +1209,7 @@ mod tests {
             ranges: vec![],
             padding: 0,
             local_shape: shape.to_vec(),
+            quant: None,
         }
     }
 

@@ -1,0 +1,187 @@
+//! Quantized weights as a fact of the IR: how a checkpoint stores a linear weight (the
+//! format, and the blocks that share one scale), so that the split falls on block
+//! boundaries and every report counts the bytes as stored.
+//!
+//! Only FP8 e4m3 with block scales (`quant_method: "fp8"`, HF `weight_block_size`, the
+//! `*_scale_inv` tensors of the Qwen3 and DeepSeek FP8 releases) is read so far.
+
+use super::groups::SliceRange;
+use serde::{Deserialize, Serialize};
+
+/// How the elements of a quantized weight are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum QuantFormat {
+    /// One byte per element, e4m3 (`float8_e4m3fn`), times an f32 scale per block.
+    Fp8E4m3,
+}
+
+impl QuantFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Fp8E4m3 => "fp8 e4m3",
+        }
+    }
+}
+
+/// A model's quantization, as its `quantization_config` states it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Quantization {
+    pub format: QuantFormat,
+    /// Elements per scale along a linear weight's output and input dims (HF
+    /// `weight_block_size`, `[out, in]`).
+    pub block: [u64; 2],
+    /// Weights left unquantized, as HF `modules_to_not_convert` names their modules: a
+    /// module whose name starts or ends with one of these stays in the model's dtype. The
+    /// output head and embeddings are never quantized.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub modules_to_not_convert: Vec<String>,
+}
+
+impl Quantization {
+    /// Whether the linear weight `tensor` (`<module>.weight`) is stored quantized.
+    pub fn covers(&self, tensor: &str) -> bool {
+        let module = tensor.strip_suffix(".weight").unwrap_or(tensor);
+        !self.modules_to_not_convert.iter().any(|m| {
+            !m.is_empty() && (module.starts_with(m.as_str()) || module.ends_with(m.as_str()))
+        })
+    }
+
+    /// The fact for a linear weight stored `[out, in]` (`out_dim` 0) or `[in, out]`.
+    pub fn for_weight(&self, out_dim: u32) -> Quantized {
+        let [out, inp] = self.block;
+        Quantized {
+            format: self.format,
+            block: if out_dim == 0 { [out, inp] } else { [inp, out] },
+        }
+    }
+}
+
+/// One weight's quantization: its format and the block of elements that share a scale,
+/// per stored dim of the 2-D tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Quantized {
+    pub format: QuantFormat,
+    pub block: [u64; 2],
+}
+
+impl Quantized {
+    /// The shape of the scales of a weight stored `shape` (one per block, the last block
+    /// of a dim partial), `None` for a weight that is not 2-D.
+    pub fn scale_shape(&self, shape: &[u64]) -> Option<[u64; 2]> {
+        match shape {
+            [a, b] => Some([a.div_ceil(self.block[0]), b.div_ceil(self.block[1])]),
+            _ => None,
+        }
+    }
+
+    /// Bytes a rank holds for a piece of `local_shape`, whole blocks of scales included:
+    /// one byte per element and an f32 per block that the piece touches.
+    pub fn stored_bytes(&self, local_shape: &[u64]) -> u64 {
+        let elements = super::saturating::product(local_shape.iter().copied());
+        let scales = match local_shape {
+            [a, b] => a
+                .div_ceil(self.block[0].max(1))
+                .saturating_mul(b.div_ceil(self.block[1].max(1))),
+            _ => 0,
+        };
+        elements.saturating_add(scales.saturating_mul(4))
+    }
+
+    /// Why a piece of dim `dim` (of `total` elements) made of `ranges` would cut one of the
+    /// blocks that share a scale: a range that starts inside a block, or ends inside one
+    /// short of the dim's end. `None` when every range keeps its blocks whole.
+    pub fn cut_by(&self, dim: u32, total: u64, ranges: &[SliceRange]) -> Option<String> {
+        let block = *self.block.get(dim as usize)?;
+        if block <= 1 {
+            return None;
+        }
+        ranges.iter().find_map(|r| {
+            let end = r.offset.saturating_add(r.len);
+            let inside = |at: u64| !at.is_multiple_of(block) && at != total;
+            (inside(r.offset) || inside(end)).then(|| {
+                format!(
+                    "elements {}..{end} of {total} would cut the checkpoint's {} scale blocks of {block}",
+                    r.offset,
+                    self.format.name()
+                )
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp8(block: [u64; 2]) -> Quantized {
+        Quantized {
+            format: QuantFormat::Fp8E4m3,
+            block,
+        }
+    }
+
+    fn range(offset: u64, len: u64) -> SliceRange {
+        SliceRange {
+            offset,
+            len,
+            pad: 0,
+        }
+    }
+
+    #[test]
+    fn a_piece_keeps_its_blocks_whole_or_says_where_it_cuts() {
+        let q = fp8([128, 128]);
+        // 11008 columns at tp 2: 5504 = 43 blocks each, whole.
+        assert!(q.cut_by(0, 11008, &[range(5504, 5504)]).is_none());
+        // tp 4: 2752 = 21.5 blocks.
+        let why = q.cut_by(0, 11008, &[range(2752, 2752)]).unwrap();
+        assert!(
+            why.contains("2752..5504 of 11008") && why.contains("scale blocks of 128"),
+            "{why}"
+        );
+        // The dim's last block may be partial: 300 rows end inside a block of 128 but at
+        // the dim's end.
+        assert!(q.cut_by(0, 300, &[range(256, 44)]).is_none());
+        assert!(q.cut_by(0, 300, &[range(250, 50)]).is_some());
+        // Along the other dim, with its own block.
+        let q = fp8([128, 64]);
+        assert!(q.cut_by(1, 256, &[range(64, 64)]).is_none());
+        assert!(q.cut_by(0, 256, &[range(64, 64)]).is_some());
+    }
+
+    #[test]
+    fn stored_bytes_count_one_byte_an_element_and_a_scale_a_block() {
+        let q = fp8([128, 128]);
+        // 256 × 300: 2 × 3 blocks.
+        assert_eq!(q.stored_bytes(&[256, 300]), 256 * 300 + 6 * 4);
+        assert_eq!(q.scale_shape(&[256, 300]), Some([2, 3]));
+        assert_eq!(q.scale_shape(&[256]), None);
+    }
+
+    #[test]
+    fn modules_left_unquantized_match_by_prefix_or_suffix() {
+        let q = Quantization {
+            format: QuantFormat::Fp8E4m3,
+            block: [128, 128],
+            modules_to_not_convert: vec!["lm_head".into(), "model.layers.0.mlp".into()],
+        };
+        assert!(!q.covers("lm_head.weight"));
+        // A suffix names a module in every layer (HF's `endswith`).
+        let gate = Quantization {
+            modules_to_not_convert: vec!["mlp.gate".into()],
+            ..q.clone()
+        };
+        assert!(!gate.covers("model.layers.3.mlp.gate.weight"));
+        assert!(gate.covers("model.layers.3.mlp.gate_proj.weight"));
+        assert!(!q.covers("model.layers.0.mlp.down_proj.weight"));
+        assert!(q.covers("model.layers.10.mlp.down_proj.weight"));
+        assert!(q.covers("model.layers.0.self_attn.q_proj.weight"));
+        assert_eq!(q.for_weight(1).block, [128, 128]);
+        let q = Quantization {
+            block: [64, 32],
+            ..q
+        };
+        assert_eq!(q.for_weight(0).block, [64, 32]);
+        assert_eq!(q.for_weight(1).block, [32, 64]);
+    }
+}
