@@ -28,6 +28,9 @@ pub struct Numerics {
     pub weights: DType,
     /// Type of the activations, the KV cache and the collectives' messages.
     pub activations: DType,
+    /// Quantized weights are held dequantized, in `weights` (tpc's CPU runtime dequantizes
+    /// them as it loads them), rather than read as stored (a GPU runtime's FP8 products).
+    pub dequantizes: bool,
 }
 
 impl Numerics {
@@ -36,6 +39,7 @@ impl Numerics {
         Numerics {
             weights: plan.dtype,
             activations: plan.dtype,
+            dequantizes: false,
         }
     }
 
@@ -49,6 +53,7 @@ impl Numerics {
                 DType::F32
             },
             activations: DType::F32,
+            dequantizes: true,
         }
     }
 
@@ -286,7 +291,31 @@ fn per_token(shape: &crate::ir::Shape) -> Option<f64> {
 
 /// Each rank's work per segment (see [`segments`]); weight bytes are its slices' bytes,
 /// KV bytes are left 0 (the compile report's figures are per rank, shared out later).
-fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
+/// Bytes a rank holds of weight `s`: as stored, or a quantized weight dequantized into the
+/// plan's dtype (what the caller then scales to the weights' type).
+fn held_bytes(s: &crate::plan::WeightSlice, plan: &Plan, dequantizes: bool) -> f64 {
+    if dequantizes && s.quant.is_some() {
+        s.local_elements().saturating_mul(plan.dtype.size_bytes()) as f64
+    } else {
+        s.local_bytes() as f64
+    }
+}
+
+/// Bytes of `rank`'s weights: the compile report's figure (as stored), or with quantized
+/// weights dequantized.
+fn rank_weight_bytes(
+    plan: &Plan,
+    summary: &crate::plan::report::Summary,
+    rank: usize,
+    dequantizes: bool,
+) -> f64 {
+    match plan.ranks.get(rank) {
+        Some(r) if dequantizes => r.weights.iter().map(|s| held_bytes(s, plan, true)).sum(),
+        _ => summary.param_bytes_per_rank.get(rank).copied().unwrap_or(0) as f64,
+    }
+}
+
+fn segment_work(plan: &Plan, layers: usize, dequantizes: bool) -> Vec<Vec<RankWork>> {
     plan.ranks
         .iter()
         .map(|r| {
@@ -333,7 +362,7 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                 if let Op::Param(p) = &i.op {
                     let bytes = slices
                         .get(&*p.tensor)
-                        .map_or(0.0, |s| s.local_bytes() as f64);
+                        .map_or(0.0, |s| held_bytes(s, plan, dequantizes));
                     w.weight_bytes += bytes;
                     if read_whole.contains(&i.id) && !stacks.contains(&i.id) {
                         w.weight_read_bytes += bytes;
@@ -373,7 +402,7 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
                             bytes: stack
                                 .clone()
                                 .filter_map(weight_of)
-                                .map(|s| s.local_bytes() as f64)
+                                .map(|s| held_bytes(s, plan, dequantizes))
                                 .sum(),
                             elements: stack.map(|id| elements(Some(id))).sum(),
                             local: local as f64,
@@ -416,11 +445,11 @@ fn segment_work(plan: &Plan, layers: usize) -> Vec<Vec<RankWork>> {
 }
 
 /// The work of the fullest rank (most weight and KV bytes per the compile report).
-fn rank_work(plan: &Plan) -> RankWork {
+fn rank_work(plan: &Plan, dequantizes: bool) -> RankWork {
     // Weight and KV bytes per rank are the compile report's own figures.
     let summary = crate::plan::report::summarize(plan);
     let mut fullest = RankWork::default();
-    for (rank, segs) in segment_work(plan, layer_count(plan))
+    for (rank, segs) in segment_work(plan, layer_count(plan), dequantizes)
         .into_iter()
         .enumerate()
     {
@@ -428,7 +457,7 @@ fn rank_work(plan: &Plan) -> RankWork {
         for s in segs {
             w += s;
         }
-        w.weight_bytes = summary.param_bytes_per_rank.get(rank).copied().unwrap_or(0) as f64;
+        w.weight_bytes = rank_weight_bytes(plan, &summary, rank, dequantizes);
         w.kv_bytes_per_token = summary
             .kv_cache_bytes_per_token_per_rank
             .get(rank)
@@ -444,7 +473,7 @@ fn rank_work(plan: &Plan) -> RankWork {
 
 /// Compute ops per forward pass of the fullest rank (each pays the profile's per-op cost).
 pub fn ops_per_pass(plan: &Plan) -> f64 {
-    rank_work(plan).ops
+    rank_work(plan, false).ops
 }
 
 /// Ops that run a kernel on the rank's threads (not inputs, weights, views, outputs, or
@@ -776,7 +805,7 @@ pub fn simulate_sharing_experts(
     dp: u64,
 ) -> Estimate {
     let dp = dp.max(1);
-    let mut w = rank_work(plan);
+    let mut w = rank_work(plan, num.dequantizes);
     let plan_size = plan.dtype.size_bytes() as f64;
     let weight_scale = num.weights.size_bytes() as f64 / plan_size;
     let act_scale = num.activations.size_bytes() as f64 / plan_size;
@@ -885,7 +914,7 @@ pub fn simulate_pp(
     if pp == 1 {
         return Ok(simulate_as(plan, hw, work, num));
     }
-    StagedPlan::new(plan, pp).estimate(hw, work, num, pp)
+    StagedPlan::new(plan, pp, num.dequantizes).estimate(hw, work, num, pp)
 }
 
 /// What pricing one plan at any pipeline depth needs, worked out once: each rank's work
@@ -910,13 +939,14 @@ pub struct StagedPlan<'a> {
 }
 
 impl<'a> StagedPlan<'a> {
-    /// `plan` ready to be priced with up to `max_pp` stages.
-    pub fn new(plan: &'a Plan, max_pp: u64) -> StagedPlan<'a> {
+    /// `plan` ready to be priced with up to `max_pp` stages, its quantized weights held as
+    /// stored or dequantized (`Numerics::dequantizes` of the estimates asked for).
+    pub fn new(plan: &'a Plan, max_pp: u64, dequantizes: bool) -> StagedPlan<'a> {
         let layers = layer_count(plan);
         let summary = crate::plan::report::summarize(plan);
         let rank_bytes = (0..plan.ranks.len())
             .map(|rank| {
-                let w = summary.param_bytes_per_rank.get(rank).copied().unwrap_or(0) as f64;
+                let w = rank_weight_bytes(plan, &summary, rank, dequantizes);
                 let kv = summary
                     .kv_cache_bytes_per_token_per_rank
                     .get(rank)
@@ -945,7 +975,7 @@ impl<'a> StagedPlan<'a> {
         StagedPlan {
             plan,
             layers,
-            segs: segment_work(plan, layers),
+            segs: segment_work(plan, layers, dequantizes),
             rank_bytes,
             segment_of,
             recorded: recorded_algorithms(plan),
@@ -1202,6 +1232,58 @@ mod tests {
     }
 
     #[test]
+    fn fp8_weights_are_read_as_stored_on_a_device_and_dequantized_by_the_cpu_runtime() {
+        let (fp8, bf16) = (
+            super::super::shipped::plan("qwen3-32b-fp8", 4),
+            super::super::shipped::plan("qwen3-32b", 4),
+        );
+        let hw = flat_hw();
+        let bw = hw.per_rank(4, false).1;
+        let chat = Workload {
+            batch: 1,
+            prompt: 16,
+            gen: 64,
+        };
+        let device = |p: &Plan| simulate_as(p, &hw, chat, Numerics::of_plan(p));
+        let (q, b) = (device(&fp8), device(&bf16));
+        // A byte an element and an f32 per 128 × 128 block for the decoder's linears; the
+        // embeddings and the head stay bf16.
+        let linears: u64 = fp8.ranks[0]
+            .weights
+            .iter()
+            .filter(|w| w.quant.is_some())
+            .map(|w| w.local_elements())
+            .sum();
+        let scales = linears / (128 * 128);
+        assert_eq!(
+            b.weight_bytes_per_rank - q.weight_bytes_per_rank,
+            linears - 4 * scales
+        );
+        // A decode step reads those bytes: about half the time where memory paces it.
+        let read = |e: &Estimate| e.decode_step.memory_s * bw;
+        let saved = read(&b) - read(&q);
+        assert!(
+            (saved - (linears - 4 * scales) as f64).abs() < 1e-6 * saved,
+            "{saved} vs {}",
+            linears - 4 * scales
+        );
+        // tpc's CPU runtime holds them dequantized: the bf16 model's bytes.
+        let cpu = |p: &Plan| simulate_as(p, &hw, chat, Numerics::cpu_runtime(true));
+        assert_eq!(
+            cpu(&fp8).weight_bytes_per_rank,
+            cpu(&bf16).weight_bytes_per_rank
+        );
+        assert_eq!(
+            simulate_pp(&fp8, &hw, chat, Numerics::cpu_runtime(true), 2)
+                .unwrap()
+                .weight_bytes_per_rank,
+            simulate_pp(&bf16, &hw, chat, Numerics::cpu_runtime(true), 2)
+                .unwrap()
+                .weight_bytes_per_rank
+        );
+    }
+
+    #[test]
     fn a_decode_step_reads_the_chosen_experts_and_a_long_prefill_all_of_them() {
         // Qwen3-30B-A3B: 128 experts, 8 per token. One token reads 8 of each layer's 128
         // experts; 4096 prompt tokens choose (nearly) every one.
@@ -1209,7 +1291,7 @@ mod tests {
         let hw = flat_hw();
         let bw = hw.per_rank(1, false).1;
         let experts = expert_bytes(&plan);
-        let w = rank_work(&plan);
+        let w = rank_work(&plan, false);
         assert!(
             experts > 0.9 * w.weight_bytes,
             "{experts} of {}",
@@ -1305,7 +1387,7 @@ mod tests {
         let got = shared.weight_bytes_per_rank as f64;
         assert!((got - want).abs() <= 1e-6 * want + 1.0, "{got} vs {want}");
         // The rank's 16 experts serve the 4 replicas' 4 tokens of a decode step.
-        let w = rank_work(&plan).experts.over_replicas(4);
+        let w = rank_work(&plan, false).experts.over_replicas(4);
         assert_eq!((w.local, w.replicas), (16.0, 4.0));
         let (_, bytes, _) = w.busiest(4.0, 2);
         assert!(bytes > 0.0 && bytes <= w.bytes, "{bytes} of {}", w.bytes);

@@ -339,6 +339,12 @@ fn quantization(r: &Reader) -> Result<Option<Quantization>> {
     }))
 }
 
+/// The quantization an HF `config.json` states (`None` for none): what a checkpoint reader
+/// needs to decode the weights beside it.
+pub fn quantization_in(path: &Path, json: &Value) -> Result<Option<Quantization>> {
+    quantization(&Reader { path, json })
+}
+
 /// Reads an HF config into the matching family preset. Keys a config leaves out take the
 /// HF config class's default where it differs from the tpc family default.
 pub fn family_from_hf_json(path: &Path, json: &Value) -> Result<FamilyConfig> {

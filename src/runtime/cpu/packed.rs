@@ -1318,6 +1318,7 @@ mod slice_tests {
                     .flat_map(|&v| (v as u16).to_le_bytes())
                     .collect(),
             ),
+            StoredDtype::F8E4m3 => (Dtype::F8_E4M3, values.iter().map(|&v| v as u8).collect()),
         }
     }
 
@@ -1588,6 +1589,7 @@ mod slice_tests {
                                         .iter()
                                         .map(|&f| half::f16::from_f32(f).to_bits() as u32)
                                         .collect(),
+                                    StoredDtype::F8E4m3 => unreachable!("not among the dtypes"),
                                 };
                                 let (st, bytes) = encode(dtype, &bits);
                                 (name.clone(), st, shape.clone(), bytes)

@@ -5,6 +5,7 @@
 
 mod error;
 mod file;
+mod fp8;
 mod identity;
 mod stored;
 
@@ -18,11 +19,13 @@ pub type WeightResult<T> = std::result::Result<T, WeightError>;
 type Result<T> = WeightResult<T>;
 use crate::plan::{Plan, WeightSlice};
 use file::ShardFile;
+use fp8::BlockScales;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use safetensors::tensor::TensorInfo;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use stored::{decode_bf16, decode_f32};
 
 /// An opened checkpoint directory.
@@ -31,6 +34,11 @@ pub struct Checkpoint {
     files: Vec<ShardFile>,
     /// Tensor name → file index.
     index: HashMap<String, usize>,
+    /// The scale blocks of an FP8 checkpoint (its `config.json`'s `quantization_config`),
+    /// `[rows, cols]` of a stored weight.
+    fp8_block: Option<[usize; 2]>,
+    /// Each FP8 weight's scales, read once.
+    scales: Mutex<HashMap<String, Arc<BlockScales>>>,
 }
 
 fn file_err(path: &Path, problem: impl Into<String>) -> WeightError {
@@ -58,6 +66,21 @@ fn open_file(path: &Path) -> Result<ShardFile> {
         }
     }
     Ok(file)
+}
+
+/// The scale blocks of an FP8 checkpoint, from the `quantization_config` of the
+/// `config.json` beside its weights (as the model's frontend reads it); `None` without one.
+/// A config that does not parse is the model loader's to report.
+fn fp8_block_of(dir: &Path) -> Result<Option<[usize; 2]>> {
+    let path = dir.join("config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Ok(None);
+    };
+    let q = crate::frontend::hf_config::quantization_in(&path, &json)?;
+    Ok(q.map(|q| q.block.map(|b| b as usize)))
 }
 
 /// Resolves an index's file name inside the checkpoint folder. Names that would leave it
@@ -137,6 +160,8 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             files,
             index,
+            fp8_block: fp8_block_of(dir)?,
+            scales: Mutex::default(),
         })
     }
 
@@ -189,7 +214,7 @@ impl Checkpoint {
             tensor: tensor.to_string(),
             problem: match self.quantized_sibling(tensor) {
                 Some(q) => format!(
-                    "missing from the checkpoint, which holds `{q}` instead: it is quantized, and tpc reads only unquantized f32, bf16 and f16 weights (no quantization method yet); use the model's unquantized release or dequantize this one first"
+                    "missing from the checkpoint, which holds `{q}` instead: it is quantized in a layout tpc does not read (tpc reads f32, bf16 and f16 weights, and FP8 e4m3 with block scales, `quant_method: \"fp8\"`); use the model's unquantized release or dequantize this one first"
                 ),
                 None => "missing from the checkpoint; the model definition does not match these weights"
                     .into(),
@@ -222,14 +247,23 @@ impl Checkpoint {
                 || name.starts_with("F4")
                 || matches!(name.as_str(), "I8" | "U8" | "I32" | "U32" | "I4" | "U4");
             bad(format!(
-                "has dtype {name}; tpc reads F32, BF16 and F16{}",
+                "has dtype {name}; tpc reads F32, BF16 and F16, and F8_E4M3 with block scales{}",
                 if quantized {
-                    " (this looks like a quantized checkpoint: tpc runs no quantization method yet; use the model's unquantized release or dequantize this one first)"
+                    " (this looks like a quantized checkpoint in a format tpc does not read; use the model's unquantized release or dequantize this one first)"
                 } else {
                     ""
                 }
             ))
         })?;
+        let scales = match (dtype, self.fp8_block) {
+            (StoredDtype::F8E4m3, Some(block)) => Some(self.block_scales(tensor, &info.shape, block)?),
+            (StoredDtype::F8E4m3, None) => {
+                return Err(bad(
+                    "is stored as F8_E4M3, but the checkpoint's config.json has no FP8 `quantization_config` (`quant_method: \"fp8\"` with `weight_block_size`), so its scales are unknown; use the config.json that came with these weights".into(),
+                ))
+            }
+            _ => None,
+        };
         let (start, end) = info.data_offsets;
         let at = |o: usize| file.data_start.checked_add(o as u64);
         let offset = at(start)
@@ -259,7 +293,66 @@ impl Checkpoint {
             dtype,
             offset,
             len: (end - start) / dtype.size(),
+            scales,
         })
+    }
+
+    /// The scales of the FP8 weight `tensor` stored `shape` in blocks of `block`, from its
+    /// `_scale_inv` tensor (checked: 2-D, one scale per block, a dtype tpc reads), read once.
+    fn block_scales(
+        &self,
+        tensor: &str,
+        shape: &[usize],
+        block: [usize; 2],
+    ) -> Result<Arc<BlockScales>> {
+        if let Some(s) = self.scales.lock().ok().and_then(|m| m.get(tensor).cloned()) {
+            return Ok(s);
+        }
+        let name = format!("{tensor}_scale_inv");
+        let (file, info) = self.info(&name).map_err(|_| WeightError::Tensor {
+            path: self.dir.clone(),
+            tensor: tensor.to_string(),
+            problem: format!(
+                "is stored as F8_E4M3 but its scales `{name}` are missing from the checkpoint; the checkpoint is incomplete"
+            ),
+        })?;
+        let &[rows, cols] = shape else {
+            return Err(WeightError::Tensor {
+                path: file.path.clone(),
+                tensor: tensor.to_string(),
+                problem: format!("is stored as F8_E4M3 with shape {shape:?}; tpc reads block-scaled FP8 2-D weights only"),
+            });
+        };
+        let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+        if info.shape != want {
+            return Err(WeightError::Tensor {
+                path: file.path.clone(),
+                tensor: name,
+                problem: format!(
+                    "has shape {:?}; a {rows} × {cols} weight in blocks of {} × {} (`weight_block_size`) has {want:?} scales; the checkpoint and its config.json do not match",
+                    info.shape, block[0], block[1]
+                ),
+            });
+        }
+        let span = self.tensor(&name)?;
+        if span.scales.is_some() {
+            return Err(span.err("is itself stored as F8_E4M3; scales are f32, bf16 or f16".into()));
+        }
+        let mut values = Vec::new();
+        span.bytes_of(0, span.len)?;
+        append(&mut values, span.len, |dst| {
+            span.read_into(0, dst, decode_f32)
+        })?;
+        let scales = Arc::new(BlockScales {
+            block,
+            cols,
+            per_row: want[1],
+            values,
+        });
+        if let Ok(mut m) = self.scales.lock() {
+            m.insert(tensor.to_string(), scales.clone());
+        }
+        Ok(scales)
     }
 
     /// Checks every tensor every rank needs: present, the expected shape, a dtype tpc reads.
@@ -285,7 +378,17 @@ impl Checkpoint {
                         ),
                     });
                 }
-                self.tensor(&tensor)?;
+                let span = self.tensor(&tensor)?;
+                // A plan compiled for other blocks split this weight for them.
+                if let (Some(q), Some(s)) = (&w.quant, &span.scales) {
+                    let planned = q.block.map(|b| b as usize);
+                    if planned != s.block {
+                        return Err(span.err(format!(
+                            "is stored in FP8 blocks of {} × {}, the plan was compiled for blocks of {} × {}; compile the plan from this checkpoint's config.json",
+                            s.block[0], s.block[1], planned[0], planned[1]
+                        )));
+                    }
+                }
             }
         }
         Ok(())
@@ -301,6 +404,8 @@ struct TensorSpan<'a> {
     offset: u64,
     /// Elements stored.
     len: usize,
+    /// An FP8 weight's block scales: its elements are their e4m3 values times these.
+    scales: Option<Arc<BlockScales>>,
 }
 
 /// Bytes read from a file per `pread` when a read is split, so that reads of large tensors
@@ -384,6 +489,9 @@ impl TensorSpan<'_> {
         into.bytes.resize(bytes, 0);
         // (file offset, offset in the batch, bytes), in increasing batch offsets.
         let mut runs: Vec<(u64, usize, usize)> = Vec::new();
+        // An FP8 weight's stored pieces (first element, element in the batch, count), for
+        // their scales.
+        let mut scaled: Vec<(usize, usize, usize)> = Vec::new();
         for r in rows.clone() {
             let buffer = &mut into.bytes;
             layout.pieces(r, 0, cols, |at, piece| {
@@ -392,6 +500,9 @@ impl TensorSpan<'_> {
                 match piece {
                     Piece::Zeros { len } => buffer[here..here + len * size].fill(0),
                     Piece::Stored { from, len } => {
+                        if self.scales.is_some() {
+                            scaled.push((from, here / size, len));
+                        }
                         let (file_at, n) = self.bytes_of(from, len)?;
                         match runs.last_mut() {
                             Some(last)
@@ -423,6 +534,17 @@ impl TensorSpan<'_> {
             .into_par_iter()
             .try_for_each(|(at, dst)| self.file.read_exact_at(at, dst))?;
         into.dtype = self.dtype;
+        if let Some(scales) = &self.scales {
+            // The batch as the weight's values in f32 (padding stays zero).
+            let mut values = vec![0f32; rows.len() * cols];
+            for &(from, here, len) in &scaled {
+                let dst = &mut values[here..here + len];
+                decode_f32(self.dtype, &into.bytes[here..here + len], dst);
+                scales.apply(from, dst);
+            }
+            into.bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            into.dtype = StoredDtype::F32;
+        }
         into.first = rows.start;
         into.rows = rows.len();
         into.cols = cols;
@@ -443,7 +565,13 @@ impl WeightSource for Checkpoint {
         let t = self.tensor(tensor)?;
         // Checked first: `count` sizes the allocation.
         t.bytes_of(from, count)?;
-        append(out, count, |dst| t.read_into(from, dst, decode_f32))
+        append(out, count, |dst| {
+            t.read_into(from, dst, decode_f32)?;
+            if let Some(scales) = &t.scales {
+                scales.apply(from, dst);
+            }
+            Ok(())
+        })
     }
 
     fn read_bf16(
@@ -455,6 +583,13 @@ impl WeightSource for Checkpoint {
     ) -> Result<()> {
         let t = self.tensor(tensor)?;
         t.bytes_of(from, count)?;
+        if t.scales.is_some() {
+            // Scaled in f32, then rounded, as `read` then `bf16::from_f32`.
+            let mut values = Vec::new();
+            self.read(tensor, from, count, &mut values)?;
+            out.extend(values.iter().map(|&v| half::bf16::from_f32(v)));
+            return Ok(());
+        }
         append(out, count, |dst| {
             t.read_into(from, dst.reinterpret_cast_mut(), decode_bf16)
         })
@@ -934,10 +1069,16 @@ mod tests {
             e.contains("holds `l.qweight` instead: it is quantized"),
             "{e}"
         );
-        // An 8-bit float weight.
+        // An 8-bit float weight without the config that gives its scale blocks.
         let e = ckpt.tensor("f").err().unwrap().to_string();
         assert!(
-            e.contains("F8_E4M3") && e.contains("quantized checkpoint"),
+            e.contains("F8_E4M3") && e.contains("no FP8 `quantization_config`"),
+            "{e}"
+        );
+        // An integer weight.
+        let e = ckpt.tensor("l.qweight").err().unwrap().to_string();
+        assert!(
+            e.contains("I32") && e.contains("quantized checkpoint"),
             "{e}"
         );
         // A missing tensor with no quantized sibling says nothing of quantization.
@@ -946,6 +1087,127 @@ mod tests {
             e.contains("does not match") && !e.contains("quantiz"),
             "{e}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A 5 × 6 FP8 weight `w` in blocks of 2 × 4 (3 × 2 scales, the last row and column
+    /// of blocks partial) beside a config that says so; its bytes and scales.
+    fn fp8_checkpoint(scale_shape: [usize; 2]) -> (PathBuf, Vec<u8>, Vec<f32>) {
+        let dir = temp_dir();
+        let config =
+            r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 4]}}"#;
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        // Every byte but the NaNs, in some order.
+        let bytes: Vec<u8> = (0..30u8).map(|i| i.wrapping_mul(37) % 0x7f).collect();
+        let scales: Vec<f32> = (0..scale_shape[0] * scale_shape[1])
+            .map(|i| 0.5 + i as f32)
+            .collect();
+        let scale_bytes: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let tensors = [
+            ("w", safetensors::Dtype::F8_E4M3, vec![5, 6], &bytes),
+            (
+                "w_scale_inv",
+                safetensors::Dtype::F32,
+                scale_shape.to_vec(),
+                &scale_bytes,
+            ),
+        ];
+        let views: Vec<_> = tensors
+            .iter()
+            .map(|(n, d, s, b)| {
+                (
+                    n.to_string(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, &None, &dir.join("model.safetensors")).unwrap();
+        (dir, bytes, scales)
+    }
+
+    #[test]
+    fn fp8_weights_read_as_their_values_times_their_block_scales() {
+        let (dir, bytes, scales) = fp8_checkpoint([3, 2]);
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let want: Vec<f32> = (0..30)
+            .map(|i| fp8::e4m3_to_f32(bytes[i]) * scales[(i / 6 / 2) * 2 + (i % 6) / 4])
+            .collect();
+        let mut all = Vec::new();
+        ckpt.read("w", 0, 30, &mut all).unwrap();
+        assert_eq!(all, want);
+        // From inside a row, across rows.
+        let mut part = Vec::new();
+        ckpt.read("w", 9, 11, &mut part).unwrap();
+        assert_eq!(part, want[9..20]);
+        let mut b = Vec::new();
+        ckpt.read_bf16("w", 0, 30, &mut b).unwrap();
+        assert!(b
+            .iter()
+            .zip(&want)
+            .all(|(b, &w)| *b == half::bf16::from_f32(w)));
+        // A rank's pieces, as the packers read them: rows 2..4 (a column split of the
+        // outputs) and columns 4..6 then 2 zeros (a row split of the inputs, padded).
+        let range = |offset, len| crate::ir::SliceRange {
+            offset,
+            len,
+            pad: 0,
+        };
+        for (dim, r, padding, local) in [(0, range(2, 2), 0, [2, 6]), (1, range(4, 2), 2, [5, 4])] {
+            let w = WeightSlice {
+                dim: Some(dim),
+                ranges: vec![r],
+                padding,
+                local_shape: local.to_vec(),
+                ..whole("w", [5, 6])
+            };
+            let mut rows = StoredRows::default();
+            assert!(ckpt
+                .read_stored_rows(&w, 0..local[0] as usize, &mut rows)
+                .unwrap());
+            assert_eq!(rows.dtype(), StoredDtype::F32);
+            let expect = load_slice(&ckpt, &w).unwrap();
+            for i in 0..local[0] as usize {
+                let mut got = vec![0f32; local[1] as usize];
+                rows.f32s(i, 0, &mut got).unwrap();
+                let at = i * local[1] as usize;
+                assert_eq!(got, expect.data[at..at + got.len()], "dim {dim} row {i}");
+                for (c, v) in got.iter().enumerate() {
+                    let (row, col) = if dim == 0 { (2 + i, c) } else { (i, 4 + c) };
+                    let stored = if col < 6 { want[row * 6 + col] } else { 0.0 };
+                    assert_eq!(*v, stored, "dim {dim} ({i}, {c})");
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn fp8_scales_that_do_not_fit_their_blocks_are_refused_before_reading() {
+        let (dir, _, _) = fp8_checkpoint([2, 2]);
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let e = ckpt
+            .read("w", 0, 1, &mut Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("w_scale_inv")
+                && e.contains("has shape [2, 2]")
+                && e.contains("[3, 2] scales"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        // Scales missing: the weight alone is not readable.
+        let dir = temp_dir();
+        let config =
+            r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 4]}}"#;
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        let header = r#"{"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]}}"#;
+        std::fs::write(dir.join("model.safetensors"), raw_file(header, 4)).unwrap();
+        let e = Checkpoint::open(&dir)
+            .unwrap()
+            .read("w", 0, 1, &mut Vec::new());
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("its scales `w_scale_inv` are missing"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

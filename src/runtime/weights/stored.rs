@@ -1,5 +1,6 @@
-//! Weights in the encoding a checkpoint stores them in (f32, bf16, f16), and their
-//! conversions to what the runtime computes with: f32, or bf16 bits.
+//! Weights in the encoding a checkpoint stores them in (f32, bf16, f16, and FP8 e4m3 before
+//! its block scales), and their conversions to what the runtime computes with: f32, or bf16
+//! bits.
 
 use super::{Result, WeightError};
 use safetensors::Dtype;
@@ -11,6 +12,9 @@ pub enum StoredDtype {
     F32,
     Bf16,
     F16,
+    /// `float8_e4m3fn`: a quantized weight's elements, each to be multiplied by its block's
+    /// scale (`fp8`); decoded alone they are the values before the scale.
+    F8E4m3,
 }
 
 impl StoredDtype {
@@ -19,6 +23,7 @@ impl StoredDtype {
             Dtype::F32 => Some(StoredDtype::F32),
             Dtype::BF16 => Some(StoredDtype::Bf16),
             Dtype::F16 => Some(StoredDtype::F16),
+            Dtype::F8_E4M3 => Some(StoredDtype::F8E4m3),
             _ => None,
         }
     }
@@ -28,6 +33,7 @@ impl StoredDtype {
         match self {
             StoredDtype::F32 => 4,
             StoredDtype::Bf16 | StoredDtype::F16 => 2,
+            StoredDtype::F8E4m3 => 1,
         }
     }
 }
@@ -129,6 +135,11 @@ pub(super) fn decode_f32(dtype: StoredDtype, bytes: &[u8], out: &mut [f32]) {
                 *o = half::f16::from_le_bytes(*b).to_f32();
             }
         }
+        StoredDtype::F8E4m3 => {
+            for (o, &b) in out.iter_mut().zip(bytes) {
+                *o = super::fp8::e4m3_to_f32(b);
+            }
+        }
     }
 }
 
@@ -154,6 +165,12 @@ pub(super) fn decode_bf16(dtype: StoredDtype, bytes: &[u8], out: &mut [u16]) {
             for (o, b) in out.iter_mut().zip(byte_arrays::<2>(bytes)) {
                 let v = half::f16::from_le_bytes(*b).to_f32();
                 *o = half::bf16::from_f32(v).to_bits();
+            }
+        }
+        // Exact: every e4m3 value is a bf16 value.
+        StoredDtype::F8E4m3 => {
+            for (o, &b) in out.iter_mut().zip(bytes) {
+                *o = half::bf16::from_f32(super::fp8::e4m3_to_f32(b)).to_bits();
             }
         }
     }
