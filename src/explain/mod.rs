@@ -52,6 +52,10 @@ pub struct WeightExplain {
     /// the largest. Empty for an even split.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub pieces: Vec<u64>,
+    /// How a quantized checkpoint stores the weight (its format and scale blocks, which the
+    /// split keeps whole); absent for a weight stored as is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stored: Option<String>,
     /// The rule branch as a word (`reads_whole_activation`, `reads_split_activation`,
     /// `embedding_vocab`, `override`, `follows_its_op`, `no_splittable_dim`, `tp_1`).
     pub rule: String,
@@ -215,6 +219,17 @@ pub fn explain(
                 vocab_dim: key.vocab,
                 bytes_per_rank: bytes.get(tensor).copied().unwrap_or(0),
                 pieces: uneven_pieces(&base.plan, tensor),
+                stored: match &graph.node(first).op {
+                    Op::Param(p) => p.quant.map(|q| {
+                        format!(
+                            "{}, one f32 scale per {} × {} block (stored dims); a split keeps every block on one rank",
+                            q.format.name(),
+                            q.block[0],
+                            q.block[1]
+                        )
+                    }),
+                    _ => None,
+                },
                 rule: decision.reason.word().to_string(),
                 why: match (decision.reason, key.layout, key.vocab) {
                     (Reason::ReadsWhole, "column", true) => "linear reads a whole activation → column split; its columns are the vocabulary, so each rank makes its slice of the logits".to_string(),

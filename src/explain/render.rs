@@ -164,6 +164,9 @@ pub fn render_text(e: &Explanation) -> String {
                 w.shape.get(dim as usize).copied().unwrap_or(0)
             );
         }
+        if let Some(stored) = &w.stored {
+            let _ = writeln!(out, "  stored      {stored}");
+        }
         let _ = writeln!(out, "  rule        {}", w.why);
         let _ = writeln!(out, "  decided     {}", decided(w));
         for other in &w.also_read_by {
