@@ -44,34 +44,43 @@ pub fn build_graph(def: &GraphDef) -> Result<Graph> {
     Ok(b.graph)
 }
 
-/// Marks the weights a quantized checkpoint stores quantized: every linear's 2-D weight
-/// but the output head's (its rows are the vocabulary, which HF never quantizes) and those
-/// `q` leaves unconverted.
+/// Marks the weights a quantized checkpoint stores quantized: every linear's 2-D weight and
+/// every expert's, but the output head's (its rows are the vocabulary, which HF never
+/// quantizes), a router's (transformers' routers are not linear modules) and those `q`
+/// leaves unconverted.
 fn mark_quantized(graph: &mut Graph, q: &Quantization) -> std::result::Result<(), String> {
     let ids: Vec<NodeId> = graph.g.node_indices().collect();
     for id in ids {
-        let order = match &graph.node(id).op {
-            Op::Linear(l) => l.weight_order,
-            Op::Experts(_) => {
-                return Err(format!(
-                    "{} mixture-of-experts checkpoints are not read yet (dense models only); use the model's unquantized release",
-                    q.format.name()
-                ))
+        let inputs = graph.inputs(id);
+        let (weights, order) = match &graph.node(id).op {
+            Op::Linear(l) => {
+                let routes = graph
+                    .users(id)
+                    .iter()
+                    .any(|&(u, _)| matches!(graph.node(u).op, Op::Route(_)));
+                if routes {
+                    continue;
+                }
+                (
+                    &inputs[1.min(inputs.len())..inputs.len().min(2)],
+                    l.weight_order,
+                )
             }
+            // The gate, up and down stacks, each expert stored `[out, in]`.
+            Op::Experts(_) => (inputs.get(2..).unwrap_or(&[]), WeightOrder::OutIn),
             _ => continue,
         };
-        let Some(&w) = graph.inputs(id).get(1) else {
-            continue;
-        };
-        let Op::Param(p) = &mut graph.node_mut(w).op else {
-            continue;
-        };
-        let vocabulary = matches!(
-            p.groups.get(&order.out_dim()),
-            Some(Groups::Plain { padded: true })
-        );
-        if p.shape.len() == 2 && !vocabulary && q.covers(&p.tensor) {
-            p.quant = Some(q.for_weight(order.out_dim()));
+        for &w in weights {
+            let Op::Param(p) = &mut graph.node_mut(w).op else {
+                continue;
+            };
+            let vocabulary = matches!(
+                p.groups.get(&order.out_dim()),
+                Some(Groups::Plain { padded: true })
+            );
+            if p.shape.len() >= 2 && !vocabulary && q.covers(&p.tensor) {
+                p.quant = Some(q.for_weight(order.out_dim()));
+            }
         }
     }
     Ok(())

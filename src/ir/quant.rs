@@ -57,7 +57,8 @@ impl Quantization {
 }
 
 /// One weight's quantization: its format and the block of elements that share a scale,
-/// per stored dim of the 2-D tensor.
+/// per stored dim of the 2-D weight — the last two dims of a stack of experts' weights
+/// (`[experts, out, in]`, each expert its own checkpoint tensor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Quantized {
     pub format: QuantFormat,
@@ -79,19 +80,28 @@ impl Quantized {
     pub fn stored_bytes(&self, local_shape: &[u64]) -> u64 {
         let elements = super::saturating::product(local_shape.iter().copied());
         let scales = match local_shape {
-            [a, b] => a
-                .div_ceil(self.block[0].max(1))
-                .saturating_mul(b.div_ceil(self.block[1].max(1))),
+            [lead @ .., a, b] => super::saturating::product(lead.iter().copied()).saturating_mul(
+                a.div_ceil(self.block[0].max(1))
+                    .saturating_mul(b.div_ceil(self.block[1].max(1))),
+            ),
             _ => 0,
         };
         elements.saturating_add(scales.saturating_mul(4))
     }
 
-    /// Why a piece of dim `dim` (of `total` elements) made of `ranges` would cut one of the
-    /// blocks that share a scale: a range that starts inside a block, or ends inside one
-    /// short of the dim's end. `None` when every range keeps its blocks whole.
-    pub fn cut_by(&self, dim: u32, total: u64, ranges: &[SliceRange]) -> Option<String> {
-        let block = *self.block.get(dim as usize)?;
+    /// Why a piece of dim `dim` of an `ndim`-dim weight (`total` elements along it) made of
+    /// `ranges` would cut one of the blocks that share a scale: a range that starts inside a
+    /// block, or ends inside one short of the dim's end. `None` when every range keeps its
+    /// blocks whole (a stack's experts dim has no blocks).
+    pub fn cut_by(
+        &self,
+        dim: u32,
+        ndim: usize,
+        total: u64,
+        ranges: &[SliceRange],
+    ) -> Option<String> {
+        let along = (dim as usize).checked_sub(ndim.checked_sub(2)?)?;
+        let block = *self.block.get(along)?;
         if block <= 1 {
             return None;
         }
@@ -132,21 +142,26 @@ mod tests {
     fn a_piece_keeps_its_blocks_whole_or_says_where_it_cuts() {
         let q = fp8([128, 128]);
         // 11008 columns at tp 2: 5504 = 43 blocks each, whole.
-        assert!(q.cut_by(0, 11008, &[range(5504, 5504)]).is_none());
+        assert!(q.cut_by(0, 2, 11008, &[range(5504, 5504)]).is_none());
         // tp 4: 2752 = 21.5 blocks.
-        let why = q.cut_by(0, 11008, &[range(2752, 2752)]).unwrap();
+        let why = q.cut_by(0, 2, 11008, &[range(2752, 2752)]).unwrap();
         assert!(
             why.contains("2752..5504 of 11008") && why.contains("scale blocks of 128"),
             "{why}"
         );
         // The dim's last block may be partial: 300 rows end inside a block of 128 but at
         // the dim's end.
-        assert!(q.cut_by(0, 300, &[range(256, 44)]).is_none());
-        assert!(q.cut_by(0, 300, &[range(250, 50)]).is_some());
+        assert!(q.cut_by(0, 2, 300, &[range(256, 44)]).is_none());
+        assert!(q.cut_by(0, 2, 300, &[range(250, 50)]).is_some());
         // Along the other dim, with its own block.
         let q = fp8([128, 64]);
-        assert!(q.cut_by(1, 256, &[range(64, 64)]).is_none());
-        assert!(q.cut_by(0, 256, &[range(64, 64)]).is_some());
+        assert!(q.cut_by(1, 2, 256, &[range(64, 64)]).is_none());
+        assert!(q.cut_by(0, 2, 256, &[range(64, 64)]).is_some());
+        // A stack of experts `[experts, out, in]`: its experts dim has no blocks, the others
+        // are the experts' own.
+        assert!(q.cut_by(0, 3, 8, &[range(3, 2)]).is_none());
+        assert!(q.cut_by(1, 3, 256, &[range(64, 64)]).is_some());
+        assert!(q.cut_by(2, 3, 256, &[range(64, 64)]).is_none());
     }
 
     #[test]
@@ -155,6 +170,8 @@ mod tests {
         // 256 × 300: 2 × 3 blocks.
         assert_eq!(q.stored_bytes(&[256, 300]), 256 * 300 + 6 * 4);
         assert_eq!(q.scale_shape(&[256, 300]), Some([2, 3]));
+        // Three experts' pieces: each its own scales.
+        assert_eq!(q.stored_bytes(&[3, 256, 300]), 3 * (256 * 300 + 6 * 4));
         assert_eq!(q.scale_shape(&[256]), None);
     }
 

@@ -18,6 +18,8 @@ pub(crate) struct SplitDim {
     pub groups: Groups,
     pub len: u64,
     dim: u32,
+    /// The weight's dims.
+    ndim: usize,
     quant: Option<Quantized>,
 }
 
@@ -31,7 +33,7 @@ impl SplitDim {
         let q = self.quant?;
         (0..deal.tp).find_map(|rank| {
             let piece = self.groups.slice_dealt(self.len, deal, rank).ok()?;
-            q.cut_by(self.dim, self.len, &piece.ranges).map(|why| {
+            q.cut_by(self.dim, self.ndim, self.len, &piece.ranges).map(|why| {
                 format!(
                     "at tp={} rank {rank}'s piece, {why}; a split must keep every block on one rank",
                     deal.tp
@@ -65,6 +67,7 @@ pub(crate) fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
                     groups,
                     len,
                     dim,
+                    ndim: p.shape.len(),
                     quant: p.quant,
                 },
             ));

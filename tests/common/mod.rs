@@ -17,6 +17,8 @@ pub const BF16_REL_TOL: f64 = 3e-2;
 /// The mixture-of-experts reference checkpoints: `runtime::moe_parity` runs those tpc
 /// reads; every backend and launcher test runs the dense ones ([`fixtures`]).
 pub const MOE_FIXTURES: [&str; 4] = ["mixtral-moe", "olmoe", "qwen2-moe", "qwen3-moe"];
+/// Quantized mixture-of-experts fixtures (`scripts/make_fp8_fixture.py`), checked on their own.
+pub const QUANTIZED_MOE_FIXTURES: [&str; 1] = ["qwen3-moe-fp8"];
 
 /// The tiny dense HF reference checkpoints (`scripts/make_fixtures.py`), in a fixed order.
 pub fn fixtures() -> Vec<PathBuf> {
@@ -25,8 +27,12 @@ pub fn fixtures() -> Vec<PathBuf> {
         .map(|e| e.unwrap().path())
         .filter(|p| p.join("config.json").exists())
         .filter(|p| {
-            !p.file_name()
-                .is_some_and(|n| MOE_FIXTURES.iter().any(|m| n == *m))
+            !p.file_name().is_some_and(|n| {
+                MOE_FIXTURES
+                    .iter()
+                    .chain(&QUANTIZED_MOE_FIXTURES)
+                    .any(|m| n == *m)
+            })
         })
         .collect();
     dirs.sort();

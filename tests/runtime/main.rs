@@ -18,6 +18,7 @@ mod paged;
 mod parity;
 mod pipeline;
 mod plan_provenance;
+mod quant_fp8;
 // The fuzzers' seeded generator, for the structural plan fuzzer; not every helper is used.
 #[allow(dead_code)]
 #[path = "../fuzz/rng.rs"]
