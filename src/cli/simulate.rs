@@ -74,7 +74,7 @@ fn numerics(d: SimDtype, plan: &tpc::plan::Plan) -> Numerics {
 fn table(e: &Estimate) -> String {
     let ms = |s: f64| format!("{:.3} ms", s * 1e3);
     let mut out = format!(
-        "model {}  tp={}{}  on {}  (weights {}, activations {})\n{:<12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
+        "model {}  tp={}{}  on {}  (weights {}{}, activations {})\n{:<12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
         e.model,
         e.tp,
         match (e.pp > 1, e.dp > 1) {
@@ -84,6 +84,10 @@ fn table(e: &Estimate) -> String {
         },
         e.hw,
         e.weight_dtype,
+        e.quantized_weights
+            .as_ref()
+            .map(|q| format!(" ({q})"))
+            .unwrap_or_default(),
         e.activation_dtype,
         "phase",
         "time",

@@ -105,6 +105,10 @@ pub struct Estimate {
     pub rough_profile: bool,
     /// Types of the weights and of the activations (KV cache, collectives) priced.
     pub weight_dtype: DType,
+    /// How a quantized checkpoint's weights were priced (`fp8 e4m3 as stored`, or
+    /// `dequantized` when the runtime dequantizes them to `weight_dtype`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quantized_weights: Option<String>,
     pub activation_dtype: DType,
     pub prefill: PhaseTime,
     pub decode_step: PhaseTime,
@@ -291,6 +295,20 @@ fn per_token(shape: &crate::ir::Shape) -> Option<f64> {
 
 /// Each rank's work per segment (see [`segments`]); weight bytes are its slices' bytes,
 /// KV bytes are left 0 (the compile report's figures are per rank, shared out later).
+/// How `plan`'s quantized weights are priced under `num`, if it has any.
+fn quantized_weights(plan: &Plan, num: Numerics) -> Option<String> {
+    let q = plan
+        .ranks
+        .iter()
+        .flat_map(|r| &r.weights)
+        .find_map(|w| w.quant)?;
+    Some(if num.dequantizes {
+        format!("{} linears dequantized", q.format.name())
+    } else {
+        format!("{} linears as stored", q.format.name())
+    })
+}
+
 /// Bytes a rank holds of weight `s`: as stored, or a quantized weight dequantized into the
 /// plan's dtype (what the caller then scales to the weights' type).
 fn held_bytes(s: &crate::plan::WeightSlice, plan: &Plan, dequantizes: bool) -> f64 {
@@ -877,6 +895,7 @@ pub fn simulate_sharing_experts(
         hw: hw.name.clone(),
         rough_profile: hw.is_rough(),
         weight_dtype: num.weights,
+        quantized_weights: quantized_weights(plan, num),
         activation_dtype: num.activations,
         prefill,
         decode_step,
@@ -1157,6 +1176,7 @@ impl<'a> StagedPlan<'a> {
             hw: hw.name.clone(),
             rough_profile: hw.is_rough(),
             weight_dtype: num.weights,
+            quantized_weights: quantized_weights(plan, num),
             activation_dtype: num.activations,
             prefill,
             decode_step,
@@ -1246,6 +1266,11 @@ mod tests {
         };
         let device = |p: &Plan| simulate_as(p, &hw, chat, Numerics::of_plan(p));
         let (q, b) = (device(&fp8), device(&bf16));
+        assert_eq!(
+            q.quantized_weights.as_deref(),
+            Some("fp8 e4m3 linears as stored")
+        );
+        assert_eq!(b.quantized_weights, None);
         // A byte an element and an f32 per 128 × 128 block for the decoder's linears; the
         // embeddings and the head stay bf16.
         let linears: u64 = fp8.ranks[0]
@@ -1272,6 +1297,10 @@ mod tests {
         assert_eq!(
             cpu(&fp8).weight_bytes_per_rank,
             cpu(&bf16).weight_bytes_per_rank
+        );
+        assert_eq!(
+            cpu(&fp8).quantized_weights.as_deref(),
+            Some("fp8 e4m3 linears dequantized")
         );
         assert_eq!(
             simulate_pp(&fp8, &hw, chat, Numerics::cpu_runtime(true), 2)

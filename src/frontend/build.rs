@@ -61,10 +61,7 @@ fn mark_quantized(graph: &mut Graph, q: &Quantization) -> std::result::Result<()
                 if routes {
                     continue;
                 }
-                (
-                    &inputs[1.min(inputs.len())..inputs.len().min(2)],
-                    l.weight_order,
-                )
+                (inputs.get(1..2).unwrap_or(&[]), l.weight_order)
             }
             // The gate, up and down stacks, each expert stored `[out, in]`.
             Op::Experts(_) => (inputs.get(2..).unwrap_or(&[]), WeightOrder::OutIn),

@@ -334,15 +334,32 @@ impl Checkpoint {
                 ),
             });
         }
-        let span = self.tensor(&name)?;
-        if span.scales.is_some() {
-            return Err(span.err("is itself stored as F8_E4M3; scales are f32, bf16 or f16".into()));
+        // Checked before reading it as a tensor, so that scales of scales never recurse.
+        if !matches!(
+            StoredDtype::of(info.dtype),
+            Some(StoredDtype::F32 | StoredDtype::Bf16 | StoredDtype::F16)
+        ) {
+            return Err(WeightError::Tensor {
+                path: file.path.clone(),
+                tensor: name,
+                problem: format!(
+                    "has dtype {:?}; FP8 scales are F32, BF16 or F16",
+                    info.dtype
+                ),
+            });
         }
+        let span = self.tensor(&name)?;
         let mut values = Vec::new();
         span.bytes_of(0, span.len)?;
         append(&mut values, span.len, |dst| {
             span.read_into(0, dst, decode_f32)
         })?;
+        if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
+            return Err(span.err(format!(
+                "scale {bad} is {}; a corrupt checkpoint (every FP8 block scale is a finite number)",
+                values[bad]
+            )));
+        }
         let scales = Arc::new(BlockScales {
             block,
             cols,
@@ -1208,6 +1225,23 @@ mod tests {
             .read("w", 0, 1, &mut Vec::new());
         let e = e.unwrap_err().to_string();
         assert!(e.contains("its scales `w_scale_inv` are missing"), "{e}");
+        // Scales stored as FP8 themselves, and a scale that is not finite.
+        let header = r#"{"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},"w_scale_inv":{"dtype":"F8_E4M3","shape":[1,1],"data_offsets":[4,5]}}"#;
+        std::fs::write(dir.join("model.safetensors"), raw_file(header, 5)).unwrap();
+        let e = Checkpoint::open(&dir)
+            .unwrap()
+            .read("w", 0, 1, &mut Vec::new());
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("FP8 scales are F32, BF16 or F16"), "{e}");
+        let header = r#"{"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},"w_scale_inv":{"dtype":"F32","shape":[1,1],"data_offsets":[4,8]}}"#;
+        let mut file = raw_file(header, 4);
+        file.extend_from_slice(&f32::INFINITY.to_le_bytes());
+        std::fs::write(dir.join("model.safetensors"), file).unwrap();
+        let e = Checkpoint::open(&dir)
+            .unwrap()
+            .read("w", 0, 1, &mut Vec::new());
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("scale 0 is inf"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
