@@ -1280,3 +1280,38 @@ fn moe_configs_take_their_class_defaults_and_refuse_clip_qkv() {
         &["`clip_qkv` 8.0", "clip_qkv null"],
     );
 }
+
+#[test]
+fn qwen3_32b_with_the_fp8_releases_quantization_compiles_as_the_fp8_preset() {
+    // Qwen3-32B's config with the `quantization_config` of its FP8 release.
+    let scratch = Scratch::new("qwen3-fp8");
+    let mut j = fixture_json("qwen3-32b");
+    j.as_object_mut().unwrap().insert(
+        "quantization_config".into(),
+        json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+               "weight_block_size": [128, 128]}),
+    );
+    let dir = scratch.model_json("hf", &j);
+    let hf = load(&dir);
+    let preset = load(&root().join("models/qwen3-32b-fp8.ron"));
+    for tp in [1, 2, 4, 8] {
+        let a = compile(&hf, tp).unwrap().plan;
+        let b = compile(&preset, tp).unwrap().plan;
+        assert_same_plan_but_name(&a, &b, &format!("qwen3-32b fp8 tp={tp}"));
+        // Every decoder linear, 7 per layer, is stored quantized.
+        let quantized = a.ranks[0]
+            .weights
+            .iter()
+            .filter(|w| w.quant.is_some())
+            .count();
+        assert_eq!(quantized, 64 * 7, "tp={tp}");
+    }
+    // tp 3 would deal the MLP's 25600 columns in 32 atoms of 800, cutting blocks of 128.
+    let e = compile(&hf, 3).err().unwrap().to_string();
+    assert!(
+        e.contains(
+            "elements 0..8800 of 25600 would cut the checkpoint's fp8 e4m3 scale blocks of 128"
+        ) && e.contains("Valid tp values for this model: 1, 2, 4, 5, 8,"),
+        "{e}"
+    );
+}
