@@ -3,12 +3,10 @@
 Qwen3 and DeepSeek FP8 releases), with transformers' own reference outputs for them:
 ``llama-gqa-fp8`` (blocks of 8) and ``qwen3-moe-fp8`` (blocks of 16, experts included).
 
-Every decoder linear weight ``W [out, in]`` (q/k/v/o and gate/up/down projections, each
-expert's too) is cut into blocks of B × B; each block's scale is ``amax(|block|) / 448`` (448:
-the largest finite e4m3 value; an all-zero block gets scale 1), ``W`` is stored as
-``(W / scale).to(float8_e4m3fn)`` and the scales as ``<name>_scale_inv`` float32
-``[ceil(out/B), ceil(in/B)]``.  Embeddings, norms, routers and lm_head stay float32, as
-transformers leaves them.  B is a head's width (8 and 16), as in real releases (128).
+The conversion is ``scripts/quantize_fp8.py``'s: every decoder linear weight (q/k/v/o and
+gate/up/down projections, each expert's too) in blocks of B × B, one float32 scale each;
+embeddings, norms, routers and lm_head stay float32, as transformers leaves them.  B is a
+head's width (8 and 16), as in real releases (128).
 
 The reference is transformers loading that directory on the CPU, where it dequantizes FP8
 weights (``weight.to(float32) * scale_inv`` per block) and computes in float32 with eager
@@ -36,57 +34,23 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quantize_fp8  # noqa: E402  (the conversion, shared with users' checkpoints)
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"
 # case → (the fixture it quantizes, block size)
 CASES = {"llama-gqa-fp8": ("llama-gqa", 8), "qwen3-moe-fp8": ("qwen3-moe", 16)}
-E4M3_MAX = 448.0
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MIN_GREEDY_MARGIN = 0.1  # as make_fixtures.py: no near-tie at any greedy step
 MAX_PROMPT_TRIES = 50
-
-
-def quantize(w: torch.Tensor, BLOCK: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` as e4m3 values and one float32 scale per BLOCK × BLOCK block."""
-    out, inp = w.shape
-    rows, cols = -(-out // BLOCK), -(-inp // BLOCK)
-    padded = torch.zeros(rows * BLOCK, cols * BLOCK, dtype=torch.float32)
-    padded[:out, :inp] = w
-    blocks = padded.reshape(rows, BLOCK, cols, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:out, :inp]
-    q = (w / expanded).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale.contiguous()
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, BLOCK: int) -> torch.Tensor:
-    out, inp = q.shape
-    expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:out, :inp]
-    return q.to(torch.float32) * expanded
 
 
 def write_checkpoint(SRC: Path, OUT: Path, BLOCK: int) -> dict[str, torch.Tensor]:
     """Writes the FP8 checkpoint; returns the dequantized weights it stands for."""
     OUT.mkdir(parents=True, exist_ok=True)
-    tensors = load_file(str(SRC / "model.safetensors"))
-    stored, dequantized = {}, {}
-    for name, w in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
-            q, scale = quantize(w.float(), BLOCK)
-            stored[name] = q
-            stored[name + "_scale_inv"] = scale
-            dequantized[name] = dequantize(q, scale, BLOCK)
-        else:
-            stored[name] = w
+    stored, dequantized = quantize_fp8.convert_tensors(load_file(str(SRC / "model.safetensors")), BLOCK)
     save_file(stored, str(OUT / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((SRC / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
-    }
+    config = quantize_fp8.fp8_config(json.loads((SRC / "config.json").read_text()), BLOCK)
     (OUT / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shutil.copy(SRC / "generation_config.json", OUT / "generation_config.json")
     return dequantized
