@@ -46,6 +46,13 @@ fn edited_copy(
     dir
 }
 
+/// Why `plan` does not run on the checkpoint in `dir`.
+fn refusal(plan: &tpc::plan::Plan, dir: &Path) -> String {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let e = run(plan, &ckpt, &[1, 2], &RunOptions::default()).err();
+    e.expect("the run is refused").to_string()
+}
+
 #[test]
 fn fp8_checkpoints_match_transformers_at_every_tp_with_whole_blocks() {
     let dir = Path::new(FIXTURE);
@@ -126,14 +133,9 @@ fn a_split_that_would_cut_a_block_is_refused_with_the_valid_tp() {
             && e.contains("Valid tp values for this model: 1."),
         "{e}"
     );
-    compile(&def, 1).unwrap();
     // Compiled whole, the plan still does not fit these weights: their scales are per 8.
     let plan = compile(&def, 1).unwrap().plan;
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let e = run(&plan, &ckpt, &[1, 2], &RunOptions::default())
-        .err()
-        .unwrap()
-        .to_string();
+    let e = refusal(&plan, &dir);
     assert!(
         e.contains("_scale_inv") && e.contains("do not match"),
         "{e}"
@@ -150,15 +152,7 @@ fn a_plan_for_other_blocks_or_weights_without_scales_are_refused_before_compute(
         None,
     );
     let plan = compile(&load_model(&four).unwrap(), 2).unwrap().plan;
-    let e = run(
-        &plan,
-        &Checkpoint::open(Path::new(FIXTURE)).unwrap(),
-        &[1, 2],
-        &RunOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = refusal(&plan, Path::new(FIXTURE));
     assert!(
         e.contains("the plan was compiled for blocks of 4 × 4"),
         "{e}"
@@ -170,15 +164,7 @@ fn a_plan_for_other_blocks_or_weights_without_scales_are_refused_before_compute(
         Some(&|n: &str| n != "model.layers.1.mlp.down_proj.weight_scale_inv"),
     );
     let plan = compile(&load_model(&missing).unwrap(), 2).unwrap().plan;
-    let e = run(
-        &plan,
-        &Checkpoint::open(&missing).unwrap(),
-        &[1, 2],
-        &RunOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = refusal(&plan, &missing);
     assert!(
         e.contains("model.layers.1.mlp.down_proj.weight") && e.contains("are missing"),
         "{e}"
@@ -192,15 +178,7 @@ fn a_plan_for_other_blocks_or_weights_without_scales_are_refused_before_compute(
         None,
     );
     let plan = compile(&load_model(&unsaid).unwrap(), 2).unwrap().plan;
-    let e = run(
-        &plan,
-        &Checkpoint::open(&unsaid).unwrap(),
-        &[1, 2],
-        &RunOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = refusal(&plan, &unsaid);
     assert!(
         e.contains("F8_E4M3") && e.contains("no FP8 `quantization_config`"),
         "{e}"
