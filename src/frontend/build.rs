@@ -49,6 +49,13 @@ pub fn build_graph(def: &GraphDef) -> Result<Graph> {
 /// quantizes), a router's (transformers' routers are not linear modules) and those `q`
 /// leaves unconverted.
 fn mark_quantized(graph: &mut Graph, q: &Quantization) -> std::result::Result<(), String> {
+    let most = super::validate::MAX_DIM;
+    if q.block.iter().any(|&b| b == 0 || b > most) {
+        return Err(format!(
+            "block {:?} must be two sizes from 1 to {most} (elements per scale along a weight's outputs and inputs)",
+            q.block
+        ));
+    }
     let ids: Vec<NodeId> = graph.g.node_indices().collect();
     for id in ids {
         let inputs = graph.inputs(id);

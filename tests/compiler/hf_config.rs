@@ -1315,3 +1315,33 @@ fn qwen3_32b_with_the_fp8_releases_quantization_compiles_as_the_fp8_preset() {
         "{e}"
     );
 }
+
+#[test]
+fn a_preset_states_its_quantization_and_a_block_of_zero_is_refused() {
+    let scratch = Scratch::new("ron-fp8");
+    let preset = |block: &str| {
+        let path = scratch.0.join(format!("fp8-{block}.ron"));
+        let text = format!(
+            "Preset(family: Llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, \
+             num_attention_heads: 8, vocab_size: 100, \
+             quantization: Some((format: Fp8E4m3, block: ({block}), modules_to_not_convert: [\"mlp.down_proj\"])))"
+        );
+        std::fs::write(&path, text).unwrap();
+        load(&path)
+    };
+    let plan = compile(&preset("16, 16"), 2).unwrap().plan;
+    let quantized: Vec<&str> = plan.ranks[0]
+        .weights
+        .iter()
+        .filter(|w| w.quant.is_some())
+        .map(|w| &*w.tensor)
+        .collect();
+    // Six of the layer's seven linears: down_proj is left unconverted.
+    assert_eq!(quantized.len(), 6, "{quantized:?}");
+    assert!(!quantized.iter().any(|t| t.contains("down_proj")));
+    let e = compile(&preset("0, 16"), 2).err().unwrap().to_string();
+    assert!(
+        e.contains("block [0, 16] must be two sizes from 1 to"),
+        "{e}"
+    );
+}
