@@ -552,14 +552,7 @@ impl TensorSpan<'_> {
             .try_for_each(|(at, dst)| self.file.read_exact_at(at, dst))?;
         into.dtype = self.dtype;
         if let Some(scales) = &self.scales {
-            // The batch as the weight's values in f32 (padding stays zero).
-            let mut values = vec![0f32; rows.len() * cols];
-            for &(from, here, len) in &scaled {
-                let dst = &mut values[here..here + len];
-                decode_f32(self.dtype, &into.bytes[here..here + len], dst);
-                scales.apply(from, dst);
-            }
-            into.bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            into.bytes = dequantize_rows(&into.bytes, cols, &scaled, scales);
             into.dtype = StoredDtype::F32;
         }
         into.first = rows.start;
@@ -636,6 +629,39 @@ impl WeightSource for Checkpoint {
         t.read_rows(&layout, rows, into)?;
         Ok(true)
     }
+}
+
+/// A batch of FP8 rows (`cols` bytes each) as the weight's values in little-endian f32
+/// bytes: each stored piece `(first element, element in the batch, count)` decoded and
+/// scaled, padding zero; a row per task.
+fn dequantize_rows(
+    fp8: &[u8],
+    cols: usize,
+    pieces: &[(usize, usize, usize)],
+    scales: &BlockScales,
+) -> Vec<u8> {
+    let mut out = vec![0u8; fp8.len() * 4];
+    if cols == 0 {
+        return out;
+    }
+    out.par_chunks_mut(cols * 4)
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let start = row * cols;
+            // Pieces are in batch order and never cross a row.
+            let first = pieces.partition_point(|p| p.1 < start);
+            let mut values = vec![0f32; cols];
+            for &(from, here, len) in pieces[first..].iter().take_while(|p| p.1 < start + cols) {
+                let at = here - start;
+                let v = &mut values[at..at + len];
+                decode_f32(StoredDtype::F8E4m3, &fp8[here..here + len], v);
+                scales.apply(from, v);
+            }
+            for (d, v) in dst.chunks_exact_mut(4).zip(&values) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        });
+    out
 }
 
 /// Grows `out` by `count` elements (a count already checked against the tensor) filled by
