@@ -293,8 +293,6 @@ fn per_token(shape: &crate::ir::Shape) -> Option<f64> {
         .then(|| shape.fixed_elements() as f64)
 }
 
-/// Each rank's work per segment (see [`segments`]); weight bytes are its slices' bytes,
-/// KV bytes are left 0 (the compile report's figures are per rank, shared out later).
 /// How `plan`'s quantized weights are priced under `num`, if it has any.
 fn quantized_weights(plan: &Plan, num: Numerics) -> Option<String> {
     let q = plan
@@ -333,6 +331,9 @@ fn rank_weight_bytes(
     }
 }
 
+/// Each rank's work per segment (see [`segments`]); weight bytes are its slices' bytes (see
+/// [`held_bytes`]), KV bytes are left 0 (the compile report's figures are per rank, shared
+/// out later).
 fn segment_work(plan: &Plan, layers: usize, dequantizes: bool) -> Vec<Vec<RankWork>> {
     plan.ranks
         .iter()
