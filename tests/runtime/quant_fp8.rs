@@ -6,7 +6,7 @@
 //! counts the stored bytes; splits that would cut a block and checkpoints whose scales do not
 //! fit are refused before any compute.
 
-use crate::common::{read_reference, rel_error, REL_TOL};
+use crate::common::{read_reference, rel_error, Reference, REL_TOL};
 use std::path::{Path, PathBuf};
 use tpc::frontend::load::load_model;
 use tpc::ir::ExpertSplit;
@@ -44,6 +44,19 @@ fn edited_copy(
         }
     }
     dir
+}
+
+/// `plan` on `ckpt` gives transformers' prompt logits (within the f32 tolerance) and greedy
+/// tokens.
+fn assert_matches(plan: &tpc::plan::Plan, ckpt: &Checkpoint, reference: &Reference, what: &str) {
+    let opts = RunOptions {
+        max_new_tokens: reference.greedy.len(),
+        ..Default::default()
+    };
+    let out = run(plan, ckpt, &reference.prompt, &opts).unwrap();
+    let err = rel_error(&out.prompt_logits.data, &reference.logits);
+    assert!(err <= REL_TOL, "{what}: relative error {err:.3e}");
+    assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
 }
 
 /// Why `plan` does not run on the checkpoint in `dir`.
@@ -86,19 +99,7 @@ fn fp8_checkpoints_match_transformers_at_every_tp_with_whole_blocks() {
             }
         }
         assert_eq!(quantized, 14 * tp as usize, "tp {tp}");
-        let out = run(
-            plan,
-            &ckpt,
-            &reference.prompt,
-            &RunOptions {
-                max_new_tokens: reference.greedy.len(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let err = rel_error(&out.prompt_logits.data, &reference.logits);
-        assert!(err <= REL_TOL, "tp {tp}: relative error {err:.3e}");
-        assert_eq!(out.generated, reference.greedy, "tp {tp}: greedy tokens");
+        assert_matches(plan, &ckpt, &reference, &format!("tp {tp}"));
         ran.push(tp);
     }
     assert!(ran.len() >= 4 && ran.contains(&8), "ran only at tp {ran:?}");
@@ -211,19 +212,7 @@ fn fp8_experts_match_transformers_with_both_splits() {
                     assert_eq!(q.block, [16, 16], "{what}: {}", w.tensor);
                 }
             }
-            let out = run(
-                &plan,
-                &ckpt,
-                &reference.prompt,
-                &RunOptions {
-                    max_new_tokens: reference.greedy.len(),
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-            let err = rel_error(&out.prompt_logits.data, &reference.logits);
-            assert!(err <= REL_TOL, "{what}: relative error {err:.3e}");
-            assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
+            assert_matches(&plan, &ckpt, &reference, &what);
             runs += 1;
         }
     }
