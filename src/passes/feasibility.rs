@@ -112,7 +112,12 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         }
         notes_for(&d.groups, d.len, ctx.deal(), &mut ctx.notes);
     }
-    if let Some(q) = dims.iter().find_map(|(_, d)| d.quant) {
+    // Said at any tp (tp 1 splits nothing): the report's bytes are the stored ones.
+    let quantized = graph.g.node_weights().find_map(|n| match &n.op {
+        Op::Param(p) => p.quant,
+        _ => None,
+    });
+    if let Some(q) = quantized {
         ctx.notes.push(format!(
             "quantized checkpoint ({}, one scale per {}×{} block): every split falls on block boundaries and each rank reads the scales of its blocks",
             q.format.name(),
