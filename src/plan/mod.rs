@@ -218,19 +218,18 @@ impl WeightSlice {
     }
     /// Bytes of the whole tensor as the checkpoint stores it.
     pub fn whole_bytes(&self) -> u64 {
-        match &self.quant {
-            Some(q) => q.stored_bytes(&self.shape),
-            None => crate::ir::saturating::product(self.shape.iter().copied())
-                .saturating_mul(self.dtype.size_bytes()),
-        }
+        self.stored_bytes(&self.shape)
     }
     /// Bytes of the piece as the checkpoint stores it (a quantized weight's elements and
     /// the scales of the blocks it holds).
     pub fn local_bytes(&self) -> u64 {
+        self.stored_bytes(&self.local_shape)
+    }
+    /// Bytes of a tensor of `shape` in this weight's stored encoding.
+    fn stored_bytes(&self, shape: &[u64]) -> u64 {
         match &self.quant {
-            Some(q) => q.stored_bytes(&self.local_shape),
-            None => self
-                .local_elements()
+            Some(q) => q.stored_bytes(shape),
+            None => crate::ir::saturating::product(shape.iter().copied())
                 .saturating_mul(self.dtype.size_bytes()),
         }
     }

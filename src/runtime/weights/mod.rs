@@ -1224,14 +1224,17 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Why reading the first element of `w` in the checkpoint in `dir` fails.
+    fn read_error(dir: &Path) -> String {
+        let ckpt = Checkpoint::open(dir).unwrap();
+        let e = ckpt.read("w", 0, 1, &mut Vec::new()).unwrap_err();
+        e.to_string()
+    }
+
     #[test]
     fn fp8_scales_that_do_not_fit_their_blocks_are_refused_before_reading() {
         let (dir, _, _) = fp8_checkpoint([2, 2]);
-        let ckpt = Checkpoint::open(&dir).unwrap();
-        let e = ckpt
-            .read("w", 0, 1, &mut Vec::new())
-            .unwrap_err()
-            .to_string();
+        let e = read_error(&dir);
         assert!(
             e.contains("w_scale_inv")
                 && e.contains("has shape [2, 2]")
@@ -1246,27 +1249,18 @@ mod tests {
         std::fs::write(dir.join("config.json"), config).unwrap();
         let header = r#"{"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]}}"#;
         std::fs::write(dir.join("model.safetensors"), raw_file(header, 4)).unwrap();
-        let e = Checkpoint::open(&dir)
-            .unwrap()
-            .read("w", 0, 1, &mut Vec::new());
-        let e = e.unwrap_err().to_string();
+        let e = read_error(&dir);
         assert!(e.contains("its scales `w_scale_inv` are missing"), "{e}");
         // Scales stored as FP8 themselves, and a scale that is not finite.
         let header = r#"{"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},"w_scale_inv":{"dtype":"F8_E4M3","shape":[1,1],"data_offsets":[4,5]}}"#;
         std::fs::write(dir.join("model.safetensors"), raw_file(header, 5)).unwrap();
-        let e = Checkpoint::open(&dir)
-            .unwrap()
-            .read("w", 0, 1, &mut Vec::new());
-        let e = e.unwrap_err().to_string();
+        let e = read_error(&dir);
         assert!(e.contains("FP8 scales are F32, BF16 or F16"), "{e}");
         let header = r#"{"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},"w_scale_inv":{"dtype":"F32","shape":[1,1],"data_offsets":[4,8]}}"#;
         let mut file = raw_file(header, 4);
         file.extend_from_slice(&f32::INFINITY.to_le_bytes());
         std::fs::write(dir.join("model.safetensors"), file).unwrap();
-        let e = Checkpoint::open(&dir)
-            .unwrap()
-            .read("w", 0, 1, &mut Vec::new());
-        let e = e.unwrap_err().to_string();
+        let e = read_error(&dir);
         assert!(e.contains("scale 0 is inf"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
