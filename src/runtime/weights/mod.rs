@@ -594,11 +594,8 @@ impl WeightSource for Checkpoint {
         let t = self.tensor(tensor)?;
         t.bytes_of(from, count)?;
         if t.scales.is_some() {
-            // Scaled in f32, then rounded, as `read` then `bf16::from_f32`.
-            let mut values = Vec::new();
-            self.read(tensor, from, count, &mut values)?;
-            out.extend(values.iter().map(|&v| half::bf16::from_f32(v)));
-            return Ok(());
+            // Scaled in f32, then rounded.
+            return bf16_through_f32(self, tensor, from, count, out);
         }
         append(out, count, |dst| {
             t.read_into(from, dst.reinterpret_cast_mut(), decode_bf16)
@@ -706,18 +703,30 @@ pub trait WeightSource: Sync {
         count: usize,
         out: &mut Vec<half::bf16>,
     ) -> Result<()> {
-        const CHUNK: usize = 1 << 14;
-        let mut buf = Vec::with_capacity(CHUNK.min(count));
-        let mut done = 0;
-        while done < count {
-            let n = CHUNK.min(count - done);
-            buf.clear();
-            self.read(tensor, from.saturating_add(done), n, &mut buf)?;
-            out.extend(buf.iter().map(|&v| half::bf16::from_f32(v)));
-            done += n;
-        }
-        Ok(())
+        bf16_through_f32(self, tensor, from, count, out)
     }
+}
+
+/// [`WeightSource::read_bf16`] through [`WeightSource::read`], a bounded chunk at a time,
+/// each value rounded by `half::bf16::from_f32`.
+fn bf16_through_f32<S: WeightSource + ?Sized>(
+    src: &S,
+    tensor: &str,
+    from: usize,
+    count: usize,
+    out: &mut Vec<half::bf16>,
+) -> Result<()> {
+    const CHUNK: usize = 1 << 14;
+    let mut buf = Vec::with_capacity(CHUNK.min(count));
+    let mut done = 0;
+    while done < count {
+        let n = CHUNK.min(count - done);
+        buf.clear();
+        src.read(tensor, from.saturating_add(done), n, &mut buf)?;
+        out.extend(buf.iter().map(|&v| half::bf16::from_f32(v)));
+        done += n;
+    }
+    Ok(())
 }
 
 /// One rank's piece of a tensor, as f32, with padding of zeros.
