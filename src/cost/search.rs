@@ -43,7 +43,7 @@ pub fn search(
         progress(tp, candidates.last().copied().unwrap_or(tp));
         let max_pp = (hw.devices / tp).min(MAX_PP);
         let num = numerics(&plan);
-        let staged = StagedPlan::new(&plan, max_pp, num.dequantizes);
+        let staged = StagedPlan::new(&plan, max_pp, num);
         for pp in 1..=max_pp {
             // Past the layers (or the stages tpc cuts) every larger pp fails alike.
             match staged.estimate(hw, work, num, pp) {

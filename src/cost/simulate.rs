@@ -28,9 +28,11 @@ pub struct Numerics {
     pub weights: DType,
     /// Type of the activations, the KV cache and the collectives' messages.
     pub activations: DType,
-    /// Quantized weights are held dequantized, in `weights` (tpc's CPU runtime dequantizes
-    /// them as it loads them), rather than read as stored (a GPU runtime's FP8 products).
-    pub dequantizes: bool,
+    /// Quantized weights are held as their codes with an f32 scale per output column per
+    /// block of inputs (tpc's CPU runtime, whose products read the codes), rather than
+    /// exactly as stored (a GPU runtime's FP8 products); codes are a byte whatever
+    /// `weights` is.
+    pub column_scales: bool,
 }
 
 impl Numerics {
@@ -39,7 +41,7 @@ impl Numerics {
         Numerics {
             weights: plan.dtype,
             activations: plan.dtype,
-            dequantizes: false,
+            column_scales: false,
         }
     }
 
@@ -53,7 +55,7 @@ impl Numerics {
                 DType::F32
             },
             activations: DType::F32,
-            dequantizes: true,
+            column_scales: true,
         }
     }
 
@@ -105,8 +107,8 @@ pub struct Estimate {
     pub rough_profile: bool,
     /// Types of the weights and of the activations (KV cache, collectives) priced.
     pub weight_dtype: DType,
-    /// How a quantized checkpoint's weights were priced (`fp8 e4m3 as stored`, or
-    /// `dequantized` when the runtime dequantizes them to `weight_dtype`); absent otherwise.
+    /// How a quantized checkpoint's weights were priced (`fp8 e4m3 linears as stored`, or
+    /// `... as codes with a scale per column` under tpc's CPU runtime); absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quantized_weights: Option<String>,
     pub activation_dtype: DType,
@@ -300,33 +302,39 @@ fn quantized_weights(plan: &Plan, num: Numerics) -> Option<String> {
         .iter()
         .flat_map(|r| &r.weights)
         .find_map(|w| w.quant)?;
-    Some(if num.dequantizes {
-        format!("{} linears dequantized", q.format.name())
+    Some(if num.column_scales {
+        format!(
+            "{} linears as codes with a scale per column",
+            q.format.name()
+        )
     } else {
         format!("{} linears as stored", q.format.name())
     })
 }
 
-/// Bytes a rank holds of weight `s`: as stored, or a quantized weight dequantized into the
-/// plan's dtype (what the caller then scales to the weights' type).
-fn held_bytes(s: &crate::plan::WeightSlice, plan: &Plan, dequantizes: bool) -> f64 {
-    if dequantizes && s.quant.is_some() {
-        s.local_elements().saturating_mul(plan.dtype.size_bytes()) as f64
-    } else {
-        s.local_bytes() as f64
+/// Bytes a rank holds of weight `s` in units of the plan's dtype, which the caller then
+/// scales to `num.weights`: as stored, or under `num.column_scales` a quantized weight's
+/// codes and column scales (given in the units that scale back to their own size).
+fn held_bytes(s: &crate::plan::WeightSlice, plan: &Plan, num: Numerics) -> f64 {
+    match s.quant {
+        Some(q) if num.column_scales => {
+            let held = q.column_scaled_bytes(&s.local_shape) as f64;
+            held * plan.dtype.size_bytes() as f64 / num.weights.size_bytes().max(1) as f64
+        }
+        _ => s.local_bytes() as f64,
     }
 }
 
 /// Bytes of `rank`'s weights: the compile report's figure (as stored), or with quantized
-/// weights dequantized.
+/// weights held as `num` says.
 fn rank_weight_bytes(
     plan: &Plan,
     summary: &crate::plan::report::Summary,
     rank: usize,
-    dequantizes: bool,
+    num: Numerics,
 ) -> f64 {
     match plan.ranks.get(rank) {
-        Some(r) if dequantizes => r.weights.iter().map(|s| held_bytes(s, plan, true)).sum(),
+        Some(r) if num.column_scales => r.weights.iter().map(|s| held_bytes(s, plan, num)).sum(),
         _ => summary.param_bytes_per_rank.get(rank).copied().unwrap_or(0) as f64,
     }
 }
@@ -334,7 +342,7 @@ fn rank_weight_bytes(
 /// Each rank's work per segment (see [`segments`]); weight bytes are its slices' bytes (see
 /// [`held_bytes`]), KV bytes are left 0 (the compile report's figures are per rank, shared
 /// out later).
-fn segment_work(plan: &Plan, layers: usize, dequantizes: bool) -> Vec<Vec<RankWork>> {
+fn segment_work(plan: &Plan, layers: usize, num: Numerics) -> Vec<Vec<RankWork>> {
     plan.ranks
         .iter()
         .map(|r| {
@@ -381,7 +389,7 @@ fn segment_work(plan: &Plan, layers: usize, dequantizes: bool) -> Vec<Vec<RankWo
                 if let Op::Param(p) = &i.op {
                     let bytes = slices
                         .get(&*p.tensor)
-                        .map_or(0.0, |s| held_bytes(s, plan, dequantizes));
+                        .map_or(0.0, |s| held_bytes(s, plan, num));
                     w.weight_bytes += bytes;
                     if read_whole.contains(&i.id) && !stacks.contains(&i.id) {
                         w.weight_read_bytes += bytes;
@@ -421,7 +429,7 @@ fn segment_work(plan: &Plan, layers: usize, dequantizes: bool) -> Vec<Vec<RankWo
                             bytes: stack
                                 .clone()
                                 .filter_map(weight_of)
-                                .map(|s| held_bytes(s, plan, dequantizes))
+                                .map(|s| held_bytes(s, plan, num))
                                 .sum(),
                             elements: stack.map(|id| elements(Some(id))).sum(),
                             local: local as f64,
@@ -464,11 +472,11 @@ fn segment_work(plan: &Plan, layers: usize, dequantizes: bool) -> Vec<Vec<RankWo
 }
 
 /// The work of the fullest rank (most weight and KV bytes per the compile report).
-fn rank_work(plan: &Plan, dequantizes: bool) -> RankWork {
+fn rank_work(plan: &Plan, num: Numerics) -> RankWork {
     // Weight and KV bytes per rank are the compile report's own figures.
     let summary = crate::plan::report::summarize(plan);
     let mut fullest = RankWork::default();
-    for (rank, segs) in segment_work(plan, layer_count(plan), dequantizes)
+    for (rank, segs) in segment_work(plan, layer_count(plan), num)
         .into_iter()
         .enumerate()
     {
@@ -476,7 +484,7 @@ fn rank_work(plan: &Plan, dequantizes: bool) -> RankWork {
         for s in segs {
             w += s;
         }
-        w.weight_bytes = rank_weight_bytes(plan, &summary, rank, dequantizes);
+        w.weight_bytes = rank_weight_bytes(plan, &summary, rank, num);
         w.kv_bytes_per_token = summary
             .kv_cache_bytes_per_token_per_rank
             .get(rank)
@@ -492,7 +500,7 @@ fn rank_work(plan: &Plan, dequantizes: bool) -> RankWork {
 
 /// Compute ops per forward pass of the fullest rank (each pays the profile's per-op cost).
 pub fn ops_per_pass(plan: &Plan) -> f64 {
-    rank_work(plan, false).ops
+    rank_work(plan, Numerics::of_plan(plan)).ops
 }
 
 /// Ops that run a kernel on the rank's threads (not inputs, weights, views, outputs, or
@@ -824,7 +832,7 @@ pub fn simulate_sharing_experts(
     dp: u64,
 ) -> Estimate {
     let dp = dp.max(1);
-    let mut w = rank_work(plan, num.dequantizes);
+    let mut w = rank_work(plan, num);
     let plan_size = plan.dtype.size_bytes() as f64;
     let weight_scale = num.weights.size_bytes() as f64 / plan_size;
     let act_scale = num.activations.size_bytes() as f64 / plan_size;
@@ -934,7 +942,7 @@ pub fn simulate_pp(
     if pp == 1 {
         return Ok(simulate_as(plan, hw, work, num));
     }
-    StagedPlan::new(plan, pp, num.dequantizes).estimate(hw, work, num, pp)
+    StagedPlan::new(plan, pp, num).estimate(hw, work, num, pp)
 }
 
 /// What pricing one plan at any pipeline depth needs, worked out once: each rank's work
@@ -960,13 +968,13 @@ pub struct StagedPlan<'a> {
 
 impl<'a> StagedPlan<'a> {
     /// `plan` ready to be priced with up to `max_pp` stages, its quantized weights held as
-    /// stored or dequantized (`Numerics::dequantizes` of the estimates asked for).
-    pub fn new(plan: &'a Plan, max_pp: u64, dequantizes: bool) -> StagedPlan<'a> {
+    /// `num` (that of the estimates asked for) says.
+    pub fn new(plan: &'a Plan, max_pp: u64, num: Numerics) -> StagedPlan<'a> {
         let layers = layer_count(plan);
         let summary = crate::plan::report::summarize(plan);
         let rank_bytes = (0..plan.ranks.len())
             .map(|rank| {
-                let w = rank_weight_bytes(plan, &summary, rank, dequantizes);
+                let w = rank_weight_bytes(plan, &summary, rank, num);
                 let kv = summary
                     .kv_cache_bytes_per_token_per_rank
                     .get(rank)
@@ -995,7 +1003,7 @@ impl<'a> StagedPlan<'a> {
         StagedPlan {
             plan,
             layers,
-            segs: segment_work(plan, layers, dequantizes),
+            segs: segment_work(plan, layers, num),
             rank_bytes,
             segment_of,
             recorded: recorded_algorithms(plan),
@@ -1253,7 +1261,7 @@ mod tests {
     }
 
     #[test]
-    fn fp8_weights_are_read_as_stored_on_a_device_and_dequantized_by_the_cpu_runtime() {
+    fn fp8_weights_are_read_as_stored_on_a_device_and_as_codes_by_the_cpu_runtime() {
         let (fp8, bf16) = (
             super::super::shipped::plan("qwen3-32b-fp8", 4),
             super::super::shipped::plan("qwen3-32b", 4),
@@ -1293,24 +1301,36 @@ mod tests {
             "{saved} vs {}",
             linears - 4 * scales
         );
-        // tpc's CPU runtime holds them dequantized: the bf16 model's bytes.
-        let cpu = |p: &Plan| simulate_as(p, &hw, chat, Numerics::cpu_runtime(true));
-        assert_eq!(
-            cpu(&fp8).weight_bytes_per_rank,
-            cpu(&bf16).weight_bytes_per_rank
-        );
-        assert_eq!(
-            cpu(&fp8).quantized_weights.as_deref(),
-            Some("fp8 e4m3 linears dequantized")
-        );
-        assert_eq!(
-            simulate_pp(&fp8, &hw, chat, Numerics::cpu_runtime(true), 2)
-                .unwrap()
-                .weight_bytes_per_rank,
-            simulate_pp(&bf16, &hw, chat, Numerics::cpu_runtime(true), 2)
-                .unwrap()
-                .weight_bytes_per_rank
-        );
+        // tpc's CPU runtime holds the codes too, with an f32 scale per column per block of
+        // 128 inputs, whatever type it holds the other weights in.
+        let column_scales: u64 = fp8.ranks[0]
+            .weights
+            .iter()
+            .filter(|w| w.quant.is_some())
+            .map(|w| w.local_elements() / 128 * 4)
+            .sum();
+        for bf16_weights in [true, false] {
+            let num = Numerics::cpu_runtime(bf16_weights);
+            let cpu = |p: &Plan| simulate_as(p, &hw, chat, num);
+            let plain = if bf16_weights { 1 } else { 2 };
+            assert_eq!(
+                cpu(&bf16).weight_bytes_per_rank - cpu(&fp8).weight_bytes_per_rank,
+                linears * 2 * plain - linears - column_scales,
+                "bf16 weights: {bf16_weights}"
+            );
+            assert_eq!(
+                cpu(&fp8).quantized_weights.as_deref(),
+                Some("fp8 e4m3 linears as codes with a scale per column")
+            );
+            // Staged pricing holds them alike: one stage is the whole, two about halve it.
+            let staged = |p: &Plan, pp: u64| {
+                simulate_pp(p, &hw, chat, num, pp)
+                    .unwrap()
+                    .weight_bytes_per_rank
+            };
+            assert_eq!(staged(&fp8, 1), cpu(&fp8).weight_bytes_per_rank);
+            assert!(staged(&fp8, 2) < staged(&fp8, 1) && staged(&fp8, 2) < staged(&bf16, 2));
+        }
     }
 
     #[test]
@@ -1321,7 +1341,7 @@ mod tests {
         let hw = flat_hw();
         let bw = hw.per_rank(1, false).1;
         let experts = expert_bytes(&plan);
-        let w = rank_work(&plan, false);
+        let w = rank_work(&plan, Numerics::of_plan(&plan));
         assert!(
             experts > 0.9 * w.weight_bytes,
             "{experts} of {}",
@@ -1417,7 +1437,9 @@ mod tests {
         let got = shared.weight_bytes_per_rank as f64;
         assert!((got - want).abs() <= 1e-6 * want + 1.0, "{got} vs {want}");
         // The rank's 16 experts serve the 4 replicas' 4 tokens of a decode step.
-        let w = rank_work(&plan, false).experts.over_replicas(4);
+        let w = rank_work(&plan, Numerics::of_plan(&plan))
+            .experts
+            .over_replicas(4);
         assert_eq!((w.local, w.replicas), (16.0, 4.0));
         let (_, bytes, _) = w.busiest(4.0, 2);
         assert!(bytes > 0.0 && bytes <= w.bytes, "{bytes} of {}", w.bytes);

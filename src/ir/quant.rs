@@ -89,6 +89,19 @@ impl Quantized {
         elements.saturating_add(scales.saturating_mul(4))
     }
 
+    /// Bytes tpc's CPU runtime holds for a piece of `local_shape` stored `[out, in]`: a byte
+    /// per element (the codes) and an f32 per output row per block of inputs (its products'
+    /// scales, one per column of a packed panel).
+    pub fn column_scaled_bytes(&self, local_shape: &[u64]) -> u64 {
+        let elements = super::saturating::product(local_shape.iter().copied());
+        let scales = match local_shape {
+            [lead @ .., a, b] => super::saturating::product(lead.iter().copied())
+                .saturating_mul(a.saturating_mul(b.div_ceil(self.block[1].max(1)))),
+            _ => 0,
+        };
+        elements.saturating_add(scales.saturating_mul(4))
+    }
+
     /// Why a piece of dim `dim` of an `ndim`-dim weight (`total` elements along it) made of
     /// `ranges` would cut one of the blocks that share a scale: a range that starts inside a
     /// block, or ends inside one short of the dim's end. `None` when every range keeps its

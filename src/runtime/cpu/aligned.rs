@@ -18,6 +18,8 @@ pub unsafe trait Plain: Copy + Default + 'static {}
 // SAFETY: integers and floats of at most 64 bytes' alignment, every bit pattern valid.
 unsafe impl Plain for u16 {}
 // SAFETY: as above.
+unsafe impl Plain for u8 {}
+// SAFETY: as above.
 unsafe impl Plain for f32 {}
 
 #[derive(Clone, Copy)]

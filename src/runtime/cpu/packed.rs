@@ -28,7 +28,10 @@ use crate::runtime::tensor::Tensor;
 use crate::runtime::weights::{Piece, SliceLayout, StoredRows, WeightSource};
 use rayon::prelude::*;
 
+mod codes;
 mod invariant;
+
+use codes::CodePanels;
 
 /// Reduction steps per block: a widened weight block (`KC·NR` f32 = 16 KiB) stays in L1.
 const KC: usize = 256;
@@ -61,6 +64,8 @@ const MAX_TILE_ROWS: usize = 2 * MR;
 enum Panels {
     Bf16(AlignedVec<u16>),
     F32(AlignedVec<f32>),
+    /// FP8 codes and their scales (`packed/codes.rs`).
+    Codes(CodePanels),
 }
 
 /// A linear weight as `n` output columns by `k` inputs, packed (see the module doc).
@@ -200,11 +205,19 @@ impl PackedMatrix {
                     format!("a {n}×{k} weight overflows the address space"),
                 )
             })?;
+        // Weights stored as FP8 codes keep them (`OutIn`: a checkpoint's linears).
+        let code_scales = match order {
+            WeightOrder::OutIn => codes::code_scales(src, slices, &layouts, n, k)?,
+            WeightOrder::InOut => None,
+        };
         let mut parts = Vec::with_capacity(slices.len());
         let mut start = 0;
         for ((&w, layout), &(cols, _)) in slices.iter().zip(&layouts).zip(&dims) {
             // No rows asked: this says whether the source stores bytes (and checks them).
             let mut stored = StoredRows::default();
+            if code_scales.is_some() {
+                stored.keep_codes();
+            }
             let stores = src.read_stored_rows(w, 0..0, &mut stored)?;
             parts.push((
                 start,
@@ -222,7 +235,14 @@ impl PackedMatrix {
             order,
             outputs: n,
         };
-        let panels = if bf16 {
+        let panels = if let Some((kblock, scales)) = code_scales {
+            Panels::Codes(CodePanels {
+                codes: fill_panels(&mut stack, order, n, k, batch)?,
+                scales,
+                kblock,
+                bf16,
+            })
+        } else if bf16 {
             Panels::Bf16(fill_panels(&mut stack, order, n, k, batch)?)
         } else {
             Panels::F32(fill_panels(&mut stack, order, n, k, batch)?)
@@ -231,11 +251,48 @@ impl PackedMatrix {
         Ok(PackedMatrix { n, k, panels })
     }
 
+    /// A weight of FP8 codes `[n][k]` (row-major, no NaN codes) with scales
+    /// `[n][⌈k/kblock⌉]`, packed as a checkpoint's FP8 weight is (for the start-up
+    /// self-check and tests); `bf16` as for [`PackedMatrix::pack`].
+    pub(crate) fn from_codes(
+        n: usize,
+        k: usize,
+        codes: &[u8],
+        scales: &[f32],
+        kblock: usize,
+        bf16: bool,
+    ) -> PackedMatrix {
+        let blocks = k.div_ceil(kblock);
+        assert!(codes.len() == n * k && scales.len() == n * blocks && kblock > 0);
+        let mut c = AlignedVec::zeroed(n.div_ceil(NR) * k * NR);
+        let mut s = AlignedVec::zeroed(n.div_ceil(NR) * blocks * NR);
+        for j in 0..n {
+            let (q, jj) = (j / NR, j % NR);
+            for p in 0..k {
+                c[(q * k + p) * NR + jj] = codes[j * k + p];
+            }
+            for b in 0..blocks {
+                s[(q * blocks + b) * NR + jj] = scales[j * blocks + b];
+            }
+        }
+        PackedMatrix {
+            n,
+            k,
+            panels: Panels::Codes(CodePanels {
+                codes: c,
+                scales: s,
+                kblock,
+                bf16,
+            }),
+        }
+    }
+
     /// Bytes the packed weight occupies (padding included).
     pub fn bytes(&self) -> usize {
         match &self.panels {
             Panels::Bf16(v) => v.len() * 2,
             Panels::F32(v) => v.len() * 4,
+            Panels::Codes(c) => c.bytes(),
         }
     }
 
@@ -250,6 +307,7 @@ impl PackedMatrix {
         match &self.panels {
             Panels::Bf16(v) => widen(v[q * u16::panel_len(self.k) + u16::slot(p, jj)]),
             Panels::F32(v) => v[q * f32::panel_len(self.k) + f32::slot(p, jj)],
+            Panels::Codes(c) => c.get(j, p, self.k),
         }
     }
 
@@ -300,12 +358,26 @@ impl PackedMatrix {
             team.size().min(panels)
         };
         let gemv = m <= kernels.gemv_max_rows(self.is_bf16());
+        // FP8 codes in a bf16 run take the bf16 products for prompts, widened a chunk of
+        // panels at a time.
+        let codes = match &self.panels {
+            Panels::Codes(c)
+                if c.bf16 && !gemv && kernels.gemm_variant(true).bf16_activations() =>
+            {
+                Some(c)
+            }
+            _ => None,
+        };
         let variant = if gemv {
             kernels.gemv_variant(self.is_bf16())
         } else {
-            kernels.gemm_variant(self.is_bf16())
+            kernels.gemm_variant(self.is_bf16() || codes.is_some())
         };
-        if let (Panels::Bf16(w), true) = (&self.panels, variant.bf16_activations()) {
+        let bf16_panels = match &self.panels {
+            Panels::Bf16(w) => Some(&w[..]),
+            _ => codes.map(|_| &[][..]),
+        };
+        if let (Some(w), true) = (bf16_panels, variant.bf16_activations()) {
             let mut xb = BF16_ROWS.take();
             let lda = self.k.next_multiple_of(BF16_K_ALIGN);
             // AMX reads whole 16-row tiles: the rows past m are zeros.
@@ -342,6 +414,7 @@ impl PackedMatrix {
             }
             let bf16 = Bf16Product {
                 w,
+                first: 0,
                 n: self.n,
                 k,
                 a: &xb,
@@ -363,9 +436,34 @@ impl PackedMatrix {
                 } else {
                     0
                 };
-                run_chunks(team, threads, panels, blocks, min_chunk, &|range| {
-                    bf16.gemm(kernels, variant, range)
-                });
+                run_chunks(
+                    team,
+                    threads,
+                    panels,
+                    blocks,
+                    min_chunk,
+                    &|range| match codes {
+                        None => bf16.gemm(kernels, variant, range),
+                        Some(c) => {
+                            let len = u16::panel_len(k);
+                            let mut widened = CODE_PANELS.take();
+                            widened.set_len(range.panels.len() * len);
+                            for (q, out) in range.panels.clone().zip(widened.chunks_exact_mut(len))
+                            {
+                                let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
+                                kernels.codes_to_bf16_pairs(codes, scales, c.kblock, k, out);
+                            }
+                            let first = range.panels.start;
+                            let chunk = Bf16Product {
+                                w: &widened,
+                                first,
+                                ..bf16
+                            };
+                            chunk.gemm(kernels, variant, range);
+                            CODE_PANELS.set(widened);
+                        }
+                    },
+                );
             }
             BF16_ROWS.set(xb);
             return;
@@ -417,6 +515,11 @@ impl PackedMatrix {
                             let start = q * u16::panel_len(k) + k0 * NR;
                             let len = kc.next_multiple_of(2) * NR;
                             kernels.widen_pairs(&v[start..start + len], &mut widened);
+                            &widened[..kc * NR]
+                        }
+                        Panels::Codes(c) => {
+                            let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
+                            kernels.widen_codes(codes, scales, c.kblock, k0, kc, &mut widened);
                             &widened[..kc * NR]
                         }
                     };
@@ -483,6 +586,10 @@ impl PanelRows for F32Rows<'_> {
             Panels::F32(v) => {
                 let len = f32::panel_len(k);
                 kernels.gemv::<R, _>(xs, k, &v[q * len..(q + 1) * len], k, out)
+            }
+            Panels::Codes(c) => {
+                let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
+                kernels.gemv_codes::<R>(xs, k, codes, scales, k, c.kblock, out)
             }
         }
     }
@@ -576,7 +683,9 @@ fn run_chunks(
 
 /// A product of bf16 activation rows by bf16 panels (the `avx512bf16` and `amx` variants).
 struct Bf16Product<'a> {
+    /// Panels `first..` (all of them, or a chunk's made from FP8 codes).
     w: &'a [u16],
+    first: usize,
     n: usize,
     k: usize,
     /// Rounded activations, zero past `k`: `[m][lda]`, or for AMX 16-row × 32-step tiles
@@ -590,7 +699,7 @@ struct Bf16Product<'a> {
 impl Bf16Product<'_> {
     fn panel(&self, q: usize) -> &[u16] {
         let len = u16::panel_len(self.k);
-        &self.w[q * len..(q + 1) * len]
+        &self.w[(q - self.first) * len..][..len]
     }
 
     /// Rows of block `chunk.block` × panels `chunk.panels` (taken in pairs).
@@ -686,8 +795,9 @@ impl Bf16Product<'_> {
         let panel_len = u16::panel_len(self.k);
         let w = self.w.as_ptr();
         // The first value of panel q at k-block t (for prefetches, past the end too).
-        let at =
-            |q: usize, t: usize| w.wrapping_add(q * panel_len + t * BF16_K_ALIGN * NR) as *const u8;
+        let at = |q: usize, t: usize| {
+            w.wrapping_add((q - self.first) * panel_len + t * BF16_K_ALIGN * NR) as *const u8
+        };
         // SAFETY: `Kernels` holds `Isa::Amx` only where the host supports it.
         let tiles = unsafe { AmxTiles::configure() };
         for g0 in panels.clone().step_by(2 * group_pairs) {
@@ -802,26 +912,58 @@ fn prefetch_l2(p: *const u8) {
 
 /// What a panel holds: bf16 bits or f32, made from stored bytes or from an f32 value
 /// exactly as [`PackedMatrix::pack`] makes it.
-trait PanelElem: PanelValue + Plain {
+/// FP8 codes are made from stored bytes only (a source without them has no codes).
+trait PanelElem: Plain + Send + Sync {
+    /// Values in one panel of `k` steps, and the index of step `p`, column `j` in it.
+    fn elem_panel_len(k: usize) -> usize;
+    fn elem_slot(p: usize, j: usize) -> usize;
     fn from_stored(s: &StoredRows, r: usize, c0: usize, out: &mut [Self]) -> Result<()>;
-    fn from_f32(v: f32) -> Self;
+    fn from_f32(v: f32) -> Option<Self>;
 }
 
 impl PanelElem for u16 {
+    fn elem_panel_len(k: usize) -> usize {
+        u16::panel_len(k)
+    }
+    fn elem_slot(p: usize, j: usize) -> usize {
+        u16::slot(p, j)
+    }
     fn from_stored(s: &StoredRows, r: usize, c0: usize, out: &mut [u16]) -> Result<()> {
         s.bf16_bits(r, c0, out)
     }
-    fn from_f32(v: f32) -> u16 {
-        half::bf16::from_f32(v).to_bits()
+    fn from_f32(v: f32) -> Option<u16> {
+        Some(half::bf16::from_f32(v).to_bits())
     }
 }
 
 impl PanelElem for f32 {
+    fn elem_panel_len(k: usize) -> usize {
+        f32::panel_len(k)
+    }
+    fn elem_slot(p: usize, j: usize) -> usize {
+        f32::slot(p, j)
+    }
     fn from_stored(s: &StoredRows, r: usize, c0: usize, out: &mut [f32]) -> Result<()> {
         s.f32s(r, c0, out)
     }
-    fn from_f32(v: f32) -> f32 {
-        v
+    fn from_f32(v: f32) -> Option<f32> {
+        Some(v)
+    }
+}
+
+/// An FP8 code (`[k][NR]` panels).
+impl PanelElem for u8 {
+    fn elem_panel_len(k: usize) -> usize {
+        k * NR
+    }
+    fn elem_slot(p: usize, j: usize) -> usize {
+        p * NR + j
+    }
+    fn from_stored(s: &StoredRows, r: usize, c0: usize, out: &mut [u8]) -> Result<()> {
+        s.codes(r, c0, out)
+    }
+    fn from_f32(_: f32) -> Option<u8> {
+        None
     }
 }
 
@@ -876,7 +1018,11 @@ impl Reader<'_> {
                         });
                     }
                     for (o, &v) in out[at..at + len].iter_mut().zip(f32s.iter()) {
-                        *o = T::from_f32(v);
+                        *o = T::from_f32(v).ok_or_else(|| WeightError::Tensor {
+                            path: "weight source".into(),
+                            tensor: self.slice.tensor.to_string(),
+                            problem: "has no stored codes to pack; report this as a bug".into(),
+                        })?;
                     }
                     Ok(())
                 }
@@ -988,7 +1134,7 @@ fn fill_panels<T: PanelElem>(
     k: usize,
     batch: Batch,
 ) -> Result<AlignedVec<T>> {
-    let panel_len = T::panel_len(k);
+    let panel_len = T::elem_panel_len(k);
     let len = n.div_ceil(NR) * panel_len;
     let mut out = AlignedVec::zeroed(len);
     if len == 0 {
@@ -1019,7 +1165,7 @@ fn fill_panels<T: PanelElem>(
                             let w = NR.min(k - p0);
                             for (jj, row) in rows.chunks_exact(k).enumerate() {
                                 for (pp, &v) in row[p0..p0 + w].iter().enumerate() {
-                                    panel[T::slot(p0 + pp, jj)] = v;
+                                    panel[T::elem_slot(p0 + pp, jj)] = v;
                                 }
                             }
                         }
@@ -1041,7 +1187,7 @@ fn fill_panels<T: PanelElem>(
                         for p in p0..p1 {
                             stack.row(p, q * NR, rows, f32s)?;
                             for (jj, &v) in rows.iter().enumerate() {
-                                panel[T::slot(p, jj)] = v;
+                                panel[T::elem_slot(p, jj)] = v;
                             }
                         }
                         Ok::<(), WeightError>(())
@@ -1058,6 +1204,8 @@ thread_local! {
     static PACKED_ROWS: std::cell::Cell<AlignedVec<f32>> = const { std::cell::Cell::new(AlignedVec::new()) };
     /// The same for the bf16 activation rows of the bf16 products.
     static BF16_ROWS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
+    /// A chunk's FP8 code panels widened to bf16 for a prompt product, kept the same way.
+    static CODE_PANELS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
     /// The AMX product's partial sums (`Bf16Product::gemm_amx`), kept the same way.
     static AMX_SUMS: std::cell::Cell<AlignedVec<f32>> = const { std::cell::Cell::new(AlignedVec::new()) };
 }
@@ -1238,6 +1386,9 @@ mod slice_tests {
         let v = match &m.panels {
             Panels::Bf16(v) => v.iter().map(|&b| b as u32).collect(),
             Panels::F32(v) => v.iter().map(|f| f.to_bits()).collect(),
+            Panels::Codes(c) => (c.codes.iter().map(|&b| b as u32))
+                .chain(c.scales.iter().map(|f| f.to_bits()))
+                .collect(),
         };
         (m.n, m.k, matches!(m.panels, Panels::Bf16(_)), v)
     }
@@ -1668,6 +1819,159 @@ mod slice_tests {
         assert_eq!(got, vec![0x7FC1, 0xFFC1, 0x7FC0]);
         drop(ckpt);
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A directory holding an FP8 `w [rows, cols]` in scale blocks of `block` (random codes,
+    /// no NaN; positive scales) and the config.json that states the blocks.
+    fn fp8_checkpoint(rows: usize, cols: usize, block: [usize; 2], seed: u64) -> PathBuf {
+        let codes: Vec<u32> = (0..(rows * cols) as u64)
+            .map(|i| match bits_at(seed, i) as u8 {
+                b if b & 0x7f == 0x7f => 0x30,
+                b => b as u32,
+            })
+            .collect();
+        let (st, bytes) = encode(StoredDtype::F8E4m3, &codes);
+        let scale_shape = vec![rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+        let scales: Vec<u32> = (0..(scale_shape[0] * scale_shape[1]) as u64)
+            .map(|i| (1e-3 + (bits_at(!seed, i) % 1000) as f32 * 1e-4).to_bits())
+            .collect();
+        let (sst, sbytes) = encode(StoredDtype::F32, &scales);
+        let dir = write_checkpoint(&[
+            ("w".into(), st, vec![rows, cols], bytes),
+            ("w_scale_inv".into(), sst, scale_shape, sbytes),
+        ]);
+        let config = format!(
+            r#"{{"quantization_config": {{"quant_method": "fp8", "weight_block_size": [{}, {}]}}}}"#,
+            block[0], block[1]
+        );
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        dir
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        /// An FP8 slice keeps its codes unless a local block of its depth would take two
+        /// stored scales, and either way packs the dequantized values: codes times scales
+        /// equal what `load_slice` reads, bit for bit.
+        #[test]
+        fn fp8_slices_keep_their_codes_where_their_blocks_stay_whole(
+            w in slicing(),
+            b0 in 1usize..5,
+            b1 in 1usize..7,
+            seed in any::<u64>(),
+        ) {
+            let (rows, cols) = (w.shape[0] as usize, w.shape[1] as usize);
+            let dir = fp8_checkpoint(rows, cols, [b0, b1], seed);
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            let dense = load_slice(&ckpt, &w).unwrap();
+            for batch in SMALL_BATCHES.into_iter().chain([Batch::for_this_host()]) {
+                let packed =
+                    PackedMatrix::pack_slices_in(&ckpt, &[&w], WeightOrder::OutIn, true, batch)
+                        .unwrap();
+                let k = packed.k;
+                if matches!(packed.panels, Panels::Codes(_)) {
+                    for j in 0..packed.n {
+                        for p in 0..k {
+                            prop_assert_eq!(
+                                packed.get(j, p).to_bits(),
+                                dense.data[j * k + p].to_bits(),
+                                "column {}, step {}", j, p
+                            );
+                        }
+                    }
+                } else {
+                    // Only a cut depth can mix two scales in one local block.
+                    prop_assert_eq!(w.dim, Some(1));
+                    let old = PackedMatrix::pack(&dense, WeightOrder::OutIn, true);
+                    prop_assert!(bits(&old) == bits(&packed));
+                }
+            }
+            drop(ckpt);
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    /// Products over FP8 codes (decode rows and prompt blocks, on every variant and team
+    /// size) match an f64 product of the dequantized weight.
+    #[test]
+    fn fp8_code_products_match_the_dequantized_weight() {
+        use crate::runtime::cpu::self_check::operands;
+        let (n, k) = (40, 300);
+        let dir = fp8_checkpoint(n, k, [4, 128], 7);
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let w = slice_of([n, k], None, &[], 0);
+        let dense = load_slice(&ckpt, &w).unwrap();
+        for (bf16, m) in [false, true]
+            .into_iter()
+            .flat_map(|b| [1, 2, 3, 4, 5, 9, 40].map(|m| (b, m)))
+        {
+            let packed = PackedMatrix::pack_slice(&ckpt, &w, WeightOrder::OutIn, bf16).unwrap();
+            assert!(matches!(packed.panels, Panels::Codes(_)));
+            assert_eq!(packed.bytes(), 48 * k + 48 * 3 * 4);
+            let (x, _) = operands(m, n, k);
+            for kernels in Isa::ALL
+                .into_iter()
+                .filter_map(|i| Kernels::unchecked(i).ok())
+            {
+                // Prompt rows on a bf16 variant: weights and activations rounded to bf16.
+                let gemv = m <= kernels.gemv_max_rows(false);
+                let round = bf16 && !gemv && kernels.gemm_variant(true).bf16_activations();
+                let v = |f: f32| {
+                    if round {
+                        half::bf16::from_f32(f).to_f64()
+                    } else {
+                        f as f64
+                    }
+                };
+                for threads in [1, 2] {
+                    let got = packed.matmul_with(kernels, &x, &Team::new(threads));
+                    for r in 0..m {
+                        for j in 0..n {
+                            let (mut want, mut mag) = (0f64, 0f64);
+                            for p in 0..k {
+                                let t = v(x.data[r * k + p]) * v(dense.data[j * k + p]);
+                                want += t;
+                                mag += t.abs();
+                            }
+                            let a = got.data[r * n + j] as f64;
+                            assert!(
+                                (a - want).abs() <= 1e-5 * mag.max(1e-30),
+                                "{} m={m} threads={threads} rounded={round} ({r}, {j}): {a} vs {want}",
+                                kernels.isa()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        drop(ckpt);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_nan_code_is_refused_naming_the_tensor() {
+        let dir = fp8_checkpoint(16, 8, [16, 8], 3);
+        let mut bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        // The weight's data is the first tensor's; its header is followed by 16·8 codes
+        // and the scales: overwrite one code.
+        let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let first = st.tensor("w").unwrap().data().as_ptr() as usize - bytes.as_ptr() as usize;
+        assert!(first >= 8 + header);
+        bytes[first + 21] = 0xff;
+        std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let w = slice_of([16, 8], None, &[], 0);
+        let e = PackedMatrix::pack_slice(&ckpt, &w, WeightOrder::OutIn, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`w`") && e.contains("NaN code 0xff") && e.contains("row 2, column 5"),
+            "{e}"
+        );
+        drop(ckpt);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -101,10 +101,32 @@ fn compare(
     for (m, n, k) in SHAPES {
         let (x, w) = operands(m, n, k);
         let w = Tensor::new(vec![n, k], w);
-        for bf16 in [false, true] {
-            let packed = PackedMatrix::pack(&w, WeightOrder::OutIn, bf16);
+        // FP8 codes too: every code but the NaNs, in blocks of 8 steps whose power-of-two
+        // scales keep the values bf16 (so the bf16 products round the activations only).
+        let kblock = 8;
+        let codes: Vec<u8> = (0..n * k)
+            .map(|i| match (i * 53 % 251) as u8 {
+                b if b & 0x7f == 0x7f => 0,
+                b => b,
+            })
+            .collect();
+        let scales: Vec<f32> = (0..n * k.div_ceil(kblock))
+            .map(|i| [0.25, 0.5, 0.0625][i % 3])
+            .collect();
+        for (bf16, fp8) in [(false, false), (true, false), (false, true), (true, true)] {
+            let packed = if fp8 {
+                PackedMatrix::from_codes(n, k, &codes, &scales, kblock, bf16)
+            } else {
+                PackedMatrix::pack(&w, WeightOrder::OutIn, bf16)
+            };
             let got = product(&packed, &x);
-            let round = bf16 && kernels.isa().bf16_activations();
+            // FP8 decode rows keep f32 activations; FP8 prompts take the bf16 products.
+            let round = if fp8 {
+                bf16 && m > kernels.gemv_max_rows(false)
+                    && kernels.gemm_variant(true).bf16_activations()
+            } else {
+                bf16 && kernels.isa().bf16_activations()
+            };
             let reference = reference(&x, &packed, round);
             for (i, (&g, &want)) in got.data.iter().zip(&reference).enumerate() {
                 let (r, j) = (i / n, i % n);
@@ -115,7 +137,11 @@ fn compare(
                     return Err(format!(
                         "{m}×{n}×{k} product with {} weights: element ({r}, {j}) is {g}, \
                          expected {want}",
-                        if bf16 { "bf16" } else { "f32" }
+                        match (fp8, bf16) {
+                            (true, _) => "FP8",
+                            (false, true) => "bf16",
+                            (false, false) => "f32",
+                        }
                     ));
                 }
             }

@@ -45,7 +45,7 @@ pub fn e4m3_to_f32(byte: u8) -> f32 {
 
 /// One weight's block scales, as read from its `_scale_inv` tensor.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct BlockScales {
+pub struct BlockScales {
     /// Elements per block along the weight's rows and columns.
     pub block: [usize; 2],
     /// The weight's stored columns.
@@ -57,6 +57,13 @@ pub(super) struct BlockScales {
 }
 
 impl BlockScales {
+    /// Where in `values` the scale of stored element `element` (row-major) is; checked
+    /// against the scales' length when they were read.
+    pub fn index_of(&self, element: usize) -> usize {
+        let (row, col) = (element / self.cols.max(1), element % self.cols.max(1));
+        (row / self.block[0]) * self.per_row + col / self.block[1]
+    }
+
     /// Turns the e4m3 values of stored elements `[from, from + out.len())` of the flat
     /// weight, already decoded into `out`, into the weight's values. The caller read those
     /// elements from the weight, so every block they fall in has a scale.

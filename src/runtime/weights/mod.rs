@@ -10,6 +10,7 @@ mod identity;
 mod stored;
 
 pub use error::WeightError;
+pub use fp8::{e4m3_to_f32, BlockScales};
 pub use stored::{StoredDtype, StoredRows};
 
 use super::tensor::Tensor;
@@ -19,7 +20,6 @@ pub type WeightResult<T> = std::result::Result<T, WeightError>;
 type Result<T> = WeightResult<T>;
 use crate::plan::{Plan, WeightSlice};
 use file::ShardFile;
-use fp8::BlockScales;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use safetensors::tensor::TensorInfo;
@@ -551,7 +551,7 @@ impl TensorSpan<'_> {
             .into_par_iter()
             .try_for_each(|(at, dst)| self.file.read_exact_at(at, dst))?;
         into.dtype = self.dtype;
-        if let Some(scales) = &self.scales {
+        if let (Some(scales), false) = (&self.scales, into.keep_codes) {
             into.bytes = dequantize_rows(&into.bytes, cols, &scaled, scales);
             into.dtype = StoredDtype::F32;
         }
@@ -626,6 +626,10 @@ impl WeightSource for Checkpoint {
         t.read_rows(&layout, rows, into)?;
         Ok(true)
     }
+
+    fn quant_scales(&self, tensor: &str) -> Result<Option<Arc<BlockScales>>> {
+        Ok(self.tensor(tensor)?.scales)
+    }
 }
 
 /// A batch of FP8 rows (`cols` bytes each) as the weight's values in little-endian f32
@@ -693,6 +697,12 @@ pub trait WeightSource: Sync {
         _into: &mut StoredRows,
     ) -> Result<bool> {
         Ok(false)
+    }
+    /// The scales of a weight the source stores quantized (FP8 codes), `None` for one it
+    /// stores as values: for a packer that keeps the codes ([`StoredRows::keep_codes`]) and
+    /// multiplies by the scales as it computes.
+    fn quant_scales(&self, _tensor: &str) -> Result<Option<Arc<BlockScales>>> {
+        Ok(None)
     }
     /// Appends elements `[from, from + count)` as bf16, equal to `half::bf16::from_f32` of
     /// what [`WeightSource::read`] gives, through `read` a bounded chunk at a time.

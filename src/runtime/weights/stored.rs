@@ -52,6 +52,9 @@ pub struct StoredRows {
     pub(super) cols: usize,
     pub(super) tensor: String,
     pub(super) path: PathBuf,
+    /// Quantized weights are held as their codes (not dequantized): set by a packer that
+    /// applies the scales itself.
+    pub(super) keep_codes: bool,
 }
 
 impl Default for StoredRows {
@@ -64,6 +67,7 @@ impl Default for StoredRows {
             cols: 0,
             tensor: String::new(),
             path: PathBuf::new(),
+            keep_codes: false,
         }
     }
 }
@@ -101,6 +105,40 @@ impl StoredRows {
         // buffer's length.
         let at = ((r - self.first) * self.cols + c0) * size;
         Ok(&self.bytes[at..at + len * size])
+    }
+
+    /// Rows read from now on hold a quantized weight's codes, not its values.
+    pub fn keep_codes(&mut self) {
+        self.keep_codes = true;
+    }
+
+    /// Local row `r`, columns `[c0, c0 + out.len())`, as FP8 codes (the bytes as stored),
+    /// or an error when the rows hold values.
+    pub fn codes(&self, r: usize, c0: usize, out: &mut [u8]) -> Result<()> {
+        if self.dtype != StoredDtype::F8E4m3 {
+            return Err(WeightError::Tensor {
+                path: self.path.clone(),
+                tensor: self.tensor.clone(),
+                problem: format!(
+                    "is read as {:?} values where FP8 codes were expected; report this as a bug",
+                    self.dtype
+                ),
+            });
+        }
+        out.copy_from_slice(self.run(r, c0, out.len())?);
+        // The products widen codes without a table, which has no NaN (see `isa/codes.rs`).
+        match out.iter().position(|b| b & 0x7f == 0x7f) {
+            None => Ok(()),
+            Some(at) => Err(WeightError::Tensor {
+                path: self.path.clone(),
+                tensor: self.tensor.clone(),
+                problem: format!(
+                    "holds the FP8 NaN code {:#04x} (local row {r}, column {}); a weight cannot be NaN, the checkpoint is corrupt",
+                    out[at],
+                    c0 + at
+                ),
+            }),
+        }
     }
 
     /// Local row `r`, columns `[c0, c0 + out.len())`, as f32 (bf16 and f16 widen exactly).

@@ -24,6 +24,7 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
+mod codes;
 mod detect;
 mod peak;
 mod portable;

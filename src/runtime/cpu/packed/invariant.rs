@@ -209,6 +209,12 @@ impl Job<'_> {
                 }
                 &scratch[..len * NR]
             }
+            Panels::Codes(c) => {
+                let (codes, scales) = (c.panel(q, self.w.k), c.panel_scales(q, self.w.k));
+                self.kernels
+                    .widen_codes(codes, scales, c.kblock, s, len, scratch);
+                &scratch[..len * NR]
+            }
         }
     }
 
@@ -231,7 +237,12 @@ impl Job<'_> {
         let count = k.div_ceil(self.block);
         let block = |b: usize| (b * self.block, self.block.min(k - b * self.block));
         // bf16 pair rows are read in place when every block starts on one.
-        let in_place = matches!(self.w.panels, Panels::F32(_)) || self.block.is_multiple_of(2);
+        // (FP8 codes are widened a block at a time, as an odd bf16 block is.)
+        let in_place = match self.w.panels {
+            Panels::F32(_) => true,
+            Panels::Bf16(_) => self.block.is_multiple_of(2),
+            Panels::Codes(_) => false,
+        };
         let mut done = 0;
         while done < self.m {
             let r = (self.m - done).min(GEMV_MAX_ROWS);

@@ -1,0 +1,139 @@
+//! Linear weights kept as the FP8 codes their checkpoint stores (one byte a weight) beside
+//! their scales, so that a decode step reads half the bytes of bf16 (products in
+//! `isa/codes.rs`).
+//!
+//! A code panel is `[k][NR]` bytes; its scales are `[⌈k/kblock⌉][NR]` f32, one per column
+//! per block of `kblock` local steps. That needs every local block to lie within one of the
+//! checkpoint's scale blocks: true when the split keeps the blocks whole (feasibility
+//! checks it); where a slice's pieces meet inside a block, the weight is not packed this way
+//! and is dequantized as it is read instead.
+
+use super::super::aligned::AlignedVec;
+use super::super::isa::NR;
+use super::Result;
+use crate::plan::WeightSlice;
+use crate::runtime::weights::{e4m3_to_f32, BlockScales, Piece, SliceLayout, WeightSource};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct CodePanels {
+    pub codes: AlignedVec<u8>,
+    pub scales: AlignedVec<f32>,
+    /// Local steps per scale block (the last may be shorter).
+    pub kblock: usize,
+    /// The run computes linears in bf16: prompt products may round the weights and the
+    /// activations to bf16 (the bf16 products); otherwise they stay f32.
+    pub bf16: bool,
+}
+
+impl CodePanels {
+    pub fn panel(&self, q: usize, k: usize) -> &[u8] {
+        &self.codes[q * k * NR..][..k * NR]
+    }
+
+    pub fn panel_scales(&self, q: usize, k: usize) -> &[f32] {
+        let len = k.div_ceil(self.kblock) * NR;
+        &self.scales[q * len..][..len]
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + self.scales.len() * 4
+    }
+
+    /// The value of output column `j`, step `p`.
+    pub fn get(&self, j: usize, p: usize, k: usize) -> f32 {
+        let (q, jj) = (j / NR, j % NR);
+        e4m3_to_f32(self.panel(q, k)[p * NR + jj])
+            * self.panel_scales(q, k)[p / self.kblock * NR + jj]
+    }
+}
+
+/// The scales of the `OutIn` weights `slices` (output columns side by side, each with its
+/// `layout`) when the source stores every one as FP8 codes with scale blocks of one depth:
+/// `Some((kblock, scales))`, the scales in panel order as [`CodePanels::scales`]. `None`
+/// when a weight is not stored so, or a local block would take two stored scales.
+pub(super) fn code_scales(
+    src: &dyn WeightSource,
+    slices: &[&WeightSlice],
+    layouts: &[SliceLayout],
+    n: usize,
+    k: usize,
+) -> Result<Option<(usize, AlignedVec<f32>)>> {
+    let mut stored: Vec<Arc<BlockScales>> = Vec::with_capacity(slices.len());
+    for w in slices {
+        match src.quant_scales(&w.tensor)? {
+            Some(s) => stored.push(s),
+            None => return Ok(None),
+        }
+    }
+    let kblock = stored[0].block[1];
+    if kblock == 0 || stored.iter().any(|s| s.block[1] != kblock) {
+        return Ok(None);
+    }
+    let blocks = k.div_ceil(kblock);
+    let per_panel = blocks * NR;
+    let mut scales = AlignedVec::zeroed(n.div_ceil(NR) * per_panel);
+    // Each weight's first output column.
+    let starts: Vec<usize> = layouts
+        .iter()
+        .scan(0, |at, l| {
+            let s = *at;
+            *at += l.rows;
+            Some(s)
+        })
+        .collect();
+    let whole = scales
+        .par_chunks_mut(per_panel.max(1))
+        .enumerate()
+        .try_fold(
+            || true,
+            |whole, (q, panel)| -> Result<bool> {
+                if !whole {
+                    return Ok(false);
+                }
+                for jj in 0..NR.min(n - q * NR) {
+                    let j = q * NR + jj;
+                    let part = starts.partition_point(|&s| s <= j) - 1;
+                    let (layout, s) = (&layouts[part], &stored[part]);
+                    let r = j - starts[part];
+                    for b in 0..blocks {
+                        let c0 = b * kblock;
+                        match block_scale(layout, s, r, c0, kblock.min(k - c0))? {
+                            Some(v) => panel[b * NR + jj] = v,
+                            None => return Ok(false),
+                        }
+                    }
+                }
+                Ok(true)
+            },
+        )
+        .try_reduce(|| true, |a, b| Ok(a && b))?;
+    Ok(whole.then_some((kblock, scales)))
+}
+
+/// The one stored scale of local row `r`'s columns `[c0, c0 + len)` (zero for padding
+/// alone), `None` when they take more than one.
+fn block_scale(
+    layout: &SliceLayout,
+    s: &BlockScales,
+    r: usize,
+    c0: usize,
+    len: usize,
+) -> Result<Option<f32>> {
+    let mut index: Option<usize> = None;
+    let mut one = true;
+    layout.pieces(r, c0, len, |_, piece| {
+        if let Piece::Stored {
+            from,
+            len: len @ 1..,
+        } = piece
+        {
+            let (first, last) = (s.index_of(from), s.index_of(from + len - 1));
+            one &= first == last && index.is_none_or(|i| i == first);
+            index = Some(first);
+        }
+        Ok(())
+    })?;
+    Ok(one.then(|| index.map_or(0.0, |i| s.values.get(i).copied().unwrap_or(f32::NAN))))
+}
