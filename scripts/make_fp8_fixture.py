@@ -80,22 +80,7 @@ def make(case: str) -> None:
 
     base = load_file(str(SRC / "reference.safetensors"))
     n_new = int(base["greedy_ids"].numel())
-    # llama-gqa's prompt, unless quantization brought a greedy step to a near-tie (which
-    # rounding could flip); then the first seeded prompt of its length without one.
-    vocab = int(model.config.vocab_size)
-    for prompt_seed in range(MAX_PROMPT_TRIES):
-        if prompt_seed == 0:
-            ids = base["prompt_ids"]
-        else:
-            gen = torch.Generator().manual_seed(prompt_seed)
-            ids = torch.randint(0, vocab, base["prompt_ids"].shape, generator=gen)
-        new_ids, step_logits = make_fixtures.greedy(model, ids, n_new)
-        top2 = step_logits.topk(2, dim=-1).values
-        margin = float((top2[:, 0] - top2[:, 1]).min())
-        if margin >= MIN_GREEDY_MARGIN:
-            break
-    else:
-        raise SystemExit(f"no prompt without a greedy near-tie in {MAX_PROMPT_TRIES} tries")
+    prompt_seed, ids, new_ids, step_logits, margin = pick_prompt(model, base, n_new)
     logits = make_fixtures.prefill_logits(model, ids)
     assert torch.equal(new_ids, make_fixtures.greedy_no_cache(model, ids, n_new))
     # The f32 model on the same prompt, to show what quantization moved.
@@ -140,6 +125,27 @@ def make(case: str) -> None:
     }
     (OUT / "reference.json").write_text(json.dumps(info, indent=2) + "\n")
     print(case, json.dumps(info["stats"], indent=2))
+
+
+def pick_prompt(model, base: dict[str, torch.Tensor], n_new: int):
+    """The source fixture's prompt, unless quantization brought a greedy step to a near-tie
+    (which rounding could flip); then the first seeded prompt of its length without one.
+    Returns (seed, prompt ids, greedy ids, their step logits, the smallest margin)."""
+    import make_fixtures
+
+    vocab = int(model.config.vocab_size)
+    for prompt_seed in range(MAX_PROMPT_TRIES):
+        if prompt_seed == 0:
+            ids = base["prompt_ids"]
+        else:
+            gen = torch.Generator().manual_seed(prompt_seed)
+            ids = torch.randint(0, vocab, base["prompt_ids"].shape, generator=gen)
+        new_ids, step_logits = make_fixtures.greedy(model, ids, n_new)
+        top2 = step_logits.topk(2, dim=-1).values
+        margin = float((top2[:, 0] - top2[:, 1]).min())
+        if margin >= MIN_GREEDY_MARGIN:
+            return prompt_seed, ids, new_ids, step_logits, margin
+    raise SystemExit(f"no prompt without a greedy near-tie in {MAX_PROMPT_TRIES} tries")
 
 
 def model_config(path: Path):

@@ -82,14 +82,12 @@ def fp8_config(config: dict, block: int) -> dict:
     return config
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", type=Path)
-    ap.add_argument("dst", type=Path)
-    ap.add_argument("--block", type=int, default=128)
-    a = ap.parse_args()
-    a.dst.mkdir(parents=True, exist_ok=True)
-    index_path = a.src / "model.safetensors.index.json"
+def convert_checkpoint(src: Path, dst: Path, convert, quantized_config) -> None:
+    """Writes ``src``'s checkpoint to ``dst`` with ``convert(tensors) -> (stored, _)`` applied
+    to each shard (one in memory at a time) and ``quantized_config(config)`` as its config;
+    the index and the generation / tokenizer files follow."""
+    dst.mkdir(parents=True, exist_ok=True)
+    index_path = src / "model.safetensors.index.json"
     shards = (
         sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
         if index_path.exists()
@@ -97,19 +95,33 @@ def main() -> None:
     )
     weight_map = {}
     for shard in shards:
-        stored, _ = convert_tensors(load_file(str(a.src / shard)), a.block)
-        save_file(stored, str(a.dst / shard), metadata={"format": "pt"})
+        stored, _ = convert(load_file(str(src / shard)))
+        save_file(stored, str(dst / shard), metadata={"format": "pt"})
         weight_map.update({name: shard for name in stored})
         print(f"{shard}: {len(stored)} tensors")
     if index_path.exists():
-        (a.dst / index_path.name).write_text(
+        (dst / index_path.name).write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"
         )
-    config = json.loads((a.src / "config.json").read_text())
-    (a.dst / "config.json").write_text(json.dumps(fp8_config(config, a.block), indent=2) + "\n")
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(quantized_config(config), indent=2) + "\n")
     for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (a.src / extra).exists():
-            shutil.copy(a.src / extra, a.dst / extra)
+        if (src / extra).exists():
+            shutil.copy(src / extra, dst / extra)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", type=Path)
+    ap.add_argument("dst", type=Path)
+    ap.add_argument("--block", type=int, default=128)
+    a = ap.parse_args()
+    convert_checkpoint(
+        a.src,
+        a.dst,
+        lambda tensors: convert_tensors(tensors, a.block),
+        lambda config: fp8_config(config, a.block),
+    )
 
 
 if __name__ == "__main__":

@@ -222,10 +222,9 @@ pub fn explain(
                 stored: match &graph.node(first).op {
                     Op::Param(p) => p.quant.map(|q| {
                         format!(
-                            "{}, one f32 scale per {} × {} block (stored dims); a split keeps every block on one rank",
+                            "{}, one f32 scale per {} (stored dims); a split keeps every block on one rank",
                             q.format.name(),
-                            q.block[0],
-                            q.block[1]
+                            crate::ir::quant::describe_block(q.block)
                         )
                     }),
                     _ => None,

@@ -50,9 +50,10 @@ pub fn build_graph(def: &GraphDef) -> Result<Graph> {
 /// leaves unconverted.
 fn mark_quantized(graph: &mut Graph, q: &Quantization) -> std::result::Result<(), String> {
     let most = super::validate::MAX_DIM;
-    if q.block.iter().any(|&b| b == 0 || b > most) {
+    // 0 along the inputs: one scale across them (a scale per output channel).
+    if q.block[0] == 0 || q.block.iter().any(|&b| b > most) {
         return Err(format!(
-            "block {:?} must be two sizes from 1 to {most} (elements per scale along a weight's outputs and inputs)",
+            "block {:?} must be two sizes from 1 to {most} (elements per scale along a weight's outputs and inputs; 0 inputs for a scale per output channel)",
             q.block
         ));
     }

@@ -2,6 +2,7 @@
 
 use super::spec::{Family, FamilyConfig, MoeConfig};
 use crate::error::{Result, TpcError};
+use crate::ir::quant::ScaleNames;
 use crate::ir::{ActivationKind, DType, QuantFormat, Quantization, RopeScaling, F64};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -246,16 +247,22 @@ fn moe(r: &Reader, family: Family) -> Result<Option<MoeConfig>> {
 }
 
 /// The quantization methods tpc reads, as `quant_method` names them.
-pub const QUANT_METHODS: &[&str] = &["fp8"];
+pub const QUANT_METHODS: &[&str] = &["fp8", "compressed-tensors"];
+
+/// What tpc reads of each method, for messages.
+const QUANT_READ: &str = "fp8 (FP8 e4m3 with block scales, dynamic activations) and compressed-tensors (INT8 or FP8 e4m3 weights with a scale per output channel, stored unpacked)";
 
 /// A quantized checkpoint's `quantization_config`: FP8 e4m3 with block scales
-/// (`quant_method: "fp8"`) is read; any other method is refused by name before any weight
-/// is read (read as plain weights it would fail on missing tensors that never mention
-/// quantization).
+/// (`quant_method: "fp8"`) and compressed-tensors' per-channel INT8 / FP8 weights are read;
+/// any other method or scheme is refused by name before any weight is read (read as plain
+/// weights it would fail on missing tensors that never mention quantization).
 fn quantization(r: &Reader) -> Result<Option<Quantization>> {
     let Some(q) = r.json.get("quantization_config").filter(|q| !q.is_null()) else {
         return Ok(None);
     };
+    if q.get("quant_method").and_then(Value::as_str) == Some("compressed-tensors") {
+        return compressed_tensors(r, q).map(Some);
+    }
     let bad = |what: String| {
         r.err(format!(
             "`quantization_config`: {what}; tpc reads {} (FP8 e4m3 with block scales, dynamic activations)",
@@ -274,8 +281,7 @@ fn quantization(r: &Reader) -> Result<Option<Quantization>> {
             .map(|f| format!(", format `{f}`"))
             .unwrap_or_default();
         return Err(r.err(format!(
-            "the checkpoint is quantized with {method}{format}, which tpc does not read; tpc reads quant_method {} (FP8 e4m3 with block scales). Use the model's unquantized release, or dequantize this one first (e.g. load it with transformers and save it in bf16)",
-            QUANT_METHODS.join(", ")
+            "the checkpoint is quantized with {method}{format}, which tpc does not read; tpc reads quant_method {QUANT_READ}. Use the model's unquantized release, or dequantize this one first (e.g. load it with transformers and save it in bf16)"
         )));
     }
     if let Some(fmt) = text("fmt") {
@@ -335,8 +341,126 @@ fn quantization(r: &Reader) -> Result<Option<Quantization>> {
     Ok(Some(Quantization {
         format: QuantFormat::Fp8E4m3,
         block,
+        scales: ScaleNames::ScaleInv,
         modules_to_not_convert,
     }))
+}
+
+/// A compressed-tensors `quantization_config` (llm-compressor's checkpoints): one scheme for
+/// every `Linear`, its weights 8-bit integers (`type: int`, symmetric) or floats (`type:
+/// float`, e4m3) with a scale per output channel (`strategy: channel`), stored one byte an
+/// element (`format` `int-quantized`, `float-quantized` or `naive-quantized`: the `weight`
+/// tensor itself, and `weight_scale [out, 1]`). Activations are computed unquantized, so an
+/// activation scheme is accepted only where it is dynamic (nothing stored for it).
+fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
+    let bad = |what: String| {
+        r.err(format!(
+            "`quantization_config` (compressed-tensors): {what}; tpc reads {QUANT_READ}"
+        ))
+    };
+    let field = |v: &Value, key: &str| v.get(key).filter(|x| !x.is_null()).cloned();
+    let format = field(q, "format").and_then(|f| f.as_str().map(str::to_string));
+    let Some(groups) = q.get("config_groups").and_then(Value::as_object) else {
+        return Err(bad("no `config_groups`".into()));
+    };
+    let mut scheme: Option<(QuantFormat, &Value)> = None;
+    for (name, group) in groups {
+        let targets = group.get("targets").and_then(Value::as_array);
+        if !targets.is_some_and(|t| t.iter().any(|t| t.as_str() == Some("Linear"))) {
+            return Err(bad(format!(
+                "group `{name}` targets {}; tpc reads one scheme for every `Linear`",
+                group.get("targets").unwrap_or(&Value::Null)
+            )));
+        }
+        let Some(w) = field(group, "weights") else {
+            return Err(bad(format!("group `{name}` quantizes no weights")));
+        };
+        let get = |key: &str| field(&w, key);
+        let kind = get("type").and_then(|t| t.as_str().map(str::to_string));
+        let bits = get("num_bits").and_then(|b| b.as_u64());
+        let strategy = get("strategy").and_then(|s| s.as_str().map(str::to_string));
+        let fmt = match (kind.as_deref(), bits) {
+            (Some("int"), Some(8)) => QuantFormat::Int8,
+            (Some("float"), Some(8)) => QuantFormat::Fp8E4m3,
+            _ => {
+                return Err(bad(format!(
+                    "group `{name}` stores {}-bit {} weights",
+                    bits.map_or("?".into(), |b| b.to_string()),
+                    kind.as_deref().unwrap_or("?")
+                )))
+            }
+        };
+        if strategy.as_deref() != Some("channel") || get("group_size").is_some() {
+            return Err(bad(format!(
+                "group `{name}` has weight strategy `{}`{}; tpc reads a scale per output channel (`channel`)",
+                strategy.as_deref().unwrap_or("?"),
+                get("group_size").map(|g| format!(" with group_size {g}")).unwrap_or_default()
+            )));
+        }
+        if get("symmetric").and_then(|s| s.as_bool()) == Some(false) {
+            return Err(bad(format!(
+                "group `{name}` is asymmetric (zero points); tpc reads symmetric weights"
+            )));
+        }
+        if get("dynamic").and_then(|d| d.as_bool()) == Some(true) {
+            return Err(bad(format!(
+                "group `{name}` quantizes weights dynamically (nothing stored)"
+            )));
+        }
+        if let Some(a) = field(group, "input_activations") {
+            if a.get("dynamic").and_then(Value::as_bool) != Some(true) {
+                return Err(bad(format!(
+                    "group `{name}` has static activation scales, which tpc does not read"
+                )));
+            }
+        }
+        if let Some((first, _)) = scheme {
+            if first != fmt {
+                return Err(bad("its groups store weights in different formats".into()));
+            }
+        }
+        scheme = Some((fmt, group));
+    }
+    let Some((fmt, _)) = scheme else {
+        return Err(bad("`config_groups` is empty".into()));
+    };
+    let stored = matches!(
+        (fmt, format.as_deref()),
+        (_, Some("naive-quantized"))
+            | (QuantFormat::Int8, Some("int-quantized"))
+            | (QuantFormat::Fp8E4m3, Some("float-quantized"))
+    );
+    if !stored {
+        return Err(bad(format!(
+            "`format` {} is not read (packed weights are not read yet)",
+            format.as_deref().unwrap_or("missing")
+        )));
+    }
+    let mut modules_to_not_convert = Vec::new();
+    if let Some(list) = field(q, "ignore") {
+        let names = list
+            .as_array()
+            .map(|a| a.iter().map(Value::as_str).collect::<Option<Vec<_>>>());
+        let Some(Some(names)) = names else {
+            return Err(bad(format!(
+                "`ignore` {list} is not a list of module names"
+            )));
+        };
+        for name in names {
+            if name.starts_with("re:") {
+                return Err(bad(format!(
+                    "`ignore` entry `{name}` is a pattern; tpc matches module names only (a prefix or a suffix)"
+                )));
+            }
+            modules_to_not_convert.push(name.to_string());
+        }
+    }
+    Ok(Quantization {
+        format: fmt,
+        block: [1, 0],
+        scales: ScaleNames::Scale,
+        modules_to_not_convert,
+    })
 }
 
 /// The quantization an HF `config.json` states (`None` for none): what a checkpoint reader

@@ -2,8 +2,11 @@
 //! format, and the blocks that share one scale), so that the split falls on block
 //! boundaries and every report counts the bytes as stored.
 //!
-//! Only FP8 e4m3 with block scales (`quant_method: "fp8"`, HF `weight_block_size`, the
-//! `*_scale_inv` tensors of the Qwen3 and DeepSeek FP8 releases) is read so far.
+//! Read so far: FP8 e4m3 with block scales (`quant_method: "fp8"`, HF `weight_block_size`,
+//! the `*_scale_inv` tensors of the Qwen3 and DeepSeek FP8 releases), and from
+//! compressed-tensors checkpoints INT8 and FP8 weights with a scale per output channel
+//! (`*_scale [out, 1]`). A block of 0 along a dim is the whole dim: one scale across it,
+//! which no split can cut.
 
 use super::groups::SliceRange;
 use serde::{Deserialize, Serialize};
@@ -13,13 +16,51 @@ use serde::{Deserialize, Serialize};
 pub enum QuantFormat {
     /// One byte per element, e4m3 (`float8_e4m3fn`), times an f32 scale per block.
     Fp8E4m3,
+    /// One byte per element, a signed integer (symmetric: no zero point), times its scale.
+    Int8,
 }
 
 impl QuantFormat {
     pub fn name(self) -> &'static str {
         match self {
             QuantFormat::Fp8E4m3 => "fp8 e4m3",
+            QuantFormat::Int8 => "int8",
         }
+    }
+}
+
+/// How a checkpoint names a quantized weight's scales: `<weight>_scale_inv` (the `fp8`
+/// method's), or `<weight>_scale` (compressed-tensors').
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum ScaleNames {
+    #[default]
+    ScaleInv,
+    Scale,
+}
+
+impl ScaleNames {
+    pub fn suffix(self) -> &'static str {
+        match self {
+            ScaleNames::ScaleInv => "_scale_inv",
+            ScaleNames::Scale => "_scale",
+        }
+    }
+}
+
+/// Scales along a dim of `len` elements in blocks of `block` (0: the whole dim, one).
+pub fn blocks_along(len: u64, block: u64) -> u64 {
+    if block == 0 {
+        len.min(1)
+    } else {
+        len.div_ceil(block)
+    }
+}
+
+/// `[out, in]` blocks in words: "128 × 128 block", "output channel".
+pub fn describe_block(block: [u64; 2]) -> String {
+    match block {
+        [1, 0] => "output channel".to_string(),
+        [a, b] => format!("{a} × {b} block"),
     }
 }
 
@@ -30,6 +71,9 @@ pub struct Quantization {
     /// Elements per scale along a linear weight's output and input dims (HF
     /// `weight_block_size`, `[out, in]`).
     pub block: [u64; 2],
+    /// How the checkpoint names the scales.
+    #[serde(default)]
+    pub scales: ScaleNames,
     /// Weights left unquantized, as HF `modules_to_not_convert` names their modules: a
     /// module whose name starts or ends with one of these stays in the model's dtype. The
     /// output head and embeddings are never quantized.
@@ -70,7 +114,10 @@ impl Quantized {
     /// of a dim partial), `None` for a weight that is not 2-D.
     pub fn scale_shape(&self, shape: &[u64]) -> Option<[u64; 2]> {
         match shape {
-            [a, b] => Some([a.div_ceil(self.block[0]), b.div_ceil(self.block[1])]),
+            [a, b] => Some([
+                blocks_along(*a, self.block[0]),
+                blocks_along(*b, self.block[1]),
+            ]),
             _ => None,
         }
     }
@@ -81,8 +128,7 @@ impl Quantized {
         let elements = super::saturating::product(local_shape.iter().copied());
         let scales = match local_shape {
             [lead @ .., a, b] => super::saturating::product(lead.iter().copied()).saturating_mul(
-                a.div_ceil(self.block[0].max(1))
-                    .saturating_mul(b.div_ceil(self.block[1].max(1))),
+                blocks_along(*a, self.block[0]).saturating_mul(blocks_along(*b, self.block[1])),
             ),
             _ => 0,
         };
@@ -96,7 +142,7 @@ impl Quantized {
         let elements = super::saturating::product(local_shape.iter().copied());
         let scales = match local_shape {
             [lead @ .., a, b] => super::saturating::product(lead.iter().copied())
-                .saturating_mul(a.saturating_mul(b.div_ceil(self.block[1].max(1)))),
+                .saturating_mul(a.saturating_mul(blocks_along(*b, self.block[1]))),
             _ => 0,
         };
         elements.saturating_add(scales.saturating_mul(4))
@@ -189,10 +235,26 @@ mod tests {
     }
 
     #[test]
+    fn a_scale_per_channel_takes_any_cut_of_the_inputs() {
+        let q = Quantized {
+            format: QuantFormat::Int8,
+            block: [1, 0],
+        };
+        assert_eq!(q.scale_shape(&[256, 300]), Some([256, 1]));
+        assert_eq!(q.stored_bytes(&[256, 300]), 256 * 300 + 256 * 4);
+        assert_eq!(q.column_scaled_bytes(&[256, 300]), 256 * 300 + 256 * 4);
+        assert!(q.cut_by(1, 2, 300, &[range(7, 100)]).is_none());
+        assert!(q.cut_by(0, 2, 256, &[range(3, 100)]).is_none());
+        assert_eq!(describe_block(q.block), "output channel");
+        assert_eq!(describe_block([128, 64]), "128 × 64 block");
+    }
+
+    #[test]
     fn modules_left_unquantized_match_by_prefix_or_suffix() {
         let q = Quantization {
             format: QuantFormat::Fp8E4m3,
             block: [128, 128],
+            scales: ScaleNames::ScaleInv,
             modules_to_not_convert: vec!["lm_head".into(), "model.layers.0.mlp".into()],
         };
         assert!(!q.covers("lm_head.weight"));

@@ -119,10 +119,9 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     });
     if let Some(q) = quantized {
         ctx.notes.push(format!(
-            "quantized checkpoint ({}, one scale per {}×{} block): every split falls on block boundaries and each rank reads the scales of its blocks",
+            "quantized checkpoint ({}, one scale per {}): every split falls on block boundaries and each rank reads the scales of its blocks",
             q.format.name(),
-            q.block[0],
-            q.block[1]
+            crate::ir::quant::describe_block(q.block)
         ));
     }
     if let Some(shares) = ctx.shares {

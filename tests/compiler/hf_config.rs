@@ -11,7 +11,7 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tpc::frontend::load::load_model;
 use tpc::frontend::{Family, FamilyConfig, ModelDef};
-use tpc::ir::{ActivationKind, DType, RopeScaling, F64};
+use tpc::ir::{ActivationKind, DType, QuantFormat, RopeScaling, F64};
 use tpc::pipeline::compile;
 use tpc::plan::report::{summarize, Summary};
 use tpc::plan::Plan;
@@ -803,9 +803,9 @@ fn a_quantized_checkpoint_is_refused_naming_its_method() {
             "`gptq`",
         ),
         (
-            "ct",
-            json!({"quant_method": "compressed-tensors", "format": "int-quantized"}),
-            "`compressed-tensors`, format `int-quantized`",
+            "awq",
+            json!({"quant_method": "awq", "version": "gemm"}),
+            "`awq`",
         ),
         ("none", json!({"bits": 8}), "no `quant_method`"),
     ] {
@@ -877,6 +877,116 @@ fn an_fp8_block_checkpoint_is_read_with_its_blocks_and_unconverted_modules() {
             o.insert("quantization_config".into(), config);
         });
         rejected(&dir, &["`quantization_config`", named, "tpc reads fp8"]);
+    }
+}
+
+#[test]
+fn compressed_tensors_per_channel_int8_and_fp8_are_read_and_other_schemes_refused() {
+    let scratch = Scratch::new("compressed-tensors");
+    let scheme = |format: &str, weights: Value, extra: Value| {
+        let mut group = json!({"targets": ["Linear"], "weights": weights});
+        if let (Some(g), Some(e)) = (group.as_object_mut(), extra.as_object()) {
+            g.extend(e.clone());
+        }
+        json!({"quant_method": "compressed-tensors", "format": format,
+               "ignore": ["lm_head"], "config_groups": {"group_0": group}})
+    };
+    let int8 = json!({"num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel",
+                      "group_size": null, "dynamic": false});
+    let fp8 = json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "channel"});
+    for (sub, config, format) in [
+        (
+            "int8",
+            scheme("int-quantized", int8.clone(), json!({})),
+            QuantFormat::Int8,
+        ),
+        (
+            "naive",
+            scheme("naive-quantized", int8.clone(), json!({})),
+            QuantFormat::Int8,
+        ),
+        (
+            "fp8",
+            // W8A8 FP8 with dynamic per-token activations: the weights are what is stored.
+            scheme(
+                "float-quantized",
+                fp8.clone(),
+                json!({"input_activations": {"num_bits": 8, "type": "float", "dynamic": true, "strategy": "token"}}),
+            ),
+            QuantFormat::Fp8E4m3,
+        ),
+    ] {
+        let dir = edited(&scratch, sub, |o| {
+            o.insert("quantization_config".into(), config);
+        });
+        let q = family_of(&load(&dir)).quantization.clone().expect("read");
+        assert_eq!((q.format, q.block), (format, [1, 0]), "{sub}");
+        assert_eq!(q.scales, tpc::ir::quant::ScaleNames::Scale);
+        assert_eq!(q.modules_to_not_convert, ["lm_head"]);
+        // A scale per channel takes any split: every tp the heads allow compiles.
+        for tp in [1, 2, 4] {
+            compile(&load(&dir), tp).unwrap();
+        }
+    }
+    let with = |key: &str, v: Value| {
+        let mut w = int8.clone();
+        w[key] = v;
+        w
+    };
+    for (sub, config, named) in [
+        (
+            "packed",
+            scheme("pack-quantized", int8.clone(), json!({})),
+            "`format` pack-quantized is not read",
+        ),
+        (
+            "group",
+            scheme("int-quantized", with("strategy", json!("group")), json!({})),
+            "weight strategy `group`",
+        ),
+        (
+            "int4",
+            scheme("int-quantized", with("num_bits", json!(4)), json!({})),
+            "stores 4-bit int weights",
+        ),
+        (
+            "asym",
+            scheme("int-quantized", with("symmetric", json!(false)), json!({})),
+            "is asymmetric",
+        ),
+        (
+            "static",
+            scheme(
+                "int-quantized",
+                int8.clone(),
+                json!({"input_activations": {"num_bits": 8, "type": "int", "dynamic": false}}),
+            ),
+            "static activation scales",
+        ),
+        (
+            "regex",
+            json!({"quant_method": "compressed-tensors", "format": "int-quantized",
+                   "ignore": ["re:.*mlp.gate$"],
+                   "config_groups": {"g": {"targets": ["Linear"], "weights": int8.clone()}}}),
+            "is a pattern",
+        ),
+        (
+            "nogroups",
+            json!({"quant_method": "compressed-tensors", "format": "int-quantized"}),
+            "no `config_groups`",
+        ),
+    ] {
+        let dir = edited(&scratch, sub, |o| {
+            o.insert("quantization_config".into(), config);
+        });
+        rejected(
+            &dir,
+            &[
+                "`quantization_config` (compressed-tensors)",
+                named,
+                "tpc reads fp8",
+            ],
+        );
     }
 }
 

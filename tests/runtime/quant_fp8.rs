@@ -47,8 +47,13 @@ fn edited_copy(
 }
 
 /// `plan` on `ckpt` gives transformers' prompt logits (within the f32 tolerance) and greedy
-/// tokens.
-fn assert_matches(plan: &tpc::plan::Plan, ckpt: &Checkpoint, reference: &Reference, what: &str) {
+/// tokens (shared with `quant_int8.rs`).
+pub(crate) fn assert_matches(
+    plan: &tpc::plan::Plan,
+    ckpt: &Checkpoint,
+    reference: &Reference,
+    what: &str,
+) {
     let opts = RunOptions {
         max_new_tokens: reference.greedy.len(),
         ..Default::default()
@@ -60,7 +65,7 @@ fn assert_matches(plan: &tpc::plan::Plan, ckpt: &Checkpoint, reference: &Referen
 }
 
 /// Why `plan` does not run on the checkpoint in `dir`.
-fn refusal(plan: &tpc::plan::Plan, dir: &Path) -> String {
+pub(crate) fn refusal(plan: &tpc::plan::Plan, dir: &Path) -> String {
     let ckpt = Checkpoint::open(dir).unwrap();
     let e = run(plan, &ckpt, &[1, 2], &RunOptions::default()).err();
     e.expect("the run is refused").to_string()

@@ -235,8 +235,9 @@ impl PackedMatrix {
             order,
             outputs: n,
         };
-        let panels = if let Some((kblock, scales)) = code_scales {
+        let panels = if let Some((kind, kblock, scales)) = code_scales {
             Panels::Codes(CodePanels {
+                kind,
                 codes: fill_panels(&mut stack, order, n, k, batch)?,
                 scales,
                 kblock,
@@ -279,6 +280,7 @@ impl PackedMatrix {
             n,
             k,
             panels: Panels::Codes(CodePanels {
+                kind: super::isa::CodeKind::E4m3,
                 codes: c,
                 scales: s,
                 kblock,
@@ -451,7 +453,8 @@ impl PackedMatrix {
                             for (q, out) in range.panels.clone().zip(widened.chunks_exact_mut(len))
                             {
                                 let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
-                                kernels.codes_to_bf16_pairs(codes, scales, c.kblock, k, out);
+                                kernels
+                                    .codes_to_bf16_pairs(c.kind, codes, scales, c.kblock, k, out);
                             }
                             let first = range.panels.start;
                             let chunk = Bf16Product {
@@ -519,7 +522,15 @@ impl PackedMatrix {
                         }
                         Panels::Codes(c) => {
                             let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
-                            kernels.widen_codes(codes, scales, c.kblock, k0, kc, &mut widened);
+                            kernels.widen_codes(
+                                c.kind,
+                                codes,
+                                scales,
+                                c.kblock,
+                                k0,
+                                kc,
+                                &mut widened,
+                            );
                             &widened[..kc * NR]
                         }
                     };
@@ -589,7 +600,7 @@ impl PanelRows for F32Rows<'_> {
             }
             Panels::Codes(c) => {
                 let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
-                kernels.gemv_codes::<R>(xs, k, codes, scales, k, c.kblock, out)
+                kernels.gemv_codes::<R>(xs, k, c.kind, codes, scales, k, c.kblock, out)
             }
         }
     }
@@ -1470,6 +1481,7 @@ mod slice_tests {
                     .collect(),
             ),
             StoredDtype::F8E4m3 => (Dtype::F8_E4M3, values.iter().map(|&v| v as u8).collect()),
+            StoredDtype::I8 => (Dtype::I8, values.iter().map(|&v| v as u8).collect()),
         }
     }
 
@@ -1740,7 +1752,9 @@ mod slice_tests {
                                         .iter()
                                         .map(|&f| half::f16::from_f32(f).to_bits() as u32)
                                         .collect(),
-                                    StoredDtype::F8E4m3 => unreachable!("not among the dtypes"),
+                                    StoredDtype::F8E4m3 | StoredDtype::I8 => {
+                                        unreachable!("not among the dtypes")
+                                    }
                                 };
                                 let (st, bytes) = encode(dtype, &bits);
                                 (name.clone(), st, shape.clone(), bytes)
@@ -1848,6 +1862,75 @@ mod slice_tests {
         dir
     }
 
+    /// A directory holding an INT8 (or FP8, `fp8`) `w [rows, cols]` with a scale per row
+    /// (random codes, no NaN; positive scales), as compressed-tensors stores it, and its
+    /// config.json.
+    fn channel_checkpoint(rows: usize, cols: usize, seed: u64, fp8: bool) -> PathBuf {
+        let codes: Vec<u32> = (0..(rows * cols) as u64)
+            .map(|i| match bits_at(seed, i) {
+                b if fp8 && b & 0x7f == 0x7f => 0x30,
+                b => b,
+            })
+            .collect();
+        let dtype = if fp8 {
+            StoredDtype::F8E4m3
+        } else {
+            StoredDtype::I8
+        };
+        let (st, bytes) = encode(dtype, &codes);
+        let scales: Vec<u32> = (0..rows as u64)
+            .map(|i| (1e-3 + (bits_at(!seed, i) % 1000) as f32 * 1e-4).to_bits())
+            .collect();
+        let (sst, sbytes) = encode(StoredDtype::F32, &scales);
+        let dir = write_checkpoint(&[
+            ("w".into(), st, vec![rows, cols], bytes),
+            ("w_scale".into(), sst, vec![rows, 1], sbytes),
+        ]);
+        let (format, kind) = if fp8 {
+            ("float-quantized", "float")
+        } else {
+            ("int-quantized", "int")
+        };
+        let config = format!(
+            r#"{{"quantization_config": {{"quant_method": "compressed-tensors",
+            "format": "{format}", "config_groups": {{"g": {{"targets": ["Linear"],
+            "weights": {{"num_bits": 8, "type": "{kind}", "symmetric": true, "strategy": "channel"}}}}}}}}}}"#
+        );
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        dir
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// An INT8 or FP8 slice with a scale per row keeps its codes whatever the cut of
+        /// its inputs, and packs the dequantized values bit for bit.
+        #[test]
+        fn channel_scaled_slices_keep_their_codes_under_any_cut(
+            w in slicing(),
+            seed in any::<u64>(),
+            fp8 in any::<bool>(),
+        ) {
+            let (rows, cols) = (w.shape[0] as usize, w.shape[1] as usize);
+            let dir = channel_checkpoint(rows, cols, seed, fp8);
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            let dense = load_slice(&ckpt, &w).unwrap();
+            let packed = PackedMatrix::pack_slice(&ckpt, &w, WeightOrder::OutIn, false).unwrap();
+            prop_assert!(matches!(packed.panels, Panels::Codes(_)));
+            for j in 0..packed.n {
+                for p in 0..packed.k {
+                    prop_assert_eq!(
+                        packed.get(j, p).to_bits(),
+                        dense.data[j * packed.k + p].to_bits(),
+                        "column {}, step {}", j, p
+                    );
+                }
+            }
+            drop(ckpt);
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(96))]
 
@@ -1895,11 +1978,21 @@ mod slice_tests {
     /// Products over FP8 codes (decode rows and prompt blocks, on every variant and team
     /// size) match an f64 product of the dequantized weight.
     #[test]
-    fn fp8_code_products_match_the_dequantized_weight() {
-        use crate::runtime::cpu::self_check::operands;
+    fn block_and_channel_scaled_code_products_match_the_dequantized_weight() {
         let (n, k) = (40, 300);
-        let dir = fp8_checkpoint(n, k, [4, 128], 7);
-        let ckpt = Checkpoint::open(&dir).unwrap();
+        for (dir, scale_bytes) in [
+            (fp8_checkpoint(n, k, [4, 128], 7), 48 * 3 * 4),
+            (channel_checkpoint(n, k, 7, false), 48 * 4),
+            (channel_checkpoint(n, k, 7, true), 48 * 4),
+        ] {
+            code_products_match(&dir, n, k, scale_bytes);
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    fn code_products_match(dir: &std::path::Path, n: usize, k: usize, scale_bytes: usize) {
+        use crate::runtime::cpu::self_check::operands;
+        let ckpt = Checkpoint::open(dir).unwrap();
         let w = slice_of([n, k], None, &[], 0);
         let dense = load_slice(&ckpt, &w).unwrap();
         for (bf16, m) in [false, true]
@@ -1908,7 +2001,7 @@ mod slice_tests {
         {
             let packed = PackedMatrix::pack_slice(&ckpt, &w, WeightOrder::OutIn, bf16).unwrap();
             assert!(matches!(packed.panels, Panels::Codes(_)));
-            assert_eq!(packed.bytes(), 48 * k + 48 * 3 * 4);
+            assert_eq!(packed.bytes(), 48 * k + scale_bytes);
             let (x, _) = operands(m, n, k);
             for kernels in Isa::ALL
                 .into_iter()
@@ -1945,8 +2038,6 @@ mod slice_tests {
                 }
             }
         }
-        drop(ckpt);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! DeepSeek FP8 releases): a linear weight `W [out, in]` is stored one byte an element
 //! (`float8_e4m3fn`), and `W_scale_inv [⌈out/b₀⌉, ⌈in/b₁⌉]` holds one f32 per block;
 //! an element's value is its e4m3 value times its block's scale, which is how transformers
-//! dequantizes these checkpoints on a CPU.
+//! dequantizes these checkpoints on a CPU. [`BlockScales`] serves compressed-tensors' INT8
+//! and FP8 weights with a scale per output channel too (`W_scale [out, 1]`: blocks of one
+//! row by the whole row).
 
 /// The f32 value of every e4m3fn byte (`s eeee mmm`, bias 7, no infinities, `0x7f` and
 /// `0xff` NaN): built once at compile time, exact.
@@ -46,6 +48,8 @@ pub fn e4m3_to_f32(byte: u8) -> f32 {
 /// One weight's block scales, as read from its `_scale_inv` tensor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockScales {
+    /// What the codes are.
+    pub format: crate::ir::QuantFormat,
     /// Elements per block along the weight's rows and columns.
     pub block: [usize; 2],
     /// The weight's stored columns.
@@ -129,6 +133,7 @@ mod tests {
     fn each_element_takes_its_blocks_scale() {
         // A 5 × 6 weight in 2 × 4 blocks: 3 × 2 scales, the last row and column partial.
         let s = BlockScales {
+            format: crate::ir::QuantFormat::Fp8E4m3,
             block: [2, 4],
             cols: 6,
             per_row: 2,

@@ -34,9 +34,9 @@ pub struct Checkpoint {
     files: Vec<ShardFile>,
     /// Tensor name → file index.
     index: HashMap<String, usize>,
-    /// The scale blocks of an FP8 checkpoint (its `config.json`'s `quantization_config`),
-    /// `[rows, cols]` of a stored weight.
-    fp8_block: Option<[usize; 2]>,
+    /// A quantized checkpoint's format, scale blocks and scale names (its `config.json`'s
+    /// `quantization_config`).
+    quant: Option<crate::ir::Quantization>,
     /// Each FP8 weight's scales, read once.
     scales: Mutex<HashMap<String, Arc<BlockScales>>>,
 }
@@ -68,10 +68,10 @@ fn open_file(path: &Path) -> Result<ShardFile> {
     Ok(file)
 }
 
-/// The scale blocks of an FP8 checkpoint, from the `quantization_config` of the
+/// A quantized checkpoint's quantization, from the `quantization_config` of the
 /// `config.json` beside its weights (as the model's frontend reads it); `None` without one.
 /// A config that does not parse is the model loader's to report.
-fn fp8_block_of(dir: &Path) -> Result<Option<[usize; 2]>> {
+fn quantization_of(dir: &Path) -> Result<Option<crate::ir::Quantization>> {
     let path = dir.join("config.json");
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(None);
@@ -79,8 +79,7 @@ fn fp8_block_of(dir: &Path) -> Result<Option<[usize; 2]>> {
     let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
         return Ok(None);
     };
-    let q = crate::frontend::hf_config::quantization_in(&path, &json)?;
-    Ok(q.map(|q| q.block.map(|b| b as usize)))
+    Ok(crate::frontend::hf_config::quantization_in(&path, &json)?)
 }
 
 /// Resolves an index's file name inside the checkpoint folder. Names that would leave it
@@ -160,7 +159,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             files,
             index,
-            fp8_block: fp8_block_of(dir)?,
+            quant: quantization_of(dir)?,
             scales: Mutex::default(),
         })
     }
@@ -247,7 +246,7 @@ impl Checkpoint {
                 || name.starts_with("F4")
                 || matches!(name.as_str(), "I8" | "U8" | "I32" | "U32" | "I4" | "U4");
             bad(format!(
-                "has dtype {name}; tpc reads F32, BF16 and F16, and F8_E4M3 with block scales{}",
+                "has dtype {name}; tpc reads F32, BF16 and F16, and F8_E4M3 or I8 with scales{}",
                 if quantized {
                     " (this looks like a quantized checkpoint in a format tpc does not read; use the model's unquantized release or dequantize this one first)"
                 } else {
@@ -255,12 +254,19 @@ impl Checkpoint {
                 }
             ))
         })?;
-        let scales = match (dtype, self.fp8_block) {
-            (StoredDtype::F8E4m3, Some(block)) => Some(self.block_scales(tensor, &info.shape, block)?),
-            (StoredDtype::F8E4m3, None) => {
-                return Err(bad(
-                    "is stored as F8_E4M3, but the checkpoint's config.json has no FP8 `quantization_config` (`quant_method: \"fp8\"` with `weight_block_size`), so its scales are unknown; use the config.json that came with these weights".into(),
-                ))
+        let scales = match (dtype, &self.quant) {
+            (StoredDtype::F8E4m3 | StoredDtype::I8, Some(q)) if q.format == dtype.quant_format() => {
+                Some(self.block_scales(tensor, &info.shape, dtype, q)?)
+            }
+            (StoredDtype::F8E4m3 | StoredDtype::I8, q) => {
+                return Err(bad(format!(
+                    "is stored as {:?}, but the checkpoint's config.json {}, so its scales are unknown; use the config.json that came with these weights",
+                    info.dtype,
+                    match q {
+                        None => format!("has no {} `quantization_config`", dtype.quant_word()),
+                        Some(q) => format!("says its weights are {}", q.format.name()),
+                    }
+                )))
             }
             _ => None,
         };
@@ -297,40 +303,48 @@ impl Checkpoint {
         })
     }
 
-    /// The scales of the FP8 weight `tensor` stored `shape` in blocks of `block`, from its
-    /// `_scale_inv` tensor (checked: 2-D, one scale per block, a dtype tpc reads), read once.
+    /// The scales of the quantized weight `tensor` stored `shape` as `dtype` in `q`'s
+    /// blocks, from its scale tensor (checked: 2-D, one scale per block, a dtype tpc reads,
+    /// finite), read once.
     fn block_scales(
         &self,
         tensor: &str,
         shape: &[usize],
-        block: [usize; 2],
+        dtype: StoredDtype,
+        q: &crate::ir::Quantization,
     ) -> Result<Arc<BlockScales>> {
         if let Some(s) = self.scales.lock().ok().and_then(|m| m.get(tensor).cloned()) {
             return Ok(s);
         }
-        let name = format!("{tensor}_scale_inv");
+        let name = format!("{tensor}{}", q.scales.suffix());
         let (file, info) = self.info(&name).map_err(|_| WeightError::Tensor {
             path: self.dir.clone(),
             tensor: tensor.to_string(),
             problem: format!(
-                "is stored as F8_E4M3 but its scales `{name}` are missing from the checkpoint; the checkpoint is incomplete"
+                "is stored as {dtype:?} but its scales `{name}` are missing from the checkpoint; the checkpoint is incomplete"
             ),
         })?;
         let &[rows, cols] = shape else {
             return Err(WeightError::Tensor {
                 path: file.path.clone(),
                 tensor: tensor.to_string(),
-                problem: format!("is stored as F8_E4M3 with shape {shape:?}; tpc reads block-scaled FP8 2-D weights only"),
+                problem: format!("is stored as {dtype:?} with shape {shape:?}; tpc reads quantized 2-D weights only"),
             });
         };
+        // A block of 0 is the whole dim (a scale per output channel).
+        let block = [0, 1].map(|d| match q.block[d] as usize {
+            0 => [rows, cols][d].max(1),
+            b => b,
+        });
         let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
         if info.shape != want {
             return Err(WeightError::Tensor {
                 path: file.path.clone(),
                 tensor: name,
                 problem: format!(
-                    "has shape {:?}; a {rows} × {cols} weight in blocks of {} × {} (`weight_block_size`) has {want:?} scales; the checkpoint and its config.json do not match",
-                    info.shape, block[0], block[1]
+                    "has shape {:?}; a {rows} × {cols} weight with a scale per {} has {want:?} scales; the checkpoint and its config.json do not match",
+                    info.shape,
+                    crate::ir::quant::describe_block(q.block)
                 ),
             });
         }
@@ -343,8 +357,9 @@ impl Checkpoint {
                 path: file.path.clone(),
                 tensor: name,
                 problem: format!(
-                    "has dtype {:?}; FP8 scales are F32, BF16 or F16",
-                    info.dtype
+                    "has dtype {:?}; {} scales are F32, BF16 or F16",
+                    info.dtype,
+                    dtype.quant_word()
                 ),
             });
         }
@@ -356,11 +371,12 @@ impl Checkpoint {
         })?;
         if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
             return Err(span.err(format!(
-                "scale {bad} is {}; a corrupt checkpoint (every FP8 block scale is a finite number)",
+                "scale {bad} is {}; a corrupt checkpoint (every scale of a quantized weight is a finite number)",
                 values[bad]
             )));
         }
         let scales = Arc::new(BlockScales {
+            format: dtype.quant_format(),
             block,
             cols,
             per_row: want[1],
@@ -398,11 +414,23 @@ impl Checkpoint {
                 let span = self.tensor(&tensor)?;
                 // A plan compiled for other blocks split this weight for them.
                 if let (Some(q), Some(s)) = (&w.quant, &span.scales) {
-                    let planned = q.block.map(|b| b as usize);
-                    if planned != s.block {
+                    // A block of 0 inputs is the whole row.
+                    let planned = [
+                        q.block[0] as usize,
+                        match q.block[1] {
+                            0 => s.cols,
+                            b => b as usize,
+                        },
+                    ];
+                    if planned != s.block || q.format != span.dtype.quant_format() {
                         return Err(span.err(format!(
-                            "is stored in FP8 blocks of {} × {}, the plan was compiled for blocks of {} × {}; compile the plan from this checkpoint's config.json",
-                            s.block[0], s.block[1], planned[0], planned[1]
+                            "is stored as {} in blocks of {} × {}, the plan was compiled for blocks of {} × {} ({}); compile the plan from this checkpoint's config.json",
+                            span.dtype.quant_format().name(),
+                            s.block[0],
+                            s.block[1],
+                            planned[0],
+                            planned[1],
+                            q.format.name()
                         )));
                     }
                 }
@@ -552,7 +580,7 @@ impl TensorSpan<'_> {
             .try_for_each(|(at, dst)| self.file.read_exact_at(at, dst))?;
         into.dtype = self.dtype;
         if let (Some(scales), false) = (&self.scales, into.keep_codes) {
-            into.bytes = dequantize_rows(&into.bytes, cols, &scaled, scales);
+            into.bytes = dequantize_rows(self.dtype, &into.bytes, cols, &scaled, scales);
             into.dtype = StoredDtype::F32;
         }
         into.first = rows.start;
@@ -632,10 +660,11 @@ impl WeightSource for Checkpoint {
     }
 }
 
-/// A batch of FP8 rows (`cols` bytes each) as the weight's values in little-endian f32
-/// bytes: each stored piece `(first element, element in the batch, count)` decoded and
-/// scaled, padding zero; a row per task.
+/// A batch of quantized rows (`cols` codes of `dtype` each) as the weight's values in
+/// little-endian f32 bytes: each stored piece `(first element, element in the batch, count)`
+/// decoded and scaled, padding zero; a row per task.
 fn dequantize_rows(
+    dtype: StoredDtype,
     fp8: &[u8],
     cols: usize,
     pieces: &[(usize, usize, usize)],
@@ -655,7 +684,7 @@ fn dequantize_rows(
             for &(from, here, len) in pieces[first..].iter().take_while(|p| p.1 < start + cols) {
                 let at = here - start;
                 let v = &mut values[at..at + len];
-                decode_f32(StoredDtype::F8E4m3, &fp8[here..here + len], v);
+                decode_f32(dtype, &fp8[here..here + len], v);
                 scales.apply(from, v);
             }
             for (d, v) in dst.chunks_exact_mut(4).zip(&values) {

@@ -15,6 +15,8 @@ pub enum StoredDtype {
     /// `float8_e4m3fn`: a quantized weight's elements, each to be multiplied by its block's
     /// scale (`fp8`); decoded alone they are the values before the scale.
     F8E4m3,
+    /// Signed 8-bit integers: a quantized weight's elements before their scales.
+    I8,
 }
 
 impl StoredDtype {
@@ -24,7 +26,25 @@ impl StoredDtype {
             Dtype::BF16 => Some(StoredDtype::Bf16),
             Dtype::F16 => Some(StoredDtype::F16),
             Dtype::F8_E4M3 => Some(StoredDtype::F8E4m3),
+            Dtype::I8 => Some(StoredDtype::I8),
             _ => None,
+        }
+    }
+
+    /// The byte dtypes' name in messages.
+    pub fn quant_word(self) -> &'static str {
+        match self {
+            StoredDtype::I8 => "INT8",
+            _ => "FP8",
+        }
+    }
+
+    /// The quantization format of the byte dtypes (f32 and 16-bit floats are not
+    /// quantized; they report FP8's, which no check compares them with).
+    pub fn quant_format(self) -> crate::ir::QuantFormat {
+        match self {
+            StoredDtype::I8 => crate::ir::QuantFormat::Int8,
+            _ => crate::ir::QuantFormat::Fp8E4m3,
         }
     }
 
@@ -33,7 +53,7 @@ impl StoredDtype {
         match self {
             StoredDtype::F32 => 4,
             StoredDtype::Bf16 | StoredDtype::F16 => 2,
-            StoredDtype::F8E4m3 => 1,
+            StoredDtype::F8E4m3 | StoredDtype::I8 => 1,
         }
     }
 }
@@ -112,22 +132,23 @@ impl StoredRows {
         self.keep_codes = true;
     }
 
-    /// Local row `r`, columns `[c0, c0 + out.len())`, as FP8 codes (the bytes as stored),
+    /// Local row `r`, columns `[c0, c0 + out.len())`, as quantized codes (the bytes as stored),
     /// or an error when the rows hold values.
     pub fn codes(&self, r: usize, c0: usize, out: &mut [u8]) -> Result<()> {
-        if self.dtype != StoredDtype::F8E4m3 {
+        if !matches!(self.dtype, StoredDtype::F8E4m3 | StoredDtype::I8) {
             return Err(WeightError::Tensor {
                 path: self.path.clone(),
                 tensor: self.tensor.clone(),
                 problem: format!(
-                    "is read as {:?} values where FP8 codes were expected; report this as a bug",
+                    "is read as {:?} values where quantized codes were expected; report this as a bug",
                     self.dtype
                 ),
             });
         }
         out.copy_from_slice(self.run(r, c0, out.len())?);
-        // The products widen codes without a table, which has no NaN (see `isa/codes.rs`).
-        match out.iter().position(|b| b & 0x7f == 0x7f) {
+        // The products widen e4m3 codes without a table, which has no NaN (`isa/codes.rs`).
+        let nan = self.dtype == StoredDtype::F8E4m3;
+        match out.iter().position(|b| nan && b & 0x7f == 0x7f) {
             None => Ok(()),
             Some(at) => Err(WeightError::Tensor {
                 path: self.path.clone(),
@@ -178,6 +199,11 @@ pub(super) fn decode_f32(dtype: StoredDtype, bytes: &[u8], out: &mut [f32]) {
                 *o = super::fp8::e4m3_to_f32(b);
             }
         }
+        StoredDtype::I8 => {
+            for (o, &b) in out.iter_mut().zip(bytes) {
+                *o = b as i8 as f32;
+            }
+        }
     }
 }
 
@@ -205,10 +231,15 @@ pub(super) fn decode_bf16(dtype: StoredDtype, bytes: &[u8], out: &mut [u16]) {
                 *o = half::bf16::from_f32(v).to_bits();
             }
         }
-        // Exact: every e4m3 value is a bf16 value.
+        // Exact: every e4m3 value and every 8-bit integer is a bf16 value.
         StoredDtype::F8E4m3 => {
             for (o, &b) in out.iter_mut().zip(bytes) {
                 *o = half::bf16::from_f32(super::fp8::e4m3_to_f32(b)).to_bits();
+            }
+        }
+        StoredDtype::I8 => {
+            for (o, &b) in out.iter_mut().zip(bytes) {
+                *o = half::bf16::from_f32(b as i8 as f32).to_bits();
             }
         }
     }

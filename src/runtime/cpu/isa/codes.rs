@@ -1,4 +1,5 @@
-//! Products over FP8 e4m3 codes kept as stored (one byte a weight) with their scales, for
+//! Products over quantized weights kept as stored (one byte a weight: FP8 e4m3 codes or
+//! signed 8-bit integers, [`CodeKind`]) with their scales, for
 //! the quantized linears (`packed/codes.rs`): a code panel is `[k][NR]` bytes, its scales
 //! `[⌈k/kblock⌉][NR]` f32 (one per column per block of `kblock` steps).
 //!
@@ -18,14 +19,52 @@
 use super::{rows_fit, Isa, Kernels, NR};
 use crate::runtime::weights::e4m3_to_f32;
 
+/// What a byte of a code panel holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodeKind {
+    /// FP8 e4m3 (`float8_e4m3fn`), no NaN codes.
+    E4m3,
+    /// A signed 8-bit integer.
+    Int8,
+}
+
+impl CodeKind {
+    /// The value of code `b` before its scale.
+    #[inline(always)]
+    pub fn value(self, b: u8) -> f32 {
+        match self {
+            CodeKind::E4m3 => e4m3_to_f32(b),
+            CodeKind::Int8 => b as i8 as f32,
+        }
+    }
+}
+
+/// Runs `$call` with `$w` the x86 widening type of `$kind`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_kind {
+    ($kind:expr, $w:ident => $call:expr) => {
+        match $kind {
+            CodeKind::E4m3 => {
+                type $w = x86::E4m3;
+                $call
+            }
+            CodeKind::Int8 => {
+                type $w = x86::Int8;
+                $call
+            }
+        }
+    };
+}
+
 impl Kernels {
-    /// `out[r][j] = Σ_b scales[b][j] · Σ_{p ∈ block b} x[r][p] · e4m3(codes[p][j])` for `R`
-    /// rows of `x` (stride `ldx`) over `k` steps in blocks of `kblock`.
+    /// `out[r][j] = Σ_b scales[b][j] · Σ_{p ∈ block b} x[r][p] · value(codes[p][j])` for
+    /// `R` rows of `x` (stride `ldx`) over `k` steps in blocks of `kblock`.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_codes<const R: usize>(
         self,
         x: &[f32],
         ldx: usize,
+        kind: CodeKind,
         codes: &[u8],
         scales: &[f32],
         k: usize,
@@ -44,20 +83,26 @@ impl Kernels {
         // x, of the codes and of the scales in bounds.
         match self.gemv_variant(false) {
             Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => {
-                return unsafe { x86::gemv_avx512::<R>(x, ldx, codes, scales, k, kblock, out) }
+                return unsafe {
+                    by_kind!(kind, W => x86::gemv_avx512::<R, W>(x, ldx, codes, scales, k, kblock, out))
+                };
             }
             Isa::Avx2 => {
-                return unsafe { x86::gemv_avx2::<R>(x, ldx, codes, scales, k, kblock, out) }
+                return unsafe {
+                    by_kind!(kind, W => x86::gemv_avx2::<R, W>(x, ldx, codes, scales, k, kblock, out))
+                };
             }
             Isa::Portable => {}
         }
-        gemv_portable::<R>(x, ldx, codes, scales, k, kblock, out)
+        gemv_portable::<R>(x, ldx, kind, codes, scales, k, kblock, out)
     }
 
     /// Steps `[p0, p0 + kc)` of a code panel as f32 `[kc][NR]` values into `dst`: each code
     /// times its block's scale, as the dequantizing reader computes them.
+    #[allow(clippy::too_many_arguments)]
     pub fn widen_codes(
         self,
+        kind: CodeKind,
         codes: &[u8],
         scales: &[f32],
         kblock: usize,
@@ -76,16 +121,22 @@ impl Kernels {
         // SAFETY: as in `gemv_codes`; the asserts bound every read and write.
         match self.gemm_variant(false) {
             Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => {
-                return unsafe { x86::widen_avx512(codes, scales, kblock, p0, kc, dst) }
+                return unsafe {
+                    by_kind!(kind, W => x86::widen_avx512::<W>(codes, scales, kblock, p0, kc, dst))
+                };
             }
-            Isa::Avx2 => return unsafe { x86::widen_avx2(codes, scales, kblock, p0, kc, dst) },
+            Isa::Avx2 => {
+                return unsafe {
+                    by_kind!(kind, W => x86::widen_avx2::<W>(codes, scales, kblock, p0, kc, dst))
+                };
+            }
             Isa::Portable => {}
         }
         for p in 0..kc {
             let s = &scales[(p0 + p) / kblock * NR..][..NR];
             let c = &codes[(p0 + p) * NR..][..NR];
             for j in 0..NR {
-                dst[p * NR + j] = e4m3_to_f32(c[j]) * s[j];
+                dst[p * NR + j] = kind.value(c[j]) * s[j];
             }
         }
     }
@@ -97,6 +148,7 @@ impl Kernels {
     /// panel that packing the dequantized weight as bf16 gives, for the bf16 products.
     pub fn codes_to_bf16_pairs(
         self,
+        kind: CodeKind,
         codes: &[u8],
         scales: &[f32],
         kblock: usize,
@@ -116,22 +168,26 @@ impl Kernels {
         #[cfg(target_arch = "x86_64")]
         if self.isa() >= Isa::Avx512 {
             // SAFETY: AVX-512F was checked against the host; the asserts bound every access.
-            return unsafe { x86::bf16_pairs_avx512(codes, scales, kblock, k, out) };
+            return unsafe {
+                by_kind!(kind, W => x86::bf16_pairs_avx512::<W>(codes, scales, kblock, k, out))
+            };
         }
         out.fill(0);
         for p in 0..k {
             let s = &scales[p / kblock * NR..][..NR];
             for j in 0..NR {
-                let v = e4m3_to_f32(codes[p * NR + j]) * s[j];
+                let v = kind.value(codes[p * NR + j]) * s[j];
                 out[(p / 2) * 2 * NR + 2 * j + (p & 1)] = super::round_bf16(v);
             }
         }
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn gemv_portable<const R: usize>(
     x: &[f32],
     ldx: usize,
+    kind: CodeKind,
     codes: &[u8],
     scales: &[f32],
     k: usize,
@@ -146,7 +202,7 @@ fn gemv_portable<const R: usize>(
             for (r, a) in acc.iter_mut().enumerate() {
                 let xv = x[r * ldx + p];
                 for (a, &c) in a.iter_mut().zip(c) {
-                    *a += xv * e4m3_to_f32(c);
+                    *a += xv * kind.value(c);
                 }
             }
         }
@@ -185,6 +241,52 @@ mod x86 {
         _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(RESCALE))
     }
 
+    /// How the kernels widen one kind of code.
+    pub trait Widen {
+        /// What [`Widen::gemv16`]'s values are short of the codes' (a power of two).
+        const UNIT: f32;
+        /// 16 codes from `p` as f32 values divided by `UNIT` (the GEMV's cheapest widening).
+        unsafe fn gemv16(p: *const u8) -> __m512;
+        /// 16 and 8 codes from `p` as their f32 values, exactly.
+        unsafe fn exact16(p: *const u8) -> __m512;
+        unsafe fn exact8(p: *const u8) -> __m256;
+    }
+
+    pub struct E4m3;
+    pub struct Int8;
+
+    impl Widen for E4m3 {
+        const UNIT: f32 = 256.0;
+        #[inline(always)]
+        unsafe fn gemv16(p: *const u8) -> __m512 {
+            e4m3x16_over_256(p)
+        }
+        #[inline(always)]
+        unsafe fn exact16(p: *const u8) -> __m512 {
+            e4m3x16(p)
+        }
+        #[inline(always)]
+        unsafe fn exact8(p: *const u8) -> __m256 {
+            e4m3x8(p)
+        }
+    }
+
+    impl Widen for Int8 {
+        const UNIT: f32 = 1.0;
+        #[inline(always)]
+        unsafe fn gemv16(p: *const u8) -> __m512 {
+            Self::exact16(p)
+        }
+        #[inline(always)]
+        unsafe fn exact16(p: *const u8) -> __m512 {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+        }
+        #[inline(always)]
+        unsafe fn exact8(p: *const u8) -> __m256 {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+        }
+    }
+
     #[inline(always)]
     fn prefetch(p: *const u8) {
         // SAFETY: a prefetch reads nothing architecturally, whatever the address.
@@ -211,7 +313,7 @@ mod x86 {
     /// # Safety
     /// AVX-512F; as `Kernels::gemv_codes` asserts.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn gemv_avx512<const R: usize>(
+    pub unsafe fn gemv_avx512<const R: usize, W: Widen>(
         x: &[f32],
         ldx: usize,
         codes: &[u8],
@@ -231,7 +333,7 @@ mod x86 {
             let mut p = b0;
             while p + 4 <= b1 {
                 prefetch(c.add(p * NR));
-                let w = [0, 1, 2, 3].map(|i| e4m3x16_over_256(c.add((p + i) * NR)));
+                let w = [0, 1, 2, 3].map(|i| W::gemv16(c.add((p + i) * NR)));
                 for (r, a) in acc.iter_mut().enumerate() {
                     for i in 0..4 {
                         let xv = _mm512_set1_ps(*xp.add(r * ldx + p + i));
@@ -241,7 +343,7 @@ mod x86 {
                 p += 4;
             }
             while p < b1 {
-                let w = e4m3x16_over_256(c.add(p * NR));
+                let w = W::gemv16(c.add(p * NR));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let xv = _mm512_set1_ps(*xp.add(r * ldx + p));
                     a[0] = _mm512_fmadd_ps(xv, w, a[0]);
@@ -251,7 +353,7 @@ mod x86 {
             let s = _mm512_loadu_ps(scales.as_ptr().add(b * NR));
             for (t, a) in tot.iter_mut().zip(&acc) {
                 let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-                let sum = _mm512_mul_ps(sum, _mm512_set1_ps(256.0));
+                let sum = _mm512_mul_ps(sum, _mm512_set1_ps(W::UNIT));
                 *t = _mm512_fmadd_ps(sum, s, *t);
             }
             b0 = b1;
@@ -268,7 +370,7 @@ mod x86 {
     /// # Safety
     /// AVX2 and FMA; as `Kernels::gemv_codes` asserts.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gemv_avx2<const R: usize>(
+    pub unsafe fn gemv_avx2<const R: usize, W: Widen>(
         x: &[f32],
         ldx: usize,
         codes: &[u8],
@@ -287,8 +389,8 @@ mod x86 {
             let mut acc = [[_mm256_setzero_ps(); 2]; R];
             for p in b0..b1 {
                 prefetch(c.add(p * NR));
-                let lo = e4m3x8(c.add(p * NR));
-                let hi = e4m3x8(c.add(p * NR + 8));
+                let lo = W::exact8(c.add(p * NR));
+                let hi = W::exact8(c.add(p * NR + 8));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let xv = _mm256_set1_ps(*xp.add(r * ldx + p));
                     a[0] = _mm256_fmadd_ps(xv, lo, a[0]);
@@ -320,7 +422,7 @@ mod x86 {
     /// # Safety
     /// AVX-512F; as `Kernels::codes_to_bf16_pairs` asserts.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn bf16_pairs_avx512(
+    pub unsafe fn bf16_pairs_avx512<W: Widen>(
         codes: &[u8],
         scales: &[f32],
         kblock: usize,
@@ -330,7 +432,7 @@ mod x86 {
         let value = |p: usize| {
             if p < k {
                 let s = _mm512_loadu_ps(scales.as_ptr().add(p / kblock * NR));
-                _mm512_mul_ps(e4m3x16(codes.as_ptr().add(p * NR)), s)
+                _mm512_mul_ps(W::exact16(codes.as_ptr().add(p * NR)), s)
             } else {
                 _mm512_setzero_ps()
             }
@@ -350,7 +452,7 @@ mod x86 {
     /// # Safety
     /// AVX-512F; as `Kernels::widen_codes` asserts.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn widen_avx512(
+    pub unsafe fn widen_avx512<W: Widen>(
         codes: &[u8],
         scales: &[f32],
         kblock: usize,
@@ -360,7 +462,7 @@ mod x86 {
     ) {
         for p in 0..kc {
             let s = _mm512_loadu_ps(scales.as_ptr().add((p0 + p) / kblock * NR));
-            let w = e4m3x16(codes.as_ptr().add((p0 + p) * NR));
+            let w = W::exact16(codes.as_ptr().add((p0 + p) * NR));
             _mm512_storeu_ps(dst.as_mut_ptr().add(p * NR), _mm512_mul_ps(w, s));
         }
     }
@@ -368,7 +470,7 @@ mod x86 {
     /// # Safety
     /// AVX2; as `Kernels::widen_codes` asserts.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn widen_avx2(
+    pub unsafe fn widen_avx2<W: Widen>(
         codes: &[u8],
         scales: &[f32],
         kblock: usize,
@@ -379,7 +481,7 @@ mod x86 {
         for p in 0..kc {
             let s = scales.as_ptr().add((p0 + p) / kblock * NR);
             for h in 0..2 {
-                let w = e4m3x8(codes.as_ptr().add((p0 + p) * NR + 8 * h));
+                let w = W::exact8(codes.as_ptr().add((p0 + p) * NR + 8 * h));
                 let v = _mm256_mul_ps(w, _mm256_loadu_ps(s.add(8 * h)));
                 _mm256_storeu_ps(dst.as_mut_ptr().add(p * NR + 8 * h), v);
             }
@@ -391,7 +493,7 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// Every code but the NaNs, a few times over, in a panel of `k` steps.
+    /// Every code but e4m3's NaNs, a few times over, in a panel of `k` steps.
     fn panel(k: usize, seed: usize) -> Vec<u8> {
         (0..k * NR)
             .map(|i| {
@@ -404,6 +506,8 @@ mod tests {
             })
             .collect()
     }
+
+    const KINDS: [CodeKind; 2] = [CodeKind::E4m3, CodeKind::Int8];
 
     fn variants() -> Vec<Kernels> {
         Isa::ALL
@@ -419,18 +523,18 @@ mod tests {
         let scales: Vec<f32> = (0..k.div_ceil(kblock) * NR)
             .map(|i| 0.01 + i as f32 * 0.37)
             .collect();
-        for kernels in variants() {
+        for (kernels, kind) in variants().into_iter().flat_map(|v| KINDS.map(|c| (v, c))) {
             for (p0, kc) in [(0, k), (5, 20), (36, 1)] {
                 let mut got = vec![f32::NAN; kc * NR];
-                kernels.widen_codes(&codes, &scales, kblock, p0, kc, &mut got);
+                kernels.widen_codes(kind, &codes, &scales, kblock, p0, kc, &mut got);
                 for p in 0..kc {
                     for j in 0..NR {
-                        let want = e4m3_to_f32(codes[(p0 + p) * NR + j])
+                        let want = kind.value(codes[(p0 + p) * NR + j])
                             * scales[(p0 + p) / kblock * NR + j];
                         assert_eq!(
                             got[p * NR + j].to_bits(),
                             want.to_bits(),
-                            "{:?} step {} col {j}",
+                            "{:?} {kind:?} step {} col {j}",
                             kernels.isa(),
                             p0 + p
                         );
@@ -449,14 +553,14 @@ mod tests {
         let x: Vec<f32> = (0..R * ldx)
             .map(|i| ((i * 13) % 17) as f32 / 17.0 - 0.5)
             .collect();
-        for kernels in variants() {
+        for (kernels, kind) in variants().into_iter().flat_map(|v| KINDS.map(|c| (v, c))) {
             let mut out = [[f32::NAN; NR]; R];
-            kernels.gemv_codes::<R>(&x, ldx, &codes, &scales, k, kblock, &mut out);
+            kernels.gemv_codes::<R>(&x, ldx, kind, &codes, &scales, k, kblock, &mut out);
             for r in 0..R {
                 for j in 0..NR {
                     let (mut want, mut mag) = (0f64, 0f64);
                     for p in 0..k {
-                        let w = e4m3_to_f32(codes[p * NR + j]) as f64
+                        let w = kind.value(codes[p * NR + j]) as f64
                             * scales[p / kblock * NR + j] as f64;
                         want += x[r * ldx + p] as f64 * w;
                         mag += (x[r * ldx + p] as f64 * w).abs();
@@ -464,7 +568,7 @@ mod tests {
                     let got = out[r][j] as f64;
                     assert!(
                         (got - want).abs() <= 1e-5 * mag.max(1e-30),
-                        "{:?} R={R} k={k} kblock={kblock} row {r} col {j}: {got} vs {want}",
+                        "{:?} {kind:?} R={R} k={k} kblock={kblock} row {r} col {j}: {got} vs {want}",
                         kernels.isa()
                     );
                 }
@@ -498,13 +602,13 @@ mod tests {
             let scales: Vec<f32> = (0..k.div_ceil(kblock) * NR)
                 .map(|i| 1e-3 * (1.0 + ((i * 29) % 31) as f32 / 7.0))
                 .collect();
-            for kernels in variants() {
+            for (kernels, kind) in variants().into_iter().flat_map(|v| KINDS.map(|c| (v, c))) {
                 let mut got = vec![0xdead; u16::panel_len(k)];
-                kernels.codes_to_bf16_pairs(&codes, &scales, kblock, k, &mut got);
+                kernels.codes_to_bf16_pairs(kind, &codes, &scales, kblock, k, &mut got);
                 for p in 0..k.next_multiple_of(super::super::BF16_K_ALIGN) {
                     for j in 0..NR {
                         let want = if p < k {
-                            let v = e4m3_to_f32(codes[p * NR + j]) * scales[p / kblock * NR + j];
+                            let v = kind.value(codes[p * NR + j]) * scales[p / kblock * NR + j];
                             half::bf16::from_f32(v).to_bits()
                         } else {
                             0
@@ -512,7 +616,7 @@ mod tests {
                         assert_eq!(
                             got[u16::slot(p, j)],
                             want,
-                            "{:?} k={k} step {p} col {j}",
+                            "{:?} {kind:?} k={k} step {p} col {j}",
                             kernels.isa()
                         );
                     }
@@ -523,9 +627,9 @@ mod tests {
 
     #[test]
     fn no_steps_give_zeros() {
-        for kernels in variants() {
+        for (kernels, kind) in variants().into_iter().flat_map(|v| KINDS.map(|c| (v, c))) {
             let mut out = [[f32::NAN; NR]; 2];
-            kernels.gemv_codes::<2>(&[], 0, &[], &[], 0, 8, &mut out);
+            kernels.gemv_codes::<2>(&[], 0, kind, &[], &[], 0, 8, &mut out);
             assert_eq!(out, [[0.0; NR]; 2]);
         }
     }

@@ -32,6 +32,7 @@ pub(crate) mod streams;
 
 pub use peak::peak_flops;
 
+pub use codes::CodeKind;
 pub use detect::{host, HostFeatures};
 
 use std::fmt;

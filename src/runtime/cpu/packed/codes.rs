@@ -9,15 +9,17 @@
 //! and is dequantized as it is read instead.
 
 use super::super::aligned::AlignedVec;
-use super::super::isa::NR;
+use super::super::isa::{CodeKind, NR};
 use super::Result;
+use crate::ir::QuantFormat;
 use crate::plan::WeightSlice;
-use crate::runtime::weights::{e4m3_to_f32, BlockScales, Piece, SliceLayout, WeightSource};
+use crate::runtime::weights::{BlockScales, Piece, SliceLayout, WeightSource};
 use rayon::prelude::*;
 use std::sync::Arc;
 
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct CodePanels {
+    pub kind: CodeKind,
     pub codes: AlignedVec<u8>,
     pub scales: AlignedVec<f32>,
     /// Local steps per scale block (the last may be shorter).
@@ -44,22 +46,23 @@ impl CodePanels {
     /// The value of output column `j`, step `p`.
     pub fn get(&self, j: usize, p: usize, k: usize) -> f32 {
         let (q, jj) = (j / NR, j % NR);
-        e4m3_to_f32(self.panel(q, k)[p * NR + jj])
+        self.kind.value(self.panel(q, k)[p * NR + jj])
             * self.panel_scales(q, k)[p / self.kblock * NR + jj]
     }
 }
 
 /// The scales of the `OutIn` weights `slices` (output columns side by side, each with its
-/// `layout`) when the source stores every one as FP8 codes with scale blocks of one depth:
-/// `Some((kblock, scales))`, the scales in panel order as [`CodePanels::scales`]. `None`
-/// when a weight is not stored so, or a local block would take two stored scales.
+/// `layout`) when the source stores every one as codes of one kind with scale blocks of one
+/// depth: `Some((kind, kblock, scales))`, the scales in panel order as
+/// [`CodePanels::scales`]. `None` when a weight is not stored so, or a local block would
+/// take two stored scales.
 pub(super) fn code_scales(
     src: &dyn WeightSource,
     slices: &[&WeightSlice],
     layouts: &[SliceLayout],
     n: usize,
     k: usize,
-) -> Result<Option<(usize, AlignedVec<f32>)>> {
+) -> Result<Option<(CodeKind, usize, AlignedVec<f32>)>> {
     let mut stored: Vec<Arc<BlockScales>> = Vec::with_capacity(slices.len());
     for w in slices {
         match src.quant_scales(&w.tensor)? {
@@ -67,10 +70,18 @@ pub(super) fn code_scales(
             None => return Ok(None),
         }
     }
-    let kblock = stored[0].block[1];
-    if kblock == 0 || stored.iter().any(|s| s.block[1] != kblock) {
+    let (kblock, format) = (stored[0].block[1], stored[0].format);
+    if kblock == 0
+        || stored
+            .iter()
+            .any(|s| s.block[1] != kblock || s.format != format)
+    {
         return Ok(None);
     }
+    let kind = match format {
+        QuantFormat::Fp8E4m3 => CodeKind::E4m3,
+        QuantFormat::Int8 => CodeKind::Int8,
+    };
     let blocks = k.div_ceil(kblock);
     let per_panel = blocks * NR;
     let mut scales = AlignedVec::zeroed(n.div_ceil(NR) * per_panel);
@@ -109,7 +120,7 @@ pub(super) fn code_scales(
             },
         )
         .try_reduce(|| true, |a, b| Ok(a && b))?;
-    Ok(whole.then_some((kblock, scales)))
+    Ok(whole.then_some((kind, kblock, scales)))
 }
 
 /// The one stored scale of local row `r`'s columns `[c0, c0 + len)` (zero for padding

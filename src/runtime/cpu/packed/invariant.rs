@@ -212,7 +212,7 @@ impl Job<'_> {
             Panels::Codes(c) => {
                 let (codes, scales) = (c.panel(q, self.w.k), c.panel_scales(q, self.w.k));
                 self.kernels
-                    .widen_codes(codes, scales, c.kblock, s, len, scratch);
+                    .widen_codes(c.kind, codes, scales, c.kblock, s, len, scratch);
                 &scratch[..len * NR]
             }
         }

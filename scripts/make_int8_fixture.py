@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Make ``llama-gqa-int8``: llama-gqa's weights as an INT8 checkpoint with a scale per output
+channel in the compressed-tensors layout (``scripts/quantize_int8.py``), with a reference run
+of transformers on the weights it stands for.
+
+The reference is transformers' float32 Llama (eager attention) holding the dequantized
+weights (``int8 × scale`` per row, computed here): the prompt's prefill logits and the greedy
+continuation, saved as ``reference.safetensors`` / ``reference.json`` in make_fixtures.py's
+format. (transformers loads compressed-tensors checkpoints only with the
+``compressed-tensors`` package, which this script does not need.) The prompt is llama-gqa's
+unless quantization brings a greedy step near a tie; then it is the first seeded random prompt
+of that length without one (seed recorded; ``make_fp8_fixture.pick_prompt``).
+
+Regenerate (from the repository root, with torch, transformers and safetensors installed):
+
+    python3 scripts/make_int8_fixture.py
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import safetensors
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_fixtures  # noqa: E402  (the reference computations, shared with the other fixtures)
+import make_fp8_fixture  # noqa: E402  (the choice of prompt, shared with the FP8 fixtures)
+import quantize_int8  # noqa: E402  (the conversion, shared with users' checkpoints)
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"
+SOURCE, CASE = "llama-gqa", "llama-gqa-int8"
+
+
+@torch.no_grad()
+def main() -> None:
+    SRC, OUT = FIXTURES / SOURCE, FIXTURES / CASE
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    stored, dequantized = quantize_int8.convert_tensors(load_file(str(SRC / "model.safetensors")))
+    save_file(stored, str(OUT / "model.safetensors"), metadata={"format": "pt"})
+    config = quantize_int8.int8_config(json.loads((SRC / "config.json").read_text()))
+    (OUT / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copy(SRC / "generation_config.json", OUT / "generation_config.json")
+
+    kwargs = make_fixtures.impl_kwargs(transformers.AutoConfig.from_pretrained(str(SRC)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(SRC), dtype=torch.float32, **kwargs
+    ).eval()
+    f32_state = {k: v.clone() for k, v in model.state_dict().items()}
+    missing = set(dequantized) - set(f32_state)
+    assert not missing, f"weights transformers does not hold: {missing}"
+    model.load_state_dict({**f32_state, **dequantized})
+
+    base = load_file(str(SRC / "reference.safetensors"))
+    n_new = int(base["greedy_ids"].numel())
+    prompt_seed, ids, new_ids, step_logits, margin = make_fp8_fixture.pick_prompt(
+        model, base, n_new
+    )
+    logits = make_fixtures.prefill_logits(model, ids)
+    assert torch.equal(new_ids, make_fixtures.greedy_no_cache(model, ids, n_new))
+    model.load_state_dict(f32_state)
+    f32_logits = make_fixtures.prefill_logits(model, ids)
+    f32_greedy, _ = make_fixtures.greedy(model, ids, n_new)
+    save_file(
+        {
+            "prompt_ids": ids,
+            "logits": logits.contiguous(),
+            "greedy_ids": new_ids.contiguous(),
+            "greedy_logits": step_logits.contiguous(),
+        },
+        str(OUT / "reference.safetensors"),
+        metadata={"format": "pt"},
+    )
+    info = {
+        "case": CASE,
+        "description": f"{SOURCE}'s weights as an INT8 checkpoint with a scale per output channel "
+        "(compressed-tensors, int-quantized); reference: transformers' f32 model holding the "
+        "dequantized weights",
+        "command": "python3 scripts/make_int8_fixture.py",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "safetensors_version": safetensors.__version__,
+        "python_version": platform.python_version(),
+        "attn_implementation": "eager",
+        "math_dtype": "float32",
+        "prompt_seed": prompt_seed,
+        "prompt_ids": ids.tolist(),
+        "n_new": n_new,
+        "greedy_ids": new_ids.tolist(),
+        "stats": {
+            "max_abs_logit_diff_vs_the_f32_fixture": float((logits - f32_logits).abs().max()),
+            "rel_logit_change_vs_the_f32_fixture": make_fixtures.rel_change(logits, f32_logits),
+            "greedy_equals_the_f32_fixture": bool(torch.equal(new_ids, f32_greedy)),
+            "min_greedy_margin": margin,
+        },
+    }
+    (OUT / "reference.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(CASE, json.dumps(info["stats"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
