@@ -1,6 +1,7 @@
 //! Linear weights packed once at load time into panels of 16 output columns, kept as bf16
-//! bits or f32 (layouts in `isa/mod.rs`), and the GEMM / GEMV that multiply activations
-//! by them with the kernel variant chosen at run time.
+//! bits or f32 (layouts in `isa/mod.rs`) or, for a quantized checkpoint, as its codes and
+//! scales (`packed/codes.rs`), and the GEMM / GEMV that multiply activations by them with
+//! the kernel variant chosen at run time.
 //!
 //! Why packed: every kernel then reads a weight panel front to back, contiguous, which is what
 //! both the memory-bound decode GEMV and the cache-blocked prefill GEMM want; and a bf16 panel
@@ -64,7 +65,7 @@ const MAX_TILE_ROWS: usize = 2 * MR;
 enum Panels {
     Bf16(AlignedVec<u16>),
     F32(AlignedVec<f32>),
-    /// FP8 codes and their scales (`packed/codes.rs`).
+    /// A quantized weight's codes (FP8 or INT8) and their scales (`packed/codes.rs`).
     Codes(CodePanels),
 }
 
@@ -205,7 +206,7 @@ impl PackedMatrix {
                     format!("a {n}×{k} weight overflows the address space"),
                 )
             })?;
-        // Weights stored as FP8 codes keep them (`OutIn`: a checkpoint's linears).
+        // Weights stored as quantized codes keep them (`OutIn`: a checkpoint's linears).
         let code_scales = match order {
             WeightOrder::OutIn => codes::code_scales(src, slices, &layouts, n, k)?,
             WeightOrder::InOut => None,
@@ -360,8 +361,8 @@ impl PackedMatrix {
             team.size().min(panels)
         };
         let gemv = m <= kernels.gemv_max_rows(self.is_bf16());
-        // FP8 codes in a bf16 run take the bf16 products for prompts, widened a chunk of
-        // panels at a time.
+        // Quantized codes in a bf16 run take the bf16 products for prompts, widened a chunk
+        // of panels at a time.
         let codes = match &self.panels {
             Panels::Codes(c)
                 if c.bf16 && !gemv && kernels.gemm_variant(true).bf16_activations() =>
@@ -694,7 +695,7 @@ fn run_chunks(
 
 /// A product of bf16 activation rows by bf16 panels (the `avx512bf16` and `amx` variants).
 struct Bf16Product<'a> {
-    /// Panels `first..` (all of them, or a chunk's made from FP8 codes).
+    /// Panels `first..` (all of them, or a chunk's made from quantized codes).
     w: &'a [u16],
     first: usize,
     n: usize,
@@ -923,7 +924,7 @@ fn prefetch_l2(p: *const u8) {
 
 /// What a panel holds: bf16 bits or f32, made from stored bytes or from an f32 value
 /// exactly as [`PackedMatrix::pack`] makes it.
-/// FP8 codes are made from stored bytes only (a source without them has no codes).
+/// Quantized codes are made from stored bytes only (a source without them has no codes).
 trait PanelElem: Plain + Send + Sync {
     /// Values in one panel of `k` steps, and the index of step `p`, column `j` in it.
     fn elem_panel_len(k: usize) -> usize;
@@ -962,7 +963,7 @@ impl PanelElem for f32 {
     }
 }
 
-/// An FP8 code (`[k][NR]` panels).
+/// A quantized code, FP8 or INT8 (`[k][NR]` panels).
 impl PanelElem for u8 {
     fn elem_panel_len(k: usize) -> usize {
         k * NR
@@ -1215,7 +1216,7 @@ thread_local! {
     static PACKED_ROWS: std::cell::Cell<AlignedVec<f32>> = const { std::cell::Cell::new(AlignedVec::new()) };
     /// The same for the bf16 activation rows of the bf16 products.
     static BF16_ROWS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
-    /// A chunk's FP8 code panels widened to bf16 for a prompt product, kept the same way.
+    /// A chunk's code panels widened to bf16 for a prompt product, kept the same way.
     static CODE_PANELS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
     /// The AMX product's partial sums (`Bf16Product::gemm_amx`), kept the same way.
     static AMX_SUMS: std::cell::Cell<AlignedVec<f32>> = const { std::cell::Cell::new(AlignedVec::new()) };

@@ -1,6 +1,6 @@
-//! Linear weights kept as the FP8 codes their checkpoint stores (one byte a weight) beside
-//! their scales, so that a decode step reads half the bytes of bf16 (products in
-//! `isa/codes.rs`).
+//! Linear weights kept as the quantized codes their checkpoint stores (one byte a weight:
+//! FP8 e4m3 or INT8) beside their scales, so that a decode step reads half the bytes of bf16
+//! (products in `isa/codes.rs`).
 //!
 //! A code panel is `[k][NR]` bytes; its scales are `[⌈k/kblock⌉][NR]` f32, one per column
 //! per block of `kblock` local steps. That needs every local block to lie within one of the
