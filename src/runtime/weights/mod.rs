@@ -37,7 +37,7 @@ pub struct Checkpoint {
     /// A quantized checkpoint's format, scale blocks and scale names (its `config.json`'s
     /// `quantization_config`).
     quant: Option<crate::ir::Quantization>,
-    /// Each FP8 weight's scales, read once.
+    /// Each quantized weight's scales, read once.
     scales: Mutex<HashMap<String, Arc<BlockScales>>>,
 }
 
@@ -80,6 +80,15 @@ fn quantization_of(dir: &Path) -> Result<Option<crate::ir::Quantization>> {
         return Ok(None);
     };
     Ok(crate::frontend::hf_config::quantization_in(&path, &json)?)
+}
+
+/// Elements per scale along each dim of a 2-D weight of `shape` quantized in `block`s (a
+/// block of 0 is the whole dim: a scale per output channel).
+fn elements_per_scale(block: [u64; 2], shape: [usize; 2]) -> [usize; 2] {
+    [0, 1].map(|d| match block[d] as usize {
+        0 => shape[d].max(1),
+        b => b,
+    })
 }
 
 /// Resolves an index's file name inside the checkpoint folder. Names that would leave it
@@ -331,11 +340,7 @@ impl Checkpoint {
                 problem: format!("is stored as {dtype:?} with shape {shape:?}; tpc reads quantized 2-D weights only"),
             });
         };
-        // A block of 0 is the whole dim (a scale per output channel).
-        let block = [0, 1].map(|d| match q.block[d] as usize {
-            0 => [rows, cols][d].max(1),
-            b => b,
-        });
+        let block = elements_per_scale(q.block, [rows, cols]);
         let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
         if info.shape != want {
             return Err(WeightError::Tensor {
@@ -414,14 +419,8 @@ impl Checkpoint {
                 let span = self.tensor(&tensor)?;
                 // A plan compiled for other blocks split this weight for them.
                 if let (Some(q), Some(s)) = (&w.quant, &span.scales) {
-                    // A block of 0 inputs is the whole row.
-                    let planned = [
-                        q.block[0] as usize,
-                        match q.block[1] {
-                            0 => s.cols,
-                            b => b as usize,
-                        },
-                    ];
+                    let rows = info.shape.first().copied().unwrap_or(0);
+                    let planned = elements_per_scale(q.block, [rows, s.cols]);
                     if planned != s.block || q.format != span.dtype.quant_format() {
                         return Err(span.err(format!(
                             "is stored as {} in blocks of {} × {}, the plan was compiled for blocks of {} × {} ({}); compile the plan from this checkpoint's config.json",
