@@ -40,28 +40,27 @@ SOURCE, CASE = "llama-gqa", "llama-gqa-int8"
 
 
 @torch.no_grad()
-def main() -> None:
-    SRC, OUT = FIXTURES / SOURCE, FIXTURES / CASE
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    stored, dequantized = quantize_int8.convert_tensors(load_file(str(SRC / "model.safetensors")))
-    save_file(stored, str(OUT / "model.safetensors"), metadata={"format": "pt"})
-    config = quantize_int8.int8_config(json.loads((SRC / "config.json").read_text()))
-    (OUT / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.copy(SRC / "generation_config.json", OUT / "generation_config.json")
+def save_quantized_fixture(
+    src: Path, out: Path, stored, dequantized, config: dict, case: str, description: str, command: str
+) -> None:
+    """Writes the quantized checkpoint (``stored`` tensors, ``config``) to ``out`` and its
+    reference: transformers' f32 model from ``src`` holding the ``dequantized`` weights, on the
+    prompt ``make_fp8_fixture.pick_prompt`` chooses (shared with make_int4_fixtures.py)."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copy(src / "generation_config.json", out / "generation_config.json")
 
-    kwargs = make_fixtures.impl_kwargs(transformers.AutoConfig.from_pretrained(str(SRC)))
+    kwargs = make_fixtures.impl_kwargs(transformers.AutoConfig.from_pretrained(str(src)))
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(SRC), dtype=torch.float32, **kwargs
+        str(src), dtype=torch.float32, **kwargs
     ).eval()
     f32_state = {k: v.clone() for k, v in model.state_dict().items()}
     missing = set(dequantized) - set(f32_state)
     assert not missing, f"weights transformers does not hold: {missing}"
     model.load_state_dict({**f32_state, **dequantized})
 
-    base = load_file(str(SRC / "reference.safetensors"))
+    base = load_file(str(src / "reference.safetensors"))
     n_new = int(base["greedy_ids"].numel())
     prompt_seed, ids, new_ids, step_logits, margin = make_fp8_fixture.pick_prompt(
         model, base, n_new
@@ -78,15 +77,13 @@ def main() -> None:
             "greedy_ids": new_ids.contiguous(),
             "greedy_logits": step_logits.contiguous(),
         },
-        str(OUT / "reference.safetensors"),
+        str(out / "reference.safetensors"),
         metadata={"format": "pt"},
     )
     info = {
-        "case": CASE,
-        "description": f"{SOURCE}'s weights as an INT8 checkpoint with a scale per output channel "
-        "(compressed-tensors, int-quantized); reference: transformers' f32 model holding the "
-        "dequantized weights",
-        "command": "python3 scripts/make_int8_fixture.py",
+        "case": case,
+        "description": description,
+        "command": command,
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "safetensors_version": safetensors.__version__,
@@ -104,8 +101,29 @@ def main() -> None:
             "min_greedy_margin": margin,
         },
     }
-    (OUT / "reference.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(CASE, json.dumps(info["stats"], indent=2))
+    (out / "reference.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(case, json.dumps(info["stats"], indent=2))
+
+
+def main() -> None:
+    SRC, OUT = FIXTURES / SOURCE, FIXTURES / CASE
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    stored, dequantized = quantize_int8.convert_tensors(load_file(str(SRC / "model.safetensors")))
+    config = quantize_int8.int8_config(json.loads((SRC / "config.json").read_text()))
+    save_quantized_fixture(
+        SRC,
+        OUT,
+        stored,
+        dequantized,
+        config,
+        CASE,
+        f"{SOURCE}'s weights as an INT8 checkpoint with a scale per output channel "
+        "(compressed-tensors, int-quantized); reference: transformers' f32 model holding the "
+        "dequantized weights",
+        "python3 scripts/make_int8_fixture.py",
+    )
 
 
 if __name__ == "__main__":

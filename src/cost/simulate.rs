@@ -302,7 +302,9 @@ fn quantized_weights(plan: &Plan, num: Numerics) -> Option<String> {
         .iter()
         .flat_map(|r| &r.weights)
         .find_map(|w| w.quant)?;
-    Some(if num.column_scales {
+    Some(if num.column_scales && q.format.is_int4() {
+        format!("{} linears dequantized as they load", q.format.name())
+    } else if num.column_scales {
         format!(
             "{} linears as codes with a scale per column",
             q.format.name()
@@ -314,13 +316,17 @@ fn quantized_weights(plan: &Plan, num: Numerics) -> Option<String> {
 
 /// Bytes a rank holds of weight `s` in units of the plan's dtype, which the caller then
 /// scales to `num.weights`: as stored, or under `num.column_scales` a quantized weight's
-/// codes and column scales (given in the units that scale back to their own size).
+/// codes and column scales (given in the units that scale back to their own size), or its
+/// values where the runtime dequantizes it as it loads (INT4).
 fn held_bytes(s: &crate::plan::WeightSlice, plan: &Plan, num: Numerics) -> f64 {
     match s.quant {
-        Some(q) if num.column_scales => {
-            let held = q.column_scaled_bytes(&s.local_shape) as f64;
-            held * plan.dtype.size_bytes() as f64 / num.weights.size_bytes().max(1) as f64
-        }
+        Some(q) if num.column_scales => match q.column_scaled_bytes(&s.local_shape) {
+            Some(held) => {
+                held as f64 * plan.dtype.size_bytes() as f64
+                    / num.weights.size_bytes().max(1) as f64
+            }
+            None => s.local_elements() as f64 * plan.dtype.size_bytes() as f64,
+        },
         _ => s.local_bytes() as f64,
     }
 }
@@ -1258,6 +1264,57 @@ mod tests {
             .filter(|w| crate::plan::experts::is_stacked(&w.tensor))
             .map(|w| w.local_bytes() as f64)
             .sum()
+    }
+
+    #[test]
+    fn int4_weights_are_read_as_stored_on_a_device_and_dequantized_by_the_cpu_runtime() {
+        let mut def = super::super::shipped::model("qwen3-32b");
+        let crate::frontend::ModelDef::Preset(f) = &mut def else {
+            panic!("a preset")
+        };
+        f.quantization = Some(crate::ir::Quantization {
+            format: crate::ir::QuantFormat::Int4Gptq,
+            block: [1, 128],
+            scales: Default::default(),
+            modules_to_not_convert: Vec::new(),
+            act_order: false,
+        });
+        let int4 = crate::pipeline::compile(&def, 4).unwrap().plan;
+        let bf16 = super::super::shipped::plan("qwen3-32b", 4);
+        let hw = flat_hw();
+        let chat = Workload {
+            batch: 1,
+            prompt: 16,
+            gen: 64,
+        };
+        let linears: u64 = int4.ranks[0]
+            .weights
+            .iter()
+            .filter(|w| w.quant.is_some())
+            .map(|w| w.local_elements())
+            .sum();
+        // On a device: half a byte a weight plus the groups' scales, zeros and g_idx.
+        let device = |p: &Plan| simulate_as(p, &hw, chat, Numerics::of_plan(p));
+        let saved = device(&bf16).weight_bytes_per_rank - device(&int4).weight_bytes_per_rank;
+        assert!(
+            saved > linears * 3 / 2 - linears / 40 && saved < linears * 3 / 2,
+            "{saved} of {linears}"
+        );
+        assert_eq!(
+            device(&int4).quantized_weights.as_deref(),
+            Some("int4 gptq linears as stored")
+        );
+        // tpc's CPU runtime dequantizes them as they load: as much as bf16.
+        let num = Numerics::cpu_runtime(true);
+        let cpu = |p: &Plan| simulate_as(p, &hw, chat, num);
+        assert_eq!(
+            cpu(&int4).weight_bytes_per_rank,
+            cpu(&bf16).weight_bytes_per_rank
+        );
+        assert_eq!(
+            cpu(&int4).quantized_weights.as_deref(),
+            Some("int4 gptq linears dequantized as they load")
+        );
     }
 
     #[test]

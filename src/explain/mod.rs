@@ -220,13 +220,7 @@ pub fn explain(
                 bytes_per_rank: bytes.get(tensor).copied().unwrap_or(0),
                 pieces: uneven_pieces(&base.plan, tensor),
                 stored: match &graph.node(first).op {
-                    Op::Param(p) => p.quant.map(|q| {
-                        format!(
-                            "{}, one f32 scale per {} (stored dims); a split keeps every block on one rank",
-                            q.format.name(),
-                            crate::ir::quant::describe_block(q.block)
-                        )
-                    }),
+                    Op::Param(p) => p.quant.map(|q| q.describe()),
                     _ => None,
                 },
                 rule: decision.reason.word().to_string(),

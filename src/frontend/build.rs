@@ -84,6 +84,14 @@ fn mark_quantized(graph: &mut Graph, q: &Quantization) -> std::result::Result<()
                 Some(Groups::Plain { padded: true })
             );
             if p.shape.len() >= 2 && !vocabulary && q.covers(&p.tensor) {
+                // GPTQ's and AWQ's packings are defined on `[out, in]` (nn.Linear) weights.
+                if q.format.is_int4() && order != WeightOrder::OutIn {
+                    return Err(format!(
+                        "`{}` is stored [in, out] (a Conv1D); {} checkpoints are read for [out, in] linear weights only",
+                        p.tensor,
+                        q.format.name()
+                    ));
+                }
                 p.quant = Some(q.for_weight(order.out_dim()));
             }
         }

@@ -8,6 +8,8 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+mod int4;
+
 struct Reader<'a> {
     path: &'a Path,
     json: &'a Value,
@@ -247,10 +249,10 @@ fn moe(r: &Reader, family: Family) -> Result<Option<MoeConfig>> {
 }
 
 /// The quantization methods tpc reads, as `quant_method` names them.
-pub const QUANT_METHODS: &[&str] = &["fp8", "compressed-tensors"];
+pub const QUANT_METHODS: &[&str] = &["fp8", "compressed-tensors", "gptq", "awq"];
 
 /// What tpc reads of each method, for messages.
-const QUANT_READ: &str = "fp8 (FP8 e4m3 with block scales, dynamic activations) and compressed-tensors (INT8 or FP8 e4m3 weights with a scale per output channel, stored unpacked)";
+const QUANT_READ: &str = "fp8 (FP8 e4m3 with block scales, dynamic activations), compressed-tensors (INT8 or FP8 e4m3 weights with a scale per output channel, stored unpacked), gptq (4-bit, `gptq` checkpoint format, desc_act true or false) and awq (4-bit, GEMM packing, zero points)";
 
 /// A quantized checkpoint's `quantization_config`: FP8 e4m3 with block scales
 /// (`quant_method: "fp8"`) and compressed-tensors' per-channel INT8 / FP8 weights are read;
@@ -260,8 +262,11 @@ fn quantization(r: &Reader) -> Result<Option<Quantization>> {
     let Some(q) = r.json.get("quantization_config").filter(|q| !q.is_null()) else {
         return Ok(None);
     };
-    if q.get("quant_method").and_then(Value::as_str) == Some("compressed-tensors") {
-        return compressed_tensors(r, q).map(Some);
+    match q.get("quant_method").and_then(Value::as_str) {
+        Some("compressed-tensors") => return compressed_tensors(r, q).map(Some),
+        Some("gptq") => return int4::gptq(r, q).map(Some),
+        Some("awq") => return int4::awq(r, q).map(Some),
+        _ => {}
     }
     let bad = |what: String| {
         r.err(format!(
@@ -318,32 +323,43 @@ fn quantization(r: &Reader) -> Result<Option<Quantization>> {
             }
         }
     };
-    let mut modules_to_not_convert = Vec::new();
-    if let Some(list) = text("modules_to_not_convert") {
-        let names = list
-            .as_array()
-            .map(|a| a.iter().map(Value::as_str).collect::<Option<Vec<_>>>());
-        let Some(Some(names)) = names else {
-            return Err(bad(format!(
-                "`modules_to_not_convert` {list} is not a list of module names"
-            )));
-        };
-        for name in names {
-            // HF matches these as regular expressions; tpc matches names (prefix or suffix).
-            if name.contains(|c: char| "*+?[](){}|^$\\".contains(c)) {
-                return Err(bad(format!(
-                    "`modules_to_not_convert` entry `{name}` is a pattern; tpc matches module names only (a prefix such as `model.layers.0` or a suffix such as `mlp.gate`)"
-                )));
-            }
-            modules_to_not_convert.push(name.to_string());
-        }
-    }
+    let modules_to_not_convert = modules_to_not_convert(q, &bad)?;
     Ok(Some(Quantization {
         format: QuantFormat::Fp8E4m3,
         block,
         scales: ScaleNames::ScaleInv,
         modules_to_not_convert,
+        act_order: false,
     }))
+}
+
+/// The module names a `quantization_config` leaves unquantized (`modules_to_not_convert`):
+/// names only, which tpc matches as prefixes or suffixes.
+fn modules_to_not_convert(q: &Value, bad: &dyn Fn(String) -> TpcError) -> Result<Vec<String>> {
+    let Some(list) = q.get("modules_to_not_convert").filter(|v| !v.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let names = list
+        .as_array()
+        .map(|a| a.iter().map(Value::as_str).collect::<Option<Vec<_>>>());
+    let Some(Some(names)) = names else {
+        return Err(bad(format!(
+            "`modules_to_not_convert` {list} is not a list of module names"
+        )));
+    };
+    names
+        .into_iter()
+        .map(|name| {
+            // HF matches these as regular expressions or substrings; tpc matches names
+            // (prefix or suffix).
+            if name.contains(|c: char| "*+?[](){}|^$\\".contains(c)) {
+                return Err(bad(format!(
+                    "`modules_to_not_convert` entry `{name}` is a pattern; tpc matches module names only (a prefix such as `model.layers.0` or a suffix such as `mlp.gate`)"
+                )));
+            }
+            Ok(name.to_string())
+        })
+        .collect()
 }
 
 /// A compressed-tensors `quantization_config` (llm-compressor's checkpoints): one scheme for
@@ -460,6 +476,7 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
         block: [1, 0],
         scales: ScaleNames::Scale,
         modules_to_not_convert,
+        act_order: false,
     })
 }
 

@@ -5,8 +5,9 @@
 //! Read so far: FP8 e4m3 with block scales (`quant_method: "fp8"`, HF `weight_block_size`,
 //! the `*_scale_inv` tensors of the Qwen3 and DeepSeek FP8 releases), and from
 //! compressed-tensors checkpoints INT8 and FP8 weights with a scale per output channel
-//! (`*_scale [out, 1]`). A block of 0 along a dim is the whole dim: one scale across it,
-//! which no split can cut.
+//! (`*_scale [out, 1]`), and INT4 weights with a scale and a zero point per group of inputs
+//! in GPTQ's and AWQ's packings (`qweight`, `qzeros`, `scales`, GPTQ's `g_idx`). A block of 0
+//! along a dim is the whole dim: one scale across it, which no split can cut.
 
 use super::groups::SliceRange;
 use serde::{Deserialize, Serialize};
@@ -18,6 +19,14 @@ pub enum QuantFormat {
     Fp8E4m3,
     /// One byte per element, a signed integer (symmetric: no zero point), times its scale.
     Int8,
+    /// Four bits per element, eight to an int32 along the inputs (`qweight [in/8, out]`),
+    /// minus a zero point and times an f16 scale per output per group of inputs; the zeros
+    /// packed eight outputs to an int32 and stored one less (GPTQ's `gptq` checkpoint
+    /// format); `g_idx` names each input's group.
+    Int4Gptq,
+    /// Four bits per element, eight outputs to an int32 in AWQ's interleaved order
+    /// (`qweight [in, out/8]`, the GEMM packing), zeros packed the same way, f16 scales.
+    Int4Awq,
 }
 
 impl QuantFormat {
@@ -25,6 +34,24 @@ impl QuantFormat {
         match self {
             QuantFormat::Fp8E4m3 => "fp8 e4m3",
             QuantFormat::Int8 => "int8",
+            QuantFormat::Int4Gptq => "int4 gptq",
+            QuantFormat::Int4Awq => "int4 awq",
+        }
+    }
+
+    /// Whether elements are packed four bits each into int32 words with zero points.
+    pub fn is_int4(self) -> bool {
+        matches!(self, QuantFormat::Int4Gptq | QuantFormat::Int4Awq)
+    }
+
+    /// Elements per stored word along a weight's outputs and inputs: a split that cut a
+    /// word would leave part of it on another rank. INT4 zeros pack eight outputs a word in
+    /// both packings; GPTQ's weights pack eight inputs, AWQ's eight outputs.
+    pub fn packed(self) -> [u64; 2] {
+        match self {
+            QuantFormat::Fp8E4m3 | QuantFormat::Int8 => [1, 1],
+            QuantFormat::Int4Gptq => [8, 8],
+            QuantFormat::Int4Awq => [8, 1],
         }
     }
 }
@@ -60,6 +87,7 @@ pub fn blocks_along(len: u64, block: u64) -> u64 {
 pub fn describe_block(block: [u64; 2]) -> String {
     match block {
         [1, 0] => "output channel".to_string(),
+        [1, g] => format!("group of {g} inputs of an output"),
         [a, b] => format!("{a} × {b} block"),
     }
 }
@@ -79,6 +107,11 @@ pub struct Quantization {
     /// output head and embeddings are never quantized.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub modules_to_not_convert: Vec<String>,
+    /// GPTQ's `desc_act`: inputs were quantized in order of activation size, so a group's
+    /// inputs lie anywhere along the dim (`g_idx` says where) and a split of the inputs
+    /// need not fall on group boundaries: each rank reads the scales its inputs name.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub act_order: bool,
 }
 
 impl Quantization {
@@ -96,6 +129,7 @@ impl Quantization {
         Quantized {
             format: self.format,
             block: if out_dim == 0 { [out, inp] } else { [inp, out] },
+            act_order: self.act_order,
         }
     }
 }
@@ -107,9 +141,36 @@ impl Quantization {
 pub struct Quantized {
     pub format: QuantFormat,
     pub block: [u64; 2],
+    /// GPTQ's `desc_act` (see [`Quantization::act_order`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub act_order: bool,
 }
 
 impl Quantized {
+    /// How the weight is stored and what that asks of a split, in words.
+    pub fn describe(&self) -> String {
+        let block = describe_block(self.block);
+        if !self.format.is_int4() {
+            return format!(
+                "{}, one f32 scale per {block}; a split keeps every block on one rank",
+                self.format.name()
+            );
+        }
+        format!(
+            "{}, 4 bits an element packed eight to an int32, an f16 scale and a 4-bit zero per {block}; a split keeps every {}packed word on one rank",
+            self.format.name(),
+            if self.act_order {
+                "" // The groups are scattered along the inputs (g_idx).
+            } else {
+                "group and "
+            }
+        ) + if self.act_order {
+            " (act order: groups lie anywhere along the inputs, g_idx names them, so each rank reads the scales its inputs name)"
+        } else {
+            ""
+        }
+    }
+
     /// The shape of the scales of a weight stored `shape` (one per block, the last block
     /// of a dim partial), `None` for a weight that is not 2-D.
     pub fn scale_shape(&self, shape: &[u64]) -> Option<[u64; 2]> {
@@ -123,29 +184,66 @@ impl Quantized {
     }
 
     /// Bytes a rank holds for a piece of `local_shape`, whole blocks of scales included:
-    /// one byte per element and an f32 per block that the piece touches.
+    /// for FP8 and INT8 one byte per element and an f32 per block that the piece touches;
+    /// for INT4 half a byte per element, an f16 scale and a 4-bit zero per group of each
+    /// output, and (GPTQ) an int32 `g_idx` entry per input.
     pub fn stored_bytes(&self, local_shape: &[u64]) -> u64 {
-        let elements = super::saturating::product(local_shape.iter().copied());
-        let scales = match local_shape {
-            [lead @ .., a, b] => super::saturating::product(lead.iter().copied()).saturating_mul(
-                blocks_along(*a, self.block[0]).saturating_mul(blocks_along(*b, self.block[1])),
-            ),
+        use super::saturating::product;
+        let elements = product(local_shape.iter().copied());
+        let [lead, a, b] = match local_shape {
+            [lead @ .., a, b] => [product(lead.iter().copied()), *a, *b],
+            _ => return elements,
+        };
+        let scales = lead.saturating_mul(
+            blocks_along(a, self.block[0]).saturating_mul(blocks_along(b, self.block[1])),
+        );
+        if !self.format.is_int4() {
+            return elements.saturating_add(scales.saturating_mul(4));
+        }
+        // INT4 weights are stored `[out, in]`.
+        let g_idx = match self.format {
+            QuantFormat::Int4Gptq => lead.saturating_mul(b).saturating_mul(4),
             _ => 0,
         };
-        elements.saturating_add(scales.saturating_mul(4))
+        elements
+            .div_ceil(2)
+            .saturating_add(scales.saturating_mul(5).div_ceil(2))
+            .saturating_add(g_idx)
     }
 
-    /// Bytes tpc's CPU runtime holds for a piece of `local_shape` stored `[out, in]`: a byte
-    /// per element (the codes) and an f32 per output row per block of inputs (its products'
-    /// scales, one per column of a packed panel).
-    pub fn column_scaled_bytes(&self, local_shape: &[u64]) -> u64 {
+    /// Bytes tpc's CPU runtime holds for a piece of `local_shape` stored `[out, in]` when it
+    /// keeps the codes (FP8, INT8): a byte per element and an f32 per output row per block
+    /// of inputs (its products' scales, one per column of a packed panel). `None` for INT4,
+    /// which it dequantizes as it loads.
+    pub fn column_scaled_bytes(&self, local_shape: &[u64]) -> Option<u64> {
+        if self.format.is_int4() {
+            return None;
+        }
         let elements = super::saturating::product(local_shape.iter().copied());
         let scales = match local_shape {
             [lead @ .., a, b] => super::saturating::product(lead.iter().copied())
                 .saturating_mul(a.saturating_mul(blocks_along(*b, self.block[1]))),
             _ => 0,
         };
-        elements.saturating_add(scales.saturating_mul(4))
+        Some(elements.saturating_add(scales.saturating_mul(4)))
+    }
+
+    /// Elements along stored dim `along` (0 or 1 of the 2-D weight) that a split must keep
+    /// on one rank, and what they are: a block sharing a scale, or a packed word (INT4
+    /// weights are stored `[out, in]`). GPTQ's act-order groups are scattered along the
+    /// inputs, so there only the words bind.
+    fn atom(&self, along: usize) -> Option<(u64, &'static str)> {
+        let block = *self.block.get(along)?;
+        let word = self.format.packed()[along];
+        let grouped = block > 1 && !(self.act_order && along == 1);
+        match (grouped, word > 1) {
+            (true, true) if block.is_multiple_of(word) => Some((block, "scale groups")),
+            (true, true) => Some((block.saturating_mul(word), "scale groups and packed words")),
+            (true, false) if self.format.is_int4() => Some((block, "scale groups")),
+            (true, false) => Some((block, "scale blocks")),
+            (false, true) => Some((word, "packed words")),
+            (false, false) => None,
+        }
     }
 
     /// Why a piece of dim `dim` of an `ndim`-dim weight (`total` elements along it) made of
@@ -160,16 +258,13 @@ impl Quantized {
         ranges: &[SliceRange],
     ) -> Option<String> {
         let along = (dim as usize).checked_sub(ndim.checked_sub(2)?)?;
-        let block = *self.block.get(along)?;
-        if block <= 1 {
-            return None;
-        }
+        let (block, what) = self.atom(along)?;
         ranges.iter().find_map(|r| {
             let end = r.offset.saturating_add(r.len);
             let inside = |at: u64| !at.is_multiple_of(block) && at != total;
             (inside(r.offset) || inside(end)).then(|| {
                 format!(
-                    "elements {}..{end} of {total} would cut the checkpoint's {} scale blocks of {block}",
+                    "elements {}..{end} of {total} would cut the checkpoint's {} {what} of {block}",
                     r.offset,
                     self.format.name()
                 )
@@ -186,6 +281,7 @@ mod tests {
         Quantized {
             format: QuantFormat::Fp8E4m3,
             block,
+            act_order: false,
         }
     }
 
@@ -239,14 +335,67 @@ mod tests {
         let q = Quantized {
             format: QuantFormat::Int8,
             block: [1, 0],
+            act_order: false,
         };
         assert_eq!(q.scale_shape(&[256, 300]), Some([256, 1]));
         assert_eq!(q.stored_bytes(&[256, 300]), 256 * 300 + 256 * 4);
-        assert_eq!(q.column_scaled_bytes(&[256, 300]), 256 * 300 + 256 * 4);
+        assert_eq!(
+            q.column_scaled_bytes(&[256, 300]),
+            Some(256 * 300 + 256 * 4)
+        );
         assert!(q.cut_by(1, 2, 300, &[range(7, 100)]).is_none());
         assert!(q.cut_by(0, 2, 256, &[range(3, 100)]).is_none());
         assert_eq!(describe_block(q.block), "output channel");
         assert_eq!(describe_block([128, 64]), "128 × 64 block");
+        assert_eq!(describe_block([1, 32]), "group of 32 inputs of an output");
+    }
+
+    #[test]
+    fn int4_splits_keep_groups_and_words_whole() {
+        let gptq = Quantized {
+            format: QuantFormat::Int4Gptq,
+            block: [1, 32],
+            act_order: false,
+        };
+        // Outputs: the zeros pack eight to a word.
+        assert!(gptq.cut_by(0, 2, 64, &[range(16, 16)]).is_none());
+        let why = gptq.cut_by(0, 2, 64, &[range(12, 12)]).unwrap();
+        assert!(why.contains("int4 gptq packed words of 8"), "{why}");
+        // Inputs: groups of 32.
+        assert!(gptq.cut_by(1, 2, 128, &[range(32, 32)]).is_none());
+        let why = gptq.cut_by(1, 2, 128, &[range(16, 16)]).unwrap();
+        assert!(why.contains("int4 gptq scale groups of 32"), "{why}");
+        // Act order: groups lie anywhere, the weight's words of eight inputs still bind.
+        let act = Quantized {
+            act_order: true,
+            ..gptq
+        };
+        assert!(act.cut_by(1, 2, 128, &[range(16, 16)]).is_none());
+        assert!(act.cut_by(1, 2, 128, &[range(4, 4)]).is_some());
+        // AWQ packs its weights along the outputs: any whole group of inputs, words of
+        // eight outputs.
+        let awq = Quantized {
+            format: QuantFormat::Int4Awq,
+            ..gptq
+        };
+        let why = awq.cut_by(1, 2, 128, &[range(16, 16)]).unwrap();
+        assert!(why.contains("int4 awq scale groups of 32"), "{why}");
+        assert!(awq.cut_by(0, 2, 64, &[range(4, 4)]).is_some());
+        // One group across the inputs (group size -1): only the words bind.
+        let channel = Quantized {
+            block: [1, 0],
+            ..gptq
+        };
+        assert!(channel.cut_by(1, 2, 128, &[range(8, 8)]).is_none());
+        assert!(channel.cut_by(1, 2, 128, &[range(4, 4)]).is_some());
+        // Half a byte an element, an f16 scale and a 4-bit zero per group per output, and a
+        // g_idx entry per input: 64 × 128 in groups of 32.
+        assert_eq!(
+            gptq.stored_bytes(&[64, 128]),
+            64 * 128 / 2 + 64 * 4 * 5 / 2 + 128 * 4
+        );
+        assert_eq!(awq.stored_bytes(&[64, 128]), 64 * 128 / 2 + 64 * 4 * 5 / 2);
+        assert_eq!(gptq.column_scaled_bytes(&[64, 128]), None);
     }
 
     #[test]
@@ -256,6 +405,7 @@ mod tests {
             block: [128, 128],
             scales: ScaleNames::ScaleInv,
             modules_to_not_convert: vec!["lm_head".into(), "model.layers.0.mlp".into()],
+            act_order: false,
         };
         assert!(!q.covers("lm_head.weight"));
         // A suffix names a module in every layer (HF's `endswith`).

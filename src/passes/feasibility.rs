@@ -119,9 +119,8 @@ pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     });
     if let Some(q) = quantized {
         ctx.notes.push(format!(
-            "quantized checkpoint ({}, one scale per {}): every split falls on block boundaries and each rank reads the scales of its blocks",
-            q.format.name(),
-            crate::ir::quant::describe_block(q.block)
+            "quantized checkpoint ({}): each rank reads the scales of its pieces",
+            q.describe()
         ));
     }
     if let Some(shares) = ctx.shares {

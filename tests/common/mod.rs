@@ -19,6 +19,10 @@ pub const BF16_REL_TOL: f64 = 3e-2;
 pub const MOE_FIXTURES: [&str; 4] = ["mixtral-moe", "olmoe", "qwen2-moe", "qwen3-moe"];
 /// Quantized mixture-of-experts fixtures (`scripts/make_fp8_fixture.py`), checked on their own.
 pub const QUANTIZED_MOE_FIXTURES: [&str; 1] = ["qwen3-moe-fp8"];
+/// INT4 fixtures (`scripts/make_int4_fixtures.py`): their groups of 32 inputs allow tp 1 and
+/// 2 only (in act order 1, 2, 4 and 8), fewer than the suites over [`fixtures`] take, so
+/// `runtime::quant_int4` runs them at every tp they allow.
+pub const INT4_FIXTURES: [&str; 3] = ["llama-gqa-awq", "llama-gqa-gptq", "llama-gqa-gptq-act"];
 
 /// The tiny dense HF reference checkpoints (`scripts/make_fixtures.py`), in a fixed order.
 pub fn fixtures() -> Vec<PathBuf> {
@@ -31,6 +35,7 @@ pub fn fixtures() -> Vec<PathBuf> {
                 MOE_FIXTURES
                     .iter()
                     .chain(&QUANTIZED_MOE_FIXTURES)
+                    .chain(&INT4_FIXTURES)
                     .any(|m| n == *m)
             })
         })

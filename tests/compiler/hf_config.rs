@@ -798,15 +798,11 @@ fn a_quantized_checkpoint_is_refused_naming_its_method() {
     let scratch = Scratch::new("quantized");
     for (sub, config, named) in [
         (
-            "gptq",
-            json!({"quant_method": "gptq", "bits": 4, "group_size": 128}),
-            "`gptq`",
+            "bnb",
+            json!({"quant_method": "bitsandbytes", "load_in_4bit": true}),
+            "`bitsandbytes`",
         ),
-        (
-            "awq",
-            json!({"quant_method": "awq", "version": "gemm"}),
-            "`awq`",
-        ),
+        ("hqq", json!({"quant_method": "hqq"}), "`hqq`"),
         ("none", json!({"bits": 8}), "no `quant_method`"),
     ] {
         let dir = edited(&scratch, sub, |o| {
@@ -827,6 +823,113 @@ fn a_quantized_checkpoint_is_refused_naming_its_method() {
         o.insert("quantization_config".into(), Value::Null);
     });
     load_model(&dir).unwrap();
+}
+
+#[test]
+fn gptq_and_awq_checkpoints_are_read_with_their_groups_and_split_on_them() {
+    let scratch = Scratch::new("int4");
+    for (sub, config, format, block, act_order) in [
+        (
+            "gptq",
+            json!({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false,
+                   "sym": true, "checkpoint_format": "gptq", "lm_head": false,
+                   "modules_in_block_to_quantize": null}),
+            QuantFormat::Int4Gptq,
+            [1, 128],
+            false,
+        ),
+        (
+            "gptq-act",
+            json!({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": true}),
+            QuantFormat::Int4Gptq,
+            [1, 64],
+            true,
+        ),
+        (
+            "gptq-channel",
+            json!({"quant_method": "gptq", "bits": 4, "group_size": -1}),
+            QuantFormat::Int4Gptq,
+            [1, 0],
+            false,
+        ),
+        (
+            "awq",
+            json!({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true,
+                   "version": "GEMM", "modules_to_not_convert": ["visual"]}),
+            QuantFormat::Int4Awq,
+            [1, 128],
+            false,
+        ),
+    ] {
+        let dir = edited(&scratch, sub, |o| {
+            o.insert("quantization_config".into(), config);
+        });
+        let def = load(&dir);
+        let q = family_of(&def).quantization.clone().expect("read");
+        assert_eq!(
+            (q.format, q.block, q.act_order),
+            (format, block, act_order),
+            "{sub}"
+        );
+        // Llama 3 8B: every split at tp 8 keeps groups of 128 whole (o_proj 4096 / 8 = 512
+        // inputs, down_proj 14336 / 8 = 1792), and the report counts half a byte a weight.
+        let plan = compile(&def, 8).unwrap().plan;
+        let quantized: Vec<_> = plan.ranks[0]
+            .weights
+            .iter()
+            .filter(|w| w.quant.is_some())
+            .collect();
+        assert_eq!(quantized.len(), 32 * 7, "{sub}");
+        let elements: u64 = quantized.iter().map(|w| w.local_elements()).sum();
+        let bytes: u64 = quantized.iter().map(|w| w.local_bytes()).sum();
+        assert!(
+            bytes > elements / 2 && bytes < elements / 2 + elements / 20,
+            "{sub}: {bytes} bytes for {elements} elements"
+        );
+    }
+    for (sub, config, named) in [
+        (
+            "bits",
+            json!({"quant_method": "gptq", "bits": 3, "group_size": 128}),
+            "3-bit weights are not read",
+        ),
+        (
+            "v2",
+            json!({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}),
+            "`checkpoint_format` \"gptq_v2\" is not read",
+        ),
+        (
+            "head",
+            json!({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": true}),
+            "its output head is quantized",
+        ),
+        (
+            "dynamic",
+            json!({"quant_method": "gptq", "bits": 4, "group_size": 128,
+                   "dynamic": {"-:.*mlp.*": {}}}),
+            "`dynamic`",
+        ),
+        (
+            "group",
+            json!({"quant_method": "awq", "bits": 4, "group_size": 100}),
+            "`group_size` 100 is not -1 or a positive multiple of 8",
+        ),
+        (
+            "marlin",
+            json!({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "marlin"}),
+            "`version` marlin is not read",
+        ),
+        (
+            "no-zero",
+            json!({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": false}),
+            "`zero_point: false` is not read",
+        ),
+    ] {
+        let dir = edited(&scratch, sub, |o| {
+            o.insert("quantization_config".into(), config);
+        });
+        rejected(&dir, &["`quantization_config`", named, "gptq (4-bit"]);
+    }
 }
 
 #[test]

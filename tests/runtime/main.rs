@@ -19,6 +19,7 @@ mod parity;
 mod pipeline;
 mod plan_provenance;
 mod quant_fp8;
+mod quant_int4;
 mod quant_int8;
 // The fuzzers' seeded generator, for the structural plan fuzzer; not every helper is used.
 #[allow(dead_code)]

@@ -15,9 +15,11 @@ use tpc::runtime::weights::Checkpoint;
 
 const FIXTURE: &str = "tests/fixtures/checkpoints/llama-gqa-int8";
 
-/// A copy of the fixture with its `config.json` edited by `edit` and its tensors passed
-/// through `tensors` (name, dtype, shape, bytes) before they are written.
-fn edited_copy(
+/// A copy of the fixture `src` with its `config.json` edited by `edit` and its tensors
+/// passed through `tensors` (name, dtype, shape, bytes) before they are written (shared with
+/// `quant_int4.rs`).
+pub(crate) fn edited_copy(
+    src: &Path,
     name: &str,
     edit: impl FnOnce(&mut serde_json::Value),
     tensors: impl Fn(
@@ -27,10 +29,9 @@ fn edited_copy(
         Vec<u8>,
     ) -> Option<(safetensors::Dtype, Vec<usize>, Vec<u8>)>,
 ) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-int8-{}-{name}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tpc-quant-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let src = Path::new(FIXTURE);
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     edit(&mut config);
@@ -105,6 +106,7 @@ fn scales_that_do_not_fit_or_an_unsaid_format_are_refused_before_compute() {
         .plan;
     // A scale per row stored flat ([out] instead of [out, 1]).
     let flat = edited_copy(
+        Path::new(FIXTURE),
         "flat",
         |_| {},
         |n, d, s, b| {
@@ -123,6 +125,7 @@ fn scales_that_do_not_fit_or_an_unsaid_format_are_refused_before_compute() {
     );
     // INT8 weights beside a config without their quantization.
     let unsaid = edited_copy(
+        Path::new(FIXTURE),
         "unsaid",
         |c| {
             c.as_object_mut().unwrap().remove("quantization_config");
@@ -137,6 +140,7 @@ fn scales_that_do_not_fit_or_an_unsaid_format_are_refused_before_compute() {
     );
     // Missing scales.
     let missing = edited_copy(
+        Path::new(FIXTURE),
         "missing",
         |_| {},
         |n, d, s, b| (n != "model.layers.1.mlp.up_proj.weight_scale").then_some((d, s, b)),

@@ -7,6 +7,7 @@ mod error;
 mod file;
 mod fp8;
 mod identity;
+mod int4;
 mod stored;
 
 pub use error::WeightError;
@@ -39,6 +40,10 @@ pub struct Checkpoint {
     quant: Option<crate::ir::Quantization>,
     /// Each quantized weight's scales, read once.
     scales: Mutex<HashMap<String, Arc<BlockScales>>>,
+    /// Each INT4 weight's layout, scales, zeros and groups, read once.
+    int4: Mutex<HashMap<String, Arc<int4::Int4Weight>>>,
+    /// INT4 weights' bands read last.
+    bands: int4::BandCache,
 }
 
 fn file_err(path: &Path, problem: impl Into<String>) -> WeightError {
@@ -170,6 +175,8 @@ impl Checkpoint {
             index,
             quant: quantization_of(dir)?,
             scales: Mutex::default(),
+            int4: Mutex::default(),
+            bands: int4::BandCache::default(),
         })
     }
 
@@ -216,13 +223,71 @@ impl Checkpoint {
         .find(|name| self.resolve(name).is_some())
     }
 
+    /// The INT4 weight `tensor` (`<module>.weight`) of a GPTQ or AWQ checkpoint, stored as
+    /// `<module>.qweight` and its companions; `None` for a tensor stored as itself (an
+    /// unquantized one, or any in a checkpoint of another format). Its small tensors are
+    /// read and checked once.
+    fn int4(&self, tensor: &str) -> Result<Option<Arc<int4::Int4Weight>>> {
+        let Some(q) = self.quant.as_ref().filter(|q| q.format.is_int4()) else {
+            return Ok(None);
+        };
+        let Some(stem) = tensor.strip_suffix(".weight") else {
+            return Ok(None);
+        };
+        if self.resolve(tensor).is_some() {
+            return Ok(None);
+        }
+        let qweight = format!("{stem}.qweight");
+        let Some((_, file_index)) = self.resolve(&qweight) else {
+            return Ok(None);
+        };
+        if let Some(w) = self.int4.lock().ok().and_then(|m| m.get(tensor).cloned()) {
+            return Ok(Some(w));
+        }
+        let part = |suffix: &str| {
+            let name = format!("{stem}.{suffix}");
+            let (file, info) = self.info(&name).ok()?;
+            Some(int4::Part { file, info, name })
+        };
+        let w = Arc::new(int4::Int4Weight::open(
+            tensor,
+            q.format,
+            q.block[1],
+            q.act_order,
+            [
+                part("qweight"),
+                part("qzeros"),
+                part("scales"),
+                part("g_idx"),
+            ],
+            file_index,
+            |name| {
+                let span = self.tensor(name)?;
+                let mut values = Vec::new();
+                span.bytes_of(0, span.len)?;
+                append(&mut values, span.len, |dst| {
+                    span.read_into(0, dst, decode_f32)
+                })?;
+                Ok(values)
+            },
+        )?);
+        if let Ok(mut m) = self.int4.lock() {
+            m.insert(tensor.to_string(), w.clone());
+        }
+        Ok(Some(w))
+    }
+
     fn info(&self, tensor: &str) -> Result<(&ShardFile, &TensorInfo)> {
         let (name, f) = self.resolve(tensor).ok_or_else(|| WeightError::Tensor {
             path: self.dir.clone(),
             tensor: tensor.to_string(),
             problem: match self.quantized_sibling(tensor) {
                 Some(q) => format!(
-                    "missing from the checkpoint, which holds `{q}` instead: it is quantized in a layout tpc does not read (tpc reads f32, bf16 and f16 weights, and FP8 e4m3 with block scales, `quant_method: \"fp8\"`); use the model's unquantized release or dequantize this one first"
+                    "missing from the checkpoint, which holds `{q}` instead: it is quantized, in a layout {}; use the config.json that came with these weights, or the model's unquantized release",
+                    match &self.quant {
+                        None => "its config.json does not state (no `quantization_config`)".to_string(),
+                        Some(c) => format!("other than the {} its config.json states", c.format.name()),
+                    }
                 ),
                 None => "missing from the checkpoint; the model definition does not match these weights"
                     .into(),
@@ -404,6 +469,11 @@ impl Checkpoint {
             let tensors = crate::plan::experts::expert_tensors(&w.tensor, &w.shape)
                 .unwrap_or_else(|| vec![(w.tensor.to_string(), w.shape.clone())]);
             for (tensor, shape) in tensors {
+                self.check_packed_shape(&tensor, &shape)?;
+                if let Some(int4) = self.int4(&tensor)? {
+                    self.check_int4(&int4, &tensor, &shape, w.quant)?;
+                    continue;
+                }
                 let (file, info) = self.info(&tensor)?;
                 let expected: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
                 if info.shape != expected {
@@ -436,6 +506,77 @@ impl Checkpoint {
             }
         }
         Ok(())
+    }
+}
+
+impl Checkpoint {
+    /// The `qweight` of an INT4 weight `tensor` against the shape the plan gives the weight,
+    /// before its other tensors are read (a packed tensor of the wrong length is named as
+    /// such, not by the companion it then disagrees with).
+    fn check_packed_shape(&self, tensor: &str, shape: &[u64]) -> Result<()> {
+        let (Some(q), Some(stem)) = (
+            self.quant.as_ref().filter(|q| q.format.is_int4()),
+            tensor.strip_suffix(".weight"),
+        ) else {
+            return Ok(());
+        };
+        let qweight = format!("{stem}.qweight");
+        if self.resolve(tensor).is_some() || self.resolve(&qweight).is_none() {
+            return Ok(());
+        }
+        let (file, info) = self.info(&qweight)?;
+        let dims: Option<[usize; 2]> = match shape {
+            [out, inp] => usize::try_from(*out)
+                .ok()
+                .zip(usize::try_from(*inp).ok())
+                .map(|(o, i)| [o, i]),
+            _ => None,
+        };
+        let want = dims.and_then(|d| int4::packed_shape(q.format, d));
+        if want.is_none_or(|w| info.shape[..] != w[..]) {
+            return Err(WeightError::Tensor {
+                path: file.path.clone(),
+                tensor: qweight,
+                problem: format!(
+                    "has shape {:?}; the model's {shape:?} weight packed as {} has {}; the checkpoint and the model do not match",
+                    info.shape,
+                    q.format.name(),
+                    want.map_or("no such packing (a dim is not a multiple of 8)".to_string(), |w| format!("{w:?}"))
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// An INT4 weight against the plan: its `[out, in]` and the format the plan was
+    /// compiled for.
+    fn check_int4(
+        &self,
+        w: &int4::Int4Weight,
+        tensor: &str,
+        shape: &[u64],
+        planned: Option<crate::ir::Quantized>,
+    ) -> Result<()> {
+        let err = |problem: String| WeightError::Tensor {
+            path: self.dir.clone(),
+            tensor: tensor.to_string(),
+            problem,
+        };
+        let stored = w.shape().map(|d| d as u64);
+        if shape != stored {
+            return Err(err(format!(
+                "is a {} weight of shape {stored:?} (from its qweight), the model expects {shape:?}",
+                w.format().name()
+            )));
+        }
+        match planned {
+            Some(q) if q.format == w.format() => Ok(()),
+            other => Err(err(format!(
+                "is stored as {}, the plan was compiled for {}; compile the plan from this checkpoint's config.json",
+                w.format().name(),
+                other.map_or("an unquantized weight".to_string(), |q| q.format.name().to_string())
+            ))),
+        }
     }
 }
 
@@ -599,6 +740,13 @@ impl WeightSource for Checkpoint {
     }
 
     fn read(&self, tensor: &str, from: usize, count: usize, out: &mut Vec<f32>) -> Result<()> {
+        if let Some(w) = self.int4(tensor)? {
+            // Checked first: `count` sizes the allocation.
+            w.check_range(from, count)?;
+            return append(out, count, |dst| {
+                w.read(&self.files[w.file()], &self.bands, from, dst)
+            });
+        }
         let t = self.tensor(tensor)?;
         // Checked first: `count` sizes the allocation.
         t.bytes_of(from, count)?;
@@ -618,6 +766,9 @@ impl WeightSource for Checkpoint {
         count: usize,
         out: &mut Vec<half::bf16>,
     ) -> Result<()> {
+        if self.int4(tensor)?.is_some() {
+            return bf16_through_f32(self, tensor, from, count, out);
+        }
         let t = self.tensor(tensor)?;
         t.bytes_of(from, count)?;
         if t.scales.is_some() {
@@ -635,6 +786,10 @@ impl WeightSource for Checkpoint {
         rows: std::ops::Range<usize>,
         into: &mut StoredRows,
     ) -> Result<bool> {
+        // Dequantized a band at a time through `read`.
+        if self.int4(&w.tensor)?.is_some() {
+            return Ok(false);
+        }
         let layout = SliceLayout::new(w)?;
         let t = self.tensor(&w.tensor)?;
         // The layout's ranges were checked against `w.shape`; that is the stored shape.
@@ -655,6 +810,9 @@ impl WeightSource for Checkpoint {
     }
 
     fn quant_scales(&self, tensor: &str) -> Result<Option<Arc<BlockScales>>> {
+        if self.int4(tensor)?.is_some() {
+            return Ok(None);
+        }
         Ok(self.tensor(tensor)?.scales)
     }
 }

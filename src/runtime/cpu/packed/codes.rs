@@ -81,6 +81,8 @@ pub(super) fn code_scales(
     let kind = match format {
         QuantFormat::Fp8E4m3 => CodeKind::E4m3,
         QuantFormat::Int8 => CodeKind::Int8,
+        // Dequantized as they load (no BlockScales are read for them).
+        QuantFormat::Int4Gptq | QuantFormat::Int4Awq => return Ok(None),
     };
     let blocks = k.div_ceil(kblock);
     let per_panel = blocks * NR;

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Make the INT4 fixtures: llama-gqa's weights packed as GPTQ (groups of 32, ``desc_act``
+false), GPTQ in act order (``desc_act`` true: ``g_idx`` scatters each group along the
+inputs) and AWQ (GEMM packing, groups of 32) by ``scripts/quantize_int4.py``, each with a
+reference run of transformers on the weights it stands for.
+
+The reference is transformers' float32 Llama (eager attention) holding the dequantized
+weights, unpacked from the stored tensors by quantize_int4.dequantize: the prompt's prefill
+logits and the greedy continuation, saved as ``reference.safetensors`` / ``reference.json`` in
+make_fixtures.py's format (``make_int8_fixture.save_quantized_fixture``). (transformers loads GPTQ and AWQ checkpoints only through the
+gptqmodel / autoawq packages, which this script does not need.) The prompt is llama-gqa's
+unless quantization brings a greedy step near a tie; then it is the first seeded random prompt
+of that length without one (seed recorded; ``make_fp8_fixture.pick_prompt``).
+
+Regenerate (from the repository root, with torch, transformers and safetensors installed):
+
+    python3 scripts/make_int4_fixtures.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_int8_fixture  # noqa: E402  (the checkpoint and reference writer, shared)
+import quantize_int4  # noqa: E402  (the conversion, shared with users' checkpoints)
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"
+SOURCE = "llama-gqa"
+# (case, method, group, desc_act, what it is)
+CASES = [
+    ("llama-gqa-gptq", "gptq", 32, False, "GPTQ, groups of 32 inputs, desc_act false"),
+    ("llama-gqa-gptq-act", "gptq", 32, True, "GPTQ, groups of 32 inputs, desc_act true"),
+    ("llama-gqa-awq", "awq", 32, False, "AWQ (GEMM packing), groups of 32 inputs"),
+]
+
+
+def make(case: str, method: str, group: int, desc_act: bool, what: str) -> None:
+    SRC, OUT = FIXTURES / SOURCE, FIXTURES / case
+    torch.manual_seed(0)
+    stored, dequantized = quantize_int4.convert_tensors(
+        load_file(str(SRC / "model.safetensors")), method, group, desc_act
+    )
+    config = quantize_int4.int4_config(
+        json.loads((SRC / "config.json").read_text()), method, group, desc_act
+    )
+    make_int8_fixture.save_quantized_fixture(
+        SRC,
+        OUT,
+        stored,
+        dequantized,
+        config,
+        case,
+        f"{SOURCE}'s weights as an INT4 checkpoint ({what}); reference: "
+        "transformers' f32 model holding the dequantized weights",
+        "python3 scripts/make_int4_fixtures.py",
+    )
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    for case in CASES:
+        make(*case)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Store a Hugging Face checkpoint's decoder linear weights as INT4 with a scale and a zero
+point per output per group of inputs, packed as GPTQ (``quant_method: "gptq"``, the ``gptq``
+checkpoint format, ``desc_act`` false or true) or AWQ (``quant_method: "awq"``, the GEMM
+packing) publish them, which tpc reads.
+
+The codes come from round-to-nearest over each group (no calibration: the layout, not the
+quantization algorithm, is what a reader must get right). GPTQ is symmetric (zero 8, scale
+``amax / 7.5`` in f16, as GPTQ's ``sym: true``); AWQ is asymmetric (scale ``(max - min) /
+15`` in f16, zero ``round(-min / scale)`` in 0..15). With ``--desc-act`` the inputs are put
+in order of decreasing mean |weight| (standing in for GPTQ's activation order) and the groups
+are taken in that order, so that ``g_idx`` scatters each group along the inputs; ``qweight``
+keeps the inputs in their own order, as GPTQ stores it.
+
+Layouts (all int32 little-endian, four bits a field, field ``k`` at bits ``4k``):
+
+- GPTQ: ``qweight [in/8, out]``, word ``(p, o)`` field ``k`` = code of input ``8p + k``;
+  ``qzeros [groups, out/8]``, field ``k`` of word ``(g, j)`` = zero of output ``8j + k``,
+  minus one; ``scales [groups, out]`` f16; ``g_idx [in]`` int32.
+- AWQ: ``qweight [in, out/8]``, field ``k`` of word ``(i, j)`` = code of output
+  ``8j + ORDER[k]``, ORDER = 0 2 4 6 1 3 5 7; ``qzeros [groups, out/8]`` likewise, as is;
+  ``scales [groups, out]`` f16.
+
+    python3 scripts/quantize_int4.py SRC_DIR DST_DIR --method gptq|awq [--group 128] [--desc-act]
+
+Shards are converted one at a time (and the index rewritten), so memory holds one shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+# The same weights (every decoder projection) and the same shard-by-shard conversion.
+from quantize_fp8 import convert_checkpoint, is_quantized
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def groups_of(w: torch.Tensor, group: int, desc_act: bool) -> torch.Tensor:
+    """Each input's group (``g_idx``): consecutive runs of ``group`` inputs, or with
+    ``desc_act`` runs of the inputs in order of decreasing mean |weight|."""
+    n_in = w.shape[1]
+    if not desc_act:
+        return torch.arange(n_in, dtype=torch.int32) // group
+    order = torch.argsort(w.abs().mean(dim=0), descending=True, stable=True)
+    g_idx = torch.empty(n_in, dtype=torch.int32)
+    g_idx[order] = torch.arange(n_in, dtype=torch.int32) // group
+    return g_idx
+
+
+def quantize(w: torch.Tensor, g_idx: torch.Tensor, sym: bool):
+    """Codes ``[out, in]`` (0..15), zeros and f16 scales ``[groups, out]``."""
+    n_out = w.shape[0]
+    n_groups = int(g_idx.max()) + 1
+    scales = torch.empty(n_groups, n_out, dtype=torch.float16)
+    zeros = torch.empty(n_groups, n_out, dtype=torch.int32)
+    codes = torch.empty(w.shape, dtype=torch.int32)
+    for g in range(n_groups):
+        cols = (g_idx == g).nonzero().flatten()
+        part = w[:, cols]
+        if sym:
+            amax = part.abs().amax(dim=1)
+            scale = (amax / 7.5).clamp(min=1e-8).to(torch.float16)
+            zero = torch.full((n_out,), 8, dtype=torch.int32)
+        else:
+            lo = part.amin(dim=1).clamp(max=0)
+            hi = part.amax(dim=1).clamp(min=0)
+            scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16)
+            zero = torch.round(-lo / scale.float()).clamp(0, 15).to(torch.int32)
+        q = torch.round(part / scale.float()[:, None]) + zero[:, None]
+        codes[:, cols] = q.clamp(0, 15).to(torch.int32)
+        scales[g], zeros[g] = scale, zero
+    return codes, zeros, scales
+
+
+def pack(fields: torch.Tensor) -> torch.Tensor:
+    """``[..., 8]`` fields of four bits → int32 words, field ``k`` at bits ``4k``."""
+    word = torch.zeros(fields.shape[:-1], dtype=torch.int64)
+    for k in range(8):
+        word |= (fields[..., k].to(torch.int64) & 0xF) << (4 * k)
+    # The same 32 bits as a signed int32 (two's complement).
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack(words: torch.Tensor) -> torch.Tensor:
+    """int32 words → ``[..., 8]`` fields."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return torch.stack([(w >> (4 * k)) & 0xF for k in range(8)], dim=-1).to(torch.int32)
+
+
+def pack_gptq(codes, zeros, scales, g_idx):
+    n_out, n_in = codes.shape
+    qweight = pack(codes.T.reshape(n_in // 8, 8, n_out).permute(0, 2, 1))
+    qzeros = pack((zeros - 1).reshape(zeros.shape[0], n_out // 8, 8))
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+
+
+def pack_awq(codes, zeros, scales):
+    n_out, n_in = codes.shape
+    order = torch.tensor(AWQ_ORDER)
+    qweight = pack(codes.T.reshape(n_in, n_out // 8, 8)[..., order])
+    qzeros = pack(zeros.reshape(zeros.shape[0], n_out // 8, 8)[..., order])
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+
+
+def dequantize(stored: dict[str, torch.Tensor], method: str, group: int) -> torch.Tensor:
+    """The weight ``[out, in]`` a module's packed tensors stand for, unpacked from them (not
+    from the codes that made them): ``(code - zero) * scale`` of each input's group."""
+    if method == "gptq":
+        fields = unpack(stored["qweight"])  # [in/8, out, 8]
+        codes = fields.permute(0, 2, 1).reshape(-1, fields.shape[1]).T  # [out, in]
+        zeros = unpack(stored["qzeros"]).flatten(1) + 1  # [groups, out]
+        g_idx = stored["g_idx"].long()
+    else:
+        inverse = torch.argsort(torch.tensor(AWQ_ORDER))
+        fields = unpack(stored["qweight"])[..., inverse]  # [in, out/8, 8]
+        codes = fields.flatten(1).T
+        zeros = unpack(stored["qzeros"])[..., inverse].flatten(1)
+        g_idx = torch.arange(codes.shape[1]) // group
+    scales = stored["scales"].float()
+    return (codes.float() - zeros[g_idx].T.float()) * scales[g_idx].T
+
+
+def convert_tensors(tensors, method: str, group: int, desc_act: bool):
+    """The stored tensors, and the dequantized value of every quantized weight."""
+    stored, dequantized = {}, {}
+    for name, w in tensors.items():
+        if not is_quantized(name, w.shape):
+            stored[name] = w
+            continue
+        w = w.float()
+        g = group if group > 0 else w.shape[1]
+        g_idx = groups_of(w, g, desc_act)
+        codes, zeros, scales = quantize(w, g_idx, sym=method == "gptq")
+        if method == "gptq":
+            packed = pack_gptq(codes, zeros, scales, g_idx)
+        else:
+            packed = pack_awq(codes, zeros, scales)
+        stem = name.removesuffix(".weight")
+        stored.update({f"{stem}.{k}": v.contiguous() for k, v in packed.items()})
+        dequantized[name] = dequantize(packed, method, g)
+    return stored, dequantized
+
+
+def int4_config(config: dict, method: str, group: int, desc_act: bool) -> dict:
+    config = dict(config)
+    if method == "gptq":
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": desc_act,
+            "sym": True,
+            "true_sequential": True,
+            "checkpoint_format": "gptq",
+            "static_groups": False,
+            "lm_head": False,
+        }
+    else:
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+        }
+    return config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", type=Path)
+    ap.add_argument("dst", type=Path)
+    ap.add_argument("--method", choices=["gptq", "awq"], required=True)
+    ap.add_argument("--group", type=int, default=128, help="inputs a group; -1 for one group")
+    ap.add_argument("--desc-act", action="store_true", help="GPTQ's act order")
+    a = ap.parse_args()
+    if a.desc_act and a.method != "gptq":
+        ap.error("--desc-act is GPTQ's")
+    convert_checkpoint(
+        a.src,
+        a.dst,
+        lambda tensors: convert_tensors(tensors, a.method, a.group, a.desc_act),
+        lambda config: int4_config(config, a.method, a.group, a.desc_act),
+    )
+
+
+if __name__ == "__main__":
+    main()
