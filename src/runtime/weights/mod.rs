@@ -261,15 +261,7 @@ impl Checkpoint {
                 part("g_idx"),
             ],
             file_index,
-            |name| {
-                let span = self.tensor(name)?;
-                let mut values = Vec::new();
-                span.bytes_of(0, span.len)?;
-                append(&mut values, span.len, |dst| {
-                    span.read_into(0, dst, decode_f32)
-                })?;
-                Ok(values)
-            },
+            |name| self.tensor(name)?.values(),
         )?);
         if let Ok(mut m) = self.int4.lock() {
             m.insert(tensor.to_string(), w.clone());
@@ -434,11 +426,7 @@ impl Checkpoint {
             });
         }
         let span = self.tensor(&name)?;
-        let mut values = Vec::new();
-        span.bytes_of(0, span.len)?;
-        append(&mut values, span.len, |dst| {
-            span.read_into(0, dst, decode_f32)
-        })?;
+        let values = span.values()?;
         if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
             return Err(span.err(format!(
                 "scale {bad} is {}; a corrupt checkpoint (every scale of a quantized weight is a finite number)",
@@ -604,6 +592,16 @@ impl TensorSpan<'_> {
             tensor: self.name.to_string(),
             problem,
         }
+    }
+
+    /// Every element as f32 (a small tensor read whole: scales).
+    fn values(&self) -> Result<Vec<f32>> {
+        let mut values = Vec::new();
+        self.bytes_of(0, self.len)?;
+        append(&mut values, self.len, |dst| {
+            self.read_into(0, dst, decode_f32)
+        })?;
+        Ok(values)
     }
 
     /// The file offset and byte length of elements `[from, from + count)`, or an error
