@@ -15,8 +15,10 @@
 //! Scales, zeros and groups are small (one per group, not per element) and are read and
 //! checked whole when the weight is first asked for, before any compute. The codes are
 //! read a band of output rows at a time (each band's words are `pread` row by row of the
-//! packed tensor) and dequantized into f32; the last few bands stay cached, so that a
-//! rank reading its columns of every row in turn reads each band once.
+//! packed tensor) and unpacked a byte a code; the last few bands stay cached, so that a
+//! rank reading its columns of every row in turn reads each band once. A reader gets the
+//! values (dequantized in f32 as it copies) or the codes themselves (the CPU packer keeps
+//! them, `runtime/cpu/packed/int4.rs`).
 
 use super::file::ShardFile;
 use super::{Result, WeightError};
@@ -44,7 +46,7 @@ const fn invert(order: [usize; 8]) -> [usize; 8] {
     field
 }
 
-/// Dequantized values a band holds at most (16 MiB of f32), so that a cached band is small;
+/// Codes a band holds at most (4 MiB), so that a cached band is small;
 /// a few in unit tests, so that their small weights span several bands.
 const BAND_ELEMENTS: usize = if cfg!(test) { 256 } else { 1 << 22 };
 
@@ -70,7 +72,7 @@ pub(super) struct Part<'a> {
 }
 
 /// An INT4 weight's layout and its small tensors, read and checked.
-pub(super) struct Int4Weight {
+pub struct Int4Weight {
     /// The weight's name as the plan gives it (`<module>.weight`).
     tensor: String,
     format: QuantFormat,
@@ -115,7 +117,7 @@ impl Int4Weight {
     /// `qzeros`, `scales` and (GPTQ) `g_idx` are `parts` (`None` where missing), quantized
     /// in `format` with `group` inputs a group (0: one group across them). `read_floats`
     /// reads a float tensor (the scales) whole as f32.
-    pub fn open(
+    pub(super) fn open(
         tensor: &str,
         format: QuantFormat,
         group: u64,
@@ -320,9 +322,9 @@ impl Int4Weight {
         }
     }
 
-    /// Output rows `[o0, o1)` (`o0` a multiple of 8, `o1` of 8 or `out`), dequantized into
-    /// `[o1 − o0][in]` f32.
-    fn decode_band(&self, file: &ShardFile, o0: usize, o1: usize) -> Result<Vec<f32>> {
+    /// The codes of output rows `[o0, o1)` (`o0` a multiple of 8, `o1` of 8 or `out`),
+    /// `[o1 − o0][in]`, one a byte.
+    fn band_codes(&self, file: &ShardFile, o0: usize, o1: usize) -> Result<Vec<u8>> {
         let rows = o1 - o0;
         let (packed_rows, words_per_row, first_word, row_words) = match self.format {
             QuantFormat::Int4Gptq => (self.inp / 8, rows, o0, self.out),
@@ -337,29 +339,27 @@ impl Int4Weight {
                 file.read_exact_at(self.offset + at, dst)
             })?;
         let words: Vec<u32> = words(&buf).collect();
-        let mut values = vec![0f32; rows * self.inp];
-        values
+        let mut codes = vec![0u8; rows * self.inp];
+        codes
             .par_chunks_mut(self.inp.max(1))
             .enumerate()
             .for_each(|(r, row)| {
                 let o = o0 + r;
-                for (i, v) in row.iter_mut().enumerate() {
-                    let code = match self.format {
+                for (i, c) in row.iter_mut().enumerate() {
+                    *c = match self.format {
                         QuantFormat::Int4Gptq => nibble(words[(i / 8) * words_per_row + r], i % 8),
                         _ => nibble(
                             words[i * words_per_row + (o / 8 - first_word)],
                             field_of(self.format, o),
                         ),
                     };
-                    let at = self.group_of[i] as usize * self.out + o;
-                    *v = (f32::from(code) - f32::from(self.zeros[at])) * self.scales[at];
                 }
             });
-        Ok(values)
+        Ok(codes)
     }
 
     /// Whether elements `[from, from + count)` are all in the weight.
-    pub fn check_range(&self, from: usize, count: usize) -> Result<()> {
+    pub(super) fn check_range(&self, from: usize, count: usize) -> Result<()> {
         let total = self.out * self.inp;
         if from.checked_add(count).is_none_or(|end| end > total) {
             return Err(self.err(format!(
@@ -370,41 +370,95 @@ impl Int4Weight {
         Ok(())
     }
 
+    /// Calls `f(element, codes)` for the runs of elements `[from, from + count)` of the flat
+    /// `[out, in]` weight's codes, a band at a time through `cache`.
+    fn bands(
+        &self,
+        file: &ShardFile,
+        cache: &BandCache,
+        from: usize,
+        count: usize,
+        mut f: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        self.check_range(from, count)?;
+        let band_len = self.band_rows * self.inp;
+        let mut done = 0;
+        while done < count {
+            let at = from + done;
+            let band = at / band_len;
+            let codes = cache.get(&self.tensor, band, || {
+                let o0 = band * self.band_rows;
+                self.band_codes(file, o0, (o0 + self.band_rows).min(self.out))
+            })?;
+            let start = at - band * band_len;
+            let n = (codes.len() - start).min(count - done);
+            f(at, &codes[start..start + n]);
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Elements `[from, from + out.len())` of the flat `[out, in]` weight, dequantized,
     /// through `cache`.
-    pub fn read(
+    pub(super) fn read(
         &self,
         file: &ShardFile,
         cache: &BandCache,
         from: usize,
         out: &mut [f32],
     ) -> Result<()> {
-        self.check_range(from, out.len())?;
-        let band_len = self.band_rows * self.inp;
+        let count = out.len();
+        let mut dst = out.iter_mut();
+        self.bands(file, cache, from, count, |at, codes| {
+            for ((e, &code), v) in (at..).zip(codes).zip(&mut dst) {
+                let (o, i) = (e / self.inp, e % self.inp);
+                *v = self.value(code, self.group_of[i] as usize, o);
+            }
+        })
+    }
+
+    /// Codes `[from, from + out.len())` of the flat `[out, in]` weight, one a byte, through
+    /// `cache`.
+    pub(super) fn read_codes(
+        &self,
+        file: &ShardFile,
+        cache: &BandCache,
+        from: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
         let mut done = 0;
-        while done < out.len() {
-            let at = from + done;
-            let band = at / band_len;
-            let values = cache.get(&self.tensor, band, || {
-                let o0 = band * self.band_rows;
-                self.decode_band(file, o0, (o0 + self.band_rows).min(self.out))
-            })?;
-            let start = at - band * band_len;
-            let n = (values.len() - start).min(out.len() - done);
-            out[done..done + n].copy_from_slice(&values[start..start + n]);
-            done += n;
-        }
-        Ok(())
+        self.bands(file, cache, from, out.len(), |_, codes| {
+            out[done..done + codes.len()].copy_from_slice(codes);
+            done += codes.len();
+        })
+    }
+
+    /// The value of `code` at output `o` in group `g`: `(code − zero) × scale`.
+    #[inline]
+    pub fn value(&self, code: u8, g: usize, o: usize) -> f32 {
+        let at = g * self.out + o;
+        (f32::from(code) - f32::from(self.zeros[at])) * self.scales[at]
+    }
+
+    /// The scale and the zero point of output `o` in group `g`.
+    pub fn scale_zero(&self, g: usize, o: usize) -> (f32, u8) {
+        let at = g * self.out + o;
+        (self.scales[at], self.zeros[at])
+    }
+
+    /// Each input's group.
+    pub fn group_of(&self) -> &[u32] {
+        &self.group_of
     }
 
     /// The file index of `qweight`.
-    pub fn file(&self) -> usize {
+    pub(super) fn file(&self) -> usize {
         self.file
     }
 }
 
-/// A band's dequantized values, with the weight and the band they are.
-type Band = (String, usize, Arc<Vec<f32>>);
+/// A band's codes, with the weight and the band they are.
+type Band = (String, usize, Arc<Vec<u8>>);
 
 /// The bands of INT4 weights read last, newest last.
 #[derive(Default)]
@@ -419,8 +473,8 @@ impl BandCache {
         &self,
         tensor: &str,
         band: usize,
-        decode: impl FnOnce() -> Result<Vec<f32>>,
-    ) -> Result<Arc<Vec<f32>>> {
+        decode: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<Arc<Vec<u8>>> {
         if let Ok(bands) = self.bands.lock() {
             if let Some((_, _, v)) = bands.iter().find(|(t, b, _)| t == tensor && *b == band) {
                 return Ok(v.clone());

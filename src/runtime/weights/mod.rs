@@ -12,6 +12,7 @@ mod stored;
 
 pub use error::WeightError;
 pub use fp8::{e4m3_to_f32, BlockScales};
+pub use int4::Int4Weight;
 pub use stored::{StoredDtype, StoredRows};
 
 use super::tensor::Tensor;
@@ -813,6 +814,19 @@ impl WeightSource for Checkpoint {
         }
         Ok(self.tensor(tensor)?.scales)
     }
+
+    fn int4_weight(&self, tensor: &str) -> Result<Option<Arc<Int4Weight>>> {
+        self.int4(tensor)
+    }
+
+    fn read_int4_codes(&self, tensor: &str, from: usize, out: &mut [u8]) -> Result<()> {
+        match self.int4(tensor)? {
+            Some(w) => w.read_codes(&self.files[w.file()], &self.bands, from, out),
+            None => Err(self.tensor(tensor)?.err(
+                "is not stored as INT4 codes; report this as a bug".into(),
+            )),
+        }
+    }
 }
 
 /// A batch of quantized rows (`cols` codes of `dtype` each) as the weight's values in
@@ -887,6 +901,20 @@ pub trait WeightSource: Sync {
     /// multiplies by the scales as it computes.
     fn quant_scales(&self, _tensor: &str) -> Result<Option<Arc<BlockScales>>> {
         Ok(None)
+    }
+    /// The INT4 weight `tensor` (GPTQ, AWQ: its groups, zeros and scales, read and checked)
+    /// when the source stores it so, `None` otherwise: for a packer that keeps the codes
+    /// ([`WeightSource::read_int4_codes`]).
+    fn int4_weight(&self, _tensor: &str) -> Result<Option<Arc<Int4Weight>>> {
+        Ok(None)
+    }
+    /// Codes `[from, from + out.len())` of the flat `[out, in]` INT4 weight `tensor`, one a
+    /// byte; only for a tensor [`WeightSource::int4_weight`] gives.
+    fn read_int4_codes(&self, tensor: &str, _from: usize, _out: &mut [u8]) -> Result<()> {
+        Err(WeightError::Slice {
+            name: tensor.to_string(),
+            problem: "this source stores no INT4 codes; report this as a bug".into(),
+        })
     }
     /// Appends elements `[from, from + count)` as bf16, equal to `half::bf16::from_f32` of
     /// what [`WeightSource::read`] gives, through `read` a bounded chunk at a time.
