@@ -302,8 +302,13 @@ fn quantized_weights(plan: &Plan, num: Numerics) -> Option<String> {
         .iter()
         .flat_map(|r| &r.weights)
         .find_map(|w| w.quant)?;
-    Some(if num.column_scales && q.format.is_int4() {
+    Some(if num.column_scales && q.format.is_int4() && q.act_order {
         format!("{} linears dequantized as they load", q.format.name())
+    } else if num.column_scales && q.format.is_int4() {
+        format!(
+            "{} linears as codes with a scale and a zero per column per group",
+            q.format.name()
+        )
     } else if num.column_scales {
         format!(
             "{} linears as codes with a scale per column",
@@ -317,7 +322,7 @@ fn quantized_weights(plan: &Plan, num: Numerics) -> Option<String> {
 /// Bytes a rank holds of weight `s` in units of the plan's dtype, which the caller then
 /// scales to `num.weights`: as stored, or under `num.column_scales` a quantized weight's
 /// codes and column scales (given in the units that scale back to their own size), or its
-/// values where the runtime dequantizes it as it loads (INT4).
+/// values where the runtime dequantizes it as it loads (INT4 in act order).
 fn held_bytes(s: &crate::plan::WeightSlice, plan: &Plan, num: Numerics) -> f64 {
     match s.quant {
         Some(q) if num.column_scales => match q.column_scaled_bytes(&s.local_shape) {
@@ -1304,15 +1309,31 @@ mod tests {
             device(&int4).quantized_weights.as_deref(),
             Some("int4 gptq linears as stored")
         );
-        // tpc's CPU runtime dequantizes them as they load: as much as bf16.
+        // tpc's CPU runtime keeps the codes, with an f32 scale and zero per group per column.
         let num = Numerics::cpu_runtime(true);
         let cpu = |p: &Plan| simulate_as(p, &hw, chat, num);
-        assert_eq!(
-            cpu(&int4).weight_bytes_per_rank,
-            cpu(&bf16).weight_bytes_per_rank
+        let saved = cpu(&bf16).weight_bytes_per_rank - cpu(&int4).weight_bytes_per_rank;
+        assert!(
+            saved > linears * 3 / 2 - linears / 16 - 1 && saved < linears * 3 / 2,
+            "{saved} of {linears}"
         );
         assert_eq!(
             cpu(&int4).quantized_weights.as_deref(),
+            Some("int4 gptq linears as codes with a scale and a zero per column per group")
+        );
+        // In act order it dequantizes them as they load: as much as bf16.
+        if let crate::frontend::ModelDef::Preset(f) = &mut def {
+            if let Some(q) = &mut f.quantization {
+                q.act_order = true;
+            }
+        }
+        let act = crate::pipeline::compile(&def, 4).unwrap().plan;
+        assert_eq!(
+            cpu(&act).weight_bytes_per_rank,
+            cpu(&bf16).weight_bytes_per_rank
+        );
+        assert_eq!(
+            cpu(&act).quantized_weights.as_deref(),
             Some("int4 gptq linears dequantized as they load")
         );
     }

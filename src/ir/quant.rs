@@ -212,11 +212,12 @@ impl Quantized {
     }
 
     /// Bytes tpc's CPU runtime holds for a piece of `local_shape` stored `[out, in]` when it
-    /// keeps the codes (FP8, INT8): a byte per element and an f32 per output row per block
-    /// of inputs (its products' scales, one per column of a packed panel). `None` for INT4,
-    /// which it dequantizes as it loads.
+    /// keeps the codes: a byte per element (FP8, INT8) or half a byte (INT4), and an f32
+    /// per output row per block of inputs (its products' scales, one per column of a packed
+    /// panel; INT4 adds an f32 zero point). `None` for INT4 in act order, which it
+    /// dequantizes as it loads.
     pub fn column_scaled_bytes(&self, local_shape: &[u64]) -> Option<u64> {
-        if self.format.is_int4() {
+        if self.format.is_int4() && self.act_order {
             return None;
         }
         let elements = super::saturating::product(local_shape.iter().copied());
@@ -225,7 +226,13 @@ impl Quantized {
                 .saturating_mul(a.saturating_mul(blocks_along(*b, self.block[1]))),
             _ => 0,
         };
-        Some(elements.saturating_add(scales.saturating_mul(4)))
+        Some(if self.format.is_int4() {
+            elements
+                .div_ceil(2)
+                .saturating_add(scales.saturating_mul(8))
+        } else {
+            elements.saturating_add(scales.saturating_mul(4))
+        })
     }
 
     /// Elements along stored dim `along` (0 or 1 of the 2-D weight) that a split must keep
@@ -395,7 +402,17 @@ mod tests {
             64 * 128 / 2 + 64 * 4 * 5 / 2 + 128 * 4
         );
         assert_eq!(awq.stored_bytes(&[64, 128]), 64 * 128 / 2 + 64 * 4 * 5 / 2);
-        assert_eq!(gptq.column_scaled_bytes(&[64, 128]), None);
+        // Held by the CPU runtime: the codes, and an f32 scale and zero per group per output;
+        // in act order the values.
+        assert_eq!(
+            gptq.column_scaled_bytes(&[64, 128]),
+            Some(64 * 128 / 2 + 64 * 4 * 8)
+        );
+        let act = Quantized {
+            act_order: true,
+            ..gptq
+        };
+        assert_eq!(act.column_scaled_bytes(&[64, 128]), None);
     }
 
     #[test]

@@ -237,3 +237,45 @@ fn packed_tensors_that_do_not_fit_or_other_packings_are_refused_before_compute()
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+/// A bf16 run keeps the INT4 codes and quantizes decode rows to i16 (`isa/int4.rs`): the
+/// prompt logits stay within the bf16 tolerance of transformers' f32 ones on every variant
+/// this host runs, at both tp the groups allow, and the greedy tokens match.
+#[test]
+fn bf16_runs_of_int4_checkpoints_stay_within_the_bf16_tolerance() {
+    use crate::common::{rel_error, BF16_REL_TOL};
+    use tpc::runtime::cpu::isa::Isa;
+    use tpc::runtime::generate::{ComputeDtype, RunOptions};
+    use tpc::runtime::run::run;
+    for (dir, format) in [(GPTQ, QuantFormat::Int4Gptq), (AWQ, QuantFormat::Int4Awq)] {
+        let dir = Path::new(dir);
+        let reference = read_reference(dir);
+        let def = load_model(dir).unwrap();
+        let ckpt = Checkpoint::open(dir).unwrap();
+        for tp in [1, 2] {
+            let plan = compile(&def, tp).unwrap().plan;
+            assert!(plan.ranks[0]
+                .weights
+                .iter()
+                .any(|w| w.quant.is_some_and(|q| q.format == format)));
+            for isa in Isa::ALL.into_iter().filter(|i| i.host_support().is_ok()) {
+                let opts = RunOptions {
+                    dtype: ComputeDtype::Bf16,
+                    max_new_tokens: reference.greedy.len(),
+                    device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+                        isa: Some(isa),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                };
+                let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();
+                let err = rel_error(&out.prompt_logits.data, &reference.logits);
+                assert!(
+                    err <= BF16_REL_TOL,
+                    "{dir:?} tp={tp} {isa:?}: bf16 relative error {err:.3e}"
+                );
+                assert_eq!(out.generated, reference.greedy, "{dir:?} tp={tp} {isa:?}");
+            }
+        }
+    }
+}

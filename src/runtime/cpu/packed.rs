@@ -18,7 +18,7 @@
 //! depth slices into partial sums kept in L2 (`amx`, see `Bf16Product::gemm_amx`).
 
 use super::aligned::{AlignedVec, Plain};
-use super::isa::{widen, Isa, Kernels, PanelValue, BF16_K_ALIGN, MR, NR};
+use super::isa::{widen, Isa, Kernels, PanelValue, QuantizedRows, BF16_K_ALIGN, MR, NR};
 use super::team::{SyncPtr, Team};
 use crate::ir::WeightOrder;
 use crate::plan::WeightSlice;
@@ -30,9 +30,11 @@ use crate::runtime::weights::{Piece, SliceLayout, StoredRows, WeightSource};
 use rayon::prelude::*;
 
 mod codes;
+mod int4;
 mod invariant;
 
 use codes::CodePanels;
+use int4::Int4Panels;
 
 /// Reduction steps per block: a widened weight block (`KC·NR` f32 = 16 KiB) stays in L1.
 const KC: usize = 256;
@@ -67,6 +69,8 @@ enum Panels {
     F32(AlignedVec<f32>),
     /// A quantized weight's codes (FP8 or INT8) and their scales (`packed/codes.rs`).
     Codes(CodePanels),
+    /// An INT4 weight's codes, scales and zero points (`packed/int4.rs`).
+    Int4(Int4Panels),
 }
 
 /// A linear weight as `n` output columns by `k` inputs, packed (see the module doc).
@@ -207,6 +211,15 @@ impl PackedMatrix {
                 )
             })?;
         // Weights stored as quantized codes keep them (`OutIn`: a checkpoint's linears).
+        if order == WeightOrder::OutIn {
+            if let Some(p) = int4::int4_panels(src, slices, &layouts, n, k, bf16)? {
+                return Ok(PackedMatrix {
+                    n,
+                    k,
+                    panels: Panels::Int4(p),
+                });
+            }
+        }
         let code_scales = match order {
             WeightOrder::OutIn => codes::code_scales(src, slices, &layouts, n, k)?,
             WeightOrder::InOut => None,
@@ -296,6 +309,7 @@ impl PackedMatrix {
             Panels::Bf16(v) => v.len() * 2,
             Panels::F32(v) => v.len() * 4,
             Panels::Codes(c) => c.bytes(),
+            Panels::Int4(c) => c.bytes(),
         }
     }
 
@@ -311,6 +325,7 @@ impl PackedMatrix {
             Panels::Bf16(v) => widen(v[q * u16::panel_len(self.k) + u16::slot(p, jj)]),
             Panels::F32(v) => v[q * f32::panel_len(self.k) + f32::slot(p, jj)],
             Panels::Codes(c) => c.get(j, p, self.k),
+            Panels::Int4(c) => c.get(j, p, self.k),
         }
     }
 
@@ -363,12 +378,10 @@ impl PackedMatrix {
         let gemv = m <= kernels.gemv_max_rows(self.is_bf16());
         // Quantized codes in a bf16 run take the bf16 products for prompts, widened a chunk
         // of panels at a time.
+        let bf16_prompt = !gemv && kernels.gemm_variant(true).bf16_activations();
         let codes = match &self.panels {
-            Panels::Codes(c)
-                if c.bf16 && !gemv && kernels.gemm_variant(true).bf16_activations() =>
-            {
-                Some(c)
-            }
+            Panels::Codes(c) if c.bf16 && bf16_prompt => Some(&self.panels),
+            Panels::Int4(c) if c.bf16 && bf16_prompt => Some(&self.panels),
             _ => None,
         };
         let variant = if gemv {
@@ -453,9 +466,27 @@ impl PackedMatrix {
                             widened.set_len(range.panels.len() * len);
                             for (q, out) in range.panels.clone().zip(widened.chunks_exact_mut(len))
                             {
-                                let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
-                                kernels
-                                    .codes_to_bf16_pairs(c.kind, codes, scales, c.kblock, k, out);
+                                match c {
+                                    Panels::Codes(c) => kernels.codes_to_bf16_pairs(
+                                        c.kind,
+                                        c.panel(q, k),
+                                        c.panel_scales(q, k),
+                                        c.kblock,
+                                        k,
+                                        out,
+                                    ),
+                                    Panels::Int4(c) => kernels.int4_to_bf16_pairs(
+                                        c.panel(q, k),
+                                        c.panel_scales(q, k),
+                                        c.panel_zeros(q, k),
+                                        c.kblock,
+                                        k,
+                                        out,
+                                    ),
+                                    Panels::Bf16(_) | Panels::F32(_) => {
+                                        unreachable!("only quantized panels are widened")
+                                    }
+                                }
                             }
                             let first = range.panels.start;
                             let chunk = Bf16Product {
@@ -473,7 +504,14 @@ impl PackedMatrix {
             return;
         }
         if gemv {
-            let rows = F32Rows(self, kernels, &x.data);
+            // INT4 panels of a bf16 run take the rows quantized to i16.
+            let mut quantized = QuantizedRows::default();
+            if let Panels::Int4(c) = &self.panels {
+                if c.bf16 {
+                    c.quantize_rows(&x.data, m, k, &mut quantized);
+                }
+            }
+            let rows = F32Rows(self, kernels, &x.data, &quantized);
             run_chunks(team, threads, panels, 1, 0, &|range| {
                 gemv_panels(&rows, m, self.n, range.panels, dst)
             });
@@ -534,6 +572,18 @@ impl PackedMatrix {
                             );
                             &widened[..kc * NR]
                         }
+                        Panels::Int4(c) => {
+                            kernels.widen_int4(
+                                c.panel(q, k),
+                                c.panel_scales(q, k),
+                                c.panel_zeros(q, k),
+                                c.kblock,
+                                k0,
+                                kc,
+                                &mut widened,
+                            );
+                            &widened[..kc * NR]
+                        }
                     };
                     let cols = NR.min(n - q * NR);
                     for mp in (mb..mb_end).step_by(group / MR) {
@@ -583,8 +633,9 @@ trait PanelRows: Sync {
     fn rows<const R: usize>(&self, q: usize, first: usize, out: &mut [[f32; NR]; R]);
 }
 
-/// f32 activations against either panel type.
-struct F32Rows<'a>(&'a PackedMatrix, Kernels, &'a [f32]);
+/// f32 activations against any panel type (quantized to i16 for the INT4 panels of a bf16
+/// run).
+struct F32Rows<'a>(&'a PackedMatrix, Kernels, &'a [f32], &'a QuantizedRows);
 
 impl PanelRows for F32Rows<'_> {
     fn rows<const R: usize>(&self, q: usize, first: usize, out: &mut [[f32; NR]; R]) {
@@ -602,6 +653,42 @@ impl PanelRows for F32Rows<'_> {
             Panels::Codes(c) => {
                 let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
                 kernels.gemv_codes::<R>(xs, k, c.kind, codes, scales, k, c.kblock, out)
+            }
+            Panels::Int4(c) if !c.bf16 => {
+                // An f32 run keeps f32 activations: the panel is widened a block of steps at
+                // a time (into L1) for the f32 GEMV.
+                let mut block = [0f32; KC * NR];
+                let mut part = [[0f32; NR]; R];
+                *out = [[0f32; NR]; R];
+                for k0 in (0..k).step_by(KC) {
+                    let kc = KC.min(k - k0);
+                    let (codes, scales, zeros) =
+                        (c.panel(q, k), c.panel_scales(q, k), c.panel_zeros(q, k));
+                    kernels.widen_int4(codes, scales, zeros, c.kblock, k0, kc, &mut block);
+                    kernels.gemv::<R, f32>(&xs[k0..], k, &block[..kc * NR], kc, &mut part);
+                    for (o, p) in out.iter_mut().zip(&part) {
+                        for (o, p) in o.iter_mut().zip(p) {
+                            *o += p;
+                        }
+                    }
+                }
+            }
+            Panels::Int4(c) => {
+                let (x, blocks) = (self.3, self.3.blocks);
+                kernels.gemv_int4::<R>(
+                    &x.q[first * k..],
+                    k,
+                    &x.scales[first * blocks..],
+                    &x.sums[first * blocks..],
+                    blocks,
+                    c.panel(q, k),
+                    c.panel_scales(q, k),
+                    c.panel_zeros(q, k),
+                    k,
+                    c.kblock,
+                    c.xblock,
+                    out,
+                )
             }
         }
     }
@@ -1383,10 +1470,11 @@ mod tests {
 #[cfg(test)]
 mod slice_tests {
     use super::*;
+    use crate::ir::QuantFormat;
     use crate::ir::{DType, SliceRange};
     use crate::plan::Plan;
     use crate::runtime::random::RandomWeights;
-    use crate::runtime::weights::{load_slice, Checkpoint, StoredDtype};
+    use crate::runtime::weights::{load_slice, write_int4_checkpoint, Checkpoint, StoredDtype};
     use proptest::prelude::*;
     use safetensors::tensor::TensorView;
     use safetensors::Dtype;
@@ -1400,6 +1488,9 @@ mod slice_tests {
             Panels::F32(v) => v.iter().map(|f| f.to_bits()).collect(),
             Panels::Codes(c) => (c.codes.iter().map(|&b| b as u32))
                 .chain(c.scales.iter().map(|f| f.to_bits()))
+                .collect(),
+            Panels::Int4(c) => (c.codes.iter().map(|&b| b as u32))
+                .chain(c.scales.iter().chain(c.zeros.iter()).map(|f| f.to_bits()))
                 .collect(),
         };
         (m.n, m.k, matches!(m.panels, Panels::Bf16(_)), v)
@@ -1976,6 +2067,142 @@ mod slice_tests {
         }
     }
 
+    /// A checkpoint directory of its own for an INT4 test case.
+    fn int4_dir() -> PathBuf {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        std::env::temp_dir().join(format!(
+            "tpc-pack-int4-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+
+    fn int4_format(i: usize) -> (QuantFormat, bool) {
+        [
+            (QuantFormat::Int4Gptq, false),
+            (QuantFormat::Int4Awq, false),
+            (QuantFormat::Int4Gptq, true),
+        ][i % 3]
+    }
+
+    /// `w` as a slice of the INT4 weight `w.weight` in groups of `group`.
+    fn int4_slice(
+        mut w: WeightSlice,
+        format: QuantFormat,
+        act_order: bool,
+        group: u64,
+    ) -> WeightSlice {
+        w.tensor = "w.weight".into();
+        w.quant = Some(crate::ir::Quantized {
+            format,
+            block: [1, group],
+            act_order,
+        });
+        w
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// An INT4 slice keeps its codes when every local group of its depth reads one stored
+        /// group (always for a slice cut on group boundaries, never in act order), and
+        /// either way packs the dequantized values bit for bit.
+        #[test]
+        fn int4_slices_keep_their_codes_where_their_groups_stay_whole(
+            outs in 1usize..5,
+            groups in 1usize..4,
+            g in 0usize..3,
+            kind in 0usize..3,
+            dim in 0usize..3,
+            raw in prop::collection::vec((0usize..64, 0usize..64, 0u64..3), 1..3),
+            aligned in any::<bool>(),
+            padding in 0usize..3,
+            seed in any::<u64>(),
+        ) {
+            let group = [8, 16, 32][g];
+            let (format, act_order) = int4_format(kind);
+            let (rows, cols) = (8 * outs, group * groups);
+            let dir = int4_dir();
+            write_int4_checkpoint(&dir, format, act_order, [rows, cols], group, seed);
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            let w = match dim {
+                0 => slice_of([rows, cols], None, &[], 0),
+                d => {
+                    // Ranges (and their padding) of inputs in whole groups when `aligned`.
+                    let unit = if aligned && d == 2 { group } else { 1 };
+                    let len = [rows, cols][d - 1] / unit;
+                    let ranges: Vec<(usize, usize)> = raw
+                        .iter()
+                        .map(|&(a, b, _)| {
+                            let offset = a % len;
+                            (offset * unit, b % (len - offset + 1) * unit)
+                        })
+                        .collect();
+                    let mut w = slice_of([rows, cols], Some(d as u32 - 1), &ranges, padding * unit);
+                    for (r, &(_, _, pad)) in w.ranges.iter_mut().zip(&raw) {
+                        r.pad = pad * unit as u64;
+                        w.local_shape[d - 1] += pad * unit as u64;
+                    }
+                    w
+                }
+            };
+            let w = int4_slice(w, format, act_order, group as u64);
+            let dense = load_slice(&ckpt, &w).unwrap();
+            for bf16 in [false, true] {
+                let packed = PackedMatrix::pack_slice(&ckpt, &w, WeightOrder::OutIn, bf16).unwrap();
+                let k = packed.k;
+                if matches!(packed.panels, Panels::Int4(_)) {
+                    for j in 0..packed.n {
+                        for p in 0..k {
+                            prop_assert_eq!(
+                                packed.get(j, p).to_bits(),
+                                dense.data[j * k + p].to_bits(),
+                                "column {}, step {}", j, p
+                            );
+                        }
+                    }
+                } else {
+                    // Kept unless act order scatters the groups, or a cut depth mixes two
+                    // groups in one local block (or leaves an odd depth).
+                    prop_assert!(
+                        act_order || (!aligned && dim == 2) || k == 0,
+                        "{w:?}: not kept as codes"
+                    );
+                    let old = PackedMatrix::pack(&dense, WeightOrder::OutIn, bf16);
+                    prop_assert!(bits(&old) == bits(&packed));
+                }
+            }
+            drop(ckpt);
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    /// Products over INT4 codes (decode rows and prompt blocks, on every variant and team
+    /// size) match an f64 product of the dequantized weight; a weight whose depth is cut
+    /// inside its groups (a row split, padded) too.
+    #[test]
+    fn int4_code_products_match_the_dequantized_weight() {
+        let (n, k, group) = (40, 320, 32);
+        for kind in 0..2 {
+            let (format, act_order) = int4_format(kind);
+            let dir = int4_dir();
+            write_int4_checkpoint(&dir, format, act_order, [n, k], group, 11);
+            let whole = int4_slice(slice_of([n, k], None, &[], 0), format, act_order, 32);
+            // Inputs 64..160 and 224..320, then a group of padding.
+            let rows = int4_slice(
+                slice_of([n, k], Some(1), &[(64, 96), (224, 96)], 32),
+                format,
+                act_order,
+                32,
+            );
+            // 48 codes a column (40 padded to 48) + a scale and a zero per group per column.
+            let bytes = |k: usize| 48 * k / 2 + 48 * (k / group) * 8;
+            code_products_match(&dir, &whole, bytes(k), |p| matches!(p, Panels::Int4(_)));
+            code_products_match(&dir, &rows, bytes(224), |p| matches!(p, Panels::Int4(_)));
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
     /// Products over FP8 codes (decode rows and prompt blocks, on every variant and team
     /// size) match an f64 product of the dequantized weight.
     #[test]
@@ -1986,23 +2213,33 @@ mod slice_tests {
             (channel_checkpoint(n, k, 7, false), 48 * 4),
             (channel_checkpoint(n, k, 7, true), 48 * 4),
         ] {
-            code_products_match(&dir, n, k, scale_bytes);
+            let w = slice_of([n, k], None, &[], 0);
+            code_products_match(&dir, &w, 48 * k + scale_bytes, |p| {
+                matches!(p, Panels::Codes(_))
+            });
             std::fs::remove_dir_all(&dir).unwrap();
         }
     }
 
-    fn code_products_match(dir: &std::path::Path, n: usize, k: usize, scale_bytes: usize) {
+    /// Products of `w` packed from the checkpoint in `dir` (its panels as `kept` says,
+    /// `bytes` of them) against an f64 product of its dequantized values.
+    fn code_products_match(
+        dir: &std::path::Path,
+        w: &WeightSlice,
+        bytes: usize,
+        kept: impl Fn(&Panels) -> bool,
+    ) {
         use crate::runtime::cpu::self_check::operands;
         let ckpt = Checkpoint::open(dir).unwrap();
-        let w = slice_of([n, k], None, &[], 0);
-        let dense = load_slice(&ckpt, &w).unwrap();
+        let dense = load_slice(&ckpt, w).unwrap();
+        let (n, k) = (dense.shape[0], dense.shape[1]);
         for (bf16, m) in [false, true]
             .into_iter()
             .flat_map(|b| [1, 2, 3, 4, 5, 9, 40].map(|m| (b, m)))
         {
-            let packed = PackedMatrix::pack_slice(&ckpt, &w, WeightOrder::OutIn, bf16).unwrap();
-            assert!(matches!(packed.panels, Panels::Codes(_)));
-            assert_eq!(packed.bytes(), 48 * k + scale_bytes);
+            let packed = PackedMatrix::pack_slice(&ckpt, w, WeightOrder::OutIn, bf16).unwrap();
+            assert!(kept(&packed.panels), "{w:?}: panels not kept as codes");
+            assert_eq!(packed.bytes(), bytes);
             let (x, _) = operands(m, n, k);
             for kernels in Isa::ALL
                 .into_iter()

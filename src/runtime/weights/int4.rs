@@ -492,7 +492,7 @@ impl BandCache {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::super::{Checkpoint, WeightSource};
     use super::*;
     use std::path::Path;
@@ -643,6 +643,30 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tpc-int4-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         dir
+    }
+
+    /// Writes into `dir` a checkpoint holding one INT4 weight `w.weight [out, inp]` (random
+    /// codes, zeros and scales) in `format`, in groups of `group` inputs (scattered in act
+    /// order), with its config.json; gives the weight's values, row-major.
+    pub(crate) fn write_int4_checkpoint(
+        dir: &Path,
+        format: QuantFormat,
+        act_order: bool,
+        [out, inp]: [usize; 2],
+        group: usize,
+        seed: u64,
+    ) -> Vec<f32> {
+        let made = Made::new(out, inp, group, act_order, seed);
+        let config = match format {
+            QuantFormat::Int4Awq => format!(
+                r#"{{"quantization_config": {{"quant_method": "awq", "bits": 4, "group_size": {group}, "zero_point": true, "version": "gemm"}}}}"#
+            ),
+            _ => format!(
+                r#"{{"quantization_config": {{"quant_method": "gptq", "bits": 4, "group_size": {group}, "desc_act": {act_order}}}}}"#
+            ),
+        };
+        write(dir, &config, &made.tensors("w", format));
+        made.values()
     }
 
     const GPTQ: &str = r#"{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": false}}"#;

@@ -12,6 +12,8 @@ mod stored;
 
 pub use error::WeightError;
 pub use fp8::{e4m3_to_f32, BlockScales};
+#[cfg(test)]
+pub(crate) use int4::tests::write_int4_checkpoint;
 pub use int4::Int4Weight;
 pub use stored::{StoredDtype, StoredRows};
 
@@ -822,9 +824,9 @@ impl WeightSource for Checkpoint {
     fn read_int4_codes(&self, tensor: &str, from: usize, out: &mut [u8]) -> Result<()> {
         match self.int4(tensor)? {
             Some(w) => w.read_codes(&self.files[w.file()], &self.bands, from, out),
-            None => Err(self.tensor(tensor)?.err(
-                "is not stored as INT4 codes; report this as a bug".into(),
-            )),
+            None => Err(self
+                .tensor(tensor)?
+                .err("is not stored as INT4 codes; report this as a bug".into())),
         }
     }
 }

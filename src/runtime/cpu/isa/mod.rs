@@ -26,6 +26,7 @@ mod avx512;
 mod avx512bf16;
 mod codes;
 mod detect;
+mod int4;
 mod peak;
 mod portable;
 pub(crate) mod streams;
@@ -34,6 +35,7 @@ pub use peak::peak_flops;
 
 pub use codes::CodeKind;
 pub use detect::{host, HostFeatures};
+pub use int4::{int4_code, int4_slot, int4_value, QuantizedRows, QUAD_BYTES};
 
 use std::fmt;
 

@@ -215,6 +215,19 @@ impl Job<'_> {
                     .widen_codes(c.kind, codes, scales, c.kblock, s, len, scratch);
                 &scratch[..len * NR]
             }
+            Panels::Int4(c) => {
+                let k = self.w.k;
+                self.kernels.widen_int4(
+                    c.panel(q, k),
+                    c.panel_scales(q, k),
+                    c.panel_zeros(q, k),
+                    c.kblock,
+                    s,
+                    len,
+                    scratch,
+                );
+                &scratch[..len * NR]
+            }
         }
     }
 
@@ -237,11 +250,11 @@ impl Job<'_> {
         let count = k.div_ceil(self.block);
         let block = |b: usize| (b * self.block, self.block.min(k - b * self.block));
         // bf16 pair rows are read in place when every block starts on one.
-        // (FP8 codes are widened a block at a time, as an odd bf16 block is.)
+        // (Quantized codes are widened a block at a time, as an odd bf16 block is.)
         let in_place = match self.w.panels {
             Panels::F32(_) => true,
             Panels::Bf16(_) => self.block.is_multiple_of(2),
-            Panels::Codes(_) => false,
+            Panels::Codes(_) | Panels::Int4(_) => false,
         };
         let mut done = 0;
         while done < self.m {

@@ -1,0 +1,563 @@
+//! Products over INT4 weights kept as their 4-bit codes (GPTQ, AWQ), for the INT4 linears
+//! (`packed/int4.rs`). A panel's codes come in quads of 4 steps, 32 bytes each: byte `b`
+//! of quad `i` holds column `b / 4`'s code of step `4i + b % 4` in its low nibble and
+//! column `8 + b / 4`'s in its high one, so that masking a quad gives, for 8 columns, each
+//! column's 4 steps side by side (what a pairwise integer multiply-add sums). Its scales and
+//! zero points are `[⌈k/kblock⌉][NR]` f32 each, one per column per block of `kblock` steps
+//! (a group of the checkpoint); a weight's value is `(code − zero) × scale`.
+//!
+//! In a bf16 run (whose products may round activations to bf16) the decode GEMV multiplies
+//! integers: each row of activations is quantized to i16 per
+//! block of `xblock` steps (a divisor of `kblock`; scale `max |x| / 32767`, an error of at
+//! most 2⁻¹⁶ of the block's largest |x| per element, far below bf16's rounding), and
+//! `vpmaddwd` sums code × activation pairs exactly into i32. Per block:
+//! `out += scale · xscale · (Σ code·xq − zero · Σ xq)`. A quad (64 weights) costs a load, two
+//! masks, four widenings, four multiply-adds and four adds; measured on the AVX2 EPYC host,
+//! the f32 form (widen, convert, fused multiply-add per weight) ran 6.5 G weights/s a core,
+//! under the 14 a core that reading the codes at the host's bandwidth allows; the integer
+//! form runs 13–14. An f32 run keeps f32 activations (the quantization's error, up to
+//! 1.3e-4 of a fixture's logits, exceeds the f32 tolerance): its decode rows take the
+//! widened values and the f32 GEMV (`packed.rs`).
+//! The prompt GEMM widens a block of steps at a time into f32 values (`(code − zero) ×
+//! scale`, the values the dequantizing reader gives, bit for bit) for the f32 tile kernel,
+//! or into bf16 pairs for the bf16 products.
+
+use super::{rows_fit, Isa, Kernels, NR};
+
+/// Bytes of a quad: 4 steps of 16 columns.
+pub const QUAD_BYTES: usize = 2 * NR;
+
+/// The value of an INT4 code: `(code − zero) × scale`, as the reader computes it.
+#[inline(always)]
+pub fn int4_value(code: u8, zero: f32, scale: f32) -> f32 {
+    (f32::from(code) - zero) * scale
+}
+
+/// Where column `j`'s code of step `p` lies in a panel: (byte, shift).
+#[inline(always)]
+pub fn int4_slot(p: usize, j: usize) -> (usize, u32) {
+    (p / 4 * QUAD_BYTES + (j % 8) * 4 + p % 4, 4 * (j / 8) as u32)
+}
+
+/// The code of step `p`, column `j` of a panel.
+#[inline(always)]
+pub fn int4_code(codes: &[u8], p: usize, j: usize) -> u8 {
+    let (at, shift) = int4_slot(p, j);
+    (codes[at] >> shift) & 0xf
+}
+
+/// Row activations quantized to i16 per block of `xblock` steps for [`Kernels::gemv_int4`]:
+/// `q[r·k + p]`, and per row per block the scale and the sum of the block's `q`.
+#[derive(Debug, Default)]
+pub struct QuantizedRows {
+    pub q: Vec<i16>,
+    pub scales: Vec<f32>,
+    pub sums: Vec<f32>,
+    pub blocks: usize,
+}
+
+impl QuantizedRows {
+    /// `m` rows of `k` from `x`, in blocks of `xblock`.
+    pub fn quantize(&mut self, x: &[f32], m: usize, k: usize, xblock: usize) {
+        let blocks = k.div_ceil(xblock.max(1));
+        self.blocks = blocks;
+        self.q.clear();
+        self.q.resize(m * k, 0);
+        self.scales.clear();
+        self.scales.resize(m * blocks, 0.0);
+        self.sums.clear();
+        self.sums.resize(m * blocks, 0.0);
+        for (r, row) in x.chunks_exact(k).take(m).enumerate() {
+            for (b, xs) in row.chunks(xblock.max(1)).enumerate() {
+                let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+                // A NaN or an infinity in the block gives a NaN or infinite scale: the
+                // block's outputs are NaN, as the f32 product's would be.
+                let bad = xs.iter().any(|v| !v.is_finite());
+                let scale = if bad { f32::NAN } else { amax / 32767.0 };
+                let inv = if amax > 0.0 && !bad {
+                    32767.0 / amax
+                } else {
+                    0.0
+                };
+                let q = &mut self.q[r * k + b * xblock..][..xs.len()];
+                let mut sum = 0i64;
+                for (q, &v) in q.iter_mut().zip(xs) {
+                    *q = (v * inv).round().clamp(-32767.0, 32767.0) as i16;
+                    sum += i64::from(*q);
+                }
+                self.scales[r * blocks + b] = scale;
+                self.sums[r * blocks + b] = sum as f32;
+            }
+        }
+    }
+}
+
+impl Kernels {
+    /// `out[r][j] = Σ_b scales[g(b)][j] · xscales[r][b] · (Σ_{p ∈ b} xq[r][p] · code(p, j) −
+    /// zeros[g(b)][j] · xsums[r][b])` for `R` rows of `xq` (stride `ldx`) over `k` steps in
+    /// activation blocks `b` of `xblock` steps, `g(b)` the block of `kblock` steps holding
+    /// it (`xblock` divides `kblock`, both multiples of 4, as is `k`); `xscales` and `xsums`
+    /// with stride `lds`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_int4<const R: usize>(
+        self,
+        xq: &[i16],
+        ldx: usize,
+        xscales: &[f32],
+        xsums: &[f32],
+        lds: usize,
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        k: usize,
+        kblock: usize,
+        xblock: usize,
+        out: &mut [[f32; NR]; R],
+    ) {
+        assert!(
+            xblock > 0
+                && xblock <= 256
+                && kblock.is_multiple_of(xblock)
+                && xblock.is_multiple_of(4)
+                && k.is_multiple_of(4),
+            "gemv: int4 blocks of {xblock} steps in groups of {kblock} over {k} steps"
+        );
+        let blocks = k.div_ceil(xblock);
+        assert!(rows_fit(xq.len(), R, ldx, k), "gemv: x too short");
+        assert!(
+            rows_fit(xscales.len().min(xsums.len()), R, lds, blocks),
+            "gemv: x scales too short"
+        );
+        assert!(codes.len() >= k / 4 * QUAD_BYTES, "gemv: panel too short");
+        assert!(
+            scales.len().min(zeros.len()) >= k.div_ceil(kblock) * NR,
+            "gemv: scales too short"
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self.gemv_variant(false) >= Isa::Avx2 {
+            // SAFETY: AVX2 was checked against the host (every variant above it has it);
+            // the asserts keep every read in bounds and every block's sums within i32.
+            return unsafe {
+                x86::gemv_avx2::<R>(
+                    xq, ldx, xscales, xsums, lds, codes, scales, zeros, k, kblock, xblock, out,
+                )
+            };
+        }
+        *out = [[0f32; NR]; R];
+        for b in 0..blocks {
+            let g = b * xblock / kblock * NR;
+            let (s, z) = (&scales[g..][..NR], &zeros[g..][..NR]);
+            for (r, o) in out.iter_mut().enumerate() {
+                let mut acc = [0i32; NR];
+                for p in b * xblock..(b + 1) * xblock {
+                    let xv = i32::from(xq[r * ldx + p]);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a += xv * i32::from(int4_code(codes, p, j));
+                    }
+                }
+                let (xs, sum) = (xscales[r * lds + b], xsums[r * lds + b]);
+                for j in 0..NR {
+                    o[j] += (acc[j] as f32 - z[j] * sum) * (s[j] * xs);
+                }
+            }
+        }
+    }
+
+    /// Steps `[p0, p0 + kc)` of an INT4 panel as f32 `[kc][NR]` values into `dst`:
+    /// `(code − zero) × scale` of each step's block, as the dequantizing reader computes them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn widen_int4(
+        self,
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        kblock: usize,
+        p0: usize,
+        kc: usize,
+        dst: &mut [f32],
+    ) {
+        assert!(kblock > 0, "widen: empty scale blocks");
+        assert!(dst.len() >= kc * NR, "widen: dst too short");
+        assert!(
+            codes.len() >= (p0 + kc).div_ceil(4) * QUAD_BYTES,
+            "widen: panel too short"
+        );
+        assert!(
+            kc == 0 || (scales.len().min(zeros.len()) >= ((p0 + kc - 1) / kblock + 1) * NR),
+            "widen: scales too short"
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self.gemm_variant(false) >= Isa::Avx2 {
+            // SAFETY: AVX2 was checked against the host; the asserts bound every access.
+            return unsafe { x86::widen_avx2(codes, scales, zeros, kblock, p0, kc, dst) };
+        }
+        for p in 0..kc {
+            let b = (p0 + p) / kblock * NR;
+            for j in 0..NR {
+                dst[p * NR + j] =
+                    int4_value(int4_code(codes, p0 + p, j), zeros[b + j], scales[b + j]);
+            }
+        }
+    }
+
+    /// An INT4 panel of `k` steps as a bf16 pair panel (`[kp/2][NR][2]`, all of `out`
+    /// written, zero past `k`): each value `(code − zero) × scale` rounded to nearest even —
+    /// the panel that packing the dequantized weight as bf16 gives, for the bf16 products.
+    pub fn int4_to_bf16_pairs(
+        self,
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        kblock: usize,
+        k: usize,
+        out: &mut [u16],
+    ) {
+        assert!(
+            out.len() >= k.div_ceil(2) * 2 * NR && out.len().is_multiple_of(2 * NR),
+            "widen: out too short"
+        );
+        let mut pair = [0f32; 2 * NR];
+        for (i, dst) in out.chunks_exact_mut(2 * NR).enumerate() {
+            let (p, steps) = (2 * i, k.saturating_sub(2 * i).min(2));
+            pair.fill(0.0);
+            if steps == 0 {
+                dst.fill(0);
+                continue;
+            }
+            self.widen_int4(codes, scales, zeros, kblock, p, steps, &mut pair);
+            for j in 0..NR {
+                dst[2 * j] = super::round_bf16(pair[j]);
+                dst[2 * j + 1] = super::round_bf16(pair[NR + j]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::streams::PREFETCH_BYTES;
+    use super::{NR, QUAD_BYTES};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch reads nothing architecturally, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8) };
+    }
+
+    /// A quad's codes as two vectors of bytes: columns 0–7 and 8–15, each column's four
+    /// steps side by side.
+    #[inline(always)]
+    unsafe fn quad(p: *const u8) -> (__m256i, __m256i) {
+        let v = _mm256_loadu_si256(p as *const __m256i);
+        let m = _mm256_set1_epi8(0xf);
+        (
+            _mm256_and_si256(v, m),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(v), m),
+        )
+    }
+
+    /// Each block: per row four i32 sums (the low and high bytes of each half of the
+    /// quad, every lane a pair of a column's steps), folded into columns by one horizontal
+    /// add, converted, less the zero times the block's sum, times the scales.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; as `Kernels::gemv_int4` asserts.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gemv_avx2<const R: usize>(
+        xq: &[i16],
+        ldx: usize,
+        xscales: &[f32],
+        xsums: &[f32],
+        lds: usize,
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        k: usize,
+        kblock: usize,
+        xblock: usize,
+        out: &mut [[f32; NR]; R],
+    ) {
+        let c = codes.as_ptr();
+        let zero = _mm256_setzero_si256();
+        let mut tot = [[_mm256_setzero_ps(); 2]; R];
+        let mut b0 = 0;
+        while b0 < k {
+            let b1 = b0 + xblock;
+            // [row][half of the columns][low / high bytes of each lane]
+            let mut acc = [[[_mm256_setzero_si256(); 2]; 2]; R];
+            for i in b0 / 4..b1 / 4 {
+                let at = c.add(i * QUAD_BYTES);
+                prefetch(at);
+                let (lo, hi) = quad(at);
+                let w = [
+                    [
+                        _mm256_unpacklo_epi8(lo, zero),
+                        _mm256_unpackhi_epi8(lo, zero),
+                    ],
+                    [
+                        _mm256_unpacklo_epi8(hi, zero),
+                        _mm256_unpackhi_epi8(hi, zero),
+                    ],
+                ];
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let x4 = (xq.as_ptr().add(r * ldx + 4 * i) as *const i64).read_unaligned();
+                    let x = _mm256_set1_epi64x(x4);
+                    for h in 0..2 {
+                        for e in 0..2 {
+                            a[h][e] = _mm256_add_epi32(a[h][e], _mm256_madd_epi16(w[h][e], x));
+                        }
+                    }
+                }
+            }
+            let g = b0 / kblock * NR;
+            let b = b0 / xblock;
+            for (r, (t, a)) in tot.iter_mut().zip(&acc).enumerate() {
+                let xs = _mm256_set1_ps(*xscales.as_ptr().add(r * lds + b));
+                let sum = _mm256_set1_ps(*xsums.as_ptr().add(r * lds + b));
+                for h in 0..2 {
+                    // Lane pairs (0, 1) (2, 3) of the low bytes' sums are columns 0–1 and
+                    // 4–5 of the half, of the high bytes' 2–3 and 6–7: one add in order.
+                    let cols = _mm256_cvtepi32_ps(_mm256_hadd_epi32(a[h][0], a[h][1]));
+                    let s = _mm256_loadu_ps(scales.as_ptr().add(g + 8 * h));
+                    let z = _mm256_loadu_ps(zeros.as_ptr().add(g + 8 * h));
+                    let net = _mm256_fnmadd_ps(z, sum, cols);
+                    t[h] = _mm256_fmadd_ps(net, _mm256_mul_ps(s, xs), t[h]);
+                }
+            }
+            b0 = b1;
+        }
+        for (o, t) in out.iter_mut().zip(&tot) {
+            _mm256_storeu_ps(o.as_mut_ptr(), t[0]);
+            _mm256_storeu_ps(o.as_mut_ptr().add(8), t[1]);
+        }
+    }
+
+    /// Bytes of a lane (4 columns × 4 steps, column-major) step-major.
+    const STEP_MAJOR: [i8; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
+
+    /// # Safety
+    /// AVX2; as `Kernels::widen_int4` asserts.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn widen_avx2(
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        kblock: usize,
+        p0: usize,
+        kc: usize,
+        dst: &mut [f32],
+    ) {
+        let order =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(STEP_MAJOR.as_ptr() as *const __m128i));
+        let mut p = p0;
+        while p < p0 + kc {
+            let (lo, hi) = quad(codes.as_ptr().add(p / 4 * QUAD_BYTES));
+            // Per lane: the 4 steps' codes of 4 columns, a step a dword.
+            let halves = [
+                _mm256_shuffle_epi8(lo, order),
+                _mm256_shuffle_epi8(hi, order),
+            ];
+            let last = (p / 4 * 4 + 4).min(p0 + kc);
+            for step in p..last {
+                let s = (step % 4) as i32;
+                let pick = _mm256_setr_epi32(s, s + 4, 0, 0, 0, 0, 0, 0);
+                let b = step / kblock * NR;
+                for (h, half) in halves.iter().enumerate() {
+                    let bytes = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(*half, pick));
+                    let w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+                    let sc = _mm256_loadu_ps(scales.as_ptr().add(b + 8 * h));
+                    let z = _mm256_loadu_ps(zeros.as_ptr().add(b + 8 * h));
+                    let v = _mm256_mul_ps(_mm256_sub_ps(w, z), sc);
+                    _mm256_storeu_ps(dst.as_mut_ptr().add((step - p0) * NR + 8 * h), v);
+                }
+            }
+            p = last;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random-looking codes for `k` steps.
+    fn panel(k: usize, seed: usize) -> Vec<u8> {
+        (0..k.div_ceil(4) * QUAD_BYTES)
+            .map(|i| ((i * 73 + seed * 29) % 256) as u8)
+            .collect()
+    }
+
+    fn grid(blocks: usize, seed: usize) -> (Vec<f32>, Vec<f32>) {
+        let scales = (0..blocks * NR)
+            .map(|i| 0.01 + ((i * 7 + seed) % 13) as f32 * 0.037)
+            .collect();
+        let zeros = (0..blocks * NR)
+            .map(|i| ((i * 5 + seed) % 17) as f32)
+            .collect();
+        (scales, zeros)
+    }
+
+    fn variants() -> Vec<Kernels> {
+        Isa::ALL
+            .into_iter()
+            .filter_map(|i| Kernels::unchecked(i).ok())
+            .collect()
+    }
+
+    #[test]
+    fn every_code_has_its_own_nibble() {
+        let mut seen = [0u8; 2 * QUAD_BYTES];
+        for p in 0..8 {
+            for j in 0..NR {
+                let (at, shift) = int4_slot(p, j);
+                assert_eq!(seen[at] >> shift & 0xf, 0, "step {p} col {j}");
+                seen[at] |= 0xf << shift;
+            }
+        }
+        assert!(seen.iter().all(|&b| b == 0xff));
+    }
+
+    #[test]
+    fn widened_int4_codes_are_code_minus_zero_times_scale_on_every_variant() {
+        let (k, kblock) = (40, 8);
+        let codes = panel(k, 1);
+        let (scales, zeros) = grid(k.div_ceil(kblock), 2);
+        for kernels in variants() {
+            for (p0, kc) in [(0, k), (5, 20), (39, 1), (12, 0), (2, 7)] {
+                let mut got = vec![f32::NAN; kc * NR];
+                kernels.widen_int4(&codes, &scales, &zeros, kblock, p0, kc, &mut got);
+                for p in 0..kc {
+                    let b = (p0 + p) / kblock * NR;
+                    for j in 0..NR {
+                        let c = int4_code(&codes, p0 + p, j);
+                        let want = (f32::from(c) - zeros[b + j]) * scales[b + j];
+                        assert_eq!(
+                            got[p * NR + j].to_bits(),
+                            want.to_bits(),
+                            "{:?} step {} col {j}",
+                            kernels.isa(),
+                            p0 + p
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_rows_are_within_half_a_step_of_the_block_maximum() {
+        let (m, k, xblock) = (3, 40, 8);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| (((i * 37) % 101) as f32 - 50.0) * 0.013 * (1 + i % 3) as f32)
+            .collect();
+        let mut q = QuantizedRows::default();
+        q.quantize(&x, m, k, xblock);
+        for r in 0..m {
+            for b in 0..k / xblock {
+                let xs = &x[r * k + b * xblock..][..xblock];
+                let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let scale = q.scales[r * q.blocks + b];
+                let mut sum = 0f32;
+                for (p, &v) in xs.iter().enumerate() {
+                    let got = q.q[r * k + b * xblock + p];
+                    sum += f32::from(got);
+                    assert!((f32::from(got) * scale - v).abs() <= amax / 32767.0 * 0.5001);
+                }
+                assert_eq!(sum, q.sums[r * q.blocks + b]);
+            }
+        }
+        // A NaN makes its block's scale NaN.
+        let mut bad = x.clone();
+        bad[13] = f32::NAN;
+        q.quantize(&bad, m, k, xblock);
+        assert!(q.scales[1].is_nan() && q.scales[0].is_finite());
+    }
+
+    fn check<const R: usize>(k: usize, kblock: usize, xblock: usize) {
+        let codes = panel(k, k + kblock);
+        let (scales, zeros) = grid(k.div_ceil(kblock), k);
+        let x: Vec<f32> = (0..R * k)
+            .map(|i| ((i * 13) % 17) as f32 / 17.0 - 0.5)
+            .collect();
+        let mut q = QuantizedRows::default();
+        q.quantize(&x, R, k, xblock);
+        for kernels in variants() {
+            let mut out = [[f32::NAN; NR]; R];
+            kernels.gemv_int4::<R>(
+                &q.q, k, &q.scales, &q.sums, q.blocks, &codes, &scales, &zeros, k, kblock, xblock,
+                &mut out,
+            );
+            for (r, row) in out.iter().enumerate() {
+                for (j, &got) in row.iter().enumerate() {
+                    // Against the quantized activations' values, in f64.
+                    let (mut want, mut mag) = (0f64, 0f64);
+                    for p in 0..k {
+                        let g = p / kblock * NR + j;
+                        let c = f64::from(int4_code(&codes, p, j));
+                        let (z, s) = (f64::from(zeros[g]), f64::from(scales[g]));
+                        let xs = f64::from(q.scales[r * q.blocks + p / xblock]);
+                        let xv = f64::from(q.q[r * k + p]) * xs;
+                        want += xv * (c - z) * s;
+                        mag += (xv * s).abs() * (c + z);
+                    }
+                    let got = f64::from(got);
+                    assert!(
+                        (got - want).abs() <= 1e-5 * mag.max(1e-30),
+                        "{:?} R={R} k={k} kblock={kblock} row {r} col {j}: {got} vs {want}",
+                        kernels.isa()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_variant_sums_groups_of_codes_less_their_zeros_times_their_scales() {
+        for (k, kblock, xblock) in [
+            (4, 4, 4),
+            (8, 4, 4),
+            (16, 16, 8),
+            (40, 8, 8),
+            (128, 128, 128),
+            (256, 32, 32),
+            (1024, 1024, 256),
+        ] {
+            check::<1>(k, kblock, xblock);
+            check::<2>(k, kblock, xblock);
+            check::<3>(k, kblock, xblock);
+            check::<4>(k, kblock, xblock);
+        }
+    }
+
+    #[test]
+    fn int4_panels_round_to_the_bf16_panels_of_their_values_on_every_variant() {
+        use super::super::PanelValue;
+        for (k, kblock) in [(4, 4), (8, 4), (40, 8), (64, 32)] {
+            let codes = panel(k, 3);
+            let (scales, zeros) = grid(k.div_ceil(kblock), 5);
+            for kernels in variants() {
+                let mut got = vec![0xdead; u16::panel_len(k)];
+                kernels.int4_to_bf16_pairs(&codes, &scales, &zeros, kblock, k, &mut got);
+                for p in 0..k.next_multiple_of(super::super::BF16_K_ALIGN) {
+                    for j in 0..NR {
+                        let want = if p < k {
+                            let b = p / kblock * NR + j;
+                            let v = int4_value(int4_code(&codes, p, j), zeros[b], scales[b]);
+                            half::bf16::from_f32(v).to_bits()
+                        } else {
+                            0
+                        };
+                        assert_eq!(
+                            got[u16::slot(p, j)],
+                            want,
+                            "{:?} k={k} step {p} col {j}",
+                            kernels.isa()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! Linear weights kept as the 4-bit codes a GPTQ or AWQ checkpoint stores, two a byte,
+//! beside an f32 scale and zero point per column per group, so that a decode step reads a
+//! quarter of the bytes of bf16 (products in `isa/int4.rs`).
+//!
+//! A panel's codes are `k/4` quads of 32 bytes (`isa/int4.rs` gives the order); its scales
+//! and zeros `[⌈k/kblock⌉][NR]`, `kblock` the checkpoint's group. That needs
+//! every local block of `kblock` steps to read inputs of one stored group: true when the
+//! split keeps the groups whole (feasibility checks it) and the groups are consecutive.
+//! GPTQ's act order scatters them, so there — and where a depth or a group is not a
+//! multiple of 4 — the
+//! weight is not packed this way and is dequantized as it is read instead. A column's
+//! padding steps inside a block of stored ones take the block's zero point as their code
+//! (value 0); a block of padding alone takes scale 0.
+
+use super::super::aligned::AlignedVec;
+use super::super::isa::{int4_code, int4_slot, int4_value, QuantizedRows, NR};
+use super::Result;
+use crate::plan::WeightSlice;
+use crate::runtime::weights::{Int4Weight, Piece, SliceLayout, WeightSource};
+use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Int4Panels {
+    pub codes: AlignedVec<u8>,
+    pub scales: AlignedVec<f32>,
+    pub zeros: AlignedVec<f32>,
+    /// Local steps per group (the last may be shorter).
+    pub kblock: usize,
+    /// Steps per block of the decode rows' i16 quantization: the largest multiple of 4 up
+    /// to 256 that divides `kblock` (so that a block's i32 sums cannot overflow).
+    pub xblock: usize,
+    /// The run computes linears in bf16: prompt products may round the weights and the
+    /// activations to bf16 (the bf16 products); otherwise they stay f32.
+    pub bf16: bool,
+}
+
+impl Int4Panels {
+    pub fn panel(&self, q: usize, k: usize) -> &[u8] {
+        &self.codes[q * k / 2 * NR..][..k / 2 * NR]
+    }
+
+    fn grid_len(&self, k: usize) -> usize {
+        k.div_ceil(self.kblock) * NR
+    }
+
+    pub fn panel_scales(&self, q: usize, k: usize) -> &[f32] {
+        let len = self.grid_len(k);
+        &self.scales[q * len..][..len]
+    }
+
+    pub fn panel_zeros(&self, q: usize, k: usize) -> &[f32] {
+        let len = self.grid_len(k);
+        &self.zeros[q * len..][..len]
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + (self.scales.len() + self.zeros.len()) * 4
+    }
+
+    /// The value of output column `j`, step `p`.
+    pub fn get(&self, j: usize, p: usize, k: usize) -> f32 {
+        let (q, jj) = (j / NR, j % NR);
+        let b = p / self.kblock * NR + jj;
+        int4_value(
+            int4_code(self.panel(q, k), p, jj),
+            self.panel_zeros(q, k)[b],
+            self.panel_scales(q, k)[b],
+        )
+    }
+
+    /// `m` decode rows of `x` quantized for the GEMV.
+    pub fn quantize_rows(&self, x: &[f32], m: usize, k: usize, rows: &mut QuantizedRows) {
+        rows.quantize(x, m, k, self.xblock);
+    }
+}
+
+/// The `OutIn` weights `slices` (output columns side by side, each with its `layout`) as
+/// INT4 panels when the source stores every one as INT4 codes and every local block of
+/// the checkpoint's group size reads one stored group; `None` otherwise (the caller packs
+/// the values).
+pub(super) fn int4_panels(
+    src: &dyn WeightSource,
+    slices: &[&WeightSlice],
+    layouts: &[SliceLayout],
+    n: usize,
+    k: usize,
+    bf16: bool,
+) -> Result<Option<Int4Panels>> {
+    let mut stored: Vec<Arc<Int4Weight>> = Vec::with_capacity(slices.len());
+    for w in slices {
+        match src.int4_weight(&w.tensor)? {
+            Some(s) => stored.push(s),
+            None => return Ok(None),
+        }
+    }
+    let group = match slices[0].quant.map(|q| q.block[1]) {
+        Some(0) => k as u64,
+        Some(g) => g,
+        None => return Ok(None),
+    };
+    let Ok(kblock) = usize::try_from(group) else {
+        return Ok(None);
+    };
+    if k == 0
+        || !k.is_multiple_of(4)
+        || kblock == 0
+        || !kblock.is_multiple_of(4)
+        || slices
+            .iter()
+            .any(|w| w.quant.map(|q| q.block[1]) != slices[0].quant.map(|q| q.block[1]))
+    {
+        return Ok(None);
+    }
+    let blocks = k.div_ceil(kblock);
+    let panels = n.div_ceil(NR);
+    let mut panel_codes = AlignedVec::zeroed(panels * k / 2 * NR);
+    let mut scales = AlignedVec::zeroed(panels * blocks * NR);
+    let mut zeros = AlignedVec::zeroed(panels * blocks * NR);
+    // Each weight's first output column.
+    let starts: Vec<usize> = layouts
+        .iter()
+        .scan(0, |at, l| {
+            let s = *at;
+            *at += l.rows;
+            Some(s)
+        })
+        .collect();
+    let cut = AtomicBool::new(false);
+    panel_codes
+        .par_chunks_mut(k / 2 * NR)
+        .zip(scales.par_chunks_mut(blocks * NR))
+        .zip(zeros.par_chunks_mut(blocks * NR))
+        .enumerate()
+        .try_for_each(|(q, ((codes, scales), zeros))| -> Result<()> {
+            let mut column = vec![0u8; k];
+            // Each block's stored group (`None`: padding alone so far).
+            let mut group_of_block: Vec<Option<u32>> = vec![None; blocks];
+            for jj in 0..NR.min(n - q * NR) {
+                if cut.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                let j = q * NR + jj;
+                let part = starts.partition_point(|&s| s <= j) - 1;
+                let (w, layout, s) = (slices[part], &layouts[part], &stored[part]);
+                let inp = s.shape()[1];
+                group_of_block.fill(None);
+                let mut row = None;
+                let mut padding = Vec::new();
+                layout.pieces(j - starts[part], 0, k, |at, piece| {
+                    match piece {
+                        Piece::Stored { from, len } => {
+                            src.read_int4_codes(&w.tensor, from, &mut column[at..at + len])?;
+                            row = Some(from / inp.max(1));
+                            let groups = &s.group_of()[from % inp.max(1)..][..len];
+                            for (p, &g) in (at..).zip(groups) {
+                                let b = &mut group_of_block[p / kblock];
+                                if b.is_some_and(|b| b != g) {
+                                    cut.store(true, Ordering::Relaxed);
+                                }
+                                *b = Some(g);
+                            }
+                        }
+                        Piece::Zeros { len } => padding.push((at, len)),
+                    }
+                    Ok(())
+                })?;
+                for (b, g) in group_of_block.iter().enumerate() {
+                    let (scale, zero) = match (g, row) {
+                        (Some(g), Some(o)) => s.scale_zero(*g as usize, o),
+                        _ => (0.0, 0),
+                    };
+                    scales[b * NR + jj] = scale;
+                    zeros[b * NR + jj] = f32::from(zero);
+                }
+                // Padding reads as its block's zero point: a value of 0.
+                // (GPTQ's zeros run 1..=16: a 16 has no code, so that weight is not kept.)
+                for &(at, len) in &padding {
+                    for (p, c) in column.iter_mut().enumerate().skip(at).take(len) {
+                        let zero = zeros[p / kblock * NR + jj];
+                        if zero > 15.0 {
+                            cut.store(true, Ordering::Relaxed);
+                        }
+                        *c = zero as u8;
+                    }
+                }
+                for (p, &c) in column.iter().enumerate() {
+                    let (at, shift) = int4_slot(p, jj);
+                    codes[at] |= c << shift;
+                }
+            }
+            Ok(())
+        })?;
+    if cut.load(Ordering::Relaxed) {
+        return Ok(None);
+    }
+    Ok(Some(Int4Panels {
+        codes: panel_codes,
+        scales,
+        zeros,
+        kblock,
+        xblock: (4..=256.min(kblock))
+            .rev()
+            .step_by(4)
+            .find(|d| kblock.is_multiple_of(*d))
+            .unwrap_or(4),
+        bf16,
+    }))
+}
