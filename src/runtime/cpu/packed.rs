@@ -573,15 +573,7 @@ impl PackedMatrix {
                             &widened[..kc * NR]
                         }
                         Panels::Int4(c) => {
-                            kernels.widen_int4(
-                                c.panel(q, k),
-                                c.panel_scales(q, k),
-                                c.panel_zeros(q, k),
-                                c.kblock,
-                                k0,
-                                kc,
-                                &mut widened,
-                            );
+                            c.widen(kernels, q, k, k0, kc, &mut widened);
                             &widened[..kc * NR]
                         }
                     };
@@ -628,6 +620,18 @@ impl PackedMatrix {
     }
 }
 
+/// Each weight's first output column in a product of weights side by side (`layouts`).
+fn first_columns(layouts: &[SliceLayout]) -> Vec<usize> {
+    layouts
+        .iter()
+        .scan(0, |at, l| {
+            let s = *at;
+            *at += l.rows;
+            Some(s)
+        })
+        .collect()
+}
+
 /// A decode product's source of output rows: `R` rows from row `first` on, of panel `q`.
 trait PanelRows: Sync {
     fn rows<const R: usize>(&self, q: usize, first: usize, out: &mut [[f32; NR]; R]);
@@ -662,9 +666,7 @@ impl PanelRows for F32Rows<'_> {
                 *out = [[0f32; NR]; R];
                 for k0 in (0..k).step_by(KC) {
                     let kc = KC.min(k - k0);
-                    let (codes, scales, zeros) =
-                        (c.panel(q, k), c.panel_scales(q, k), c.panel_zeros(q, k));
-                    kernels.widen_int4(codes, scales, zeros, c.kblock, k0, kc, &mut block);
+                    c.widen(kernels, q, k, k0, kc, &mut block);
                     kernels.gemv::<R, f32>(&xs[k0..], k, &block[..kc * NR], kc, &mut part);
                     for (o, p) in out.iter_mut().zip(&part) {
                         for (o, p) in o.iter_mut().zip(p) {

@@ -10,7 +10,7 @@
 
 use super::super::aligned::AlignedVec;
 use super::super::isa::{CodeKind, NR};
-use super::Result;
+use super::{first_columns, Result};
 use crate::ir::QuantFormat;
 use crate::plan::WeightSlice;
 use crate::runtime::weights::{BlockScales, Piece, SliceLayout, WeightSource};
@@ -87,15 +87,7 @@ pub(super) fn code_scales(
     let blocks = k.div_ceil(kblock);
     let per_panel = blocks * NR;
     let mut scales = AlignedVec::zeroed(n.div_ceil(NR) * per_panel);
-    // Each weight's first output column.
-    let starts: Vec<usize> = layouts
-        .iter()
-        .scan(0, |at, l| {
-            let s = *at;
-            *at += l.rows;
-            Some(s)
-        })
-        .collect();
+    let starts = first_columns(layouts);
     let whole = scales
         .par_chunks_mut(per_panel.max(1))
         .enumerate()

@@ -13,8 +13,8 @@
 //! (value 0); a block of padding alone takes scale 0.
 
 use super::super::aligned::AlignedVec;
-use super::super::isa::{int4_code, int4_slot, int4_value, QuantizedRows, NR};
-use super::Result;
+use super::super::isa::{int4_code, int4_slot, int4_value, Kernels, QuantizedRows, NR};
+use super::{first_columns, Result};
 use crate::plan::WeightSlice;
 use crate::runtime::weights::{Int4Weight, Piece, SliceLayout, WeightSource};
 use rayon::prelude::*;
@@ -53,6 +53,24 @@ impl Int4Panels {
     pub fn panel_zeros(&self, q: usize, k: usize) -> &[f32] {
         let len = self.grid_len(k);
         &self.zeros[q * len..][..len]
+    }
+
+    /// Steps `[p0, p0 + kc)` of panel `q` as f32 `[kc][NR]` values into `dst`.
+    pub fn widen(
+        &self,
+        kernels: Kernels,
+        q: usize,
+        k: usize,
+        p0: usize,
+        kc: usize,
+        dst: &mut [f32],
+    ) {
+        let (codes, scales, zeros) = (
+            self.panel(q, k),
+            self.panel_scales(q, k),
+            self.panel_zeros(q, k),
+        );
+        kernels.widen_int4(codes, scales, zeros, self.kblock, p0, kc, dst);
     }
 
     pub fn bytes(&self) -> usize {
@@ -118,15 +136,7 @@ pub(super) fn int4_panels(
     let mut panel_codes = AlignedVec::zeroed(panels * k / 2 * NR);
     let mut scales = AlignedVec::zeroed(panels * blocks * NR);
     let mut zeros = AlignedVec::zeroed(panels * blocks * NR);
-    // Each weight's first output column.
-    let starts: Vec<usize> = layouts
-        .iter()
-        .scan(0, |at, l| {
-            let s = *at;
-            *at += l.rows;
-            Some(s)
-        })
-        .collect();
+    let starts = first_columns(layouts);
     let cut = AtomicBool::new(false);
     panel_codes
         .par_chunks_mut(k / 2 * NR)

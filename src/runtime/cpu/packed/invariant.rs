@@ -216,16 +216,7 @@ impl Job<'_> {
                 &scratch[..len * NR]
             }
             Panels::Int4(c) => {
-                let k = self.w.k;
-                self.kernels.widen_int4(
-                    c.panel(q, k),
-                    c.panel_scales(q, k),
-                    c.panel_zeros(q, k),
-                    c.kblock,
-                    s,
-                    len,
-                    scratch,
-                );
+                c.widen(self.kernels, q, self.w.k, s, len, scratch);
                 &scratch[..len * NR]
             }
         }
