@@ -505,7 +505,7 @@ impl PackedMatrix {
         }
         if gemv {
             // INT4 panels of a bf16 run take the rows quantized to i16.
-            let mut quantized = QuantizedRows::default();
+            let mut quantized = QUANTIZED_ROWS.take();
             if let Panels::Int4(c) = &self.panels {
                 if c.bf16 {
                     c.quantize_rows(&x.data, m, k, &mut quantized);
@@ -515,6 +515,7 @@ impl PackedMatrix {
             run_chunks(team, threads, panels, 1, 0, &|range| {
                 gemv_panels(&rows, m, self.n, range.panels, dst)
             });
+            QUANTIZED_ROWS.set(quantized);
         } else {
             let mut packed_x = PACKED_ROWS.take();
             let group = kernels.f32_tile_rows();
@@ -1307,6 +1308,9 @@ thread_local! {
     static BF16_ROWS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
     /// A chunk's code panels widened to bf16 for a prompt product, kept the same way.
     static CODE_PANELS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
+    /// Decode rows quantized to i16 for the INT4 GEMV, kept the same way (a decode step
+    /// runs a few hundred products).
+    static QUANTIZED_ROWS: std::cell::Cell<QuantizedRows> = const { std::cell::Cell::new(QuantizedRows::new()) };
     /// The AMX product's partial sums (`Bf16Product::gemm_amx`), kept the same way.
     static AMX_SUMS: std::cell::Cell<AlignedVec<f32>> = const { std::cell::Cell::new(AlignedVec::new()) };
 }

@@ -57,6 +57,15 @@ pub struct QuantizedRows {
 }
 
 impl QuantizedRows {
+    pub const fn new() -> QuantizedRows {
+        QuantizedRows {
+            q: Vec::new(),
+            scales: Vec::new(),
+            sums: Vec::new(),
+            blocks: 0,
+        }
+    }
+
     /// `m` rows of `k` from `x`, in blocks of `xblock`.
     pub fn quantize(&mut self, x: &[f32], m: usize, k: usize, xblock: usize) {
         let blocks = k.div_ceil(xblock.max(1));
