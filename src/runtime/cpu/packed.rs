@@ -266,10 +266,11 @@ impl PackedMatrix {
         Ok(PackedMatrix { n, k, panels })
     }
 
-    /// A weight of FP8 codes `[n][k]` (row-major, no NaN codes) with scales
-    /// `[n][⌈k/kblock⌉]`, packed as a checkpoint's FP8 weight is (for the start-up
+    /// A weight of `kind` codes `[n][k]` (row-major, no NaN codes) with scales
+    /// `[n][⌈k/kblock⌉]`, packed as a checkpoint's FP8 or INT8 weight is (for the start-up
     /// self-check and tests); `bf16` as for [`PackedMatrix::pack`].
     pub(crate) fn from_codes(
+        kind: super::isa::CodeKind,
         n: usize,
         k: usize,
         codes: &[u8],
@@ -294,7 +295,7 @@ impl PackedMatrix {
             n,
             k,
             panels: Panels::Codes(CodePanels {
-                kind: super::isa::CodeKind::E4m3,
+                kind,
                 codes: c,
                 scales: s,
                 kblock,
@@ -316,6 +317,11 @@ impl PackedMatrix {
     /// Whether the panels hold bf16.
     pub fn is_bf16(&self) -> bool {
         matches!(self.panels, Panels::Bf16(_))
+    }
+
+    /// Whether the panels hold INT4 codes.
+    pub fn is_int4(&self) -> bool {
+        matches!(self.panels, Panels::Int4(_))
     }
 
     /// Element `(j, p)`: output column `j`, input `p`, as f32.

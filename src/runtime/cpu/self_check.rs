@@ -1,11 +1,12 @@
 //! The start-up self-check a variant passes before it is used: small products through its
-//! prompt GEMM and decode GEMV, for both weight types, against an f64 reference of the same
+//! prompt GEMM and decode GEMV, for every weight type (f32, bf16, FP8, INT8 and INT4
+//! codes), against an f64 reference of the same
 //! (rounded, where the variant rounds) operands. A wrong result here means a kernel bug or a
 //! CPU/OS that misreports a feature: the variant is then not used. The checked choices of
 //! [`Kernels`] (`select`, `detect`, `exact`) live here, above both the kernels and the
 //! packed weights the check multiplies.
 
-use super::isa::{round_bf16, widen, Isa, KernelError, Kernels};
+use super::isa::{round_bf16, widen, CodeKind, Isa, KernelError, Kernels};
 use crate::ir::WeightOrder;
 use crate::runtime::cpu::packed::PackedMatrix;
 use crate::runtime::cpu::team::Team;
@@ -93,39 +94,95 @@ pub(crate) fn reference(x: &Tensor, w: &PackedMatrix, round: bool) -> Vec<f64> {
         .collect()
 }
 
+/// The weights a check multiplies: values packed f32 or bf16, or a checkpoint's codes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Weights {
+    Values,
+    Fp8,
+    Int8,
+    Int4,
+}
+
+impl Weights {
+    const ALL: [Weights; 4] = [Weights::Values, Weights::Fp8, Weights::Int8, Weights::Int4];
+
+    /// A `n × k` weight (`k` a multiple of 4 for INT4). Codes come in blocks of 8 steps whose
+    /// power-of-two scales (and integer zero points) keep the values bf16, so that the bf16
+    /// products round the activations only.
+    fn pack(self, w: &[f32], n: usize, k: usize, bf16: bool) -> PackedMatrix {
+        let kblock = 8;
+        let blocks = n * k.div_ceil(kblock);
+        let scales: Vec<f32> = (0..blocks).map(|i| [0.25, 0.5, 0.0625][i % 3]).collect();
+        let code = |i: usize| (i * 53 % 251) as u8;
+        match self {
+            Weights::Values => PackedMatrix::pack(
+                &Tensor::new(vec![n, k], w.to_vec()),
+                WeightOrder::OutIn,
+                bf16,
+            ),
+            // Every FP8 code but the NaNs.
+            Weights::Fp8 => {
+                let codes: Vec<u8> = (0..n * k)
+                    .map(|i| match code(i) {
+                        b if b & 0x7f == 0x7f => 0,
+                        b => b,
+                    })
+                    .collect();
+                PackedMatrix::from_codes(CodeKind::E4m3, n, k, &codes, &scales, kblock, bf16)
+            }
+            Weights::Int8 => {
+                let codes: Vec<u8> = (0..n * k).map(code).collect();
+                PackedMatrix::from_codes(CodeKind::Int8, n, k, &codes, &scales, kblock, bf16)
+            }
+            Weights::Int4 => {
+                let codes: Vec<u8> = (0..n * k).map(|i| code(i) & 0xf).collect();
+                let zeros: Vec<f32> = (0..blocks).map(|i| (i * 7 % 16) as f32).collect();
+                PackedMatrix::from_int4(n, k, &codes, &scales, &zeros, kblock, bf16)
+            }
+        }
+    }
+
+    fn name(self, bf16: bool) -> &'static str {
+        match (self, bf16) {
+            (Weights::Fp8, _) => "FP8",
+            (Weights::Int8, _) => "INT8",
+            (Weights::Int4, _) => "INT4",
+            (Weights::Values, true) => "bf16",
+            (Weights::Values, false) => "f32",
+        }
+    }
+}
+
 /// `product` against the reference of `kernels`' rounding, on every shape and weight type.
 fn compare(
     kernels: Kernels,
     product: impl Fn(&PackedMatrix, &Tensor) -> Tensor,
 ) -> Result<(), String> {
     for (m, n, k) in SHAPES {
-        let (x, w) = operands(m, n, k);
-        let w = Tensor::new(vec![n, k], w);
-        // FP8 codes too: every code but the NaNs, in blocks of 8 steps whose power-of-two
-        // scales keep the values bf16 (so the bf16 products round the activations only).
-        let kblock = 8;
-        let codes: Vec<u8> = (0..n * k)
-            .map(|i| match (i * 53 % 251) as u8 {
-                b if b & 0x7f == 0x7f => 0,
-                b => b,
-            })
-            .collect();
-        let scales: Vec<f32> = (0..n * k.div_ceil(kblock))
-            .map(|i| [0.25, 0.5, 0.0625][i % 3])
-            .collect();
-        for (bf16, fp8) in [(false, false), (true, false), (false, true), (true, true)] {
-            let packed = if fp8 {
-                PackedMatrix::from_codes(n, k, &codes, &scales, kblock, bf16)
+        for (weights, bf16) in Weights::ALL
+            .into_iter()
+            .flat_map(|w| [(w, false), (w, true)])
+        {
+            // INT4 panels need a depth that is a multiple of 4.
+            let k = if weights == Weights::Int4 {
+                k - k % 4
             } else {
-                PackedMatrix::pack(&w, WeightOrder::OutIn, bf16)
+                k
             };
+            let (x, w) = operands(m, n, k);
+            let packed = weights.pack(&w, n, k, bf16);
             let got = product(&packed, &x);
-            // FP8 decode rows keep f32 activations; FP8 prompts take the bf16 products.
-            let round = if fp8 {
-                bf16 && m > kernels.gemv_max_rows(false)
-                    && kernels.gemm_variant(true).bf16_activations()
-            } else {
+            let gemv = m <= kernels.gemv_max_rows(packed.is_bf16());
+            // Code decode rows keep f32 activations (INT4's in a bf16 run: i16 ones, taken
+            // as the reference's too); code prompts of a bf16 run take the bf16 products.
+            let round = if weights == Weights::Values {
                 bf16 && kernels.isa().bf16_activations()
+            } else {
+                bf16 && !gemv && kernels.gemm_variant(true).bf16_activations()
+            };
+            let x = match packed.int4_decode_rows(&x) {
+                Some(q) if gemv => q,
+                _ => x,
             };
             let reference = reference(&x, &packed, round);
             for (i, (&g, &want)) in got.data.iter().zip(&reference).enumerate() {
@@ -137,11 +194,7 @@ fn compare(
                     return Err(format!(
                         "{m}×{n}×{k} product with {} weights: element ({r}, {j}) is {g}, \
                          expected {want}",
-                        match (fp8, bf16) {
-                            (true, _) => "FP8",
-                            (false, true) => "bf16",
-                            (false, false) => "f32",
-                        }
+                        weights.name(bf16)
                     ));
                 }
             }
@@ -179,5 +232,16 @@ mod tests {
             y
         });
         assert!(nan.unwrap_err().contains("is NaN"));
+        // The INT4 decode rows are checked too: a product off on them alone fails, naming them.
+        let int4 = compare(k, |w, x| {
+            let mut y = w.matmul_with(k, x, &team);
+            if w.is_int4() && x.rows_cols().0 == 1 {
+                y.data[3] += 1e-2;
+            }
+            y
+        });
+        assert!(int4
+            .unwrap_err()
+            .contains("1×16×64 product with INT4 weights: element (0, 3)"));
     }
 }

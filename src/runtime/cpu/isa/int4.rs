@@ -158,7 +158,7 @@ impl Kernels {
             let (s, z) = (&scales[g..][..NR], &zeros[g..][..NR]);
             for (r, o) in out.iter_mut().enumerate() {
                 let mut acc = [0i32; NR];
-                for p in b * xblock..(b + 1) * xblock {
+                for p in b * xblock..((b + 1) * xblock).min(k) {
                     let xv = i32::from(xq[r * ldx + p]);
                     for (j, a) in acc.iter_mut().enumerate() {
                         *a += xv * i32::from(int4_code(codes, p, j));
@@ -293,7 +293,8 @@ mod x86 {
         let mut tot = [[_mm256_setzero_ps(); 2]; R];
         let mut b0 = 0;
         while b0 < k {
-            let b1 = b0 + xblock;
+            // The last block may be short (a group cut short by the depth).
+            let b1 = (b0 + xblock).min(k);
             // [row][half of the columns][low / high bytes of each lane]
             let mut acc = [[[_mm256_setzero_si256(); 2]; 2]; R];
             for i in b0 / 4..b1 / 4 {
@@ -532,6 +533,10 @@ mod tests {
             (128, 128, 128),
             (256, 32, 32),
             (1024, 1024, 256),
+            // Depths that end inside a block (a group cut short): the last block is short.
+            (68, 8, 8),
+            (100, 32, 16),
+            (1000, 1024, 256),
         ] {
             check::<1>(k, kblock, xblock);
             check::<2>(k, kblock, xblock);

@@ -14,8 +14,9 @@
 
 use super::super::aligned::AlignedVec;
 use super::super::isa::{int4_code, int4_slot, int4_value, Kernels, QuantizedRows, NR};
-use super::{first_columns, Result};
+use super::{first_columns, PackedMatrix, Panels, Result};
 use crate::plan::WeightSlice;
+use crate::runtime::tensor::Tensor;
 use crate::runtime::weights::{Int4Weight, Piece, SliceLayout, WeightSource};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -210,11 +211,90 @@ pub(super) fn int4_panels(
         scales,
         zeros,
         kblock,
-        xblock: (4..=256.min(kblock))
-            .rev()
-            .step_by(4)
-            .find(|d| kblock.is_multiple_of(*d))
-            .unwrap_or(4),
+        xblock: xblock_for(kblock),
         bf16,
     }))
+}
+
+/// The decode rows' quantization block for groups of `kblock` steps (a multiple of 4): the
+/// largest multiple of 4 up to 256 that divides it.
+fn xblock_for(kblock: usize) -> usize {
+    (4..=256.min(kblock))
+        .rev()
+        .step_by(4)
+        .find(|d| kblock.is_multiple_of(*d))
+        .unwrap_or(4)
+}
+
+impl PackedMatrix {
+    /// The activations a bf16 run's decode product with this INT4 weight multiplies: the
+    /// rows of `x` quantized to i16 per block, scaled back. `None` for other weights (and
+    /// for f32 runs): their decode products take `x` as it is.
+    pub(crate) fn int4_decode_rows(&self, x: &Tensor) -> Option<Tensor> {
+        let Panels::Int4(c) = &self.panels else {
+            return None;
+        };
+        if !c.bf16 {
+            return None;
+        }
+        let (m, k) = x.rows_cols();
+        let mut rows = QuantizedRows::new();
+        c.quantize_rows(&x.data, m, k, &mut rows);
+        let data = (0..m * k)
+            .map(|i| f32::from(rows.q[i]) * rows.scales[i / k * rows.blocks + i % k / c.xblock])
+            .collect();
+        Some(Tensor::new(vec![m, k], data))
+    }
+
+    /// A weight of INT4 codes `[n][k]` (row-major, each 0–15) with scales and zero points
+    /// `[n][⌈k/kblock⌉]`, packed as a checkpoint's INT4 weight is (for the start-up
+    /// self-check and tests); `k` and `kblock` multiples of 4, `bf16` as for
+    /// [`PackedMatrix::pack`].
+    pub(crate) fn from_int4(
+        n: usize,
+        k: usize,
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        kblock: usize,
+        bf16: bool,
+    ) -> PackedMatrix {
+        let blocks = k.div_ceil(kblock.max(1));
+        assert!(
+            kblock > 0
+                && kblock.is_multiple_of(4)
+                && k.is_multiple_of(4)
+                && codes.len() == n * k
+                && codes.iter().all(|&c| c < 16)
+                && scales.len() == n * blocks
+                && zeros.len() == n * blocks
+        );
+        let panels = n.div_ceil(NR);
+        let mut c = AlignedVec::zeroed(panels * k / 2 * NR);
+        let mut s = AlignedVec::zeroed(panels * blocks * NR);
+        let mut z = AlignedVec::zeroed(panels * blocks * NR);
+        for j in 0..n {
+            let (q, jj) = (j / NR, j % NR);
+            for p in 0..k {
+                let (at, shift) = int4_slot(p, jj);
+                c[q * k / 2 * NR + at] |= codes[j * k + p] << shift;
+            }
+            for b in 0..blocks {
+                s[(q * blocks + b) * NR + jj] = scales[j * blocks + b];
+                z[(q * blocks + b) * NR + jj] = zeros[j * blocks + b];
+            }
+        }
+        PackedMatrix {
+            n,
+            k,
+            panels: Panels::Int4(Int4Panels {
+                codes: c,
+                scales: s,
+                zeros: z,
+                kblock,
+                xblock: xblock_for(kblock),
+                bf16,
+            }),
+        }
+    }
 }
