@@ -41,7 +41,9 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 def groups_of(w: torch.Tensor, group: int, desc_act: bool) -> torch.Tensor:
     """Each input's group (``g_idx``): consecutive runs of ``group`` inputs, or with
-    ``desc_act`` runs of the inputs in order of decreasing mean |weight|."""
+    ``desc_act`` runs of the inputs in order of decreasing mean |weight| of ``w`` (the
+    weights that read one input, stacked: GPTQ orders them by the diagonal of that input's
+    Hessian, so the projections that share an input share ``g_idx``)."""
     n_in = w.shape[1]
     if not desc_act:
         return torch.arange(n_in, dtype=torch.int32) // group
@@ -124,16 +126,29 @@ def dequantize(stored: dict[str, torch.Tensor], method: str, group: int) -> torc
     return (codes.float() - zeros[g_idx].T.float()) * scales[g_idx].T
 
 
+def same_input(name: str) -> str:
+    """A key shared by the projections that read one input (q/k/v, gate/up)."""
+    for siblings, key in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "gate_up")):
+        for s in siblings:
+            if f".{s}." in name:
+                return name.replace(f".{s}.", f".{key}.")
+    return name
+
+
 def convert_tensors(tensors, method: str, group: int, desc_act: bool):
     """The stored tensors, and the dequantized value of every quantized weight."""
     stored, dequantized = {}, {}
+    readers = {}
+    for name, w in tensors.items():
+        if is_quantized(name, w.shape):
+            readers.setdefault(same_input(name), []).append(w.float())
     for name, w in tensors.items():
         if not is_quantized(name, w.shape):
             stored[name] = w
             continue
         w = w.float()
         g = group if group > 0 else w.shape[1]
-        g_idx = groups_of(w, g, desc_act)
+        g_idx = groups_of(torch.cat(readers[same_input(name)]), g, desc_act)
         codes, zeros, scales = quantize(w, g_idx, sym=method == "gptq")
         if method == "gptq":
             packed = pack_gptq(codes, zeros, scales, g_idx)

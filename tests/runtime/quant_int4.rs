@@ -78,6 +78,60 @@ fn gptq_checkpoints_match_transformers_at_every_tp_their_groups_allow() {
     );
 }
 
+/// In act order a linear whose inputs a rank has whole keeps its codes, stored sorted by
+/// group with the order (8 bytes an input), and takes its activations in that order (the
+/// fixture's q/k/v and gate/up share an order, as GPTQ gives the projections of one input):
+/// at tp 1 every linear does, so rank 0 holds the plain GPTQ fixture's bytes and the orders;
+/// at tp 2 the row-split o and down projections are dequantized as they load (f32 values).
+#[test]
+fn act_order_linears_keep_their_codes_where_a_rank_has_every_input() {
+    use tpc::runtime::generate::{Request, RunOptions};
+    use tpc::runtime::run::run_batch;
+    let held = |dir: &str, tp: u64| {
+        let dir = Path::new(dir);
+        let reference = read_reference(dir);
+        let plan = compile(&load_model(dir).unwrap(), tp).unwrap().plan;
+        let ckpt = Checkpoint::open(dir).unwrap();
+        let opts = RunOptions {
+            max_new_tokens: 1,
+            ..Default::default()
+        };
+        let request = [Request {
+            prompt: reference.prompt.clone(),
+            max_new_tokens: None,
+        }];
+        let out = run_batch(&plan, &ckpt, &request, &opts).unwrap();
+        (out.weight_bytes, plan)
+    };
+    let (plain, plan) = held(GPTQ, 1);
+    let (act, _) = held(GPTQ_ACT, 1);
+    let inputs: u64 = plan.ranks[0]
+        .weights
+        .iter()
+        .filter(|w| w.quant.is_some())
+        .map(|w| w.local_shape[1])
+        .sum();
+    // At most one order per linear (fewer where projections are fused).
+    assert!(
+        act > plain && act <= plain + 8 * inputs,
+        "act order {act} bytes against {plain} plain ({inputs} inputs)"
+    );
+    let (plain, plan) = held(GPTQ, 2);
+    let (act, _) = held(GPTQ_ACT, 2);
+    let rows_split: u64 = plan.ranks[0]
+        .weights
+        .iter()
+        .filter(|w| w.quant.is_some() && w.dim == Some(1))
+        .map(|w| w.local_elements())
+        .sum();
+    assert!(rows_split > 0);
+    // f32 values (4 bytes) in place of codes, scales and zeros (under 1.5 bytes here).
+    assert!(
+        act >= plain + rows_split * 5 / 2 && act <= plain + rows_split * 4 + 8 * inputs,
+        "act order {act} bytes against {plain} plain ({rows_split} row-split elements)"
+    );
+}
+
 #[test]
 fn awq_checkpoints_match_transformers_at_every_tp_their_groups_allow() {
     assert_eq!(
@@ -240,14 +294,18 @@ fn packed_tensors_that_do_not_fit_or_other_packings_are_refused_before_compute()
 
 /// A bf16 run keeps the INT4 codes and quantizes decode rows to i16 (`isa/int4.rs`): the
 /// prompt logits stay within the bf16 tolerance of transformers' f32 ones on every variant
-/// this host runs, at both tp the groups allow, and the greedy tokens match.
+/// this host runs, at tp 1 and 2 (in act order too), and the greedy tokens match.
 #[test]
 fn bf16_runs_of_int4_checkpoints_stay_within_the_bf16_tolerance() {
     use crate::common::{rel_error, BF16_REL_TOL};
     use tpc::runtime::cpu::isa::Isa;
     use tpc::runtime::generate::{ComputeDtype, RunOptions};
     use tpc::runtime::run::run;
-    for (dir, format) in [(GPTQ, QuantFormat::Int4Gptq), (AWQ, QuantFormat::Int4Awq)] {
+    for (dir, format) in [
+        (GPTQ, QuantFormat::Int4Gptq),
+        (GPTQ_ACT, QuantFormat::Int4Gptq),
+        (AWQ, QuantFormat::Int4Awq),
+    ] {
         let dir = Path::new(dir);
         let reference = read_reference(dir);
         let def = load_model(dir).unwrap();

@@ -364,7 +364,13 @@ impl PackedMatrix {
         // Not zeroed first (a prompt's outputs are tens of MB per product): every path below
         // writes every output value and none reads one before writing it.
         let dst = SyncPtr::uninit(&mut data.spare_capacity_mut()[..len]);
-        self.write_product(kernels, x, team, dst);
+        match &self.panels {
+            // Steps stored in another order (act order): the activations are taken in it.
+            Panels::Int4(Int4Panels {
+                order: Some(order), ..
+            }) => self.write_product(kernels, &order.permute(x), team, dst),
+            _ => self.write_product(kernels, x, team, dst),
+        }
         // SAFETY: `empty` gave room for `len` values and `write_product` wrote all of them.
         unsafe { data.set_len(len) };
         Tensor::new(shape, data)
@@ -2117,8 +2123,9 @@ mod slice_tests {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
         /// An INT4 slice keeps its codes when every local group of its depth reads one stored
-        /// group (always for a slice cut on group boundaries, never in act order), and
-        /// either way packs the dequantized values bit for bit.
+        /// group (always for a slice cut on group boundaries, and in act order for a whole
+        /// depth, its steps stored sorted by group), and either way packs the dequantized
+        /// values bit for bit.
         #[test]
         fn int4_slices_keep_their_codes_where_their_groups_stay_whole(
             outs in 1usize..5,
@@ -2174,10 +2181,11 @@ mod slice_tests {
                         }
                     }
                 } else {
-                    // Kept unless act order scatters the groups, or a cut depth mixes two
-                    // groups in one local block (or leaves an odd depth).
+                    // Kept unless a cut depth mixes two groups in one local block (a row
+                    // split not on group boundaries, or any row split in act order, whose
+                    // groups it scatters) or leaves an odd depth.
                     prop_assert!(
-                        act_order || (!aligned && dim == 2) || k == 0,
+                        (dim == 2 && (act_order || !aligned)) || k == 0,
                         "{w:?}: not kept as codes"
                     );
                     let old = PackedMatrix::pack(&dense, WeightOrder::OutIn, bf16);
@@ -2195,7 +2203,7 @@ mod slice_tests {
     #[test]
     fn int4_code_products_match_the_dequantized_weight() {
         let (n, k, group) = (40, 320, 32);
-        for kind in 0..2 {
+        for kind in 0..3 {
             let (format, act_order) = int4_format(kind);
             let dir = int4_dir();
             write_int4_checkpoint(&dir, format, act_order, [n, k], group, 11);
@@ -2209,6 +2217,19 @@ mod slice_tests {
             );
             // 48 codes a column (40 padded to 48) + a scale and a zero per group per column.
             let bytes = |k: usize| 48 * k / 2 + 48 * (k / group) * 8;
+            if act_order {
+                // Steps stored sorted by group, with the order and its inverse (4 bytes a
+                // step each); the activations are permuted alike. (A row split scatters the
+                // groups over its depth: dequantized, as the proptest above checks.)
+                code_products_match(
+                    &dir,
+                    &whole,
+                    bytes(k) + 8 * k,
+                    |p| matches!(p, Panels::Int4(c) if c.order.is_some()),
+                );
+                std::fs::remove_dir_all(&dir).unwrap();
+                continue;
+            }
             code_products_match(&dir, &whole, bytes(k), |p| matches!(p, Panels::Int4(_)));
             code_products_match(&dir, &rows, bytes(224), |p| matches!(p, Panels::Int4(_)));
             std::fs::remove_dir_all(&dir).unwrap();

@@ -32,6 +32,8 @@ pub(super) struct Int4Panels {
     /// Steps per block of the decode rows' i16 quantization: the largest multiple of 4 up
     /// to 256 that divides `kblock` (so that a block's i32 sums cannot overflow).
     pub xblock: usize,
+    /// The stored order of the local steps where it is not theirs (GPTQ act order).
+    pub order: Option<StepOrder>,
     /// The run computes linears in bf16: prompt products may round the weights and the
     /// activations to bf16 (the bf16 products); otherwise they stay f32.
     pub bf16: bool,
@@ -75,12 +77,14 @@ impl Int4Panels {
     }
 
     pub fn bytes(&self) -> usize {
-        self.codes.len() + (self.scales.len() + self.zeros.len()) * 4
+        let order = self.order.as_ref().map_or(0, |o| o.stored.len() * 8);
+        self.codes.len() + (self.scales.len() + self.zeros.len()) * 4 + order
     }
 
     /// The value of output column `j`, step `p`.
     pub fn get(&self, j: usize, p: usize, k: usize) -> f32 {
         let (q, jj) = (j / NR, j % NR);
+        let p = self.order.as_ref().map_or(p, |o| o.position[p] as usize);
         let b = p / self.kblock * NR + jj;
         int4_value(
             int4_code(self.panel(q, k), p, jj),
@@ -138,6 +142,18 @@ pub(super) fn int4_panels(
     let mut scales = AlignedVec::zeroed(panels * blocks * NR);
     let mut zeros = AlignedVec::zeroed(panels * blocks * NR);
     let starts = first_columns(layouts);
+    // GPTQ's act order scatters a group's inputs: the steps are then stored sorted by group,
+    // in one order for every column (the activations are taken in it), so every part must
+    // scatter its groups alike (as GPTQ does for the linears that read one input).
+    let mut part_groups = Vec::with_capacity(slices.len());
+    for (part, layout) in layouts.iter().enumerate() {
+        part_groups.push(local_groups(layout, 0, k, &stored[part])?);
+    }
+    let order = step_order(&part_groups[0], kblock);
+    if order.is_some() && part_groups.iter().any(|g| g != &part_groups[0]) {
+        return Ok(None);
+    }
+    let stored_step = |s: usize| order.as_ref().map_or(s, |o| o[s] as usize);
     let cut = AtomicBool::new(false);
     panel_codes
         .par_chunks_mut(k / 2 * NR)
@@ -146,6 +162,8 @@ pub(super) fn int4_panels(
         .enumerate()
         .try_for_each(|(q, ((codes, scales), zeros))| -> Result<()> {
             let mut column = vec![0u8; k];
+            // Each local step's stored group (`None`: padding).
+            let mut step_groups: Vec<Option<u32>> = vec![None; k];
             // Each block's stored group (`None`: padding alone so far).
             let mut group_of_block: Vec<Option<u32>> = vec![None; blocks];
             for jj in 0..NR.min(n - q * NR) {
@@ -155,28 +173,30 @@ pub(super) fn int4_panels(
                 let j = q * NR + jj;
                 let part = starts.partition_point(|&s| s <= j) - 1;
                 let (w, layout, s) = (slices[part], &layouts[part], &stored[part]);
-                let inp = s.shape()[1];
+                let inp = s.shape()[1].max(1);
                 group_of_block.fill(None);
+                step_groups.fill(None);
                 let mut row = None;
-                let mut padding = Vec::new();
                 layout.pieces(j - starts[part], 0, k, |at, piece| {
-                    match piece {
-                        Piece::Stored { from, len } => {
-                            src.read_int4_codes(&w.tensor, from, &mut column[at..at + len])?;
-                            row = Some(from / inp.max(1));
-                            let groups = &s.group_of()[from % inp.max(1)..][..len];
-                            for (p, &g) in (at..).zip(groups) {
-                                let b = &mut group_of_block[p / kblock];
-                                if b.is_some_and(|b| b != g) {
-                                    cut.store(true, Ordering::Relaxed);
-                                }
-                                *b = Some(g);
-                            }
+                    if let Piece::Stored { from, len } = piece {
+                        src.read_int4_codes(&w.tensor, from, &mut column[at..at + len])?;
+                        row = Some(from / inp);
+                        let groups = &s.group_of()[from % inp..][..len];
+                        for (g, &stored) in step_groups[at..at + len].iter_mut().zip(groups) {
+                            *g = Some(stored);
                         }
-                        Piece::Zeros { len } => padding.push((at, len)),
                     }
                     Ok(())
                 })?;
+                for (at, b) in (0..k).map(|at| (at, at / kblock)) {
+                    if let Some(g) = step_groups[stored_step(at)] {
+                        let block = &mut group_of_block[b];
+                        if block.is_some_and(|b| b != g) {
+                            cut.store(true, Ordering::Relaxed);
+                        }
+                        *block = Some(g);
+                    }
+                }
                 for (b, g) in group_of_block.iter().enumerate() {
                     let (scale, zero) = match (g, row) {
                         (Some(g), Some(o)) => s.scale_zero(*g as usize, o),
@@ -185,20 +205,22 @@ pub(super) fn int4_panels(
                     scales[b * NR + jj] = scale;
                     zeros[b * NR + jj] = f32::from(zero);
                 }
-                // Padding reads as its block's zero point: a value of 0.
-                // (GPTQ's zeros run 1..=16: a 16 has no code, so that weight is not kept.)
-                for &(at, len) in &padding {
-                    for (p, c) in column.iter_mut().enumerate().skip(at).take(len) {
-                        let zero = zeros[p / kblock * NR + jj];
-                        if zero > 15.0 {
-                            cut.store(true, Ordering::Relaxed);
+                for at in 0..k {
+                    let p = stored_step(at);
+                    // Padding reads as its block's zero point: a value of 0. (GPTQ's zeros
+                    // run 1..=16: a 16 has no code, so that weight is not kept.)
+                    let c = match step_groups[p] {
+                        Some(_) => column[p],
+                        None => {
+                            let zero = zeros[at / kblock * NR + jj];
+                            if zero > 15.0 {
+                                cut.store(true, Ordering::Relaxed);
+                            }
+                            zero as u8
                         }
-                        *c = zero as u8;
-                    }
-                }
-                for (p, &c) in column.iter().enumerate() {
-                    let (at, shift) = int4_slot(p, jj);
-                    codes[at] |= c << shift;
+                    };
+                    let (byte, shift) = int4_slot(at, jj);
+                    codes[byte] |= c << shift;
                 }
             }
             Ok(())
@@ -212,8 +234,78 @@ pub(super) fn int4_panels(
         zeros,
         kblock,
         xblock: xblock_for(kblock),
+        order: order.map(StepOrder::new),
         bf16,
     }))
+}
+
+/// Each local step's stored group in column `column` of a slice (`None`: padding).
+fn local_groups(
+    layout: &SliceLayout,
+    column: usize,
+    k: usize,
+    s: &Int4Weight,
+) -> Result<Vec<Option<u32>>> {
+    let inp = s.shape()[1].max(1);
+    let mut groups = vec![None; k];
+    layout.pieces(column, 0, k, |at, piece| {
+        if let Piece::Stored { from, len } = piece {
+            let stored = &s.group_of()[from % inp..][..len];
+            for (g, &stored) in groups[at..at + len].iter_mut().zip(stored) {
+                *g = Some(stored);
+            }
+        }
+        Ok(())
+    })?;
+    Ok(groups)
+}
+
+/// The local steps in the order to store them (`order[s]`: the step stored at `s`) given
+/// each one's group: `None` where every block of `kblock` steps already reads one group
+/// (consecutive groups), else sorted by group, padding last. Whether the sorted blocks
+/// read one group each is for the packer to check (a row split's share of a scattered
+/// group need not fill a block).
+fn step_order(groups: &[Option<u32>], kblock: usize) -> Option<Vec<u32>> {
+    let consecutive = groups.chunks(kblock).all(|block| {
+        let mut stored = block.iter().flatten();
+        stored.next().is_none_or(|first| stored.all(|g| g == first))
+    });
+    if consecutive {
+        return None;
+    }
+    let mut order: Vec<u32> = (0..groups.len() as u32).collect();
+    order.sort_by_key(|&p| (groups[p as usize].unwrap_or(u32::MAX), p));
+    Some(order)
+}
+
+/// Where an INT4 weight stores its local steps when not in their own order.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct StepOrder {
+    /// The local step stored at each position.
+    pub stored: Vec<u32>,
+    /// The position each local step is stored at.
+    pub position: Vec<u32>,
+}
+
+impl StepOrder {
+    fn new(stored: Vec<u32>) -> StepOrder {
+        let mut position = vec![0; stored.len()];
+        for (at, &p) in stored.iter().enumerate() {
+            position[p as usize] = at as u32;
+        }
+        StepOrder { stored, position }
+    }
+
+    /// `x`'s rows (`k` columns each) with their columns in stored order.
+    pub fn permute(&self, x: &Tensor) -> Tensor {
+        let k = self.stored.len();
+        let data = x
+            .data
+            .chunks_exact(k)
+            .flat_map(|row| self.stored.iter().map(|&p| row[p as usize]))
+            .collect();
+        Tensor::new(x.shape.clone(), data)
+    }
 }
 
 /// The decode rows' quantization block for groups of `kblock` steps (a multiple of 4): the
@@ -293,6 +385,7 @@ impl PackedMatrix {
                 zeros: z,
                 kblock,
                 xblock: xblock_for(kblock),
+                order: None,
                 bf16,
             }),
         }
