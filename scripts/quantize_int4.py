@@ -29,9 +29,11 @@ Shards are converted one at a time (and the index rewritten), so memory holds on
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 # The same weights (every decoder projection) and the same shard-by-shard conversion.
 from quantize_fp8 import convert_checkpoint, is_quantized
@@ -39,15 +41,15 @@ from quantize_fp8 import convert_checkpoint, is_quantized
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def groups_of(w: torch.Tensor, group: int, desc_act: bool) -> torch.Tensor:
+def groups_of(importance: torch.Tensor, group: int, desc_act: bool) -> torch.Tensor:
     """Each input's group (``g_idx``): consecutive runs of ``group`` inputs, or with
-    ``desc_act`` runs of the inputs in order of decreasing mean |weight| of ``w`` (the
-    weights that read one input, stacked: GPTQ orders them by the diagonal of that input's
-    Hessian, so the projections that share an input share ``g_idx``)."""
-    n_in = w.shape[1]
+    ``desc_act`` runs of the inputs in order of decreasing ``importance`` (standing in for
+    the diagonal of the input's Hessian by which GPTQ orders them, so that the projections
+    that read one input share ``g_idx``, as GPTQ's do)."""
+    n_in = importance.shape[0]
     if not desc_act:
         return torch.arange(n_in, dtype=torch.int32) // group
-    order = torch.argsort(w.abs().mean(dim=0), descending=True, stable=True)
+    order = torch.argsort(importance, descending=True, stable=True)
     g_idx = torch.empty(n_in, dtype=torch.int32)
     g_idx[order] = torch.arange(n_in, dtype=torch.int32) // group
     return g_idx
@@ -135,20 +137,31 @@ def same_input(name: str) -> str:
     return name
 
 
-def convert_tensors(tensors, method: str, group: int, desc_act: bool):
-    """The stored tensors, and the dequantized value of every quantized weight."""
-    stored, dequantized = {}, {}
-    readers = {}
+def importance_of(tensors) -> dict:
+    """Per input read by quantized projections (``same_input``): the sum over those
+    projections' rows of |weight| for each input, and the number of rows."""
+    sums = {}
     for name, w in tensors.items():
         if is_quantized(name, w.shape):
-            readers.setdefault(same_input(name), []).append(w.float())
+            total, rows = sums.get(same_input(name), (0.0, 0))
+            sums[same_input(name)] = (total + w.float().abs().sum(dim=0), rows + w.shape[0])
+    return sums
+
+
+def convert_tensors(tensors, method: str, group: int, desc_act: bool, importance=None):
+    """The stored tensors, and the dequantized value of every quantized weight; in act order
+    the inputs ranked by ``importance`` (``importance_of`` over the whole checkpoint; this
+    shard's when ``None``)."""
+    stored, dequantized = {}, {}
+    importance = importance or importance_of(tensors)
     for name, w in tensors.items():
         if not is_quantized(name, w.shape):
             stored[name] = w
             continue
         w = w.float()
         g = group if group > 0 else w.shape[1]
-        g_idx = groups_of(torch.cat(readers[same_input(name)]), g, desc_act)
+        total, rows = importance[same_input(name)]
+        g_idx = groups_of(total / rows, g, desc_act)
         codes, zeros, scales = quantize(w, g_idx, sym=method == "gptq")
         if method == "gptq":
             packed = pack_gptq(codes, zeros, scales, g_idx)
@@ -195,10 +208,22 @@ def main() -> None:
     a = ap.parse_args()
     if a.desc_act and a.method != "gptq":
         ap.error("--desc-act is GPTQ's")
+    # Act order ranks each input over every shard (projections of one input may be in two).
+    importance = {}
+    index = a.src / "model.safetensors.index.json"
+    shards = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
+    for shard in shards if a.desc_act else []:
+        for key, (total, rows) in importance_of(load_file(str(a.src / shard))).items():
+            old_total, old_rows = importance.get(key, (0.0, 0))
+            importance[key] = (old_total + total, old_rows + rows)
     convert_checkpoint(
         a.src,
         a.dst,
-        lambda tensors: convert_tensors(tensors, a.method, a.group, a.desc_act),
+        lambda tensors: convert_tensors(tensors, a.method, a.group, a.desc_act, importance),
         lambda config: int4_config(config, a.method, a.group, a.desc_act),
     )
 
