@@ -214,15 +214,12 @@ impl Quantized {
     /// Bytes tpc's CPU runtime holds for a piece of `local_shape` stored `[out, in]` when it
     /// keeps the codes: a byte per element (FP8, INT8) or half a byte (INT4), and an f32
     /// per output row per block of inputs (its products' scales, one per column of a packed
-    /// panel; INT4 adds an f32 zero point). INT4 in act order keeps its codes, stored
-    /// sorted by group with the order (8 bytes an input), only where the piece has every
-    /// input (`inputs_cut` false): a row split's share of a scattered group need not fill a
-    /// block, and the runtime dequantizes those as it loads (`None`).
-    pub fn column_scaled_bytes(&self, local_shape: &[u64], inputs_cut: bool) -> Option<u64> {
+    /// panel; INT4 adds an f32 zero point). INT4 in act order keeps its codes stored sorted
+    /// by group, with the order (8 bytes an input); where a row split cuts the inputs,
+    /// each rank's share of a scattered group fills a block of slots as long
+    /// as the largest share, whose padding depends on `g_idx` and is not counted here.
+    pub fn column_scaled_bytes(&self, local_shape: &[u64]) -> u64 {
         let act_order = self.format.is_int4() && self.act_order;
-        if act_order && inputs_cut {
-            return None;
-        }
         let elements = super::saturating::product(local_shape.iter().copied());
         let scales = match local_shape {
             [lead @ .., a, b] => super::saturating::product(lead.iter().copied())
@@ -233,14 +230,14 @@ impl Quantized {
             Some(inputs) if act_order => inputs.saturating_mul(8),
             _ => 0,
         };
-        Some(if self.format.is_int4() {
+        if self.format.is_int4() {
             elements
                 .div_ceil(2)
                 .saturating_add(scales.saturating_mul(8))
                 .saturating_add(order)
         } else {
             elements.saturating_add(scales.saturating_mul(4))
-        })
+        }
     }
 
     /// Elements along stored dim `along` (0 or 1 of the 2-D weight) that a split must keep
@@ -354,10 +351,7 @@ mod tests {
         };
         assert_eq!(q.scale_shape(&[256, 300]), Some([256, 1]));
         assert_eq!(q.stored_bytes(&[256, 300]), 256 * 300 + 256 * 4);
-        assert_eq!(
-            q.column_scaled_bytes(&[256, 300], false),
-            Some(256 * 300 + 256 * 4)
-        );
+        assert_eq!(q.column_scaled_bytes(&[256, 300]), 256 * 300 + 256 * 4);
         assert!(q.cut_by(1, 2, 300, &[range(7, 100)]).is_none());
         assert!(q.cut_by(0, 2, 256, &[range(3, 100)]).is_none());
         assert_eq!(describe_block(q.block), "output channel");
@@ -411,23 +405,19 @@ mod tests {
         );
         assert_eq!(awq.stored_bytes(&[64, 128]), 64 * 128 / 2 + 64 * 4 * 5 / 2);
         // Held by the CPU runtime: the codes, and an f32 scale and zero per group per output.
-        for cut in [false, true] {
-            assert_eq!(
-                gptq.column_scaled_bytes(&[64, 128], cut),
-                Some(64 * 128 / 2 + 64 * 4 * 8)
-            );
-        }
-        // In act order: the codes sorted by group and their order where every input is
-        // there; the values where a row split cuts the inputs.
+        assert_eq!(
+            gptq.column_scaled_bytes(&[64, 128]),
+            64 * 128 / 2 + 64 * 4 * 8
+        );
+        // In act order the codes sorted by group, and their order.
         let act = Quantized {
             act_order: true,
             ..gptq
         };
         assert_eq!(
-            act.column_scaled_bytes(&[64, 128], false),
-            Some(64 * 128 / 2 + 64 * 4 * 8 + 128 * 8)
+            act.column_scaled_bytes(&[64, 128]),
+            64 * 128 / 2 + 64 * 4 * 8 + 128 * 8
         );
-        assert_eq!(act.column_scaled_bytes(&[64, 128], true), None);
     }
 
     #[test]

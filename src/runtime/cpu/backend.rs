@@ -231,16 +231,19 @@ impl CpuBackend {
         let trimmed = (!self.invariant)
             .then(|| Unpadded::trim(slices, order))
             .flatten();
+        // The invariant order's depth blocks are the stored steps in their own order.
+        let pack = if self.invariant {
+            PackedMatrix::pack_slices_in_step_order
+        } else {
+            PackedMatrix::pack_slices
+        };
         Ok(match trimmed {
             Some((real, unpadded)) => {
                 let refs: Vec<&WeightSlice> = real.iter().collect();
-                let packed = PackedMatrix::pack_slices(src, &refs, order, self.bf16_linears)?;
+                let packed = pack(src, &refs, order, self.bf16_linears)?;
                 (packed, Some(unpadded))
             }
-            None => (
-                PackedMatrix::pack_slices(src, slices, order, self.bf16_linears)?,
-                None,
-            ),
+            None => (pack(src, slices, order, self.bf16_linears)?, None),
         })
     }
 
@@ -317,11 +320,11 @@ fn packed_for<'w>(x: &Tensor, w: &'w CpuWeight) -> BackendResult<&'w PackedMatri
     let w = w.packed.as_ref().ok_or_else(|| {
         BackendError::Unsupported("the weight was not uploaded for linear use".into())
     })?;
-    if x.cols() != w.k {
+    if x.cols() != w.inputs() {
         return Err(shape_err(format!(
             "{} input features against a weight of {} inputs",
             x.cols(),
-            w.k
+            w.inputs()
         )));
     }
     Ok(w)

@@ -150,16 +150,30 @@ impl PackedMatrix {
         order: WeightOrder,
         bf16: bool,
     ) -> Result<PackedMatrix> {
-        Self::pack_slices_in(src, slices, order, bf16, Batch::for_this_host())
+        Self::pack_slices_in(src, slices, order, bf16, Batch::for_this_host(), true)
     }
 
-    /// [`PackedMatrix::pack_slices`] reading the stored rows `batch` at a time.
+    /// [`PackedMatrix::pack_slices`] for the invariant order (`invariant.rs`), whose depth
+    /// blocks must be the stored steps in their own order: INT4 weights whose steps would
+    /// be stored sorted by group (act order) are packed as values instead.
+    pub fn pack_slices_in_step_order(
+        src: &dyn WeightSource,
+        slices: &[&WeightSlice],
+        order: WeightOrder,
+        bf16: bool,
+    ) -> Result<PackedMatrix> {
+        Self::pack_slices_in(src, slices, order, bf16, Batch::for_this_host(), false)
+    }
+
+    /// [`PackedMatrix::pack_slices`] reading the stored rows `batch` at a time; INT4 steps
+    /// may be stored sorted by group when `sort_steps`.
     fn pack_slices_in(
         src: &dyn WeightSource,
         slices: &[&WeightSlice],
         order: WeightOrder,
         bf16: bool,
         batch: Batch,
+        sort_steps: bool,
     ) -> Result<PackedMatrix> {
         let bad = |w: &WeightSlice, what: String| WeightError::Slice {
             name: w.tensor.to_string(),
@@ -212,10 +226,12 @@ impl PackedMatrix {
             })?;
         // Weights stored as quantized codes keep them (`OutIn`: a checkpoint's linears).
         if order == WeightOrder::OutIn {
-            if let Some(p) = int4::int4_panels(src, slices, &layouts, n, k, bf16)? {
+            if let Some(p) = int4::int4_panels(src, slices, &layouts, n, k, bf16, sort_steps)? {
+                // Steps stored sorted by group take `depth` slots (padding included).
+                let depth = p.order.as_ref().map_or(k, |o| o.stored.len());
                 return Ok(PackedMatrix {
                     n,
-                    k,
+                    k: depth,
                     panels: Panels::Int4(p),
                 });
             }
@@ -319,6 +335,17 @@ impl PackedMatrix {
         matches!(self.panels, Panels::Bf16(_))
     }
 
+    /// The input features a product takes: `k`, except for INT4 steps stored sorted by
+    /// group, whose `k` slots hold the inputs and padding.
+    pub fn inputs(&self) -> usize {
+        match &self.panels {
+            Panels::Int4(Int4Panels {
+                order: Some(order), ..
+            }) => order.position.len(),
+            _ => self.k,
+        }
+    }
+
     /// Whether the panels hold INT4 codes.
     pub fn is_int4(&self) -> bool {
         matches!(self.panels, Panels::Int4(_))
@@ -349,9 +376,11 @@ impl PackedMatrix {
     pub fn matmul_with(&self, kernels: Kernels, x: &Tensor, team: &Team) -> Tensor {
         let (m, k) = x.rows_cols();
         assert_eq!(
-            k, self.k,
+            k,
+            self.inputs(),
             "linear: {k} input features against a packed weight of [{}, {}]",
-            self.n, self.k
+            self.n,
+            self.k
         );
         let mut shape = x.shape.clone();
         *shape.last_mut().expect("activations have a feature dim") = self.n;
@@ -1537,7 +1566,8 @@ mod slice_tests {
                     "{what}: {w:?} {order:?} bf16={bf16}: panels differ"
                 );
                 for batch in SMALL_BATCHES {
-                    let new = PackedMatrix::pack_slices_in(src, &[w], order, bf16, batch).unwrap();
+                    let new =
+                        PackedMatrix::pack_slices_in(src, &[w], order, bf16, batch, true).unwrap();
                     assert!(
                         bits(&old) == bits(&new),
                         "{what}: {w:?} {order:?} bf16={bf16} {batch:?}: panels differ"
@@ -1785,7 +1815,7 @@ mod slice_tests {
                 let new = PackedMatrix::pack_slices(&ckpt, &refs, order, bf16).unwrap();
                 prop_assert!(bits(&old) == bits(&new), "{order:?} bf16={bf16}: panels differ");
                 for batch in SMALL_BATCHES {
-                    let new = PackedMatrix::pack_slices_in(&ckpt, &refs, order, bf16, batch).unwrap();
+                    let new = PackedMatrix::pack_slices_in(&ckpt, &refs, order, bf16, batch, true).unwrap();
                     prop_assert!(bits(&old) == bits(&new), "{order:?} bf16={bf16} {batch:?}: panels differ");
                 }
             }
@@ -2028,10 +2058,10 @@ mod slice_tests {
             let packed = PackedMatrix::pack_slice(&ckpt, &w, WeightOrder::OutIn, false).unwrap();
             prop_assert!(matches!(packed.panels, Panels::Codes(_)));
             for j in 0..packed.n {
-                for p in 0..packed.k {
+                for p in 0..packed.inputs() {
                     prop_assert_eq!(
                         packed.get(j, p).to_bits(),
-                        dense.data[j * packed.k + p].to_bits(),
+                        dense.data[j * packed.inputs() + p].to_bits(),
                         "column {}, step {}", j, p
                     );
                 }
@@ -2060,9 +2090,9 @@ mod slice_tests {
             let dense = load_slice(&ckpt, &w).unwrap();
             for batch in SMALL_BATCHES.into_iter().chain([Batch::for_this_host()]) {
                 let packed =
-                    PackedMatrix::pack_slices_in(&ckpt, &[&w], WeightOrder::OutIn, true, batch)
+                    PackedMatrix::pack_slices_in(&ckpt, &[&w], WeightOrder::OutIn, true, batch, true)
                         .unwrap();
-                let k = packed.k;
+                let k = packed.inputs();
                 if matches!(packed.panels, Panels::Codes(_)) {
                     for j in 0..packed.n {
                         for p in 0..k {
@@ -2169,7 +2199,7 @@ mod slice_tests {
             let dense = load_slice(&ckpt, &w).unwrap();
             for bf16 in [false, true] {
                 let packed = PackedMatrix::pack_slice(&ckpt, &w, WeightOrder::OutIn, bf16).unwrap();
-                let k = packed.k;
+                let k = packed.inputs();
                 if matches!(packed.panels, Panels::Int4(_)) {
                     for j in 0..packed.n {
                         for p in 0..k {
@@ -2219,14 +2249,21 @@ mod slice_tests {
             let bytes = |k: usize| 48 * k / 2 + 48 * (k / group) * 8;
             if act_order {
                 // Steps stored sorted by group, with the order and its inverse (4 bytes a
-                // step each); the activations are permuted alike. (A row split scatters the
-                // groups over its depth: dequantized, as the proptest above checks.)
-                code_products_match(
-                    &dir,
-                    &whole,
-                    bytes(k) + 8 * k,
-                    |p| matches!(p, Panels::Int4(c) if c.order.is_some()),
-                );
+                // slot and a step); the activations are permuted alike.
+                let sorted = |p: &Panels| matches!(p, Panels::Int4(c) if c.order.is_some());
+                code_products_match(&dir, &whole, bytes(k) + 8 * k, sorted);
+                // A row split's share of each scattered group sits in a block of slots as
+                // long as the largest share (rounded up to 4), the rest padding.
+                let ckpt = Checkpoint::open(&dir).unwrap();
+                let stored = ckpt.int4_weight("w.weight").unwrap().unwrap();
+                let mut shares = std::collections::BTreeMap::new();
+                for i in (64..160).chain(224..320) {
+                    *shares.entry(stored.group_of()[i]).or_insert(0usize) += 1;
+                }
+                let block = shares.values().max().unwrap().next_multiple_of(4);
+                let depth = shares.len() * block;
+                let held = 48 * depth / 2 + 48 * shares.len() * 8 + (depth + 224) * 4;
+                code_products_match(&dir, &rows, held, sorted);
                 std::fs::remove_dir_all(&dir).unwrap();
                 continue;
             }

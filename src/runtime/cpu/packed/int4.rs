@@ -77,14 +77,22 @@ impl Int4Panels {
     }
 
     pub fn bytes(&self) -> usize {
-        let order = self.order.as_ref().map_or(0, |o| o.stored.len() * 8);
+        let order = self
+            .order
+            .as_ref()
+            .map_or(0, |o| (o.stored.len() + o.position.len()) * 4);
         self.codes.len() + (self.scales.len() + self.zeros.len()) * 4 + order
     }
 
     /// The value of output column `j`, step `p`.
     pub fn get(&self, j: usize, p: usize, k: usize) -> f32 {
         let (q, jj) = (j / NR, j % NR);
-        let p = self.order.as_ref().map_or(p, |o| o.position[p] as usize);
+        let p = match &self.order {
+            None => p,
+            // A padding step is not stored: a zero weight.
+            Some(o) if o.position[p] == u32::MAX => return 0.0,
+            Some(o) => o.position[p] as usize,
+        };
         let b = p / self.kblock * NR + jj;
         int4_value(
             int4_code(self.panel(q, k), p, jj),
@@ -101,8 +109,8 @@ impl Int4Panels {
 
 /// The `OutIn` weights `slices` (output columns side by side, each with its `layout`) as
 /// INT4 panels when the source stores every one as INT4 codes and every local block of
-/// the checkpoint's group size reads one stored group; `None` otherwise (the caller packs
-/// the values).
+/// the checkpoint's group size reads one stored group, or (`sort_steps`) its steps can be
+/// stored sorted by group; `None` otherwise (the caller packs the values).
 pub(super) fn int4_panels(
     src: &dyn WeightSource,
     slices: &[&WeightSlice],
@@ -110,6 +118,7 @@ pub(super) fn int4_panels(
     n: usize,
     k: usize,
     bf16: bool,
+    sort_steps: bool,
 ) -> Result<Option<Int4Panels>> {
     let mut stored: Vec<Arc<Int4Weight>> = Vec::with_capacity(slices.len());
     for w in slices {
@@ -136,27 +145,52 @@ pub(super) fn int4_panels(
     {
         return Ok(None);
     }
-    let blocks = k.div_ceil(kblock);
-    let panels = n.div_ceil(NR);
-    let mut panel_codes = AlignedVec::zeroed(panels * k / 2 * NR);
-    let mut scales = AlignedVec::zeroed(panels * blocks * NR);
-    let mut zeros = AlignedVec::zeroed(panels * blocks * NR);
     let starts = first_columns(layouts);
-    // GPTQ's act order scatters a group's inputs: the steps are then stored sorted by group,
-    // in one order for every column (the activations are taken in it), so every part must
-    // scatter its groups alike (as GPTQ does for the linears that read one input).
+    // Where the local groups are not consecutive (GPTQ's act order scatters a group's
+    // inputs; a split may cut groups), the steps are stored sorted by group, a block of
+    // slots a group, in one order for every column (the activations are taken in it): every
+    // part must have its groups alike (as GPTQ gives the linears that read one input).
+    // (A part's columns share its inputs: the first that is not all padding gives them.)
     let mut part_groups = Vec::with_capacity(slices.len());
     for (part, layout) in layouts.iter().enumerate() {
-        part_groups.push(local_groups(layout, 0, k, &stored[part])?);
+        let columns = starts.get(part + 1).copied().unwrap_or(n) - starts[part];
+        let mut groups = vec![None; k];
+        for column in 0..columns {
+            groups = local_groups(layout, column, k, &stored[part])?;
+            if groups.iter().any(Option::is_some) {
+                break;
+            }
+        }
+        if groups.iter().any(Option::is_some) {
+            part_groups.push(groups);
+        }
     }
-    let order = step_order(&part_groups[0], kblock);
-    if order.is_some() && part_groups.iter().any(|g| g != &part_groups[0]) {
-        return Ok(None);
-    }
-    let stored_step = |s: usize| order.as_ref().map_or(s, |o| o[s] as usize);
+    let first = part_groups.first();
+    let layout = first.map_or(StepLayout::Own, |g| step_layout(g, kblock));
+    let (order, kblock, depth) = match layout {
+        StepLayout::Own => (None, kblock, k),
+        StepLayout::Sorted { stored, block } => {
+            if !sort_steps || part_groups.iter().any(|g| Some(g) != first) {
+                return Ok(None);
+            }
+            let depth = stored.len();
+            (Some(stored), block, depth)
+        }
+        StepLayout::Unkept => return Ok(None),
+    };
+    // The local step stored at slot `s` (`None`: padding).
+    let stored_step = |s: usize| match &order {
+        None => Some(s),
+        Some(o) => (o[s] != u32::MAX).then_some(o[s] as usize),
+    };
+    let blocks = depth.div_ceil(kblock);
+    let panels = n.div_ceil(NR);
+    let mut panel_codes = AlignedVec::zeroed(panels * depth / 2 * NR);
+    let mut scales = AlignedVec::zeroed(panels * blocks * NR);
+    let mut zeros = AlignedVec::zeroed(panels * blocks * NR);
     let cut = AtomicBool::new(false);
     panel_codes
-        .par_chunks_mut(k / 2 * NR)
+        .par_chunks_mut(depth / 2 * NR)
         .zip(scales.par_chunks_mut(blocks * NR))
         .zip(zeros.par_chunks_mut(blocks * NR))
         .enumerate()
@@ -188,8 +222,8 @@ pub(super) fn int4_panels(
                     }
                     Ok(())
                 })?;
-                for (at, b) in (0..k).map(|at| (at, at / kblock)) {
-                    if let Some(g) = step_groups[stored_step(at)] {
+                for (at, b) in (0..depth).map(|at| (at, at / kblock)) {
+                    if let Some(g) = stored_step(at).and_then(|p| step_groups[p]) {
                         let block = &mut group_of_block[b];
                         if block.is_some_and(|b| b != g) {
                             cut.store(true, Ordering::Relaxed);
@@ -205,12 +239,11 @@ pub(super) fn int4_panels(
                     scales[b * NR + jj] = scale;
                     zeros[b * NR + jj] = f32::from(zero);
                 }
-                for at in 0..k {
-                    let p = stored_step(at);
+                for at in 0..depth {
                     // Padding reads as its block's zero point: a value of 0. (GPTQ's zeros
                     // run 1..=16: a 16 has no code, so that weight is not kept.)
-                    let c = match step_groups[p] {
-                        Some(_) => column[p],
+                    let c = match stored_step(at).filter(|&p| step_groups[p].is_some()) {
+                        Some(p) => column[p],
                         None => {
                             let zero = zeros[at / kblock * NR + jj];
                             if zero > 15.0 {
@@ -234,7 +267,7 @@ pub(super) fn int4_panels(
         zeros,
         kblock,
         xblock: xblock_for(kblock),
-        order: order.map(StepOrder::new),
+        order: order.map(|o| StepOrder::new(o, k)),
         bf16,
     }))
 }
@@ -260,51 +293,91 @@ fn local_groups(
     Ok(groups)
 }
 
-/// The local steps in the order to store them (`order[s]`: the step stored at `s`) given
-/// each one's group: `None` where every block of `kblock` steps already reads one group
-/// (consecutive groups), else sorted by group, padding last. Whether the sorted blocks
-/// read one group each is for the packer to check (a row split's share of a scattered
-/// group need not fill a block).
-fn step_order(groups: &[Option<u32>], kblock: usize) -> Option<Vec<u32>> {
+/// How a weight's local steps are stored, given each one's group (`None`: padding).
+enum StepLayout {
+    /// In their own order: every block of the checkpoint's group size reads one group.
+    Own,
+    /// Sorted by group, each group's steps at the start of a `block` of slots of its own
+    /// (`block` the most steps a group has here, rounded up to 4), the rest padding:
+    /// `stored[s]` is the step at slot `s` (`u32::MAX`: padding; the local padding steps,
+    /// zero weights, are left out).
+    Sorted { stored: Vec<u32>, block: usize },
+    /// Sorted, it would more than double the depth: the values are packed instead.
+    Unkept,
+}
+
+fn step_layout(groups: &[Option<u32>], kblock: usize) -> StepLayout {
     let consecutive = groups.chunks(kblock).all(|block| {
         let mut stored = block.iter().flatten();
         stored.next().is_none_or(|first| stored.all(|g| g == first))
     });
     if consecutive {
-        return None;
+        return StepLayout::Own;
     }
-    let mut order: Vec<u32> = (0..groups.len() as u32).collect();
-    order.sort_by_key(|&p| (groups[p as usize].unwrap_or(u32::MAX), p));
-    Some(order)
+    let mut steps: Vec<(u32, u32)> = (0u32..)
+        .zip(groups)
+        .filter_map(|(p, g)| g.map(|g| (g, p)))
+        .collect();
+    steps.sort_unstable();
+    let runs = || steps.chunk_by(|a, b| a.0 == b.0);
+    let block = runs()
+        .map(<[_]>::len)
+        .max()
+        .unwrap_or(0)
+        .next_multiple_of(4)
+        .max(4);
+    let depth = runs().count() * block;
+    if depth > 2 * groups.len() {
+        return StepLayout::Unkept;
+    }
+    let mut stored = vec![u32::MAX; depth];
+    for (slots, run) in stored.chunks_exact_mut(block).zip(runs()) {
+        for (slot, &(_, p)) in slots.iter_mut().zip(run) {
+            *slot = p;
+        }
+    }
+    StepLayout::Sorted { stored, block }
 }
 
-/// Where an INT4 weight stores its local steps when not in their own order.
+/// Where an INT4 weight stores its local steps when not in their own order
+/// ([`StepLayout::Sorted`]).
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct StepOrder {
-    /// The local step stored at each position.
+    /// The local step at each slot (`u32::MAX`: padding).
     pub stored: Vec<u32>,
-    /// The position each local step is stored at.
+    /// The slot of each local step (`u32::MAX`: a padding step, not stored).
     pub position: Vec<u32>,
 }
 
 impl StepOrder {
-    fn new(stored: Vec<u32>) -> StepOrder {
-        let mut position = vec![0; stored.len()];
-        for (at, &p) in stored.iter().enumerate() {
-            position[p as usize] = at as u32;
+    fn new(stored: Vec<u32>, inputs: usize) -> StepOrder {
+        let mut position = vec![u32::MAX; inputs];
+        for (at, &p) in (0u32..).zip(&stored) {
+            if p != u32::MAX {
+                position[p as usize] = at;
+            }
         }
         StepOrder { stored, position }
     }
 
-    /// `x`'s rows (`k` columns each) with their columns in stored order.
+    /// `x`'s rows (one per local step each) as rows of slots: each slot takes its step's
+    /// activation, a padding slot 0.
     pub fn permute(&self, x: &Tensor) -> Tensor {
-        let k = self.stored.len();
+        let (inputs, depth) = (self.position.len(), self.stored.len());
         let data = x
             .data
-            .chunks_exact(k)
-            .flat_map(|row| self.stored.iter().map(|&p| row[p as usize]))
+            .chunks_exact(inputs)
+            .flat_map(|row| {
+                self.stored
+                    .iter()
+                    .map(|&p| row.get(p as usize).copied().unwrap_or(0.0))
+            })
             .collect();
-        Tensor::new(x.shape.clone(), data)
+        let mut shape = x.shape.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = depth;
+        }
+        Tensor::new(shape, data)
     }
 }
 

@@ -84,6 +84,12 @@ impl PackedMatrix {
             "linear: {k} input features against a packed weight of [{}, {}]",
             self.n, self.k
         );
+        assert_eq!(
+            self.inputs(),
+            self.k,
+            "linear: invariant products take weights packed in step order \
+             (PackedMatrix::pack_slices_in_step_order)"
+        );
         let width = order.width();
         let mut shape = x.shape.clone();
         *shape.last_mut().expect("activations have a feature dim") = self.n * width;
