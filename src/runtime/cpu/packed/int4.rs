@@ -135,8 +135,10 @@ pub(super) fn int4_panels(
     let Ok(kblock) = usize::try_from(group) else {
         return Ok(None);
     };
+    // (Steps and slots are u32: a depth of 2k slots must fit.)
     if k == 0
         || !k.is_multiple_of(4)
+        || k > (u32::MAX / 2) as usize
         || kblock == 0
         || !kblock.is_multiple_of(4)
         || slices
