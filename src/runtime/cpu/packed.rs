@@ -397,7 +397,11 @@ impl PackedMatrix {
             // Steps stored in another order (act order): the activations are taken in it.
             Panels::Int4(Int4Panels {
                 order: Some(order), ..
-            }) => self.write_product(kernels, &order.permute(x), team, dst),
+            }) => {
+                let permuted = order.permute(x);
+                self.write_product(kernels, &permuted, team, dst);
+                crate::runtime::tensor::pool::give(permuted.data);
+            }
             _ => self.write_product(kernels, x, team, dst),
         }
         // SAFETY: `empty` gave room for `len` values and `write_product` wrote all of them.

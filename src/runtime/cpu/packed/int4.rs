@@ -363,18 +363,17 @@ impl StepOrder {
     }
 
     /// `x`'s rows (one per local step each) as rows of slots: each slot takes its step's
-    /// activation, a padding slot 0.
+    /// activation, a padding slot 0. In a pooled buffer (a decode step asks every product).
     pub fn permute(&self, x: &Tensor) -> Tensor {
         let (inputs, depth) = (self.position.len(), self.stored.len());
-        let data = x
-            .data
-            .chunks_exact(inputs)
-            .flat_map(|row| {
+        let mut data = crate::runtime::tensor::pool::empty(x.data.len() / inputs.max(1) * depth);
+        for row in x.data.chunks_exact(inputs) {
+            data.extend(
                 self.stored
                     .iter()
-                    .map(|&p| row.get(p as usize).copied().unwrap_or(0.0))
-            })
-            .collect();
+                    .map(|&p| row.get(p as usize).copied().unwrap_or(0.0)),
+            );
+        }
         let mut shape = x.shape.clone();
         if let Some(last) = shape.last_mut() {
             *last = depth;
