@@ -11,3 +11,4 @@ mod emulator;
 
 mod kernels;
 mod ops;
+mod quant;

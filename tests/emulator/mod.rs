@@ -63,6 +63,17 @@ impl Buffers {
     pub fn u64(&mut self, values: &[u64]) -> BufId {
         self.push(values.iter().flat_map(|&v| split64(v)).collect())
     }
+    /// Bytes, four to a word (little-endian, the last word padded with zeros).
+    pub fn bytes(&mut self, bytes: &[u8]) -> BufId {
+        let words = bytes
+            .chunks(4)
+            .map(|c| c.iter().rev().fold(0u32, |w, &b| w << 8 | b as u32))
+            .collect();
+        self.push(words)
+    }
+    pub fn u32(&mut self, values: &[u32]) -> BufId {
+        self.push(values.to_vec())
+    }
     /// bf16 values as their bits, two to a word (an odd count padded with a zero).
     pub fn bf16(&mut self, bits: &[u16]) -> BufId {
         let words = bits

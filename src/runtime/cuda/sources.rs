@@ -32,6 +32,7 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
     ),
     ("moe.cu", include_str!("../../../kernels/moe.cu")),
     ("norm.cu", include_str!("../../../kernels/norm.cu")),
+    ("quant.cu", include_str!("../../../kernels/quant.cu")),
     ("rope.cu", include_str!("../../../kernels/rope.cu")),
     ("select.cu", include_str!("../../../kernels/select.cu")),
 ];
