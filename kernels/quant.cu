@@ -41,7 +41,8 @@ __device__ __forceinline__ void gemv_finish(float acc[GEMV_ROWS][COLS], const in
     __shared__ float sums[GEMV_WARPS][GEMV_ROWS][PANEL];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    for (int r = 0; r < GEMV_ROWS; ++r) {
+    // Only the rows asked for (the same count in every lane: the shuffles stay whole-warp).
+    for (int r = 0; r < GEMV_ROWS && r < rows; ++r) {
         for (int c = 0; c < COLS; ++c) {
             float v = acc[r][c];
             for (int step = 16; step >= first_step; step >>= 1) {
@@ -52,7 +53,7 @@ __device__ __forceinline__ void gemv_finish(float acc[GEMV_ROWS][COLS], const in
     }
     // Lanes below first_step hold their columns' warp sums.
     if (lane < first_step) {
-        for (int r = 0; r < GEMV_ROWS; ++r) {
+        for (int r = 0; r < GEMV_ROWS && r < rows; ++r) {
             for (int c = 0; c < COLS; ++c) {
                 sums[warp][r][cols[c]] = acc[r][c];
             }

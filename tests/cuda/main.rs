@@ -29,4 +29,5 @@ mod backend_contract;
 mod device;
 mod invariant;
 mod kernels;
+mod quantized;
 mod serve;

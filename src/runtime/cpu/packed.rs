@@ -32,9 +32,11 @@ use rayon::prelude::*;
 mod codes;
 mod int4;
 mod invariant;
+mod quantized_view;
 
 use codes::CodePanels;
 use int4::Int4Panels;
+pub use quantized_view::QuantizedPanels;
 
 /// Reduction steps per block: a widened weight block (`KC·NR` f32 = 16 KiB) stays in L1.
 const KC: usize = 256;

@@ -1,5 +1,6 @@
 //! The CUDA backend: one rank's program on a GPU. Activations are f32 on the device; linear
-//! weights stay resident in bf16 (or f32) and go to cuBLAS with f32 accumulation; every other
+//! weights stay resident in bf16 (or f32) and go to cuBLAS with f32 accumulation, or as a
+//! quantized checkpoint's codes (`backend/quantized.rs`); every other
 //! op is one launch of a kernel from `kernels/`. The executor is the CPU's: this is only the
 //! other side of the [`Backend`] seam.
 //!
@@ -37,6 +38,8 @@ macro_rules! launch {
             .map_err(|e| $gpu.fail(concat!("kernel ", $name), None, e))
     }};
 }
+
+mod quantized;
 
 pub struct CudaBackend {
     gpu: Arc<GpuRank>,
@@ -138,6 +141,8 @@ enum WeightData {
     F32(CudaSlice<f32>),
     /// bf16 as its bits.
     Bf16(CudaSlice<u16>),
+    /// A linear weight's quantized codes and scales (`backend/quantized.rs`).
+    Codes(quantized::DeviceCodes),
 }
 
 /// One product's part: `n` output columns from the weight's column `w_col` into column
@@ -155,8 +160,8 @@ impl CudaWeight {
     fn f32(&self, what: &str) -> BackendResult<&CudaSlice<f32>> {
         match &self.data {
             WeightData::F32(d) => Ok(d),
-            WeightData::Bf16(_) => Err(BackendError::Unsupported(format!(
-                "{what} of a bf16 weight; the CUDA backend keeps scales and biases in f32"
+            WeightData::Bf16(_) | WeightData::Codes(_) => Err(BackendError::Unsupported(format!(
+                "{what} of a bf16 or quantized weight; the CUDA backend keeps scales and biases in f32"
             ))),
         }
     }
@@ -164,6 +169,8 @@ impl CudaWeight {
         match &self.data {
             WeightData::F32(d) => d.len(),
             WeightData::Bf16(d) => d.len(),
+            // The values it stands for.
+            WeightData::Codes(_) => self.shape.iter().product(),
         }
     }
 }
@@ -398,7 +405,7 @@ impl CudaBackend {
         // bf16 weights multiply bf16 activations (rounded once, as torch's bf16 does; the
         // rounded copy is kept with the activation for the next product that reads it).
         let rounded: Option<&CudaSlice<u16>> = match &w.data {
-            WeightData::F32(_) => None,
+            WeightData::F32(_) | WeightData::Codes(_) => None,
             WeightData::Bf16(_) => Some(x.rounded(|data| -> BackendResult<CudaSlice<u16>> {
                 let len = m * ldx;
                 // SAFETY: device memory, written whole by round_to_bf16 below.
@@ -411,25 +418,30 @@ impl CudaBackend {
         };
         // The operands' addresses, element type and the weight's element size; the guards
         // keep cudarc's stream ordering until the calls are enqueued.
-        let ((wp, _w), (xp, _x), operands, w_size) = match (&w.data, rounded) {
-            (WeightData::F32(wd), _) => (
-                wd.device_ptr(&stream),
-                x.data().device_ptr(&stream),
-                blas::cudaDataType::CUDA_R_32F,
-                4u64,
-            ),
-            (WeightData::Bf16(wd), Some(r)) => (
-                wd.device_ptr(&stream),
-                r.device_ptr(&stream),
-                blas::cudaDataType::CUDA_R_16BF,
-                2u64,
-            ),
-            (WeightData::Bf16(_), None) => {
-                return Err(BackendError::Device(
-                    "bf16 weights without rounded activations (a bug in tpc)".into(),
-                ))
-            }
-        };
+        let ((wp, _w), (xp, _x), operands, w_size) =
+            match (&w.data, rounded) {
+                (WeightData::F32(wd), _) => (
+                    wd.device_ptr(&stream),
+                    x.data().device_ptr(&stream),
+                    blas::cudaDataType::CUDA_R_32F,
+                    4u64,
+                ),
+                (WeightData::Bf16(wd), Some(r)) => (
+                    wd.device_ptr(&stream),
+                    r.device_ptr(&stream),
+                    blas::cudaDataType::CUDA_R_16BF,
+                    2u64,
+                ),
+                (WeightData::Bf16(_), None) => {
+                    return Err(BackendError::Device(
+                        "bf16 weights without rounded activations (a bug in tpc)".into(),
+                    ))
+                }
+                (WeightData::Codes(_), _) => return Err(BackendError::Device(
+                    "a cuBLAS product of quantized codes (a bug in tpc: they are widened first)"
+                        .into(),
+                )),
+            };
         let (out_ptr, _o) = out.data_mut().device_ptr_mut(&stream);
         for p in parts.iter().filter(|p| p.n > 0 && p.k > 0) {
             let (ni, ki, ldci) = (i32_of(p.n)?, i32_of(p.k)?, i32_of(p.ldc)?);
@@ -759,7 +771,12 @@ impl Backend for CudaBackend {
             .filter(|(_, u)| u.depth_runs.len() == 1);
         let (real, unpadded) = match trimmed {
             Some((real, u)) => (real, Some(u)),
-            None => (Vec::new(), None),
+            None => {
+                if let Some(codes) = self.upload_codes(src, slices, order)? {
+                    return Ok(codes);
+                }
+                (Vec::new(), None)
+            }
         };
         let real_refs: Vec<&WeightSlice> = real.iter().collect();
         let slices = if unpadded.is_some() {
@@ -807,6 +824,7 @@ impl Backend for CudaBackend {
         match &w.data {
             WeightData::F32(d) => d.len() * 4,
             WeightData::Bf16(d) => d.len() * 2,
+            WeightData::Codes(c) => c.bytes(),
         }
     }
 
@@ -847,11 +865,20 @@ impl Backend for CudaBackend {
                 &c,
                 &o
             )?,
+            WeightData::Codes(_) => {
+                return Err(BackendError::Device(
+                    "an embedding table kept as quantized codes (a bug in tpc: only linears are)"
+                        .into(),
+                ))
+            }
         }
         Ok(out)
     }
 
     fn linear(&self, x: &CudaAct, w: &CudaWeight) -> BackendResult<CudaAct> {
+        if let WeightData::Codes(c) = &w.data {
+            return self.linear_codes(x, w, c);
+        }
         if let Some(u) = &w.unpadded {
             return self.linear_unpadded(x, w, u);
         }
@@ -932,6 +959,12 @@ impl Backend for CudaBackend {
                 &mode,
                 &bound
             )?,
+            WeightData::Codes(_) => {
+                return Err(BackendError::Device(
+                    "an invariant product of quantized codes (a bug in tpc: the invariant mode loads values)"
+                        .into(),
+                ))
+            }
         }
         Ok(out)
     }
