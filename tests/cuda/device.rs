@@ -470,6 +470,39 @@ pub(super) fn emulation_wanted(test: &str) -> bool {
     true
 }
 
+/// Runs `test` of this binary (its `module::name`) in a child process on the emulated GPUs
+/// (`path`: [`emulated_gpu_path`]) with `env` set besides; the child requires a GPU, so it
+/// fails rather than skips.
+pub(super) fn spawn_on_emulated_gpu(
+    test: &str,
+    path: &str,
+    env: &[(&str, &str)],
+) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture"])
+        .env("LD_LIBRARY_PATH", path)
+        .env("TPC_REQUIRE_GPU", "1")
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// The stderr of a child of [`spawn_on_emulated_gpu`], failing unless its test passed.
+pub(super) fn passed_on_emulated_gpu(test: &str, child: std::process::Child) -> String {
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{test} on the emulated GPU failed:\n{stdout}\n{stderr}"
+    );
+    stderr.into_owned()
+}
+
 /// `LD_LIBRARY_PATH` with the stand-in CUDA libraries (tests/emulator) first.
 pub(super) fn emulated_gpu_path() -> String {
     let fake = emulator::fake_cuda_libraries().unwrap_or_else(|e| panic!("{e}"));
@@ -532,29 +565,14 @@ fn every_fixture_matches_hf_on_the_emulated_gpu() {
     let children: Vec<(&str, &str, std::process::Child)> = runs
         .into_iter()
         .map(|(test, way)| {
-            let child = Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", &in_this_module(test), "--nocapture"])
-                .env("LD_LIBRARY_PATH", &path)
-                .env("TPC_REQUIRE_GPU", "1")
-                .env("TPC_CUDA_ATTENTION", way)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
+            let env = [("TPC_CUDA_ATTENTION", way)];
+            let child = spawn_on_emulated_gpu(&in_this_module(test), &path, &env);
             (test, way, child)
         })
         .collect();
     for (test, way, child) in children {
-        let out = child.wait_with_output().unwrap();
-        let (stdout, stderr) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-        );
         let way = if way.is_empty() { "chosen" } else { way };
-        assert!(
-            out.status.success() && stdout.contains("1 passed"),
-            "{test} on the emulated GPUs failed (attention {way}):\n{stdout}\n{stderr}"
-        );
+        let stderr = passed_on_emulated_gpu(&format!("{test} (attention {way})"), child);
         // The child ran every case (it fails rather than skips without a GPU).
         let runs = stderr.lines().filter(|l| l.contains(": rel err")).count();
         assert!(
@@ -592,27 +610,12 @@ fn moe_fixtures_match_hf_on_the_emulated_gpu() {
     let children: Vec<(&str, usize, std::process::Child)> = runs
         .into_iter()
         .map(|(test, want)| {
-            let child = Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", &in_this_module(test), "--nocapture"])
-                .env("LD_LIBRARY_PATH", &path)
-                .env("TPC_REQUIRE_GPU", "1")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
+            let child = spawn_on_emulated_gpu(&in_this_module(test), &path, &[]);
             (test, want, child)
         })
         .collect();
     for (test, want, child) in children {
-        let out = child.wait_with_output().unwrap();
-        let (stdout, stderr) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-        );
-        assert!(
-            out.status.success() && stdout.contains("1 passed"),
-            "{test} on the emulated GPUs failed:\n{stdout}\n{stderr}"
-        );
+        let stderr = passed_on_emulated_gpu(test, child);
         let runs = stderr.lines().filter(|l| l.contains(": rel err")).count();
         assert_eq!(runs, want, "{test}: {runs} runs:\n{stderr}");
         eprintln!("{test}: {runs} runs passed");

@@ -6,9 +6,9 @@
 #![cfg(feature = "cuda")]
 
 use super::device::{emulated_gpu_path, emulation_wanted, gpu_present};
+use super::device::{passed_on_emulated_gpu, spawn_on_emulated_gpu};
 use crate::common::{fixtures, ragged_requests, read_reference, rel_error};
 use crate::common::{BF16_REL_TOL, REL_TOL};
-use std::process::Command;
 use tpc::frontend::load::load_model;
 use tpc::ir::NumericsMode;
 use tpc::passes::ShardOptions;
@@ -168,27 +168,12 @@ fn every_fixture_gives_the_same_bits_on_the_emulated_gpus() {
     let children: Vec<_> = tests
         .iter()
         .map(|test| {
-            let child = Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", &format!("{module}::{test}"), "--nocapture"])
-                .env("LD_LIBRARY_PATH", &path)
-                .env("TPC_REQUIRE_GPU", "1")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
+            let child = spawn_on_emulated_gpu(&format!("{module}::{test}"), &path, &[]);
             (test, child)
         })
         .collect();
     for (test, child) in children {
-        let out = child.wait_with_output().unwrap();
-        let (stdout, stderr) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-        );
-        assert!(
-            out.status.success() && stdout.contains("1 passed"),
-            "{test} on the emulated GPUs failed:\n{stdout}\n{stderr}"
-        );
+        let stderr = passed_on_emulated_gpu(test, child);
         let runs = stderr
             .lines()
             .filter(|l| l.contains(": same bits true"))

@@ -7,9 +7,9 @@
 //! logits, f32 and bf16 (the fixtures' 7-token prompts take the decode GEMV).
 
 use super::device::{emulated_gpu_path, emulation_wanted, gpu_present};
+use super::device::{passed_on_emulated_gpu, spawn_on_emulated_gpu};
 use crate::common::{read_reference, rel_error, BF16_REL_TOL, REL_TOL};
 use std::path::Path;
-use std::process::Command;
 use tpc::frontend::load::load_model;
 use tpc::pipeline::compile;
 use tpc::plan::Plan;
@@ -173,27 +173,13 @@ fn quantized_fixtures_keep_their_codes_on_the_emulated_gpu() {
     let children: Vec<_> = tests
         .iter()
         .map(|&(test, want)| {
-            let child = Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", &format!("{module}::{test}"), "--nocapture"])
-                .env("LD_LIBRARY_PATH", &path)
-                .env("TPC_REQUIRE_GPU", "1")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
+            let test = format!("{module}::{test}");
+            let child = spawn_on_emulated_gpu(&test, &path, &[]);
             (test, want, child)
         })
         .collect();
     for (test, want, child) in children {
-        let out = child.wait_with_output().unwrap();
-        let (stdout, stderr) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-        );
-        assert!(
-            out.status.success() && stdout.contains("1 passed"),
-            "{test} on the emulated GPU failed:\n{stdout}\n{stderr}"
-        );
+        let stderr = passed_on_emulated_gpu(&test, child);
         let report: Vec<&str> = stderr.lines().filter(|l| l.contains("rel err")).collect();
         eprintln!("{}", report.join("\n"));
         let runs = report.iter().filter(|l| l.contains("weight bytes")).count();

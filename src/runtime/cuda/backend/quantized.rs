@@ -235,73 +235,58 @@ impl CudaBackend {
         let len = n
             .checked_mul(c.slots)
             .ok_or_else(|| BackendError::OutOfMemory(format!("a {n}×{} weight", c.slots)))?;
-        let (n64, slots, kblock) = (i64_of(n), i64_of(c.slots), i64_of(c.kblock));
-        let cfg = grid_for(len);
-        let e4m3 = i32::from(c.kind == Kind::E4m3);
         let stream = &self.gpu.stream;
         if self.bf16_linears {
-            // SAFETY: device memory, every value written by the widening kernel below.
+            // SAFETY: device memory, every value written by the widening kernel.
             let mut out = unsafe { stream.alloc::<u16>(len) }
                 .map_err(|e| self.gpu.fail("a widened weight", Some(len * 2), e))?;
-            match &c.zeros {
-                Some(zeros) => launch!(
-                    self.gpu,
-                    "int4_to_bf16",
-                    cfg,
-                    &mut out,
-                    &c.codes,
-                    &c.scales,
-                    zeros,
-                    &n64,
-                    &slots,
-                    &kblock
-                )?,
-                None => launch!(
-                    self.gpu,
-                    "codes_to_bf16",
-                    cfg,
-                    &mut out,
-                    &c.codes,
-                    &c.scales,
-                    &n64,
-                    &slots,
-                    &kblock,
-                    &e4m3
-                )?,
-            }
+            self.widen_into(c, n, &mut out, "bf16")?;
             Ok(WeightData::Bf16(out))
         } else {
             // SAFETY: as above.
             let mut out = unsafe { stream.alloc::<f32>(len) }
                 .map_err(|e| self.gpu.fail("a widened weight", Some(len * 4), e))?;
-            match &c.zeros {
-                Some(zeros) => launch!(
-                    self.gpu,
-                    "int4_to_f32",
-                    cfg,
-                    &mut out,
-                    &c.codes,
-                    &c.scales,
-                    zeros,
-                    &n64,
-                    &slots,
-                    &kblock
-                )?,
-                None => launch!(
-                    self.gpu,
-                    "codes_to_f32",
-                    cfg,
-                    &mut out,
-                    &c.codes,
-                    &c.scales,
-                    &n64,
-                    &slots,
-                    &kblock,
-                    &e4m3
-                )?,
-            }
+            self.widen_into(c, n, &mut out, "f32")?;
             Ok(WeightData::F32(out))
         }
+    }
+
+    /// Launches `codes_to_<dtype>` or `int4_to_<dtype>` (quant.cu) into `out`, `n · slots`
+    /// values of `dtype`.
+    fn widen_into<T>(
+        &self,
+        c: &DeviceCodes,
+        n: usize,
+        out: &mut CudaSlice<T>,
+        dtype: &str,
+    ) -> BackendResult<()>
+    where
+        T: cudarc::driver::DeviceRepr,
+    {
+        let (n64, slots, kblock) = (i64_of(n), i64_of(c.slots), i64_of(c.kblock));
+        let e4m3 = i32::from(c.kind == Kind::E4m3);
+        let name = match c.kind {
+            Kind::Int4 => format!("int4_to_{dtype}"),
+            Kind::E4m3 | Kind::Int8 => format!("codes_to_{dtype}"),
+        };
+        let f = self.gpu.kernel(&name)?;
+        let mut b = self.gpu.stream.launch_builder(f);
+        b.arg(out).arg(&c.codes).arg(&c.scales);
+        match (c.kind, &c.zeros) {
+            (Kind::Int4, Some(zeros)) => b.arg(zeros).arg(&n64).arg(&slots).arg(&kblock),
+            (Kind::E4m3 | Kind::Int8, None) => b.arg(&n64).arg(&slots).arg(&kblock).arg(&e4m3),
+            _ => {
+                return Err(bug(
+                    "INT4 codes without zero points, or zeros with byte codes",
+                ))
+            }
+        };
+        // SAFETY: the arguments are pushed in the order and with the types of the kernel's
+        // C signature in quant.cu; `out` holds n · slots values, and the panels hold the
+        // codes and scales of n columns over `slots` steps (packed so).
+        unsafe { b.launch(grid_for(n * c.slots)) }
+            .map(|_| ())
+            .map_err(|e| self.gpu.fail(&format!("kernel {name}"), None, e))
     }
 
     /// `x`'s columns in act order's slots (zeros at padding slots).
