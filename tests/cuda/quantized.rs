@@ -6,6 +6,8 @@
 //! values, and a prompt long enough for the widened cuBLAS product gives the CPU backend's
 //! logits, f32 and bf16 (the fixtures' 7-token prompts take the decode GEMV).
 
+#![cfg(feature = "cuda")]
+
 use super::device::{emulated_gpu_path, emulation_wanted, gpu_present};
 use super::device::{passed_on_emulated_gpu, spawn_on_emulated_gpu};
 use crate::common::{read_reference, rel_error, BF16_REL_TOL, REL_TOL};
