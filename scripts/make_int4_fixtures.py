@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
 """Make the INT4 fixtures: llama-gqa's weights packed as GPTQ (groups of 32, ``desc_act``
 false), GPTQ in act order (``desc_act`` true: ``g_idx`` scatters each group along the
-inputs) and AWQ (GEMM packing, groups of 32) by ``scripts/quantize_int4.py``, each with a
-reference run of transformers on the weights it stands for.
+inputs), AWQ (GEMM packing, groups of 32) and compressed-tensors ``pack-quantized`` (W4A16,
+groups of 32: symmetric; with zero points, ``actorder: "weight"``; with zero points in group
+act order, ``weight_g_idx``) by
+``scripts/quantize_int4.py``, each with a reference run of transformers on the weights it
+stands for.
 
 The reference is transformers' float32 Llama (eager attention) holding the dequantized
 weights, unpacked from the stored tensors by quantize_int4.dequantize: the prompt's prefill
 logits and the greedy continuation, saved as ``reference.safetensors`` / ``reference.json`` in
 make_fixtures.py's format (``make_int8_fixture.save_quantized_fixture``). (transformers loads GPTQ and AWQ checkpoints only through the
-gptqmodel / autoawq packages, which this script does not need.) The prompt is llama-gqa's
+gptqmodel / autoawq packages, which this script does not need.) Where the
+``compressed-tensors`` package is installed, transformers also loads each compressed-tensors
+fixture itself (decompressed, ``run_compressed=False``) and its prefill logits are compared
+with the reference; the largest difference is recorded in ``reference.json``. (compressed-tensors
+0.20 refuses ``actorder: "group"``, which earlier releases wrote and published checkpoints
+carry, so the act-order fixture is checked against the reference only.) The prompt is llama-gqa's
 unless quantization brings a greedy step near a tie; then it is the first seeded random prompt
 of that length without one (seed recorded; ``make_fp8_fixture.pick_prompt``).
 
@@ -33,22 +41,84 @@ import quantize_int4  # noqa: E402  (the conversion, shared with users' checkpoi
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"
 SOURCE = "llama-gqa"
-# (case, method, group, desc_act, what it is)
+# (case, method, group, desc_act, zero_points, what it is); compressed-tensors' actorder is
+# "group" with desc_act, "weight" where the description says so.
 CASES = [
-    ("llama-gqa-gptq", "gptq", 32, False, "GPTQ, groups of 32 inputs, desc_act false"),
-    ("llama-gqa-gptq-act", "gptq", 32, True, "GPTQ, groups of 32 inputs, desc_act true"),
-    ("llama-gqa-awq", "awq", 32, False, "AWQ (GEMM packing), groups of 32 inputs"),
+    ("llama-gqa-gptq", "gptq", 32, False, False, "GPTQ, groups of 32 inputs, desc_act false"),
+    ("llama-gqa-gptq-act", "gptq", 32, True, False, "GPTQ, groups of 32 inputs, desc_act true"),
+    ("llama-gqa-awq", "awq", 32, False, False, "AWQ (GEMM packing), groups of 32 inputs"),
+    (
+        "llama-gqa-w4a16",
+        "compressed",
+        32,
+        False,
+        False,
+        "compressed-tensors pack-quantized W4A16, symmetric, groups of 32 inputs",
+    ),
+    (
+        "llama-gqa-w4a16-asym",
+        "compressed",
+        32,
+        False,
+        True,
+        "compressed-tensors pack-quantized W4A16 with zero points, groups of 32 inputs, "
+        "actorder weight",
+    ),
+    (
+        "llama-gqa-w4a16-asym-act",
+        "compressed",
+        32,
+        True,
+        True,
+        "compressed-tensors pack-quantized W4A16 with zero points, groups of 32 inputs in "
+        "group act order",
+    ),
 ]
 
 
-def make(case: str, method: str, group: int, desc_act: bool, what: str) -> None:
+@torch.no_grad()
+def check_transformers_own_load(out: Path) -> None:
+    """Loads the fixture in ``out`` with transformers itself (through the compressed-tensors
+    package, decompressed) and records the largest difference of its prefill logits from the
+    reference's."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        print(out.name, "compressed-tensors is not installed: transformers' own load not checked")
+        return
+    import make_fixtures
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out),
+        dtype=torch.float32,
+        quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
+        **make_fixtures.impl_kwargs(transformers.AutoConfig.from_pretrained(str(out))),
+    ).eval()
+    ref = load_file(str(out / "reference.safetensors"))
+    logits = make_fixtures.prefill_logits(model, ref["prompt_ids"])
+    diff = float((logits - ref["logits"]).abs().max())
+    info = json.loads((out / "reference.json").read_text())
+    info["stats"]["max_abs_logit_diff_transformers_own_load"] = diff
+    info["compressed_tensors_version"] = compressed_tensors.__version__
+    (out / "reference.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(out.name, "transformers' own load: max |logit diff|", diff)
+    assert diff < 1e-4, f"transformers' own load differs by {diff}"
+
+
+def make(case: str, method: str, group: int, desc_act: bool, zero_points: bool, what: str) -> None:
     SRC, OUT = FIXTURES / SOURCE, FIXTURES / case
     torch.manual_seed(0)
     stored, dequantized = quantize_int4.convert_tensors(
-        load_file(str(SRC / "model.safetensors")), method, group, desc_act
+        load_file(str(SRC / "model.safetensors")), method, group, desc_act, None, zero_points
     )
     config = quantize_int4.int4_config(
-        json.loads((SRC / "config.json").read_text()), method, group, desc_act
+        json.loads((SRC / "config.json").read_text()),
+        method,
+        group,
+        desc_act,
+        zero_points,
+        weight_order="actorder weight" in what,
     )
     make_int8_fixture.save_quantized_fixture(
         SRC,
@@ -61,13 +131,17 @@ def make(case: str, method: str, group: int, desc_act: bool, what: str) -> None:
         "transformers' f32 model holding the dequantized weights",
         "python3 scripts/make_int4_fixtures.py",
     )
+    if method == "compressed" and not desc_act:
+        check_transformers_own_load(OUT)
 
 
 def main() -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    only = set(sys.argv[1:])
     for case in CASES:
-        make(*case)
+        if not only or case[0] in only:
+            make(*case)
 
 
 if __name__ == "__main__":

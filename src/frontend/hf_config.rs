@@ -252,7 +252,7 @@ fn moe(r: &Reader, family: Family) -> Result<Option<MoeConfig>> {
 pub const QUANT_METHODS: &[&str] = &["fp8", "compressed-tensors", "gptq", "awq"];
 
 /// What tpc reads of each method, for messages.
-const QUANT_READ: &str = "fp8 (FP8 e4m3 with block scales, dynamic activations), compressed-tensors (INT8 or FP8 e4m3 weights with a scale per output channel, stored unpacked), gptq (4-bit, `gptq` checkpoint format, desc_act true or false) and awq (4-bit, GEMM packing, zero points)";
+const QUANT_READ: &str = "fp8 (FP8 e4m3 with block scales, dynamic activations), compressed-tensors (INT8 or FP8 e4m3 weights with a scale per output channel, stored unpacked; INT4 weights with a scale per group or channel, symmetric or with zero points, `pack-quantized`), gptq (4-bit, `gptq` checkpoint format, desc_act true or false) and awq (4-bit, GEMM packing, zero points)";
 
 /// A quantized checkpoint's `quantization_config`: FP8 e4m3 with block scales
 /// (`quant_method: "fp8"`) and compressed-tensors' per-channel INT8 / FP8 weights are read;
@@ -366,8 +366,11 @@ fn modules_to_not_convert(q: &Value, bad: &dyn Fn(String) -> TpcError) -> Result
 /// every `Linear`, its weights 8-bit integers (`type: int`, symmetric) or floats (`type:
 /// float`, e4m3) with a scale per output channel (`strategy: channel`), stored one byte an
 /// element (`format` `int-quantized`, `float-quantized` or `naive-quantized`: the `weight`
-/// tensor itself, and `weight_scale [out, 1]`). Activations are computed unquantized, so an
-/// activation scheme is accepted only where it is dynamic (nothing stored for it).
+/// tensor itself, and `weight_scale [out, 1]`), or 4-bit integers with a scale per group of
+/// inputs (`strategy: group`) or per channel, symmetric or with zero points, packed eight to
+/// an int32 (`format: pack-quantized`, W4A16; `actorder: group` stores `weight_g_idx`).
+/// Activations are computed unquantized, so an activation scheme is accepted only where it
+/// is dynamic (nothing stored for it).
 fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
     let bad = |what: String| {
         r.err(format!(
@@ -379,7 +382,8 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
     let Some(groups) = q.get("config_groups").and_then(Value::as_object) else {
         return Err(bad("no `config_groups`".into()));
     };
-    let mut scheme: Option<(QuantFormat, &Value)> = None;
+    let mut scheme: Option<(QuantFormat, u64, bool)> = None;
+    let mut format = format;
     for (name, group) in groups {
         let targets = group.get("targets").and_then(Value::as_array);
         if !targets.is_some_and(|t| t.iter().any(|t| t.as_str() == Some("Linear"))) {
@@ -395,9 +399,13 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
         let kind = get("type").and_then(|t| t.as_str().map(str::to_string));
         let bits = get("num_bits").and_then(|b| b.as_u64());
         let strategy = get("strategy").and_then(|s| s.as_str().map(str::to_string));
+        let symmetric = get("symmetric").and_then(|s| s.as_bool()) != Some(false);
         let fmt = match (kind.as_deref(), bits) {
             (Some("int"), Some(8)) => QuantFormat::Int8,
             (Some("float"), Some(8)) => QuantFormat::Fp8E4m3,
+            (Some("int"), Some(4)) => QuantFormat::Int4Packed {
+                zero_points: !symmetric,
+            },
             _ => {
                 return Err(bad(format!(
                     "group `{name}` stores {}-bit {} weights",
@@ -406,6 +414,63 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
                 )))
             }
         };
+        // A group's own `format` (mixed-precision configs) stands for the whole config's.
+        if let Some(f) = field(group, "format").and_then(|f| f.as_str().map(str::to_string)) {
+            if format
+                .as_ref()
+                .is_some_and(|top| *top != f && top != "mixed-precision")
+            {
+                return Err(bad("its groups store weights in different formats".into()));
+            }
+            format = Some(f);
+        }
+        let act_order = match get("actorder") {
+            None => false,
+            Some(Value::Bool(false)) => false,
+            // Group order stores `weight_g_idx`; weight order only reordered the
+            // quantization, its groups stay consecutive.
+            Some(Value::String(a)) if matches!(a.as_str(), "group" | "dynamic") => true,
+            Some(Value::String(a)) if matches!(a.as_str(), "weight" | "static") => false,
+            Some(a) => {
+                return Err(bad(format!(
+                    "group `{name}` has `actorder` {a}; tpc reads group, weight (or their aliases dynamic, static) or none"
+                )))
+            }
+        };
+        if fmt.is_int4() {
+            let group_size = match strategy.as_deref() {
+                Some("group") => int4::group_size(&w, &bad)?,
+                Some("channel") => 0,
+                other => {
+                    return Err(bad(format!(
+                        "group `{name}` has 4-bit weight strategy `{}`; tpc reads a scale per group of inputs (`group`) or per output channel (`channel`)",
+                        other.unwrap_or("?")
+                    )))
+                }
+            };
+            if get("dynamic").and_then(|d| d.as_bool()) == Some(true) {
+                return Err(bad(format!(
+                    "group `{name}` quantizes weights dynamically (nothing stored)"
+                )));
+            }
+            if let Some(a) = field(group, "input_activations") {
+                return Err(bad(format!(
+                    "group `{name}` quantizes activations too ({a}); tpc reads 4-bit weights with unquantized activations (W4A16)"
+                )));
+            }
+            if let Some((first, ..)) = scheme {
+                if first != fmt {
+                    return Err(bad("its groups store weights in different formats".into()));
+                }
+            }
+            scheme = Some((fmt, group_size, act_order));
+            continue;
+        }
+        if act_order {
+            return Err(bad(format!(
+                "group `{name}` has `actorder` with a scale per channel, which has no groups to order"
+            )));
+        }
         if strategy.as_deref() != Some("channel") || get("group_size").is_some() {
             return Err(bad(format!(
                 "group `{name}` has weight strategy `{}`{}; tpc reads a scale per output channel (`channel`)",
@@ -413,9 +478,9 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
                 get("group_size").map(|g| format!(" with group_size {g}")).unwrap_or_default()
             )));
         }
-        if get("symmetric").and_then(|s| s.as_bool()) == Some(false) {
+        if !symmetric {
             return Err(bad(format!(
-                "group `{name}` is asymmetric (zero points); tpc reads symmetric weights"
+                "group `{name}` is asymmetric (zero points); tpc reads symmetric 8-bit weights"
             )));
         }
         if get("dynamic").and_then(|d| d.as_bool()) == Some(true) {
@@ -430,26 +495,36 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
                 )));
             }
         }
-        if let Some((first, _)) = scheme {
+        if let Some((first, ..)) = scheme {
             if first != fmt {
                 return Err(bad("its groups store weights in different formats".into()));
             }
         }
-        scheme = Some((fmt, group));
+        scheme = Some((fmt, 0, false));
     }
-    let Some((fmt, _)) = scheme else {
+    let Some((fmt, group_size, act_order)) = scheme else {
         return Err(bad("`config_groups` is empty".into()));
     };
     let stored = matches!(
         (fmt, format.as_deref()),
-        (_, Some("naive-quantized"))
+        (QuantFormat::Int4Packed { .. }, Some("pack-quantized"))
+            | (
+                QuantFormat::Int8 | QuantFormat::Fp8E4m3,
+                Some("naive-quantized")
+            )
             | (QuantFormat::Int8, Some("int-quantized"))
             | (QuantFormat::Fp8E4m3, Some("float-quantized"))
     );
     if !stored {
         return Err(bad(format!(
-            "`format` {} is not read (packed weights are not read yet)",
-            format.as_deref().unwrap_or("missing")
+            "{} weights in `format` {} are not read ({})",
+            fmt.name(),
+            format.as_deref().unwrap_or("missing"),
+            if fmt.is_int4() {
+                "4-bit weights are read packed eight to an int32, `pack-quantized`"
+            } else {
+                "8-bit weights are read unpacked, a byte an element: `int-quantized`, `float-quantized` or `naive-quantized`; 8-bit `pack-quantized` (W8A16) is not read yet"
+            }
         )));
     }
     let mut modules_to_not_convert = Vec::new();
@@ -473,10 +548,10 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
     }
     Ok(Quantization {
         format: fmt,
-        block: [1, 0],
+        block: [1, group_size],
         scales: ScaleNames::Scale,
         modules_to_not_convert,
-        act_order: false,
+        act_order,
     })
 }
 

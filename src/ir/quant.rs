@@ -6,7 +6,9 @@
 //! the `*_scale_inv` tensors of the Qwen3 and DeepSeek FP8 releases), and from
 //! compressed-tensors checkpoints INT8 and FP8 weights with a scale per output channel
 //! (`*_scale [out, 1]`), and INT4 weights with a scale and a zero point per group of inputs
-//! in GPTQ's and AWQ's packings (`qweight`, `qzeros`, `scales`, GPTQ's `g_idx`). A block of 0
+//! in GPTQ's and AWQ's packings (`qweight`, `qzeros`, `scales`, GPTQ's `g_idx`) and in
+//! compressed-tensors' `pack-quantized` one (`weight_packed`, `weight_scale`,
+//! `weight_zero_point`, `weight_g_idx`). A block of 0
 //! along a dim is the whole dim: one scale across it, which no split can cut.
 
 use super::groups::SliceRange;
@@ -27,6 +29,12 @@ pub enum QuantFormat {
     /// Four bits per element, eight outputs to an int32 in AWQ's interleaved order
     /// (`qweight [in, out/8]`, the GEMM packing), zeros packed the same way, f16 scales.
     Int4Awq,
+    /// Four bits per element as compressed-tensors' `pack-quantized` format stores them:
+    /// eight inputs to an int32 (`weight_packed [out, in/8]`), each code the signed value
+    /// plus 8, a scale per output per group (`weight_scale [out, groups]`), and — unless the
+    /// scheme is symmetric (zero 8) — zero points packed eight outputs to an int32
+    /// (`weight_zero_point [out/8, groups]`); `weight_g_idx` in group act order.
+    Int4Packed { zero_points: bool },
 }
 
 impl QuantFormat {
@@ -36,21 +44,37 @@ impl QuantFormat {
             QuantFormat::Int8 => "int8",
             QuantFormat::Int4Gptq => "int4 gptq",
             QuantFormat::Int4Awq => "int4 awq",
+            QuantFormat::Int4Packed { zero_points: true } => "int4 pack-quantized",
+            QuantFormat::Int4Packed { zero_points: false } => "int4 pack-quantized symmetric",
         }
     }
 
     /// Whether elements are packed four bits each into int32 words with zero points.
     pub fn is_int4(self) -> bool {
-        matches!(self, QuantFormat::Int4Gptq | QuantFormat::Int4Awq)
+        matches!(
+            self,
+            QuantFormat::Int4Gptq | QuantFormat::Int4Awq | QuantFormat::Int4Packed { .. }
+        )
+    }
+
+    /// Whether the checkpoint stores a zero point per group (a symmetric INT4 scheme's is 8).
+    pub fn stores_zeros(self) -> bool {
+        matches!(
+            self,
+            QuantFormat::Int4Gptq
+                | QuantFormat::Int4Awq
+                | QuantFormat::Int4Packed { zero_points: true }
+        )
     }
 
     /// Elements per stored word along a weight's outputs and inputs: a split that cut a
     /// word would leave part of it on another rank. INT4 zeros pack eight outputs a word in
-    /// both packings; GPTQ's weights pack eight inputs, AWQ's eight outputs.
+    /// every packing; GPTQ's and compressed-tensors' weights pack eight inputs, AWQ's eight
+    /// outputs.
     pub fn packed(self) -> [u64; 2] {
         match self {
             QuantFormat::Fp8E4m3 | QuantFormat::Int8 => [1, 1],
-            QuantFormat::Int4Gptq => [8, 8],
+            QuantFormat::Int4Gptq | QuantFormat::Int4Packed { .. } => [8, 8],
             QuantFormat::Int4Awq => [8, 1],
         }
     }
@@ -157,8 +181,13 @@ impl Quantized {
             );
         }
         format!(
-            "{}, 4 bits an element packed eight to an int32, an f16 scale and a 4-bit zero per {block}; a split keeps every {}packed word on one rank",
+            "{}, 4 bits an element packed eight to an int32, a 16-bit scale{} per {block}; a split keeps every {}packed word on one rank",
             self.format.name(),
+            if self.format.stores_zeros() {
+                " and a 4-bit zero"
+            } else {
+                ""
+            },
             if self.act_order {
                 "" // The groups are scattered along the inputs (g_idx).
             } else {
@@ -185,8 +214,9 @@ impl Quantized {
 
     /// Bytes a rank holds for a piece of `local_shape`, whole blocks of scales included:
     /// for FP8 and INT8 one byte per element and an f32 per block that the piece touches;
-    /// for INT4 half a byte per element, an f16 scale and a 4-bit zero per group of each
-    /// output, and (GPTQ) an int32 `g_idx` entry per input.
+    /// for INT4 half a byte per element, a 16-bit scale and (unless symmetric) a 4-bit zero
+    /// per group of each output, and (GPTQ, and compressed-tensors in act order) an int32
+    /// `g_idx` entry per input.
     pub fn stored_bytes(&self, local_shape: &[u64]) -> u64 {
         use super::saturating::product;
         let elements = product(local_shape.iter().copied());
@@ -203,11 +233,15 @@ impl Quantized {
         // INT4 weights are stored `[out, in]`.
         let g_idx = match self.format {
             QuantFormat::Int4Gptq => lead.saturating_mul(b).saturating_mul(4),
+            QuantFormat::Int4Packed { .. } if self.act_order => {
+                lead.saturating_mul(b).saturating_mul(4)
+            }
             _ => 0,
         };
+        let per_group = if self.format.stores_zeros() { 5 } else { 4 };
         elements
             .div_ceil(2)
-            .saturating_add(scales.saturating_mul(5).div_ceil(2))
+            .saturating_add(scales.saturating_mul(per_group).div_ceil(2))
             .saturating_add(g_idx)
     }
 
@@ -404,6 +438,30 @@ mod tests {
             64 * 128 / 2 + 64 * 4 * 5 / 2 + 128 * 4
         );
         assert_eq!(awq.stored_bytes(&[64, 128]), 64 * 128 / 2 + 64 * 4 * 5 / 2);
+        // compressed-tensors: symmetric stores no zeros, act order a g_idx entry per input;
+        // inputs packed as GPTQ's, so the same atoms.
+        let sym = Quantized {
+            format: QuantFormat::Int4Packed { zero_points: false },
+            ..gptq
+        };
+        assert_eq!(sym.stored_bytes(&[64, 128]), 64 * 128 / 2 + 64 * 4 * 2);
+        let asym_act = Quantized {
+            format: QuantFormat::Int4Packed { zero_points: true },
+            act_order: true,
+            ..gptq
+        };
+        assert_eq!(
+            asym_act.stored_bytes(&[64, 128]),
+            64 * 128 / 2 + 64 * 4 * 5 / 2 + 128 * 4
+        );
+        let why = sym.cut_by(1, 2, 128, &[range(16, 16)]).unwrap();
+        assert!(
+            why.contains("int4 pack-quantized symmetric scale groups of 32"),
+            "{why}"
+        );
+        assert!(sym.cut_by(0, 2, 64, &[range(4, 4)]).is_some());
+        assert!(asym_act.cut_by(1, 2, 128, &[range(16, 16)]).is_none());
+        assert!(!sym.describe().contains("zero") && asym_act.describe().contains("zero"));
         // Held by the CPU runtime: the codes, and an f32 scale and zero per group per output.
         assert_eq!(
             gptq.column_scaled_bytes(&[64, 128]),

@@ -1,5 +1,5 @@
 //! Quantized checkpoints on the GPU (feature `cuda`): FP8 (block scales), INT8 (a scale per
-//! output channel) and INT4 (GPTQ, AWQ, GPTQ in act order) linears kept on the device as
+//! output channel) and INT4 (GPTQ, AWQ, GPTQ in act order, compressed-tensors W4A16) linears kept on the device as
 //! their codes (`src/runtime/cuda/backend/quantized.rs`, `kernels/quant.cu`). Each fixture at
 //! every tp its blocks and groups allow (f32; bf16 at tp 1 and 2) matches transformers'
 //! logits (greedy tokens in f32); at tp 2 its weights take the bytes of codes, not of bf16
@@ -21,12 +21,13 @@ use tpc::runtime::weights::Checkpoint;
 
 /// The quantized fixtures and the least bytes per linear weight element that keeping their
 /// codes saves against bf16 values (2 bytes): a byte code, or half a byte, plus scales.
-const CASES: [(&str, f64); 5] = [
+const CASES: [(&str, f64); 6] = [
     ("llama-gqa-fp8", 0.5),
     ("llama-gqa-int8", 0.5),
     ("llama-gqa-gptq", 1.0),
     ("llama-gqa-awq", 1.0),
     ("llama-gqa-gptq-act", 1.0),
+    ("llama-gqa-w4a16", 1.0),
 ];
 
 fn dir_of(case: &str) -> std::path::PathBuf {

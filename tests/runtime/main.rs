@@ -21,6 +21,7 @@ mod plan_provenance;
 mod quant_fp8;
 mod quant_int4;
 mod quant_int8;
+mod quant_packed;
 // The fuzzers' seeded generator, for the structural plan fuzzer; not every helper is used.
 #[allow(dead_code)]
 #[path = "../fuzz/rng.rs"]

@@ -22,7 +22,7 @@ const AWQ: &str = "tests/fixtures/checkpoints/llama-gqa-awq";
 /// Runs the fixture in `dir` at every tp from 1 to 8 that compiles, against its reference,
 /// checking each piece of a quantized weight keeps its groups (`group` inputs) and words
 /// whole; returns the tp that ran.
-fn runs_at_every_valid_tp(dir: &str, format: QuantFormat, act_order: bool) -> Vec<u64> {
+pub(crate) fn runs_at_every_valid_tp(dir: &str, format: QuantFormat, act_order: bool) -> Vec<u64> {
     let dir = Path::new(dir);
     let reference = read_reference(dir);
     let def = load_model(dir).unwrap();
@@ -306,6 +306,10 @@ fn bf16_runs_of_int4_checkpoints_stay_within_the_bf16_tolerance() {
         (GPTQ, QuantFormat::Int4Gptq),
         (GPTQ_ACT, QuantFormat::Int4Gptq),
         (AWQ, QuantFormat::Int4Awq),
+        (
+            "tests/fixtures/checkpoints/llama-gqa-w4a16-asym-act",
+            QuantFormat::Int4Packed { zero_points: true },
+        ),
     ] {
         let dir = Path::new(dir);
         let reference = read_reference(dir);

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 /// The group size a config states: `-1` (one group across the inputs) as 0, otherwise a
 /// positive multiple of 8 (the inputs a packed word holds) no larger than a dim can be.
-fn group_size(q: &Value, bad: &dyn Fn(String) -> crate::error::TpcError) -> Result<u64> {
+pub(super) fn group_size(q: &Value, bad: &dyn Fn(String) -> crate::error::TpcError) -> Result<u64> {
     let Some(g) = q.get("group_size").filter(|v| !v.is_null()) else {
         return Err(bad("no `group_size`".into()));
     };

@@ -2136,7 +2136,9 @@ mod slice_tests {
             (QuantFormat::Int4Gptq, false),
             (QuantFormat::Int4Awq, false),
             (QuantFormat::Int4Gptq, true),
-        ][i % 3]
+            (QuantFormat::Int4Packed { zero_points: false }, false),
+            (QuantFormat::Int4Packed { zero_points: true }, true),
+        ][i % 5]
     }
 
     /// `w` as a slice of the INT4 weight `w.weight` in groups of `group`.
@@ -2167,7 +2169,7 @@ mod slice_tests {
             outs in 1usize..5,
             groups in 1usize..4,
             g in 0usize..3,
-            kind in 0usize..3,
+            kind in 0usize..5,
             dim in 0usize..3,
             raw in prop::collection::vec((0usize..64, 0usize..64, 0u64..3), 1..3),
             aligned in any::<bool>(),
@@ -2239,7 +2241,7 @@ mod slice_tests {
     #[test]
     fn int4_code_products_match_the_dequantized_weight() {
         let (n, k, group) = (40, 320, 32);
-        for kind in 0..3 {
+        for kind in 0..5 {
             let (format, act_order) = int4_format(kind);
             let dir = int4_dir();
             write_int4_checkpoint(&dir, format, act_order, [n, k], group, 11);

@@ -1,7 +1,9 @@
-//! INT4 weights as GPTQ and AWQ store them. A linear weight `W [out, in]` is not a tensor
-//! of the checkpoint: `<module>.qweight` holds its 4-bit codes packed eight to an int32,
-//! `<module>.qzeros` a zero point and `<module>.scales` an f16 scale per output per group
-//! of inputs, and GPTQ's `<module>.g_idx` each input's group; an element's value is
+//! INT4 weights as GPTQ, AWQ and compressed-tensors store them. A linear weight `W [out,
+//! in]` is not a tensor of the checkpoint: `<module>.qweight` holds its 4-bit codes packed
+//! eight to an int32, `<module>.qzeros` a zero point and `<module>.scales` an f16 scale per
+//! output per group of inputs, and GPTQ's `<module>.g_idx` each input's group (in
+//! compressed-tensors: `weight_packed`, `weight_zero_point`, `weight_scale`,
+//! `weight_g_idx`); an element's value is
 //! `(code − zero) × scale` of its input's group, which is how the formats' own reference
 //! kernels dequantize (here exactly, in f32).
 //!
@@ -11,6 +13,12 @@
 //! - AWQ (GEMM packing): `qweight [in, out/8]` and `qzeros [groups, out/8]`, word `j`'s
 //!   bits `4k..` holding output `8j + ORDER[k]` with ORDER = 0 2 4 6 1 3 5 7; zeros as
 //!   stored; input `i` in group `i / group`.
+//! - compressed-tensors (`pack-quantized`): `weight_packed [out, in/8]`, input `8p + k` of
+//!   word `p` of its output's row in bits `4k..`, each code the signed value plus 8;
+//!   `weight_scale [out, groups]` (the model's float type); `weight_zero_point [out/8,
+//!   groups]`, output `8j + k` in bits `4k..`, plus 8 as the codes (absent where symmetric:
+//!   every zero is 8); `weight_g_idx [in]` in group act order (−1 entries: consecutive
+//!   groups); `weight_shape` `[out, in]`.
 //!
 //! Scales, zeros and groups are small (one per group, not per element) and are read and
 //! checked whole when the weight is first asked for, before any compute. The codes are
@@ -59,7 +67,22 @@ pub(super) fn packed_shape(format: QuantFormat, [out, inp]: [usize; 2]) -> Optio
     match format {
         QuantFormat::Int4Gptq if inp % 8 == 0 => Some([inp / 8, out]),
         QuantFormat::Int4Awq if out % 8 == 0 => Some([inp, out / 8]),
+        QuantFormat::Int4Packed { .. } if inp % 8 == 0 => Some([out, inp / 8]),
         _ => None,
+    }
+}
+
+/// The names (after `<module>.`) of an INT4 weight's packed codes, zeros, scales and
+/// groups in `format`, in that order.
+pub(super) fn part_names(format: QuantFormat) -> [&'static str; 4] {
+    match format {
+        QuantFormat::Int4Packed { .. } => [
+            "weight_packed",
+            "weight_zero_point",
+            "weight_scale",
+            "weight_g_idx",
+        ],
+        _ => ["qweight", "qzeros", "scales", "g_idx"],
     }
 }
 
@@ -113,8 +136,9 @@ fn field_of(format: QuantFormat, o: usize) -> usize {
 }
 
 impl Int4Weight {
-    /// Reads and checks the small tensors of the INT4 weight `tensor`, whose `qweight`,
-    /// `qzeros`, `scales` and (GPTQ) `g_idx` are `parts` (`None` where missing), quantized
+    /// Reads and checks the small tensors of the INT4 weight `tensor`, whose packed codes,
+    /// zeros, scales and groups ([`part_names`]) and compressed-tensors' `weight_shape` are
+    /// `parts` (`None` where missing), quantized
     /// in `format` with `group` inputs a group (0: one group across them). `read_floats`
     /// reads a float tensor (the scales) whole as f32.
     pub(super) fn open(
@@ -122,11 +146,11 @@ impl Int4Weight {
         format: QuantFormat,
         group: u64,
         act_order: bool,
-        parts: [Option<Part<'_>>; 4],
+        parts: [Option<Part<'_>>; 5],
         file_index: usize,
         read_floats: impl Fn(&str) -> Result<Vec<f32>>,
     ) -> Result<Int4Weight> {
-        let [qweight, qzeros, scales, g_idx] = parts;
+        let [qweight, qzeros, scales, g_idx, shape_part] = parts;
         let stem = tensor.strip_suffix(".weight").unwrap_or(tensor);
         let missing = |what: &str| {
             WeightError::Tensor {
@@ -138,7 +162,8 @@ impl Int4Weight {
             ),
         }
         };
-        let qweight = qweight.ok_or_else(|| missing("qweight"))?;
+        let names = part_names(format);
+        let qweight = qweight.ok_or_else(|| missing(names[0]))?;
         let bad = |part: &Part, problem: String| WeightError::Tensor {
             path: part.file.path.clone(),
             tensor: part.name.clone(),
@@ -172,6 +197,7 @@ impl Int4Weight {
         // The weight's [out, in] from its packed shape.
         let [out, inp] = match format {
             QuantFormat::Int4Gptq => [Some(packed[1]), packed[0].checked_mul(8)],
+            QuantFormat::Int4Packed { .. } => [Some(packed[0]), packed[1].checked_mul(8)],
             _ => [packed[1].checked_mul(8), Some(packed[0])],
         }
         .map(|d| d.unwrap_or(usize::MAX));
@@ -202,18 +228,34 @@ impl Int4Weight {
                 ))
             }
         };
-        let qzeros = qzeros.ok_or_else(|| missing("qzeros"))?;
-        want(
-            &qzeros,
-            two_d(&qzeros, &[Dtype::I32, Dtype::U32])?,
-            [groups, out / 8],
-            "zeros",
-        )?;
-        let scales_part = scales.ok_or_else(|| missing("scales"))?;
+        // compressed-tensors stores scales and zeros with the outputs first.
+        let by_output = matches!(format, QuantFormat::Int4Packed { .. });
+        let qzeros = if format.stores_zeros() {
+            let qzeros = qzeros.ok_or_else(|| missing(names[1]))?;
+            let shape = if by_output {
+                [out / 8, groups]
+            } else {
+                [groups, out / 8]
+            };
+            want(
+                &qzeros,
+                two_d(&qzeros, &[Dtype::I32, Dtype::U32])?,
+                shape,
+                "zeros",
+            )?;
+            Some(qzeros)
+        } else {
+            None
+        };
+        let scales_part = scales.ok_or_else(|| missing(names[2]))?;
         want(
             &scales_part,
             two_d(&scales_part, &[Dtype::F16, Dtype::BF16, Dtype::F32])?,
-            [groups, out],
+            if by_output {
+                [out, groups]
+            } else {
+                [groups, out]
+            },
             "scales",
         )?;
         let raw = |part: &Part| -> Result<Vec<u8>> {
@@ -223,7 +265,38 @@ impl Int4Weight {
                 .read_exact_at(part.file.data_start.saturating_add(start as u64), &mut buf)?;
             Ok(buf)
         };
-        let scales = read_floats(&scales_part.name)?;
+        if let Some(part) = shape_part {
+            let ok =
+                matches!(part.info.dtype, Dtype::I32 | Dtype::I64) && part.info.shape[..] == [2];
+            let dims: Vec<i64> = if ok {
+                let bytes = raw(&part)?;
+                match part.info.dtype {
+                    Dtype::I64 => bytes
+                        .chunks_exact(8)
+                        .map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                        .collect(),
+                    _ => words(&bytes).map(|w| i64::from(w as i32)).collect(),
+                }
+            } else {
+                Vec::new()
+            };
+            if dims != [out as i64, inp as i64] {
+                return Err(bad(
+                    &part,
+                    format!(
+                        "is {dims:?} ({:?} {:?}); the packed codes hold a {out} × {inp} weight, whose weight_shape is I32 or I64 [2] = [{out}, {inp}] (tpc reads inputs in whole words of 8); the checkpoint is corrupt",
+                        part.info.dtype, part.info.shape
+                    ),
+                ));
+            }
+        }
+        let mut scales = read_floats(&scales_part.name)?;
+        if by_output {
+            // [out][groups] → [groups][out], as the other packings store them.
+            scales = (0..groups * out)
+                .map(|at| scales[(at % out) * groups + at / out])
+                .collect();
+        }
         if let Some(bad_at) = scales.iter().position(|v| !v.is_finite()) {
             return Err(bad(
                 &scales_part,
@@ -233,18 +306,29 @@ impl Int4Weight {
                 ),
             ));
         }
-        // One zero per (group, output), as the dequantization subtracts it.
-        let zero_words: Vec<u32> = words(&raw(&qzeros)?).collect();
-        let plus = u8::from(format == QuantFormat::Int4Gptq);
-        let mut zeros = vec![0u8; groups.saturating_mul(out)];
-        for (g, row) in zeros.chunks_mut(out.max(1)).enumerate() {
-            for (o, z) in row.iter_mut().enumerate() {
-                let word = zero_words[g * (out / 8) + o / 8];
-                *z = nibble(word, field_of(format, o)) + plus;
+        // One zero per (group, output), as the dequantization subtracts it; a symmetric
+        // scheme's codes are the signed value plus 8.
+        let mut zeros = vec![8u8; groups.saturating_mul(out)];
+        if let Some(qzeros) = &qzeros {
+            let zero_words: Vec<u32> = words(&raw(qzeros)?).collect();
+            let plus = u8::from(format == QuantFormat::Int4Gptq);
+            for (g, row) in zeros.chunks_mut(out.max(1)).enumerate() {
+                for (o, z) in row.iter_mut().enumerate() {
+                    let word = if by_output {
+                        zero_words[(o / 8) * groups + g]
+                    } else {
+                        zero_words[g * (out / 8) + o / 8]
+                    };
+                    *z = nibble(word, field_of(format, o)) + plus;
+                }
             }
         }
-        let group_of: Vec<u32> = match (format, g_idx) {
-            (QuantFormat::Int4Gptq, Some(part)) => {
+        let scattered = matches!(
+            format,
+            QuantFormat::Int4Gptq | QuantFormat::Int4Packed { .. }
+        );
+        let group_of: Vec<u32> = match (scattered, g_idx) {
+            (true, Some(part)) => {
                 let shape = &part.info.shape;
                 if !matches!(part.info.dtype, Dtype::I32 | Dtype::I64) || shape[..] != [inp] {
                     return Err(bad(
@@ -264,7 +348,13 @@ impl Int4Weight {
                     _ => words(&bytes).map(|w| w as i32 as i64).collect(),
                 };
                 let mut out_ids = Vec::with_capacity(ids.len());
+                // compressed-tensors leaves g_idx at −1 where the groups are in column order.
+                let column_order = by_output && ids.contains(&-1);
                 for (i, &g) in ids.iter().enumerate() {
+                    if column_order {
+                        out_ids.push((i as u64).checked_div(group).unwrap_or(0) as u32);
+                        continue;
+                    }
                     match u32::try_from(g).ok().filter(|&g| (g as usize) < groups) {
                         Some(g) => out_ids.push(g),
                         None => {
@@ -279,7 +369,7 @@ impl Int4Weight {
                 }
                 out_ids
             }
-            (QuantFormat::Int4Gptq, None) if act_order => return Err(missing("g_idx")),
+            (true, None) if act_order => return Err(missing(names[3])),
             // Consecutive groups (one across the inputs for a group of 0); fewer groups than
             // inputs, so u32 holds them.
             _ => (0..inp)
@@ -328,6 +418,8 @@ impl Int4Weight {
         let rows = o1 - o0;
         let (packed_rows, words_per_row, first_word, row_words) = match self.format {
             QuantFormat::Int4Gptq => (self.inp / 8, rows, o0, self.out),
+            // Each output's row of words in turn: one run of them.
+            QuantFormat::Int4Packed { .. } => (rows, self.inp / 8, o0 * self.inp / 8, self.inp / 8),
             _ => (self.inp, rows.div_ceil(8), o0 / 8, self.out / 8),
         };
         // The band's words, packed row after packed row.
@@ -348,6 +440,9 @@ impl Int4Weight {
                 for (i, c) in row.iter_mut().enumerate() {
                     *c = match self.format {
                         QuantFormat::Int4Gptq => nibble(words[(i / 8) * words_per_row + r], i % 8),
+                        QuantFormat::Int4Packed { .. } => {
+                            nibble(words[r * words_per_row + i / 8], i % 8)
+                        }
                         _ => nibble(
                             words[i * words_per_row + (o / 8 - first_word)],
                             field_of(self.format, o),
@@ -515,6 +610,8 @@ pub(crate) mod tests {
         zeros: Vec<u8>,
         scales: Vec<f32>,
         group_of: Vec<usize>,
+        /// Made in act order (compressed-tensors then stores `weight_g_idx`).
+        scattered: bool,
         out: usize,
         inp: usize,
     }
@@ -541,6 +638,7 @@ pub(crate) mod tests {
                     .map(|v| half::f16::from_f32(v).to_f32())
                     .collect(),
                 group_of,
+                scattered: scatter,
                 out,
                 inp,
             }
@@ -574,6 +672,61 @@ pub(crate) mod tests {
                 QuantFormat::Int4Awq => AWQ_ORDER[k],
                 _ => k,
             };
+            let f16s = |v: &[f32]| -> Vec<u8> {
+                v.iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                    .collect()
+            };
+            if let QuantFormat::Int4Packed { zero_points } = format {
+                // compressed-tensors: rows of outputs, scales and zeros outputs first.
+                let packed: Vec<u32> = (0..out * inp / 8)
+                    .map(|w| {
+                        let (o, p) = (w / (inp / 8), w % (inp / 8));
+                        pack(&|k| self.codes[o * inp + 8 * p + k])
+                    })
+                    .collect();
+                let by_output: Vec<f32> = (0..out * groups)
+                    .map(|at| self.scales[(at % groups) * out + at / groups])
+                    .collect();
+                let shape: Vec<u8> = [out as i64, inp as i64]
+                    .iter()
+                    .flat_map(|d| d.to_le_bytes())
+                    .collect();
+                let mut t = vec![
+                    (
+                        format!("{m}.weight_packed"),
+                        Dtype::I32,
+                        vec![out, inp / 8],
+                        le(packed),
+                    ),
+                    (
+                        format!("{m}.weight_scale"),
+                        Dtype::F16,
+                        vec![out, groups],
+                        f16s(&by_output),
+                    ),
+                    (format!("{m}.weight_shape"), Dtype::I64, vec![2], shape),
+                ];
+                if zero_points {
+                    let zp: Vec<u32> = (0..out / 8 * groups)
+                        .map(|w| {
+                            let (j, g) = (w / groups, w % groups);
+                            pack(&|k| self.zeros[g * out + 8 * j + k])
+                        })
+                        .collect();
+                    t.push((
+                        format!("{m}.weight_zero_point"),
+                        Dtype::I32,
+                        vec![out / 8, groups],
+                        le(zp),
+                    ));
+                }
+                if self.scattered {
+                    let g: Vec<u32> = self.group_of.iter().map(|&g| g as u32).collect();
+                    t.push((format!("{m}.weight_g_idx"), Dtype::I32, vec![inp], le(g)));
+                }
+                return t;
+            }
             let minus = u8::from(format == QuantFormat::Int4Gptq);
             let qzeros: Vec<u32> = (0..groups * out / 8)
                 .map(|w| {
@@ -601,11 +754,7 @@ pub(crate) mod tests {
                     vec![inp, out / 8],
                 ),
             };
-            let scales: Vec<u8> = self
-                .scales
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                .collect();
+            let scales = f16s(&self.scales);
             let mut t = vec![
                 (format!("{m}.qweight"), Dtype::I32, shape, le(qweight)),
                 (
@@ -656,11 +805,18 @@ pub(crate) mod tests {
         group: usize,
         seed: u64,
     ) -> Vec<f32> {
-        let made = Made::new(out, inp, group, act_order, seed);
+        let mut made = Made::new(out, inp, group, act_order, seed);
+        if !format.stores_zeros() {
+            made.zeros.fill(8);
+        }
         let config = match format {
             QuantFormat::Int4Awq => format!(
                 r#"{{"quantization_config": {{"quant_method": "awq", "bits": 4, "group_size": {group}, "zero_point": true, "version": "gemm"}}}}"#
             ),
+            QuantFormat::Int4Packed { zero_points } => {
+                packed_config(!zero_points, if act_order { r#""group""# } else { "null" })
+                    .replace("\"group_size\": 32", &format!("\"group_size\": {group}"))
+            }
             _ => format!(
                 r#"{{"quantization_config": {{"quant_method": "gptq", "bits": 4, "group_size": {group}, "desc_act": {act_order}}}}}"#
             ),
@@ -673,15 +829,46 @@ pub(crate) mod tests {
     const GPTQ_ACT: &str = r#"{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": true}}"#;
     const AWQ: &str = r#"{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": true, "version": "gemm"}}"#;
 
+    /// A compressed-tensors W4A16 config: groups of 32, `symmetric` and `actorder` as given.
+    fn packed_config(symmetric: bool, actorder: &str) -> String {
+        format!(
+            r#"{{"quantization_config": {{"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {{"group_0": {{"targets": ["Linear"], "input_activations": null, "weights": {{"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": {symmetric}, "dynamic": false, "actorder": {actorder}}}}}}}}}}}"#
+        )
+    }
+
     #[test]
     fn int4_weights_read_as_code_minus_zero_times_scale_in_every_packing() {
+        let sym = QuantFormat::Int4Packed { zero_points: false };
+        let asym = QuantFormat::Int4Packed { zero_points: true };
         for (name, format, config, scatter) in [
-            ("gptq", QuantFormat::Int4Gptq, GPTQ, false),
-            ("gptq-act", QuantFormat::Int4Gptq, GPTQ_ACT, true),
-            ("awq", QuantFormat::Int4Awq, AWQ, false),
+            ("gptq", QuantFormat::Int4Gptq, GPTQ.to_string(), false),
+            (
+                "gptq-act",
+                QuantFormat::Int4Gptq,
+                GPTQ_ACT.to_string(),
+                true,
+            ),
+            ("awq", QuantFormat::Int4Awq, AWQ.to_string(), false),
+            ("packed", sym, packed_config(true, "null"), false),
+            (
+                "packed-asym-act",
+                asym,
+                packed_config(false, r#""group""#),
+                true,
+            ),
+            (
+                "packed-weight-order",
+                asym,
+                packed_config(false, r#""weight""#),
+                false,
+            ),
         ] {
             // 24 outputs × 64 inputs: two groups, and bands of 256 / 64 = 4 → 8 rows.
-            let made = Made::new(24, 64, 32, scatter, 7);
+            let mut made = Made::new(24, 64, 32, scatter, 7);
+            if !format.stores_zeros() {
+                made.zeros.fill(8);
+            }
+            let config = config.as_str();
             let dir = temp(name);
             write(&dir, config, &made.tensors("l", format));
             let ckpt = Checkpoint::open(&dir).unwrap();

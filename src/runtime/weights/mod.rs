@@ -226,8 +226,9 @@ impl Checkpoint {
         .find(|name| self.resolve(name).is_some())
     }
 
-    /// The INT4 weight `tensor` (`<module>.weight`) of a GPTQ or AWQ checkpoint, stored as
-    /// `<module>.qweight` and its companions; `None` for a tensor stored as itself (an
+    /// The INT4 weight `tensor` (`<module>.weight`) of a GPTQ, AWQ or compressed-tensors
+    /// checkpoint, stored as `<module>.qweight` (`weight_packed`) and its companions; `None`
+    /// for a tensor stored as itself (an
     /// unquantized one, or any in a checkpoint of another format). Its small tensors are
     /// read and checked once.
     fn int4(&self, tensor: &str) -> Result<Option<Arc<int4::Int4Weight>>> {
@@ -240,7 +241,8 @@ impl Checkpoint {
         if self.resolve(tensor).is_some() {
             return Ok(None);
         }
-        let qweight = format!("{stem}.qweight");
+        let names = int4::part_names(q.format);
+        let qweight = format!("{stem}.{}", names[0]);
         let Some((_, file_index)) = self.resolve(&qweight) else {
             return Ok(None);
         };
@@ -258,10 +260,12 @@ impl Checkpoint {
             q.block[1],
             q.act_order,
             [
-                part("qweight"),
-                part("qzeros"),
-                part("scales"),
-                part("g_idx"),
+                part(names[0]),
+                part(names[1]),
+                part(names[2]),
+                part(names[3]),
+                part("weight_shape")
+                    .filter(|_| matches!(q.format, crate::ir::QuantFormat::Int4Packed { .. })),
             ],
             file_index,
             |name| self.tensor(name)?.values(),
@@ -501,7 +505,8 @@ impl Checkpoint {
 }
 
 impl Checkpoint {
-    /// The `qweight` of an INT4 weight `tensor` against the shape the plan gives the weight,
+    /// The packed codes (`qweight`, `weight_packed`) of an INT4 weight `tensor` against the
+    /// shape the plan gives the weight,
     /// before its other tensors are read (a packed tensor of the wrong length is named as
     /// such, not by the companion it then disagrees with).
     fn check_packed_shape(&self, tensor: &str, shape: &[u64]) -> Result<()> {
@@ -511,7 +516,7 @@ impl Checkpoint {
         ) else {
             return Ok(());
         };
-        let qweight = format!("{stem}.qweight");
+        let qweight = format!("{stem}.{}", int4::part_names(q.format)[0]);
         if self.resolve(tensor).is_some() || self.resolve(&qweight).is_none() {
             return Ok(());
         }
@@ -556,7 +561,7 @@ impl Checkpoint {
         let stored = w.shape().map(|d| d as u64);
         if shape != stored {
             return Err(err(format!(
-                "is a {} weight of shape {stored:?} (from its qweight), the model expects {shape:?}",
+                "is a {} weight of shape {stored:?} (from its packed codes), the model expects {shape:?}",
                 w.format().name()
             )));
         }

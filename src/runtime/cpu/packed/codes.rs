@@ -82,7 +82,9 @@ pub(super) fn code_scales(
         QuantFormat::Fp8E4m3 => CodeKind::E4m3,
         QuantFormat::Int8 => CodeKind::Int8,
         // Dequantized as they load (no BlockScales are read for them).
-        QuantFormat::Int4Gptq | QuantFormat::Int4Awq => return Ok(None),
+        QuantFormat::Int4Gptq | QuantFormat::Int4Awq | QuantFormat::Int4Packed { .. } => {
+            return Ok(None)
+        }
     };
     let blocks = k.div_ceil(kblock);
     let per_panel = blocks * NR;
