@@ -76,36 +76,6 @@ CASES = [
 ]
 
 
-@torch.no_grad()
-def check_transformers_own_load(out: Path) -> None:
-    """Loads the fixture in ``out`` with transformers itself (through the compressed-tensors
-    package, decompressed) and records the largest difference of its prefill logits from the
-    reference's."""
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError:
-        print(out.name, "compressed-tensors is not installed: transformers' own load not checked")
-        return
-    import make_fixtures
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(out),
-        dtype=torch.float32,
-        quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
-        **make_fixtures.impl_kwargs(transformers.AutoConfig.from_pretrained(str(out))),
-    ).eval()
-    ref = load_file(str(out / "reference.safetensors"))
-    logits = make_fixtures.prefill_logits(model, ref["prompt_ids"])
-    diff = float((logits - ref["logits"]).abs().max())
-    info = json.loads((out / "reference.json").read_text())
-    info["stats"]["max_abs_logit_diff_transformers_own_load"] = diff
-    info["compressed_tensors_version"] = compressed_tensors.__version__
-    (out / "reference.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(out.name, "transformers' own load: max |logit diff|", diff)
-    assert diff < 1e-4, f"transformers' own load differs by {diff}"
-
-
 def make(case: str, method: str, group: int, desc_act: bool, zero_points: bool, what: str) -> None:
     SRC, OUT = FIXTURES / SOURCE, FIXTURES / case
     torch.manual_seed(0)
@@ -132,7 +102,7 @@ def make(case: str, method: str, group: int, desc_act: bool, zero_points: bool, 
         "python3 scripts/make_int4_fixtures.py",
     )
     if method == "compressed" and not desc_act:
-        check_transformers_own_load(OUT)
+        make_int8_fixture.check_transformers_own_load(OUT)
 
 
 def main() -> None:

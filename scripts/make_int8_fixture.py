@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Make ``llama-gqa-int8``: llama-gqa's weights as an INT8 checkpoint with a scale per output
 channel in the compressed-tensors layout (``scripts/quantize_int8.py``), with a reference run
-of transformers on the weights it stands for.
+of transformers on the weights it stands for; and ``llama-gqa-w8a16``, the same as
+llm-compressor's W8A16 (``format: "pack-quantized"``: four values to an int32, each plus 128).
+Where the ``compressed-tensors`` package is installed, transformers also loads
+``llama-gqa-w8a16`` itself (``check_transformers_own_load``).
 
 The reference is transformers' float32 Llama (eager attention) holding the dequantized
 weights (``int8 × scale`` per row, computed here): the prompt's prefill logits and the greedy
@@ -36,7 +39,7 @@ import quantize_int8  # noqa: E402  (the conversion, shared with users' checkpoi
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"
-SOURCE, CASE = "llama-gqa", "llama-gqa-int8"
+SOURCE, CASE, PACKED_CASE = "llama-gqa", "llama-gqa-int8", "llama-gqa-w8a16"
 
 
 @torch.no_grad()
@@ -105,25 +108,60 @@ def save_quantized_fixture(
     print(case, json.dumps(info["stats"], indent=2))
 
 
+@torch.no_grad()
+def check_transformers_own_load(out: Path) -> None:
+    """Loads the fixture in ``out`` with transformers itself (through the compressed-tensors
+    package, decompressed) and records the largest difference of its prefill logits from the
+    reference's."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        print(out.name, "compressed-tensors is not installed: transformers' own load not checked")
+        return
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out),
+        dtype=torch.float32,
+        quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
+        **make_fixtures.impl_kwargs(transformers.AutoConfig.from_pretrained(str(out))),
+    ).eval()
+    ref = load_file(str(out / "reference.safetensors"))
+    logits = make_fixtures.prefill_logits(model, ref["prompt_ids"])
+    diff = float((logits - ref["logits"]).abs().max())
+    info = json.loads((out / "reference.json").read_text())
+    info["stats"]["max_abs_logit_diff_transformers_own_load"] = diff
+    info["compressed_tensors_version"] = compressed_tensors.__version__
+    (out / "reference.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(out.name, "transformers' own load: max |logit diff|", diff)
+    assert diff < 1e-4, f"transformers' own load differs by {diff}"
+
+
 def main() -> None:
-    SRC, OUT = FIXTURES / SOURCE, FIXTURES / CASE
-    torch.manual_seed(0)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    stored, dequantized = quantize_int8.convert_tensors(load_file(str(SRC / "model.safetensors")))
-    config = quantize_int8.int8_config(json.loads((SRC / "config.json").read_text()))
-    save_quantized_fixture(
-        SRC,
-        OUT,
-        stored,
-        dequantized,
-        config,
-        CASE,
-        f"{SOURCE}'s weights as an INT8 checkpoint with a scale per output channel "
-        "(compressed-tensors, int-quantized); reference: transformers' f32 model holding the "
-        "dequantized weights",
-        "python3 scripts/make_int8_fixture.py",
-    )
+    only = set(sys.argv[1:])
+    for case, packed, fmt in [(CASE, False, "int-quantized"), (PACKED_CASE, True, "pack-quantized")]:
+        if only and case not in only:
+            continue
+        SRC, OUT = FIXTURES / SOURCE, FIXTURES / case
+        torch.manual_seed(0)
+        stored, dequantized = quantize_int8.convert_tensors(
+            load_file(str(SRC / "model.safetensors")), packed
+        )
+        config = quantize_int8.int8_config(json.loads((SRC / "config.json").read_text()), packed)
+        save_quantized_fixture(
+            SRC,
+            OUT,
+            stored,
+            dequantized,
+            config,
+            case,
+            f"{SOURCE}'s weights as an INT8 checkpoint with a scale per output channel "
+            f"(compressed-tensors, {fmt}); reference: transformers' f32 model holding the "
+            "dequantized weights",
+            "python3 scripts/make_int8_fixture.py" + (f" {case}" if packed else ""),
+        )
+        if packed:
+            check_transformers_own_load(OUT)
 
 
 if __name__ == "__main__":

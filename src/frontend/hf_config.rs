@@ -252,7 +252,7 @@ fn moe(r: &Reader, family: Family) -> Result<Option<MoeConfig>> {
 pub const QUANT_METHODS: &[&str] = &["fp8", "compressed-tensors", "gptq", "awq"];
 
 /// What tpc reads of each method, for messages.
-const QUANT_READ: &str = "fp8 (FP8 e4m3 with block scales, dynamic activations), compressed-tensors (INT8 or FP8 e4m3 weights with a scale per output channel, stored unpacked; INT4 weights with a scale per group or channel, symmetric or with zero points, `pack-quantized`), gptq (4-bit, `gptq` checkpoint format, desc_act true or false) and awq (4-bit, GEMM packing, zero points)";
+const QUANT_READ: &str = "fp8 (FP8 e4m3 with block scales, dynamic activations), compressed-tensors (INT8 or FP8 e4m3 weights with a scale per output channel, stored unpacked or, INT8, `pack-quantized`; INT4 weights with a scale per group or channel, symmetric or with zero points, `pack-quantized`), gptq (4-bit, `gptq` checkpoint format, desc_act true or false) and awq (4-bit, GEMM packing, zero points)";
 
 /// A quantized checkpoint's `quantization_config`: FP8 e4m3 with block scales
 /// (`quant_method: "fp8"`) and compressed-tensors' per-channel INT8 / FP8 weights are read;
@@ -366,7 +366,8 @@ fn modules_to_not_convert(q: &Value, bad: &dyn Fn(String) -> TpcError) -> Result
 /// every `Linear`, its weights 8-bit integers (`type: int`, symmetric) or floats (`type:
 /// float`, e4m3) with a scale per output channel (`strategy: channel`), stored one byte an
 /// element (`format` `int-quantized`, `float-quantized` or `naive-quantized`: the `weight`
-/// tensor itself, and `weight_scale [out, 1]`), or 4-bit integers with a scale per group of
+/// tensor itself, and `weight_scale [out, 1]`; INT8 also `pack-quantized`, W8A16: four to an
+/// int32 in `weight_packed [out, in/4]`, each byte the value plus 128), or 4-bit integers with a scale per group of
 /// inputs (`strategy: group`) or per channel, symmetric or with zero points, packed eight to
 /// an int32 (`format: pack-quantized`, W4A16; `actorder: group` stores `weight_g_idx`).
 /// Activations are computed unquantized, so an activation scheme is accepted only where it
@@ -507,12 +508,13 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
     };
     let stored = matches!(
         (fmt, format.as_deref()),
-        (QuantFormat::Int4Packed { .. }, Some("pack-quantized"))
-            | (
-                QuantFormat::Int8 | QuantFormat::Fp8E4m3,
-                Some("naive-quantized")
-            )
-            | (QuantFormat::Int8, Some("int-quantized"))
+        (
+            QuantFormat::Int4Packed { .. } | QuantFormat::Int8,
+            Some("pack-quantized")
+        ) | (
+            QuantFormat::Int8 | QuantFormat::Fp8E4m3,
+            Some("naive-quantized")
+        ) | (QuantFormat::Int8, Some("int-quantized"))
             | (QuantFormat::Fp8E4m3, Some("float-quantized"))
     );
     if !stored {
@@ -523,7 +525,7 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
             if fmt.is_int4() {
                 "4-bit weights are read packed eight to an int32, `pack-quantized`"
             } else {
-                "8-bit weights are read unpacked, a byte an element: `int-quantized`, `float-quantized` or `naive-quantized`; 8-bit `pack-quantized` (W8A16) is not read yet"
+                "8-bit weights are read unpacked, a byte an element: `int-quantized`, `float-quantized` or `naive-quantized`, and INT8 also four to an int32, `pack-quantized`"
             }
         )));
     }

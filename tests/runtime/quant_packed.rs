@@ -7,7 +7,10 @@
 //! two load in transformers itself (through the compressed-tensors package) with the same
 //! logits (recorded in their `reference.json`). tpc matches the reference at every tp the
 //! groups allow, refuses a split that would cut a group, and refuses tensors and configs it
-//! would misread before any compute.
+//! would misread before any compute. `llama-gqa-w8a16` (`scripts/make_int8_fixture.py`) is
+//! the INT8 fixture's codes as W8A16 stores them (four to an int32, each plus 128): it runs
+//! as the INT8 fixture does, bit for bit, and transformers itself loads it with the
+//! reference's logits.
 
 use crate::quant_fp8::refusal;
 use crate::quant_int4::runs_at_every_valid_tp;
@@ -16,10 +19,106 @@ use std::path::Path;
 use tpc::frontend::load::load_model;
 use tpc::ir::QuantFormat;
 use tpc::pipeline::compile;
+use tpc::runtime::weights::Checkpoint;
 
 const SYM: &str = "tests/fixtures/checkpoints/llama-gqa-w4a16";
 const ASYM: &str = "tests/fixtures/checkpoints/llama-gqa-w4a16-asym";
 const ASYM_ACT: &str = "tests/fixtures/checkpoints/llama-gqa-w4a16-asym-act";
+const W8A16: &str = "tests/fixtures/checkpoints/llama-gqa-w8a16";
+const INT8: &str = "tests/fixtures/checkpoints/llama-gqa-int8";
+
+/// W8A16's codes are read as the INT8 fixture's: at every tp its logits are the INT8
+/// fixture's bits (the same values, stored otherwise) and within tolerance of transformers,
+/// its greedy tokens transformers', the codes kept (the same weight bytes) — f32 and bf16.
+#[test]
+fn w8a16_checkpoints_run_as_their_int8_codes_at_every_tp() {
+    use crate::common::read_reference;
+    use crate::quant_fp8::assert_matches;
+    use tpc::runtime::generate::{ComputeDtype, Request, RunOptions};
+    use tpc::runtime::run::run_batch;
+    let reference = read_reference(Path::new(W8A16));
+    let (packed, int8) = (
+        Checkpoint::open(Path::new(W8A16)).unwrap(),
+        Checkpoint::open(Path::new(INT8)).unwrap(),
+    );
+    let def = load_model(Path::new(W8A16)).unwrap();
+    let request = [Request {
+        prompt: reference.prompt.clone(),
+        max_new_tokens: Some(2),
+    }];
+    let mut ran = Vec::new();
+    for tp in 1u64..=8 {
+        let Ok(compiled) = compile(&def, tp) else {
+            continue;
+        };
+        let plan = &compiled.plan;
+        assert!(plan.ranks[0].weights.iter().any(|w| w
+            .quant
+            .is_some_and(|q| (q.format, q.block) == (QuantFormat::Int8, [1, 0]))));
+        assert_matches(plan, &packed, &reference, &format!("w8a16 tp {tp}"));
+        for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+            let opts = RunOptions {
+                dtype,
+                ..Default::default()
+            };
+            let a = run_batch(plan, &packed, &request, &opts).unwrap();
+            let b = run_batch(plan, &int8, &request, &opts).unwrap();
+            let bits = |o: &tpc::runtime::generate::BatchOutput| -> Vec<u32> {
+                o.sequences[0]
+                    .prompt_logits
+                    .data
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert!(
+                bits(&a) == bits(&b),
+                "tp {tp} {dtype:?}: other bits than INT8's"
+            );
+            assert_eq!(a.weight_bytes, b.weight_bytes, "tp {tp} {dtype:?}");
+        }
+        ran.push(tp);
+    }
+    assert!(ran.len() >= 4 && ran.contains(&8), "ran only at tp {ran:?}");
+}
+
+#[test]
+fn w8a16_packed_bytes_that_do_not_fit_are_refused_before_compute() {
+    let src = Path::new(W8A16);
+    let plan = compile(&load_model(src).unwrap(), 2).unwrap().plan;
+    // Packed codes for 60 inputs of 64.
+    let short = edited_copy(
+        src,
+        "w8a16-short",
+        |_| {},
+        |n, d, mut s, mut b| {
+            if n == "model.layers.0.mlp.gate_proj.weight_packed" {
+                b = b.chunks(s[1] * 4).flat_map(|r| r[..60].to_vec()).collect();
+                s[1] = 15;
+            }
+            Some((d, s, b))
+        },
+    );
+    let e = refusal(&plan, &short);
+    assert!(
+        e.contains("gate_proj.weight") && e.contains("[128, 60]"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(short);
+    // The packed words without their scales.
+    let unscaled = edited_copy(
+        src,
+        "w8a16-scales",
+        |_| {},
+        |n, d, s, b| (n != "model.layers.1.self_attn.v_proj.weight_scale").then_some((d, s, b)),
+    );
+    let e = refusal(&plan, &unscaled);
+    assert!(
+        e.contains("`model.layers.1.self_attn.v_proj.weight_scale` are missing"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(unscaled);
+}
 
 #[test]
 fn pack_quantized_checkpoints_match_transformers_at_every_tp_their_groups_allow() {
@@ -157,8 +256,8 @@ fn pack_quantized_configs_tpc_would_misread_are_refused_by_name() {
     let src = Path::new(SYM);
     for (edit, want) in [
         (
-            serde_json::json!({"num_bits": 8, "strategy": "channel", "group_size": null}),
-            "8-bit `pack-quantized` (W8A16) is not read yet",
+            serde_json::json!({"num_bits": 8, "strategy": "channel", "group_size": null, "symmetric": false}),
+            "asymmetric (zero points); tpc reads symmetric 8-bit weights",
         ),
         (
             serde_json::json!({"strategy": "tensor"}),

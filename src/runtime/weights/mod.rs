@@ -47,6 +47,44 @@ pub struct Checkpoint {
     int4: Mutex<HashMap<String, Arc<int4::Int4Weight>>>,
     /// INT4 weights' bands read last.
     bands: int4::BandCache,
+    /// compressed-tensors' 8-bit `pack-quantized` (W8A16) weights: `<m>.weight` → the file
+    /// of `<m>.weight_packed` and those int32 words read as I8 `[out, 4 · words]` (a word's
+    /// byte `k` is input `4p + k`), each byte the value plus 128 (flipped back as read).
+    biased_bytes: HashMap<String, (usize, TensorInfo)>,
+}
+
+/// The W8A16 weights among `index`'s tensors (see `Checkpoint::biased_bytes`): every 2-D
+/// I32 `<m>.weight_packed` of an INT8 checkpoint whose `<m>.weight` is not stored.
+fn biased_bytes_of(
+    files: &[ShardFile],
+    index: &HashMap<String, usize>,
+    quant: Option<&crate::ir::Quantization>,
+) -> HashMap<String, (usize, TensorInfo)> {
+    let mut out = HashMap::new();
+    if quant.is_none_or(|q| q.format != crate::ir::QuantFormat::Int8) {
+        return out;
+    }
+    for (name, &f) in index {
+        let Some(stem) = name.strip_suffix(".weight_packed") else {
+            continue;
+        };
+        let weight = format!("{stem}.weight");
+        let Some(info) = files.get(f).and_then(|file| file.meta.info(name)) else {
+            continue;
+        };
+        if let (safetensors::Dtype::I32, &[rows, words]) = (info.dtype, &info.shape[..]) {
+            if index.contains_key(&weight) {
+                continue;
+            }
+            let bytes = TensorInfo {
+                dtype: safetensors::Dtype::I8,
+                shape: vec![rows, words.saturating_mul(4)],
+                data_offsets: info.data_offsets,
+            };
+            out.insert(weight, (f, bytes));
+        }
+    }
+    out
 }
 
 fn file_err(path: &Path, problem: impl Into<String>) -> WeightError {
@@ -172,14 +210,17 @@ impl Checkpoint {
                 "has neither model.safetensors nor model.safetensors.index.json; give a directory saved by `save_pretrained` with safe_serialization",
             ));
         }
+        let quant = quantization_of(dir)?;
+        let biased_bytes = biased_bytes_of(&files, &index, quant.as_ref());
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             files,
             index,
-            quant: quantization_of(dir)?,
+            quant,
             scales: Mutex::default(),
             int4: Mutex::default(),
             bands: int4::BandCache::default(),
+            biased_bytes,
         })
     }
 
@@ -205,6 +246,9 @@ impl Checkpoint {
     fn resolve(&self, tensor: &str) -> Option<(&str, usize)> {
         if let Some((k, &f)) = self.index.get_key_value(tensor) {
             return Some((k.as_str(), f));
+        }
+        if let Some((k, (f, _))) = self.biased_bytes.get_key_value(tensor) {
+            return Some((k.as_str(), *f));
         }
         let short = tensor.strip_prefix("transformer.")?;
         self.index
@@ -293,6 +337,9 @@ impl Checkpoint {
             },
         })?;
         let file = &self.files[f];
+        if let Some((_, info)) = self.biased_bytes.get(name) {
+            return Ok((file, info));
+        }
         let info = file.meta.info(name).ok_or_else(|| WeightError::Tensor {
             path: file.path.clone(),
             tensor: tensor.to_string(),
@@ -373,6 +420,9 @@ impl Checkpoint {
             offset,
             len: (end - start) / dtype.size(),
             scales,
+            biased: self
+                .resolve(tensor)
+                .is_some_and(|(k, _)| self.biased_bytes.contains_key(k)),
         })
     }
 
@@ -587,6 +637,15 @@ struct TensorSpan<'a> {
     len: usize,
     /// An FP8 weight's block scales: its elements are their e4m3 values times these.
     scales: Option<Arc<BlockScales>>,
+    /// Bytes stored as the value plus 128 (W8A16's `weight_packed`): flipped as read.
+    biased: bool,
+}
+
+/// Stored bytes of the value plus 128 → the value's i8 bits.
+fn unbias(bytes: &mut [u8]) {
+    for b in bytes {
+        *b ^= 0x80;
+    }
 }
 
 /// Bytes read from a file per `pread` when a read is split, so that reads of large tensors
@@ -644,6 +703,9 @@ impl TensorSpan<'_> {
             let buf = &mut scratch[..dst.len() * size];
             self.file
                 .read_exact_at(offset + (i * per_chunk * size) as u64, buf)?;
+            if self.biased {
+                unbias(buf);
+            }
             decode(self.dtype, buf, dst);
         }
         Ok(())
@@ -721,9 +783,13 @@ impl TensorSpan<'_> {
                 reads.push((file_at + (i * READ_CHUNK) as u64, chunk));
             }
         }
-        reads
-            .into_par_iter()
-            .try_for_each(|(at, dst)| self.file.read_exact_at(at, dst))?;
+        reads.into_par_iter().try_for_each(|(at, dst)| {
+            self.file.read_exact_at(at, dst)?;
+            if self.biased {
+                unbias(dst);
+            }
+            Ok::<_, WeightError>(())
+        })?;
         into.dtype = self.dtype;
         if let (Some(scales), false) = (&self.scales, into.keep_codes) {
             into.bytes = dequantize_rows(self.dtype, &into.bytes, cols, &scaled, scales);
