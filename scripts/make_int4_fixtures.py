@@ -97,8 +97,7 @@ def make(case: str, method: str, group: int, desc_act: bool, zero_points: bool, 
         dequantized,
         config,
         case,
-        f"{SOURCE}'s weights as an INT4 checkpoint ({what}); reference: "
-        "transformers' f32 model holding the dequantized weights",
+        f"an INT4 checkpoint ({what})",
         "python3 scripts/make_int4_fixtures.py",
     )
     if method == "compressed" and not desc_act:

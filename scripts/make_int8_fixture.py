@@ -44,11 +44,16 @@ SOURCE, CASE, PACKED_CASE = "llama-gqa", "llama-gqa-int8", "llama-gqa-w8a16"
 
 @torch.no_grad()
 def save_quantized_fixture(
-    src: Path, out: Path, stored, dequantized, config: dict, case: str, description: str, command: str
+    src: Path, out: Path, stored, dequantized, config: dict, case: str, what: str, command: str
 ) -> None:
-    """Writes the quantized checkpoint (``stored`` tensors, ``config``) to ``out`` and its
-    reference: transformers' f32 model from ``src`` holding the ``dequantized`` weights, on the
-    prompt ``make_fp8_fixture.pick_prompt`` chooses (shared with make_int4_fixtures.py)."""
+    """Writes the quantized checkpoint (``stored`` tensors, ``config``; ``what`` it is, for the
+    description) to ``out`` and its reference: transformers' f32 model from ``src`` holding the
+    ``dequantized`` weights, on the prompt ``make_fp8_fixture.pick_prompt`` chooses (shared
+    with make_int4_fixtures.py)."""
+    description = (
+        f"{src.name}'s weights as {what}; reference: transformers' f32 model holding the "
+        "dequantized weights"
+    )
     out.mkdir(parents=True, exist_ok=True)
     save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -155,9 +160,7 @@ def main() -> None:
             dequantized,
             config,
             case,
-            f"{SOURCE}'s weights as an INT8 checkpoint with a scale per output channel "
-            f"(compressed-tensors, {fmt}); reference: transformers' f32 model holding the "
-            "dequantized weights",
+            f"an INT8 checkpoint with a scale per output channel (compressed-tensors, {fmt})",
             "python3 scripts/make_int8_fixture.py" + (f" {case}" if packed else ""),
         )
         if packed:

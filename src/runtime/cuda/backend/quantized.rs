@@ -30,13 +30,11 @@ const GEMV_THREADS: u32 = 256;
 
 /// A quantized linear weight on the device.
 pub(super) struct DeviceCodes {
-    kind: Kind,
+    format: CodeFormat,
     /// Per panel: `[slots][16]` bytes, or INT4's `slots / 4` quads of 32 bytes.
     codes: CudaSlice<u8>,
     /// Per panel `[⌈slots/kblock⌉][16]`.
     scales: CudaSlice<f32>,
-    /// INT4's zero points, as the scales.
-    zeros: Option<CudaSlice<f32>>,
     /// INT4 act order: the input at each slot (`u32::MAX`: padding).
     order: Option<CudaSlice<u32>>,
     /// Steps the panels hold (the inputs, or act order's slots).
@@ -44,19 +42,22 @@ pub(super) struct DeviceCodes {
     kblock: usize,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    E4m3,
-    Int8,
-    Int4,
+/// How the codes are stored, and what that adds to the scales.
+enum CodeFormat {
+    /// A byte a code: FP8 e4m3 (`e4m3`) or INT8.
+    Bytes { e4m3: bool },
+    /// Four bits a code, with a zero point per column per group, laid out as the scales.
+    Int4 { zeros: CudaSlice<f32> },
 }
 
 impl DeviceCodes {
     pub(super) fn bytes(&self) -> usize {
+        let zeros = match &self.format {
+            CodeFormat::Int4 { zeros } => zeros.len(),
+            CodeFormat::Bytes { .. } => 0,
+        };
         self.codes.len()
-            + 4 * (self.scales.len()
-                + self.zeros.as_ref().map_or(0, |z| z.len())
-                + self.order.as_ref().map_or(0, |o| o.len()))
+            + 4 * (self.scales.len() + zeros + self.order.as_ref().map_or(0, |o| o.len()))
     }
 }
 
@@ -104,13 +105,11 @@ impl CudaBackend {
                 scales,
                 kblock,
             } => DeviceCodes {
-                kind: match kind {
-                    CodeKind::E4m3 => Kind::E4m3,
-                    CodeKind::Int8 => Kind::Int8,
+                format: CodeFormat::Bytes {
+                    e4m3: kind == CodeKind::E4m3,
                 },
                 codes: up_u8(codes)?,
                 scales: self.upload_f32(scales, "quantized scales")?,
-                zeros: None,
                 order: None,
                 slots: packed.k,
                 kblock,
@@ -122,10 +121,11 @@ impl CudaBackend {
                 kblock,
                 order,
             } => DeviceCodes {
-                kind: Kind::Int4,
+                format: CodeFormat::Int4 {
+                    zeros: self.upload_f32(zeros, "INT4 zero points")?,
+                },
                 codes: up_u8(codes)?,
                 scales: self.upload_f32(scales, "INT4 scales")?,
-                zeros: Some(self.upload_f32(zeros, "INT4 zero points")?),
                 order: order.map(up_u32).transpose()?,
                 slots: packed.k,
                 kblock,
@@ -171,8 +171,8 @@ impl CudaBackend {
                 block_dim: (GEMV_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            match (c.kind, &c.zeros) {
-                (Kind::Int4, Some(zeros)) => launch!(
+            match &c.format {
+                CodeFormat::Int4 { zeros } => launch!(
                     self.gpu,
                     "gemv_int4",
                     cfg,
@@ -186,8 +186,8 @@ impl CudaBackend {
                     &slots,
                     &kblock
                 )?,
-                (Kind::E4m3 | Kind::Int8, None) => {
-                    let e4m3 = i32::from(c.kind == Kind::E4m3);
+                &CodeFormat::Bytes { e4m3 } => {
+                    let e4m3 = i32::from(e4m3);
                     launch!(
                         self.gpu,
                         "gemv_codes",
@@ -202,11 +202,6 @@ impl CudaBackend {
                         &kblock,
                         &e4m3
                     )?
-                }
-                _ => {
-                    return Err(bug(
-                        "INT4 codes without zero points, or zeros with byte codes",
-                    ))
                 }
             }
             return Ok(out);
@@ -264,22 +259,17 @@ impl CudaBackend {
         T: cudarc::driver::DeviceRepr,
     {
         let (n64, slots, kblock) = (i64_of(n), i64_of(c.slots), i64_of(c.kblock));
-        let e4m3 = i32::from(c.kind == Kind::E4m3);
-        let name = match c.kind {
-            Kind::Int4 => format!("int4_to_{dtype}"),
-            Kind::E4m3 | Kind::Int8 => format!("codes_to_{dtype}"),
+        let e4m3 = i32::from(matches!(c.format, CodeFormat::Bytes { e4m3: true }));
+        let name = match c.format {
+            CodeFormat::Int4 { .. } => format!("int4_to_{dtype}"),
+            CodeFormat::Bytes { .. } => format!("codes_to_{dtype}"),
         };
         let f = self.gpu.kernel(&name)?;
         let mut b = self.gpu.stream.launch_builder(f);
         b.arg(out).arg(&c.codes).arg(&c.scales);
-        match (c.kind, &c.zeros) {
-            (Kind::Int4, Some(zeros)) => b.arg(zeros).arg(&n64).arg(&slots).arg(&kblock),
-            (Kind::E4m3 | Kind::Int8, None) => b.arg(&n64).arg(&slots).arg(&kblock).arg(&e4m3),
-            _ => {
-                return Err(bug(
-                    "INT4 codes without zero points, or zeros with byte codes",
-                ))
-            }
+        match &c.format {
+            CodeFormat::Int4 { zeros } => b.arg(zeros).arg(&n64).arg(&slots).arg(&kblock),
+            CodeFormat::Bytes { .. } => b.arg(&n64).arg(&slots).arg(&kblock).arg(&e4m3),
         };
         // SAFETY: the arguments are pushed in the order and with the types of the kernel's
         // C signature in quant.cu; `out` holds n · slots values, and the panels hold the
@@ -315,8 +305,4 @@ impl CudaBackend {
         )?;
         Ok(out)
     }
-}
-
-fn bug(what: &str) -> BackendError {
-    BackendError::Device(format!("{what} (a bug in tpc)"))
 }
