@@ -1009,6 +1009,12 @@ fn compressed_tensors_per_channel_int8_and_fp8_are_read_and_other_schemes_refuse
             QuantFormat::Int8,
         ),
         (
+            // W8A16: the same codes four to an int32.
+            "w8a16",
+            scheme("pack-quantized", int8.clone(), json!({})),
+            QuantFormat::Int8,
+        ),
+        (
             "fp8",
             // W8A8 FP8 with dynamic per-token activations: the weights are what is stored.
             scheme(
@@ -1038,9 +1044,9 @@ fn compressed_tensors_per_channel_int8_and_fp8_are_read_and_other_schemes_refuse
     };
     for (sub, config, named) in [
         (
-            "packed",
-            scheme("pack-quantized", int8.clone(), json!({})),
-            "`format` pack-quantized is not read",
+            "packed-fp8",
+            scheme("pack-quantized", fp8.clone(), json!({})),
+            "fp8 e4m3 weights in `format` pack-quantized are not read",
         ),
         (
             "group",
@@ -1050,7 +1056,7 @@ fn compressed_tensors_per_channel_int8_and_fp8_are_read_and_other_schemes_refuse
         (
             "int4",
             scheme("int-quantized", with("num_bits", json!(4)), json!({})),
-            "stores 4-bit int weights",
+            "int4 pack-quantized symmetric weights in `format` int-quantized are not read",
         ),
         (
             "asym",
@@ -1090,6 +1096,54 @@ fn compressed_tensors_per_channel_int8_and_fp8_are_read_and_other_schemes_refuse
                 "tpc reads fp8",
             ],
         );
+    }
+}
+
+/// llm-compressor's W4A16 (`pack-quantized` 4-bit integers): groups or channels, symmetric
+/// or with zero points, group act order; the IR states which.
+#[test]
+fn compressed_tensors_pack_quantized_int4_is_read_with_its_groups_and_zero_points() {
+    let scratch = Scratch::new("w4a16");
+    for (sub, weights, format, block, act_order) in [
+        (
+            "sym",
+            json!({"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group",
+                   "group_size": 128, "actorder": null}),
+            QuantFormat::Int4Packed { zero_points: false },
+            [1, 128],
+            false,
+        ),
+        (
+            "asym-act",
+            json!({"num_bits": 4, "type": "int", "symmetric": false, "strategy": "group",
+                   "group_size": 64, "actorder": "group"}),
+            QuantFormat::Int4Packed { zero_points: true },
+            [1, 64],
+            true,
+        ),
+        (
+            "channel-weight-order",
+            json!({"num_bits": 4, "type": "int", "symmetric": true, "strategy": "channel",
+                   "actorder": "weight"}),
+            QuantFormat::Int4Packed { zero_points: false },
+            [1, 0],
+            false,
+        ),
+    ] {
+        let dir = edited(&scratch, sub, |o| {
+            o.insert(
+                "quantization_config".into(),
+                json!({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}),
+            );
+        });
+        let q = family_of(&load(&dir)).quantization.clone().expect("read");
+        assert_eq!(
+            (q.format, q.block, q.act_order),
+            (format, block, act_order),
+            "{sub}"
+        );
+        assert_eq!(q.scales, tpc::ir::quant::ScaleNames::Scale);
     }
 }
 
