@@ -21,8 +21,18 @@ pub const MOE_FIXTURES: [&str; 4] = ["mixtral-moe", "olmoe", "qwen2-moe", "qwen3
 pub const QUANTIZED_MOE_FIXTURES: [&str; 1] = ["qwen3-moe-fp8"];
 /// INT4 fixtures (`scripts/make_int4_fixtures.py`): their groups of 32 inputs allow tp 1 and
 /// 2 only (in act order 1, 2, 4 and 8), fewer than the suites over [`fixtures`] take, so
-/// `runtime::quant_int4` runs them at every tp they allow.
-pub const INT4_FIXTURES: [&str; 3] = ["llama-gqa-awq", "llama-gqa-gptq", "llama-gqa-gptq-act"];
+/// `runtime::quant_int4` and `runtime::quant_packed` run them at every tp they allow.
+pub const INT4_FIXTURES: [&str; 6] = [
+    "llama-gqa-awq",
+    "llama-gqa-gptq",
+    "llama-gqa-gptq-act",
+    "llama-gqa-w4a16",
+    "llama-gqa-w4a16-asym",
+    "llama-gqa-w4a16-asym-act",
+];
+/// `llama-gqa-int8`'s codes stored otherwise (W8A16): `runtime::quant_packed` checks they
+/// give that fixture's bits at every tp, so the suites over [`fixtures`] run only that one.
+pub const RESTORED_FIXTURES: [&str; 1] = ["llama-gqa-w8a16"];
 
 /// The tiny dense HF reference checkpoints (`scripts/make_fixtures.py`), in a fixed order.
 pub fn fixtures() -> Vec<PathBuf> {
@@ -36,6 +46,7 @@ pub fn fixtures() -> Vec<PathBuf> {
                     .iter()
                     .chain(&QUANTIZED_MOE_FIXTURES)
                     .chain(&INT4_FIXTURES)
+                    .chain(&RESTORED_FIXTURES)
                     .any(|m| n == *m)
             })
         })
