@@ -41,16 +41,17 @@ import quantize_int4  # noqa: E402  (the conversion, shared with users' checkpoi
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"
 SOURCE = "llama-gqa"
-# (case, method, group, desc_act, zero_points, what it is); compressed-tensors' actorder is
-# "group" with desc_act, "weight" where the description says so.
+# (case, method, group, desc_act, zero_points, weight_order, what it is); compressed-tensors'
+# actorder is "group" with desc_act, "weight" with weight_order.
 CASES = [
-    ("llama-gqa-gptq", "gptq", 32, False, False, "GPTQ, groups of 32 inputs, desc_act false"),
-    ("llama-gqa-gptq-act", "gptq", 32, True, False, "GPTQ, groups of 32 inputs, desc_act true"),
-    ("llama-gqa-awq", "awq", 32, False, False, "AWQ (GEMM packing), groups of 32 inputs"),
+    ("llama-gqa-gptq", "gptq", 32, False, False, False, "GPTQ, groups of 32 inputs, desc_act false"),
+    ("llama-gqa-gptq-act", "gptq", 32, True, False, False, "GPTQ, groups of 32 inputs, desc_act true"),
+    ("llama-gqa-awq", "awq", 32, False, False, False, "AWQ (GEMM packing), groups of 32 inputs"),
     (
         "llama-gqa-w4a16",
         "compressed",
         32,
+        False,
         False,
         False,
         "compressed-tensors pack-quantized W4A16, symmetric, groups of 32 inputs",
@@ -61,6 +62,7 @@ CASES = [
         32,
         False,
         True,
+        True,
         "compressed-tensors pack-quantized W4A16 with zero points, groups of 32 inputs, "
         "actorder weight",
     ),
@@ -70,13 +72,22 @@ CASES = [
         32,
         True,
         True,
+        False,
         "compressed-tensors pack-quantized W4A16 with zero points, groups of 32 inputs in "
         "group act order",
     ),
 ]
 
 
-def make(case: str, method: str, group: int, desc_act: bool, zero_points: bool, what: str) -> None:
+def make(
+    case: str,
+    method: str,
+    group: int,
+    desc_act: bool,
+    zero_points: bool,
+    weight_order: bool,
+    what: str,
+) -> None:
     SRC, OUT = FIXTURES / SOURCE, FIXTURES / case
     torch.manual_seed(0)
     stored, dequantized = quantize_int4.convert_tensors(
@@ -88,7 +99,7 @@ def make(case: str, method: str, group: int, desc_act: bool, zero_points: bool, 
         group,
         desc_act,
         zero_points,
-        weight_order="actorder weight" in what,
+        weight_order=weight_order,
     )
     make_int8_fixture.save_quantized_fixture(
         SRC,

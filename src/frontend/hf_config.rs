@@ -367,9 +367,10 @@ fn modules_to_not_convert(q: &Value, bad: &dyn Fn(String) -> TpcError) -> Result
 /// float`, e4m3) with a scale per output channel (`strategy: channel`), stored one byte an
 /// element (`format` `int-quantized`, `float-quantized` or `naive-quantized`: the `weight`
 /// tensor itself, and `weight_scale [out, 1]`; INT8 also `pack-quantized`, W8A16: four to an
-/// int32 in `weight_packed [out, in/4]`, each byte the value plus 128), or 4-bit integers with a scale per group of
-/// inputs (`strategy: group`) or per channel, symmetric or with zero points, packed eight to
-/// an int32 (`format: pack-quantized`, W4A16; `actorder: group` stores `weight_g_idx`).
+/// int32 in `weight_packed [out, in/4]`, each byte the value plus 128), or 4-bit integers
+/// with a scale per group of inputs (`strategy: group`) or per channel, symmetric or with
+/// zero points, packed eight to an int32 (`format: pack-quantized`, W4A16; `actorder:
+/// group` stores `weight_g_idx`).
 /// Activations are computed unquantized, so an activation scheme is accepted only where it
 /// is dynamic (nothing stored for it).
 fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
@@ -415,6 +416,16 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
                 )))
             }
         };
+        if let Some((first, ..)) = scheme {
+            if first != fmt {
+                return Err(bad("its groups store weights in different formats".into()));
+            }
+        }
+        if get("dynamic").and_then(|d| d.as_bool()) == Some(true) {
+            return Err(bad(format!(
+                "group `{name}` quantizes weights dynamically (nothing stored)"
+            )));
+        }
         // A group's own `format` (mixed-precision configs) stands for the whole config's.
         if let Some(f) = field(group, "format").and_then(|f| f.as_str().map(str::to_string)) {
             if format
@@ -449,20 +460,10 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
                     )))
                 }
             };
-            if get("dynamic").and_then(|d| d.as_bool()) == Some(true) {
-                return Err(bad(format!(
-                    "group `{name}` quantizes weights dynamically (nothing stored)"
-                )));
-            }
             if let Some(a) = field(group, "input_activations") {
                 return Err(bad(format!(
                     "group `{name}` quantizes activations too ({a}); tpc reads 4-bit weights with unquantized activations (W4A16)"
                 )));
-            }
-            if let Some((first, ..)) = scheme {
-                if first != fmt {
-                    return Err(bad("its groups store weights in different formats".into()));
-                }
             }
             scheme = Some((fmt, group_size, act_order));
             continue;
@@ -484,21 +485,11 @@ fn compressed_tensors(r: &Reader, q: &Value) -> Result<Quantization> {
                 "group `{name}` is asymmetric (zero points); tpc reads symmetric 8-bit weights"
             )));
         }
-        if get("dynamic").and_then(|d| d.as_bool()) == Some(true) {
-            return Err(bad(format!(
-                "group `{name}` quantizes weights dynamically (nothing stored)"
-            )));
-        }
         if let Some(a) = field(group, "input_activations") {
             if a.get("dynamic").and_then(Value::as_bool) != Some(true) {
                 return Err(bad(format!(
                     "group `{name}` has static activation scales, which tpc does not read"
                 )));
-            }
-        }
-        if let Some((first, ..)) = scheme {
-            if first != fmt {
-                return Err(bad("its groups store weights in different formats".into()));
             }
         }
         scheme = Some((fmt, 0, false));

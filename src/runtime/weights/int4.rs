@@ -138,9 +138,8 @@ fn field_of(format: QuantFormat, o: usize) -> usize {
 impl Int4Weight {
     /// Reads and checks the small tensors of the INT4 weight `tensor`, whose packed codes,
     /// zeros, scales and groups ([`part_names`]) and compressed-tensors' `weight_shape` are
-    /// `parts` (`None` where missing), quantized
-    /// in `format` with `group` inputs a group (0: one group across them). `read_floats`
-    /// reads a float tensor (the scales) whole as f32.
+    /// `parts` (`None` where missing), quantized in `format` with `group` inputs a group (0:
+    /// one group across them). `read_floats` reads a float tensor (the scales) whole as f32.
     pub(super) fn open(
         tensor: &str,
         format: QuantFormat,
