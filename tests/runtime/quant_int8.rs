@@ -166,3 +166,46 @@ fn scales_that_do_not_fit_or_an_unsaid_format_are_refused_before_compute() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// A bf16 run on AVX2 multiplies INT8 codes by decode rows quantized to i16 (`isa/int8.rs`);
+/// other variants keep f32 rows. On every variant this host runs, at tp 1 and 2, the prompt
+/// logits of the INT8 and W8A16 checkpoints stay within the bf16 tolerance of
+/// transformers' f32 ones and the greedy tokens match.
+#[test]
+fn bf16_runs_of_int8_checkpoints_stay_within_the_bf16_tolerance() {
+    use crate::common::{rel_error, BF16_REL_TOL};
+    use tpc::runtime::cpu::isa::Isa;
+    use tpc::runtime::generate::{ComputeDtype, RunOptions};
+    use tpc::runtime::run::run;
+    for dir in [FIXTURE, "tests/fixtures/checkpoints/llama-gqa-w8a16"] {
+        let dir = Path::new(dir);
+        let reference = read_reference(dir);
+        let def = load_model(dir).unwrap();
+        let ckpt = Checkpoint::open(dir).unwrap();
+        for tp in [1, 2] {
+            let plan = compile(&def, tp).unwrap().plan;
+            assert!(plan.ranks[0]
+                .weights
+                .iter()
+                .any(|w| w.quant.is_some_and(|q| q.format == QuantFormat::Int8)));
+            for isa in Isa::ALL.into_iter().filter(|i| i.host_support().is_ok()) {
+                let opts = RunOptions {
+                    dtype: ComputeDtype::Bf16,
+                    max_new_tokens: reference.greedy.len(),
+                    device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+                        isa: Some(isa),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                };
+                let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();
+                let err = rel_error(&out.prompt_logits.data, &reference.logits);
+                assert!(
+                    err <= BF16_REL_TOL,
+                    "{dir:?} tp={tp} {isa:?}: bf16 relative error {err:.3e}"
+                );
+                assert_eq!(out.generated, reference.greedy, "{dir:?} tp={tp} {isa:?}");
+            }
+        }
+    }
+}

@@ -333,6 +333,25 @@ impl PackedMatrix {
     }
 
     /// Whether the panels hold bf16.
+    /// The activations a decode product with this weight multiplies where they are not `x`
+    /// (for the start-up self-check's reference): the rows of `x` quantized to i16 per
+    /// block, scaled back, for INT4 panels in a bf16 run and for INT8 ones where `kernels`
+    /// run the integer GEMV. `None` elsewhere: those products take `x` as it is.
+    pub(crate) fn decode_rows(&self, x: &Tensor, kernels: Kernels) -> Option<Tensor> {
+        let xblock = match &self.panels {
+            Panels::Int4(c) if c.bf16 => c.xblock,
+            Panels::Codes(c) => c.integer_decode(kernels)?,
+            _ => return None,
+        };
+        let (m, k) = x.rows_cols();
+        let mut rows = QuantizedRows::new();
+        rows.quantize(&x.data, m, k, xblock);
+        let data = (0..m * k)
+            .map(|i| f32::from(rows.q[i]) * rows.scales[i / k * rows.blocks + i % k / xblock])
+            .collect();
+        Some(Tensor::new(vec![m, k], data))
+    }
+
     pub fn is_bf16(&self) -> bool {
         matches!(self.panels, Panels::Bf16(_))
     }
@@ -551,12 +570,17 @@ impl PackedMatrix {
             return;
         }
         if gemv {
-            // INT4 panels of a bf16 run take the rows quantized to i16.
+            // INT4 panels of a bf16 run take the rows quantized to i16, and so do INT8
+            // panels where the integer GEMV runs.
             let mut quantized = QUANTIZED_ROWS.take();
-            if let Panels::Int4(c) = &self.panels {
-                if c.bf16 {
-                    c.quantize_rows(&x.data, m, k, &mut quantized);
+            match &self.panels {
+                Panels::Int4(c) if c.bf16 => c.quantize_rows(&x.data, m, k, &mut quantized),
+                Panels::Codes(c) => {
+                    if let Some(xblock) = c.integer_decode(kernels) {
+                        quantized.quantize(&x.data, m, k, xblock);
+                    }
                 }
+                _ => {}
             }
             let rows = F32Rows(self, kernels, &x.data, &quantized);
             run_chunks(team, threads, panels, 1, 0, &|range| {
@@ -686,7 +710,7 @@ trait PanelRows: Sync {
 }
 
 /// f32 activations against any panel type (quantized to i16 for the INT4 panels of a bf16
-/// run).
+/// run, and the INT8 ones where the integer GEMV runs).
 struct F32Rows<'a>(&'a PackedMatrix, Kernels, &'a [f32], &'a QuantizedRows);
 
 impl PanelRows for F32Rows<'_> {
@@ -704,7 +728,24 @@ impl PanelRows for F32Rows<'_> {
             }
             Panels::Codes(c) => {
                 let (codes, scales) = (c.panel(q, k), c.panel_scales(q, k));
-                kernels.gemv_codes::<R>(xs, k, c.kind, codes, scales, k, c.kblock, out)
+                match c.integer_decode(kernels) {
+                    Some(xblock) => {
+                        let (x, blocks) = (self.3, self.3.blocks);
+                        kernels.gemv_int8::<R>(
+                            &x.q[first * k..],
+                            k,
+                            &x.scales[first * blocks..],
+                            blocks,
+                            codes,
+                            scales,
+                            k,
+                            c.kblock,
+                            xblock,
+                            out,
+                        )
+                    }
+                    None => kernels.gemv_codes::<R>(xs, k, c.kind, codes, scales, k, c.kblock, out),
+                }
             }
             Panels::Int4(c) if !c.bf16 => {
                 // An f32 run keeps f32 activations: the panel is widened a block of steps at
@@ -1355,7 +1396,7 @@ thread_local! {
     static BF16_ROWS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
     /// A chunk's code panels widened to bf16 for a prompt product, kept the same way.
     static CODE_PANELS: std::cell::Cell<AlignedVec<u16>> = const { std::cell::Cell::new(AlignedVec::new()) };
-    /// Decode rows quantized to i16 for the INT4 GEMV, kept the same way (a decode step
+    /// Decode rows quantized to i16 for the INT4 and INT8 GEMVs, kept the same way (a decode step
     /// runs a few hundred products).
     static QUANTIZED_ROWS: std::cell::Cell<QuantizedRows> = const { std::cell::Cell::new(QuantizedRows::new()) };
     /// The AMX product's partial sums (`Bf16Product::gemm_amx`), kept the same way.

@@ -173,14 +173,15 @@ fn compare(
             let packed = weights.pack(&w, n, k, bf16);
             let got = product(&packed, &x);
             let gemv = m <= kernels.gemv_max_rows(packed.is_bf16());
-            // Code decode rows keep f32 activations (INT4's in a bf16 run: i16 ones, taken
-            // as the reference's too); code prompts of a bf16 run take the bf16 products.
+            // Code decode rows keep f32 activations (INT4's in a bf16 run, and INT8's on the
+            // AVX2 GEMV of a bf16 run: i16 ones, taken as the reference's too); code prompts
+            // of a bf16 run take the bf16 products.
             let round = if weights == Weights::Values {
                 bf16 && kernels.isa().bf16_activations()
             } else {
                 bf16 && !gemv && kernels.gemm_variant(true).bf16_activations()
             };
-            let x = match packed.int4_decode_rows(&x) {
+            let x = match packed.decode_rows(&x, kernels) {
                 Some(q) if gemv => q,
                 _ => x,
             };

@@ -27,6 +27,7 @@ mod avx512bf16;
 mod codes;
 mod detect;
 mod int4;
+mod int8;
 mod peak;
 mod portable;
 pub(crate) mod streams;
@@ -36,6 +37,7 @@ pub use peak::peak_flops;
 pub use codes::CodeKind;
 pub use detect::{host, HostFeatures};
 pub use int4::{int4_code, int4_slot, int4_value, QuantizedRows, QUAD_BYTES};
+pub use int8::{int8_xblock, INT8_MAX_XBLOCK};
 
 use std::fmt;
 

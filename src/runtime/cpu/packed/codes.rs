@@ -9,7 +9,7 @@
 //! and is dequantized as it is read instead.
 
 use super::super::aligned::AlignedVec;
-use super::super::isa::{CodeKind, NR};
+use super::super::isa::{int8_xblock, CodeKind, Isa, Kernels, NR};
 use super::{first_columns, Result};
 use crate::ir::QuantFormat;
 use crate::plan::WeightSlice;
@@ -30,6 +30,17 @@ pub(super) struct CodePanels {
 }
 
 impl CodePanels {
+    /// The activation block of the integer decode GEMV (`isa/int8.rs`) where `kernels`
+    /// take it for these panels: INT8 codes in a bf16 run (an f32 run keeps f32
+    /// activations, as INT4's does) on the AVX2 GEMV, whose f32 form is bound by widening
+    /// the codes. The AVX-512 GEMVs keep their f32 form (measured at 1.7–1.9× bf16 decode on
+    /// the AVX-512 host; the integer form was not measured there).
+    pub fn integer_decode(&self, kernels: Kernels) -> Option<usize> {
+        let takes =
+            self.kind == CodeKind::Int8 && self.bf16 && kernels.gemv_variant(false) == Isa::Avx2;
+        takes.then(|| int8_xblock(self.kblock)).flatten()
+    }
+
     pub fn panel(&self, q: usize, k: usize) -> &[u8] {
         &self.codes[q * k * NR..][..k * NR]
     }

@@ -393,25 +393,6 @@ fn xblock_for(kblock: usize) -> usize {
 }
 
 impl PackedMatrix {
-    /// The activations a bf16 run's decode product with this INT4 weight multiplies: the
-    /// rows of `x` quantized to i16 per block, scaled back. `None` for other weights (and
-    /// for f32 runs): their decode products take `x` as it is.
-    pub(crate) fn int4_decode_rows(&self, x: &Tensor) -> Option<Tensor> {
-        let Panels::Int4(c) = &self.panels else {
-            return None;
-        };
-        if !c.bf16 {
-            return None;
-        }
-        let (m, k) = x.rows_cols();
-        let mut rows = QuantizedRows::new();
-        c.quantize_rows(&x.data, m, k, &mut rows);
-        let data = (0..m * k)
-            .map(|i| f32::from(rows.q[i]) * rows.scales[i / k * rows.blocks + i % k / c.xblock])
-            .collect();
-        Some(Tensor::new(vec![m, k], data))
-    }
-
     /// A weight of INT4 codes `[n][k]` (row-major, each 0–15) with scales and zero points
     /// `[n][⌈k/kblock⌉]`, packed as a checkpoint's INT4 weight is (for the start-up
     /// self-check and tests); `k` and `kblock` multiples of 4, `bf16` as for
