@@ -244,14 +244,16 @@ impl Kernels {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::streams::PREFETCH_BYTES;
+    use super::super::streams::ONE_STREAM_PREFETCH_BYTES;
     use super::{NR, QUAD_BYTES};
     use std::arch::x86_64::*;
 
     #[inline(always)]
     fn prefetch(p: *const u8) {
         // SAFETY: a prefetch reads nothing architecturally, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8) };
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ONE_STREAM_PREFETCH_BYTES) as *const i8)
+        };
     }
 
     /// A quad's codes as two vectors of bytes: columns 0–7 and 8–15, each column's four

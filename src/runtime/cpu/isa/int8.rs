@@ -97,15 +97,9 @@ impl Kernels {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::streams::ONE_STREAM_PREFETCH_BYTES;
     use super::NR;
     use std::arch::x86_64::*;
-
-    /// Bytes ahead of a read that are asked for in L1: one stream of a panel, so further
-    /// ahead than the bf16 GEMV's streams (`streams.rs`). Measured on the Zen 1 host
-    /// (TinyLlama W8A16 decode, tp 1): 512 B 17.3–17.5 tok/s, 1 KiB 18.1–18.3, 2 KiB
-    /// 18.1–18.5, 4 KiB 18.2–18.7, 16 KiB 18.3–18.4. Reading a block as several streams
-    /// (as the bf16 GEMV reads a panel) ran slower there: 14.3–15.5.
-    const PREFETCH_BYTES: usize = 4096;
 
     /// Steps `p` and `p + 1` (the rows `a`, `b` of 16 codes) as two vectors of i16, columns
     /// 0–7 and 8–15, each column's two codes side by side (what `vpmaddwd` pairs).
@@ -148,7 +142,7 @@ mod x86 {
             // Four steps a round (two pairs: fewer loop branches per byte).
             while p + 4 <= b1 {
                 let at = c.add(p * NR);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ONE_STREAM_PREFETCH_BYTES) as *const i8);
                 let w = [0, 2].map(|d| {
                     pair(
                         _mm_loadu_si128(at.add(d * NR) as *const __m128i),
@@ -167,7 +161,7 @@ mod x86 {
             }
             while p + 2 <= b1 {
                 let at = c.add(p * NR);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ONE_STREAM_PREFETCH_BYTES) as *const i8);
                 let w = pair(
                     _mm_loadu_si128(at as *const __m128i),
                     _mm_loadu_si128(at.add(NR) as *const __m128i),

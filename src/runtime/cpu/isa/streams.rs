@@ -9,6 +9,13 @@
 pub const STREAMS: usize = 8;
 /// Bytes ahead of each part's read that are asked for in L1.
 pub const PREFETCH_BYTES: usize = 512;
+/// Bytes ahead of the read that the integer GEMVs (INT8, INT4), which read a panel as one
+/// stream, ask for in L1. Measured on the 2-core Zen 1 host (TinyLlama decode, tp 1, best
+/// of 3): W8A16 with 512 B 17.3–17.5 tok/s, 1 KiB 18.1–18.3, 2 KiB 18.1–18.5, 4 KiB
+/// 18.2–18.7, 16 KiB 18.3–18.4; GPTQ 22.6–23.3 with 512 B, 23.8–24.0 with 4 KiB. Reading a
+/// block of INT8 codes as several parts at once, as the bf16 GEMV does, ran slower there
+/// (14.3–15.5).
+pub const ONE_STREAM_PREFETCH_BYTES: usize = 4096;
 
 /// Runs `body` for every pair row `j` in `0..pairs`, each once: the first
 /// `STREAMS · (pairs / STREAMS)` rows as `STREAMS` parts read round robin (`s` is the part),
