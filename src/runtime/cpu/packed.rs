@@ -332,7 +332,6 @@ impl PackedMatrix {
         }
     }
 
-    /// Whether the panels hold bf16.
     /// The activations a decode product with this weight multiplies where they are not `x`
     /// (for the start-up self-check's reference): the rows of `x` quantized to i16 per
     /// block, scaled back, for INT4 panels in a bf16 run and for INT8 ones where `kernels`
@@ -352,6 +351,7 @@ impl PackedMatrix {
         Some(Tensor::new(vec![m, k], data))
     }
 
+    /// Whether the panels hold bf16.
     pub fn is_bf16(&self) -> bool {
         matches!(self.panels, Panels::Bf16(_))
     }

@@ -10,6 +10,8 @@
 //! arithmetic, not reading the bytes, paced INT8 decode (1.16× bf16 on TinyLlama's shape
 //! against the 1.8× its bytes allow). Here two steps of 16 columns (32 weights) cost two
 //! 16-byte loads, two byte interleaves, two sign extensions, two multiply-adds and two adds.
+//! Measured on the 2-core Zen 1 host (W8A16 TinyLlama, tp 1, best of 3): decode 13.5–14.1
+//! tokens/s with the f32 form, 17.3–18.3 with this one (bf16: 11.6–11.7).
 //!
 //! A block's sums stay within i32: each multiply-add lane is at most 2 · 128 · 32767, and a
 //! block holds at most 256 pairs (`xblock` ≤ [`INT8_MAX_XBLOCK`]).
