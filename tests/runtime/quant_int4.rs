@@ -298,10 +298,7 @@ fn packed_tensors_that_do_not_fit_or_other_packings_are_refused_before_compute()
 /// this host runs, at tp 1 and 2 (in act order too), and the greedy tokens match.
 #[test]
 fn bf16_runs_of_int4_checkpoints_stay_within_the_bf16_tolerance() {
-    use crate::common::{rel_error, BF16_REL_TOL};
-    use tpc::runtime::cpu::isa::Isa;
-    use tpc::runtime::generate::{ComputeDtype, RunOptions};
-    use tpc::runtime::run::run;
+    use crate::quant_fp8::assert_bf16_matches_on_every_variant;
     for (dir, format) in [
         (GPTQ, QuantFormat::Int4Gptq),
         (GPTQ_ACT, QuantFormat::Int4Gptq),
@@ -321,24 +318,12 @@ fn bf16_runs_of_int4_checkpoints_stay_within_the_bf16_tolerance() {
                 .weights
                 .iter()
                 .any(|w| w.quant.is_some_and(|q| q.format == format)));
-            for isa in Isa::ALL.into_iter().filter(|i| i.host_support().is_ok()) {
-                let opts = RunOptions {
-                    dtype: ComputeDtype::Bf16,
-                    max_new_tokens: reference.greedy.len(),
-                    device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
-                        isa: Some(isa),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                };
-                let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();
-                let err = rel_error(&out.prompt_logits.data, &reference.logits);
-                assert!(
-                    err <= BF16_REL_TOL,
-                    "{dir:?} tp={tp} {isa:?}: bf16 relative error {err:.3e}"
-                );
-                assert_eq!(out.generated, reference.greedy, "{dir:?} tp={tp} {isa:?}");
-            }
+            assert_bf16_matches_on_every_variant(
+                &plan,
+                &ckpt,
+                &reference,
+                &format!("{dir:?} tp={tp}"),
+            );
         }
     }
 }
