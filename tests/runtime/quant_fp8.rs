@@ -64,36 +64,41 @@ pub(crate) fn assert_matches(
     assert_eq!(out.generated, reference.greedy, "{what}: greedy tokens");
 }
 
-/// A bf16 run of `plan` on `ckpt`, on every kernel variant this host runs, gives
-/// transformers' f32 prompt logits within the bf16 tolerance and its greedy tokens (shared
-/// with `quant_int8.rs` and `quant_int4.rs`, whose decode rows are quantized to i16 on some
-/// variants).
-pub(crate) fn assert_bf16_matches_on_every_variant(
-    plan: &tpc::plan::Plan,
-    ckpt: &Checkpoint,
-    reference: &Reference,
-    what: &str,
-) {
+/// bf16 runs of the checkpoint in `dir` at tp 1 and 2 (whose plans hold linears of
+/// `format`), on every kernel variant this host runs, give transformers' f32 prompt logits
+/// within the bf16 tolerance and its greedy tokens (shared with `quant_int8.rs` and
+/// `quant_int4.rs`, whose decode rows are quantized to i16 on some variants).
+pub(crate) fn assert_bf16_runs_match_on_every_variant(dir: &Path, format: tpc::ir::QuantFormat) {
     use crate::common::BF16_REL_TOL;
     use tpc::runtime::cpu::isa::Isa;
     use tpc::runtime::generate::ComputeDtype;
-    for isa in Isa::ALL.into_iter().filter(|i| i.host_support().is_ok()) {
-        let opts = RunOptions {
-            dtype: ComputeDtype::Bf16,
-            max_new_tokens: reference.greedy.len(),
-            device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
-                isa: Some(isa),
+    let reference = read_reference(dir);
+    let def = load_model(dir).unwrap();
+    let ckpt = Checkpoint::open(dir).unwrap();
+    for tp in [1, 2] {
+        let plan = compile(&def, tp).unwrap().plan;
+        assert!(plan.ranks[0]
+            .weights
+            .iter()
+            .any(|w| w.quant.is_some_and(|q| q.format == format)));
+        for isa in Isa::ALL.into_iter().filter(|i| i.host_support().is_ok()) {
+            let opts = RunOptions {
+                dtype: ComputeDtype::Bf16,
+                max_new_tokens: reference.greedy.len(),
+                device: tpc::runtime::device::Device::Cpu(tpc::runtime::cpu::CpuOptions {
+                    isa: Some(isa),
+                    ..Default::default()
+                }),
                 ..Default::default()
-            }),
-            ..Default::default()
-        };
-        let out = run(plan, ckpt, &reference.prompt, &opts).unwrap();
-        let err = rel_error(&out.prompt_logits.data, &reference.logits);
-        assert!(
-            err <= BF16_REL_TOL,
-            "{what} {isa:?}: bf16 relative error {err:.3e}"
-        );
-        assert_eq!(out.generated, reference.greedy, "{what} {isa:?}");
+            };
+            let out = run(&plan, &ckpt, &reference.prompt, &opts).unwrap();
+            let err = rel_error(&out.prompt_logits.data, &reference.logits);
+            assert!(
+                err <= BF16_REL_TOL,
+                "{dir:?} tp={tp} {isa:?}: bf16 relative error {err:.3e}"
+            );
+            assert_eq!(out.generated, reference.greedy, "{dir:?} tp={tp} {isa:?}");
+        }
     }
 }
 

@@ -298,7 +298,6 @@ fn packed_tensors_that_do_not_fit_or_other_packings_are_refused_before_compute()
 /// this host runs, at tp 1 and 2 (in act order too), and the greedy tokens match.
 #[test]
 fn bf16_runs_of_int4_checkpoints_stay_within_the_bf16_tolerance() {
-    use crate::quant_fp8::assert_bf16_matches_on_every_variant;
     for (dir, format) in [
         (GPTQ, QuantFormat::Int4Gptq),
         (GPTQ_ACT, QuantFormat::Int4Gptq),
@@ -308,23 +307,7 @@ fn bf16_runs_of_int4_checkpoints_stay_within_the_bf16_tolerance() {
             QuantFormat::Int4Packed { zero_points: true },
         ),
     ] {
-        let dir = Path::new(dir);
-        let reference = read_reference(dir);
-        let def = load_model(dir).unwrap();
-        let ckpt = Checkpoint::open(dir).unwrap();
-        for tp in [1, 2] {
-            let plan = compile(&def, tp).unwrap().plan;
-            assert!(plan.ranks[0]
-                .weights
-                .iter()
-                .any(|w| w.quant.is_some_and(|q| q.format == format)));
-            assert_bf16_matches_on_every_variant(
-                &plan,
-                &ckpt,
-                &reference,
-                &format!("{dir:?} tp={tp}"),
-            );
-        }
+        crate::quant_fp8::assert_bf16_runs_match_on_every_variant(Path::new(dir), format);
     }
 }
 

@@ -173,24 +173,10 @@ fn scales_that_do_not_fit_or_an_unsaid_format_are_refused_before_compute() {
 /// transformers' f32 ones and the greedy tokens match.
 #[test]
 fn bf16_runs_of_int8_checkpoints_stay_within_the_bf16_tolerance() {
-    use crate::quant_fp8::assert_bf16_matches_on_every_variant;
     for dir in [FIXTURE, "tests/fixtures/checkpoints/llama-gqa-w8a16"] {
-        let dir = Path::new(dir);
-        let reference = read_reference(dir);
-        let def = load_model(dir).unwrap();
-        let ckpt = Checkpoint::open(dir).unwrap();
-        for tp in [1, 2] {
-            let plan = compile(&def, tp).unwrap().plan;
-            assert!(plan.ranks[0]
-                .weights
-                .iter()
-                .any(|w| w.quant.is_some_and(|q| q.format == QuantFormat::Int8)));
-            assert_bf16_matches_on_every_variant(
-                &plan,
-                &ckpt,
-                &reference,
-                &format!("{dir:?} tp={tp}"),
-            );
-        }
+        crate::quant_fp8::assert_bf16_runs_match_on_every_variant(
+            Path::new(dir),
+            QuantFormat::Int8,
+        );
     }
 }

@@ -268,13 +268,13 @@ impl PackedMatrix {
             outputs: n,
         };
         let panels = if let Some((kind, kblock, scales)) = code_scales {
-            Panels::Codes(CodePanels {
+            Panels::Codes(CodePanels::new(
                 kind,
-                codes: fill_panels(&mut stack, order, n, k, batch)?,
+                fill_panels(&mut stack, order, n, k, batch)?,
                 scales,
                 kblock,
                 bf16,
-            })
+            ))
         } else if bf16 {
             Panels::Bf16(fill_panels(&mut stack, order, n, k, batch)?)
         } else {
@@ -312,13 +312,7 @@ impl PackedMatrix {
         PackedMatrix {
             n,
             k,
-            panels: Panels::Codes(CodePanels {
-                kind,
-                codes: c,
-                scales: s,
-                kblock,
-                bf16,
-            }),
+            panels: Panels::Codes(CodePanels::new(kind, c, s, kblock, bf16)),
         }
     }
 

@@ -37,7 +37,7 @@ pub use peak::peak_flops;
 pub use codes::CodeKind;
 pub use detect::{host, HostFeatures};
 pub use int4::{int4_code, int4_slot, int4_value, QuantizedRows, QUAD_BYTES};
-pub use int8::{int8_xblock, INT8_MAX_XBLOCK};
+pub use int8::int8_xblock;
 
 use std::fmt;
 

@@ -27,18 +27,37 @@ pub(super) struct CodePanels {
     /// The run computes linears in bf16: prompt products may round the weights and the
     /// activations to bf16 (the bf16 products); otherwise they stay f32.
     pub bf16: bool,
+    /// The activation block of the integer decode GEMV (`isa/int8.rs`) for INT8 codes in
+    /// a bf16 run (an f32 run keeps f32 activations, as INT4's does); `None` otherwise.
+    xblock: Option<usize>,
 }
 
 impl CodePanels {
-    /// The activation block of the integer decode GEMV (`isa/int8.rs`) where `kernels`
-    /// take it for these panels: INT8 codes in a bf16 run (an f32 run keeps f32
-    /// activations, as INT4's does) on the AVX2 GEMV, whose f32 form is bound by widening
-    /// the codes. The AVX-512 GEMVs keep their f32 form (measured at 1.7–1.9× bf16 decode on
-    /// the AVX-512 host; the integer form was not measured there).
+    pub fn new(
+        kind: CodeKind,
+        codes: AlignedVec<u8>,
+        scales: AlignedVec<f32>,
+        kblock: usize,
+        bf16: bool,
+    ) -> CodePanels {
+        let integer = kind == CodeKind::Int8 && bf16;
+        CodePanels {
+            kind,
+            codes,
+            scales,
+            kblock,
+            bf16,
+            xblock: integer.then(|| int8_xblock(kblock)).flatten(),
+        }
+    }
+
+    /// The activation block of the integer decode GEMV where `kernels` take it for these
+    /// panels: on the AVX2 GEMV, whose f32 form is bound by widening the codes. The AVX-512
+    /// GEMVs keep their f32 form (measured at 1.7–1.9× bf16 decode on the AVX-512 host; the
+    /// integer form was not measured there).
     pub fn integer_decode(&self, kernels: Kernels) -> Option<usize> {
-        let takes =
-            self.kind == CodeKind::Int8 && self.bf16 && kernels.gemv_variant(false) == Isa::Avx2;
-        takes.then(|| int8_xblock(self.kblock)).flatten()
+        self.xblock
+            .filter(|_| kernels.gemv_variant(false) == Isa::Avx2)
     }
 
     pub fn panel(&self, q: usize, k: usize) -> &[u8] {
