@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 /// The instruction sets the kernels can use on this host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostFeatures {
+    /// AVX2, FMA and F16C.
     pub avx2_fma: bool,
     pub avx512f: bool,
     pub avx512bf16: bool,
@@ -28,7 +29,10 @@ pub fn host() -> &'static HostFeatures {
 
 #[cfg(target_arch = "x86_64")]
 fn probe() -> HostFeatures {
-    let avx2_fma = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+    // F16C too: the AVX2 code GEMV widens FP8 through fp16. Every AVX2 CPU has it.
+    let avx2_fma = std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c");
     let avx512f = avx2_fma
         && std::is_x86_feature_detected!("avx512f")
         && std::is_x86_feature_detected!("avx512bw");
