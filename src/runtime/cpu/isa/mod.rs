@@ -10,7 +10,7 @@
 //! - f32 activations for the tile kernels are packed `[kc][MR]` per 6-row panel;
 //! - bf16 activations (the `avx512bf16` and `amx` variants) are row-major `[m][kp]`.
 //!
-//! Variants: `portable` (any CPU), `avx2` (AVX2 + FMA), `avx512` (AVX-512F, 16-wide f32
+//! Variants: `portable` (any CPU), `avx2` (AVX2, FMA and F16C), `avx512` (AVX-512F, 16-wide f32
 //! FMA), `avx512bf16` (`vdpbf16ps`: activations rounded to bf16, products summed in f32) and
 //! `amx` (AMX-BF16 tiles for the prompt GEMM). f32 weights have no bf16 product, so the
 //! last two run the `avx512` kernels on them; `amx` runs the `avx512bf16` GEMV for decode
