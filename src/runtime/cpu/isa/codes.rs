@@ -216,7 +216,7 @@ fn gemv_portable<const R: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::streams::{ONE_STREAM_PREFETCH_BYTES, PREFETCH_BYTES};
+    use super::super::streams::{prefetch_one_stream, PREFETCH_BYTES};
     use super::NR;
     use std::arch::x86_64::*;
 
@@ -305,18 +305,6 @@ mod x86 {
     fn prefetch(p: *const u8) {
         // SAFETY: a prefetch reads nothing architecturally, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8) };
-    }
-
-    /// As [`prefetch`], as far ahead as the integer GEMVs ask (their one stream a panel is
-    /// this GEMV's too): on the Zen 1 host FP8 TinyLlama decode ran 8.91–8.95 tokens/s
-    /// with 512 B, 9.02–9.09 with 4 KiB; W8A16 in an f32 run 10.91–10.97 before (512 B and
-    /// the widening through i32), 11.34–11.40 after.
-    #[inline(always)]
-    fn prefetch_far(p: *const u8) {
-        // SAFETY: a prefetch reads nothing architecturally, whatever the address.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ONE_STREAM_PREFETCH_BYTES) as *const i8)
-        };
     }
 
     /// 16 codes from `p` as f32 values times 2⁻⁸, through fp16: a code's bits shifted
@@ -423,7 +411,7 @@ mod x86 {
             let b1 = (b0 + kblock).min(k);
             let mut acc = [[_mm256_setzero_ps(); 2]; R];
             for p in b0..b1 {
-                prefetch_far(c.add(p * NR));
+                prefetch_one_stream(c.add(p * NR));
                 let [lo, hi] = W::gemv8x2(c.add(p * NR));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let xv = _mm256_set1_ps(*xp.add(r * ldx + p));

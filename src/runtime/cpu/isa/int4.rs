@@ -244,17 +244,9 @@ impl Kernels {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::streams::ONE_STREAM_PREFETCH_BYTES;
+    use super::super::streams::prefetch_one_stream;
     use super::{NR, QUAD_BYTES};
     use std::arch::x86_64::*;
-
-    #[inline(always)]
-    fn prefetch(p: *const u8) {
-        // SAFETY: a prefetch reads nothing architecturally, whatever the address.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ONE_STREAM_PREFETCH_BYTES) as *const i8)
-        };
-    }
 
     /// A quad's codes as two vectors of bytes: columns 0–7 and 8–15, each column's four
     /// steps side by side.
@@ -301,7 +293,7 @@ mod x86 {
             let mut acc = [[[_mm256_setzero_si256(); 2]; 2]; R];
             for i in b0 / 4..b1 / 4 {
                 let at = c.add(i * QUAD_BYTES);
-                prefetch(at);
+                prefetch_one_stream(at);
                 let (lo, hi) = quad(at);
                 let w = [
                     [

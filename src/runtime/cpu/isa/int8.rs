@@ -99,7 +99,7 @@ impl Kernels {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::streams::ONE_STREAM_PREFETCH_BYTES;
+    use super::super::streams::prefetch_one_stream;
     use super::NR;
     use std::arch::x86_64::*;
 
@@ -144,7 +144,7 @@ mod x86 {
             // Four steps a round (two pairs: fewer loop branches per byte).
             while p + 4 <= b1 {
                 let at = c.add(p * NR);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ONE_STREAM_PREFETCH_BYTES) as *const i8);
+                prefetch_one_stream(at);
                 let w = [0, 2].map(|d| {
                     pair(
                         _mm_loadu_si128(at.add(d * NR) as *const __m128i),
@@ -163,7 +163,7 @@ mod x86 {
             }
             while p + 2 <= b1 {
                 let at = c.add(p * NR);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ONE_STREAM_PREFETCH_BYTES) as *const i8);
+                prefetch_one_stream(at);
                 let w = pair(
                     _mm_loadu_si128(at as *const __m128i),
                     _mm_loadu_si128(at.add(NR) as *const __m128i),

@@ -12,7 +12,9 @@ pub const PREFETCH_BYTES: usize = 512;
 /// Bytes ahead of the read that the integer GEMVs (INT8, INT4), which read a panel as one
 /// stream, ask for in L1. Measured on the 2-core Zen 1 host (TinyLlama decode, tp 1, best
 /// of 3): W8A16 with 512 B 17.3–17.5 tok/s, 1 KiB 18.1–18.3, 2 KiB 18.1–18.5, 4 KiB
-/// 18.2–18.7, 16 KiB 18.3–18.4; GPTQ 22.6–23.3 with 512 B, 23.8–24.0 with 4 KiB. Reading a
+/// 18.2–18.7, 16 KiB 18.3–18.4; GPTQ 22.6–23.3 with 512 B, 23.8–24.0 with 4 KiB; FP8 (the
+/// AVX2 code GEMV) 8.91–8.95 with 512 B, 9.02–9.09 with 4 KiB; W8A16 in an f32 run (the same
+/// GEMV) 10.91–10.97 before (512 B and widening through i32), 11.34–11.40 after. Reading a
 /// block of INT8 codes as several parts at once, as the bf16 GEMV does, ran slower there
 /// (14.3–15.5).
 pub const ONE_STREAM_PREFETCH_BYTES: usize = 4096;
@@ -44,6 +46,16 @@ macro_rules! for_each_pair {
     }};
 }
 pub(super) use for_each_pair;
+
+/// Asks for the line [`ONE_STREAM_PREFETCH_BYTES`] past `p` in L1: the GEMVs that read a
+/// panel as one stream (INT8, INT4, and the AVX2 code GEMV) call it once a step.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub fn prefetch_one_stream(p: *const u8) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    // SAFETY: a prefetch reads nothing architecturally, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ONE_STREAM_PREFETCH_BYTES) as *const i8) };
+}
 
 /// Asks for every 64-byte line of pair row `j + PREFETCH_BYTES / pair_bytes` in L1.
 #[cfg(target_arch = "x86_64")]
