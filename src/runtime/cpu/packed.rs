@@ -762,6 +762,7 @@ impl PanelRows for F32Rows<'_> {
                 let (x, blocks) = (self.3, self.3.blocks);
                 kernels.gemv_int4::<R>(
                     &x.q[first * k..],
+                    x.split.get(2 * first * k..).unwrap_or_default(),
                     k,
                     &x.scales[first * blocks..],
                     &x.sums[first * blocks..],

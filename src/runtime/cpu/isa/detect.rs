@@ -14,6 +14,7 @@ pub struct HostFeatures {
     /// AVX2, FMA and F16C.
     pub avx2_fma: bool,
     pub avx512f: bool,
+    /// AVX512-BF16, with AVX512-VNNI and AVX512-VL.
     pub avx512bf16: bool,
     /// AMX-TILE and AMX-BF16 on the CPU, and the tile state granted by the kernel.
     pub amx_bf16: bool,
@@ -36,7 +37,12 @@ fn probe() -> HostFeatures {
     let avx512f = avx2_fma
         && std::is_x86_feature_detected!("avx512f")
         && std::is_x86_feature_detected!("avx512bw");
-    let avx512bf16 = avx512f && std::is_x86_feature_detected!("avx512bf16");
+    // VNNI and VL too: the INT4 decode GEMV of that variant multiplies bytes
+    // (`vpdpbusd`). Every CPU with AVX512-BF16 has them.
+    let avx512bf16 = avx512f
+        && std::is_x86_feature_detected!("avx512bf16")
+        && std::is_x86_feature_detected!("avx512vnni")
+        && std::is_x86_feature_detected!("avx512vl");
     let (amx_bf16, amx_refused) = if avx512bf16 && cpu_has_amx_bf16() {
         match request_tile_state() {
             Ok(()) => (true, None),

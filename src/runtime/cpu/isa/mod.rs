@@ -89,7 +89,7 @@ impl Isa {
             Isa::Portable => (true, ""),
             Isa::Avx2 => (h.avx2_fma, "AVX2, FMA and F16C"),
             Isa::Avx512 => (h.avx512f, "AVX-512F and AVX-512BW"),
-            Isa::Avx512Bf16 => (h.avx512bf16, "AVX512-BF16"),
+            Isa::Avx512Bf16 => (h.avx512bf16, "AVX512-BF16, AVX512-VNNI and AVX512-VL"),
             Isa::Amx => (h.amx_bf16, "AMX-TILE and AMX-BF16 (and AVX512-BF16)"),
         };
         if ok {
