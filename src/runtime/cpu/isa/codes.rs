@@ -215,7 +215,7 @@ fn gemv_portable<const R: usize>(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::super::streams::{prefetch_one_stream, PREFETCH_BYTES};
     use super::NR;
     use std::arch::x86_64::*;
@@ -435,7 +435,7 @@ mod x86 {
 
     /// f32 values rounded to bf16 (nearest even; no NaN among them), in the upper halves.
     #[inline(always)]
-    unsafe fn round_bf16x16(v: __m512) -> __m512i {
+    pub(in crate::runtime::cpu::isa) unsafe fn round_bf16x16(v: __m512) -> __m512i {
         let b = _mm512_castps_si512(v);
         let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
         let r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));

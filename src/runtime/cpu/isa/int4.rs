@@ -259,6 +259,21 @@ impl Kernels {
             out.len() >= k.div_ceil(2) * 2 * NR && out.len().is_multiple_of(2 * NR),
             "widen: out too short"
         );
+        #[cfg(target_arch = "x86_64")]
+        if self.isa() >= Isa::Avx512 && k.is_multiple_of(4) && kblock.is_multiple_of(4) {
+            let n = k.div_ceil(kblock) * NR;
+            assert!(codes.len() >= k / 4 * QUAD_BYTES, "widen: panel too short");
+            assert!(
+                scales.len().min(zeros.len()) >= n,
+                "widen: scales too short"
+            );
+            // The vector rounding assumes no NaN: finite scales and zeros give none.
+            if scales[..n].iter().chain(&zeros[..n]).all(|v| v.is_finite()) {
+                // SAFETY: AVX-512F was checked against the host; the asserts bound every
+                // access.
+                return unsafe { x86::bf16_pairs_avx512(codes, scales, zeros, kblock, k, out) };
+            }
+        }
         let mut pair = [0f32; 2 * NR];
         for (i, dst) in out.chunks_exact_mut(2 * NR).enumerate() {
             let (p, steps) = (2 * i, k.saturating_sub(2 * i).min(2));
@@ -438,6 +453,55 @@ mod x86 {
             _mm256_storeu_ps(o.as_mut_ptr(), t[0]);
             _mm256_storeu_ps(o.as_mut_ptr().add(8), t[1]);
         }
+    }
+
+    /// Step `S` of 16 columns' four steps (a column's codes a 32-bit lane, a step a byte)
+    /// as f32 `(code − zero) × scale`, as [`super::int4_value`] computes it.
+    #[inline(always)]
+    unsafe fn step_values<const S: u32>(cols: __m512i, zeros: __m512, scales: __m512) -> __m512 {
+        let code = _mm512_and_si512(_mm512_srli_epi32::<S>(cols), _mm512_set1_epi32(0xff));
+        _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code), zeros), scales)
+    }
+
+    /// A quad (4 steps, 2 pairs) at a time: its masked halves side by side are the 16
+    /// columns' 4 codes a lane; each step widened, rounded to bf16 and paired.
+    ///
+    /// # Safety
+    /// AVX-512F; `k` and `kblock` multiples of 4, as `Kernels::int4_to_bf16_pairs`
+    /// asserts, with finite scales and zeros.
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    pub unsafe fn bf16_pairs_avx512(
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        kblock: usize,
+        k: usize,
+        out: &mut [u16],
+    ) {
+        use super::super::codes::x86::round_bf16x16;
+        let (quads, rest) = out.split_at_mut(k / 4 * 4 * NR);
+        let nibbles = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+        for (i, two) in quads.chunks_exact_mut(4 * NR).enumerate() {
+            let g = 4 * i / kblock * NR;
+            let s = _mm512_loadu_ps(scales.as_ptr().add(g));
+            let z = _mm512_loadu_ps(zeros.as_ptr().add(g));
+            let v = _mm256_loadu_si256(codes.as_ptr().add(i * QUAD_BYTES) as *const __m256i);
+            let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), v);
+            let cols = _mm512_and_si512(_mm512_srlv_epi32(both, nibbles), _mm512_set1_epi8(0xf));
+            let r = [
+                round_bf16x16(step_values::<0>(cols, z, s)),
+                round_bf16x16(step_values::<8>(cols, z, s)),
+                round_bf16x16(step_values::<16>(cols, z, s)),
+                round_bf16x16(step_values::<24>(cols, z, s)),
+            ];
+            let at = two.as_mut_ptr() as *mut __m512i;
+            _mm512_storeu_si512(at, _mm512_or_si512(_mm512_srli_epi32::<16>(r[0]), r[1]));
+            _mm512_storeu_si512(
+                at.add(1),
+                _mm512_or_si512(_mm512_srli_epi32::<16>(r[2]), r[3]),
+            );
+        }
+        rest.fill(0);
     }
 
     /// Bytes of a lane (4 columns × 4 steps, column-major) step-major.
