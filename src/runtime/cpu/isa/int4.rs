@@ -391,8 +391,8 @@ mod x86 {
     /// 0–15) meets the 4 steps' activations split into bytes (`q = 256 · high + low`) in
     /// two `vpdpbusd`: low bytes (unsigned) × codes (as signed), codes (as unsigned) × high
     /// bytes (signed); `low + 256 · high` is `Σ code · q` exactly, in column order. A quad
-    /// costs a load, a shift, two masks and four multiply-adds a row, against AVX2's
-    /// sixteen operations.
+    /// costs a load, a shift, two masks and four multiply-adds a row, where AVX2's adds
+    /// four widenings and, a row, a broadcast and four more adds.
     ///
     /// # Safety
     /// AVX-512 VNNI and VL; as `Kernels::gemv_int4` asserts.
