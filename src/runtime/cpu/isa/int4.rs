@@ -367,21 +367,46 @@ mod x86 {
             let g = b0 / kblock * NR;
             let b = b0 / xblock;
             for (r, (t, a)) in tot.iter_mut().zip(&acc).enumerate() {
-                let xs = _mm256_set1_ps(*xscales.as_ptr().add(r * lds + b));
-                let sum = _mm256_set1_ps(*xsums.as_ptr().add(r * lds + b));
-                for h in 0..2 {
-                    // Lane pairs (0, 1) (2, 3) of the low bytes' sums are columns 0–1 and
-                    // 4–5 of the half, of the high bytes' 2–3 and 6–7: one add in order.
-                    let cols = _mm256_cvtepi32_ps(_mm256_hadd_epi32(a[h][0], a[h][1]));
-                    let s = _mm256_loadu_ps(scales.as_ptr().add(g + 8 * h));
-                    let z = _mm256_loadu_ps(zeros.as_ptr().add(g + 8 * h));
-                    let net = _mm256_fnmadd_ps(z, sum, cols);
-                    t[h] = _mm256_fmadd_ps(net, _mm256_mul_ps(s, xs), t[h]);
-                }
+                // Lane pairs (0, 1) (2, 3) of the low bytes' sums are columns 0–1 and 4–5
+                // of the half, of the high bytes' 2–3 and 6–7: one add in order.
+                let cols = [
+                    _mm256_hadd_epi32(a[0][0], a[0][1]),
+                    _mm256_hadd_epi32(a[1][0], a[1][1]),
+                ];
+                let x = (
+                    *xscales.as_ptr().add(r * lds + b),
+                    *xsums.as_ptr().add(r * lds + b),
+                );
+                add_block(t, cols, scales.as_ptr().add(g), zeros.as_ptr().add(g), x);
             }
             b0 = b1;
         }
-        for (o, t) in out.iter_mut().zip(&tot) {
+        store_rows(out, &tot);
+    }
+
+    /// A block's exact column sums `Σ code · xq` (columns 0–7, 8–15), less the zeros times
+    /// the block's `Σ xq`, times the scales and the activations' scale (`x`: scale, sum),
+    /// into the row's totals.
+    #[inline(always)]
+    unsafe fn add_block(
+        t: &mut [__m256; 2],
+        cols: [__m256i; 2],
+        scales: *const f32,
+        zeros: *const f32,
+        x: (f32, f32),
+    ) {
+        let (xs, sum) = (_mm256_set1_ps(x.0), _mm256_set1_ps(x.1));
+        for h in 0..2 {
+            let s = _mm256_loadu_ps(scales.add(8 * h));
+            let z = _mm256_loadu_ps(zeros.add(8 * h));
+            let net = _mm256_fnmadd_ps(z, sum, _mm256_cvtepi32_ps(cols[h]));
+            t[h] = _mm256_fmadd_ps(net, _mm256_mul_ps(s, xs), t[h]);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store_rows<const R: usize>(out: &mut [[f32; NR]; R], tot: &[[__m256; 2]; R]) {
+        for (o, t) in out.iter_mut().zip(tot) {
             _mm256_storeu_ps(o.as_mut_ptr(), t[0]);
             _mm256_storeu_ps(o.as_mut_ptr().add(8), t[1]);
         }
@@ -436,23 +461,19 @@ mod x86 {
             let g = b0 / kblock * NR;
             let b = b0 / xblock;
             for (r, (t, a)) in tot.iter_mut().zip(&acc).enumerate() {
-                let xs = _mm256_set1_ps(*xscales.as_ptr().add(r * lds + b));
-                let sum = _mm256_set1_ps(*xsums.as_ptr().add(r * lds + b));
-                for h in 0..2 {
-                    let exact = _mm256_add_epi32(a[h][0], _mm256_slli_epi32::<8>(a[h][1]));
-                    let cols = _mm256_cvtepi32_ps(exact);
-                    let s = _mm256_loadu_ps(scales.as_ptr().add(g + 8 * h));
-                    let z = _mm256_loadu_ps(zeros.as_ptr().add(g + 8 * h));
-                    let net = _mm256_fnmadd_ps(z, sum, cols);
-                    t[h] = _mm256_fmadd_ps(net, _mm256_mul_ps(s, xs), t[h]);
-                }
+                let cols = [
+                    _mm256_add_epi32(a[0][0], _mm256_slli_epi32::<8>(a[0][1])),
+                    _mm256_add_epi32(a[1][0], _mm256_slli_epi32::<8>(a[1][1])),
+                ];
+                let x = (
+                    *xscales.as_ptr().add(r * lds + b),
+                    *xsums.as_ptr().add(r * lds + b),
+                );
+                add_block(t, cols, scales.as_ptr().add(g), zeros.as_ptr().add(g), x);
             }
             b0 = b1;
         }
-        for (o, t) in out.iter_mut().zip(&tot) {
-            _mm256_storeu_ps(o.as_mut_ptr(), t[0]);
-            _mm256_storeu_ps(o.as_mut_ptr().add(8), t[1]);
-        }
+        store_rows(out, &tot);
     }
 
     /// Step `S` of 16 columns' four steps (a column's codes a 32-bit lane, a step a byte)
