@@ -568,7 +568,9 @@ impl PackedMatrix {
             // panels where the integer GEMV runs.
             let mut quantized = QUANTIZED_ROWS.take();
             match &self.panels {
-                Panels::Int4(c) if c.bf16 => c.quantize_rows(&x.data, m, k, &mut quantized),
+                Panels::Int4(c) if c.bf16 => {
+                    c.quantize_rows(&x.data, m, k, &mut quantized, kernels)
+                }
                 Panels::Codes(c) => {
                     if let Some(xblock) = c.integer_decode(kernels) {
                         quantized.quantize(&x.data, m, k, xblock);

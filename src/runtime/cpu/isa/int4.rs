@@ -56,8 +56,8 @@ pub fn int4_code(codes: &[u8], p: usize, j: usize) -> u8 {
 #[derive(Debug, Default)]
 pub struct QuantizedRows {
     pub q: Vec<i16>,
-    /// `q` as bytes for the VNNI GEMV (where `k` is a multiple of 4, else empty): per row
-    /// `2k` bytes, per 4 steps the low bytes of their `q` (unsigned) then the high bytes
+    /// `q` as bytes for the VNNI GEMV, made by [`QuantizedRows::split_into_bytes`] (empty
+    /// until then): per row `2k` bytes, per 4 steps the low bytes of their `q` (unsigned) then the high bytes
     /// (signed), so that `q = 256 · high + low` and each four is one broadcast.
     pub split: Vec<u8>,
     pub scales: Vec<f32>,
@@ -108,9 +108,16 @@ impl QuantizedRows {
                 self.sums[r * blocks + b] = sum as f32;
             }
         }
+        // A split of earlier rows must not outlive them.
         self.split.clear();
-        if k.is_multiple_of(4) {
-            self.split.reserve(2 * m * k);
+    }
+
+    /// Lays `q` out as [`QuantizedRows::split`] (for the GEMV that reads it:
+    /// [`Kernels::int4_reads_split`]); rows whose depth is no multiple of 4 get none.
+    pub fn split_into_bytes(&mut self) {
+        self.split.clear();
+        if self.q.len().is_multiple_of(4) {
+            self.split.reserve(2 * self.q.len());
             for four in self.q.chunks_exact(4) {
                 self.split.extend(four.iter().map(|v| v.to_le_bytes()[0]));
                 self.split.extend(four.iter().map(|v| v.to_le_bytes()[1]));
@@ -163,28 +170,35 @@ impl Kernels {
             "gemv: scales too short"
         );
         #[cfg(target_arch = "x86_64")]
-        if self.gemv_variant(true) >= Isa::Avx512Bf16 {
-            assert!(
-                rows_fit(xsplit.len(), R, 2 * ldx, 2 * k),
-                "gemv: split x too short"
-            );
-            // SAFETY: AVX512-VNNI was checked against the host with AVX512-BF16 (`detect`);
-            // the asserts keep every read in bounds and every block's sums within i32.
-            return unsafe {
-                x86::gemv_vnni::<R>(
-                    xsplit, ldx, xscales, xsums, lds, codes, scales, zeros, k, kblock, xblock, out,
-                )
+        {
+            let rows = |x: *const u8| x86::Int4Gemv {
+                x,
+                ldx,
+                xscales,
+                xsums,
+                lds,
+                codes,
+                scales,
+                zeros,
+                k,
+                kblock,
+                xblock,
             };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if self.gemv_variant(false) >= Isa::Avx2 {
-            // SAFETY: AVX2 was checked against the host (every variant above it has it);
-            // the asserts keep every read in bounds and every block's sums within i32.
-            return unsafe {
-                x86::gemv_avx2::<R>(
-                    xq, ldx, xscales, xsums, lds, codes, scales, zeros, k, kblock, xblock, out,
-                )
-            };
+            if self.int4_reads_split() {
+                assert!(
+                    rows_fit(xsplit.len(), R, 2 * ldx, 2 * k),
+                    "gemv: split x too short"
+                );
+                // SAFETY: AVX512-VNNI was checked against the host with AVX512-BF16
+                // (`detect`); the asserts keep every read in bounds and every block's sums
+                // within i32.
+                return unsafe { x86::gemv_vnni::<R>(&rows(xsplit.as_ptr()), out) };
+            }
+            if self.gemv_variant(false) >= Isa::Avx2 {
+                // SAFETY: AVX2 was checked against the host (every variant above it has it);
+                // the asserts keep every read in bounds and every block's sums within i32.
+                return unsafe { x86::gemv_avx2::<R>(&rows(xq.as_ptr().cast()), out) };
+            }
         }
         *out = [[0f32; NR]; R];
         for b in 0..blocks {
@@ -204,6 +218,12 @@ impl Kernels {
                 }
             }
         }
+    }
+
+    /// Whether [`Kernels::gemv_int4`] reads the rows' [`QuantizedRows::split`] (with
+    /// AVX512-VNNI: the `avx512bf16` and `amx` variants) rather than `q`.
+    pub fn int4_reads_split(self) -> bool {
+        cfg!(target_arch = "x86_64") && self.gemv_variant(true) >= Isa::Avx512Bf16
     }
 
     /// Steps `[p0, p0 + kc)` of an INT4 panel as f32 `[kc][NR]` values into `dst`:
@@ -309,171 +329,160 @@ mod x86 {
         )
     }
 
-    /// Each block: per row four i32 sums (the low and high bytes of each half of the
-    /// quad, every lane a pair of a column's steps), folded into columns by one horizontal
-    /// add, converted, less the zero times the block's sum, times the scales.
-    ///
-    /// # Safety
-    /// AVX2 and FMA; as `Kernels::gemv_int4` asserts.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gemv_avx2<const R: usize>(
-        xq: &[i16],
-        ldx: usize,
-        xscales: &[f32],
-        xsums: &[f32],
-        lds: usize,
-        codes: &[u8],
-        scales: &[f32],
-        zeros: &[f32],
-        k: usize,
-        kblock: usize,
-        xblock: usize,
-        out: &mut [[f32; NR]; R],
-    ) {
-        let c = codes.as_ptr();
-        let zero = _mm256_setzero_si256();
+    /// One INT4 GEMV's operands (as `Kernels::gemv_int4` takes them): `x` the rows'
+    /// activations, 2 bytes a step in either layout (`q`, or its split), `ldx` steps apart.
+    pub struct Int4Gemv<'a> {
+        pub x: *const u8,
+        pub ldx: usize,
+        pub xscales: &'a [f32],
+        pub xsums: &'a [f32],
+        pub lds: usize,
+        pub codes: &'a [u8],
+        pub scales: &'a [f32],
+        pub zeros: &'a [f32],
+        pub k: usize,
+        pub kblock: usize,
+        pub xblock: usize,
+    }
+
+    /// How a quad's codes meet a row's 4 activations: two ways to the same exact integer
+    /// sums, a row's four accumulators `[columns 0–7 / 8–15][two parts]`.
+    trait QuadProduct {
+        type Codes;
+        /// The quad's masked halves (columns 0–7, 8–15) as the products take them.
+        unsafe fn codes(lo: __m256i, hi: __m256i) -> Self::Codes;
+        /// Adds the products with the row's 4 activations at `x`.
+        unsafe fn add(acc: &mut [[__m256i; 2]; 2], w: &Self::Codes, x: *const u8);
+        /// A block's column sums `Σ code · q`, columns 0–7 and 8–15.
+        unsafe fn columns(acc: &[[__m256i; 2]; 2]) -> [__m256i; 2];
+    }
+
+    /// AVX2: codes widened to i16, `vpmaddwd` with the i16 activations; every lane a pair
+    /// of a column's steps, the low and high bytes of each half of the quad apart.
+    struct Madd;
+
+    impl QuadProduct for Madd {
+        type Codes = [[__m256i; 2]; 2];
+        #[inline(always)]
+        unsafe fn codes(lo: __m256i, hi: __m256i) -> Self::Codes {
+            let zero = _mm256_setzero_si256();
+            [
+                [
+                    _mm256_unpacklo_epi8(lo, zero),
+                    _mm256_unpackhi_epi8(lo, zero),
+                ],
+                [
+                    _mm256_unpacklo_epi8(hi, zero),
+                    _mm256_unpackhi_epi8(hi, zero),
+                ],
+            ]
+        }
+        #[inline(always)]
+        unsafe fn add(acc: &mut [[__m256i; 2]; 2], w: &Self::Codes, x: *const u8) {
+            let x = _mm256_set1_epi64x((x as *const i64).read_unaligned());
+            for h in 0..2 {
+                for e in 0..2 {
+                    acc[h][e] = _mm256_add_epi32(acc[h][e], _mm256_madd_epi16(w[h][e], x));
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn columns(acc: &[[__m256i; 2]; 2]) -> [__m256i; 2] {
+            // Lane pairs (0, 1) (2, 3) of the low bytes' sums are columns 0–1 and 4–5 of
+            // the half, of the high bytes' 2–3 and 6–7: one add in order.
+            [
+                _mm256_hadd_epi32(acc[0][0], acc[0][1]),
+                _mm256_hadd_epi32(acc[1][0], acc[1][1]),
+            ]
+        }
+    }
+
+    /// AVX512-VNNI: each 32-bit lane of a masked half is one column's 4 codes (0–15); two
+    /// `vpdpbusd` meet the 4 activations split into bytes (`q = 256 · high + low`): low
+    /// bytes (unsigned) × codes (as signed), codes (as unsigned) × high bytes (signed), and
+    /// `low + 256 · high` is `Σ code · q` exactly, in column order. A quad costs a load, a
+    /// shift, two masks and four multiply-adds a row, where [`Madd`] adds four widenings
+    /// and, a row, a broadcast and four more adds.
+    struct Dpbusd;
+
+    impl QuadProduct for Dpbusd {
+        type Codes = [__m256i; 2];
+        #[inline(always)]
+        unsafe fn codes(lo: __m256i, hi: __m256i) -> Self::Codes {
+            [lo, hi]
+        }
+        #[inline(always)]
+        unsafe fn add(acc: &mut [[__m256i; 2]; 2], w: &Self::Codes, x: *const u8) {
+            let x = x as *const i32;
+            let low = _mm256_set1_epi32(x.read_unaligned());
+            let high = _mm256_set1_epi32(x.add(1).read_unaligned());
+            for h in 0..2 {
+                acc[h][0] = _mm256_dpbusd_epi32(acc[h][0], low, w[h]);
+                acc[h][1] = _mm256_dpbusd_epi32(acc[h][1], w[h], high);
+            }
+        }
+        #[inline(always)]
+        unsafe fn columns(acc: &[[__m256i; 2]; 2]) -> [__m256i; 2] {
+            [
+                _mm256_add_epi32(acc[0][0], _mm256_slli_epi32::<8>(acc[0][1])),
+                _mm256_add_epi32(acc[1][0], _mm256_slli_epi32::<8>(acc[1][1])),
+            ]
+        }
+    }
+
+    /// Each block: per row the exact column sums `P` gives, converted, less the zero times
+    /// the block's sum, times the scales.
+    #[inline(always)]
+    unsafe fn gemv_blocks<const R: usize, P: QuadProduct>(g: &Int4Gemv, out: &mut [[f32; NR]; R]) {
+        let c = g.codes.as_ptr();
         let mut tot = [[_mm256_setzero_ps(); 2]; R];
         let mut b0 = 0;
-        while b0 < k {
+        while b0 < g.k {
             // The last block may be short (a group cut short by the depth).
-            let b1 = (b0 + xblock).min(k);
-            // [row][half of the columns][low / high bytes of each lane]
+            let b1 = (b0 + g.xblock).min(g.k);
             let mut acc = [[[_mm256_setzero_si256(); 2]; 2]; R];
             for i in b0 / 4..b1 / 4 {
                 let at = c.add(i * QUAD_BYTES);
                 prefetch_one_stream(at);
                 let (lo, hi) = quad(at);
-                let w = [
-                    [
-                        _mm256_unpacklo_epi8(lo, zero),
-                        _mm256_unpackhi_epi8(lo, zero),
-                    ],
-                    [
-                        _mm256_unpacklo_epi8(hi, zero),
-                        _mm256_unpackhi_epi8(hi, zero),
-                    ],
-                ];
+                let w = P::codes(lo, hi);
                 for (r, a) in acc.iter_mut().enumerate() {
-                    let x4 = (xq.as_ptr().add(r * ldx + 4 * i) as *const i64).read_unaligned();
-                    let x = _mm256_set1_epi64x(x4);
-                    for h in 0..2 {
-                        for e in 0..2 {
-                            a[h][e] = _mm256_add_epi32(a[h][e], _mm256_madd_epi16(w[h][e], x));
-                        }
-                    }
+                    P::add(a, &w, g.x.add(2 * (r * g.ldx + 4 * i)));
                 }
             }
-            let g = b0 / kblock * NR;
-            let b = b0 / xblock;
+            let at = b0 / g.kblock * NR;
+            let b = b0 / g.xblock;
             for (r, (t, a)) in tot.iter_mut().zip(&acc).enumerate() {
-                // Lane pairs (0, 1) (2, 3) of the low bytes' sums are columns 0–1 and 4–5
-                // of the half, of the high bytes' 2–3 and 6–7: one add in order.
-                let cols = [
-                    _mm256_hadd_epi32(a[0][0], a[0][1]),
-                    _mm256_hadd_epi32(a[1][0], a[1][1]),
-                ];
-                let x = (
-                    *xscales.as_ptr().add(r * lds + b),
-                    *xsums.as_ptr().add(r * lds + b),
-                );
-                add_block(t, cols, scales.as_ptr().add(g), zeros.as_ptr().add(g), x);
+                let cols = P::columns(a);
+                let xs = _mm256_set1_ps(*g.xscales.as_ptr().add(r * g.lds + b));
+                let sum = _mm256_set1_ps(*g.xsums.as_ptr().add(r * g.lds + b));
+                for h in 0..2 {
+                    let s = _mm256_loadu_ps(g.scales.as_ptr().add(at + 8 * h));
+                    let z = _mm256_loadu_ps(g.zeros.as_ptr().add(at + 8 * h));
+                    let net = _mm256_fnmadd_ps(z, sum, _mm256_cvtepi32_ps(cols[h]));
+                    t[h] = _mm256_fmadd_ps(net, _mm256_mul_ps(s, xs), t[h]);
+                }
             }
             b0 = b1;
         }
-        store_rows(out, &tot);
-    }
-
-    /// A block's exact column sums `Σ code · xq` (columns 0–7, 8–15), less the zeros times
-    /// the block's `Σ xq`, times the scales and the activations' scale (`x`: scale, sum),
-    /// into the row's totals.
-    #[inline(always)]
-    unsafe fn add_block(
-        t: &mut [__m256; 2],
-        cols: [__m256i; 2],
-        scales: *const f32,
-        zeros: *const f32,
-        x: (f32, f32),
-    ) {
-        let (xs, sum) = (_mm256_set1_ps(x.0), _mm256_set1_ps(x.1));
-        for h in 0..2 {
-            let s = _mm256_loadu_ps(scales.add(8 * h));
-            let z = _mm256_loadu_ps(zeros.add(8 * h));
-            let net = _mm256_fnmadd_ps(z, sum, _mm256_cvtepi32_ps(cols[h]));
-            t[h] = _mm256_fmadd_ps(net, _mm256_mul_ps(s, xs), t[h]);
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn store_rows<const R: usize>(out: &mut [[f32; NR]; R], tot: &[[__m256; 2]; R]) {
-        for (o, t) in out.iter_mut().zip(tot) {
+        for (o, t) in out.iter_mut().zip(&tot) {
             _mm256_storeu_ps(o.as_mut_ptr(), t[0]);
             _mm256_storeu_ps(o.as_mut_ptr().add(8), t[1]);
         }
     }
 
-    /// As [`gemv_avx2`], but each 32-bit lane of a masked quad (a column's 4 steps, codes
-    /// 0–15) meets the 4 steps' activations split into bytes (`q = 256 · high + low`) in
-    /// two `vpdpbusd`: low bytes (unsigned) × codes (as signed), codes (as unsigned) × high
-    /// bytes (signed); `low + 256 · high` is `Σ code · q` exactly, in column order. A quad
-    /// costs a load, a shift, two masks and four multiply-adds a row, where AVX2's adds
-    /// four widenings and, a row, a broadcast and four more adds.
-    ///
     /// # Safety
-    /// AVX-512 VNNI and VL; as `Kernels::gemv_int4` asserts.
-    #[allow(clippy::too_many_arguments)]
+    /// AVX2 and FMA; `g.x` holds `q`; as `Kernels::gemv_int4` asserts.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gemv_avx2<const R: usize>(g: &Int4Gemv, out: &mut [[f32; NR]; R]) {
+        gemv_blocks::<R, Madd>(g, out)
+    }
+
+    /// # Safety
+    /// AVX-512 VNNI and VL; `g.x` holds the split rows; as `Kernels::gemv_int4` asserts.
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn gemv_vnni<const R: usize>(
-        xsplit: &[u8],
-        ldx: usize,
-        xscales: &[f32],
-        xsums: &[f32],
-        lds: usize,
-        codes: &[u8],
-        scales: &[f32],
-        zeros: &[f32],
-        k: usize,
-        kblock: usize,
-        xblock: usize,
-        out: &mut [[f32; NR]; R],
-    ) {
-        let c = codes.as_ptr();
-        let mut tot = [[_mm256_setzero_ps(); 2]; R];
-        let mut b0 = 0;
-        while b0 < k {
-            let b1 = (b0 + xblock).min(k);
-            // [row][columns 0–7 / 8–15][low / high bytes of the activations]
-            let mut acc = [[[_mm256_setzero_si256(); 2]; 2]; R];
-            for i in b0 / 4..b1 / 4 {
-                let at = c.add(i * QUAD_BYTES);
-                prefetch_one_stream(at);
-                let (lo, hi) = quad(at);
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let xs = xsplit.as_ptr().add(2 * (r * ldx + 4 * i)) as *const i32;
-                    let low = _mm256_set1_epi32(xs.read_unaligned());
-                    let high = _mm256_set1_epi32(xs.add(1).read_unaligned());
-                    a[0][0] = _mm256_dpbusd_epi32(a[0][0], low, lo);
-                    a[0][1] = _mm256_dpbusd_epi32(a[0][1], lo, high);
-                    a[1][0] = _mm256_dpbusd_epi32(a[1][0], low, hi);
-                    a[1][1] = _mm256_dpbusd_epi32(a[1][1], hi, high);
-                }
-            }
-            let g = b0 / kblock * NR;
-            let b = b0 / xblock;
-            for (r, (t, a)) in tot.iter_mut().zip(&acc).enumerate() {
-                let cols = [
-                    _mm256_add_epi32(a[0][0], _mm256_slli_epi32::<8>(a[0][1])),
-                    _mm256_add_epi32(a[1][0], _mm256_slli_epi32::<8>(a[1][1])),
-                ];
-                let x = (
-                    *xscales.as_ptr().add(r * lds + b),
-                    *xsums.as_ptr().add(r * lds + b),
-                );
-                add_block(t, cols, scales.as_ptr().add(g), zeros.as_ptr().add(g), x);
-            }
-            b0 = b1;
-        }
-        store_rows(out, &tot);
+    pub unsafe fn gemv_vnni<const R: usize>(g: &Int4Gemv, out: &mut [[f32; NR]; R]) {
+        gemv_blocks::<R, Dpbusd>(g, out)
     }
 
     /// Step `S` of 16 columns' four steps (a column's codes a 32-bit lane, a step a byte)
@@ -645,6 +654,7 @@ mod tests {
             .collect();
         let mut q = QuantizedRows::default();
         q.quantize(&x, m, k, xblock);
+        q.split_into_bytes();
         for r in 0..m {
             for b in 0..k / xblock {
                 let xs = &x[r * k + b * xblock..][..xblock];
@@ -685,6 +695,7 @@ mod tests {
             .collect();
         let mut q = QuantizedRows::default();
         q.quantize(&x, R, k, xblock);
+        q.split_into_bytes();
         for kernels in variants() {
             let mut out = [[f32::NAN; NR]; R];
             kernels.gemv_int4::<R>(
@@ -760,6 +771,7 @@ mod tests {
                 .collect();
             let mut q = QuantizedRows::default();
             q.quantize(&x, 4, k, xblock);
+            q.split_into_bytes();
             assert!(q.q.contains(&32767) && q.q.contains(&-32767));
             let run = |kernels: Kernels| {
                 let mut out = [[f32::NAN; NR]; 4];

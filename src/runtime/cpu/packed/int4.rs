@@ -101,9 +101,20 @@ impl Int4Panels {
         )
     }
 
-    /// `m` decode rows of `x` quantized for the GEMV.
-    pub fn quantize_rows(&self, x: &[f32], m: usize, k: usize, rows: &mut QuantizedRows) {
+    /// `m` decode rows of `x` quantized for the GEMV of `kernels` (split into bytes where
+    /// it reads them so).
+    pub fn quantize_rows(
+        &self,
+        x: &[f32],
+        m: usize,
+        k: usize,
+        rows: &mut QuantizedRows,
+        kernels: Kernels,
+    ) {
         rows.quantize(x, m, k, self.xblock);
+        if kernels.int4_reads_split() {
+            rows.split_into_bytes();
+        }
     }
 }
 
