@@ -104,7 +104,8 @@ impl Engine {
     #[pyo3(signature = (
         model, tp=1, pp=None, dp=1, device="cpu", dtype="auto", max_model_len=None,
         kv_cache_memory=None, max_num_seqs=None, max_num_batched_tokens=None, block_size=16,
-        enable_prefix_caching=true, threads_per_rank=0, tp_shares=None
+        enable_prefix_caching=true, threads_per_rank=0, tp_shares=None,
+        enable_expert_parallel=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -123,6 +124,7 @@ impl Engine {
         enable_prefix_caching: bool,
         threads_per_rank: usize,
         tp_shares: Option<&str>,
+        enable_expert_parallel: bool,
     ) -> PyResult<Engine> {
         let shares = shares_of(tp_shares)?;
         let mut device: Device = device.parse().map_err(value_error)?;
@@ -154,6 +156,7 @@ impl Engine {
                 prefix_caching: enable_prefix_caching,
                 max_model_len,
                 model_name: name,
+                expert_parallel: enable_expert_parallel,
             },
         };
         let engine = py

@@ -188,7 +188,8 @@ class LLM:
     of a call gets seed + its index, so reruns are identical). max_model_len caps the
     context; kv_cache_memory (bytes per rank) sizes the KV cache. tp_shares ("3,1" or
     [3, 1], one per tensor-parallel rank) deals every split dimension by per-rank shares
-    for unequal devices (`--tp-shares`).
+    for unequal devices (`--tp-shares`). enable_expert_parallel deals a mixture-of-experts
+    model's experts over the data_parallel_size replicas (`--ep`).
     """
 
     def __init__(
@@ -209,6 +210,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         threads_per_rank: int = 0,
         tp_shares: Union[str, Sequence[int], None] = None,
+        enable_expert_parallel: bool = False,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - _IGNORED_ENGINE_ARGS)
@@ -232,6 +234,7 @@ class LLM:
             enable_prefix_caching=bool(enable_prefix_caching),
             threads_per_rank=int(threads_per_rank),
             tp_shares=_shares(tp_shares),
+            enable_expert_parallel=bool(enable_expert_parallel),
         )
         info = json.loads(self._engine.info())
         self.model_name: str = info["name"]

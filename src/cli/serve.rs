@@ -26,6 +26,13 @@ pub struct Args {
     /// engine; requests go to the least loaded. 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     dp: u64,
+    /// Expert parallelism over the replicas: deal each tp rank's experts of a
+    /// mixture-of-experts model over the --dp replicas (the EP group DP × TP of `tpc ranks`)
+    /// instead of every replica holding them all; the replicas swap the routed tokens at
+    /// every MoE layer, and a replica without requests answers the others'. One pipeline
+    /// stage; replicas as threads.
+    #[arg(long)]
+    ep: bool,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -114,6 +121,7 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
             .map(|v| size("--max-model-len", v))
             .transpose()?,
         model_name: name,
+        expert_parallel: a.ep,
     };
     let stop = Arc::new(tokio::sync::Notify::new());
     let server = tpc::serve::ServerOptions {
@@ -124,7 +132,7 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
         handle_signals: true,
         stop: Some(stop.clone()),
     };
-    let layout = format!("tp={} pp={} dp={}", plan.tp, plan.pp(), a.dp);
+    let layout = tpc::runtime::engine::launch::layout_line(&plan, size("--dp", a.dp)?, &opts);
     let layout = match super::launcher::processes(mpi) {
         // The leading process prints it: SIGTERM to it drains the server (Open MPI's
         // mpirun kills the job a second after it forwards a SIGTERM).
@@ -151,6 +159,10 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     let exec = a.exec.options();
     let dp = a.dp as usize;
     if let Some(world) = mpi {
+        anyhow::ensure!(
+            !a.ep,
+            "--ep: under mpirun `tpc serve` runs one replica, so there are no replicas to deal the experts over; serve with `--dp D --ep` and the ranks as threads (without mpirun)"
+        );
         let (engine, served) = super::launcher::serve_as_process(
             world,
             &super::launcher::ServeJob {

@@ -477,8 +477,17 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
     /// rounds, layer after layer in program order as their forward calls make them, until
     /// every member is done. Nothing without a DP group.
     pub fn serve_expert_group(&mut self) -> Result<()> {
+        while self.answer_expert_calls(true)? {}
+        Ok(())
+    }
+
+    /// One forward call's worth of the other members' mixture-of-experts rounds (a round
+    /// per MoE layer, in program order), for a replica with no tokens of its own; `done`:
+    /// it will have none again. Whether the members go on (false: every member was done,
+    /// or there is no DP group or no MoE layer).
+    pub fn answer_expert_calls(&mut self, done: bool) -> Result<bool> {
         let Some(member) = self.expert_member.clone() else {
-            return Ok(());
+            return Ok(false);
         };
         let layers: Vec<(u32, crate::ir::ActivationKind)> = self
             .program
@@ -490,21 +499,29 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             })
             .collect();
         if layers.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
-        loop {
-            for &(id, act) in &layers {
-                let experts = self.experts.get(&id).map_or(&[][..], |e| e.as_slice());
-                let served = super::moe_across::serve_layer(&self.backend, &member, experts, act)
-                    .map_err(|e| {
-                    across_error("mixture-of-experts (serving the other replicas)", e)
-                })?;
-                match served {
-                    Some(pairs) => self.routed_pairs = self.routed_pairs.saturating_add(pairs),
-                    None => return Ok(()),
-                }
+        for &(id, act) in &layers {
+            let experts = self.experts.get(&id).map_or(&[][..], |e| e.as_slice());
+            let served = super::moe_across::serve_layer(&self.backend, &member, experts, act, done)
+                .map_err(|e| across_error("mixture-of-experts (serving the other replicas)", e))?;
+            match served {
+                Some(pairs) => self.routed_pairs = self.routed_pairs.saturating_add(pairs),
+                None => return Ok(false),
             }
         }
+        Ok(true)
+    }
+
+    /// For a serving replica with no requests: waits up to `timeout` for another member of
+    /// its DP group to call on its experts. False without a DP group.
+    pub fn wait_for_expert_call(&self, timeout: std::time::Duration) -> Result<bool> {
+        let Some(m) = &self.expert_member else {
+            return Ok(false);
+        };
+        m.exchange
+            .wait_for_call(m.member, timeout)
+            .map_err(RunError::ExpertExchange)
     }
 
     /// Every rank of the tensor-parallel group's `count`, in rank order (an all-gather of

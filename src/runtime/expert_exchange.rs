@@ -10,10 +10,13 @@
 //!
 //! A replica that has finished its requests keeps serving the others' rounds (with nothing
 //! of its own) until every member is idle; a replica that stops (an error, a panic) leaves,
-//! and every member waiting on it fails instead of waiting forever.
+//! and every member waiting on it fails instead of waiting forever. A serving replica with
+//! no requests but still open waits for a member with tokens to start a round
+//! ([`Exchanger::wait_for_call`]) and answers it.
 
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Rows of one member's tokens for one other member: `rows × width` values and, beside
 /// them, `rows × columns` routing weights (empty in a combine).
@@ -38,6 +41,9 @@ struct State {
     filling: bool,
     arrived: usize,
     idle: usize,
+    /// Members of the filling round that are not idle (they have tokens, or answer while
+    /// they may still get some).
+    busy: usize,
     taken: usize,
     /// `boxes[to][from]`.
     boxes: Vec<Vec<Option<Parcel>>>,
@@ -49,7 +55,8 @@ struct State {
 pub trait Exchanger: Send + Sync {
     fn members(&self) -> usize;
     /// Member `member` sends `parcels[j]` to member j and gets every member's parcel for it.
-    /// `idle`: this member has no tokens of its own left (its parcels are empty).
+    /// `idle`: this member has no tokens of its own left and will get none (its parcels are
+    /// empty); the round in which every member is idle is the last.
     fn all_to_all(
         &self,
         member: usize,
@@ -58,6 +65,10 @@ pub trait Exchanger: Send + Sync {
     ) -> Result<Round, ExchangeError>;
     /// Member `member` will take part in no further round (it is done or has failed).
     fn leave(&self, member: usize, why: &str);
+    /// For a member with nothing of its own to run that may still get requests (a serving
+    /// replica): waits up to `timeout` for a member that is not idle to start a round, which
+    /// this one must then join. Whether one has; a member that left fails it.
+    fn wait_for_call(&self, member: usize, timeout: Duration) -> Result<bool, ExchangeError>;
 }
 
 /// Refuses a round by a member outside the group, or with other than a parcel per member.
@@ -87,6 +98,8 @@ pub enum ExchangeError {
     MemberLeft { member: usize, why: String },
     #[error("a round's parcels of member {member} exceed what MPI counts (2^31 - 1 elements); use smaller batches or more replicas")]
     TooLarge { member: usize },
+    #[error("replica {member} cannot wait for the others' calls over this exchange ({why}); serve with the replicas as threads")]
+    CannotWait { member: usize, why: &'static str },
     #[error("member {member} called a round of an exchange of {members} members with {parcels} parcels (one per member is needed); a bug in tpc")]
     Misuse {
         member: usize,
@@ -103,6 +116,7 @@ impl ExpertExchange {
                 filling: true,
                 arrived: 0,
                 idle: 0,
+                busy: 0,
                 taken: 0,
                 boxes: vec![vec![None; members]; members],
                 left: None,
@@ -120,6 +134,15 @@ impl ExpertExchange {
     fn wait<'a>(&self, s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         self.turn.wait(s).unwrap_or_else(|p| p.into_inner())
     }
+
+    fn left(s: &State) -> Option<ExchangeError> {
+        s.left
+            .as_ref()
+            .map(|(member, why)| ExchangeError::MemberLeft {
+                member: *member,
+                why: why.clone(),
+            })
+    }
 }
 
 impl Exchanger for ExpertExchange {
@@ -134,14 +157,7 @@ impl Exchanger for ExpertExchange {
         idle: bool,
     ) -> Result<Round, ExchangeError> {
         check_call(member, self.members, parcels.len())?;
-        let left = |s: &State| {
-            s.left
-                .as_ref()
-                .map(|(member, why)| ExchangeError::MemberLeft {
-                    member: *member,
-                    why: why.clone(),
-                })
-        };
+        let left = Self::left;
         let mut s = self.lock();
         // The last round is still being taken: wait for it to empty.
         while !s.filling {
@@ -158,8 +174,12 @@ impl Exchanger for ExpertExchange {
         }
         s.arrived += 1;
         s.idle += usize::from(idle);
+        s.busy += usize::from(!idle);
         if s.arrived == self.members {
             s.filling = false;
+            self.turn.notify_all();
+        } else if !idle {
+            // Members waiting for a call (`wait_for_call`) join this round.
             self.turn.notify_all();
         }
         while s.filling {
@@ -178,6 +198,7 @@ impl Exchanger for ExpertExchange {
         if s.taken == self.members {
             s.arrived = 0;
             s.idle = 0;
+            s.busy = 0;
             s.taken = 0;
             s.filling = true;
             self.turn.notify_all();
@@ -193,6 +214,30 @@ impl Exchanger for ExpertExchange {
             s.left = Some((member, why.to_string()));
         }
         self.turn.notify_all();
+    }
+
+    fn wait_for_call(&self, member: usize, timeout: Duration) -> Result<bool, ExchangeError> {
+        check_call(member, self.members, self.members)?;
+        let until = Instant::now() + timeout;
+        let mut s = self.lock();
+        loop {
+            if let Some(e) = Self::left(&s) {
+                return Err(e);
+            }
+            // A round that is filling with a caller in it waits for this member.
+            if s.filling && s.busy > 0 {
+                return Ok(true);
+            }
+            let now = Instant::now();
+            if now >= until {
+                return Ok(false);
+            }
+            s = self
+                .turn
+                .wait_timeout(s, until - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 }
 
@@ -264,6 +309,18 @@ impl ExpertSeat {
     pub fn leave(&self, why: &str) {
         for x in self.exchanges.iter() {
             x.leave(self.member, why);
+        }
+    }
+}
+
+/// Leaves a DP group's exchange unless disarmed (set to `None`): a rank that fails or
+/// panics releases the other replicas waiting on its experts at once.
+pub struct LeaveUnlessDone(pub Option<ExpertMember>);
+
+impl Drop for LeaveUnlessDone {
+    fn drop(&mut self) {
+        if let Some(m) = self.0.take() {
+            m.exchange.leave(m.member, "its rank failed");
         }
     }
 }
@@ -366,6 +423,44 @@ mod tests {
             served
         });
         assert_eq!(rounds, 5);
+    }
+
+    #[test]
+    fn a_waiting_member_hears_a_call_from_a_busy_member_only() {
+        let x = Arc::new(ExpertExchange::new(3));
+        let short = Duration::from_millis(5);
+        // Nobody calls: the wait times out.
+        assert!(!x.wait_for_call(1, short).unwrap());
+        std::thread::scope(|s| {
+            // Member 2 is done: its round wakes nobody.
+            let done = {
+                let x = x.clone();
+                s.spawn(move || x.all_to_all(2, vec![Parcel::default(); 3], true))
+            };
+            while x.lock().arrived == 0 {
+                std::thread::yield_now();
+            }
+            assert!(!x.wait_for_call(1, short).unwrap());
+            // Member 0 has tokens: member 1 is called (long before the timeout), joins
+            // the round with nothing of its own, and gets member 0's parcel for it.
+            let busy = {
+                let x = x.clone();
+                s.spawn(move || x.all_to_all(0, vec![parcel(0.0), parcel(1.0), parcel(2.0)], false))
+            };
+            assert!(x.wait_for_call(1, Duration::from_secs(600)).unwrap());
+            let got = x.all_to_all(1, vec![Parcel::default(); 3], false).unwrap();
+            assert!(!got.all_idle);
+            assert_eq!(got.parcels[0], parcel(1.0));
+            assert!(!busy.join().unwrap().unwrap().all_idle);
+            assert_eq!(done.join().unwrap().unwrap().parcels[0], parcel(2.0));
+        });
+        // The round is over: no call waits.
+        assert!(!x.wait_for_call(1, short).unwrap());
+        x.leave(0, "gone");
+        assert!(matches!(
+            x.wait_for_call(1, short),
+            Err(ExchangeError::MemberLeft { member: 0, .. })
+        ));
     }
 
     #[test]

@@ -328,18 +328,6 @@ pub fn rank_runtime_sharing<'p, B: Backend, C: Collectives<B::Act>>(
     })
 }
 
-/// Leaves a DP group's exchange unless disarmed: a rank that fails or panics releases the
-/// other replicas waiting on its experts at once.
-struct LeaveUnlessDone(Option<super::expert_exchange::ExpertMember>);
-
-impl Drop for LeaveUnlessDone {
-    fn drop(&mut self) {
-        if let Some(m) = self.0.take() {
-            m.exchange.leave(m.member, "its rank failed");
-        }
-    }
-}
-
 impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
     /// [`RankRuntime::generate`] for a rank that shares its experts with other replicas
     /// (built with a seat in its DP group, `--ep`): once its own requests are done (it may
@@ -354,7 +342,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         let Some(member) = self.exec.expert_member().cloned() else {
             return self.generate(requests, opts);
         };
-        let mut guard = LeaveUnlessDone(Some(member));
+        let mut guard = super::expert_exchange::LeaveUnlessDone(Some(member));
         let mut out = if requests.is_empty() {
             BatchOutput::default()
         } else {

@@ -96,7 +96,7 @@ where
 
 /// [`launch_stages`] for one replica of several that share their experts (`--ep`): each
 /// rank loads only the experts its seat in `seat`'s DP group computes.
-fn launch_sharing_experts<B, C, T>(
+pub(crate) fn launch_sharing_experts<B, C, T>(
     plan: &Plan,
     weights: &dyn WeightSource,
     comms: Vec<C>,

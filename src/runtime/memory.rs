@@ -61,6 +61,25 @@ pub fn expert_bytes(plan: &crate::plan::Plan, bf16: bool) -> u64 {
     }))
 }
 
+/// Bytes of `copies` copies of `plan`'s weights (data-parallel replicas; one copy of the
+/// experts between them with `experts_shared`, `--ep`).
+pub fn copies_weight_bytes(
+    plan: &crate::plan::Plan,
+    bf16: bool,
+    copies: u64,
+    experts_shared: bool,
+) -> u64 {
+    let weights = least_run_bytes(plan, bf16, 0).0;
+    let experts = if experts_shared {
+        expert_bytes(plan, bf16)
+    } else {
+        0
+    };
+    (weights - experts.min(weights))
+        .saturating_mul(copies.max(1))
+        .saturating_add(experts)
+}
+
 /// [`check_fits`] for `copies` copies of the weights (data-parallel replicas) whose KV
 /// caches hold `tokens` in all; with `experts_shared` (`--ep`) the replicas hold one copy of
 /// the experts between them.
@@ -74,15 +93,8 @@ pub fn check_fits_copies(
     let Some(available) = available_bytes() else {
         return Ok(());
     };
-    let (weights, kv) = least_run_bytes(plan, bf16, tokens);
-    let experts = if experts_shared {
-        expert_bytes(plan, bf16)
-    } else {
-        0
-    };
-    let weights = (weights - experts.min(weights))
-        .saturating_mul(copies.max(1))
-        .saturating_add(experts);
+    let kv = least_run_bytes(plan, bf16, tokens).1;
+    let weights = copies_weight_bytes(plan, bf16, copies, experts_shared);
     let needed = weights.saturating_add(kv);
     if needed > available {
         return Err(crate::runtime::error::RunError::OutOfMemory {

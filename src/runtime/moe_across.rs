@@ -153,23 +153,25 @@ pub fn experts_across<B: Backend + ?Sized>(
     Ok((y, pairs))
 }
 
-/// One layer's round for a member with no rows of its own: answers the others. Returns
-/// `None` when every member was idle (the end), else the pairs computed.
+/// One layer's round for a member with no rows of its own: answers the others. `done`:
+/// this member will have no rows again (else it answers while it waits for requests).
+/// Returns `None` when every member was done (the end), else the pairs computed.
 pub fn serve_layer<B: Backend + ?Sized>(
     b: &B,
     m: &ExpertMember,
     experts: &[Option<ExpertWeights<B::Weight>>],
     act: ActivationKind,
+    done: bool,
 ) -> Across<Option<u64>> {
     let members = m.exchange.members();
     let round = m
         .exchange
-        .all_to_all(m.member, vec![Parcel::default(); members], true)?;
+        .all_to_all(m.member, vec![Parcel::default(); members], done)?;
     if round.all_idle {
         return Ok(None);
     }
     let mine = my_columns(experts.len(), m);
     let (answers, pairs) = answer(b, &round.parcels, &experts[mine], act)?;
-    m.exchange.all_to_all(m.member, answers, true)?;
+    m.exchange.all_to_all(m.member, answers, done)?;
     Ok(Some(pairs))
 }

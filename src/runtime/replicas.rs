@@ -130,12 +130,27 @@ pub fn run_replicas(
 
 /// The EP group's seats for `dp` replicas of `plan`, or why its experts cannot be dealt over
 /// replicas.
-fn expert_seats_for(plan: &Plan, dp: usize) -> Result<Vec<ExpertSeat>> {
+pub(crate) fn expert_seats_for(plan: &Plan, dp: usize) -> Result<Vec<ExpertSeat>> {
     let refuse = |why: String| RunError::Replicas(format!("--ep: {why}"));
     if let Some(why) = super::expert_exchange::why_experts_cannot_span_replicas(plan) {
         return Err(refuse(why.into()));
     }
     expert_seats(plan.ranks.len(), dp).map_err(refuse)
+}
+
+/// The replica whose failure to report: the first that failed of its own accord, not one
+/// that only learnt that another had stopped (`--ep`); else the first that failed.
+pub(crate) fn failing_replica<T>(outcomes: &[Result<T>]) -> Option<usize> {
+    let echo = |e: &RunError| {
+        matches!(
+            e,
+            RunError::ExpertExchange(ExchangeError::MemberLeft { .. })
+        )
+    };
+    outcomes
+        .iter()
+        .position(|o| o.as_ref().is_err_and(|e| !echo(e)))
+        .or_else(|| outcomes.iter().position(Result::is_err))
 }
 
 /// The replicas' outputs as one batch in request order (the first failure, with its
@@ -146,20 +161,8 @@ fn merge(
     dp: usize,
     sharing_experts: bool,
 ) -> Result<BatchOutput> {
-    // A replica that only learnt another had stopped is not the cause: report the one that
-    // stopped first.
-    let echo = |e: &RunError| {
-        matches!(
-            e,
-            RunError::ExpertExchange(ExchangeError::MemberLeft { .. })
-        )
-    };
-    let first = outputs
-        .iter()
-        .position(|o| o.as_ref().is_err_and(|e| !echo(e)))
-        .or_else(|| outputs.iter().position(Result::is_err));
     let mut outputs = outputs;
-    if let Some(replica) = first {
+    if let Some(replica) = failing_replica(&outputs) {
         if let Err(e) = outputs.swap_remove(replica) {
             return Err(RunError::Replicas(format!("replica {replica}: {e}")));
         }

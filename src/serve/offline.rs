@@ -154,7 +154,7 @@ impl OfflineEngine {
         let template = compiled_template(&text).map_err(invalid)?;
         let plan = compile_model(model, o.tp, o.pp, o.shares)?;
         let ckpt = Checkpoint::open(model).map_err(invalid)?;
-        let layout = format!("tp={} pp={} dp={}", plan.tp, plan.pp(), o.dp);
+        let layout = crate::runtime::engine::launch::layout_line(&plan, o.dp, &o.engine);
         let (ready_tx, ready_rx) = channel::<Arc<dyn Serving>>();
         let (close_tx, close_rx) = channel::<()>();
         let thread = std::thread::Builder::new()

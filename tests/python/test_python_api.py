@@ -12,6 +12,7 @@ Every wait is bounded by a timeout so a hang fails; nothing asserts on speed.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -232,6 +233,23 @@ def test_tp_shares_from_python():
     try:
         [out] = model.generate(PROMPT_IDS, GREEDY, use_tqdm=False)
         assert out.outputs[0].token_ids == GREEDY_IDS
+    finally:
+        model.close()
+
+
+def test_experts_over_replicas_from_python():
+    # vLLM's enable_expert_parallel: the MoE fixture's experts dealt over two replicas, each
+    # request HF's greedy tokens whichever replica runs it while the other answers.
+    moe = ROOT / "tests/fixtures/checkpoints/mixtral-moe"
+    reference = json.loads((moe / "reference.json").read_text())
+    prompt, want = reference["prompt_ids"], reference["greedy_ids"]
+    model = LLM(str(moe), data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert model.layout == "tp=1 pp=1 dp=2 ep=2", model.layout
+        params = SamplingParams(temperature=0, max_tokens=len(want))
+        outs = model.generate([prompt, prompt[:3], prompt], params, use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == want
+        assert outs[2].outputs[0].token_ids == want
     finally:
         model.close()
 

@@ -13,6 +13,7 @@ mod engine_serve;
 mod invariant;
 mod moe_edges;
 mod moe_ep;
+mod moe_ep_serve;
 mod moe_parity;
 mod paged;
 mod parity;

@@ -7,7 +7,7 @@ use super::CudaError;
 use crate::plan::Plan;
 use crate::runtime::engine::api::Serving;
 use crate::runtime::engine::launch::{
-    prepare, serve_replicas, serve_threads, EngineOptions, EngineSetup, HandOver,
+    prepare, serve_replicas, serve_threads, serving_seats, EngineOptions, EngineSetup, HandOver,
 };
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::generate::ComputeDtype;
@@ -98,6 +98,7 @@ pub fn serve_cuda<T: Send>(
             ..opts.clone()
         },
     };
+    let seats = serving_seats(plan, &opts, dp)?;
     let run_replica = |d: usize, setup: EngineSetup, hand_over: HandOver| {
         // This replica's ranks start where the previous replica's ended.
         let mut on = devices.clone();
@@ -105,7 +106,8 @@ pub fn serve_cuda<T: Send>(
         on.rotate_left(first);
         let GpuGroups { comms, pipes, gpus } = gpu_groups(plan, &on)?;
         let make = |rank: usize| open_rank(rank, &on, &gpus, bf16);
-        serve_threads(plan, weights, comms, pipes, &make, setup, hand_over).0
+        let seat = seats.as_ref().and_then(|s| s.get(d));
+        serve_threads(plan, weights, comms, pipes, &make, seat, setup, hand_over).0
     };
     let setup = |metrics| prepare(plan, &opts, world, weight_bytes, metrics);
     serve_replicas(dp, &setup, &run_replica, client)

@@ -292,7 +292,10 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         self.exec.reset();
         self.exec.set_kv_pool(cfg.block_size, cfg.blocks)?;
         let leads = self.leads;
-        let mut steps = RankSteps { rt: self };
+        let mut steps = RankSteps {
+            rt: self,
+            serving: false,
+        };
         let run = if leads {
             Some(lead_batch(
                 &mut steps,

@@ -2,6 +2,11 @@
 //! steps, asks the scheduler for the next step, sends it to the other ranks and runs it with
 //! them; every other rank receives each step and runs it. A failing step fails every
 //! request and stops every rank; a drained engine stops when its last request ends.
+//!
+//! A replica whose experts are dealt over the replicas (`--ep`) must answer the others'
+//! mixture-of-experts rounds whenever it has nothing of its own to run: between requests
+//! it waits for a command or for such a call, whichever comes first, and once drained it
+//! answers until every replica is done.
 
 use super::api::{EventSink, GenRequest, RequestId};
 use super::scheduler::{Scheduler, StepOutput};
@@ -10,7 +15,11 @@ use crate::runtime::error::{Result, RunError};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long an idle replica sharing its experts waits for the others' calls before it looks
+/// for a command again: a new request waits at most this long (calls wake it at once).
+const IDLE_CALL_WAIT: Duration = Duration::from_millis(2);
 
 /// What one rank does in a step, over its executor and communicators.
 pub trait StepRunner {
@@ -23,6 +32,21 @@ pub trait StepRunner {
     /// logits at `step` are not finite, and returns the error that names the op they come
     /// from.
     fn locate(&mut self, sequence: usize, step: usize, tokens: &[i64]) -> RunError;
+    /// Whether this rank's experts are dealt over the replicas (`--ep`), so that it must
+    /// answer the others' calls while it has nothing to run.
+    fn shares_experts(&self) -> bool {
+        false
+    }
+    /// Waits up to `timeout` for another replica to call on this one's experts; whether
+    /// one has.
+    fn wait_for_expert_call(&mut self, _timeout: Duration) -> Result<bool> {
+        Ok(false)
+    }
+    /// Answers one forward call of the other replicas with this rank's experts (`done`:
+    /// until every replica is done, this one having no requests again).
+    fn answer_experts(&mut self, _done: bool) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What the handle asks of the leading rank.
@@ -104,12 +128,21 @@ fn lead_steps<R: StepRunner>(
     loop {
         if scheduler.is_idle() {
             if !open || shared.draining.load(Ordering::Acquire) {
+                if runner.shares_experts() {
+                    // The other replicas may still call on this one's experts.
+                    answer_experts(runner, true)?;
+                }
                 return Ok(());
             }
-            // Nothing to run: sleep until a command comes.
-            match commands.recv() {
-                Ok(c) => apply(c, scheduler, shared),
-                Err(_) => open = false,
+            if runner.shares_experts() {
+                // Nothing to run: answer the other replicas' calls until a command comes.
+                open = idle_answering(runner, scheduler, commands, shared)?;
+            } else {
+                // Nothing to run: sleep until a command comes.
+                match commands.recv() {
+                    Ok(c) => apply(c, scheduler, shared),
+                    Err(_) => open = false,
+                }
             }
         }
         loop {
@@ -148,6 +181,37 @@ fn lead_steps<R: StepRunner>(
     }
 }
 
+/// Every rank of this replica answers one forward call of the others (`done`: all of
+/// them, until every replica is done).
+fn answer_experts<R: StepRunner>(runner: &mut R, done: bool) -> Result<()> {
+    let message = StepMessage::Answer { done };
+    runner.share(Some(&message))?;
+    runner.answer_experts(done)
+}
+
+/// An idle replica that shares its experts: answers the others' calls until a command comes
+/// (applied) or every handle is gone (false: the engine is closed).
+fn idle_answering<R: StepRunner>(
+    runner: &mut R,
+    scheduler: &mut Scheduler,
+    commands: &Receiver<Command>,
+    shared: &Shared,
+) -> Result<bool> {
+    loop {
+        match commands.try_recv() {
+            Ok(c) => {
+                apply(c, scheduler, shared);
+                return Ok(true);
+            }
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Ok(false),
+            Err(std::sync::mpsc::TryRecvError::Empty) => {}
+        }
+        if runner.wait_for_expert_call(IDLE_CALL_WAIT)? {
+            answer_experts(runner, false)?;
+        }
+    }
+}
+
 fn apply(command: Command, scheduler: &mut Scheduler, shared: &Shared) {
     match command {
         Command::Submit {
@@ -172,6 +236,7 @@ pub fn follow<R: StepRunner>(runner: &mut R) -> Result<()> {
             StepMessage::Step { seqs, exchange } => {
                 runner.run(&seqs, exchange)?;
             }
+            StepMessage::Answer { done } => runner.answer_experts(done)?,
             StepMessage::Locate {
                 sequence,
                 step,

@@ -14,8 +14,9 @@ use crate::plan::Plan;
 use crate::runtime::backend::Backend;
 use crate::runtime::collectives::Collectives;
 use crate::runtime::error::{Result, RunError};
+use crate::runtime::expert_exchange::ExpertSeat;
 use crate::runtime::generate::RankRuntime;
-use crate::runtime::launch::{check_replicas, launch_stages};
+use crate::runtime::launch::{check_replicas, launch_sharing_experts};
 use crate::runtime::weights::WeightSource;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -35,6 +36,9 @@ pub struct EngineOptions {
     pub max_model_len: Option<usize>,
     /// The name clients give as `model`.
     pub model_name: String,
+    /// Deal each tp rank's experts over the replicas (`--ep`, with more than one replica):
+    /// they answer each other's mixture-of-experts rounds, between requests too.
+    pub expert_parallel: bool,
 }
 
 impl Default for EngineOptions {
@@ -48,6 +52,7 @@ impl Default for EngineOptions {
             prefix_caching: true,
             max_model_len: None,
             model_name: "model".into(),
+            expert_parallel: false,
         }
     }
 }
@@ -213,6 +218,21 @@ impl RankBody {
         &self,
         rt: &mut RankRuntime<'_, B, C>,
     ) -> Result<()> {
+        // A rank that fails releases the replicas that share its experts.
+        let mut guard =
+            crate::runtime::expert_exchange::LeaveUnlessDone(rt.exec.expert_member().cloned());
+        let out = self.steps(rt);
+        if out.is_ok() {
+            guard.0 = None;
+        }
+        out
+    }
+
+    /// The leading rank's loop or a follower's, once every rank has loaded.
+    fn steps<B: Backend, C: Collectives<B::Act>>(
+        &self,
+        rt: &mut RankRuntime<'_, B, C>,
+    ) -> Result<()> {
         rt.exec.set_kv_pool(self.block_size, self.blocks)?;
         // Every rank has loaded before a request is taken.
         rt.exec.comm.barrier()?;
@@ -220,7 +240,7 @@ impl RankBody {
             link.comm.barrier()?;
         }
         if !rt.leads {
-            return follow(&mut RankSteps { rt });
+            return follow(&mut RankSteps { rt, serving: true });
         }
         let (mut scheduler, commands) = self
             .leader
@@ -232,7 +252,7 @@ impl RankBody {
             let _ = tx.send(());
         }
         lead(
-            &mut RankSteps { rt },
+            &mut RankSteps { rt, serving: true },
             &mut scheduler,
             &commands,
             &self.shared,
@@ -287,8 +307,10 @@ pub(crate) fn serve_with<T: Send>(
 }
 
 /// Runs the engine of `setup` on every rank of `plan` as threads (the backends `backend`
-/// makes, the communicators given, as [`launch_stages`] takes them); `client` as
-/// [`serve_with`] runs it.
+/// makes, the communicators given, as [`crate::runtime::launch::launch_stages`] takes
+/// them); `client` as [`serve_with`] runs it. With a `seat` the replica shares its experts with the others
+/// (`--ep`): each rank loads only its own, and once the replica has stopped, for whatever
+/// reason, it leaves the exchange so that no other replica waits on it.
 #[allow(clippy::too_many_arguments)]
 pub fn serve_threads<B, C, T>(
     plan: &Plan,
@@ -296,6 +318,7 @@ pub fn serve_threads<B, C, T>(
     comms: Vec<C>,
     pipes: Vec<C>,
     backend: &(dyn Fn(usize) -> Result<B> + Sync),
+    seat: Option<&ExpertSeat>,
     setup: EngineSetup,
     client: impl FnOnce(Arc<EngineHandle>, Receiver<()>) -> T + Send,
 ) -> (Result<()>, Option<T>)
@@ -304,9 +327,38 @@ where
     C: Collectives<B::Act>,
     T: Send,
 {
-    serve_with(setup, client, |body| {
-        launch_stages(plan, weights, comms, pipes, backend, &|rt| body.run(rt))
-    })
+    let out = serve_with(setup, client, |body| {
+        launch_sharing_experts(plan, weights, comms, pipes, seat, backend, &|rt| {
+            body.run(rt)
+        })
+    });
+    if let Some(seat) = seat {
+        seat.leave("its engine stopped");
+    }
+    out
+}
+
+/// The ranks' layout of an engine over `plan` with `dp` replicas: "tp=2 pp=1 dp=2", with
+/// " ep=4" (the EP group's size) where the replicas share their experts.
+pub fn layout_line(plan: &Plan, dp: usize, opts: &EngineOptions) -> String {
+    let mut line = format!("tp={} pp={} dp={dp}", plan.tp, plan.pp());
+    if opts.expert_parallel && dp > 1 {
+        line.push_str(&format!(" ep={}", dp.saturating_mul(plan.ranks.len())));
+    }
+    line
+}
+
+/// The seats of the EP group when `opts` deals the experts over `dp` replicas (`--ep` and
+/// more than one replica), or why they cannot be.
+pub(crate) fn serving_seats(
+    plan: &Plan,
+    opts: &EngineOptions,
+    dp: usize,
+) -> Result<Option<Vec<ExpertSeat>>> {
+    if !opts.expert_parallel || dp < 2 {
+        return Ok(None);
+    }
+    crate::runtime::replicas::expert_seats_for(plan, dp).map(Some)
 }
 
 /// How a replica's client is handed its engine: once its ranks have loaded, its handle and
@@ -319,7 +371,8 @@ pub(crate) type HandOver = Box<dyn FnOnce(Arc<EngineHandle>, Receiver<()>) + Sen
 /// `hand_over` once its ranks have loaded ([`serve_threads`] does). `client` runs once every
 /// replica has, with the engines (one replica: its handle; more: a [`ReplicaSet`] sending
 /// each request to the least loaded) and a receiver that hears (or disconnects) when one
-/// stops. Returns the first engine failure, else Ok, and the client's result.
+/// stops. Returns the first engine failure (the first replica's that failed of its own
+/// accord), else Ok, and the client's result.
 pub(crate) fn serve_replicas<T: Send>(
     dp: usize,
     setup: &dyn Fn(Metrics) -> Result<EngineSetup>,
@@ -378,18 +431,23 @@ pub(crate) fn serve_replicas<T: Send>(
             drop(ready);
             None
         };
-        let mut result = Ok(());
-        for (r, e) in engines.into_iter().enumerate() {
-            let outcome = e.join().unwrap_or_else(|_| {
-                Err(RunError::RankPanicked {
-                    rank: r,
-                    message: "an engine thread panicked".into(),
+        let mut outcomes: Vec<Result<()>> = engines
+            .into_iter()
+            .enumerate()
+            .map(|(r, e)| {
+                e.join().unwrap_or_else(|_| {
+                    Err(RunError::RankPanicked {
+                        rank: r,
+                        message: "an engine thread panicked".into(),
+                    })
                 })
-            });
-            if result.is_ok() {
-                result = outcome;
-            }
-        }
+            })
+            .collect();
+        // A replica that only learnt that another had stopped is not the cause.
+        let result = match crate::runtime::replicas::failing_replica(&outcomes) {
+            Some(r) => outcomes.swap_remove(r),
+            None => Ok(()),
+        };
         (result, client_result)
     }))
 }
@@ -420,22 +478,17 @@ pub fn serve_cpu<T: Send>(
     let threads = cpu.threads_per_rank(ranks);
     let bf16 = dtype.bf16_linears(plan);
     let kernels = crate::runtime::cpu::isa::Kernels::select(cpu.isa)?;
-    let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
+    let seats = serving_seats(plan, opts, dp)?;
+    let weight_bytes =
+        crate::runtime::memory::copies_weight_bytes(plan, bf16, dp as u64, seats.is_some());
     let make = |rank: usize| {
         crate::runtime::cpu_rank::placed_cpu_backend(rank, threads, cpu.pin_threads, bf16, kernels)
     };
-    let run_replica = |_: usize, setup: EngineSetup, hand_over: HandOver| {
+    let run_replica = |r: usize, setup: EngineSetup, hand_over: HandOver| {
         let (comms, pipes) = crate::runtime::launch::local_groups(plan)?;
-        serve_threads(plan, weights, comms, pipes, &make, setup, hand_over).0
+        let seat = seats.as_ref().and_then(|s| s.get(r));
+        serve_threads(plan, weights, comms, pipes, &make, seat, setup, hand_over).0
     };
-    let setup = |metrics| {
-        prepare(
-            plan,
-            opts,
-            ranks,
-            weight_bytes.saturating_mul(dp as u64),
-            metrics,
-        )
-    };
+    let setup = |metrics| prepare(plan, opts, ranks, weight_bytes, metrics);
     serve_replicas(dp, &setup, &run_replica, client)
 }

@@ -16,6 +16,10 @@ use crate::runtime::generate::RankRuntime;
 /// A rank of a running plan as the engine drives it.
 pub struct RankSteps<'r, 'p, B: Backend, C: Collectives<B::Act>> {
     pub rt: &'r mut RankRuntime<'p, B, C>,
+    /// A server's rank (`tpc serve`), which answers the other replicas' expert calls
+    /// between requests; `tpc run`'s batch answers them after its generations instead
+    /// (`RankRuntime::generate_in_expert_group`).
+    pub serving: bool,
 }
 
 fn protocol(e: impl std::fmt::Display) -> RunError {
@@ -91,6 +95,22 @@ impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> 
                 out
             }
         }))
+    }
+
+    fn shares_experts(&self) -> bool {
+        self.serving && self.rt.exec.expert_member().is_some()
+    }
+
+    fn wait_for_expert_call(&mut self, timeout: std::time::Duration) -> Result<bool> {
+        self.rt.exec.wait_for_expert_call(timeout)
+    }
+
+    fn answer_experts(&mut self, done: bool) -> Result<()> {
+        if done {
+            self.rt.exec.serve_expert_group()
+        } else {
+            self.rt.exec.answer_expert_calls(false).map(|_| ())
+        }
     }
 
     fn locate(&mut self, sequence: usize, step: usize, tokens: &[i64]) -> RunError {

@@ -43,6 +43,10 @@ pub enum StepMessage {
         step: usize,
         tokens: Vec<i64>,
     },
+    /// A replica with no requests answers one forward call of the replicas that share its
+    /// experts (`--ep`); `done`: it will have no requests again, so it answers until every
+    /// replica is done.
+    Answer { done: bool },
     /// The engine stops: leave the loop.
     Stop,
 }
@@ -67,12 +71,13 @@ fn exact(what: &str, v: u64) -> Result<f32, StepCodeError> {
 
 impl StepMessage {
     /// `[0]` (stop), `[1, exchange.., count, (start, n_tokens, n_blocks, tokens..,
-    /// blocks..)..]` (a step; the exchange is one value, or `3, k` for a top-k) or
-    /// `[2, sequence, step, n_tokens, tokens..]` (locate).
+    /// blocks..)..]` (a step; the exchange is one value, or `3, k` for a top-k),
+    /// `[2, sequence, step, n_tokens, tokens..]` (locate) or `[3, done]` (answer).
     pub fn encode(&self) -> Result<Vec<f32>, StepCodeError> {
         let mut out = Vec::new();
         match self {
             StepMessage::Stop => out.push(0.0),
+            StepMessage::Answer { done } => out.extend([3.0, f32::from(u8::from(*done))]),
             StepMessage::Locate {
                 sequence,
                 step,
@@ -118,6 +123,15 @@ impl StepMessage {
         let mut r = Reader(data.iter().copied());
         match r.int("its kind")? {
             0 => Ok(StepMessage::Stop),
+            3 => {
+                let done = match r.int("whether it is done")? {
+                    0 => false,
+                    1 => true,
+                    d => return Err(StepCodeError(format!("answer's done flag {d}"))),
+                };
+                r.end("the done flag")?;
+                Ok(StepMessage::Answer { done })
+            }
             2 => {
                 let sequence = r.int("a sequence")? as usize;
                 let step = r.int("a step")? as usize;
@@ -234,7 +248,14 @@ mod tests {
             step: 7,
             tokens: vec![1, 2, 0],
         };
-        for m in [step, top_k, locate, StepMessage::Stop] {
+        let answers = [
+            StepMessage::Answer { done: false },
+            StepMessage::Answer { done: true },
+        ];
+        for m in [step, top_k, locate, StepMessage::Stop]
+            .into_iter()
+            .chain(answers)
+        {
             assert_eq!(StepMessage::decode(&m.encode().unwrap()).unwrap(), m);
         }
     }
@@ -268,5 +289,7 @@ mod tests {
         frac[3] = 2.5;
         assert!(StepMessage::decode(&frac).is_err());
         assert!(StepMessage::decode(&[]).is_err());
+        assert!(StepMessage::decode(&[3.0, 2.0]).is_err());
+        assert!(StepMessage::decode(&[3.0, 1.0, 0.0]).is_err());
     }
 }

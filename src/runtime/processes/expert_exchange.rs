@@ -130,6 +130,19 @@ impl Exchanger for MpiExchange {
     }
 
     fn leave(&self, _member: usize, _why: &str) {}
+
+    /// Replicas under MPI run `tpc run`'s batches only (`tpc serve` under mpirun has one
+    /// replica), so none waits for calls between requests.
+    fn wait_for_call(
+        &self,
+        member: usize,
+        _timeout: std::time::Duration,
+    ) -> Result<bool, ExchangeError> {
+        Err(ExchangeError::CannotWait {
+            member,
+            why: "replicas as MPI processes",
+        })
+    }
 }
 
 #[cfg(test)]
