@@ -250,6 +250,8 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 .map(|(c, _)| c.plan)
         },
         number_types,
+        // A mixture of experts is also priced on replicas sharing its experts (`--ep`).
+        |plan| tpc::runtime::expert_exchange::why_experts_cannot_span_replicas(plan).is_none(),
         |tp, last| bar.set_message(format!("searching: pricing tp {tp} of up to {last}")),
     );
     bar.finish_and_clear();
@@ -283,19 +285,41 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             ),
         }
     } else {
+        // The replicas' column only where some layout has replicas (`--dp D --ep`).
+        let replicas = ranked.iter().any(|e| e.dp > 1);
+        let dp = |v: String| {
+            if replicas {
+                format!(" {v:>4}")
+            } else {
+                String::new()
+            }
+        };
         let mut s = format!(
-            "{:>4} {:>4} {:>14} {:>14} {:>16} {:>6}\n",
-            "tp", "pp", "prefill tok/s", "decode tok/s", "memory/rank", "fits"
+            "{:>4} {:>4}{} {:>14} {:>14} {:>16} {:>6}\n",
+            "tp",
+            "pp",
+            dp("dp".into()),
+            "prefill tok/s",
+            "decode tok/s",
+            "memory/rank",
+            "fits"
         );
         for e in &ranked {
             s += &format!(
-                "{:>4} {:>4} {:>14.0} {:>14.1} {:>16} {:>6}\n",
+                "{:>4} {:>4}{} {:>14.0} {:>14.1} {:>16} {:>6}\n",
                 e.tp,
                 e.pp,
+                dp(e.dp.to_string()),
                 e.tokens_per_s.prefill,
                 e.tokens_per_s.decode,
                 human_bytes(e.memory_per_rank_bytes),
                 if e.fits { "yes" } else { "no" }
+            );
+        }
+        if replicas {
+            s += &format!(
+                "dp > 1: the experts dealt over dp replicas of tp ranks (--dp D --ep), the batch of {} dealt over them; tokens/s of all\n",
+                work.batch
             );
         }
         if let Some(p) = &proposal {

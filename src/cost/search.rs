@@ -1,4 +1,6 @@
-//! `simulate --search`: every (tp, pp) layout a profile's devices hold, priced and ranked.
+//! `simulate --search`: every (tp, pp) layout a profile's devices hold, priced and ranked;
+//! for a mixture of experts also every tp × dp with the experts dealt over the dp replicas
+//! (`--dp D --ep`), the workload's batch then being the whole deployment's.
 //!
 //! Bounded by what tpc plans, whatever the profile's device count: tp up to
 //! [`MAX_TP`](crate::passes::feasibility::MAX_TP) and only the values the model splits into,
@@ -8,7 +10,7 @@
 //! to seconds.
 
 use super::profile::HwProfile;
-use super::simulate::{Estimate, Numerics, StagedPlan, Workload};
+use super::simulate::{simulate_sharing_experts, Estimate, Numerics, StagedPlan, Workload};
 use crate::error::TpcError;
 use crate::passes::feasibility::MAX_TP;
 use crate::plan::stages::MAX_PP;
@@ -18,11 +20,16 @@ use crate::plan::Plan;
 /// `compile` makes the plan for one tp; a tp it refuses is left out, and when it says which
 /// tp values the model takes (an infeasible split), only those are tried after it.
 /// `progress` is told each tp as its plan is priced, with the largest tp to be tried.
+/// Where `experts_span(plan)` (its experts can be dealt over replicas), each tp is also
+/// priced with D = 2.. replicas sharing the experts, one stage each, for every D that
+/// divides the batch (`work.batch / D` sequences a replica: the same sequences in all, so
+/// the throughputs compare) with tp · D at most the devices.
 pub fn search(
     hw: &HwProfile,
     work: Workload,
     mut compile: impl FnMut(u64) -> Result<Plan, TpcError>,
     numerics: impl Fn(&Plan) -> Numerics,
+    experts_span: impl Fn(&Plan) -> bool,
     mut progress: impl FnMut(u64, u64),
 ) -> Vec<Estimate> {
     let max_tp = hw.devices.min(MAX_TP);
@@ -51,8 +58,27 @@ pub fn search(
                 Err(_) => break,
             }
         }
+        if experts_span(&plan) {
+            estimates.extend(expert_replicas(&plan, hw, work, num));
+        }
     }
     estimates
+}
+
+/// `plan` on 2.. replicas sharing their experts: every D dividing the batch with tp · D at
+/// most the devices, each replica `work.batch / D` sequences.
+fn expert_replicas(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -> Vec<Estimate> {
+    let most = hw.devices / plan.tp.max(1);
+    (2..=most.min(work.batch))
+        .filter(|dp| work.batch.is_multiple_of(*dp))
+        .map(|dp| {
+            let per_replica = Workload {
+                batch: work.batch / dp,
+                ..work
+            };
+            simulate_sharing_experts(plan, hw, per_replica, num, dp)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -78,6 +104,7 @@ mod tests {
             work(),
             |tp| crate::pipeline::compile(&def, tp).map(|c| c.plan),
             Numerics::of_plan,
+            |_| false,
             |_, _| {},
         );
         // 32 heads, 8 kv heads, 32 layers, 8 devices: every tp up to 8 (3, 5, 6 and 7 deal
@@ -109,6 +136,7 @@ mod tests {
                 crate::pipeline::compile(&def, tp).map(|c| c.plan)
             },
             Numerics::of_plan,
+            |_| false,
             |_, _| {},
         );
         // 8 heads in 2 kv groups: every tp up to 8 (unevenly where 8 does not divide); 9 is
@@ -118,5 +146,77 @@ mod tests {
         let layouts: Vec<(u64, u64)> = found.iter().map(|e| (e.tp, e.pp)).collect();
         let expected: Vec<(u64, u64)> = (1..=8).flat_map(|tp| [(tp, 1), (tp, 2)]).collect();
         assert_eq!(layouts, expected);
+    }
+
+    #[test]
+    fn a_mixture_of_experts_is_also_priced_on_replicas_sharing_its_experts() {
+        let hw = shipped::profile("h100-sxm-nvswitch-8");
+        let def = shipped::model("qwen3-30b-a3b");
+        let work = Workload {
+            batch: 8,
+            prompt: 512,
+            gen: 128,
+        };
+        let spans = |p: &Plan| {
+            crate::runtime::expert_exchange::why_experts_cannot_span_replicas(p).is_none()
+        };
+        let found = search(
+            &hw,
+            work,
+            |tp| crate::pipeline::compile(&def, tp).map(|c| c.plan),
+            Numerics::of_plan,
+            spans,
+            |_, _| {},
+        );
+        // Every dp dividing the batch of 8 with tp · dp at most 8, one stage each.
+        let mut replicas: Vec<(u64, u64)> = found
+            .iter()
+            .filter(|e| e.dp > 1)
+            .map(|e| (e.tp, e.dp))
+            .collect();
+        replicas.sort();
+        assert_eq!(
+            replicas,
+            [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (3, 2), (4, 2)]
+        );
+        for e in found.iter().filter(|e| e.dp > 1) {
+            assert_eq!(e.pp, 1);
+            let plan = crate::pipeline::compile(&def, e.tp).unwrap().plan;
+            let per_replica = Workload {
+                batch: 8 / e.dp,
+                ..work
+            };
+            let alone =
+                simulate_sharing_experts(&plan, &hw, per_replica, Numerics::of_plan(&plan), e.dp);
+            assert_eq!(e, &alone);
+        }
+        // Eight replicas of one rank hold an eighth of the experts each.
+        let get = |tp, dp| {
+            found
+                .iter()
+                .find(|e| e.tp == tp && e.dp == dp && e.pp == 1)
+                .unwrap()
+        };
+        assert!(get(1, 8).weight_bytes_per_rank < get(1, 1).weight_bytes_per_rank);
+        // A dense model, or a batch of one, gets no replicas.
+        let one = search(
+            &hw,
+            Workload { batch: 1, ..work },
+            |tp| crate::pipeline::compile(&def, tp).map(|c| c.plan),
+            Numerics::of_plan,
+            spans,
+            |_, _| {},
+        );
+        assert!(one.iter().all(|e| e.dp == 1));
+        let dense = shipped::model("llama3-8b");
+        let dense_found = search(
+            &hw,
+            work,
+            |tp| crate::pipeline::compile(&dense, tp).map(|c| c.plan),
+            Numerics::of_plan,
+            spans,
+            |_, _| {},
+        );
+        assert!(dense_found.iter().all(|e| e.dp == 1));
     }
 }

@@ -262,3 +262,87 @@ fn experts_dealt_over_replicas_print_what_one_replica_prints() {
         "pipeline stages",
     );
 }
+
+/// `simulate --search` on a mixture of experts also ranks replicas sharing the experts
+/// (`--dp D --ep`), the batch dealt over them; a dense model's table has no such column.
+#[test]
+fn search_ranks_replicas_sharing_the_experts_beside_tp_and_pp() {
+    let search = |model: &str, json: bool| {
+        let mut args = vec![
+            "simulate",
+            model,
+            "--hw",
+            "h100-sxm-nvswitch-8",
+            "--search",
+            "--batch",
+            "8",
+            "--prompt-len",
+            "512",
+            "--gen",
+            "128",
+        ];
+        if json {
+            args.push("--json");
+        }
+        ok(&tpc(&args))
+    };
+    let text = search("models/qwen3-30b-a3b.ron", false);
+    let header = text.lines().next().unwrap();
+    assert!(
+        header.split_whitespace().take(3).eq(["tp", "pp", "dp"]),
+        "{text}"
+    );
+    assert!(text.contains("the batch of 8 dealt over them"), "{text}");
+    let ranked: Value = serde_json::from_str(&search("models/qwen3-30b-a3b.ron", true)).unwrap();
+    let mut layouts: Vec<(u64, u64)> = ranked
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["dp"].as_u64().unwrap() > 1)
+        .map(|e| (e["tp"].as_u64().unwrap(), e["dp"].as_u64().unwrap()))
+        .collect();
+    layouts.sort();
+    assert_eq!(
+        layouts,
+        [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (3, 2), (4, 2)]
+    );
+    // Each such row is what `simulate --dp D --ep` prices for the batch over D replicas.
+    let alone: Value = serde_json::from_str(&ok(&tpc(&[
+        "simulate",
+        "models/qwen3-30b-a3b.ron",
+        "--hw",
+        "h100-sxm-nvswitch-8",
+        "--tp",
+        "2",
+        "--dp",
+        "4",
+        "--ep",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "512",
+        "--gen",
+        "128",
+        "--json",
+    ])))
+    .unwrap();
+    let row = ranked
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["tp"] == 2 && e["dp"] == 4)
+        .unwrap();
+    assert_eq!(row["tokens_per_s"], alone["tokens_per_s"]);
+    assert_eq!(row["memory_per_rank_bytes"], alone["memory_per_rank_bytes"]);
+    let dense = search("models/llama3-8b.ron", false);
+    assert!(
+        dense
+            .lines()
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .take(3)
+            .eq(["tp", "pp", "prefill"]),
+        "{dense}"
+    );
+}
