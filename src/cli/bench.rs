@@ -33,8 +33,9 @@ pub struct Args {
     /// Expert parallelism over the replicas: deal each tp rank's experts of a
     /// mixture-of-experts model over the --dp replicas (the EP group DP × TP of `tpc ranks`)
     /// instead of every replica holding them all; the replicas swap the routed tokens at
-    /// every MoE layer. One pipeline stage; replicas as threads, or as MPI processes on the
-    /// CPU.
+    /// every MoE layer. Replicas as threads (with --pp too: each stage shares its layers'
+    /// experts with the same stage of the others), or as MPI processes on the CPU with one
+    /// stage.
     #[arg(long)]
     ep: bool,
     #[command(flatten)]

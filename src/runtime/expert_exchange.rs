@@ -251,11 +251,6 @@ pub fn why_experts_cannot_span_replicas(plan: &crate::plan::Plan) -> Option<&'st
     }) {
         return Some("the model has no mixture-of-experts layers to deal over replicas");
     }
-    if plan.pp() > 1 {
-        return Some(
-            "experts dealt over replicas with pipeline stages is not supported yet; use --pp 1",
-        );
-    }
     None
 }
 
@@ -275,8 +270,8 @@ pub fn deal_columns(columns: usize, members: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// One replica's place in the EP group: the exchange of each of its tp ranks' DP groups
-/// (index: tp rank) and its member index there.
+/// One replica's place in the EP group: the exchange of each of its ranks' DP groups
+/// (index: the replica's global rank, stage · tp + tp rank) and its member index there.
 #[derive(Debug, Clone)]
 pub struct ExpertSeat {
     pub exchanges: Arc<Vec<Arc<ExpertExchange>>>,
@@ -297,10 +292,10 @@ impl std::fmt::Debug for ExpertMember {
 }
 
 impl ExpertSeat {
-    /// The seat of tp rank `tp_rank` of this replica.
-    pub fn member(&self, tp_rank: usize) -> Option<ExpertMember> {
+    /// The seat of this replica's global rank `rank` (stage · tp + tp rank).
+    pub fn member(&self, rank: usize) -> Option<ExpertMember> {
         Some(ExpertMember {
-            exchange: self.exchanges.get(tp_rank)?.clone() as Arc<dyn Exchanger>,
+            exchange: self.exchanges.get(rank)?.clone() as Arc<dyn Exchanger>,
             member: self.member,
         })
     }
@@ -325,22 +320,27 @@ impl Drop for LeaveUnlessDone {
     }
 }
 
-/// The seats of `dp` replicas of `tp` ranks, one exchange per DP group of the rank layout
-/// (`tpc ranks --world dp·tp --tp tp --dp dp`), members in the group's (replica) order.
-pub fn expert_seats(tp: usize, dp: usize) -> Result<Vec<ExpertSeat>, String> {
-    let world = (tp as u64).saturating_mul(dp as u64);
-    let groups = super::rank_groups::rank_groups(world, tp as u64, 1, dp as u64)
+/// The seats of `dp` replicas of `pp` stages of `tp` ranks, one exchange per DP group of the
+/// rank layout (`tpc ranks --world dp·pp·tp --tp tp --pp pp --dp dp`: the same rank of every
+/// replica), members in the group's (replica) order; a seat's exchanges by the replica's
+/// global rank (stage · tp + tp rank).
+pub fn expert_seats(tp: usize, pp: usize, dp: usize) -> Result<Vec<ExpertSeat>, String> {
+    let ranks = tp.saturating_mul(pp);
+    let world = (ranks as u64).saturating_mul(dp as u64);
+    let groups = super::rank_groups::rank_groups(world, tp as u64, pp as u64, dp as u64)
         .map_err(|e| e.to_string())?;
-    // One exchange per DP group; `by_tp[t]` is tp rank t's.
-    let mut by_tp: Vec<Option<Arc<ExpertExchange>>> = vec![None; tp];
+    // One exchange per DP group; `by_rank[g]` is the replica's global rank g's.
+    let mut by_rank: Vec<Option<Arc<ExpertExchange>>> = vec![None; ranks];
     for group in &groups.dp_groups {
-        let tp_rank = groups.ranks[group[0]].tp;
-        by_tp[tp_rank] = Some(Arc::new(ExpertExchange::new(group.len())));
+        let c = &groups.ranks[group[0]];
+        if let Some(slot) = by_rank.get_mut(c.pp * tp + c.tp) {
+            *slot = Some(Arc::new(ExpertExchange::new(group.len())));
+        }
     }
-    let exchanges: Vec<Arc<ExpertExchange>> = by_tp.into_iter().flatten().collect();
-    if exchanges.len() != tp {
+    let exchanges: Vec<Arc<ExpertExchange>> = by_rank.into_iter().flatten().collect();
+    if exchanges.len() != ranks {
         return Err(format!(
-            "the layout of {dp} replicas of {tp} ranks has {} DP groups, expected {tp}",
+            "the layout of {dp} replicas of {pp} stage(s) of {tp} ranks has {} DP groups, expected {ranks}",
             exchanges.len()
         ));
     }
@@ -500,7 +500,7 @@ mod tests {
 
     #[test]
     fn seats_follow_the_dp_groups_of_the_rank_layout() {
-        let seats = expert_seats(2, 3).unwrap();
+        let seats = expert_seats(2, 1, 3).unwrap();
         assert_eq!(seats.len(), 3);
         for (d, seat) in seats.iter().enumerate() {
             assert_eq!(seat.member, d);
@@ -513,5 +513,17 @@ mod tests {
             }
         }
         assert!(!Arc::ptr_eq(&seats[0].exchanges[0], &seats[0].exchanges[1]));
+        // With stages, one exchange per rank of a replica, shared by the replicas.
+        let staged = expert_seats(2, 2, 2).unwrap();
+        assert_eq!(staged[0].exchanges.len(), 4);
+        for g in 0..4 {
+            assert_eq!(staged[1].member(g).unwrap().member, 1);
+            for h in 0..g {
+                assert!(!Arc::ptr_eq(
+                    &staged[0].exchanges[g],
+                    &staged[0].exchanges[h]
+                ));
+            }
+        }
     }
 }

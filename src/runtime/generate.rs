@@ -369,6 +369,19 @@ pub fn stage_runtime<'p, B: Backend, C: Collectives<B::Act>>(
     pipe: C,
     weights: &dyn WeightSource,
 ) -> Result<RankRuntime<'p, B, C>> {
+    stage_runtime_sharing(sp, backend, comm, pipe, weights, None)
+}
+
+/// [`stage_runtime`] for a stage whose experts are shared out over replicas (`--ep`): it
+/// loads only those its seat `member` computes.
+pub fn stage_runtime_sharing<'p, B: Backend, C: Collectives<B::Act>>(
+    sp: &'p StageProgram,
+    backend: B,
+    comm: C,
+    pipe: C,
+    weights: &dyn WeightSource,
+    member: Option<super::expert_exchange::ExpertMember>,
+) -> Result<RankRuntime<'p, B, C>> {
     let load = Instant::now();
     let tp_rank = comm.rank();
     let link = StageLink {
@@ -379,7 +392,8 @@ pub fn stage_runtime<'p, B: Backend, C: Collectives<B::Act>>(
         send: sp.send.iter().map(|b| b.id).collect(),
         origin: sp.origin.clone(),
     };
-    let exec = RankExecutor::new(&sp.program, sp.numerics, weights, backend, comm)?.with_link(link);
+    let exec = RankExecutor::new_sharing(&sp.program, sp.numerics, weights, backend, comm, member)?
+        .with_link(link);
     Ok(RankRuntime {
         exec,
         rank: usize::try_from(sp.program.rank).unwrap_or(usize::MAX),

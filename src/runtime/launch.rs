@@ -10,7 +10,9 @@ use super::collectives::Collectives;
 use super::comm::{local_group, CommError, LocalComm, MAX_LOCAL_RANKS};
 use super::error::{Result, RunError};
 use super::expert_exchange::ExpertSeat;
-use super::generate::{check_requests, rank_runtime_sharing, stage_runtime, Request, RunOptions};
+use super::generate::{
+    check_requests, rank_runtime_sharing, stage_runtime_sharing, Request, RunOptions,
+};
 use super::rank_groups::rank_groups;
 use super::weights::WeightSource;
 use crate::plan::stages::{stage_program, StageProgram};
@@ -151,12 +153,12 @@ where
                     .name(format!("tpc-rank-{rank}"))
                     .spawn_scoped(s, move || {
                         let b = backend(rank)?;
+                        let member = seat.and_then(|s| s.member(rank));
                         let mut rt = match (sp, pipe) {
-                            (Some(sp), Some(pipe)) => stage_runtime(sp, b, comm, pipe, weights)?,
-                            _ => {
-                                let member = seat.and_then(|s| s.member(rank));
-                                rank_runtime_sharing(plan, rank, b, comm, weights, member)?
+                            (Some(sp), Some(pipe)) => {
+                                stage_runtime_sharing(sp, b, comm, pipe, weights, member)?
                             }
+                            _ => rank_runtime_sharing(plan, rank, b, comm, weights, member)?,
                         };
                         let out = job(&mut rt);
                         if out.is_err() {

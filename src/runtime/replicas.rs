@@ -135,7 +135,7 @@ pub(crate) fn expert_seats_for(plan: &Plan, dp: usize) -> Result<Vec<ExpertSeat>
     if let Some(why) = super::expert_exchange::why_experts_cannot_span_replicas(plan) {
         return Err(refuse(why.into()));
     }
-    expert_seats(plan.ranks.len(), dp).map_err(refuse)
+    expert_seats(plan.ranks.len(), plan.pp(), dp).map_err(refuse)
 }
 
 /// The replica whose failure to report: the first that failed of its own accord, not one

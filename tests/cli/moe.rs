@@ -181,7 +181,8 @@ fn explain_names_the_split_and_why_auto_chose_it() {
 
 /// `--dp D --ep`: the replicas share the experts (each holds 1/D of its tp rank's) and
 /// print the tokens `--dp 1` prints; the load report lists every rank of the EP group (DP ×
-/// TP) and adds up to the same (token, expert) pairs. Refused where it cannot apply.
+/// TP) and adds up to the same (token, expert) pairs; with stages too. Refused where it
+/// cannot apply.
 #[test]
 fn experts_dealt_over_replicas_print_what_one_replica_prints() {
     let dir = scratch("moe-ep");
@@ -247,20 +248,10 @@ fn experts_dealt_over_replicas_print_what_one_replica_prints() {
         ],
         "no mixture-of-experts layers",
     );
-    refused(
-        &[
-            "run",
-            QWEN2_MOE,
-            "--pp",
-            "2",
-            "--dp",
-            "2",
-            "--ep",
-            "--prompts",
-            p,
-        ],
-        "pipeline stages",
-    );
+    // With two stages each stage shares its layers' experts with the same stage of the
+    // other replica: the same tokens.
+    let (staged, _) = run(&["--tp", "1", "--pp", "2", "--dp", "2", "--ep"]);
+    assert_eq!(staged, alone, "tp 1 pp 2 dp 2 --ep");
 }
 
 /// `simulate --search` on a mixture of experts also ranks replicas sharing the experts

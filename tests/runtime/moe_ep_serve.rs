@@ -254,3 +254,20 @@ fn a_replica_that_cannot_load_stops_the_others_with_its_own_error() {
         assert!(err.contains("the disk went away"), "read {after}: {err}");
     }
 }
+
+#[test]
+fn serving_replicas_with_stages_are_refused_before_loading() {
+    let dir = Path::new("tests/fixtures/checkpoints/mixtral-moe");
+    let mut staged = plan(dir, 1, ExpertSplit::Expert);
+    tpc::pipeline::split_stages(&mut staged, 2, None).unwrap();
+    let err = serve_ep(
+        &staged,
+        &Checkpoint::open(dir).unwrap(),
+        2,
+        &[greedy(vec![1, 2, 3], 2)],
+        Duration::ZERO,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("pipeline stages"), "{err}");
+}

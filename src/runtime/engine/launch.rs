@@ -358,6 +358,12 @@ pub(crate) fn serving_seats(
     if !opts.expert_parallel || dp < 2 {
         return Ok(None);
     }
+    if plan.pp() > 1 {
+        // An idle replica waits for calls on its last stage's exchanges only.
+        return Err(RunError::Replicas(
+            "--ep: serving replicas that share their experts with pipeline stages is not supported yet; use --pp 1 (`tpc run` takes --pp with --ep)".into(),
+        ));
+    }
     crate::runtime::replicas::expert_seats_for(plan, dp).map(Some)
 }
 

@@ -212,6 +212,9 @@ fn check_expert_parallel(plan: &Plan, opts: &RunOptions) -> Result<()> {
     if matches!(opts.device, Device::Cuda(_)) {
         return refuse("under mpirun the replicas share their experts on the CPU only; run the GPU replicas as threads (without mpirun)");
     }
+    if plan.pp() > 1 {
+        return refuse("under mpirun the replicas share their experts with one pipeline stage only; use --pp 1, or run the staged replicas as threads (without mpirun)");
+    }
     Ok(())
 }
 
