@@ -29,8 +29,8 @@ pub struct Args {
     /// Expert parallelism over the replicas: deal each tp rank's experts of a
     /// mixture-of-experts model over the --dp replicas (the EP group DP × TP of `tpc ranks`)
     /// instead of every replica holding them all; the replicas swap the routed tokens at
-    /// every MoE layer, and a replica without requests answers the others'. One pipeline
-    /// stage; replicas as threads.
+    /// every MoE layer, and a replica without requests answers the others' (with --pp, each
+    /// stage its own layers'). Replicas as threads.
     #[arg(long)]
     ep: bool,
     /// Address to listen on.

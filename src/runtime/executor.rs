@@ -513,17 +513,6 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         Ok(true)
     }
 
-    /// For a serving replica with no requests: waits up to `timeout` for another member of
-    /// its DP group to call on its experts. False without a DP group.
-    pub fn wait_for_expert_call(&self, timeout: std::time::Duration) -> Result<bool> {
-        let Some(m) = &self.expert_member else {
-            return Ok(false);
-        };
-        m.exchange
-            .wait_for_call(m.member, timeout)
-            .map_err(RunError::ExpertExchange)
-    }
-
     /// Every rank of the tensor-parallel group's `count`, in rank order (an all-gather of
     /// three 24-bit limbs each, exact in f32, through the backend's memory).
     pub fn gather_counts(&mut self, count: u64) -> Result<Vec<u64>> {

@@ -3,8 +3,9 @@
 //! the whole DP group, so a replica with no requests answers the others between its own.
 //! Every MoE fixture served this way gives each request the greedy tokens it gets alone at
 //! `--dp 1` (HF's for HF's prompt), whether one replica does all the work while the others
-//! only answer, or requests arrive staggered over all of them; the server drains and stops
-//! cleanly; a replica that cannot load stops the others with its own error.
+//! only answer, or requests arrive staggered over all of them, with one pipeline stage or
+//! two; the server drains and stops cleanly; a replica that cannot load stops the others
+//! with its own error.
 
 use crate::common;
 use common::read_reference;
@@ -161,13 +162,19 @@ fn replicas_sharing_experts_serve_every_request_its_tokens_alone() {
                 .collect();
             staggered.push(greedy(prompt, 2 + k));
         }
-        for (tp, dp, split) in [
-            (1, 2, ExpertSplit::Expert),
-            (1, 3, ExpertSplit::Expert),
-            (2, 2, ExpertSplit::Tensor),
+        for (tp, pp, dp, split) in [
+            (1, 1, 2, ExpertSplit::Expert),
+            (1, 1, 3, ExpertSplit::Expert),
+            (2, 1, 2, ExpertSplit::Tensor),
+            // Two stages: the idle replica's first stage with experts hears the call.
+            (1, 2, 2, ExpertSplit::Expert),
+            (2, 2, 2, ExpertSplit::Tensor),
         ] {
-            let what = format!("{case} tp {tp} dp {dp} --ep --moe {}", split.word());
-            let plan = plan(&dir, tp, split);
+            let what = format!("{case} tp {tp} pp {pp} dp {dp} --ep --moe {}", split.word());
+            let mut plan = plan(&dir, tp, split);
+            if pp > 1 {
+                tpc::pipeline::split_stages(&mut plan, pp, None).unwrap();
+            }
             // One request: one replica computes, the others only answer its calls.
             let one = serve_ep(&plan, &ckpt, dp, std::slice::from_ref(&hf), Duration::ZERO)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -183,7 +190,7 @@ fn replicas_sharing_experts_serve_every_request_its_tokens_alone() {
             runs += 1;
         }
     }
-    assert_eq!(runs, 12);
+    assert_eq!(runs, 20);
 }
 
 /// A checkpoint whose reads fail from the `after`-th on: a replica that cannot load.
@@ -253,21 +260,4 @@ fn a_replica_that_cannot_load_stops_the_others_with_its_own_error() {
         .to_string();
         assert!(err.contains("the disk went away"), "read {after}: {err}");
     }
-}
-
-#[test]
-fn serving_replicas_with_stages_are_refused_before_loading() {
-    let dir = Path::new("tests/fixtures/checkpoints/mixtral-moe");
-    let mut staged = plan(dir, 1, ExpertSplit::Expert);
-    tpc::pipeline::split_stages(&mut staged, 2, None).unwrap();
-    let err = serve_ep(
-        &staged,
-        &Checkpoint::open(dir).unwrap(),
-        2,
-        &[greedy(vec![1, 2, 3], 2)],
-        Duration::ZERO,
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("pipeline stages"), "{err}");
 }

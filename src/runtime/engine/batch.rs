@@ -294,7 +294,7 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
         let leads = self.leads;
         let mut steps = RankSteps {
             rt: self,
-            serving: false,
+            watch: None,
         };
         let run = if leads {
             Some(lead_batch(

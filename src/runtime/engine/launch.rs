@@ -14,7 +14,7 @@ use crate::plan::Plan;
 use crate::runtime::backend::Backend;
 use crate::runtime::collectives::Collectives;
 use crate::runtime::error::{Result, RunError};
-use crate::runtime::expert_exchange::ExpertSeat;
+use crate::runtime::expert_exchange::{ExpertMember, ExpertSeat};
 use crate::runtime::generate::RankRuntime;
 use crate::runtime::launch::{check_replicas, launch_sharing_experts};
 use crate::runtime::weights::WeightSource;
@@ -206,6 +206,8 @@ pub fn prepare(
 /// loaded before a request is taken, then the leading rank's loop or a follower's.
 pub(crate) struct RankBody {
     leader: Mutex<Option<(Scheduler, Receiver<Command>)>>,
+    /// Where the leading rank waits for the other replicas' expert calls (`--ep`).
+    watch: Option<ExpertMember>,
     ready: Mutex<Option<Sender<()>>>,
     shared: Arc<Shared>,
     block_size: usize,
@@ -240,7 +242,7 @@ impl RankBody {
             link.comm.barrier()?;
         }
         if !rt.leads {
-            return follow(&mut RankSteps { rt, serving: true });
+            return follow(&mut RankSteps { rt, watch: None });
         }
         let (mut scheduler, commands) = self
             .leader
@@ -252,7 +254,10 @@ impl RankBody {
             let _ = tx.send(());
         }
         lead(
-            &mut RankSteps { rt, serving: true },
+            &mut RankSteps {
+                rt,
+                watch: self.watch.clone(),
+            },
             &mut scheduler,
             &commands,
             &self.shared,
@@ -269,6 +274,7 @@ impl RankBody {
 /// client's (`None` if it never started).
 pub(crate) fn serve_with<T: Send>(
     setup: EngineSetup,
+    watch: Option<ExpertMember>,
     client: impl FnOnce(Arc<EngineHandle>, Receiver<()>) -> T + Send,
     ranks: impl FnOnce(&RankBody) -> Result<()>,
 ) -> (Result<()>, Option<T>) {
@@ -284,6 +290,7 @@ pub(crate) fn serve_with<T: Send>(
     let (stopped_tx, stopped_rx) = channel::<()>();
     let body = RankBody {
         leader: Mutex::new(Some((scheduler, commands))),
+        watch,
         ready: Mutex::new(Some(ready_tx)),
         shared: shared.clone(),
         block_size,
@@ -327,7 +334,14 @@ where
     C: Collectives<B::Act>,
     T: Send,
 {
-    let out = serve_with(setup, client, |body| {
+    let watch = match seat {
+        Some(seat) => match first_stage_with_experts(plan) {
+            Some(stage) => seat.member(stage * plan.ranks.len()),
+            None => None,
+        },
+        None => None,
+    };
+    let out = serve_with(setup, watch, client, |body| {
         launch_sharing_experts(plan, weights, comms, pipes, seat, backend, &|rt| {
             body.run(rt)
         })
@@ -336,6 +350,22 @@ where
         seat.leave("its engine stopped");
     }
     out
+}
+
+/// The first pipeline stage of `plan` whose program has mixture-of-experts layers: where
+/// another replica's forward call first needs this one's experts.
+fn first_stage_with_experts(plan: &Plan) -> Option<usize> {
+    let has_experts = |p: &crate::plan::RankProgram| {
+        p.instrs
+            .iter()
+            .any(|i| matches!(i.op, crate::ir::Op::Experts(_)))
+    };
+    if plan.pp() <= 1 {
+        return plan.ranks.first().is_some_and(has_experts).then_some(0);
+    }
+    (0..plan.pp()).find(|&s| {
+        crate::plan::stages::stage_program(plan, 0, s).is_ok_and(|sp| has_experts(&sp.program))
+    })
 }
 
 /// The ranks' layout of an engine over `plan` with `dp` replicas: "tp=2 pp=1 dp=2", with
@@ -357,12 +387,6 @@ pub(crate) fn serving_seats(
 ) -> Result<Option<Vec<ExpertSeat>>> {
     if !opts.expert_parallel || dp < 2 {
         return Ok(None);
-    }
-    if plan.pp() > 1 {
-        // An idle replica waits for calls on its last stage's exchanges only.
-        return Err(RunError::Replicas(
-            "--ep: serving replicas that share their experts with pipeline stages is not supported yet; use --pp 1 (`tpc run` takes --pp with --ep)".into(),
-        ));
     }
     crate::runtime::replicas::expert_seats_for(plan, dp).map(Some)
 }

@@ -11,15 +11,18 @@ use crate::runtime::backend::Backend;
 use crate::runtime::collectives::Collectives;
 use crate::runtime::error::{Result, RunError};
 use crate::runtime::executor::{OutputRows, SeqStep};
+use crate::runtime::expert_exchange::ExpertMember;
 use crate::runtime::generate::RankRuntime;
 
 /// A rank of a running plan as the engine drives it.
 pub struct RankSteps<'r, 'p, B: Backend, C: Collectives<B::Act>> {
     pub rt: &'r mut RankRuntime<'p, B, C>,
-    /// A server's rank (`tpc serve`), which answers the other replicas' expert calls
-    /// between requests; `tpc run`'s batch answers them after its generations instead
+    /// On a server's leading rank (`tpc serve`) whose replica shares its experts: the seat
+    /// whose exchange a call from another replica reaches first (its first stage with MoE
+    /// layers, tp rank 0), watched between requests. `None` elsewhere, and in `tpc run`'s
+    /// batch, which answers the calls after its generations instead
     /// (`RankRuntime::generate_in_expert_group`).
-    pub serving: bool,
+    pub watch: Option<ExpertMember>,
 }
 
 fn protocol(e: impl std::fmt::Display) -> RunError {
@@ -98,11 +101,17 @@ impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> 
     }
 
     fn shares_experts(&self) -> bool {
-        self.serving && self.rt.exec.expert_member().is_some()
+        self.watch.is_some()
     }
 
     fn wait_for_expert_call(&mut self, timeout: std::time::Duration) -> Result<bool> {
-        self.rt.exec.wait_for_expert_call(timeout)
+        match &self.watch {
+            Some(m) => m
+                .exchange
+                .wait_for_call(m.member, timeout)
+                .map_err(RunError::ExpertExchange),
+            None => Ok(false),
+        }
     }
 
     fn answer_experts(&mut self, done: bool) -> Result<()> {

@@ -83,5 +83,5 @@ pub fn serve_mpi<T: Send>(
         None => rank_runtime(plan, coords.tp, backend, comm, weights)?,
     };
     let front = |handle: Arc<EngineHandle>, stopped: Receiver<()>| client(handle, stopped);
-    Ok(serve_with(setup, front, |body| body.run(&mut rt)))
+    Ok(serve_with(setup, None, front, |body| body.run(&mut rt)))
 }
