@@ -513,36 +513,25 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         Ok(true)
     }
 
-    /// Every rank of the tensor-parallel group's `count`, in rank order (an all-gather of
-    /// three 24-bit limbs each, exact in f32, through the backend's memory).
-    pub fn gather_counts(&mut self, count: u64) -> Result<Vec<u64>> {
-        let on = |error| RunError::Backend {
-            name: "load report".into(),
-            error,
+    /// The (token, expert) pairs of every rank of the plan, in global rank order (stage times
+    /// tp, plus tp rank): each stage's tensor-parallel group gathers its ranks' `count`, and
+    /// with stages the pipeline group gathers the stages'. Empty where no stage has
+    /// mixture-of-experts layers. Every rank of every stage calls it.
+    pub fn gather_expert_loads(&mut self, count: u64) -> Result<Vec<u64>> {
+        let Some(link) = self.link.as_mut() else {
+            if !self.has_experts() {
+                return Ok(Vec::new());
+            }
+            return gather_counts_over(&self.backend, &mut self.comm, &[count]);
         };
-        const LIMB: u64 = 1 << 24;
-        let limbs: Vec<f32> = (0..3)
-            .map(|i| ((count >> (24 * i)) % LIMB) as f32)
-            .collect();
-        let b = &self.backend;
-        let local = b.upload_host(&Tensor::new(vec![1, 3], limbs)).map_err(on)?;
-        let ranks = self.comm.world_size();
-        let mut all = b
-            .alloc(&[1, 3 * ranks], crate::ir::DType::F32)
-            .map_err(on)?;
-        let sent = self.comm.all_gather(&local, &mut all);
-        b.release(local);
-        let all = b.to_host(all).map_err(on)?;
-        sent?;
-        Ok(all
-            .data
-            .chunks_exact(3)
-            .map(|l| {
-                l.iter().rev().fold(0u64, |n, &limb| {
-                    n.saturating_mul(LIMB).saturating_add(limb as u64)
-                })
-            })
-            .collect())
+        // Beside each count, whether its stage has experts at all.
+        let has = u64::from(!self.experts.is_empty());
+        let stage = gather_counts_over(&self.backend, &mut self.comm, &[count, has])?;
+        let all = gather_counts_over(&self.backend, &mut link.comm, &stage)?;
+        if all.chunks_exact(2).all(|c| c[1] == 0) {
+            return Ok(Vec::new());
+        }
+        Ok(all.chunks_exact(2).map(|c| c[0]).collect())
     }
 
     /// Whether this rank computes the model output (no pipeline, or its last stage).
@@ -1580,6 +1569,45 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
 }
 
 /// An error of a mixture-of-experts layer dealt over replicas, for instruction `name`.
+/// Every rank of `comm`'s `counts`, rank after rank (an all-gather of three 24-bit limbs a
+/// count, exact in f32, through `b`'s memory).
+fn gather_counts_over<B: Backend, C: Collectives<B::Act>>(
+    b: &B,
+    comm: &mut C,
+    counts: &[u64],
+) -> Result<Vec<u64>> {
+    let on = |error| RunError::Backend {
+        name: "load report".into(),
+        error,
+    };
+    const LIMB: u64 = 1 << 24;
+    let limbs: Vec<f32> = counts
+        .iter()
+        .flat_map(|&c| (0..3).map(move |i| ((c >> (24 * i)) % LIMB) as f32))
+        .collect();
+    let width = limbs.len();
+    let local = b
+        .upload_host(&Tensor::new(vec![1, width], limbs))
+        .map_err(on)?;
+    let ranks = comm.world_size();
+    let mut all = b
+        .alloc(&[1, width * ranks], crate::ir::DType::F32)
+        .map_err(on)?;
+    let sent = comm.all_gather(&local, &mut all);
+    b.release(local);
+    let all = b.to_host(all).map_err(on)?;
+    sent?;
+    Ok(all
+        .data
+        .chunks_exact(3)
+        .map(|l| {
+            l.iter().rev().fold(0u64, |n, &limb| {
+                n.saturating_mul(LIMB).saturating_add(limb as u64)
+            })
+        })
+        .collect())
+}
+
 fn across_error(name: &str, e: super::moe_across::AcrossError) -> RunError {
     match e {
         super::moe_across::AcrossError::Backend(error) => RunError::Backend {

@@ -349,12 +349,12 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
             self.generate(requests, opts)?
         };
         self.exec.serve_expert_group()?;
-        if self.exec.has_experts() {
-            // Every generation routes the same tokens (a repeat that differs is refused), so
-            // the run's pairs over its generations are one generation's.
-            let runs = (opts.warmup + opts.repeat.max(1)) as u64;
-            out.routed_pairs_per_rank = self.exec.gather_counts(self.exec.routed_pairs / runs)?;
-        }
+        // Every generation routes the same tokens (a repeat that differs is refused), so the
+        // run's pairs over its generations are one generation's.
+        let runs = (opts.warmup + opts.repeat.max(1)) as u64;
+        out.routed_pairs_per_rank = self
+            .exec
+            .gather_expert_loads(self.exec.routed_pairs / runs)?;
         guard.0 = None;
         Ok(out)
     }

@@ -36,7 +36,7 @@ fn plan_of(dir: &Path, tp: u64, pp: usize) -> Plan {
     plan
 }
 
-fn greedy(prompt: Vec<i64>, max_tokens: usize) -> GenRequest {
+pub(super) fn greedy(prompt: Vec<i64>, max_tokens: usize) -> GenRequest {
     GenRequest {
         prompt,
         max_tokens,

@@ -27,6 +27,15 @@ fn exact(new_tokens: usize) -> RunOptions {
     }
 }
 
+/// The plan at `tp` with `split`, cut into `pp` stages.
+pub(super) fn staged_plan(dir: &Path, tp: u64, pp: u64, split: ExpertSplit) -> tpc::plan::Plan {
+    let mut plan = plan(dir, tp, split);
+    if pp > 1 {
+        split_stages(&mut plan, pp, None).unwrap();
+    }
+    plan
+}
+
 fn plan(dir: &Path, tp: u64, split: impl Into<Option<ExpertSplit>>) -> tpc::plan::Plan {
     let options = ShardOptions {
         moe: split.into(),
@@ -73,10 +82,7 @@ fn experts_dealt_over_replicas_match_hf_on_every_moe_fixture() {
             (2, 2, 2, ExpertSplit::Tensor),
         ] {
             let what = format!("{case} tp {tp} pp {pp} dp {dp} --ep --moe {}", split.word());
-            let mut plan = plan(&dir, tp, split);
-            if pp > 1 {
-                split_stages(&mut plan, pp, None).unwrap();
-            }
+            let plan = staged_plan(&dir, tp, pp, split);
             let alone = run_replicas(&plan, &ckpt, &requests, &exact(n), 1).unwrap();
             let opts = RunOptions {
                 expert_parallel: true,
@@ -97,11 +103,11 @@ fn experts_dealt_over_replicas_match_hf_on_every_moe_fixture() {
                 out.sequences[2].generated, alone.sequences[2].generated,
                 "{what}: our own prompt, as without --ep"
             );
-            // One load per rank of the EP group (DP × TP), and each pair computed once per
-            // tp rank that computes it without --ep too.
+            // One load per rank of the EP group (DP × PP × TP), and each pair computed once
+            // per rank that computes it without --ep too.
             assert_eq!(
                 out.routed_pairs_per_rank.len(),
-                (tp as usize) * dp,
+                (tp as usize) * (pp as usize) * dp,
                 "{what}"
             );
             let total = |v: &[u64]| v.iter().sum::<u64>();
@@ -144,25 +150,41 @@ fn expert_parallelism_is_refused_where_it_cannot_apply() {
     );
 }
 
-/// A checkpoint whose first read fails: one replica cannot load.
-struct FirstReadFails {
+/// A checkpoint whose `after`-th read fails (counting from 0, every replica's reads
+/// together): a replica that cannot load.
+pub(super) struct ReadsFail {
     inner: Checkpoint,
-    tripped: std::sync::atomic::AtomicBool,
+    reads: std::sync::atomic::AtomicUsize,
+    after: usize,
 }
 
-impl FirstReadFails {
-    fn trip(&self) -> Result<(), tpc::runtime::weights::WeightError> {
-        if self.tripped.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            return Ok(());
+impl ReadsFail {
+    pub(super) fn new(dir: &Path, after: usize) -> ReadsFail {
+        ReadsFail {
+            inner: Checkpoint::open(dir).unwrap(),
+            reads: Default::default(),
+            after,
         }
-        Err(tpc::runtime::weights::WeightError::Slice {
-            name: "injected".into(),
-            problem: "the disk went away".into(),
-        })
+    }
+
+    /// Counts reads from 0 again.
+    pub(super) fn reset(&self) {
+        self.reads.store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn tick(&self) -> Result<(), tpc::runtime::weights::WeightError> {
+        let k = self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if k == self.after {
+            return Err(tpc::runtime::weights::WeightError::Slice {
+                name: "injected".into(),
+                problem: "the disk went away".into(),
+            });
+        }
+        Ok(())
     }
 }
 
-impl tpc::runtime::weights::WeightSource for FirstReadFails {
+impl tpc::runtime::weights::WeightSource for ReadsFail {
     fn check(&self, plan: &tpc::plan::Plan) -> Result<(), tpc::runtime::weights::WeightError> {
         self.inner.check(plan)
     }
@@ -173,7 +195,7 @@ impl tpc::runtime::weights::WeightSource for FirstReadFails {
         count: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), tpc::runtime::weights::WeightError> {
-        self.trip()?;
+        self.tick()?;
         self.inner.read(tensor, from, count, out)
     }
     fn read_stored_rows(
@@ -182,7 +204,7 @@ impl tpc::runtime::weights::WeightSource for FirstReadFails {
         rows: std::ops::Range<usize>,
         into: &mut tpc::runtime::weights::StoredRows,
     ) -> Result<bool, tpc::runtime::weights::WeightError> {
-        self.trip()?;
+        self.tick()?;
         self.inner.read_stored_rows(w, rows, into)
     }
 }
@@ -190,10 +212,7 @@ impl tpc::runtime::weights::WeightSource for FirstReadFails {
 #[test]
 fn a_replica_that_fails_stops_the_others_and_is_the_error_reported() {
     let dir = Path::new("tests/fixtures/checkpoints/mixtral-moe");
-    let source = FirstReadFails {
-        inner: Checkpoint::open(dir).unwrap(),
-        tripped: Default::default(),
-    };
+    let source = ReadsFail::new(dir, 0);
     let requests = vec![
         Request {
             prompt: vec![1, 2, 3],
@@ -206,9 +225,7 @@ fn a_replica_that_fails_stops_the_others_and_is_the_error_reported() {
         ..exact(4)
     };
     for (tp, dp) in [(1, 2), (1, 3), (2, 2)] {
-        source
-            .tripped
-            .store(false, std::sync::atomic::Ordering::SeqCst);
+        source.reset();
         let p = plan(dir, tp, ExpertSplit::Expert);
         let err = run_replicas(&p, &source, &requests, &opts, dp).unwrap_err();
         let text = err.to_string();

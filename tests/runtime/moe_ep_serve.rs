@@ -7,50 +7,27 @@
 //! two; the server drains and stops cleanly; a replica that cannot load stops the others
 //! with its own error.
 
+use super::engine_serve::greedy;
+use super::moe_ep::{staged_plan, ReadsFail};
 use crate::common;
 use common::read_reference;
 
 use std::path::Path;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
-use tpc::frontend::load::load_model;
 use tpc::ir::ExpertSplit;
-use tpc::passes::ShardOptions;
-use tpc::pipeline::compile_with;
 use tpc::plan::Plan;
 use tpc::runtime::cpu::CpuOptions;
 use tpc::runtime::engine::api::{Event, FinishReason, GenRequest, Serving};
 use tpc::runtime::engine::launch::{serve_cpu, EngineOptions};
 use tpc::runtime::generate::{ComputeDtype, Request, RunOptions};
 use tpc::runtime::replicas::run_replicas;
-use tpc::runtime::sampling::Sampling;
 use tpc::runtime::weights::{Checkpoint, WeightSource};
 
 fn exact_cpu() -> CpuOptions {
     CpuOptions {
         isa: Some(tpc::runtime::cpu::isa::Kernels::exact().isa()),
         ..Default::default()
-    }
-}
-
-fn plan(dir: &Path, tp: u64, split: ExpertSplit) -> Plan {
-    let options = ShardOptions {
-        moe: Some(split),
-        ..Default::default()
-    };
-    compile_with(&load_model(dir).unwrap(), tp, options)
-        .unwrap()
-        .plan
-}
-
-fn greedy(prompt: Vec<i64>, max_tokens: usize) -> GenRequest {
-    GenRequest {
-        prompt,
-        max_tokens,
-        min_tokens: 0,
-        sampling: Sampling::default(),
-        stop_ids: vec![],
-        logprobs: None,
     }
 }
 
@@ -171,10 +148,7 @@ fn replicas_sharing_experts_serve_every_request_its_tokens_alone() {
             (2, 2, 2, ExpertSplit::Tensor),
         ] {
             let what = format!("{case} tp {tp} pp {pp} dp {dp} --ep --moe {}", split.word());
-            let mut plan = plan(&dir, tp, split);
-            if pp > 1 {
-                tpc::pipeline::split_stages(&mut plan, pp, None).unwrap();
-            }
+            let plan = staged_plan(&dir, tp, pp, split);
             // One request: one replica computes, the others only answer its calls.
             let one = serve_ep(&plan, &ckpt, dp, std::slice::from_ref(&hf), Duration::ZERO)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -193,62 +167,13 @@ fn replicas_sharing_experts_serve_every_request_its_tokens_alone() {
     assert_eq!(runs, 20);
 }
 
-/// A checkpoint whose reads fail from the `after`-th on: a replica that cannot load.
-struct ReadsFail {
-    inner: Checkpoint,
-    reads: std::sync::atomic::AtomicUsize,
-    after: usize,
-}
-
-impl ReadsFail {
-    fn tick(&self) -> Result<(), tpc::runtime::weights::WeightError> {
-        let k = self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if k == self.after {
-            return Err(tpc::runtime::weights::WeightError::Slice {
-                name: "injected".into(),
-                problem: "the disk went away".into(),
-            });
-        }
-        Ok(())
-    }
-}
-
-impl WeightSource for ReadsFail {
-    fn check(&self, plan: &Plan) -> Result<(), tpc::runtime::weights::WeightError> {
-        self.inner.check(plan)
-    }
-    fn read(
-        &self,
-        tensor: &str,
-        from: usize,
-        count: usize,
-        out: &mut Vec<f32>,
-    ) -> Result<(), tpc::runtime::weights::WeightError> {
-        self.tick()?;
-        self.inner.read(tensor, from, count, out)
-    }
-    fn read_stored_rows(
-        &self,
-        w: &tpc::plan::WeightSlice,
-        rows: std::ops::Range<usize>,
-        into: &mut tpc::runtime::weights::StoredRows,
-    ) -> Result<bool, tpc::runtime::weights::WeightError> {
-        self.tick()?;
-        self.inner.read_stored_rows(w, rows, into)
-    }
-}
-
 #[test]
 fn a_replica_that_cannot_load_stops_the_others_with_its_own_error() {
     let dir = Path::new("tests/fixtures/checkpoints/mixtral-moe");
-    let plan = plan(dir, 1, ExpertSplit::Expert);
+    let plan = staged_plan(dir, 1, 1, ExpertSplit::Expert);
     // The first read fails, and a later one (the other replica's, or the same one's).
     for after in [0, 5] {
-        let source = ReadsFail {
-            inner: Checkpoint::open(dir).unwrap(),
-            reads: Default::default(),
-            after,
-        };
+        let source = ReadsFail::new(dir, after);
         let err = serve_ep(
             &plan,
             &source,

@@ -199,23 +199,50 @@ fn each_rank_reports_the_token_expert_pairs_it_computed() {
             }
         }
     }
-    // A dense model reports no load.
-    let dense = std::path::Path::new("tests/fixtures/checkpoints/llama-gqa");
-    let plan = compile_with(&load_model(dense).unwrap(), 2, ShardOptions::default())
-        .unwrap()
-        .plan;
-    let out = tpc::runtime::run::run_batch(
-        &plan,
-        &Checkpoint::open(dense).unwrap(),
-        &[tpc::runtime::generate::Request {
-            prompt: vec![1, 2, 3],
-            max_new_tokens: None,
-        }],
-        &RunOptions {
-            max_new_tokens: 2,
+    // With two stages every rank of both reports its own layers' pairs: a tp rank's over
+    // the stages add up to every pair (each tensor-split rank computes them all).
+    for tp in [1u64, 2] {
+        let options = ShardOptions {
+            moe: Some(ExpertSplit::Tensor),
             ..Default::default()
-        },
-    )
-    .unwrap();
-    assert!(out.routed_pairs_per_rank.is_empty());
+        };
+        let mut plan = compile_with(&def, tp, options).unwrap().plan;
+        tpc::pipeline::split_stages(&mut plan, 2, None).unwrap();
+        let opts = RunOptions {
+            max_new_tokens: n_new,
+            ..Default::default()
+        };
+        let out = tpc::runtime::run::run_batch(&plan, &ckpt, std::slice::from_ref(&request), &opts)
+            .unwrap();
+        let load = out.routed_pairs_per_rank;
+        let tp = tp as usize;
+        assert_eq!(load.len(), 2 * tp, "pp 2 tp {tp}: {load:?}");
+        for t in 0..tp {
+            assert_eq!(load[t] + load[tp + t], pairs, "pp 2 tp {tp}: {load:?}");
+        }
+    }
+    // A dense model reports no load, with stages or without.
+    let dense = std::path::Path::new("tests/fixtures/checkpoints/llama-gqa");
+    for pp in [1, 2] {
+        let mut plan = compile_with(&load_model(dense).unwrap(), 2, ShardOptions::default())
+            .unwrap()
+            .plan;
+        if pp > 1 {
+            tpc::pipeline::split_stages(&mut plan, pp, None).unwrap();
+        }
+        let out = tpc::runtime::run::run_batch(
+            &plan,
+            &Checkpoint::open(dense).unwrap(),
+            &[tpc::runtime::generate::Request {
+                prompt: vec![1, 2, 3],
+                max_new_tokens: None,
+            }],
+            &RunOptions {
+                max_new_tokens: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(out.routed_pairs_per_rank.is_empty(), "pp {pp}");
+    }
 }

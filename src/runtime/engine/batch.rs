@@ -309,13 +309,9 @@ impl<B: Backend, C: Collectives<B::Act>> RankRuntime<'_, B, C> {
             follow(&mut steps)?;
             None
         };
-        // Every rank of the group learns each rank's expert load (the lead reports it).
-        let routed_pairs_per_rank = if self.exec.has_experts() {
-            let mine = self.exec.routed_pairs - routed_before;
-            self.exec.gather_counts(mine)?
-        } else {
-            Vec::new()
-        };
+        // Every rank learns each rank's expert load, every stage's (the lead reports it).
+        let mine = self.exec.routed_pairs - routed_before;
+        let routed_pairs_per_rank = self.exec.gather_expert_loads(mine)?;
         let exec = &self.exec;
         let (sequences, prefill_seconds, decode_seconds) = match run {
             Some(r) => (r.sequences, r.prefill_seconds, r.decode_seconds),

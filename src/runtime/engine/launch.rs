@@ -315,9 +315,10 @@ pub(crate) fn serve_with<T: Send>(
 
 /// Runs the engine of `setup` on every rank of `plan` as threads (the backends `backend`
 /// makes, the communicators given, as [`crate::runtime::launch::launch_stages`] takes
-/// them); `client` as [`serve_with`] runs it. With a `seat` the replica shares its experts with the others
-/// (`--ep`): each rank loads only its own, and once the replica has stopped, for whatever
-/// reason, it leaves the exchange so that no other replica waits on it.
+/// them); `client` as [`serve_with`] runs it. With a `seat` the replica shares its experts
+/// with the others (`--ep`): each rank loads only its own, the leading rank watches for
+/// their calls, and once the replica has stopped, for whatever reason, it leaves the
+/// exchange so that no other replica waits on it.
 #[allow(clippy::too_many_arguments)]
 pub fn serve_threads<B, C, T>(
     plan: &Plan,
