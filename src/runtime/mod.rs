@@ -22,6 +22,7 @@ pub mod cpu_rank;
 pub mod cuda;
 pub mod device;
 pub mod engine;
+pub mod ep_group;
 pub mod error;
 pub mod exact;
 pub mod executor;

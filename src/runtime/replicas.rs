@@ -11,8 +11,8 @@
 //! up to the order in which its experts' outputs are added.
 
 use super::cpu::CpuOptions;
+use super::ep_group::{expert_seats_for, failing_replica};
 use super::error::{Result, RunError};
-use super::expert_exchange::{expert_seats, ExchangeError, ExpertSeat};
 use super::generate::{
     check_requests, BatchOutput, Device, OnFinished, Progress, Request, RunOptions, Stage,
 };
@@ -126,31 +126,6 @@ pub fn run_replicas(
             .collect()
     });
     merge(outputs, requests.len(), dp, seats.is_some())
-}
-
-/// The EP group's seats for `dp` replicas of `plan`, or why its experts cannot be dealt over
-/// replicas.
-pub(crate) fn expert_seats_for(plan: &Plan, dp: usize) -> Result<Vec<ExpertSeat>> {
-    let refuse = |why: String| RunError::Replicas(format!("--ep: {why}"));
-    if let Some(why) = super::expert_exchange::why_experts_cannot_span_replicas(plan) {
-        return Err(refuse(why.into()));
-    }
-    expert_seats(plan.ranks.len(), plan.pp(), dp).map_err(refuse)
-}
-
-/// The replica whose failure to report: the first that failed of its own accord, not one
-/// that only learnt that another had stopped (`--ep`); else the first that failed.
-pub(crate) fn failing_replica<T>(outcomes: &[Result<T>]) -> Option<usize> {
-    let echo = |e: &RunError| {
-        matches!(
-            e,
-            RunError::ExpertExchange(ExchangeError::MemberLeft { .. })
-        )
-    };
-    outcomes
-        .iter()
-        .position(|o| o.as_ref().is_err_and(|e| !echo(e)))
-        .or_else(|| outcomes.iter().position(Result::is_err))
 }
 
 /// The replicas' outputs as one batch in request order (the first failure, with its

@@ -389,7 +389,7 @@ pub(crate) fn serving_seats(
     if !opts.expert_parallel || dp < 2 {
         return Ok(None);
     }
-    crate::runtime::replicas::expert_seats_for(plan, dp).map(Some)
+    crate::runtime::ep_group::expert_seats_for(plan, dp).map(Some)
 }
 
 /// How a replica's client is handed its engine: once its ranks have loaded, its handle and
@@ -475,7 +475,7 @@ pub(crate) fn serve_replicas<T: Send>(
             })
             .collect();
         // A replica that only learnt that another had stopped is not the cause.
-        let result = match crate::runtime::replicas::failing_replica(&outcomes) {
+        let result = match crate::runtime::ep_group::failing_replica(&outcomes) {
             Some(r) => outcomes.swap_remove(r),
             None => Ok(()),
         };
