@@ -115,6 +115,13 @@ pub struct FusedLinears {
 }
 
 impl RankProgram {
+    /// Whether the program has mixture-of-experts layers.
+    pub fn has_experts(&self) -> bool {
+        self.instrs
+            .iter()
+            .any(|i| matches!(i.op, crate::ir::Op::Experts(_)))
+    }
+
     /// The id of the all-gather whose result is the program's output, when the output is
     /// gathered (vocabulary-split logits).
     pub fn output_gather(&self) -> Option<u32> {

@@ -489,19 +489,15 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         let Some(member) = self.expert_member.clone() else {
             return Ok(false);
         };
-        let layers: Vec<(u32, crate::ir::ActivationKind)> = self
-            .program
-            .instrs
-            .iter()
-            .filter_map(|i| match &i.op {
-                Op::Experts(e) => Some((i.id, e.act)),
-                _ => None,
-            })
-            .collect();
-        if layers.is_empty() {
+        if self.experts.is_empty() {
             return Ok(false);
         }
-        for &(id, act) in &layers {
+        // The program outlives `self`'s borrow: its MoE ops in order, nothing collected.
+        let program = self.program;
+        for (id, act) in program.instrs.iter().filter_map(|i| match &i.op {
+            Op::Experts(e) => Some((i.id, e.act)),
+            _ => None,
+        }) {
             let experts = self.experts.get(&id).map_or(&[][..], |e| e.as_slice());
             let served = super::moe_across::serve_layer(&self.backend, &member, experts, act, done)
                 .map_err(|e| across_error("mixture-of-experts (serving the other replicas)", e))?;

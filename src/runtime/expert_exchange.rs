@@ -244,11 +244,11 @@ impl Exchanger for ExpertExchange {
 /// Why `plan`'s experts cannot be dealt over replicas (`--ep`), if they cannot: every
 /// launcher and `simulate` ask this one question.
 pub fn why_experts_cannot_span_replicas(plan: &crate::plan::Plan) -> Option<&'static str> {
-    if !plan.ranks.first().is_some_and(|r| {
-        r.instrs
-            .iter()
-            .any(|i| matches!(i.op, crate::ir::Op::Experts(_)))
-    }) {
+    if !plan
+        .ranks
+        .first()
+        .is_some_and(crate::plan::RankProgram::has_experts)
+    {
         return Some("the model has no mixture-of-experts layers to deal over replicas");
     }
     None

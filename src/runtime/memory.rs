@@ -70,6 +70,18 @@ pub fn copies_weight_bytes(
     experts_shared: bool,
 ) -> u64 {
     let weights = least_run_bytes(plan, bf16, 0).0;
+    copies_of(plan, bf16, weights, copies, experts_shared)
+}
+
+/// `copies` copies of `weights` bytes of `plan`'s weights, with one copy of the experts
+/// between them where `experts_shared`.
+fn copies_of(
+    plan: &crate::plan::Plan,
+    bf16: bool,
+    weights: u64,
+    copies: u64,
+    experts_shared: bool,
+) -> u64 {
     let experts = if experts_shared {
         expert_bytes(plan, bf16)
     } else {
@@ -93,8 +105,8 @@ pub fn check_fits_copies(
     let Some(available) = available_bytes() else {
         return Ok(());
     };
-    let kv = least_run_bytes(plan, bf16, tokens).1;
-    let weights = copies_weight_bytes(plan, bf16, copies, experts_shared);
+    let (weights, kv) = least_run_bytes(plan, bf16, tokens);
+    let weights = copies_of(plan, bf16, weights, copies, experts_shared);
     let needed = weights.saturating_add(kv);
     if needed > available {
         return Err(crate::runtime::error::RunError::OutOfMemory {

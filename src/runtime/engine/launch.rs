@@ -356,16 +356,15 @@ where
 /// The first pipeline stage of `plan` whose program has mixture-of-experts layers: where
 /// another replica's forward call first needs this one's experts.
 fn first_stage_with_experts(plan: &Plan) -> Option<usize> {
-    let has_experts = |p: &crate::plan::RankProgram| {
-        p.instrs
-            .iter()
-            .any(|i| matches!(i.op, crate::ir::Op::Experts(_)))
-    };
     if plan.pp() <= 1 {
-        return plan.ranks.first().is_some_and(has_experts).then_some(0);
+        return plan
+            .ranks
+            .first()
+            .is_some_and(|p| p.has_experts())
+            .then_some(0);
     }
     (0..plan.pp()).find(|&s| {
-        crate::plan::stages::stage_program(plan, 0, s).is_ok_and(|sp| has_experts(&sp.program))
+        crate::plan::stages::stage_program(plan, 0, s).is_ok_and(|sp| sp.program.has_experts())
     })
 }
 
