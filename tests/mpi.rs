@@ -217,10 +217,11 @@ fn moe_fixtures_as_processes_equal_threads_and_hf() {
 
 /// `--dp D --ep` as processes: each tp rank's experts dealt over the replicas' processes
 /// (the layout's DP groups as MPI communicators), the routed rows swapped by
-/// `MPI_Alltoallv`. Every MoE fixture at (np, tp, dp) = (2, 1, 2), (3, 1, 3) and (4, 2, 2)
-/// prints what the threaded `--ep` run prints (tokens and each EP rank's load, the same
-/// member order so the same sums) and HF's greedy tokens for the sequences with HF's prompt,
-/// while the replica with the 2-token request answers the others.
+/// `MPI_Alltoallv`. Every MoE fixture at (np, tp, pp, dp) = (2, 1, 1, 2), (3, 1, 1, 3),
+/// (4, 2, 1, 2) and, with two stages each sharing its layers' experts, (4, 1, 2, 2) prints
+/// what the threaded `--ep` run prints (tokens, each EP rank's load, the same member order
+/// so the same sums, and rank 0's weight bytes) and HF's greedy tokens for the sequences
+/// with HF's prompt, while the replica with the 2-token request answers the others.
 #[test]
 fn moe_experts_over_replica_processes_equal_threads_and_hf() {
     let dir = scratch("moe-ep");
@@ -242,13 +243,20 @@ fn moe_experts_over_replica_processes_equal_threads_and_hf() {
             ),
         )
         .unwrap();
-        for (np, tp, dp) in [(2usize, 1u64, 2u64), (3, 1, 3), (4, 2, 2)] {
-            let what = format!("{name} np={np} tp={tp} dp={dp} --ep");
+        for (np, tp, pp, dp) in [
+            (2usize, 1u64, 1u64, 2u64),
+            (3, 1, 1, 3),
+            (4, 2, 1, 2),
+            (4, 1, 2, 2),
+        ] {
+            let what = format!("{name} np={np} tp={tp} pp={pp} dp={dp} --ep");
             let args: Vec<String> = [
                 "run",
                 &fixture.to_string_lossy(),
                 "--tp",
                 &tp.to_string(),
+                "--pp",
+                &pp.to_string(),
                 "--dp",
                 &dp.to_string(),
                 "--ep",
@@ -270,21 +278,26 @@ fn moe_experts_over_replica_processes_equal_threads_and_hf() {
             let mut procs = mpirun(np);
             procs.args(&args);
             let procs = ok(run(procs, &what), &what);
-            let parse = |out: &str| -> (Vec<serde_json::Value>, serde_json::Value) {
+            let parse = |out: &str| {
                 let lines: Vec<serde_json::Value> = out
                     .lines()
                     .map(|l| serde_json::from_str(l).unwrap())
                     .collect();
-                let tokens = lines[..3].iter().map(|l| l["generated"].clone()).collect();
+                let tokens: Vec<serde_json::Value> =
+                    lines[..3].iter().map(|l| l["generated"].clone()).collect();
+                let summary = &lines[3]["summary"];
                 (
                     tokens,
-                    lines[3]["summary"]["moe_routed_pairs_per_rank"].clone(),
+                    summary["moe_routed_pairs_per_rank"].clone(),
+                    summary["weight_bytes_rank0"].clone(),
                 )
             };
-            let (t_tokens, t_load) = parse(&threads);
-            let (p_tokens, p_load) = parse(&procs);
+            let (t_tokens, t_load, t_bytes) = parse(&threads);
+            let (p_tokens, p_load, p_bytes) = parse(&procs);
             assert_eq!(p_tokens, t_tokens, "{what}: tokens");
             assert_eq!(p_load, t_load, "{what}: load per EP rank");
+            // Global rank 0's weights (its experts only), the first stage's with stages.
+            assert_eq!(p_bytes, t_bytes, "{what}: rank 0's weight bytes");
             assert_eq!(
                 p_load.as_array().map(Vec::len),
                 Some(np),
@@ -300,7 +313,7 @@ fn moe_experts_over_replica_processes_equal_threads_and_hf() {
             ran += 1;
         }
     }
-    assert_eq!(ran, 12);
+    assert_eq!(ran, 16);
 }
 
 /// Whether tpc splits `fixture` `tp` ways (with `extra` flags).

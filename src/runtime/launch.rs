@@ -17,6 +17,7 @@ use super::rank_groups::rank_groups;
 use super::weights::WeightSource;
 use crate::plan::stages::{stage_program, StageProgram};
 use crate::plan::Plan;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Runs `job` on every rank of `plan`, one thread per rank: rank `r` gets the backend
 /// `backend(r)` and communicator `comms[r]`. Returns rank 0's result, or the root cause
@@ -71,7 +72,8 @@ where
 
 /// Every rank of `plan` generating for `requests` (a device's threaded launcher): as a
 /// replica sharing its experts when `opts` gives it a seat (`--ep`), each rank then loading
-/// only the experts it computes. Returns the leading rank's output.
+/// only the experts it computes. Returns the leading rank's output, with global rank 0's
+/// weight bytes (the lead's are its last stage's).
 pub fn launch_generation<B, C>(
     plan: &Plan,
     weights: &dyn WeightSource,
@@ -85,15 +87,24 @@ where
     B: Backend,
     C: Collectives<B::Act>,
 {
-    launch_sharing_experts(
+    let rank0_weight_bytes = AtomicU64::new(0);
+    let mut out = launch_sharing_experts(
         plan,
         weights,
         comms,
         pipes,
         opts.expert_seat.as_ref(),
         backend,
-        &|rt| rt.generate_in_expert_group(requests, opts),
-    )
+        &|rt| {
+            let out = rt.generate_in_expert_group(requests, opts)?;
+            if rt.rank == 0 {
+                rank0_weight_bytes.store(out.weight_bytes, Ordering::Relaxed);
+            }
+            Ok(out)
+        },
+    )?;
+    out.weight_bytes = rank0_weight_bytes.into_inner();
+    Ok(out)
 }
 
 /// [`launch_stages`] for one replica of several that share their experts (`--ep`): each

@@ -22,7 +22,8 @@ use super::cpu_rank::cpu_backend;
 use super::error::{Result, RunError};
 use super::expert_exchange::ExpertMember;
 use super::generate::{
-    rank_runtime_sharing, stage_runtime, BatchOutput, Device, Request, RunOptions, SequenceOutput,
+    rank_runtime_sharing, stage_runtime_sharing, BatchOutput, Device, Request, RunOptions,
+    SequenceOutput,
 };
 use super::launch::{check_before_start, check_host_memory};
 use super::rank_groups::{rank_groups, RankGroups};
@@ -212,9 +213,6 @@ fn check_expert_parallel(plan: &Plan, opts: &RunOptions) -> Result<()> {
     if matches!(opts.device, Device::Cuda(_)) {
         return refuse("under mpirun the replicas share their experts on the CPU only; run the GPU replicas as threads (without mpirun)");
     }
-    if plan.pp() > 1 {
-        return refuse("under mpirun the replicas share their experts with one pipeline stage only; use --pp 1, or run the staged replicas as threads (without mpirun)");
-    }
     Ok(())
 }
 
@@ -356,7 +354,8 @@ pub fn run_batch_mpi(
     } else {
         None
     };
-    // The DP group shares this tp rank's experts: member = this replica's place in it.
+    // The DP group (this stage and tp rank of every replica) shares its experts: member =
+    // this replica's place in it.
     let member = if sharing {
         let dp_comm = split_raw(&mpi.world, &groups.dp_groups, me)?;
         let member = dp_comm.rank().max(0) as usize;
@@ -404,7 +403,7 @@ pub fn run_batch_mpi(
             Some(pipe) => {
                 stage = stage_program(plan, coords.tp, coords.pp)
                     .map_err(|e| RunError::Input(e.into()))?;
-                stage_runtime(&stage, backend, comm, pipe, weights)?
+                stage_runtime_sharing(&stage, backend, comm, pipe, weights, member)?
             }
             None => rank_runtime_sharing(plan, coords.tp, backend, comm, weights, member)?,
         };
@@ -500,7 +499,7 @@ fn generate_on_gpu(
         Some(pipe) => {
             stage =
                 stage_program(plan, p.tp_rank, p.stage).map_err(|e| RunError::Input(e.into()))?;
-            stage_runtime(
+            crate::runtime::generate::stage_runtime(
                 &stage,
                 backend,
                 comm,
