@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use tpc::cost::search::search;
 use tpc::cost::shipped_profiles::find_profile;
-use tpc::cost::simulate::{simulate_pp, simulate_sharing_experts, Estimate, Numerics};
+use tpc::cost::simulate::{simulate_sharing_experts, Estimate, Numerics, StagedPlan};
 use tpc::frontend::load::load_model;
 use tpc::plan::report::human_bytes;
 
@@ -73,15 +73,23 @@ fn numerics(d: SimDtype, plan: &tpc::plan::Plan) -> Numerics {
 
 fn table(e: &Estimate) -> String {
     let ms = |s: f64| format!("{:.3} ms", s * 1e3);
+    let mut layout = String::new();
+    if e.pp > 1 {
+        layout += &format!("  pp={}", e.pp);
+    }
+    if e.dp > 1 {
+        layout += &format!(
+            "  dp={} ep={} (experts dealt over the replicas{}; tokens/s of all)",
+            e.dp,
+            e.dp * e.tp,
+            if e.pp > 1 { ", stage by stage" } else { "" }
+        );
+    }
     let mut out = format!(
         "model {}  tp={}{}  on {}  (weights {}{}, activations {})\n{:<12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
         e.model,
         e.tp,
-        match (e.pp > 1, e.dp > 1) {
-            (true, _) => format!("  pp={}", e.pp),
-            (_, true) => format!("  dp={} ep={} (experts dealt over the replicas; tokens/s of all)", e.dp, e.dp * e.tp),
-            _ => String::new(),
-        },
+        layout,
         e.hw,
         e.weight_dtype,
         e.quantized_weights
@@ -182,11 +190,6 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             "--dp {} without --ep: the replicas are independent, so simulate prices one (drop --dp), or add --ep to price them sharing their experts",
             a.dp
         );
-        anyhow::ensure!(
-            !a.ep || a.pp == 1,
-            "--ep with --pp {}: experts dealt over replicas with pipeline stages is not supported yet",
-            a.pp
-        );
         let dp = if a.ep { a.dp } else { 1 };
         let layout = format!(
             "--tp {}{}{}",
@@ -213,15 +216,18 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         );
         let (compiled, decision) = a.shard.compile(&def, a.tp, Some(&hw), work, number_types)?;
         let plan = compiled.plan;
-        let e = if dp > 1 {
+        if dp > 1 {
             if let Some(why) =
                 tpc::runtime::expert_exchange::why_experts_cannot_span_replicas(&plan)
             {
                 anyhow::bail!("--ep: {why}");
             }
-            simulate_sharing_experts(&plan, &hw, work, number_types(&plan), dp)
+        }
+        let num = number_types(&plan);
+        let e = if a.pp == 1 {
+            simulate_sharing_experts(&plan, &hw, work, num, dp)
         } else {
-            simulate_pp(&plan, &hw, work, number_types(&plan), a.pp)?
+            StagedPlan::new(&plan, a.pp, num).estimate_sharing_experts(&hw, work, num, a.pp, dp)?
         };
         let text = if a.json {
             let json = super::with_decision(serde_json::to_value(&e)?, &decision)?;

@@ -880,25 +880,10 @@ pub fn simulate_sharing_experts(
     let paces = rank_paces(plan, hw);
     let (prefill, decode_step) = (slowest(&paces, prefill), slowest(&paces, decode_step));
     let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
-    // Under --ep: two all-to-all rounds per MoE layer.
-    let swap = |tokens: f64| {
-        let sent = w.experts.dispatch_bytes(tokens, act_bytes);
-        if sent == 0.0 {
-            return 0.0;
-        }
-        let link = &hw.link.one_shot;
-        2.0 * w.experts.layers * (link.alpha_s + sent / link.beta_bytes_per_s)
-    };
-    let with_swap = |p: PhaseTime, tokens: f64| {
-        phase(
-            p.compute_s,
-            p.memory_s,
-            p.comm_s + swap(tokens),
-            p.overhead_s,
-            p.elementwise_s,
-        )
-    };
-    let (prefill, decode_step) = (with_swap(prefill, b * s), with_swap(decode_step, b));
+    let (prefill, decode_step) = (
+        with_expert_swaps(prefill, &w.experts, hw, b * s, act_bytes),
+        with_expert_swaps(decode_step, &w.experts, hw, b, act_bytes),
+    );
     let kv_bytes = w.kv_bytes_per_token * b * (s + g);
     let memory = w.weight_bytes + kv_bytes;
     // Ranks on a shared host split its memory.
@@ -931,6 +916,32 @@ pub fn simulate_sharing_experts(
         collectives_per_pass: plan.collectives.len() as u64,
         stages: Vec::new(),
     }
+}
+
+/// `p` with the all-to-all rounds of `experts` dealt over replicas (`--ep`) added to its
+/// communication: two per MoE layer (dispatch and combine) for a phase of `tokens` tokens,
+/// each α + bytes/β on the profile's direct link; none without replicas.
+fn with_expert_swaps(
+    p: PhaseTime,
+    experts: &ExpertWork,
+    hw: &HwProfile,
+    tokens: f64,
+    act_bytes: f64,
+) -> PhaseTime {
+    let sent = experts.dispatch_bytes(tokens, act_bytes);
+    let swap = if sent == 0.0 {
+        0.0
+    } else {
+        let link = &hw.link.one_shot;
+        2.0 * experts.layers * (link.alpha_s + sent / link.beta_bytes_per_s)
+    };
+    phase(
+        p.compute_s,
+        p.memory_s,
+        p.comm_s + swap,
+        p.overhead_s,
+        p.elementwise_s,
+    )
 }
 
 /// The estimate with `pp` pipeline stages of `plan.tp` ranks each. The decoder layers
@@ -1036,9 +1047,28 @@ impl<'a> StagedPlan<'a> {
         num: Numerics,
         pp: u64,
     ) -> Result<Estimate, SimulateError> {
+        self.estimate_sharing_experts(hw, work, num, pp, 1)
+    }
+
+    /// [`StagedPlan::estimate`] for `dp` replicas, each running `work`, whose stages deal
+    /// their layers' experts over the same stage of the other replicas (`--pp P --dp D
+    /// --ep`): each stage priced as [`simulate_sharing_experts`] prices a replica's ranks
+    /// (⌈1/D⌉ of the experts held, all replicas' tokens served, two all-to-all rounds per
+    /// MoE layer of the stage); on a shared host the tp · D ranks of a stage share its
+    /// compute and bandwidth (the replicas' stages run at once) and all tp · pp · D ranks
+    /// its memory. Throughputs are the D replicas' together.
+    pub fn estimate_sharing_experts(
+        &self,
+        hw: &HwProfile,
+        work: Workload,
+        num: Numerics,
+        pp: u64,
+        dp: u64,
+    ) -> Result<Estimate, SimulateError> {
         let (plan, layers) = (self.plan, self.layers);
+        let dp = dp.max(1);
         if pp == 1 {
-            return Ok(simulate_as(plan, hw, work, num));
+            return Ok(simulate_sharing_experts(plan, hw, work, num, dp));
         }
         if pp == 0 || pp > layers as u64 {
             return Err(SimulateError::Stages {
@@ -1081,7 +1111,7 @@ impl<'a> StagedPlan<'a> {
         let weight_scale = num.weights.size_bytes() as f64 / plan_size;
         let act_scale = num.activations.size_bytes() as f64 / plan_size;
         let act_bytes = num.activations.size_bytes() as f64;
-        let ranks = plan.tp.max(1).saturating_mul(pp);
+        let ranks = plan.tp.max(1).saturating_mul(pp).saturating_mul(dp);
         let (b, s, g) = (work.batch as f64, work.prompt as f64, work.gen as f64);
         // Each stage's fullest rank: one pass over every rank's segments, each adding to
         // its stage (in segment order, as a sum per stage would).
@@ -1137,10 +1167,16 @@ impl<'a> StagedPlan<'a> {
             w.weight_read_bytes *= weight_scale;
             w.experts.bytes *= weight_scale;
             w.kv_bytes_per_token *= act_scale;
+            if dp > 1 {
+                let held = w.experts.bytes;
+                w.experts = w.experts.over_replicas(dp);
+                w.weight_bytes -= (held - w.experts.bytes).min(w.weight_bytes);
+            }
+            let stage_ranks = plan.tp.saturating_mul(dp);
             let r = rates(
                 hw,
-                plan.tp,
-                plan.tp,
+                stage_ranks,
+                stage_ranks,
                 num.weights == DType::F32,
                 w.attention_head_dim,
             );
@@ -1155,6 +1191,8 @@ impl<'a> StagedPlan<'a> {
                 act_bytes,
                 &by_stage[stage],
             );
+            let prefill = with_expert_swaps(prefill, &w.experts, hw, b * s, act_bytes);
+            let decode = with_expert_swaps(decode, &w.experts, hw, b, act_bytes);
             let kv = w.kv_bytes_per_token * b * (s + g);
             if w.weight_bytes + kv > fullest_w + fullest_kv {
                 (fullest_w, fullest_kv) = (w.weight_bytes, kv);
@@ -1188,11 +1226,12 @@ impl<'a> StagedPlan<'a> {
             Some(_) => hw.memory_bytes / ranks as f64,
             None => hw.memory_bytes,
         };
+        let replicas = dp as f64;
         Ok(Estimate {
             model: plan.model.clone(),
             tp: plan.tp,
             pp,
-            dp: 1,
+            dp,
             hw: hw.name.clone(),
             rough_profile: hw.is_rough(),
             weight_dtype: num.weights,
@@ -1206,8 +1245,8 @@ impl<'a> StagedPlan<'a> {
             device_memory_bytes: capacity as u64,
             fits: memory <= capacity,
             tokens_per_s: TokensPerS {
-                prefill: b * s / prefill.time_s,
-                decode: b / decode_step.time_s,
+                prefill: replicas * b * s / prefill.time_s,
+                decode: replicas * b / decode_step.time_s,
             },
             collectives_per_pass: plan.collectives.len() as u64 + (pp - 1),
             stages,
@@ -1542,6 +1581,64 @@ mod tests {
         let swap = 2.0 * 48.0 * (link.alpha_s + sent / link.beta_bytes_per_s);
         let extra = shared.decode_step.comm_s - alone.decode_step.comm_s;
         assert!((extra - swap).abs() <= 1e-9 * swap, "{extra} vs {swap}");
+        // Throughput is the four replicas' together.
+        let per_replica = 4.0 / shared.decode_step.time_s;
+        assert!((shared.tokens_per_s.decode - 4.0 * per_replica).abs() <= 1e-9 * per_replica);
+    }
+
+    #[test]
+    fn stages_of_replicas_sharing_experts_deal_each_stages_experts_and_swap_its_rows() {
+        let plan = moe_plan("qwen3-30b-a3b", 2, crate::ir::ExpertSplit::Expert);
+        let hw = flat_hw();
+        let num = Numerics::of_plan(&plan);
+        let work = Workload {
+            batch: 4,
+            prompt: 256,
+            gen: 32,
+        };
+        let staged = StagedPlan::new(&plan, 2, num);
+        // One replica is the staged estimate; one stage is the one-stage estimate.
+        let alone = staged.estimate(&hw, work, num, 2).unwrap();
+        assert_eq!(
+            staged
+                .estimate_sharing_experts(&hw, work, num, 2, 1)
+                .unwrap(),
+            alone
+        );
+        assert_eq!(
+            staged
+                .estimate_sharing_experts(&hw, work, num, 1, 4)
+                .unwrap(),
+            simulate_sharing_experts(&plan, &hw, work, num, 4)
+        );
+        let shared = staged
+            .estimate_sharing_experts(&hw, work, num, 2, 4)
+            .unwrap();
+        assert_eq!((shared.pp, shared.dp, shared.stages.len()), (2, 4, 2));
+        // Every stage's rank keeps a quarter of its layers' experts: the stages' weights
+        // add up to those of one stage sharing its experts (48 layers of 64 experts a rank
+        // divide evenly).
+        let whole = simulate_sharing_experts(&plan, &hw, work, num, 4);
+        let sum: u64 = shared.stages.iter().map(|s| s.weight_bytes_per_rank).sum();
+        let want = whole.weight_bytes_per_rank as f64;
+        assert!(
+            (sum as f64 - want).abs() <= 1e-6 * want + 2.0,
+            "{sum} vs {want}"
+        );
+        for (a, b) in alone.stages.iter().zip(&shared.stages) {
+            assert!(
+                b.weight_bytes_per_rank < a.weight_bytes_per_rank,
+                "{a:?} {b:?}"
+            );
+        }
+        // The swaps: two rounds per MoE layer, each stage its own layers', all 48 in all.
+        let w = rank_work(&plan, num).experts.over_replicas(4);
+        let link = hw.link.one_shot;
+        let sent = w.dispatch_bytes(4.0, 2.0);
+        let swaps = 2.0 * 48.0 * (link.alpha_s + sent / link.beta_bytes_per_s);
+        let no_swap = |e: &Estimate| e.decode_step.comm_s;
+        let extra = no_swap(&shared) - no_swap(&alone);
+        assert!((extra - swaps).abs() <= 1e-9 * swaps, "{extra} vs {swaps}");
         // Throughput is the four replicas' together.
         let per_replica = 4.0 / shared.decode_step.time_s;
         assert!((shared.tokens_per_s.decode - 4.0 * per_replica).abs() <= 1e-9 * per_replica);

@@ -663,7 +663,8 @@ fn unequal_devices_get_shares_proposed() {
 }
 
 /// `--dp D --ep`: the replicas share their experts, so a rank holds fewer weights than the
-/// same tp alone, and the throughput is the replicas' together; `--dp` alone is refused.
+/// same tp alone (with stages too, stage by stage), and the throughput is the replicas'
+/// together; `--dp` alone is refused.
 #[test]
 fn experts_over_replicas_are_priced_with_their_memory_and_swaps() {
     let sim = |extra: &[&str]| -> serde_json::Value {
@@ -691,6 +692,28 @@ fn experts_over_replicas_are_priced_with_their_memory_and_swaps() {
     assert!(w(&shared) < w(&alone) / 3.0, "{shared} vs {alone}");
     let comm = |e: &serde_json::Value| e["decode_step"]["comm_s"].as_f64().unwrap();
     assert!(comm(&shared) > comm(&alone));
+    // With two stages each stage shares its own layers' experts: each stage's rank holds
+    // less than the stage alone, and the replicas' throughput is priced.
+    let (staged, staged_shared) = (
+        sim(&["--pp", "2"]),
+        sim(&["--pp", "2", "--dp", "2", "--ep"]),
+    );
+    assert_eq!(
+        (staged_shared["pp"].clone(), staged_shared["dp"].clone()),
+        (2.into(), 2.into())
+    );
+    let stages = |e: &serde_json::Value| e["stages"].as_array().unwrap().clone();
+    assert_eq!(stages(&staged_shared).len(), 2);
+    for (a, b) in stages(&staged).iter().zip(&stages(&staged_shared)) {
+        let w = |s: &serde_json::Value| s["weight_bytes_per_rank"].as_f64().unwrap();
+        // Half the experts, about 95 % of the weights.
+        assert!(w(b) < 0.6 * w(a), "{b} vs {a}");
+    }
+    let decode = |e: &serde_json::Value| e["tokens_per_s"]["decode"].as_f64().unwrap();
+    assert!(
+        decode(&staged_shared) > decode(&staged),
+        "{staged_shared} vs {staged}"
+    );
     let o = tpc(&[
         "simulate",
         "models/qwen3-30b-a3b.ron",
