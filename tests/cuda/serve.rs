@@ -1,7 +1,8 @@
 //! `tpc serve --device cuda` (feature `cuda`): the engine on GPU ranks, driven over HTTP.
 //! Many requests at once get exactly the greedy tokens each gets alone, with a roomy pool,
 //! with prompts prefilled in chunks of a few tokens, and with a pool so small that requests
-//! are preempted and recomputed; the reference prompt gets HF's tokens. On the emulated GPUs
+//! are preempted and recomputed; the reference prompt gets HF's tokens; mixture-of-experts
+//! replicas sharing their experts (`--dp 2 --ep`) give their `--dp 1` tokens. On the emulated GPUs
 //! of `tests/emulator` (one GPU shared by the tp ranks, two GPUs through the stand-in NCCL,
 //! and two replicas over them), or on a real GPU where `TPC_REQUIRE_GPU` is set
 //! (`scripts/device_check.sh`).
@@ -115,5 +116,58 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
             }
         }
         eprintln!("{what}: {} requests alone and at once agree", reqs.len());
+    }
+}
+
+/// `tpc serve --dp 2 --ep` on GPU ranks: two replicas, one per GPU, deal their experts over
+/// each other and swap the routed rows at every MoE layer, so the replica without a request
+/// answers the other's calls. Every MoE fixture, requests one at a time (one replica
+/// working, the other only answering) and all at once (both working), gets the tokens the
+/// same GPU engine gives at `--dp 1`, and HF's for HF's prompt; both replicas serve.
+#[test]
+fn serving_moe_replicas_sharing_experts_on_gpus_gives_their_dp_1_tokens() {
+    let test = "serving_moe_replicas_sharing_experts_on_gpus_gives_their_dp_1_tokens";
+    let Some(path) = library_path(test) else {
+        return;
+    };
+    let real_gpus = std::env::var_os("TPC_REQUIRE_GPU")
+        .map(|_| tpc::runtime::cuda::device::device_count().unwrap_or(0));
+    if real_gpus.is_some_and(|n| n < 2) {
+        eprintln!("SKIP {test}: this machine has one GPU");
+        return;
+    }
+    for name in crate::common::MOE_FIXTURES {
+        let dir = std::path::Path::new("tests/fixtures/checkpoints").join(name);
+        let model = dir.to_str().unwrap();
+        let reference = read_reference(&dir);
+        let reqs = requests(&reference.prompt, reference.greedy.len(), 5);
+        let common = ["--tp", "1", "--moe", "expert", "--device", "cuda:0,1"];
+        let alone: Vec<Vec<i64>> = {
+            let server = start(model, &common, &path);
+            reqs.iter().map(|(p, n)| server.complete(p, *n)).collect()
+        };
+        assert_eq!(alone[0], reference.greedy, "{name} --dp 1: not HF's tokens");
+        let mut args = common.to_vec();
+        args.extend(["--dp", "2", "--ep"]);
+        let server = start(model, &args, &path);
+        let one_at_a_time: Vec<Vec<i64>> =
+            reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
+        assert_eq!(one_at_a_time, alone, "{name} --dp 2 --ep, one at a time");
+        let together: Vec<Vec<i64>> = std::thread::scope(|s| {
+            let running: Vec<_> = reqs
+                .iter()
+                .map(|(p, n)| s.spawn(|| server.complete(p, *n)))
+                .collect();
+            running.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(together, alone, "{name} --dp 2 --ep, all at once");
+        for r in 0..2 {
+            let done = server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
+            assert!(done > 0.0, "{name}: replica {r} served no request");
+        }
+        eprintln!(
+            "{name}: {} requests at --dp 2 --ep agree with --dp 1",
+            reqs.len()
+        );
     }
 }
