@@ -376,6 +376,17 @@ fn segment_work(plan: &Plan, layers: usize, num: Numerics) -> Vec<Vec<RankWork>>
             let slices: HashMap<&str, &crate::plan::WeightSlice> =
                 r.weights.iter().map(|s| (&*s.tensor, s)).collect();
             let heads = r.head_linears();
+            // Sequence parallelism: the rank's part of the tokens (its share, else 1/tp).
+            let token_share = match &r.sequence_shares {
+                Some(s) => {
+                    let parts = s.parts();
+                    let total: f64 = parts.iter().map(|&p| f64::from(p)).sum();
+                    parts
+                        .get(r.rank as usize)
+                        .map_or(1.0 / plan.tp as f64, |&p| f64::from(p) / total)
+                }
+                None => 1.0 / plan.tp as f64,
+            };
             let by_id: HashMap<u32, &crate::plan::Instr> =
                 r.instrs.iter().map(|i| (i.id, i)).collect();
             let weight_of = |id: &u32| match by_id.get(id).map(|i| &i.op) {
@@ -464,11 +475,7 @@ fn segment_work(plan: &Plan, layers: usize, num: Numerics) -> Vec<Vec<RankWork>>
                             0.0
                         };
                         // Sequence parallelism: the op runs on the rank's block of tokens.
-                        let share = if token_split(i) {
-                            1.0 / plan.tp as f64
-                        } else {
-                            1.0
-                        };
+                        let share = if token_split(i) { token_share } else { 1.0 };
                         w.elementwise_elements_per_token += (read + written + rows) * share;
                     }
                     _ => {}
@@ -534,8 +541,8 @@ fn is_compute_op(op: &Op) -> bool {
     )
 }
 
-/// Whether `i`'s value is split by tokens (sequence parallelism): each rank holds 1/tp of
-/// the call's tokens.
+/// Whether `i`'s value is split by tokens (sequence parallelism): each rank holds its
+/// share of the call's tokens (1/tp without `--tp-shares`).
 fn token_split(i: &crate::plan::Instr) -> bool {
     matches!(i.layout, crate::ir::Layout::Split { dim } if i.fact.shape.is_sequence(dim))
 }
@@ -1584,6 +1591,44 @@ mod tests {
         // Throughput is the four replicas' together.
         let per_replica = 4.0 / shared.decode_step.time_s;
         assert!((shared.tokens_per_s.decode - 4.0 * per_replica).abs() <= 1e-9 * per_replica);
+    }
+
+    #[test]
+    fn sequence_parallel_token_wise_work_follows_the_token_shares() {
+        let def = crate::frontend::load::load_model(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tinyllama-1.1b.ron"),
+        )
+        .unwrap();
+        let options = crate::passes::ShardOptions {
+            shares: Some("3,1".parse().unwrap()),
+            sequence_parallel: true,
+            ..Default::default()
+        };
+        let plan = crate::pipeline::compile_with(&def, 2, options)
+            .unwrap()
+            .plan;
+        let work = |plan: &Plan| {
+            segment_work(plan, layer_count(plan), Numerics::of_plan(plan))
+                .iter()
+                .map(|segs| {
+                    segs.iter()
+                        .map(|w| w.elementwise_elements_per_token)
+                        .sum::<f64>()
+                })
+                .collect::<Vec<f64>>()
+        };
+        let by_shares = work(&plan);
+        let mut even_tokens = plan.clone();
+        even_tokens
+            .ranks
+            .iter_mut()
+            .for_each(|r| r.sequence_shares = None);
+        let even = work(&even_tokens);
+        // Rank 0 runs the norms and adds on three quarters of the tokens, not half.
+        assert!(
+            by_shares[0] > even[0] && by_shares[1] < even[1],
+            "{by_shares:?} {even:?}"
+        );
     }
 
     #[test]

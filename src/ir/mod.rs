@@ -22,5 +22,5 @@ pub use layout::Layout;
 pub use numerics::{ExactBlocks, NumericsMode};
 pub use op::*;
 pub use quant::{QuantFormat, Quantization, Quantized};
-pub use shares::TpShares;
+pub use shares::{token_blocks, TpShares};
 pub use tensor::{DType, Dim, Name, Shape, TensorFact};

@@ -85,6 +85,21 @@ impl TpShares {
     }
 }
 
+/// How a call's `tokens` rows are dealt to `tp` ranks under sequence parallelism, rank
+/// after rank: every rank at least one row (zero rows pad a call of fewer tokens than
+/// ranks), the rest by `shares` (`None`: as evenly as they go, the first ranks one more).
+pub fn token_blocks(tokens: u64, tp: u64, shares: Option<&TpShares>) -> Vec<u64> {
+    let tp = tp.max(1);
+    let spare = tokens.saturating_sub(tp);
+    let dealt = match shares.filter(|s| s.tp() == tp) {
+        Some(s) => s.apportion(spare),
+        None => (0..tp)
+            .map(|r| spare / tp + u64::from(r < spare % tp))
+            .collect(),
+    };
+    dealt.into_iter().map(|d| d + 1).collect()
+}
+
 impl fmt::Display for TpShares {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let list: Vec<String> = self.parts().iter().map(u16::to_string).collect();
@@ -133,6 +148,32 @@ mod tests {
 
     fn shares(s: &str) -> TpShares {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn tokens_are_dealt_by_shares_with_a_row_for_every_rank() {
+        // Evenly: the first ranks take one more, as a ceiling block would for 5 over 2.
+        assert_eq!(token_blocks(5, 2, None), [3, 2]);
+        assert_eq!(token_blocks(4, 3, None), [2, 1, 1]);
+        // Fewer tokens than ranks: padded to a row each (a decode step of one sequence).
+        assert_eq!(token_blocks(1, 4, None), [1, 1, 1, 1]);
+        assert_eq!(token_blocks(0, 2, Some(&shares("3,1"))), [1, 1]);
+        // By shares: 8 spare rows at 3:1, one row each first.
+        assert_eq!(token_blocks(10, 2, Some(&shares("3,1"))), [7, 3]);
+        assert_eq!(
+            token_blocks(100, 4, Some(&shares("3,1,1,1"))),
+            [49, 17, 17, 17]
+        );
+        for t in 0..40 {
+            for s in ["1,1", "2,1", "3,1,1,1", "1,5,2"] {
+                let s = shares(s);
+                let blocks = token_blocks(t, s.tp(), Some(&s));
+                assert_eq!(blocks.iter().sum::<u64>(), t.max(s.tp()), "{t} {s}");
+                assert!(blocks.iter().all(|&b| b >= 1), "{t} {s} {blocks:?}");
+            }
+        }
+        // Shares for another tp are ignored.
+        assert_eq!(token_blocks(5, 2, Some(&shares("1,1,1"))), [3, 2]);
     }
 
     #[test]

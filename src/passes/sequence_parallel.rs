@@ -8,8 +8,10 @@
 //! residual stream's memory are divided by tp.
 //!
 //! A split along the sequence dim means, at run time, a contiguous block of the call's
-//! token rows (every sequence's tokens, flattened), padded with zero rows to a multiple of
-//! tp: rank r holds rows `[r·P/tp, (r+1)·P/tp)` of the padded `P` rows.
+//! token rows (every sequence's tokens, flattened), rank after rank, as
+//! [`crate::ir::token_blocks`] deals them: every rank at least one row (zero rows pad a
+//! call of fewer tokens than ranks), the rest evenly or by the uneven `--tp-shares` the
+//! rank programs record.
 
 use super::ShardCtx;
 use crate::error::Result;

@@ -100,6 +100,10 @@ pub struct RankProgram {
     /// written before fusion, which then run each linear on its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fused: Vec<FusedLinears>,
+    /// The unequal shares the program's values split by tokens (sequence parallelism)
+    /// are dealt by ([`crate::ir::token_blocks`]); absent: evenly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_shares: Option<crate::ir::TpShares>,
 }
 
 /// Linear ops of one rank that read the same input and run as one product: the runtime

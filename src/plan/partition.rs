@@ -387,11 +387,15 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
         });
     }
     drop_dead(&mut instrs, &mut weights);
+    let split_by_tokens = instrs.iter().any(
+        |i| matches!(i.layout, crate::ir::Layout::Split { dim } if i.fact.shape.is_sequence(dim)),
+    );
     let mut program = RankProgram {
         rank,
         weights,
         instrs,
         fused: Vec::new(),
+        sequence_shares: deal.shares.filter(|s| split_by_tokens && !s.is_even()),
     };
     program.fused = super::fuse::find(&program);
     Ok(program)

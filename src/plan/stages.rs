@@ -428,6 +428,7 @@ pub fn stage_program(plan: &Plan, rank: usize, stage: usize) -> Result<StageProg
             weights,
             fused: super::fuse::within(&full.fused, &instrs),
             instrs,
+            sequence_shares: full.sequence_shares,
         },
         origin: keep,
         recv,

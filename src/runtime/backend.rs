@@ -333,7 +333,7 @@ pub trait Backend: Send + Sync {
     /// The given rows, in order.
     fn select_rows(&self, x: &Self::Act, rows: &[usize]) -> BackendResult<Self::Act>;
     /// Rows `from..from + count` of `x`, rows past its end being zeros (a rank's block of
-    /// tokens padded to a multiple of tp, for sequence parallelism).
+    /// tokens for sequence parallelism, a call of fewer tokens than ranks padded).
     fn row_window(&self, x: &Self::Act, from: usize, count: usize) -> BackendResult<Self::Act>;
 
     /// `[rows, width]`: zeros, plus for each `(y, at, weights)` row `j` of `y` times

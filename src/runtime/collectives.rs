@@ -4,7 +4,7 @@
 //! buffers live in host memory through the blanket implementation below.
 
 use super::activation::{Activation, HostBuffer, HostData, HostDataRef};
-use super::comm::{CommError, Communicator};
+use super::comm::{CommError, Communicator, Element};
 use crate::ir::CollectiveAlgorithm;
 use thiserror::Error;
 
@@ -65,6 +65,31 @@ pub trait Collectives<A>: Send {
     fn all_gather(&mut self, local: &A, out: &mut A) -> Result<(), CollectiveError>;
     /// `input` is rank-major pieces; `out` ← the sum over ranks of piece `rank()`.
     fn reduce_scatter_sum(&mut self, input: &A, out: &mut A) -> Result<(), CollectiveError>;
+    /// [`Collectives::all_gather`] of unequal pieces: rank `q`'s `local` has `counts[q]`
+    /// elements, `out` their sum, every rank's in rank order (only real elements move).
+    fn all_gather_counts(
+        &mut self,
+        local: &A,
+        counts: &[usize],
+        out: &mut A,
+    ) -> Result<(), CollectiveError>;
+    /// [`Collectives::reduce_scatter_sum`] of unequal pieces: `input` is every rank's piece
+    /// in rank order (piece `q` of `counts[q]` elements); `out` ← the sum of piece `rank()`.
+    fn reduce_scatter_sum_counts(
+        &mut self,
+        input: &A,
+        counts: &[usize],
+        out: &mut A,
+    ) -> Result<(), CollectiveError>;
+    /// `out` (rows of Σ `widths` columns) ← every rank's first `widths[q]` columns of its
+    /// `local` rows (padded to the largest width), side by side in rank order: an all-gather
+    /// of a split dim dealt unevenly that moves only the real columns.
+    fn all_gather_columns(
+        &mut self,
+        local: &A,
+        widths: &[usize],
+        out: &mut A,
+    ) -> Result<(), CollectiveError>;
     /// `buf` ← `buf` of `root`.
     fn broadcast(&mut self, buf: &mut A, root: usize) -> Result<(), CollectiveError>;
     fn send(&mut self, buf: &A, to: usize) -> Result<(), CollectiveError>;
@@ -107,6 +132,51 @@ impl AllReduceTally {
 
 fn mismatch(during: &'static str) -> CollectiveError {
     CollectiveError::Dtype { during }
+}
+
+/// [`Collectives::all_gather_columns`] on host memory: `local` is rows of `width` columns
+/// (the last dim of the activation), this rank's real ones first. Packs them, gathers the
+/// ranks' packed pieces by their counts, and lays each rank's columns out at its place.
+pub(crate) fn gather_real_columns<T: Element, C: Communicator>(
+    comm: &mut C,
+    local: &[T],
+    width: usize,
+    widths: &[usize],
+    out: &mut [T],
+) -> Result<(), CollectiveError> {
+    let rows = local.len().checked_div(width).unwrap_or(0);
+    let keep = widths
+        .iter()
+        .try_fold(0usize, |a, &w| a.checked_add(w))
+        .unwrap_or(usize::MAX);
+    let mine = widths.get(comm.rank()).copied().unwrap_or(usize::MAX);
+    let expected = rows.saturating_mul(keep);
+    if rows.saturating_mul(width) != local.len() || mine > width || out.len() != expected {
+        return Err(CollectiveError::Buffers {
+            during: "all_gather_columns (rows of the padded width in, of every real column out)",
+            dtype: T::DTYPE.to_string(),
+            got: out.len(),
+            expected,
+        });
+    }
+    let packed: Vec<T> = local
+        .chunks_exact(width.max(1))
+        .flat_map(|row| &row[..mine])
+        .copied()
+        .collect();
+    let counts: Vec<usize> = widths.iter().map(|&w| w * rows).collect();
+    let mut all = vec![T::default(); expected];
+    comm.all_gather_counts(&packed, &counts, &mut all)?;
+    let (mut at, mut column) = (0, 0);
+    for &w in widths {
+        for (r, piece) in all[at..at + w * rows].chunks_exact(w.max(1)).enumerate() {
+            let start = r * keep + column;
+            out[start..start + w].copy_from_slice(piece);
+        }
+        at += w * rows;
+        column += w;
+    }
+    Ok(())
 }
 
 impl<A: Activation + HostBuffer, C: Communicator> Collectives<A> for C {
@@ -184,6 +254,57 @@ impl<A: Activation + HostBuffer, C: Communicator> Collectives<A> for C {
             _ => return Err(mismatch("reduce_scatter_sum")),
         }
         Ok(())
+    }
+    fn all_gather_counts(
+        &mut self,
+        local: &A,
+        counts: &[usize],
+        out: &mut A,
+    ) -> Result<(), CollectiveError> {
+        match (local.host_data_ref(), out.host_data()) {
+            (HostDataRef::F32(l), HostData::F32(o)) => {
+                Communicator::all_gather_counts(self, l, counts, o)?
+            }
+            (HostDataRef::Bf16(l), HostData::Bf16(o)) => {
+                Communicator::all_gather_counts(self, l, counts, o)?
+            }
+            _ => return Err(mismatch("all_gather_counts")),
+        }
+        Ok(())
+    }
+    fn reduce_scatter_sum_counts(
+        &mut self,
+        input: &A,
+        counts: &[usize],
+        out: &mut A,
+    ) -> Result<(), CollectiveError> {
+        match (input.host_data_ref(), out.host_data()) {
+            (HostDataRef::F32(i), HostData::F32(o)) => {
+                Communicator::reduce_scatter_sum_counts(self, i, counts, o)?
+            }
+            (HostDataRef::Bf16(i), HostData::Bf16(o)) => {
+                Communicator::reduce_scatter_sum_counts(self, i, counts, o)?
+            }
+            _ => return Err(mismatch("reduce_scatter_sum_counts")),
+        }
+        Ok(())
+    }
+    fn all_gather_columns(
+        &mut self,
+        local: &A,
+        widths: &[usize],
+        out: &mut A,
+    ) -> Result<(), CollectiveError> {
+        let width = local.shape().last().copied().unwrap_or(0);
+        match (local.host_data_ref(), out.host_data()) {
+            (HostDataRef::F32(l), HostData::F32(o)) => {
+                gather_real_columns(self, l, width, widths, o)
+            }
+            (HostDataRef::Bf16(l), HostData::Bf16(o)) => {
+                gather_real_columns(self, l, width, widths, o)
+            }
+            _ => Err(mismatch("all_gather_columns")),
+        }
     }
     fn broadcast(&mut self, buf: &mut A, root: usize) -> Result<(), CollectiveError> {
         match buf.host_data() {

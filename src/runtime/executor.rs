@@ -473,6 +473,16 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
         self.expert_member.as_ref()
     }
 
+    /// How many of a call's `tokens` rows each rank holds of a value split by tokens
+    /// (sequence parallelism): [`crate::ir::token_blocks`] by the program's shares.
+    fn token_blocks(&self, tokens: usize) -> Vec<usize> {
+        let shares = self.program.sequence_shares.as_ref();
+        crate::ir::token_blocks(tokens as u64, self.tp as u64, shares)
+            .into_iter()
+            .map(|r| r as usize)
+            .collect()
+    }
+
     /// After this replica's last forward call: answers the other members' mixture-of-experts
     /// rounds, layer after layer in program order as their forward calls make them, until
     /// every member is done. Nothing without a DP group.
@@ -1456,53 +1466,96 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 out?
             }
             Op::AllGather(g) if i.fact.shape.is_sequence(g.dim) => {
-                // Every rank's block of tokens, in rank order, padding dropped.
+                // Every rank's block of tokens, in rank order (only its rows move), padding
+                // dropped.
                 let tokens = call.ids.len();
-                gather_then(
-                    b,
-                    &mut self.comm,
-                    &mut self.collective_bytes,
-                    self.tp,
-                    x(0)?,
-                    &err,
-                    |all| b.row_window(all, 0, tokens).map_err(&err),
-                )?
+                let x = x(0)?;
+                let n = x.rows_cols().1;
+                let blocks = self.token_blocks(tokens);
+                let rows = blocks.iter().sum::<usize>();
+                let counts: Vec<usize> = blocks.iter().map(|&r| r * n).collect();
+                let mut all = b.alloc(&[rows, n], x.dtype()).map_err(&err)?;
+                self.collective_bytes += message_bytes(&all);
+                match self.comm.all_gather_counts(x, &counts, &mut all) {
+                    Err(e) => {
+                        b.release(all);
+                        return Err(e.into());
+                    }
+                    Ok(()) if rows > tokens => {
+                        let out = b.row_window(&all, 0, tokens).map_err(&err);
+                        b.release(all);
+                        out?
+                    }
+                    Ok(()) => all,
+                }
             }
             Op::AllGather(g) => {
-                // Rank-major pieces [tp][rows][n] → [rows][Σ real], each rank's padding
-                // dropped.
                 let x = x(0)?;
+                let (rows, n) = x.rows_cols();
                 let widths: Vec<usize> = g
-                    .real_counts(x.rows_cols().1 as u64, self.tp as u64)
+                    .real_counts(n as u64, self.tp as u64)
                     .into_iter()
                     .map(|c| c as usize)
                     .collect();
-                gather_then(
-                    b,
-                    &mut self.comm,
-                    &mut self.collective_bytes,
-                    self.tp,
-                    x,
-                    &err,
-                    |all| b.rank_major_to_rows(all, &widths).map_err(&err),
-                )?
+                if widths.iter().any(|&w| w != n) {
+                    // Unequal real parts (an uneven split, shares): only the real columns
+                    // move, each rank's laid out at its place.
+                    let keep = widths.iter().sum::<usize>();
+                    let mut out = b.alloc(&[rows, keep], x.dtype()).map_err(&err)?;
+                    self.collective_bytes += message_bytes(&out);
+                    match self.comm.all_gather_columns(x, &widths, &mut out) {
+                        Ok(()) => out,
+                        Err(e) => {
+                            b.release(out);
+                            return Err(e.into());
+                        }
+                    }
+                } else {
+                    // Rank-major pieces [tp][rows][n] → [rows][tp·n].
+                    gather_then(
+                        b,
+                        &mut self.comm,
+                        &mut self.collective_bytes,
+                        self.tp,
+                        x,
+                        &err,
+                        |all| b.rank_major_to_rows(all, &widths).map_err(&err),
+                    )?
+                }
             }
             Op::ReduceScatter(r) if i.fact.shape.is_sequence(r.dim) => {
-                // The call's tokens padded to tp equal blocks; this rank keeps the sum of
-                // its block.
+                // The call's tokens dealt in blocks (padded to a row a rank where there are
+                // fewer); this rank keeps the sum of its block.
                 let x = x(0)?;
-                let (rows, n) = x.rows_cols();
-                let block = rows.div_ceil(self.tp);
-                let padded = b.row_window(x, 0, block * self.tp).map_err(&err)?;
-                let sum = scatter_sum(
-                    b,
-                    &mut self.comm,
-                    &mut self.collective_bytes,
-                    padded,
-                    &[block, n],
-                    &err,
-                )?;
-                self.values_of_sum(i, sum)?
+                let (tokens, n) = x.rows_cols();
+                let blocks = self.token_blocks(tokens);
+                let rows = blocks.iter().sum::<usize>();
+                let counts: Vec<usize> = blocks.iter().map(|&r| r * n).collect();
+                let padded = match rows > tokens {
+                    true => Some(b.row_window(x, 0, rows).map_err(&err)?),
+                    false => None,
+                };
+                let input = padded.as_ref().unwrap_or(x);
+                self.collective_bytes += message_bytes(input);
+                let summed = b
+                    .alloc(&[blocks[self.rank], n], x.dtype())
+                    .map_err(&err)
+                    .and_then(|mut out| {
+                        match self
+                            .comm
+                            .reduce_scatter_sum_counts(input, &counts, &mut out)
+                        {
+                            Ok(()) => Ok(out),
+                            Err(e) => {
+                                b.release(out);
+                                Err(e.into())
+                            }
+                        }
+                    });
+                if let Some(p) = padded {
+                    b.release(p);
+                }
+                self.values_of_sum(i, summed?)?
             }
             Op::ReduceScatter(_) => {
                 // Column blocks to rank-major row blocks, one per rank, each rank keeping its sum.
@@ -1522,8 +1575,9 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
             }
             Op::LocalSlice(l) if i.fact.shape.is_sequence(l.dim) => {
                 let x = x(0)?;
-                let block = x.rows_cols().0.div_ceil(self.tp);
-                b.row_window(x, self.rank * block, block).map_err(err)?
+                let blocks = self.token_blocks(x.rows_cols().0);
+                let offset = blocks[..self.rank].iter().sum::<usize>();
+                b.row_window(x, offset, blocks[self.rank]).map_err(err)?
             }
             Op::LocalSlice(l) if !l.pieces.is_empty() => {
                 // This rank's uneven piece, after the earlier ranks', padded to the largest.

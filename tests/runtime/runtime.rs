@@ -274,6 +274,30 @@ impl Collectives<Tensor> for FailsAt {
     fn reduce_scatter_sum(&mut self, i: &Tensor, o: &mut Tensor) -> Result<(), CollectiveError> {
         self.inner.reduce_scatter_sum(i, o)
     }
+    fn all_gather_counts(
+        &mut self,
+        l: &Tensor,
+        c: &[usize],
+        o: &mut Tensor,
+    ) -> Result<(), CollectiveError> {
+        self.inner.all_gather_counts(l, c, o)
+    }
+    fn reduce_scatter_sum_counts(
+        &mut self,
+        i: &Tensor,
+        c: &[usize],
+        o: &mut Tensor,
+    ) -> Result<(), CollectiveError> {
+        self.inner.reduce_scatter_sum_counts(i, c, o)
+    }
+    fn all_gather_columns(
+        &mut self,
+        l: &Tensor,
+        w: &[usize],
+        o: &mut Tensor,
+    ) -> Result<(), CollectiveError> {
+        self.inner.all_gather_columns(l, w, o)
+    }
     fn broadcast(&mut self, b: &mut Tensor, root: usize) -> Result<(), CollectiveError> {
         self.inner.broadcast(b, root)
     }

@@ -36,7 +36,7 @@ use super::reduce::{
     accumulate_into_own, add_round, chunk_range, copy, sum_peers_into_own, summation_order,
     widen_add,
 };
-use super::{Collective, CommError, Communicator, Element, FailureCause};
+use super::{check_counts, Collective, CommError, Communicator, Element, FailureCause};
 use crate::ir::{CollectiveAlgorithm, DType};
 use std::fmt;
 use std::ops::Range;
@@ -248,6 +248,8 @@ impl Call {
             // Point to point: never published (kept distinct all the same).
             Collective::Send => 5,
             Collective::Recv => 6,
+            Collective::AllGatherCounts => 7,
+            Collective::ReduceScatterSumCounts => 8,
         };
         let algorithm = match self.algorithm {
             None | Some(AllReduceAlgorithm::Auto) => 0,
@@ -273,7 +275,9 @@ impl Call {
             3 => Collective::Barrier,
             4 => Collective::Broadcast,
             5 => Collective::Send,
-            _ => Collective::Recv,
+            6 => Collective::Recv,
+            7 => Collective::AllGatherCounts,
+            _ => Collective::ReduceScatterSumCounts,
         };
         let algorithm = match (code >> 4) & 0xf {
             0 => None,
@@ -713,6 +717,38 @@ impl LocalComm {
         unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
     }
 
+    /// After [`LocalComm::begin`] of a collective of unequal pieces (each rank publishing its
+    /// `counts` as `aux`): an error unless every peer passed the same counts as this rank.
+    /// Every rank returns it when any two differ (a rank equal to every other would make
+    /// them all equal), so none is left reading a peer that returned.
+    fn check_peer_counts(
+        &self,
+        parity: usize,
+        during: Collective,
+        counts: &[usize],
+    ) -> Result<(), CommError> {
+        for peer in (0..self.n).filter(|&p| p != self.rank) {
+            let base = self.slot(peer, parity).aux.load(Relaxed).cast_const();
+            // SAFETY: `peer` published a pointer to its `counts`, checked in its own
+            // `check_counts` to hold `n` elements (else it flagged bad arguments and `begin`
+            // returned), before the entry wait; they stay unwritten until it returns, which
+            // it does only after this comparison or a later wait this rank has not reached.
+            let theirs = unsafe { std::slice::from_raw_parts(base.cast::<usize>(), self.n) };
+            if theirs != counts {
+                let total = |c: &[usize]| c.iter().fold(0usize, |a, &x| a.saturating_add(x));
+                return Err(CommError::PeerMismatch {
+                    rank: self.rank,
+                    during,
+                    len: total(counts),
+                    peer,
+                    peer_during: during,
+                    peer_len: total(theirs),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// `range` of the `f32` partial sums `peer` published for the current ring all-reduce.
     ///
     /// # Safety
@@ -1070,6 +1106,83 @@ impl Communicator for LocalComm {
                 // SAFETY: rank `q` published its `input` of `n × m` elements of `T` (its own
                 // size check passed; `m` and the type agreed in `begin`); a shared borrow
                 // nobody writes, held until `q` passes the inner wait below.
+                unsafe { self.peer_data::<T>(q, parity, piece.clone()) }
+            }
+        });
+        T::sum_into(out, sources);
+        self.wait(Phase::Inner, during)
+    }
+
+    fn all_gather_counts<T: Element>(
+        &mut self,
+        local: &[T],
+        counts: &[usize],
+        out: &mut [T],
+    ) -> Result<(), CommError> {
+        let during = Collective::AllGatherCounts;
+        let rank = self.rank;
+        let checked = check_counts(rank, self.n, during, counts, local.len(), out.len());
+        let (offsets, total, local_error) = match checked {
+            Ok((o, t)) => (o, t, None),
+            Err(e) => (Vec::new(), 0, Some(e)),
+        };
+        let call = Call::of::<T>(during, total);
+        let aux = counts.as_ptr().cast_mut().cast();
+        let parity = self.begin(call, local.as_ptr().cast(), aux, local_error)?;
+        self.check_peer_counts(parity, during, counts)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let _guard = UnwindGuard::new(&self.shared, rank);
+        for (q, (&at, &len)) in offsets.iter().zip(counts).enumerate() {
+            let dst = &mut out[at..at + len];
+            if q == rank {
+                copy(dst, local);
+            } else if len > 0 {
+                // SAFETY: rank `q` published its `local`, checked against the same `counts`
+                // (compared above) to hold `counts[q]` elements of `T` (the type agreed in
+                // `begin`); a shared borrow nobody writes, held until `q` passes the inner
+                // wait below, which needs this rank's arrival.
+                copy(dst, unsafe { self.peer_data::<T>(q, parity, 0..len) });
+            }
+        }
+        self.wait(Phase::Inner, during)
+    }
+
+    fn reduce_scatter_sum_counts<T: Element>(
+        &mut self,
+        input: &[T],
+        counts: &[usize],
+        out: &mut [T],
+    ) -> Result<(), CommError> {
+        let during = Collective::ReduceScatterSumCounts;
+        let (n, rank) = (self.n, self.rank);
+        let checked = check_counts(rank, n, during, counts, out.len(), input.len());
+        let (offsets, total, local_error) = match checked {
+            Ok((o, t)) => (o, t, None),
+            Err(e) => (Vec::new(), 0, Some(e)),
+        };
+        let call = Call::of::<T>(during, total);
+        let aux = counts.as_ptr().cast_mut().cast();
+        let parity = self.begin(call, input.as_ptr().cast(), aux, local_error)?;
+        self.check_peer_counts(parity, during, counts)?;
+        if out.is_empty() {
+            // Peers may still read this rank's input: wait for them.
+            return if total == 0 {
+                Ok(())
+            } else {
+                self.wait(Phase::Inner, during)
+            };
+        }
+        let piece = offsets[rank]..offsets[rank] + counts[rank];
+        let _guard = UnwindGuard::new(&self.shared, rank);
+        let sources = summation_order(n, rank).map(|q| {
+            if q == rank {
+                &input[piece.clone()]
+            } else {
+                // SAFETY: rank `q` published its `input`, checked to hold the sum of the
+                // same `counts` (compared above) in elements of `T` (agreed in `begin`); a
+                // shared borrow nobody writes, held until `q` passes the inner wait below.
                 unsafe { self.peer_data::<T>(q, parity, piece.clone()) }
             }
         });

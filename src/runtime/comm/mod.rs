@@ -211,6 +211,8 @@ pub enum Collective {
     Broadcast,
     Send,
     Recv,
+    AllGatherCounts,
+    ReduceScatterSumCounts,
 }
 
 impl fmt::Display for Collective {
@@ -223,6 +225,8 @@ impl fmt::Display for Collective {
             Collective::Broadcast => "broadcast",
             Collective::Send => "send",
             Collective::Recv => "recv",
+            Collective::AllGatherCounts => "all_gather_counts",
+            Collective::ReduceScatterSumCounts => "reduce_scatter_sum_counts",
         })
     }
 }
@@ -330,6 +334,56 @@ pub enum CommError {
     },
 }
 
+/// Checks a rank's arguments to a collective of unequal pieces: one count per rank, its own
+/// piece `mine` elements long and the whole `whole` elements (the sum of the counts).
+/// Returns the offset of every piece, and the sum.
+pub(crate) fn check_counts(
+    rank: usize,
+    world_size: usize,
+    during: Collective,
+    counts: &[usize],
+    mine: usize,
+    whole: usize,
+) -> Result<(Vec<usize>, usize), CommError> {
+    let mismatch = |what, expected, got| CommError::SizeMismatch {
+        rank,
+        during,
+        what,
+        expected,
+        got,
+    };
+    if counts.len() != world_size {
+        return Err(mismatch(
+            "`counts` (one per rank)",
+            world_size,
+            counts.len(),
+        ));
+    }
+    let mut offsets = Vec::with_capacity(world_size);
+    let mut total = 0usize;
+    for &c in counts {
+        offsets.push(total);
+        total = total
+            .checked_add(c)
+            .ok_or_else(|| mismatch("`counts` (their sum must fit in memory)", usize::MAX, c))?;
+    }
+    if mine != counts[rank] {
+        return Err(mismatch(
+            "its own piece (must hold counts[rank] elements)",
+            counts[rank],
+            mine,
+        ));
+    }
+    if whole != total {
+        return Err(mismatch(
+            "the whole (must hold the sum of the counts)",
+            total,
+            whole,
+        ));
+    }
+    Ok((offsets, total))
+}
+
 /// Collective and point-to-point communication for one rank of a tensor-parallel group.
 ///
 /// Every method but `send`, `recv` and `abort` is a collective: all ranks of the group must
@@ -385,6 +439,27 @@ pub trait Communicator: Send {
     fn reduce_scatter_sum<T: Element>(
         &mut self,
         input: &[T],
+        out: &mut [T],
+    ) -> Result<(), CommError>;
+
+    /// [`Communicator::all_gather`] of unequal pieces: rank `q` gives `counts[q]` elements
+    /// (`local.len() == counts[rank()]`), and `out` (their sum) gets every rank's, in rank
+    /// order. Every rank passes the same `counts`, one per rank; only real elements move.
+    fn all_gather_counts<T: Element>(
+        &mut self,
+        local: &[T],
+        counts: &[usize],
+        out: &mut [T],
+    ) -> Result<(), CommError>;
+
+    /// [`Communicator::reduce_scatter_sum`] of unequal pieces: `input` is every rank's piece
+    /// in rank order, piece `q` of `counts[q]` elements; rank `r` gets in `out`
+    /// (`counts[r]` elements) the elementwise sum over ranks of piece `r`, added in the
+    /// order [`Communicator::reduce_scatter_sum`] adds. Every rank passes the same `counts`.
+    fn reduce_scatter_sum_counts<T: Element>(
+        &mut self,
+        input: &[T],
+        counts: &[usize],
         out: &mut [T],
     ) -> Result<(), CommError>;
 

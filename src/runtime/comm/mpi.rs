@@ -20,9 +20,9 @@
 use super::bench::{slowest_rank_stats, time_each, BenchKind, BenchRow};
 use super::private::PerType;
 use super::reduce::{chunk_range, summation_order};
-use super::{Collective, CommError, Communicator, Element};
+use super::{check_counts, Collective, CommError, Communicator, Element};
 use crate::ir::DType;
-use mpi::datatype::Equivalence;
+use mpi::datatype::{Equivalence, Partition, PartitionMut};
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::{CommunicatorCollectives, Root};
@@ -241,6 +241,62 @@ impl Communicator for MpiComm {
         T::sum_into(
             out,
             summation_order(n, self.rank).map(|q| &pieces[q * m..(q + 1) * m]),
+        );
+        *T::of(&mut self.gathered) = pieces;
+        Ok(())
+    }
+
+    fn all_gather_counts<T: Element>(
+        &mut self,
+        local: &[T],
+        counts: &[usize],
+        out: &mut [T],
+    ) -> Result<(), CommError> {
+        let during = Collective::AllGatherCounts;
+        self.check_usable(during)?;
+        let (offsets, total) =
+            check_counts(self.rank, self.n, during, counts, local.len(), out.len())?;
+        self.count::<T>(total, 1, during)?;
+        // Byte counts and offsets: the total fits a C int (checked), so each does.
+        let size = std::mem::size_of::<T>();
+        let as_bytes = |v: &[usize]| -> Vec<i32> { v.iter().map(|&c| (c * size) as i32).collect() };
+        let (counts, offsets) = (as_bytes(counts), as_bytes(&offsets));
+        let mut parts = PartitionMut::new(bytes_mut(out), &counts[..], &offsets[..]);
+        self.comm.all_gather_varcount_into(bytes(local), &mut parts);
+        Ok(())
+    }
+
+    fn reduce_scatter_sum_counts<T: Element>(
+        &mut self,
+        input: &[T],
+        counts: &[usize],
+        out: &mut [T],
+    ) -> Result<(), CommError> {
+        let during = Collective::ReduceScatterSumCounts;
+        self.check_usable(during)?;
+        let (n, rank) = (self.n, self.rank);
+        let (offsets, total) = check_counts(rank, n, during, counts, out.len(), input.len())?;
+        let m = counts[rank];
+        self.count::<T>(total.max(m.saturating_mul(n)), 1, during)?;
+        // Piece q of every rank's input goes to rank q: what arrives here is every rank's
+        // piece `rank`, rank-major.
+        let size = std::mem::size_of::<T>();
+        let as_bytes = |v: &[usize]| -> Vec<i32> { v.iter().map(|&c| (c * size) as i32).collect() };
+        let (send_counts, send_offsets) = (as_bytes(counts), as_bytes(&offsets));
+        let recv_counts = vec![(m * size) as i32; n];
+        let recv_offsets: Vec<i32> = (0..n).map(|q| (q * m * size) as i32).collect();
+        let mut pieces = std::mem::take(T::of(&mut self.gathered));
+        pieces.clear();
+        pieces.resize(m * n, T::default());
+        {
+            let send = Partition::new(bytes(input), &send_counts[..], &send_offsets[..]);
+            let mut recv =
+                PartitionMut::new(bytes_mut(&mut pieces), &recv_counts[..], &recv_offsets[..]);
+            self.comm.all_to_all_varcount_into(&send, &mut recv);
+        }
+        T::sum_into(
+            out,
+            summation_order(n, rank).map(|q| &pieces[q * m..(q + 1) * m]),
         );
         *T::of(&mut self.gathered) = pieces;
         Ok(())

@@ -379,6 +379,125 @@ fn reduce_scatter_sums_in_the_documented_order() {
     }
 }
 
+/// Unequal pieces, some empty, for `n` ranks (pattern `k`).
+fn uneven_counts(n: usize, k: usize) -> Vec<usize> {
+    (0..n)
+        .map(|q| match k {
+            0 => q,
+            1 => (q * 7 + 3) % 5 * 211,
+            2 => usize::from(q == n - 1) * 1001,
+            _ => 4000 + q * 13,
+        })
+        .collect()
+}
+
+#[test]
+fn all_gather_of_unequal_pieces_matches_reference() {
+    for n in 1..=6 {
+        let results = ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            (0..4)
+                .map(|k| {
+                    let counts = uneven_counts(n, k);
+                    let local = exact_input(rank, counts[rank], k);
+                    let mut out = vec![f32::NAN; counts.iter().sum()];
+                    comm.all_gather_counts(&local, &counts, &mut out).unwrap();
+                    out
+                })
+                .collect::<Vec<_>>()
+        }));
+        for k in 0..4 {
+            let counts = uneven_counts(n, k);
+            let expected: Vec<f32> = (0..n).flat_map(|q| exact_input(q, counts[q], k)).collect();
+            for (rank, per_rank) in results.iter().enumerate() {
+                assert_eq!(per_rank[k], expected, "n {n} rank {rank} counts {counts:?}");
+            }
+        }
+    }
+}
+
+/// Each rank's unequal piece is the sum over ranks in the order the equal reduce-scatter
+/// adds (bit for bit, with data for which the order matters).
+#[test]
+fn reduce_scatter_of_unequal_pieces_sums_in_the_documented_order() {
+    for n in [1, 2, 3, 4, 7] {
+        let results = ok(run_group(n, move |mut comm| {
+            let (rank, n) = (comm.rank(), comm.world_size());
+            (0..4)
+                .map(|k| {
+                    let counts = uneven_counts(n, k);
+                    let input = order_sensitive_input(rank, counts.iter().sum());
+                    let mut out = vec![f32::NAN; counts[rank]];
+                    comm.reduce_scatter_sum_counts(&input, &counts, &mut out)
+                        .unwrap();
+                    bits(&out)
+                })
+                .collect::<Vec<_>>()
+        }));
+        for k in 0..4 {
+            let counts = uneven_counts(n, k);
+            let total: usize = counts.iter().sum();
+            let inputs: Vec<_> = (0..n).map(|r| order_sensitive_input(r, total)).collect();
+            for (rank, per_rank) in results.iter().enumerate() {
+                let at: usize = counts[..rank].iter().sum();
+                let expected: Vec<u32> = (at..at + counts[rank])
+                    .map(|i| {
+                        let mut order = summation_order(n, rank);
+                        let first = inputs[order.next().unwrap()][i];
+                        order.fold(first, |acc, q| acc + inputs[q][i]).to_bits()
+                    })
+                    .collect();
+                assert!(
+                    per_rank[k] == expected,
+                    "n {n} rank {rank} counts {counts:?}"
+                );
+            }
+        }
+    }
+}
+
+/// Ranks that pass different counts (even with the same total) all get an error, and the
+/// group stays usable; a rank whose own piece is not its count fails every rank.
+#[test]
+fn unequal_pieces_with_disagreeing_counts_fail_every_rank() {
+    let outcomes = ok(run_group(3, |mut comm| {
+        let rank = comm.rank();
+        let counts = if rank == 1 { [2, 1, 3] } else { [1, 2, 3] };
+        let local = vec![1.0f32; counts[rank]];
+        let mut out = vec![0.0f32; 6];
+        let gather = comm.all_gather_counts(&local, &counts, &mut out);
+        let mut piece = vec![0.0f32; counts[rank]];
+        let scatter = comm.reduce_scatter_sum_counts(&[1.0f32; 6], &counts, &mut piece);
+        // A piece of the wrong length on rank 2 only.
+        let wrong = vec![1.0f32; if rank == 2 { 2 } else { [1, 2, 3][rank] }];
+        let bad_piece = comm.all_gather_counts(&wrong, &[1, 2, 3], &mut out);
+        let after = comm.all_gather_counts(&[rank as f32; 1], &[1, 1, 1], &mut out[..3]);
+        (gather, scatter, bad_piece, after, out[..3].to_vec())
+    }));
+    for (rank, (gather, scatter, bad_piece, after, out)) in outcomes.into_iter().enumerate() {
+        assert!(
+            matches!(gather, Err(CommError::PeerMismatch { .. })),
+            "rank {rank}: {gather:?}"
+        );
+        assert!(
+            matches!(scatter, Err(CommError::PeerMismatch { .. })),
+            "rank {rank}: {scatter:?}"
+        );
+        match rank {
+            2 => assert!(
+                matches!(bad_piece, Err(CommError::SizeMismatch { .. })),
+                "{bad_piece:?}"
+            ),
+            _ => assert!(
+                matches!(bad_piece, Err(CommError::PeerBadArguments { peer: 2, .. })),
+                "rank {rank}: {bad_piece:?}"
+            ),
+        }
+        after.unwrap();
+        assert_eq!(out, [0.0, 1.0, 2.0], "rank {rank}");
+    }
+}
+
 /// Rank 2 of 4 panics after the first collective; the others enter the second one (some
 /// may already be blocked in it, some enter later) and all get `PeerFailed` from rank 2.
 #[test]

@@ -12,7 +12,7 @@ use super::nccl::NcclLink;
 use super::one_shot::{self, OneShotGroup};
 use crate::ir::CollectiveAlgorithm;
 use crate::runtime::backend::Activation;
-use crate::runtime::collectives::{CollectiveError, Collectives};
+use crate::runtime::collectives::{gather_real_columns, CollectiveError, Collectives};
 use crate::runtime::comm::Communicator;
 use std::sync::{Arc, OnceLock};
 
@@ -112,6 +112,41 @@ impl<C: Communicator> Collectives<CudaAct> for GpuComm<C> {
         let mut mine = vec![0f32; out.elements()];
         self.host.reduce_scatter_sum(&all, &mut mine)?;
         up(&mine, out, "reduce_scatter_sum")
+    }
+    fn all_gather_counts(
+        &mut self,
+        local: &CudaAct,
+        counts: &[usize],
+        out: &mut CudaAct,
+    ) -> Result<(), CollectiveError> {
+        let mine = down(local, "all_gather_counts")?;
+        let mut all = vec![0f32; out.elements()];
+        self.host.all_gather_counts(&mine, counts, &mut all)?;
+        up(&all, out, "all_gather_counts")
+    }
+    fn reduce_scatter_sum_counts(
+        &mut self,
+        input: &CudaAct,
+        counts: &[usize],
+        out: &mut CudaAct,
+    ) -> Result<(), CollectiveError> {
+        let all = down(input, "reduce_scatter_sum_counts")?;
+        let mut mine = vec![0f32; out.elements()];
+        self.host
+            .reduce_scatter_sum_counts(&all, counts, &mut mine)?;
+        up(&mine, out, "reduce_scatter_sum_counts")
+    }
+    fn all_gather_columns(
+        &mut self,
+        local: &CudaAct,
+        widths: &[usize],
+        out: &mut CudaAct,
+    ) -> Result<(), CollectiveError> {
+        let mine = down(local, "all_gather_columns")?;
+        let width = local.shape().last().copied().unwrap_or(0);
+        let mut all = vec![0f32; out.elements()];
+        gather_real_columns(&mut self.host, &mine, width, widths, &mut all)?;
+        up(&all, out, "all_gather_columns")
     }
     fn broadcast(&mut self, buf: &mut CudaAct, root: usize) -> Result<(), CollectiveError> {
         let mut host = down(buf, "broadcast")?;
