@@ -414,9 +414,10 @@ fn top_k_sampling_exchanges_candidates_instead_of_logits() {
         serde_json::from_str(&ok(&tpc(&args))).unwrap()
     };
     let bytes = |v: &serde_json::Value| v["collective_bytes_rank0"].as_u64().unwrap();
-    // Per decode row: the gather moves tp slices of ceil(250 / tp) f32 logits; top-k 5
-    // moves tp × 5 (value, index) f32 pairs.
-    for (tp, gather, pairs) in [("2", 1000, 80), ("4", 1008, 160)] {
+    // Per decode row: the gather moves the 250 real f32 logits (at tp 4 the ranks hold
+    // 63/63/63/61, and only those move, not four pieces of 63); top-k 5 moves tp × 5
+    // (value, index) f32 pairs.
+    for (tp, gather, pairs) in [("2", 1000, 80), ("4", 1000, 160)] {
         let top_k = json(tp, &["--top-k", "5"]);
         let gathered = json(tp, &["--top-k", "5", "--gather-logits"]);
         assert_eq!(top_k["generated"], gathered["generated"], "tp {tp}");

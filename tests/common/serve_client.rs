@@ -73,6 +73,17 @@ impl Server {
 
     /// A metric's value in /metrics, summed over replicas (`name{replica="…"}`); a name
     /// with its labels gives that series alone.
+    /// Each request's greedy tokens, every request sent at once (a thread each), in order.
+    pub fn complete_all_at_once(&self, reqs: &[(Vec<i64>, usize)]) -> Vec<Vec<i64>> {
+        std::thread::scope(|s| {
+            let running: Vec<_> = reqs
+                .iter()
+                .map(|(p, n)| s.spawn(|| self.complete(p, *n)))
+                .collect();
+            running.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     pub fn metric(&self, name: &str) -> f64 {
         let text = ureq::get(&format!("{}/metrics", self.url))
             .call()

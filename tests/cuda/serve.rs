@@ -90,13 +90,7 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
         let server = start(model, &args, &path);
         let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
         assert_eq!(solo[0], reference.greedy, "{what}: not HF's tokens");
-        let together: Vec<Vec<i64>> = std::thread::scope(|s| {
-            let running: Vec<_> = reqs
-                .iter()
-                .map(|(p, n)| s.spawn(|| server.complete(p, *n)))
-                .collect();
-            running.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let together: Vec<Vec<i64>> = server.complete_all_at_once(&reqs);
         for (k, (got, want)) in together.iter().zip(&solo).enumerate() {
             assert_eq!(got, want, "{what}: request {k} at once differs from alone");
             assert_eq!(got.len(), reqs[k].1, "{what}: request {k}");
@@ -153,13 +147,7 @@ fn serving_moe_replicas_sharing_experts_on_gpus_gives_their_dp_1_tokens() {
         let one_at_a_time: Vec<Vec<i64>> =
             reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
         assert_eq!(one_at_a_time, alone, "{name} --dp 2 --ep, one at a time");
-        let together: Vec<Vec<i64>> = std::thread::scope(|s| {
-            let running: Vec<_> = reqs
-                .iter()
-                .map(|(p, n)| s.spawn(|| server.complete(p, *n)))
-                .collect();
-            running.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let together: Vec<Vec<i64>> = server.complete_all_at_once(&reqs);
         assert_eq!(together, alone, "{name} --dp 2 --ep, all at once");
         for r in 0..2 {
             let done = server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));

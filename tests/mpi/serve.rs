@@ -72,13 +72,7 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
         let server = start(np, model, &args);
         let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
         assert_eq!(solo[0], reference.greedy, "{what}: not HF's tokens");
-        let together: Vec<Vec<i64>> = std::thread::scope(|s| {
-            let running: Vec<_> = reqs
-                .iter()
-                .map(|(p, n)| s.spawn(|| server.complete(p, *n)))
-                .collect();
-            running.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let together: Vec<Vec<i64>> = server.complete_all_at_once(&reqs);
         for (k, (got, want)) in together.iter().zip(&solo).enumerate() {
             assert_eq!(got, want, "{what}: request {k} at once differs from alone");
             assert_eq!(got.len(), reqs[k].1, "{what}: request {k}");

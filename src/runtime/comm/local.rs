@@ -717,6 +717,37 @@ impl LocalComm {
         unsafe { std::slice::from_raw_parts(base.add(range.start), range.len()) }
     }
 
+    /// `out` ← elements `piece` of every rank's published input (this rank's own is
+    /// `input`) summed in the documented order, then the inner wait that frees them.
+    ///
+    /// # Safety
+    ///
+    /// After a [`LocalComm::begin`] of `parity` in which every peer published a buffer of
+    /// at least `piece.end` elements of `T`, which it keeps unwritten until that wait.
+    unsafe fn sum_piece<T: Element>(
+        &self,
+        input: &[T],
+        piece: Range<usize>,
+        parity: usize,
+        out: &mut [T],
+        during: Collective,
+    ) -> Result<(), CommError> {
+        let rank = self.rank;
+        let _guard = UnwindGuard::new(&self.shared, rank);
+        let sources = summation_order(self.n, rank).map(|q| {
+            if q == rank {
+                &input[piece.clone()]
+            } else {
+                // SAFETY: the caller's guarantee: `q` published at least `piece.end`
+                // elements of `T`, a shared borrow nobody writes, held until `q` passes the
+                // inner wait below, which needs this rank's arrival.
+                unsafe { self.peer_data::<T>(q, parity, piece.clone()) }
+            }
+        });
+        T::sum_into(out, sources);
+        self.wait(Phase::Inner, during)
+    }
+
     /// After [`LocalComm::begin`] of a collective of unequal pieces (each rank publishing its
     /// `counts` as `aux`): an error unless every peer passed the same counts as this rank.
     /// Every rank returns it when any two differ (a rank equal to every other would make
@@ -1097,20 +1128,9 @@ impl Communicator for LocalComm {
         if m == 0 {
             return Ok(());
         }
-        let piece = rank * m..(rank + 1) * m;
-        let _guard = UnwindGuard::new(&self.shared, rank);
-        let sources = summation_order(n, rank).map(|q| {
-            if q == rank {
-                &input[piece.clone()]
-            } else {
-                // SAFETY: rank `q` published its `input` of `n × m` elements of `T` (its own
-                // size check passed; `m` and the type agreed in `begin`); a shared borrow
-                // nobody writes, held until `q` passes the inner wait below.
-                unsafe { self.peer_data::<T>(q, parity, piece.clone()) }
-            }
-        });
-        T::sum_into(out, sources);
-        self.wait(Phase::Inner, during)
+        // SAFETY: every rank published its `input` of `n × m` elements of `T` (its own size
+        // check passed; `m` and the type agreed in `begin`), so each holds `piece`.
+        unsafe { self.sum_piece(input, rank * m..(rank + 1) * m, parity, out, during) }
     }
 
     fn all_gather_counts<T: Element>(
@@ -1175,19 +1195,10 @@ impl Communicator for LocalComm {
             };
         }
         let piece = offsets[rank]..offsets[rank] + counts[rank];
-        let _guard = UnwindGuard::new(&self.shared, rank);
-        let sources = summation_order(n, rank).map(|q| {
-            if q == rank {
-                &input[piece.clone()]
-            } else {
-                // SAFETY: rank `q` published its `input`, checked to hold the sum of the
-                // same `counts` (compared above) in elements of `T` (agreed in `begin`); a
-                // shared borrow nobody writes, held until `q` passes the inner wait below.
-                unsafe { self.peer_data::<T>(q, parity, piece.clone()) }
-            }
-        });
-        T::sum_into(out, sources);
-        self.wait(Phase::Inner, during)
+        // SAFETY: every rank published its `input`, checked to hold the sum of the same
+        // `counts` (compared above) in elements of `T` (agreed in `begin`), so each holds
+        // `piece`.
+        unsafe { self.sum_piece(input, piece, parity, out, during) }
     }
 
     fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {

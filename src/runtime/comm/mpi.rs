@@ -47,6 +47,12 @@ unsafe impl Send for MpiComm {}
 const MAX_COUNT: usize = i32::MAX as usize;
 
 /// The bytes of a slice of `f32` or `bf16` (both plain data without padding).
+/// Element counts or offsets as MPI's byte counts (C ints; callers check the total fits).
+fn in_bytes<T: Element>(elements: &[usize]) -> Vec<i32> {
+    let size = std::mem::size_of::<T>();
+    elements.iter().map(|&c| (c * size) as i32).collect()
+}
+
 fn bytes<T: Element>(buf: &[T]) -> &[u8] {
     // SAFETY: `Element` is sealed to `f32` and `bf16`, which have no padding and no invalid
     // bit patterns; the byte view covers exactly the slice and borrows it.
@@ -257,10 +263,8 @@ impl Communicator for MpiComm {
         let (offsets, total) =
             check_counts(self.rank, self.n, during, counts, local.len(), out.len())?;
         self.count::<T>(total, 1, during)?;
-        // Byte counts and offsets: the total fits a C int (checked), so each does.
-        let size = std::mem::size_of::<T>();
-        let as_bytes = |v: &[usize]| -> Vec<i32> { v.iter().map(|&c| (c * size) as i32).collect() };
-        let (counts, offsets) = (as_bytes(counts), as_bytes(&offsets));
+        // The total fits a C int (checked), so each count and offset does.
+        let (counts, offsets) = (in_bytes::<T>(counts), in_bytes::<T>(&offsets));
         let mut parts = PartitionMut::new(bytes_mut(out), &counts[..], &offsets[..]);
         self.comm.all_gather_varcount_into(bytes(local), &mut parts);
         Ok(())
@@ -280,11 +284,9 @@ impl Communicator for MpiComm {
         self.count::<T>(total.max(m.saturating_mul(n)), 1, during)?;
         // Piece q of every rank's input goes to rank q: what arrives here is every rank's
         // piece `rank`, rank-major.
-        let size = std::mem::size_of::<T>();
-        let as_bytes = |v: &[usize]| -> Vec<i32> { v.iter().map(|&c| (c * size) as i32).collect() };
-        let (send_counts, send_offsets) = (as_bytes(counts), as_bytes(&offsets));
-        let recv_counts = vec![(m * size) as i32; n];
-        let recv_offsets: Vec<i32> = (0..n).map(|q| (q * m * size) as i32).collect();
+        let (send_counts, send_offsets) = (in_bytes::<T>(counts), in_bytes::<T>(&offsets));
+        let recv_counts = in_bytes::<T>(&vec![m; n]);
+        let recv_offsets = in_bytes::<T>(&(0..n).map(|q| q * m).collect::<Vec<_>>());
         let mut pieces = std::mem::take(T::of(&mut self.gathered));
         pieces.clear();
         pieces.resize(m * n, T::default());
