@@ -750,8 +750,9 @@ impl LocalComm {
 
     /// After [`LocalComm::begin`] of a collective of unequal pieces (each rank publishing its
     /// `counts` as `aux`): an error unless every peer passed the same counts as this rank.
-    /// Every rank returns it when any two differ (a rank equal to every other would make
-    /// them all equal), so none is left reading a peer that returned.
+    /// Every rank gets it when any two differ (a rank equal to every other would make them
+    /// all equal), so none goes on to read a peer's data; each still makes the inner wait
+    /// before it returns, since peers may be reading its counts.
     fn check_peer_counts(
         &self,
         parity: usize,
@@ -762,8 +763,8 @@ impl LocalComm {
             let base = self.slot(peer, parity).aux.load(Relaxed).cast_const();
             // SAFETY: `peer` published a pointer to its `counts`, checked in its own
             // `check_counts` to hold `n` elements (else it flagged bad arguments and `begin`
-            // returned), before the entry wait; they stay unwritten until it returns, which
-            // it does only after this comparison or a later wait this rank has not reached.
+            // returned), before the entry wait; they stay alive and unwritten until the
+            // peer passes the inner wait, which needs this rank's arrival after this read.
             let theirs = unsafe { std::slice::from_raw_parts(base.cast::<usize>(), self.n) };
             if theirs != counts {
                 let total = |c: &[usize]| c.iter().fold(0usize, |a, &x| a.saturating_add(x));
@@ -1149,9 +1150,13 @@ impl Communicator for LocalComm {
         let call = Call::of::<T>(during, total);
         let aux = counts.as_ptr().cast_mut().cast();
         let parity = self.begin(call, local.as_ptr().cast(), aux, local_error)?;
-        self.check_peer_counts(parity, during, counts)?;
+        // Peers read this rank's counts: it leaves only after the inner wait, whatever else.
+        if let Err(e) = self.check_peer_counts(parity, during, counts) {
+            self.wait(Phase::Inner, during)?;
+            return Err(e);
+        }
         if total == 0 {
-            return Ok(());
+            return self.wait(Phase::Inner, during);
         }
         let _guard = UnwindGuard::new(&self.shared, rank);
         for (q, (&at, &len)) in offsets.iter().zip(counts).enumerate() {
@@ -1185,14 +1190,13 @@ impl Communicator for LocalComm {
         let call = Call::of::<T>(during, total);
         let aux = counts.as_ptr().cast_mut().cast();
         let parity = self.begin(call, input.as_ptr().cast(), aux, local_error)?;
-        self.check_peer_counts(parity, during, counts)?;
+        // Peers read this rank's counts and input: it leaves only after the inner wait.
+        if let Err(e) = self.check_peer_counts(parity, during, counts) {
+            self.wait(Phase::Inner, during)?;
+            return Err(e);
+        }
         if out.is_empty() {
-            // Peers may still read this rank's input: wait for them.
-            return if total == 0 {
-                Ok(())
-            } else {
-                self.wait(Phase::Inner, during)
-            };
+            return self.wait(Phase::Inner, during);
         }
         let piece = offsets[rank]..offsets[rank] + counts[rank];
         // SAFETY: every rank published its `input`, checked to hold the sum of the same
