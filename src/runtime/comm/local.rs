@@ -748,6 +748,34 @@ impl LocalComm {
         self.wait(Phase::Inner, during)
     }
 
+    /// Starts a collective of unequal pieces: checks this rank's arguments (its own piece
+    /// `mine` elements, the whole `whole`: [`check_counts`]), publishes `data` and `counts`,
+    /// and checks that every peer passed the same counts. Returns the parity and each
+    /// piece's offset; the caller then reads what it needs and makes the inner wait, which
+    /// every rank makes once the counts are published (peers read them), errors included.
+    fn begin_counts<T: Element>(
+        &mut self,
+        during: Collective,
+        counts: &[usize],
+        mine: usize,
+        whole: usize,
+        data: *const (),
+    ) -> Result<(usize, Vec<usize>), CommError> {
+        let checked = check_counts(self.rank, self.n, during, counts, mine, whole);
+        let (offsets, total, local_error) = match checked {
+            Ok((o, t)) => (o, t, None),
+            Err(e) => (Vec::new(), 0, Some(e)),
+        };
+        let call = Call::of::<T>(during, total);
+        let aux = counts.as_ptr().cast_mut().cast();
+        let parity = self.begin(call, data, aux, local_error)?;
+        if let Err(e) = self.check_peer_counts(parity, during, counts) {
+            self.wait(Phase::Inner, during)?;
+            return Err(e);
+        }
+        Ok((parity, offsets))
+    }
+
     /// After [`LocalComm::begin`] of a collective of unequal pieces (each rank publishing its
     /// `counts` as `aux`): an error unless every peer passed the same counts as this rank.
     /// Every rank gets it when any two differ (a rank equal to every other would make them
@@ -1142,20 +1170,10 @@ impl Communicator for LocalComm {
     ) -> Result<(), CommError> {
         let during = Collective::AllGatherCounts;
         let rank = self.rank;
-        let checked = check_counts(rank, self.n, during, counts, local.len(), out.len());
-        let (offsets, total, local_error) = match checked {
-            Ok((o, t)) => (o, t, None),
-            Err(e) => (Vec::new(), 0, Some(e)),
-        };
-        let call = Call::of::<T>(during, total);
-        let aux = counts.as_ptr().cast_mut().cast();
-        let parity = self.begin(call, local.as_ptr().cast(), aux, local_error)?;
-        // Peers read this rank's counts: it leaves only after the inner wait, whatever else.
-        if let Err(e) = self.check_peer_counts(parity, during, counts) {
-            self.wait(Phase::Inner, during)?;
-            return Err(e);
-        }
-        if total == 0 {
+        let data = local.as_ptr().cast();
+        let (parity, offsets) =
+            self.begin_counts::<T>(during, counts, local.len(), out.len(), data)?;
+        if out.is_empty() {
             return self.wait(Phase::Inner, during);
         }
         let _guard = UnwindGuard::new(&self.shared, rank);
@@ -1181,20 +1199,11 @@ impl Communicator for LocalComm {
         out: &mut [T],
     ) -> Result<(), CommError> {
         let during = Collective::ReduceScatterSumCounts;
-        let (n, rank) = (self.n, self.rank);
-        let checked = check_counts(rank, n, during, counts, out.len(), input.len());
-        let (offsets, total, local_error) = match checked {
-            Ok((o, t)) => (o, t, None),
-            Err(e) => (Vec::new(), 0, Some(e)),
-        };
-        let call = Call::of::<T>(during, total);
-        let aux = counts.as_ptr().cast_mut().cast();
-        let parity = self.begin(call, input.as_ptr().cast(), aux, local_error)?;
-        // Peers read this rank's counts and input: it leaves only after the inner wait.
-        if let Err(e) = self.check_peer_counts(parity, during, counts) {
-            self.wait(Phase::Inner, during)?;
-            return Err(e);
-        }
+        let rank = self.rank;
+        let data = input.as_ptr().cast();
+        let (parity, offsets) =
+            self.begin_counts::<T>(during, counts, out.len(), input.len(), data)?;
+        // Peers may read this rank's input even where it keeps nothing: wait for them.
         if out.is_empty() {
             return self.wait(Phase::Inner, during);
         }
