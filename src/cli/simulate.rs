@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use tpc::cost::search::search;
 use tpc::cost::shipped_profiles::find_profile;
-use tpc::cost::simulate::{simulate_sharing_experts, Estimate, Numerics, StagedPlan};
+use tpc::cost::simulate::{simulate_pp_sharing_experts, Estimate, Numerics};
 use tpc::frontend::load::load_model;
 use tpc::plan::report::human_bytes;
 
@@ -224,11 +224,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
             }
         }
         let num = number_types(&plan);
-        let e = if a.pp == 1 {
-            simulate_sharing_experts(&plan, &hw, work, num, dp)
-        } else {
-            StagedPlan::new(&plan, a.pp, num).estimate_sharing_experts(&hw, work, num, a.pp, dp)?
-        };
+        let e = simulate_pp_sharing_experts(&plan, &hw, work, num, a.pp, dp)?;
         let text = if a.json {
             let json = super::with_decision(serde_json::to_value(&e)?, &decision)?;
             format!("{}\n", serde_json::to_string_pretty(&json)?)

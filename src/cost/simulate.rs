@@ -475,7 +475,11 @@ fn segment_work(plan: &Plan, layers: usize, num: Numerics) -> Vec<Vec<RankWork>>
                             0.0
                         };
                         // Sequence parallelism: the op runs on the rank's block of tokens.
-                        let share = if token_split(i) { token_share } else { 1.0 };
+                        let share = if i.is_split_by_tokens() {
+                            token_share
+                        } else {
+                            1.0
+                        };
                         w.elementwise_elements_per_token += (read + written + rows) * share;
                     }
                     _ => {}
@@ -539,12 +543,6 @@ fn is_compute_op(op: &Op) -> bool {
             | Op::Rope(_)
             | Op::Attention(_)
     )
-}
-
-/// Whether `i`'s value is split by tokens (sequence parallelism): each rank holds its
-/// share of the call's tokens (1/tp without `--tp-shares`).
-fn token_split(i: &crate::plan::Instr) -> bool {
-    matches!(i.layout, crate::ir::Layout::Split { dim } if i.fact.shape.is_sequence(dim))
 }
 
 /// Time of one all-reduce of `bytes` over `p` ranks with the cheapest algorithm.
@@ -968,10 +966,23 @@ pub fn simulate_pp(
     num: Numerics,
     pp: u64,
 ) -> Result<Estimate, SimulateError> {
+    simulate_pp_sharing_experts(plan, hw, work, num, pp, 1)
+}
+
+/// [`simulate_pp`] for `dp` replicas sharing their experts, stage by stage
+/// ([`StagedPlan::estimate_sharing_experts`]); one stage is [`simulate_sharing_experts`].
+pub fn simulate_pp_sharing_experts(
+    plan: &Plan,
+    hw: &HwProfile,
+    work: Workload,
+    num: Numerics,
+    pp: u64,
+    dp: u64,
+) -> Result<Estimate, SimulateError> {
     if pp == 1 {
-        return Ok(simulate_as(plan, hw, work, num));
+        return Ok(simulate_sharing_experts(plan, hw, work, num, dp));
     }
-    StagedPlan::new(plan, pp, num).estimate(hw, work, num, pp)
+    StagedPlan::new(plan, pp, num).estimate_sharing_experts(hw, work, num, pp, dp)
 }
 
 /// What pricing one plan at any pipeline depth needs, worked out once: each rank's work
@@ -1550,18 +1561,24 @@ mod tests {
         );
     }
 
-    #[test]
-    fn experts_dealt_over_replicas_hold_a_share_serve_every_replica_and_swap_rows() {
-        // Qwen3-30B-A3B at tp 2, experts dealt: 64 experts per rank, 16 per rank over 4
-        // replicas.
+    /// Qwen3-30B-A3B at tp 2 with its experts dealt, on the flat profile, 4 sequences of
+    /// 256 + 32 tokens: what the replica tests price.
+    fn experts_dealt_at_tp_2() -> (Plan, HwProfile, Numerics, Workload) {
         let plan = moe_plan("qwen3-30b-a3b", 2, crate::ir::ExpertSplit::Expert);
-        let hw = flat_hw();
         let num = Numerics::of_plan(&plan);
         let work = Workload {
             batch: 4,
             prompt: 256,
             gen: 32,
         };
+        (plan, flat_hw(), num, work)
+    }
+
+    #[test]
+    fn experts_dealt_over_replicas_hold_a_share_serve_every_replica_and_swap_rows() {
+        // Qwen3-30B-A3B at tp 2, experts dealt: 64 experts per rank, 16 per rank over 4
+        // replicas.
+        let (plan, hw, num, work) = experts_dealt_at_tp_2();
         let alone = simulate_as(&plan, &hw, work, num);
         assert_eq!(simulate_sharing_experts(&plan, &hw, work, num, 1), alone);
         let shared = simulate_sharing_experts(&plan, &hw, work, num, 4);
@@ -1633,14 +1650,7 @@ mod tests {
 
     #[test]
     fn stages_of_replicas_sharing_experts_deal_each_stages_experts_and_swap_its_rows() {
-        let plan = moe_plan("qwen3-30b-a3b", 2, crate::ir::ExpertSplit::Expert);
-        let hw = flat_hw();
-        let num = Numerics::of_plan(&plan);
-        let work = Workload {
-            batch: 4,
-            prompt: 256,
-            gen: 32,
-        };
+        let (plan, hw, num, work) = experts_dealt_at_tp_2();
         let staged = StagedPlan::new(&plan, 2, num);
         // One replica is the staged estimate; one stage is the one-stage estimate.
         let alone = staged.estimate(&hw, work, num, 2).unwrap();

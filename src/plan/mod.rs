@@ -259,6 +259,14 @@ pub struct Instr {
     pub layer: Option<u32>,
 }
 
+impl Instr {
+    /// Whether the value is split by tokens (sequence parallelism): each rank holds its
+    /// block of the call's token rows.
+    pub fn is_split_by_tokens(&self) -> bool {
+        matches!(self.layout, Layout::Split { dim } if self.fact.shape.is_sequence(dim))
+    }
+}
+
 /// The two text forms a plan is saved in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PlanFormat {

@@ -387,9 +387,7 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
         });
     }
     drop_dead(&mut instrs, &mut weights);
-    let split_by_tokens = instrs.iter().any(
-        |i| matches!(i.layout, crate::ir::Layout::Split { dim } if i.fact.shape.is_sequence(dim)),
-    );
+    let split_by_tokens = instrs.iter().any(Instr::is_split_by_tokens);
     let mut program = RankProgram {
         rank,
         weights,
