@@ -72,13 +72,7 @@ fn speed_candidates(speeds: &[RankSpeed]) -> Vec<TpShares> {
     out
 }
 
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
+use crate::ir::saturating::gcd;
 
 /// Prices the even split and every candidate for the profile's `rank_speeds` (one rank
 /// each), and returns the fastest decode; `compile` makes the plan for given shares (`None`:

@@ -116,12 +116,21 @@ pub struct Deal {
     pub tp: u64,
     /// Unequal shares, one per rank (`--tp-shares`); `None` for the even split.
     pub shares: Option<TpShares>,
+    /// Elements a plain dimension's pieces are made of where its length allows (the
+    /// quantization blocks of the plan's weights, [`graph_split_block`]); 1: none.
+    ///
+    /// [`graph_split_block`]: super::quant::graph_split_block
+    pub block: u64,
 }
 
 impl Deal {
     /// The even split over `tp` ranks.
     pub fn even(tp: u64) -> Deal {
-        Deal { tp, shares: None }
+        Deal {
+            tp,
+            shares: None,
+            block: 1,
+        }
     }
 
     /// A split over `tp` ranks by `shares` when they are given and unequal (equal shares
@@ -130,6 +139,15 @@ impl Deal {
         Deal {
             tp,
             shares: shares.filter(|s| !s.is_even()),
+            block: 1,
+        }
+    }
+
+    /// This deal with plain dimensions made of `block`-element pieces where they divide.
+    pub fn in_blocks(self, block: u64) -> Deal {
+        Deal {
+            block: block.max(1),
+            ..self
         }
     }
 
@@ -240,18 +258,22 @@ impl Groups {
         match self {
             // Vocabulary rows too: the logits' all-gather joins pieces by their counts.
             Groups::Plain { .. } if deal.shares.is_some() => {
-                let atom = plain_atom(total);
+                let atom = plain_atom(total, deal.block);
                 let counts = deal.counts(total / atom).unwrap_or_default();
                 Ok(deal_counts(out, base, &counts, atom, rank))
             }
             Groups::Plain { padded: false } => {
-                if total.is_multiple_of(tp) {
+                // An even piece that would cut the plan's quantization blocks is dealt
+                // in blocks instead.
+                let blocked = deal.block > 1 && total.is_multiple_of(deal.block);
+                if total.is_multiple_of(tp) && (!blocked || (total / tp).is_multiple_of(deal.block))
+                {
                     let n = total / tp;
                     push_range(out, base + rank * n, n);
                     return Ok(0);
                 }
                 // Atoms dealt as evenly as they allow, every piece padded to the largest.
-                let atom = plain_atom(total);
+                let atom = plain_atom(total, deal.block);
                 Ok(deal_evenly(out, base, total / atom, atom, tp, rank))
             }
             Groups::Plain { padded: true } => {
@@ -395,16 +417,25 @@ impl Groups {
 /// is a whole run of at least 64 — the piece of an even tp of 32, so that the boundaries of
 /// the power-of-two tps and of every uneven one fall on atoms and the exact sums of
 /// `--numerics invariant` keep the blocks the even tps give them — else the largest power of
-/// two up to 64 that divides the length.
-fn plain_atom(total: u64) -> u64 {
-    if total.is_multiple_of(32) && total / 32 >= 64 {
-        return total / 32;
+/// two up to 64 that divides the length. Where the plan's weights are quantized in
+/// `block`-element blocks that the length holds whole and that atom would cut, the block
+/// itself: the finest piece a split may take (FP8's 128 of Qwen3-32B's 25600 MLP columns,
+/// whose 32nd, 800, would cut them).
+fn plain_atom(total: u64, block: u64) -> u64 {
+    let atom = if total.is_multiple_of(32) && total / 32 >= 64 {
+        total / 32
+    } else {
+        (0..=6)
+            .rev()
+            .map(|k| 1u64 << k)
+            .find(|&b| total.is_multiple_of(b))
+            .unwrap_or(1)
+    };
+    if block > 1 && total.is_multiple_of(block) && !atom.is_multiple_of(block) {
+        block
+    } else {
+        atom
     }
-    (0..=6)
-        .rev()
-        .map(|k| 1u64 << k)
-        .find(|&b| total.is_multiple_of(b))
-        .unwrap_or(1)
 }
 
 /// Deals atoms of `atom` elements, `counts[r]` to rank `r` in rank order, and pushes
@@ -685,6 +716,42 @@ mod tests {
         assert_eq!(dealt(&g, 100, 3)[2], (vec![(72, 28)], 8));
         // Even splits are unchanged.
         assert_eq!(dealt(&g, 96, 2)[1], (vec![(48, 48)], 0));
+    }
+
+    /// The real lengths each rank holds of a plain `total` dealt so.
+    fn real_lens(total: u64, deal: Deal) -> Vec<u64> {
+        (0..deal.tp)
+            .map(|r| {
+                Groups::default()
+                    .slice_dealt(total, deal, r)
+                    .unwrap()
+                    .real_len()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn quantization_blocks_make_the_atoms_where_the_plain_ones_would_cut_them() {
+        // Qwen3-32B's 25600 MLP columns in FP8 blocks of 128: a 32nd (800) would cut them,
+        // so 200 blocks are dealt, 67/67/66 at tp 3; by shares 3,1 150/50.
+        let fp8 = |deal: Deal| deal.in_blocks(128);
+        assert_eq!(real_lens(25600, fp8(Deal::even(3))), [8576, 8576, 8448]);
+        let shares = "3,1".parse().ok();
+        assert_eq!(real_lens(25600, fp8(Deal::by(2, shares))), [19200, 6400]);
+        // An even piece that cuts them (1280 / 4 = 320, 2.5 blocks) is dealt in blocks.
+        assert_eq!(real_lens(1280, fp8(Deal::even(4))), [384, 384, 384, 128]);
+        // Even pieces of whole blocks, and plain atoms that are whole blocks, are unchanged.
+        assert_eq!(real_lens(25600, fp8(Deal::even(8))), [3200; 8]);
+        assert_eq!(
+            real_lens(5632, Deal::even(3).in_blocks(16)),
+            real_lens(5632, Deal::even(3))
+        );
+        // A length the blocks do not divide keeps its plain atoms (its weights' own
+        // check then says which blocks a piece would cut).
+        assert_eq!(
+            real_lens(100, Deal::even(3).in_blocks(128)),
+            real_lens(100, Deal::even(3))
+        );
     }
 
     #[test]

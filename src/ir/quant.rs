@@ -292,6 +292,16 @@ impl Quantized {
         }
     }
 
+    /// The elements a split of either stored dim keeps together: the least common multiple
+    /// of both dims' atoms (1 where neither has one). A dimension that one weight has as its
+    /// outputs and the next as its inputs (an MLP's columns) must fall on both.
+    pub fn split_block(&self) -> u64 {
+        [0, 1]
+            .into_iter()
+            .filter_map(|along| self.atom(along))
+            .fold(1, |b, (atom, _)| super::saturating::lcm(b, atom))
+    }
+
     /// Why a piece of dim `dim` of an `ndim`-dim weight (`total` elements along it) made of
     /// `ranges` would cut one of the blocks that share a scale: a range that starts inside a
     /// block, or ends inside one short of the dim's end. `None` when every range keeps its
@@ -317,6 +327,21 @@ impl Quantized {
             })
         })
     }
+}
+
+/// The elements an uneven split of a plain dimension (an MLP's columns) deals together in
+/// `graph`: every quantized weight's [`Quantized::split_block`], combined (1 when nothing
+/// is quantized). Plan-wide, so that every weight sharing a dimension, quantized or not
+/// (a bias), is dealt alike.
+pub fn graph_split_block(graph: &super::Graph) -> u64 {
+    graph
+        .g
+        .node_weights()
+        .filter_map(|n| match &n.op {
+            super::Op::Param(p) => p.quant,
+            _ => None,
+        })
+        .fold(1, |b, q| super::saturating::lcm(b, q.split_block()))
 }
 
 #[cfg(test)]

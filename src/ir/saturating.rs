@@ -11,8 +11,36 @@ pub fn sum(terms: impl IntoIterator<Item = u64>) -> u64 {
     terms.into_iter().fold(0u64, u64::saturating_add)
 }
 
+/// The greatest common divisor (`gcd(0, b) = b`).
+pub fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The least common multiple of `a` and `b` (0 where either is), or `u64::MAX` when it
+/// does not fit.
+pub fn lcm(a: u64, b: u64) -> u64 {
+    match gcd(a, b) {
+        0 => 0,
+        g => (a / g).saturating_mul(b),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn divisors_and_multiples() {
+        assert_eq!(super::gcd(800, 128), 32);
+        assert_eq!(super::gcd(0, 7), 7);
+        assert_eq!(super::lcm(800, 128), 3200);
+        assert_eq!(super::lcm(1, 128), 128);
+        assert_eq!(super::lcm(0, 5), 0);
+        assert_eq!(super::lcm(1 << 40, (1 << 40) - 1), u64::MAX);
+    }
+
     #[test]
     fn saturates_instead_of_wrapping() {
         assert_eq!(super::product([1 << 32, 1 << 32]), u64::MAX);

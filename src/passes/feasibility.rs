@@ -21,6 +21,8 @@ pub(crate) struct SplitDim {
     /// The weight's dims.
     ndim: usize,
     quant: Option<Quantized>,
+    /// The plan's quantization blocks (`ir::quant::graph_split_block`).
+    block: u64,
 }
 
 impl SplitDim {
@@ -44,11 +46,12 @@ impl SplitDim {
 
     /// Whether the dim splits evenly `tp` ways, blocks whole.
     pub fn fits(&self, tp: u64) -> bool {
-        self.problem(Deal::even(tp)).is_none()
+        self.problem(Deal::even(tp).in_blocks(self.block)).is_none()
     }
 }
 
 pub(crate) fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
+    let block = crate::ir::quant::graph_split_block(graph);
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
     for n in graph.g.node_weights() {
@@ -69,6 +72,7 @@ pub(crate) fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
                     dim,
                     ndim: p.shape.len(),
                     quant: p.quant,
+                    block,
                 },
             ));
         }

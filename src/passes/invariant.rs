@@ -18,13 +18,7 @@ use crate::ir::{ExactBlocks, Graph, Layout, NumericsMode, Op};
 /// is cut into equal parts (any finer cut keeps every split boundary).
 const MAX_BLOCK: u64 = 256;
 
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
+use crate::ir::saturating::gcd;
 
 /// `block` cut into the largest equal parts of at most `MAX_BLOCK` (kept whole when only
 /// tiny parts divide it).
@@ -57,6 +51,7 @@ pub fn mark_exact_linears(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         tp: 2,
         overrides: ctx.overrides.clone(),
         numerics: ctx.numerics,
+        block: ctx.block,
         ..Default::default()
     };
     assign_layouts(&mut nominal, &mut nominal_ctx)?;
@@ -90,7 +85,7 @@ pub fn mark_exact_linears(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
             .fold(0, |g, range| gcd(g, gcd(range.offset, range.len)))
     };
     let cuts = |depth: u64, groups: &crate::ir::Groups, t: u64| {
-        cuts_dealt(depth, groups, crate::ir::Deal::even(t))
+        cuts_dealt(depth, groups, crate::ir::Deal::even(t).in_blocks(ctx.block))
     };
     let blocks: Vec<u64> = linears
         .iter()

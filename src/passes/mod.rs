@@ -45,12 +45,15 @@ pub struct ShardCtx {
     pub numerics: NumericsMode,
     /// Each rank's share of every split dimension (`--tp-shares`); `None`: even.
     pub shares: Option<TpShares>,
+    /// The quantization blocks a plain dimension is dealt in (`ir::quant::graph_split_block`;
+    /// 0 or 1: none).
+    pub block: u64,
 }
 
 impl ShardCtx {
     /// How every split dimension is dealt over the ranks.
     pub fn deal(&self) -> Deal {
-        Deal::by(self.tp, self.shares)
+        Deal::by(self.tp, self.shares).in_blocks(self.block)
     }
 
     fn cycle_error(&self) -> TpcError {
@@ -159,6 +162,7 @@ pub fn shard_with(
         fuse_norm: options.fuse_norm,
         numerics: options.numerics,
         shares: options.shares,
+        block: crate::ir::quant::graph_split_block(&graph),
         ..Default::default()
     };
     run_passes(&mut graph, &mut ctx, PIPELINE)?;

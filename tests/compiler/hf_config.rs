@@ -1561,7 +1561,7 @@ fn qwen3_32b_with_the_fp8_releases_quantization_compiles_as_the_fp8_preset() {
     let dir = scratch.model_json("hf", &j);
     let hf = load(&dir);
     let preset = load(&root().join("models/qwen3-32b-fp8.ron"));
-    for tp in [1, 2, 4, 8] {
+    for tp in [1, 2, 3, 4, 6, 7, 8] {
         let a = compile(&hf, tp).unwrap().plan;
         let b = compile(&preset, tp).unwrap().plan;
         assert_same_plan_but_name(&a, &b, &format!("qwen3-32b fp8 tp={tp}"));
@@ -1573,14 +1573,22 @@ fn qwen3_32b_with_the_fp8_releases_quantization_compiles_as_the_fp8_preset() {
             .count();
         assert_eq!(quantized, 64 * 7, "tp={tp}");
     }
-    // tp 3 would deal the MLP's 25600 columns in 32 atoms of 800, cutting blocks of 128.
-    let e = compile(&hf, 3).err().unwrap().to_string();
-    assert!(
-        e.contains(
-            "elements 0..8800 of 25600 would cut the checkpoint's fp8 e4m3 scale blocks of 128"
-        ) && e.contains("Valid tp values for this model: 1, 2, 4, 5, 8,"),
-        "{e}"
-    );
+    // tp 3 deals the MLP's 25600 columns in its 200 blocks of 128 (a 32nd, 800, would cut
+    // them): 67/67/66 blocks, gate, up and down alike.
+    let plan = compile(&hf, 3).unwrap().plan;
+    for name in ["gate_proj", "up_proj", "down_proj"] {
+        let tensor = format!("model.layers.5.mlp.{name}.weight");
+        let real: Vec<u64> = plan
+            .ranks
+            .iter()
+            .map(|r| {
+                let w = r.weights.iter().find(|w| *w.tensor == *tensor).unwrap();
+                assert!(w.ranges.iter().all(|g| g.offset % 128 == 0), "{tensor}");
+                w.ranges.iter().map(|g| g.len).sum()
+            })
+            .collect();
+        assert_eq!(real, [8576, 8576, 8448], "{tensor}");
+    }
 }
 
 #[test]

@@ -161,6 +161,80 @@ fn fp8_checkpoints_match_transformers_at_every_tp_with_whole_blocks() {
     );
 }
 
+/// The fixture's MLP cut to 120 columns (15 of its blocks of 8): at tp 6 an even piece of 20
+/// columns would cut the blocks, so the columns are dealt in whole blocks (3/3/3/3/3/0,
+/// each rank's gate, up and down alike), and the run gives tp 1's logits and tokens. (Before,
+/// tp 6 was refused as cutting blocks.)
+#[test]
+fn a_width_whose_even_pieces_would_cut_blocks_is_dealt_in_blocks() {
+    const WIDTH: usize = 120;
+    // Row-major `[rows, cols]` bytes cut to the first `rows` rows or `cols` columns.
+    fn cut(shape: &[usize], bytes: Vec<u8>, rows: usize, cols: usize) -> Vec<u8> {
+        let es = bytes.len() / (shape[0] * shape[1]);
+        bytes
+            .chunks(shape[1] * es)
+            .take(rows)
+            .flat_map(|row| row[..cols * es].to_vec())
+            .collect()
+    }
+    let dir = crate::quant_int8::edited_copy(
+        Path::new(FIXTURE),
+        "fp8-mlp120",
+        |c| c["intermediate_size"] = serde_json::json!(WIDTH),
+        |name, dtype, shape, bytes| {
+            let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
+            let scale = name.ends_with("weight_scale_inv");
+            let keep = if scale { WIDTH / 8 } else { WIDTH };
+            let (rows, cols) = if name.contains("gate_proj") || name.contains("up_proj") {
+                (keep, cols)
+            } else if name.contains("down_proj") {
+                (rows, keep)
+            } else {
+                return Some((dtype, shape, bytes));
+            };
+            Some((dtype, vec![rows, cols], cut(&shape, bytes, rows, cols)))
+        },
+    );
+    let def = load_model(&dir).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let whole = compile(&def, 1).unwrap().plan;
+    let opts = RunOptions {
+        max_new_tokens: 4,
+        ..Default::default()
+    };
+    let prompt = read_reference(Path::new(FIXTURE)).prompt;
+    let want = run(&whole, &ckpt, &prompt, &opts).unwrap();
+    let plan = compile(&def, 6).unwrap().plan;
+    for tensor in ["gate_proj", "up_proj", "down_proj"] {
+        let real: Vec<u64> = plan
+            .ranks
+            .iter()
+            .map(|r| {
+                let w = r
+                    .weights
+                    .iter()
+                    .find(|w| *w.tensor == *format!("model.layers.0.mlp.{tensor}.weight"))
+                    .unwrap();
+                assert!(
+                    w.ranges.iter().all(|g| g.offset % 8 == 0 && g.len % 8 == 0),
+                    "{tensor}: {:?}",
+                    w.ranges
+                );
+                w.ranges.iter().map(|g| g.len).sum()
+            })
+            .collect();
+        assert_eq!(real, [24, 24, 24, 24, 24, 0], "{tensor}");
+    }
+    let got = run(&plan, &ckpt, &prompt, &opts).unwrap();
+    let err = rel_error(&got.prompt_logits.data, &want.prompt_logits.data);
+    assert!(
+        err <= REL_TOL,
+        "tp 6 against tp 1: relative error {err:.3e}"
+    );
+    assert_eq!(got.generated, want.generated);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_split_that_would_cut_a_block_is_refused_with_the_valid_tp() {
     // Blocks of 16 put both 8-wide kv heads in one block: no split keeps it whole.
