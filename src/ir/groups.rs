@@ -70,12 +70,19 @@ impl SplitProblem {
             SplitProblem::MoreRanksThanHeads { count, unit } => format!(
                 "{count} {unit} cannot be shared by tp={tp}: every rank needs at least one"
             ),
+            // Heads that declare their key/value groups deal whole groups unevenly, so
+            // these two are said only of heads that do not: say how to declare them.
+            SplitProblem::NotDivisible { count, unit } if *unit == "attention heads" => format!(
+                "{count} {unit} are not divisible by tp={tp} (declared with their key/value \
+                 groups, `kv_groups` as a preset's are, heads are dealt unevenly by whole groups)"
+            ),
             SplitProblem::NotDivisible { count, unit } => {
                 format!("{count} {unit} are not divisible by tp={tp}")
             }
             SplitProblem::NotShareable { count } => format!(
                 "{count} key/value heads cannot be shared by tp={tp}: tp must divide {count} \
-                 or be a multiple of it (then each kv head is replicated on tp/{count} ranks)"
+                 or be a multiple of it (then each kv head is replicated on tp/{count} ranks), \
+                 or the heads declare their key/value groups (`kv_groups`)"
             ),
             SplitProblem::LengthMismatch { structure, tensor } => format!(
                 "the declared head structure covers {structure} elements but the dimension has {tensor}"

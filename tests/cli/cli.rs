@@ -451,7 +451,8 @@ fn explicit_graph_compiles_to_the_preset_plan() {
         load("models/tiny-llama-explicit.ron"),
         load("models/tiny-llama.ron"),
     );
-    for tp in [1, 2, 4, 8] {
+    // Uneven tps too: the explicit heads declare their kv groups, as the preset's do.
+    for tp in 1..=8 {
         let mut a = tpc::pipeline::compile(&explicit, tp).unwrap().plan;
         let mut b = tpc::pipeline::compile(&preset, tp).unwrap().plan;
         // Each records the definition it came from; every other field is the same.
@@ -459,6 +460,22 @@ fn explicit_graph_compiles_to_the_preset_plan() {
         (a.source, b.source) = (None, None);
         assert_eq!(a, b, "tp={tp}");
     }
+    // Without the kv groups the heads split only evenly, and the refusal says how to
+    // declare them.
+    let dir = scratch("no-kv-groups");
+    let path = dir.join("explicit.ron");
+    let text = std::fs::read_to_string("models/tiny-llama-explicit.ron").unwrap();
+    std::fs::write(&path, text.replace(", kv_groups: 2", "")).unwrap();
+    let e = tpc::pipeline::compile(&load(path.to_str().unwrap()), 3)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("8 attention heads are not divisible by tp=3 (declared with their key/value groups, `kv_groups`")
+            && e.contains("Valid tp values for this model: 1, 2, 4, 8."),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
