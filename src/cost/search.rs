@@ -1,6 +1,7 @@
 //! `simulate --search`: every (tp, pp) layout a profile's devices hold, priced and ranked;
-//! for a mixture of experts also every tp × dp with the experts dealt over the dp replicas
-//! (`--dp D --ep`), the workload's batch then being the whole deployment's.
+//! for a mixture of experts also every tp × pp × dp with each stage's experts dealt over
+//! the dp replicas (`--pp P --dp D --ep`), the workload's batch then being the whole
+//! deployment's.
 //!
 //! Bounded by what tpc plans, whatever the profile's device count: tp up to
 //! [`MAX_TP`](crate::passes::feasibility::MAX_TP) and only the values the model splits into,
@@ -10,7 +11,7 @@
 //! to seconds.
 
 use super::profile::HwProfile;
-use super::simulate::{simulate_sharing_experts, Estimate, Numerics, StagedPlan, Workload};
+use super::simulate::{Estimate, Numerics, StagedPlan, Workload};
 use crate::error::TpcError;
 use crate::passes::feasibility::MAX_TP;
 use crate::plan::stages::MAX_PP;
@@ -21,9 +22,10 @@ use crate::plan::Plan;
 /// tp values the model takes (an infeasible split), only those are tried after it.
 /// `progress` is told each tp as its plan is priced, with the largest tp to be tried.
 /// Where `experts_span(plan)` (its experts can be dealt over replicas), each tp is also
-/// priced with D = 2.. replicas sharing the experts, one stage each, for every D that
-/// divides the batch (`work.batch / D` sequences a replica: the same sequences in all, so
-/// the throughputs compare) with tp · D at most the devices.
+/// priced with D = 2.. replicas sharing the experts, each of P = 1.. stages dealing its
+/// layers' experts over the same stage of the others, for every D that divides the batch
+/// (`work.batch / D` sequences a replica: the same sequences in all, so the throughputs
+/// compare) with tp · P · D at most the devices.
 pub fn search(
     hw: &HwProfile,
     work: Workload,
@@ -51,32 +53,42 @@ pub fn search(
         let max_pp = (hw.devices / tp).min(MAX_PP);
         let num = numerics(&plan);
         let staged = StagedPlan::new(&plan, max_pp, num);
+        let spans = experts_span(&plan);
         for pp in 1..=max_pp {
             // Past the layers (or the stages tpc cuts) every larger pp fails alike.
             match staged.estimate(hw, work, num, pp) {
                 Ok(e) => estimates.push(e),
                 Err(_) => break,
             }
-        }
-        if experts_span(&plan) {
-            estimates.extend(expert_replicas(&plan, hw, work, num));
+            if spans {
+                estimates.extend(expert_replicas(&staged, tp, pp, hw, work, num));
+            }
         }
     }
     estimates
 }
 
-/// `plan` on 2.. replicas sharing their experts: every D dividing the batch with tp · D at
-/// most the devices, each replica `work.batch / D` sequences.
-fn expert_replicas(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -> Vec<Estimate> {
-    let most = hw.devices / plan.tp.max(1);
+/// `pp` stages of a tp `tp` plan on 2.. replicas sharing their experts: every D dividing
+/// the batch with tp · pp · D at most the devices, each replica `work.batch / D` sequences.
+fn expert_replicas(
+    staged: &StagedPlan,
+    tp: u64,
+    pp: u64,
+    hw: &HwProfile,
+    work: Workload,
+    num: Numerics,
+) -> Vec<Estimate> {
+    let most = hw.devices / tp.max(1).saturating_mul(pp.max(1));
     (2..=most.min(work.batch))
         .filter(|dp| work.batch.is_multiple_of(*dp))
-        .map(|dp| {
+        .filter_map(|dp| {
             let per_replica = Workload {
                 batch: work.batch / dp,
                 ..work
             };
-            simulate_sharing_experts(plan, hw, per_replica, num, dp)
+            staged
+                .estimate_sharing_experts(hw, per_replica, num, pp, dp)
+                .ok()
         })
         .collect()
 }
@@ -85,7 +97,7 @@ fn expert_replicas(plan: &Plan, hw: &HwProfile, work: Workload, num: Numerics) -
 mod tests {
     use super::*;
     use crate::cost::shipped;
-    use crate::cost::simulate::simulate_pp;
+    use crate::cost::simulate::{simulate_pp, simulate_pp_sharing_experts};
 
     fn work() -> Workload {
         Workload {
@@ -168,27 +180,40 @@ mod tests {
             spans,
             |_, _| {},
         );
-        // Every dp dividing the batch of 8 with tp · dp at most 8, one stage each.
-        let mut replicas: Vec<(u64, u64)> = found
+        // Every dp dividing the batch of 8 with tp · pp · dp at most 8, each stage sharing
+        // its layers' experts with the same stage of the other replicas.
+        let mut replicas: Vec<(u64, u64, u64)> = found
             .iter()
             .filter(|e| e.dp > 1)
-            .map(|e| (e.tp, e.dp))
+            .map(|e| (e.tp, e.pp, e.dp))
             .collect();
         replicas.sort();
         assert_eq!(
             replicas,
-            [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (3, 2), (4, 2)]
+            [
+                (1, 1, 2),
+                (1, 1, 4),
+                (1, 1, 8),
+                (1, 2, 2),
+                (1, 2, 4),
+                (1, 3, 2),
+                (1, 4, 2),
+                (2, 1, 2),
+                (2, 1, 4),
+                (2, 2, 2),
+                (3, 1, 2),
+                (4, 1, 2)
+            ]
         );
         for e in found.iter().filter(|e| e.dp > 1) {
-            assert_eq!(e.pp, 1);
             let plan = crate::pipeline::compile(&def, e.tp).unwrap().plan;
             let per_replica = Workload {
                 batch: 8 / e.dp,
                 ..work
             };
-            let alone =
-                simulate_sharing_experts(&plan, &hw, per_replica, Numerics::of_plan(&plan), e.dp);
-            assert_eq!(e, &alone);
+            let num = Numerics::of_plan(&plan);
+            let alone = simulate_pp_sharing_experts(&plan, &hw, per_replica, num, e.pp, e.dp);
+            assert_eq!(e, &alone.unwrap(), "tp {} pp {} dp {}", e.tp, e.pp, e.dp);
         }
         // Eight replicas of one rank hold an eighth of the experts each.
         let get = |tp, dp| {
