@@ -761,6 +761,52 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+        /// Any plain length dealt over any tp, evenly or by shares, in blocks of any size:
+        /// the ranks' real pieces are one run each, in rank order, covering the length
+        /// exactly once; where the blocks divide the length every boundary is on a block.
+        #[test]
+        fn plain_pieces_cover_the_length_once_on_block_boundaries(
+            blocks in 1u64..400,
+            block in proptest::sample::select(vec![1u64, 8, 16, 32, 64, 128]),
+            cut in 0u64..3,
+            tp in 1u64..=12,
+            shares in proptest::collection::vec(1u64..=5, 12),
+            by_shares in proptest::bool::ANY,
+        ) {
+            // A length the blocks divide, or one a few elements short of it.
+            let total = (blocks * block).saturating_sub(cut).max(1);
+            let list = shares[..tp as usize]
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            let deal = if by_shares {
+                Deal::by(tp, list.parse().ok())
+            } else {
+                Deal::even(tp)
+            }
+            .in_blocks(block);
+            let mut next = 0;
+            for rank in 0..tp {
+                let piece = Groups::default().slice_dealt(total, deal, rank).unwrap();
+                proptest::prop_assert!(piece.ranges.len() <= 1, "{piece:?}");
+                for r in &piece.ranges {
+                    proptest::prop_assert_eq!(r.offset, next);
+                    next += r.len;
+                    if total.is_multiple_of(block) {
+                        proptest::prop_assert!(
+                            r.offset.is_multiple_of(block) && next.is_multiple_of(block),
+                            "total {total} block {block} tp {tp} {deal:?}: {r:?}"
+                        );
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(next, total);
+        }
+    }
+
     #[test]
     fn heads_with_kv_groups_deal_whole_groups_so_queries_keep_their_kv_heads() {
         let q = |count, groups| Groups::Heads {
