@@ -21,6 +21,8 @@ mod mutate;
 mod plan;
 #[path = "fuzz/rng.rs"]
 mod rng;
+#[path = "common/scratch.rs"]
+mod scratch_dir;
 #[path = "fuzz/supervise.rs"]
 mod supervise;
 

@@ -1,6 +1,7 @@
 //! The command line as users and scripts see it: exit codes, messages, JSON, plan files,
 //! pictures that Graphviz renders, and overrides.
 
+use crate::scratch::Scratch;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -20,11 +21,8 @@ fn stdout(o: &Output) -> String {
 }
 
 /// A fresh directory for one test's files.
-pub(crate) fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-cli-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+pub(crate) fn scratch(test: &str) -> Scratch {
+    Scratch::new("cli", test)
 }
 
 pub(crate) fn fails_cleanly(o: &Output) -> String {

@@ -2,6 +2,7 @@
 //! family, the chains that decided row splits, collective bytes that agree with
 //! `compile --json`, alternatives, patterns and refusals.
 
+use crate::scratch::Scratch;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::process::{Command, Output};
@@ -324,8 +325,7 @@ fn text_tells_the_story_and_patterns_filter() {
 
 #[test]
 fn an_override_is_named_and_its_alternative_compiled() {
-    let dir = std::env::temp_dir().join(format!("tpc-explain-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("explain", "override");
     let base = std::fs::read_to_string("models/tiny-llama.ron").unwrap();
     let text = base.replacen(
         "    dtype: F32,\n",

@@ -3,6 +3,7 @@
 //! or, for a closed pipe, a quiet exit 0.
 
 use crate::cli::tpc;
+use crate::scratch::Scratch;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -10,11 +11,8 @@ use std::process::{Command, Output, Stdio};
 const TINY: &str = "models/tiny-llama.ron";
 const CHECKPOINT: &str = "tests/fixtures/checkpoints/llama-gqa";
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-hardening-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(test: &str) -> Scratch {
+    Scratch::new("hardening", test)
 }
 
 /// Exit 1 with a message and no panic; returns stderr.

@@ -4,6 +4,7 @@
 //! would build more than any machine holds. Each is refused with exit 1 and a message,
 //! never a hang, a signal or an abort.
 
+use crate::scratch::Scratch;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -15,11 +16,8 @@ const CHECKPOINT: &str = "tests/fixtures/checkpoints/llama-gqa";
 /// takes, so that only a command that waits forever reaches it.
 const HANG: Duration = Duration::from_secs(120);
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-inputs-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(test: &str) -> Scratch {
+    Scratch::new("inputs", test)
 }
 
 /// A running `tpc` whose stderr goes to a file in `dir`.

@@ -11,4 +11,6 @@ mod outputs;
 mod plans;
 mod ranks;
 mod run_cli;
+#[path = "../common/scratch.rs"]
+mod scratch;
 mod simulate;

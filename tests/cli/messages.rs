@@ -4,17 +4,15 @@
 
 use crate::cli::tpc;
 use crate::hardening::refused;
+use crate::scratch::Scratch;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
 const CHECKPOINT: &str = "tests/fixtures/checkpoints/llama-gqa";
 const PROMPT: &str = "3,71,249,130,12,188,64";
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-messages-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(test: &str) -> Scratch {
+    Scratch::new("messages", test)
 }
 
 /// Exit 0; returns stdout.
@@ -253,7 +251,7 @@ fn a_rope_that_does_not_fit_the_heads_is_a_model_error() {
         ),
         // k without a head structure: a split could cut inside a head.
         (
-            "shape: [16, 64], groups: {0: Heads(count: 2, size: 8, replicable: true)}),\n                Node(name: \"model.layers.{i}.self_attn.k_proj\"",
+            "shape: [16, 64], groups: {0: Heads(count: 2, size: 8, replicable: true, kv_groups: 2)}),\n                Node(name: \"model.layers.{i}.self_attn.k_proj\"",
             "shape: [16, 64]),\n                Node(name: \"model.layers.{i}.self_attn.k_proj\"",
             "declares no head structure on dimension 0",
         ),

@@ -285,17 +285,34 @@ fn search_ranks_replicas_sharing_the_experts_beside_tp_and_pp() {
     );
     assert!(text.contains("the batch of 8 dealt over them"), "{text}");
     let ranked: Value = serde_json::from_str(&search("models/qwen3-30b-a3b.ron", true)).unwrap();
-    let mut layouts: Vec<(u64, u64)> = ranked
+    // (tp, pp, dp): every stage count too, each stage sharing its layers' experts.
+    let mut layouts: Vec<(u64, u64, u64)> = ranked
         .as_array()
         .unwrap()
         .iter()
         .filter(|e| e["dp"].as_u64().unwrap() > 1)
-        .map(|e| (e["tp"].as_u64().unwrap(), e["dp"].as_u64().unwrap()))
+        .map(|e| {
+            let n = |k: &str| e[k].as_u64().unwrap();
+            (n("tp"), n("pp"), n("dp"))
+        })
         .collect();
     layouts.sort();
     assert_eq!(
         layouts,
-        [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (3, 2), (4, 2)]
+        [
+            (1, 1, 2),
+            (1, 1, 4),
+            (1, 1, 8),
+            (1, 2, 2),
+            (1, 2, 4),
+            (1, 3, 2),
+            (1, 4, 2),
+            (2, 1, 2),
+            (2, 1, 4),
+            (2, 2, 2),
+            (3, 1, 2),
+            (4, 1, 2)
+        ]
     );
     // Each such row is what `simulate --dp D --ep` prices for the batch over D replicas.
     let alone: Value = serde_json::from_str(&ok(&tpc(&[
@@ -325,6 +342,39 @@ fn search_ranks_replicas_sharing_the_experts_beside_tp_and_pp() {
         .unwrap();
     assert_eq!(row["tokens_per_s"], alone["tokens_per_s"]);
     assert_eq!(row["memory_per_rank_bytes"], alone["memory_per_rank_bytes"]);
+    // And a staged row is what `simulate --pp P --dp D --ep` prices.
+    let staged: Value = serde_json::from_str(&ok(&tpc(&[
+        "simulate",
+        "models/qwen3-30b-a3b.ron",
+        "--hw",
+        "h100-sxm-nvswitch-8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--ep",
+        "--batch",
+        "4",
+        "--prompt-len",
+        "512",
+        "--gen",
+        "128",
+        "--json",
+    ])))
+    .unwrap();
+    let row = ranked
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["tp"] == 2 && e["pp"] == 2 && e["dp"] == 2)
+        .unwrap();
+    assert_eq!(row["tokens_per_s"], staged["tokens_per_s"]);
+    assert_eq!(
+        row["memory_per_rank_bytes"],
+        staged["memory_per_rank_bytes"]
+    );
     let dense = search("models/llama3-8b.ron", false);
     assert!(
         dense

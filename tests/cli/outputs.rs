@@ -6,6 +6,7 @@
 //! replaced a device by a file would replace that one, never the system's `/dev/null`.
 
 use crate::cli::tpc;
+use crate::scratch::Scratch;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -13,11 +14,8 @@ use std::process::{Command, Output};
 const TINY: &str = "models/tiny-llama.ron";
 const CHECKPOINT: &str = "tests/fixtures/checkpoints/llama-gqa";
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-outputs-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(test: &str) -> Scratch {
+    Scratch::new("outputs", test)
 }
 
 fn ok(o: &Output) -> String {

@@ -1,5 +1,6 @@
 //! `tpc run` as users drive it: saved plans, prompt files, refusals before loading.
 
+use crate::scratch::Scratch;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -35,11 +36,8 @@ fn fails(o: &Output) -> String {
     e
 }
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-run-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(test: &str) -> Scratch {
+    Scratch::new("run", test)
 }
 
 #[test]
@@ -868,7 +866,7 @@ fn a_text_prompt_matches_hf_tokenizer_and_generate_token_for_token() {
 }
 
 /// A copy of the text fixture folder, less `drop`, with `replace`'s files written over.
-fn text_model_copy(test: &str, drop: &[&str], replace: &[(&str, &str)]) -> PathBuf {
+fn text_model_copy(test: &str, drop: &[&str], replace: &[(&str, &str)]) -> Scratch {
     let dir = scratch(test);
     for entry in std::fs::read_dir(TEXT_MODEL).unwrap() {
         let path = entry.unwrap().path();
@@ -1018,7 +1016,8 @@ fn verify_numerics_invariant_checks_every_bit_and_a_plan_records_the_mode() {
         "{out}"
     );
     // The mode is in the plan; a saved plan cannot be given another.
-    let plan = scratch("numerics").join("plan.json");
+    let scratch_dir = scratch("numerics");
+    let plan = scratch_dir.join("plan.json");
     let p = plan.to_str().unwrap();
     ok(&tpc(&[
         "compile",

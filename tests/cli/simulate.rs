@@ -1,5 +1,6 @@
 //! `tpc simulate`: the JSON contract, refusals, and `--search` over the shipped profiles.
 
+use crate::scratch::Scratch;
 use std::process::{Command, Output};
 
 fn tpc(args: &[&str]) -> Output {
@@ -190,8 +191,7 @@ fn bad_requests_and_profiles_are_refused() {
     ]);
     assert_eq!(e.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&e.stderr).contains("needs 16 devices"));
-    let dir = std::env::temp_dir().join(format!("tpc-simulate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("simulate", "profiles");
     let bad = dir.join("bad.ron");
     let text = std::fs::read_to_string(NVSWITCH)
         .unwrap()
@@ -283,8 +283,7 @@ fn pipeline_stages_show_in_the_json() {
 
 #[test]
 fn a_quick_calibration_writes_a_profile_that_simulate_accepts() {
-    let dir = std::env::temp_dir().join(format!("tpc-calibrate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("simulate", "calibrate");
     let out = dir.join("host.ron");
     let o = tpc(&["calibrate", "--quick", "-o", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -524,8 +523,7 @@ fn compile_with_a_profile_keeps_the_cheaper_plan_and_says_why() {
 /// padding); alike devices keep the even split.
 #[test]
 fn unequal_devices_get_shares_proposed() {
-    let dir = std::env::temp_dir().join(format!("tpc-unequal-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("simulate", "unequal");
     let with_speeds = |text: &str, name: &str, speeds: &str| {
         let end = text.trim_end().rfind(')').unwrap();
         let edited = format!(

@@ -7,3 +7,5 @@ mod golden;
 mod hf_config;
 mod plan_verify;
 mod property;
+#[path = "../common/scratch.rs"]
+mod scratch;

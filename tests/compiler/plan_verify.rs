@@ -2,6 +2,7 @@
 //! that reads a plan file) refuses it with a message naming the rank, the instruction and
 //! what would be right.
 
+use crate::scratch::Scratch;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use tpc::error::plan::{Place, Problem};
@@ -9,11 +10,8 @@ use tpc::plan::Plan;
 use tpc::TpcError;
 
 /// A fresh directory for one test's files.
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-plan-verify-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(test: &str) -> Scratch {
+    Scratch::new("plan-verify", test)
 }
 
 fn compiled() -> Plan {

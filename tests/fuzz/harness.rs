@@ -4,6 +4,7 @@
 //! is a failure, written under `target/fuzz-failures/<kind>/` with the reproducing seed.
 
 use super::rng::{case_seed, Rng};
+use crate::scratch_dir::Scratch;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -319,11 +320,8 @@ pub fn assert_clean(kind: &str, stats: &Stats) {
 }
 
 /// A per-process scratch directory for a kind's files.
-pub fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-fuzz-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a scratch directory");
-    dir
+pub fn scratch(name: &str) -> Scratch {
+    Scratch::new("fuzz", name)
 }
 
 /// Every file in `dir` (sorted), as seeds labelled by their path.

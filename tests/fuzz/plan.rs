@@ -94,6 +94,8 @@ pub fn kind(json: bool) -> Kind {
         max_len: 4 << 20,
         mutator: bytes_mutator,
         target: Box::new(move |bytes| {
+            // The directory lives (and is removed) with the target.
+            let _dir = &dir;
             std::fs::write(&file, bytes).expect("the scratch plan");
             let _ = Plan::looks_like_plan(&file);
             match Plan::load(&file) {

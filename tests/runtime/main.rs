@@ -6,6 +6,8 @@
 mod common;
 #[path = "../contract/mod.rs"]
 mod contract;
+#[path = "../common/scratch.rs"]
+mod scratch;
 
 mod backend_contract;
 mod batch;

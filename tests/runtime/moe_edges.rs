@@ -9,10 +9,11 @@
 //! show), and top-k equal to the number of experts.
 
 use crate::common::{read_reference, rel_error, REL_TOL};
+use crate::scratch::Scratch;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tpc::frontend::load::load_model;
 use tpc::ir::ExpertSplit;
 use tpc::passes::ShardOptions;
@@ -24,11 +25,8 @@ use tpc::runtime::weights::Checkpoint;
 const MIXTRAL: &str = "tests/fixtures/checkpoints/mixtral-moe";
 const EXPERTS: usize = 8;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-moe-edges-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    Scratch::new("moe-edges", name)
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -92,7 +90,7 @@ fn config(dir: &str) -> Value {
 /// The Mixtral fixture with zero routers, `top_k` experts per token, and the experts no
 /// token can pick (those past `top_k`) poisoned with NaN; and its dense Llama twin, whose
 /// MLP is the first `top_k` experts side by side, each down scaled by `1 / top_k`.
-fn tied_and_twin(top_k: usize) -> (PathBuf, PathBuf) {
+fn tied_and_twin(top_k: usize) -> (Scratch, Scratch) {
     let src = tensors(Path::new(MIXTRAL));
     let moe_dir = scratch(&format!("tied-{top_k}"));
     let mut moe_config = config(MIXTRAL);

@@ -2,9 +2,10 @@
 //! weights, repeatable bits, a failing rank that stops every rank, checkpoint problems
 //! reported before compute, sharded checkpoints.
 
+use crate::scratch::Scratch;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 use tpc::frontend::load::load_model;
@@ -24,11 +25,8 @@ use tpc::runtime::tensor::Tensor;
 use tpc::runtime::verify::{verify_plans, VerifyReport};
 use tpc::runtime::weights::Checkpoint;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-runtime-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    Scratch::new("runtime", name)
 }
 
 #[test]
@@ -379,7 +377,7 @@ fn a_corrupted_plan_is_refused_before_any_rank_runs() {
 fn edited_checkpoint(
     name: &str,
     edit: impl Fn(&str, Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>,
-) -> PathBuf {
+) -> Scratch {
     let src = Path::new("tests/fixtures/checkpoints/llama-gqa");
     let dir = scratch(name);
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
