@@ -11,25 +11,25 @@
 mod common;
 
 use common::{fixtures, read_reference};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 #[path = "mpi/serve.rs"]
 mod serve;
+#[path = "common/scratch.rs"]
+mod scratch_dir;
 #[path = "common/serve_client.rs"]
 mod serve_client;
+use scratch_dir::Scratch;
 
 const TPC: &str = env!("CARGO_BIN_EXE_tpc");
 
 /// Past this a run is hung: the test kills it and fails (a guard, not a speed limit).
 const HANG: Duration = Duration::from_secs(300);
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpc-mpi-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(test: &str) -> Scratch {
+    Scratch::new("mpi", test)
 }
 
 fn mpirun(np: usize) -> Command {
@@ -434,9 +434,11 @@ fn replicas_as_processes_print_in_input_order() {
 }
 
 /// A run of tp 2 × pp 2 as four processes that takes minutes on its own (a batch of 64
-/// prompts, generated 1000 times), so that a rank fails in the middle of it.
-fn long_run(test: &str) -> Command {
-    let prompts = scratch(test).join("prompts.jsonl");
+/// prompts, generated 1000 times), so that a rank fails in the middle of it; with the
+/// directory of its prompts, which must outlive it.
+fn long_run(test: &str) -> (Command, Scratch) {
+    let dir = scratch(test);
+    let prompts = dir.join("prompts.jsonl");
     let lines: String = (0..64)
         .map(|i| format!("{{\"prompt_ids\": [{}, 71, 249]}}\n", 3 + i))
         .collect();
@@ -456,7 +458,7 @@ fn long_run(test: &str) -> Command {
         "--repeat",
         "1000",
     ]);
-    c
+    (c, dir)
 }
 
 #[test]
@@ -469,7 +471,7 @@ fn a_rank_that_errors_or_panics_ends_every_process() {
         ),
         (3, "panic", "rank 3: panicked on purpose"),
     ] {
-        let mut c = long_run(kind);
+        let (mut c, _dir) = long_run(kind);
         c.env("TPC_FAULT_INJECT", format!("{rank}:{kind}"));
         let o = run(c, kind);
         let err = String::from_utf8_lossy(&o.stderr);
@@ -512,7 +514,8 @@ fn ranks_of(parent: u32) -> Vec<(u32, usize)> {
 
 #[test]
 fn a_rank_killed_with_sigkill_ends_every_process() {
-    let child = long_run("sigkill")
+    let (mut command, _dir) = long_run("sigkill");
+    let child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -554,7 +557,7 @@ fn a_rank_killed_with_sigkill_ends_every_process() {
 /// Two network namespaces joined by a veth pair, standing in for two hosts; removed on drop.
 struct TwoHosts {
     names: [String; 2],
-    dir: PathBuf,
+    dir: Scratch,
 }
 
 const HOST_IPS: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
@@ -971,7 +974,8 @@ fn ranks_with_another_command_or_launcher_are_refused_without_waiting() {
         "--max-new-tokens",
         "3",
     ]);
-    let compile_out = scratch("command").join("plan.ron");
+    let command_dir = scratch("command");
+    let compile_out = command_dir.join("plan.ron");
     let compile = strings(&[
         "compile",
         GQA,

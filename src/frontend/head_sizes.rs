@@ -185,7 +185,7 @@ mod tests {
     #[test]
     fn a_plain_weight_feeding_a_rope_must_declare_its_heads() {
         let def = explicit_with(
-            "shape: [16, 64], groups: {0: Heads(count: 2, size: 8, replicable: true)}),\n                Node(name: \"model.layers.{i}.self_attn.k_proj\"",
+            "shape: [16, 64], groups: {0: Heads(count: 2, size: 8, replicable: true, kv_groups: 2)}),\n                Node(name: \"model.layers.{i}.self_attn.k_proj\"",
             "shape: [16, 64]),\n                Node(name: \"model.layers.{i}.self_attn.k_proj\"",
         );
         let e = refusal(&def);
