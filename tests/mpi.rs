@@ -15,10 +15,10 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "mpi/serve.rs"]
-mod serve;
 #[path = "common/scratch.rs"]
 mod scratch_dir;
+#[path = "mpi/serve.rs"]
+mod serve;
 #[path = "common/serve_client.rs"]
 mod serve_client;
 use scratch_dir::Scratch;
