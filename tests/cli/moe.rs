@@ -314,67 +314,44 @@ fn search_ranks_replicas_sharing_the_experts_beside_tp_and_pp() {
             (4, 1, 2)
         ]
     );
-    // Each such row is what `simulate --dp D --ep` prices for the batch over D replicas.
-    let alone: Value = serde_json::from_str(&ok(&tpc(&[
-        "simulate",
-        "models/qwen3-30b-a3b.ron",
-        "--hw",
-        "h100-sxm-nvswitch-8",
-        "--tp",
-        "2",
-        "--dp",
-        "4",
-        "--ep",
-        "--batch",
-        "2",
-        "--prompt-len",
-        "512",
-        "--gen",
-        "128",
-        "--json",
-    ])))
-    .unwrap();
-    let row = ranked
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["tp"] == 2 && e["dp"] == 4)
+    // Each such row is what `simulate --pp P --dp D --ep` prices alone for the batch over D
+    // replicas, with one stage or more.
+    for (tp, pp, dp) in [(2u64, 1u64, 4u64), (2, 2, 2)] {
+        let [tp_s, pp_s, dp_s, batch] = [tp, pp, dp, 8 / dp].map(|n| n.to_string());
+        let alone: Value = serde_json::from_str(&ok(&tpc(&[
+            "simulate",
+            "models/qwen3-30b-a3b.ron",
+            "--hw",
+            "h100-sxm-nvswitch-8",
+            "--tp",
+            &tp_s,
+            "--pp",
+            &pp_s,
+            "--dp",
+            &dp_s,
+            "--ep",
+            "--batch",
+            &batch,
+            "--prompt-len",
+            "512",
+            "--gen",
+            "128",
+            "--json",
+        ])))
         .unwrap();
-    assert_eq!(row["tokens_per_s"], alone["tokens_per_s"]);
-    assert_eq!(row["memory_per_rank_bytes"], alone["memory_per_rank_bytes"]);
-    // And a staged row is what `simulate --pp P --dp D --ep` prices.
-    let staged: Value = serde_json::from_str(&ok(&tpc(&[
-        "simulate",
-        "models/qwen3-30b-a3b.ron",
-        "--hw",
-        "h100-sxm-nvswitch-8",
-        "--tp",
-        "2",
-        "--pp",
-        "2",
-        "--dp",
-        "2",
-        "--ep",
-        "--batch",
-        "4",
-        "--prompt-len",
-        "512",
-        "--gen",
-        "128",
-        "--json",
-    ])))
-    .unwrap();
-    let row = ranked
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["tp"] == 2 && e["pp"] == 2 && e["dp"] == 2)
-        .unwrap();
-    assert_eq!(row["tokens_per_s"], staged["tokens_per_s"]);
-    assert_eq!(
-        row["memory_per_rank_bytes"],
-        staged["memory_per_rank_bytes"]
-    );
+        let row = ranked
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["tp"] == tp && e["pp"] == pp && e["dp"] == dp)
+            .unwrap();
+        let what = format!("tp {tp} pp {pp} dp {dp}");
+        assert_eq!(row["tokens_per_s"], alone["tokens_per_s"], "{what}");
+        assert_eq!(
+            row["memory_per_rank_bytes"], alone["memory_per_rank_bytes"],
+            "{what}"
+        );
+    }
     let dense = search("models/llama3-8b.ron", false);
     assert!(
         dense
