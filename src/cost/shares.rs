@@ -7,6 +7,7 @@ use super::profile::HwProfile;
 use super::rank_speed::RankSpeed;
 use super::simulate::{simulate_as, Estimate, Numerics, Workload};
 use crate::error::TpcError;
+use crate::ir::saturating::gcd;
 use crate::ir::shares::MAX_SHARE;
 use crate::ir::TpShares;
 use crate::plan::Plan;
@@ -71,8 +72,6 @@ fn speed_candidates(speeds: &[RankSpeed]) -> Vec<TpShares> {
     }
     out
 }
-
-use crate::ir::saturating::gcd;
 
 /// Prices the even split and every candidate for the profile's `rank_speeds` (one rank
 /// each), and returns the fastest decode; `compile` makes the plan for given shares (`None`:

@@ -12,13 +12,12 @@ use super::propagate::assign_layouts;
 use super::ShardCtx;
 use crate::error::{Result, TpcError};
 use crate::ir::numerics::MAX_INVARIANT_RANKS as MAX_RANKS;
+use crate::ir::saturating::gcd;
 use crate::ir::{ExactBlocks, Graph, Layout, NumericsMode, Op};
 
 /// Largest block the kernels take without losing their cache blocking; a block above it
 /// is cut into equal parts (any finer cut keeps every split boundary).
 const MAX_BLOCK: u64 = 256;
-
-use crate::ir::saturating::gcd;
 
 /// `block` cut into the largest equal parts of at most `MAX_BLOCK` (kept whole when only
 /// tiny parts divide it).
