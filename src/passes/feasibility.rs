@@ -50,8 +50,9 @@ impl SplitDim {
     }
 }
 
-pub(crate) fn split_dims(graph: &Graph) -> Vec<(String, SplitDim)> {
-    let block = crate::ir::quant::graph_split_block(graph);
+/// Every distinct split dimension of `graph`'s weights; `block` is the plan's quantization
+/// blocks (`ShardCtx::block`).
+pub(crate) fn split_dims(graph: &Graph, block: u64) -> Vec<(String, SplitDim)> {
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
     for n in graph.g.node_weights() {
@@ -96,7 +97,7 @@ pub fn tensor_pattern(tensor: &str) -> String {
 }
 
 pub fn check_feasibility(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
-    let dims = split_dims(graph);
+    let dims = split_dims(graph, ctx.block);
     let tp = ctx.tp;
     // One reason per distinct constraint, with every weight it concerns.
     let mut reasons: Vec<(String, Vec<String>)> = Vec::new();
@@ -284,7 +285,7 @@ pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result
         };
         if let (Op::LocalSlice(_), None, Some(len)) = (&node.op, ctx.shares, len) {
             if len % ctx.tp != 0 {
-                let dims = split_dims(graph);
+                let dims = split_dims(graph, ctx.block);
                 return Err(TpcError::Infeasible {
                     model: graph.name.clone(),
                     tp: ctx.tp,
@@ -361,7 +362,7 @@ fn check_gathered_heads_disjoint(
     if disjoint(Deal::by(ctx.tp, ctx.shares)) {
         return Ok(());
     }
-    let dims = split_dims(graph);
+    let dims = split_dims(graph, ctx.block);
     Err(TpcError::Infeasible {
         model: graph.name.clone(),
         tp: ctx.tp,

@@ -54,7 +54,7 @@ pub fn mark_exact_linears(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
         ..Default::default()
     };
     assign_layouts(&mut nominal, &mut nominal_ctx)?;
-    let dims = split_dims(&nominal);
+    let dims = split_dims(&nominal, nominal_ctx.block);
     let valid: Vec<u64> = (2..=MAX_RANKS)
         .filter(|&t| dims.iter().all(|(_, d)| d.fits(t)))
         .collect();
