@@ -248,6 +248,40 @@ impl AllGatherOp {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ReduceScatterOp {
     pub dim: u32,
+    /// Per-rank counts, set by partitioning where the ranks keep unequal parts of a dim
+    /// that is not the sequence's (a `tp_plan` override that splits the hidden state at a
+    /// tp that does not divide it, or `--tp-shares`): rank `r` keeps the sum of its
+    /// `pieces[r]` entries after the earlier ranks', padded with zeros to the largest, as
+    /// an uneven local slice keeps them. Empty: even pieces.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pieces: Vec<u64>,
+    /// Where each rank's piece starts, set where pieces overlap (kv heads replicated on
+    /// several ranks); empty: after the earlier ranks' pieces.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub starts: Vec<u64>,
+}
+
+impl ReduceScatterOp {
+    /// An even reduce-scatter along `dim`.
+    pub fn even(dim: u32) -> ReduceScatterOp {
+        ReduceScatterOp {
+            dim,
+            pieces: Vec::new(),
+            starts: Vec::new(),
+        }
+    }
+}
+
+/// Rank `rank`'s window of an uneven cut (a local slice's or a reduce-scatter's `pieces`
+/// and `starts`): its offset, its real length, and the width every rank's piece is padded
+/// to (the largest).
+pub fn piece_window(pieces: &[u64], starts: &[u64], rank: usize) -> (u64, u64, u64) {
+    let offset = match starts.get(rank) {
+        Some(&s) => s,
+        None => super::saturating::sum(pieces.iter().take(rank).copied()),
+    };
+    let len = pieces.get(rank).copied().unwrap_or(0);
+    (offset, len, pieces.iter().copied().max().unwrap_or(0))
 }
 
 /// Keep this rank's piece of a replicated value along `dim` (no communication).
@@ -260,6 +294,10 @@ pub struct LocalSliceOp {
     /// zeros to the largest. Empty: even pieces.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pieces: Vec<u64>,
+    /// Where each rank's piece starts, set where pieces overlap (kv heads replicated on
+    /// several ranks); empty: after the earlier ranks' pieces.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub starts: Vec<u64>,
 }
 
 impl LocalSliceOp {
@@ -268,6 +306,7 @@ impl LocalSliceOp {
         LocalSliceOp {
             dim,
             pieces: Vec::new(),
+            starts: Vec::new(),
         }
     }
 }
@@ -448,11 +487,24 @@ impl Op {
                 }
                 text
             }
-            Op::ReduceScatter(r) => format!("dim={}", r.dim),
-            Op::LocalSlice(s) if s.pieces.is_empty() => format!("dim={}", s.dim),
-            Op::LocalSlice(s) => {
-                let list: Vec<String> = s.pieces.iter().map(u64::to_string).collect();
-                format!("dim={} pieces={}", s.dim, list.join("/"))
+            Op::ReduceScatter(ReduceScatterOp {
+                dim,
+                pieces,
+                starts,
+            })
+            | Op::LocalSlice(LocalSliceOp {
+                dim,
+                pieces,
+                starts,
+            }) => {
+                let mut text = format!("dim={dim}");
+                for (name, list) in [("pieces", pieces), ("starts", starts)] {
+                    if !list.is_empty() {
+                        let list: Vec<String> = list.iter().map(u64::to_string).collect();
+                        text.push_str(&format!(" {name}={}", list.join("/")));
+                    }
+                }
+                text
             }
             Op::Route(r) => format!(
                 "top_k={}{}",

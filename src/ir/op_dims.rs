@@ -792,7 +792,7 @@ pub(crate) mod tests {
                 unpad_to: None,
                 pieces: Vec::new(),
             }),
-            Op::ReduceScatter(ReduceScatterOp { dim: 2 }),
+            Op::ReduceScatter(ReduceScatterOp::even(2)),
             Op::LocalSlice(LocalSliceOp::even(2)),
             Op::Route(RouteOp {
                 top_k: 2,

@@ -249,79 +249,17 @@ fn notes_for(groups: &Groups, len: u64, deal: Deal, notes: &mut Vec<String>) {
     }
 }
 
-/// Refuses a local slice of a dim that tp does not divide and that no split linear reads
-/// (one that a linear reads cuts its weight's pieces, `plan::partition`), and under
-/// `--tp-shares` a plan that locally slices a split dimension for another op, or
-/// all-gathers one that no split linear deals (an all-gather joins the pieces by their
-/// per-rank counts, which `plan::partition` takes from that linear's weight: the logits'
-/// vocabulary, or an MLP product or attention output a `tp_plan` override reads whole). A
-/// local slice cuts even pieces that the shares' weights do not match. Only a `tp_plan`
-/// override that makes an op read a split value whole, or a whole value split, brings
-/// such a collective into a plan.
-pub fn check_shared_collectives(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
+/// Refuses an all-gather of heads that are replicated on several ranks. (Gathers, local
+/// slices and reduce-scatters of unequal pieces are partitioned with per-rank counts: those
+/// of the weight that deals or reads the dim, or a plain deal of it, `plan::partition`.)
+pub fn check_gathers_join_disjoint_pieces(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
     for id in graph.g.node_indices() {
         let node = graph.node(id);
-        let dim = match &node.op {
-            Op::AllGather(g) => g.dim,
-            Op::LocalSlice(s) => s.dim,
-            _ => continue,
-        };
-        if node.fact.shape.is_sequence(dim) {
-            continue;
-        }
-        if matches!(node.op, Op::AllGather(_)) {
-            check_gathered_heads_disjoint(graph, id, dim, ctx)?;
-        }
-        // A local slice that a split linear reads cuts that weight's pieces; any other cuts
-        // even ones, so the dim must divide by tp.
-        let sliced_for_weight = crate::ir::dealing::slicing_weight(graph, id)
-            .is_some_and(|w| matches!(graph.node(w).layout, Some(Layout::Split { .. })));
-        if matches!(node.op, Op::LocalSlice(_)) && sliced_for_weight {
-            continue;
-        }
-        let len = match node.fact.shape.0.get(dim as usize) {
-            Some(crate::ir::Dim::Fixed(n)) => Some(*n),
-            _ => None,
-        };
-        if let (Op::LocalSlice(_), None, Some(len)) = (&node.op, ctx.shares, len) {
-            if len % ctx.tp != 0 {
-                let dims = split_dims(graph, ctx.block);
-                return Err(TpcError::Infeasible {
-                    model: graph.name.clone(),
-                    tp: ctx.tp,
-                    reasons: vec![format!(
-                        "`{}` cuts a whole value's {len} entries into {} even pieces (a tp_plan override makes an op read it split), and {len} does not divide by {}; drop the override for this tp",
-                        node.name, ctx.tp, ctx.tp
-                    )],
-                    valid: valid_tps(&dims, |t| len % t == 0),
-                });
-            }
-            continue;
-        }
-        let counted = matches!(node.op, Op::AllGather(_))
-            && graph
-                .inputs(id)
-                .first()
-                .and_then(|&p| crate::ir::dealing::dealing_linear(graph, p, dim))
-                .is_some();
-        let Some(shares) = ctx.shares else {
+        let Op::AllGather(g) = &node.op else {
             continue;
         };
-        if !counted {
-            return Err(TpcError::SharesUnsupported {
-                model: graph.name.clone(),
-                shares: shares.to_string(),
-                problem: match node.op {
-                    Op::AllGather(_) => format!(
-                        "`{}` all-gathers a dimension dealt by the shares that no split linear deals (a tp_plan override makes an op read it whole), so the pieces' counts are unknown; drop the override or the shares",
-                        node.name
-                    ),
-                    _ => format!(
-                        "`{}` cuts a whole value into even pieces on each rank (a tp_plan override makes an op read it split), which the pieces the shares deal would not match; drop the override or the shares",
-                        node.name
-                    ),
-                },
-            });
+        if !node.fact.shape.is_sequence(g.dim) {
+            check_gathered_heads_disjoint(graph, id, g.dim, ctx)?;
         }
     }
     Ok(())

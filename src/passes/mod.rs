@@ -73,8 +73,8 @@ pub const PIPELINE: &[(&str, Pass)] = &[
     ("mark_exact_linears", invariant::mark_exact_linears),
     ("insert_collectives", insert_collectives::insert_collectives),
     (
-        "check_shared_collectives",
-        feasibility::check_shared_collectives,
+        "check_gathers_join_disjoint_pieces",
+        feasibility::check_gathers_join_disjoint_pieces,
     ),
     ("check_partials", partial_check::check_partials),
     ("find_regions", regions::find_regions),

@@ -11,7 +11,7 @@ pub fn reshard(from: Layout, to: Layout) -> Option<Vec<Op>> {
         (Replicated, Replicated) | (Partial, Partial) => vec![],
         (Split { dim: a }, Split { dim: b }) if a == b => vec![],
         (Partial, Replicated) => vec![Op::AllReduce(AllReduceOp::default())],
-        (Partial, Split { dim }) => vec![Op::ReduceScatter(ReduceScatterOp { dim })],
+        (Partial, Split { dim }) => vec![Op::ReduceScatter(ReduceScatterOp::even(dim))],
         (Split { dim }, Replicated) => vec![Op::AllGather(AllGatherOp {
             dim,
             unpad_to: None,

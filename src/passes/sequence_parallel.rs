@@ -96,7 +96,7 @@ pub fn split_sequence(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
             };
             let node = graph.node_mut(id);
             if let Op::AllReduce(_) = node.op {
-                node.op = Op::ReduceScatter(ReduceScatterOp { dim });
+                node.op = Op::ReduceScatter(ReduceScatterOp::even(dim));
                 let base = node
                     .name
                     .strip_suffix(".all_reduce")

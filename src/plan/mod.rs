@@ -82,6 +82,19 @@ pub struct Collective {
     pub ring_wire_bytes_per_token: u64,
 }
 
+impl Collective {
+    /// How many times a ring moves the message for `op` (the rank's instruction): twice
+    /// for an all-reduce (a reduce-scatter and an all-gather), a norm fused with one, and a
+    /// reduce-scatter of unequal pieces (an all-reduce that each rank cuts); once otherwise.
+    pub fn ring_passes(op: &Op) -> f64 {
+        match op {
+            Op::AllReduce(_) | Op::RmsNorm(_) => 2.0,
+            Op::ReduceScatter(r) if !r.pieces.is_empty() => 2.0,
+            _ => 1.0,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionInfo {
     pub layer: Option<u32>,

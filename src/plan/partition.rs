@@ -6,8 +6,8 @@ use crate::error::{Result, TpcError};
 use crate::ir::op_dims::dims;
 use crate::ir::shape::infer;
 use crate::ir::{
-    AllGatherOp, Deal, Dim, DimSlice, Graph, LocalSliceOp, NodeId, Op, ParamOp, ReduceScatterOp,
-    Shape,
+    AllGatherOp, Deal, Dim, DimSlice, Graph, Groups, LocalSliceOp, NodeId, Op, ParamOp,
+    ReduceScatterOp, Shape,
 };
 use crate::passes::Sharded;
 use smallvec::SmallVec;
@@ -101,6 +101,11 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
     for (i, &n) in order.iter().enumerate() {
         id_of[n.index()] = i as u32;
     }
+    let deal = sharded.ctx.deal();
+    let cut: Vec<Cut> = order
+        .iter()
+        .map(|&n| cut_pieces(graph, n, deal))
+        .collect::<Result<_>>()?;
     // Shared by all ranks: inputs as value ids, and which ops only rank 0 runs.
     let walk = Walk {
         inputs: order
@@ -110,12 +115,9 @@ pub fn partition(sharded: &Sharded) -> Result<Plan> {
         rank0_keep: order.iter().map(|&n| rank0_only(graph, n)).collect(),
         gather_pieces: order
             .iter()
-            .map(|&n| gather_pieces(graph, n, sharded.ctx.deal()))
+            .map(|&n| gather_pieces(graph, n, deal, &|c| cut[id_of[c.index()] as usize].clone()))
             .collect::<Result<_>>()?,
-        slice_pieces: order
-            .iter()
-            .map(|&n| slice_pieces(graph, n, sharded.ctx.deal()))
-            .collect::<Result<_>>()?,
+        cut_pieces: cut,
         order,
     };
     let mut ranks = Vec::with_capacity(tp as usize);
@@ -160,19 +162,35 @@ struct Walk {
     rank0_keep: Vec<Option<usize>>,
     /// Each all-gather's per-rank counts (`AllGatherOp::pieces`); empty for other ops.
     gather_pieces: Vec<Vec<u64>>,
-    /// Each uneven local slice's per-rank counts (`LocalSliceOp::pieces`).
-    slice_pieces: Vec<Vec<u64>>,
+    /// Each uneven local slice's or reduce-scatter's per-rank pieces.
+    cut_pieces: Vec<Cut>,
 }
 
-/// The per-rank real counts of an all-gather's dim under unequal shares: each rank's piece
-/// of the weight of the linear that deals the gathered dim (the LM head's vocabulary for
-/// the logits; gate/up's columns for an MLP product an override reads whole), which must
-/// be one run of the dim, the ranks' runs in rank order. Empty without shares
-/// (every piece is whole but the last ones' end padding, which `unpad_to` drops) and for
-/// other ops. Sequence gathers keep their run-time token blocks.
-fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
+/// The per-rank pieces of an uneven local slice or reduce-scatter (`LocalSliceOp::pieces`
+/// and `::starts`, the same of `ReduceScatterOp`); both empty where even.
+#[derive(Debug, Clone, Default)]
+struct Cut {
+    pieces: Vec<u64>,
+    starts: Vec<u64>,
+}
+
+/// The per-rank real counts of an all-gather's dim where the ranks hold unequal real
+/// parts: under unequal shares, each rank's piece of the weight of the linear that deals
+/// the gathered dim (the LM head's vocabulary for the logits; gate/up's columns for an MLP
+/// product an override reads whole), which must be one run of the dim, the ranks' runs in
+/// rank order; the pieces of the reduce-scatter or local slice that split it (`cut`, by
+/// node); else, where nothing deals the dim (a `tp_plan` override that splits the
+/// embeddings' hidden columns), a plain deal of it. Empty where the pieces are whole but
+/// the last ones' end padding (which `unpad_to` drops) and for other ops. Sequence gathers
+/// keep their run-time token blocks.
+fn gather_pieces(
+    graph: &Graph,
+    id: NodeId,
+    deal: Deal,
+    cut: &dyn Fn(NodeId) -> Cut,
+) -> Result<Vec<u64>> {
     let node = graph.node(id);
-    let (Op::AllGather(g), Some(_)) = (&node.op, deal.shares) else {
+    let Op::AllGather(g) = &node.op else {
         return Ok(Vec::new());
     };
     if node.fact.shape.is_sequence(g.dim) {
@@ -183,36 +201,175 @@ fn gather_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
         shares: deal.shares.map(|s| s.to_string()).unwrap_or_default(),
         problem: format!("`{}` {problem}", node.name),
     };
-    let weight = graph
+    let dealer = graph
         .inputs(id)
         .first()
-        .and_then(|&p| crate::ir::dealing::dealing_weight(graph, p, g.dim))
-        .map(|w| graph.node(w));
-    let Some((Op::Param(p), Some(Layout::Split { dim }))) = weight.map(|w| (&w.op, w.layout))
-    else {
-        return Err(refuse(
-            "gathers a dim that no split linear deals, so its pieces' counts are unknown".into(),
-        ));
-    };
-    run_counts(p, dim, deal, "gathers", &refuse)
+        .and_then(|&p| crate::ir::dealing::dealing_op(graph, p, g.dim));
+    match dealer.map(|d| (d, &graph.node(d).op)) {
+        Some((linear, Op::Linear(_))) => {
+            let weight = graph.inputs(linear).get(1).map(|&w| graph.node(w));
+            let Some((Op::Param(p), Some(Layout::Split { dim }))) =
+                weight.map(|w| (&w.op, w.layout))
+            else {
+                return Err(refuse(
+                    "gathers a dim whose linear's weight is not split, so its pieces' counts are unknown".into(),
+                ));
+            };
+            let len = p.shape.get(dim as usize).copied().unwrap_or(0);
+            // A part of a fused q|k|v product (GPT-2, NeoX) is dealt as its part of the
+            // weight's dim.
+            let input = graph.inputs(id).first().copied();
+            let part = input
+                .and_then(|x| crate::ir::dealing::unfuse_on_trail(graph, x, g.dim))
+                .and_then(|u| match &graph.node(u).op {
+                    Op::Unfuse(u) => Some(u),
+                    _ => None,
+                });
+            let pieces = match part {
+                Some(u) => part_counts(&u.groups, u.part, deal, &p.tensor, &refuse),
+                None => run_counts(&p.groups_of(dim), len, &p.tensor, deal, "gathers", &refuse),
+            };
+            match (pieces, deal.shares) {
+                (pieces, Some(_)) => pieces,
+                // Unequal pieces of an uneven tp too (query heads dealt by kv group:
+                // 16/16/32 at tp 3, not the 32/32/0 of whole padded pieces); none where
+                // they are whole but the last ones' end padding (a padded vocabulary).
+                (Ok(pieces), None) => Ok(match end_padded(&pieces) {
+                    true => Vec::new(),
+                    false => pieces,
+                }),
+                (Err(e), None) => Err(bug("partition", &node.name, e.to_string())),
+            }
+        }
+        Some((cutter, _)) => match cut(cutter) {
+            Cut { pieces, starts } if starts.is_empty() => Ok(pieces),
+            _ => Err(refuse(format!(
+                "gathers the pieces `{}` cut, which overlap (heads replicated on several ranks), so they cannot be joined; use a tp at most the heads' count",
+                graph.node(cutter).name
+            ))),
+        },
+        None => Ok(plain_cut(graph, id, g.dim, deal, &refuse)?.pieces),
+    }
 }
 
-/// Each rank's real length of `p`'s split `dim`, which must be one run per rank, the runs
-/// in rank order (so that the real parts in rank order rebuild the dim); `refuse` names
-/// the op (`what` it does) otherwise.
-fn run_counts(
-    p: &ParamOp,
+/// Each rank's real count of part `part` of a fused dim structured by `groups`: a
+/// `Concat`'s part dealt on its own; an `Interleaved` one's share of each rank's whole heads.
+fn part_counts(
+    groups: &Groups,
+    part: u32,
+    deal: Deal,
+    what_of: &str,
+    refuse: &dyn Fn(String) -> TpcError,
+) -> Result<Vec<u64>> {
+    let unknown = || {
+        refuse(format!(
+            "gathers part {part} of `{what_of}`, which it does not have"
+        ))
+    };
+    match groups {
+        Groups::Concat(parts) => {
+            let g = parts.get(part as usize).ok_or_else(unknown)?;
+            let len = g.covered_len().ok_or_else(unknown)?;
+            run_counts(g, len, what_of, deal, "gathers", refuse)
+        }
+        Groups::Interleaved { heads, parts } => {
+            let size = parts.get(part as usize).copied().ok_or_else(unknown)?;
+            let per_head: u64 = parts.iter().sum();
+            let len = heads.checked_mul(per_head).ok_or_else(unknown)?;
+            let whole = run_counts(groups, len, what_of, deal, "gathers", refuse)?;
+            Ok(whole.iter().map(|&c| c / per_head.max(1) * size).collect())
+        }
+        _ => Err(unknown()),
+    }
+}
+
+/// The pieces of a plain deal of dim `dim` of value `id` (every entry its own atom, as a
+/// weight's plain dims are dealt).
+fn plain_cut(
+    graph: &Graph,
+    id: NodeId,
     dim: u32,
+    deal: Deal,
+    refuse: &dyn Fn(String) -> TpcError,
+) -> Result<Cut> {
+    let node = graph.node(id);
+    let Some(len) = node.fact.shape.fixed_at(dim as usize) else {
+        return Ok(Cut::default());
+    };
+    cut_by(&Groups::default(), len, &node.name, deal, refuse)
+}
+
+/// Whether `pieces` are whole pieces of the largest's size but for the last ones' end
+/// padding (what an all-gather without counts joins, `AllGatherOp::real_counts`).
+fn end_padded(pieces: &[u64]) -> bool {
+    let local = pieces.iter().copied().max().unwrap_or(0);
+    let mut left: u64 = pieces.iter().sum();
+    pieces.iter().all(|&p| {
+        let whole = local.min(left);
+        left -= whole;
+        p == whole
+    })
+}
+
+fn uneven_or_empty(pieces: Vec<u64>) -> Vec<u64> {
+    match pieces.windows(2).all(|w| w[0] == w[1]) {
+        true => Vec::new(),
+        false => pieces,
+    }
+}
+
+/// Each rank's piece of a `len`-long dim of `what_of` structured by `groups`, which must
+/// be one run per rank; where the runs follow each other in rank order, their counts, else
+/// (heads replicated on several ranks) their starts too. Empty where the pieces are even.
+fn cut_by(
+    groups: &Groups,
+    len: u64,
+    what_of: &str,
+    deal: Deal,
+    refuse: &dyn Fn(String) -> TpcError,
+) -> Result<Cut> {
+    let mut cut = Cut::default();
+    for rank in 0..deal.tp {
+        let piece = groups
+            .slice_dealt(len, deal, rank)
+            .map_err(|e| refuse(e.describe(deal.tp)))?;
+        if piece.ranges.len() > 1 || piece.padded_inside() {
+            return Err(refuse(format!(
+                "cuts pieces of `{what_of}` that are not one run each"
+            )));
+        }
+        cut.starts
+            .push(piece.ranges.first().map_or(0, |r| r.offset));
+        cut.pieces.push(piece.real_len());
+    }
+    let mut next = 0u64;
+    let in_order = cut.pieces.iter().zip(&cut.starts).all(|(&p, &s)| {
+        let at = next;
+        next = next.saturating_add(p);
+        p == 0 || s == at
+    });
+    if in_order {
+        cut.starts.clear();
+        cut.pieces = uneven_or_empty(cut.pieces);
+    }
+    Ok(cut)
+}
+
+/// Each rank's real length of a `len`-long dim of `what_of` structured by `groups`, which
+/// must be one run per rank, the runs in rank order (so that the real parts in rank order
+/// rebuild the dim); `refuse` names the op (`what` it does) otherwise.
+fn run_counts(
+    groups: &Groups,
+    len: u64,
+    what_of: &str,
     deal: Deal,
     what: &str,
     refuse: &dyn Fn(String) -> TpcError,
 ) -> Result<Vec<u64>> {
-    let len = p.shape.get(dim as usize).copied().unwrap_or(0);
     let mut pieces = Vec::with_capacity(deal.tp as usize);
     let mut next = 0u64;
     for rank in 0..deal.tp {
-        let piece = p
-            .groups_of(dim)
+        let piece = groups
             .slice_dealt(len, deal, rank)
             .map_err(|e| refuse(e.describe(deal.tp)))?;
         let real = piece.real_len();
@@ -221,8 +378,7 @@ fn run_counts(
             || piece.ranges.first().is_some_and(|r| r.offset != next)
         {
             return Err(refuse(format!(
-                "{what} pieces of `{}` that are not one run each in rank order",
-                p.tensor
+                "{what} pieces of `{what_of}` that are not one run each in rank order"
             )));
         }
         next += real;
@@ -231,35 +387,39 @@ fn run_counts(
     Ok(pieces)
 }
 
-/// The per-rank counts of a local slice whose pieces are uneven (a dim that tp does not
-/// divide evenly, or dealt by `--tp-shares`): the real lengths of the split input dim of
-/// the linear that reads the slice. Empty where the pieces are even (or the dim is the
-/// sequence's, cut at run time) and for other ops.
-fn slice_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Vec<u64>> {
+/// The per-rank counts of a local slice or a non-sequence reduce-scatter whose pieces are
+/// uneven (a dim that tp does not divide evenly, or dealt by `--tp-shares`): the real
+/// lengths of the dim of the weight whose structure fixes them (`dealing::cutting_weight`:
+/// the linear that dealt or made the value, or a split weight reading it), or, where none
+/// does (the embeddings' hidden columns), of a plain deal of the dim. Empty where the
+/// pieces are even (or the dim is the sequence's, cut at run time) and for other ops.
+fn cut_pieces(graph: &Graph, id: NodeId, deal: Deal) -> Result<Cut> {
     let node = graph.node(id);
-    let Op::LocalSlice(s) = &node.op else {
-        return Ok(Vec::new());
+    let dim = match &node.op {
+        Op::LocalSlice(s) => s.dim,
+        Op::ReduceScatter(r) => r.dim,
+        _ => return Ok(Cut::default()),
     };
-    if node.fact.shape.is_sequence(s.dim) {
-        return Ok(Vec::new());
+    if node.fact.shape.is_sequence(dim) {
+        return Ok(Cut::default());
     }
     let refuse = |problem: String| {
         bug(
             "partition",
             &node.name,
-            format!("its slice cannot follow the weight that reads it: {problem}"),
+            format!("its pieces cannot follow the weight that fixes them: {problem}"),
         )
     };
-    let Some(p) = crate::ir::dealing::slicing_weight(graph, id) else {
-        return Ok(Vec::new());
+    let weight =
+        crate::ir::dealing::cutting_weight(graph, id).and_then(|(w, at)| match &graph.node(w).op {
+            Op::Param(p) => Some((p, at)),
+            _ => None,
+        });
+    let Some((p, at)) = weight else {
+        return plain_cut(graph, id, dim, deal, &refuse);
     };
-    let (Op::Param(p), Some(Layout::Split { dim })) = (&graph.node(p).op, graph.node(p).layout)
-    else {
-        return Ok(Vec::new());
-    };
-    let pieces = run_counts(p, dim, deal, "slices", &refuse)?;
-    let even = pieces.windows(2).all(|w| w[0] == w[1]);
-    Ok(if even { Vec::new() } else { pieces })
+    let len = p.shape.get(at as usize).copied().unwrap_or(0);
+    cut_by(&p.groups_of(at), len, &p.tensor, deal, &refuse)
 }
 
 fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<RankProgram> {
@@ -348,17 +508,27 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
                     shape,
                 }
             }
-            Op::LocalSlice(s) if !walk.slice_pieces[pos].is_empty() => {
-                s.pieces = walk.slice_pieces[pos].clone();
-                let local = s.pieces.iter().copied().max().unwrap_or(0);
-                let shape = resize(&local_in[0].shape, s.dim, |_| Some(local))
-                    .ok_or_else(|| bad("a local slice of a symbolic dim".into()))?;
+            Op::ReduceScatter(ReduceScatterOp {
+                dim,
+                pieces,
+                starts,
+            })
+            | Op::LocalSlice(LocalSliceOp {
+                dim,
+                pieces,
+                starts,
+            }) if !walk.cut_pieces[pos].pieces.is_empty() => {
+                *pieces = walk.cut_pieces[pos].pieces.clone();
+                *starts = walk.cut_pieces[pos].starts.clone();
+                let local = pieces.iter().copied().max().unwrap_or(0);
+                let shape = resize(&local_in[0].shape, *dim, |_| Some(local))
+                    .ok_or_else(|| bad("an uneven cut of a symbolic dim".into()))?;
                 TensorFact {
                     dtype: local_in[0].dtype,
                     shape,
                 }
             }
-            Op::ReduceScatter(ReduceScatterOp { dim })
+            Op::ReduceScatter(ReduceScatterOp { dim, .. })
             | Op::LocalSlice(LocalSliceOp { dim, .. }) => {
                 let dim = *dim;
                 let shape = resize(&local_in[0].shape, dim, |n| (n % tp == 0).then_some(n / tp))
@@ -404,7 +574,10 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
 fn drop_dead(instrs: &mut Vec<Instr>, weights: &mut Vec<WeightSlice>) {
     let mut live = vec![false; instrs.iter().map(|i| i.id as usize + 1).max().unwrap_or(0)];
     for i in instrs.iter().rev() {
-        if matches!(i.op, Op::Output(_)) || live[i.id as usize] {
+        // Every rank issues every collective, with its own piece, even where its result
+        // is not used on this rank (a replicated NeoX `dense` whose output only rank 0
+        // adds to the layer's partial sum still gathers each rank's heads).
+        if matches!(i.op, Op::Output(_)) || i.op.is_collective() || live[i.id as usize] {
             live[i.id as usize] = true;
             for &a in &i.inputs {
                 live[a as usize] = true;
@@ -445,19 +618,16 @@ fn collectives(graph: &Graph, order: &[NodeId], rank0: &RankProgram, tp: u64) ->
             .and_then(|i| local.get(i))
             .map(|i| i.fact.shape.fixed_elements())
             .unwrap_or(0);
-        let (elements, wire_factor) = match node.op {
-            // The whole reduced value moves; ring: reduce-scatter + all-gather.
-            Op::AllReduce(_) => (input_elems, 2.0 * (tp - 1) as f64 / tp as f64),
-            // A norm fused with the all-reduce of its input moves what the all-reduce did.
-            Op::RmsNorm(_) => (input_elems, 2.0 * (tp - 1) as f64 / tp as f64),
+        let elements = match node.op {
             // Over the sequence each token's row moves whole.
             Op::AllGather(AllGatherOp { dim, .. }) if instr.fact.shape.is_sequence(dim) => {
-                (input_elems, (tp - 1) as f64 / tp as f64)
+                input_elems
             }
             // The gathered value, padding included.
-            Op::AllGather(_) => (input_elems * tp, (tp - 1) as f64 / tp as f64),
-            _ => (input_elems, (tp - 1) as f64 / tp as f64),
+            Op::AllGather(_) => input_elems * tp,
+            _ => input_elems,
         };
+        let wire_factor = Collective::ring_passes(&instr.op) * (tp - 1) as f64 / tp as f64;
         let bytes = elements * instr.fact.dtype.size_bytes();
         out.push(Collective {
             id: id as u32,

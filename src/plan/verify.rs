@@ -583,7 +583,7 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             unpad_to: None,
             ..
         })
-        | Op::ReduceScatter(ReduceScatterOp { dim })
+        | Op::ReduceScatter(ReduceScatterOp { dim, .. })
         | Op::LocalSlice(LocalSliceOp { dim, .. })
             if inputs[0].shape.is_sequence(*dim) =>
         {
@@ -616,22 +616,44 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             }
             Ok(with_dim(x, g.dim, size))
         }
-        Op::LocalSlice(s) if !s.pieces.is_empty() => {
+        Op::ReduceScatter(ReduceScatterOp {
+            dim,
+            pieces,
+            starts,
+        })
+        | Op::LocalSlice(LocalSliceOp {
+            dim,
+            pieces,
+            starts,
+        }) if !pieces.is_empty() => {
             let x = inputs[0];
-            let n = moved_dim(op.kind(), s.dim, x)?;
-            let counted = s.pieces.iter().try_fold(0u64, |t, &p| t.checked_add(p));
-            let local = s.pieces.iter().copied().max().unwrap_or(0);
-            if s.pieces.len() as u64 != tp || counted != Some(n) {
+            let n = moved_dim(op.kind(), *dim, x)?;
+            let counted = pieces.iter().try_fold(0u64, |t, &p| t.checked_add(p));
+            let local = pieces.iter().copied().max().unwrap_or(0);
+            // Pieces one after another cover the dim once; placed by `starts` (replicated
+            // heads), each lies inside it.
+            let fits = match starts.is_empty() {
+                true => counted == Some(n),
+                false => {
+                    starts.len() == pieces.len()
+                        && starts
+                            .iter()
+                            .zip(pieces)
+                            .all(|(&s, &p)| s.checked_add(p).is_some_and(|end| end <= n))
+                }
+            };
+            if pieces.len() as u64 != tp || !fits {
                 return Err(Problem::BadPieces {
-                    pieces: s.pieces.clone(),
+                    pieces: pieces.clone(),
                     tp,
                     local,
                     size: n,
                 });
             }
-            Ok(with_dim(x, s.dim, local))
+            Ok(with_dim(x, *dim, local))
         }
-        Op::ReduceScatter(ReduceScatterOp { dim }) | Op::LocalSlice(LocalSliceOp { dim, .. }) => {
+        Op::ReduceScatter(ReduceScatterOp { dim, .. })
+        | Op::LocalSlice(LocalSliceOp { dim, .. }) => {
             let x = inputs[0];
             let n = moved_dim(op.kind(), *dim, x)?;
             if tp == 0 || n % tp != 0 {
@@ -845,12 +867,7 @@ fn listed_sizes(
         i.issued.elements
     };
     let bytes = elements.and_then(|e| e.checked_mul(i.instr.fact.dtype.size_bytes()));
-    // A ring all-reduce is a reduce-scatter and an all-gather: twice the traffic.
-    let steps = if matches!(&i.instr.op, Op::AllReduce(_) | Op::RmsNorm(_)) {
-        2.0
-    } else {
-        1.0
-    };
+    let steps = super::Collective::ring_passes(&i.instr.op);
     let ring = match (bytes, tp) {
         (Some(b), 1..) => Some((b as f64 * (steps * (tp - 1) as f64 / tp as f64)).round() as u64),
         _ => None,

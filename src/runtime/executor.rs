@@ -21,6 +21,7 @@ use super::norm_steps::NormSteps;
 use super::stage_link::StageLink;
 use super::tensor::Tensor;
 use super::weights::WeightSource;
+use crate::ir::op::piece_window;
 use crate::ir::{op_dims, Groups, InputKind, Layout, NumericsMode, Op, RopeOp, WeightOrder};
 use crate::plan::{Instr, RankProgram};
 use std::collections::{HashMap, HashSet};
@@ -1557,6 +1558,29 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 }
                 self.values_of_sum(i, summed?)?
             }
+            Op::ReduceScatter(r) if !r.pieces.is_empty() => {
+                // Unequal parts (a dim that tp does not divide, or shares): every rank sums
+                // the whole value and keeps its piece, after the earlier ranks', padded with
+                // zeros to the largest (as an uneven local slice keeps it). Twice a
+                // reduce-scatter's bytes, only where an override splits a dim so.
+                let mut sum = b.copy(x(0)?).map_err(&err)?;
+                self.collective_bytes += message_bytes(&sum);
+                let ran = match self.comm.all_reduce_sum_planned(&mut sum, None) {
+                    Ok(ran) => ran,
+                    Err(e) => {
+                        b.release(sum);
+                        return Err(e.into());
+                    }
+                };
+                self.all_reduces.add(ran);
+                let sum = self.values_of_sum(i, sum)?;
+                let (offset, len, width) = piece_window(&r.pieces, &r.starts, self.rank);
+                let piece = b
+                    .column_window(&sum, offset as usize, len as usize, width as usize)
+                    .map_err(&err);
+                b.release(sum);
+                piece?
+            }
             Op::ReduceScatter(_) => {
                 // Column blocks to rank-major row blocks, one per rank, each rank keeping its sum.
                 let x = x(0)?;
@@ -1580,11 +1604,11 @@ impl<'a, B: Backend, C: Collectives<B::Act>> RankExecutor<'a, B, C> {
                 b.row_window(x, offset, blocks[self.rank]).map_err(err)?
             }
             Op::LocalSlice(l) if !l.pieces.is_empty() => {
-                // This rank's uneven piece, after the earlier ranks', padded to the largest.
-                let offset = l.pieces.iter().take(self.rank).sum::<u64>() as usize;
-                let len = l.pieces.get(self.rank).copied().unwrap_or(0) as usize;
-                let width = l.pieces.iter().copied().max().unwrap_or(0) as usize;
-                b.column_window(x(0)?, offset, len, width).map_err(err)?
+                // This rank's uneven piece (after the earlier ranks' or where `starts`
+                // places it), padded to the largest.
+                let (offset, len, width) = piece_window(&l.pieces, &l.starts, self.rank);
+                b.column_window(x(0)?, offset as usize, len as usize, width as usize)
+                    .map_err(err)?
             }
             Op::LocalSlice(_) => b.column_block(x(0)?, self.rank, self.tp).map_err(err)?,
             Op::Route(r) => {

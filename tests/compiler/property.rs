@@ -1096,3 +1096,71 @@ proptest! {
         report(&c, check_shares(&c, &shares))?;
     }
 }
+
+/// One `tp_plan` override of a Llama-like model's weights: a pattern and its word.
+fn any_override() -> impl Strategy<Value = (&'static str, tpc::frontend::TpWord)> {
+    use tpc::frontend::TpWord;
+    (
+        prop::sample::select(vec![
+            "model.embed_tokens",
+            "model.layers.*.self_attn.q_proj",
+            "model.layers.*.self_attn.k_proj",
+            "model.layers.*.self_attn.v_proj",
+            "model.layers.*.self_attn.o_proj",
+            "model.layers.*.mlp.gate_proj",
+            "model.layers.*.mlp.up_proj",
+            "model.layers.*.mlp.down_proj",
+        ]),
+        prop::sample::select(vec![TpWord::Colwise, TpWord::Rowwise, TpWord::Replicate]),
+    )
+}
+
+/// A random `tp_plan` override at a random tp (1 to 8) or random shares: a plan that
+/// verifies, or a refusal that is not tpc's own error (a pass leaving a broken graph).
+/// Overrides that split what no linear deals (the hidden state) or cut replicated kv heads
+/// once failed in partitioning at uneven tps.
+fn check_override(
+    c: &FamilyConfig,
+    (pattern, word): (&str, tpc::frontend::TpWord),
+    tp: u64,
+    shares: Option<&[u64]>,
+) -> Check {
+    let mut c = c.clone();
+    c.tp_plan.insert(pattern.into(), word);
+    let def = ModelDef::Preset(c);
+    let (tp, options) = match shares {
+        Some(s) => {
+            let list: Vec<String> = s.iter().map(u64::to_string).collect();
+            let options = tpc::passes::ShardOptions {
+                shares: Some(list.join(",").parse().map_err(|e: String| e)?),
+                ..Default::default()
+            };
+            (s.len() as u64, options)
+        }
+        None => (tp, Default::default()),
+    };
+    let at = format!("{pattern}: {} at tp {tp} shares {shares:?}", word.word());
+    match tpc::pipeline::compile_with(&def, tp, options) {
+        Ok(compiled) => compiled
+            .plan
+            .verify()
+            .map_err(|e| format!("{at}: the plan does not verify: {e}")),
+        Err(e @ TpcError::Verify { .. }) => Err(format!("{at}: {e}")),
+        Err(_) => Ok(()),
+    }
+}
+
+proptest! {
+    #![proptest_config(config(96))]
+
+    /// Random Llama-like models with a random override, at a random tp or random shares.
+    #[test]
+    fn overrides_give_a_verified_plan_or_a_clear_refusal(
+        c in llama_like(),
+        over in any_override(),
+        tp in 1u64..=8,
+        shares in proptest::option::of(any_shares()),
+    ) {
+        report(&c, check_override(&c, over, tp, shares.as_deref()))?;
+    }
+}

@@ -306,7 +306,7 @@ fn collectives_change_the_split_dim_by_tp() {
         dtype: DType::F32,
         shape: Shape::tokens(&[64]),
     };
-    let rs = Op::ReduceScatter(ReduceScatterOp { dim: 2 });
+    let rs = Op::ReduceScatter(ReduceScatterOp::even(2));
     let ls = Op::LocalSlice(LocalSliceOp::even(2));
     for op in [&rs, &ls] {
         assert_eq!(
