@@ -135,6 +135,90 @@ fn every_fixture_as_processes_equals_threads_and_hf() {
     assert!(ran.len() >= 49, "{ran:?}");
 }
 
+/// `tp_plan` overrides that cut unequal pieces run as processes (`tpc bench` on seeded
+/// weights: `tpc run` takes checkpoints, whose configs carry no override): the hidden state
+/// reduce-scattered by a rowwise `up_proj` (an all-reduce each rank cuts), the attention
+/// output gathered by kv group before a replicated `o_proj`, replicated kv heads cut by
+/// their starts under a rowwise `k_proj`, shares, and a replicated NeoX `dense` (whose
+/// gather rank 1 once dropped). Each completes, issuing the collectives of the same run as
+/// threads (rank 0's bytes and number of all-reduces). Their numerics against HF are the runtime
+/// suite's (`tp_shares::overrides_that_split_undealt_dims_cut_unequal_pieces`).
+#[test]
+fn uneven_override_cuts_run_as_processes() {
+    let dir = scratch("override");
+    let up = r#""model.layers.*.mlp.up_proj": rowwise"#;
+    for (model, over, np, shares) in [
+        ("tiny-llama", up, 3usize, ""),
+        (
+            "tiny-llama",
+            r#""model.layers.*.self_attn.o_proj": replicate"#,
+            3,
+            "",
+        ),
+        (
+            "tiny-llama",
+            r#""model.layers.*.self_attn.k_proj": rowwise"#,
+            4,
+            "",
+        ),
+        ("tiny-llama", up, 2, "1,3"),
+        (
+            "tiny-neox",
+            r#""gpt_neox.layers.*.attention.dense": replicate"#,
+            3,
+            "",
+        ),
+    ] {
+        let base = std::fs::read_to_string(format!("models/{model}.ron")).unwrap();
+        let tp_plan = format!("    dtype: F32,\n    tp_plan: {{{over}}},\n");
+        let text = base.replacen("    dtype: F32,\n", &tp_plan, 1);
+        assert_ne!(text, base);
+        let what = format!("{model} {over} np={np} shares={shares}");
+        let file = what.replace([' ', '=', ',', '*', '.', '"', ':'], "_");
+        let path = dir.join(format!("{file}.ron"));
+        std::fs::write(&path, text).unwrap();
+        let mut args = strings(&[
+            "bench",
+            path.to_str().unwrap(),
+            "--tp",
+            &np.to_string(),
+            "--prompt-len",
+            "4",
+            "--max-new-tokens",
+            "3",
+            "--repeat",
+            "1",
+            "--threads-per-rank",
+            "1",
+        ]);
+        if !shares.is_empty() {
+            args.extend(strings(&["--tp-shares", shares]));
+        }
+        let report = |out: String| -> serde_json::Value {
+            serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{what}: {e}: {out}"))
+        };
+        let mut c = Command::new(TPC);
+        c.args(&args);
+        let threads = report(ok(run(c, &what), &what));
+        let mut c = mpirun(np);
+        c.args(&args);
+        let procs = report(ok(run(c, &what), &what));
+        assert_eq!(procs["processes"], np, "{what}: {procs}");
+        assert_eq!(procs["generated"], 3, "{what}: {procs}");
+        assert_eq!(
+            procs["collective_bytes_rank0"], threads["collective_bytes_rank0"],
+            "{what}"
+        );
+        // MPI_Allreduce picks its own algorithm (`unreported`): the counts must agree.
+        let all_reduces = |r: &serde_json::Value| -> u64 {
+            let algorithms = r["all_reduce_algorithms_rank0"].as_object().unwrap();
+            algorithms.values().filter_map(|n| n.as_u64()).sum()
+        };
+        assert_eq!(all_reduces(&procs), all_reduces(&threads), "{what}");
+        assert!(all_reduces(&procs) > 0, "{what}: {procs}");
+    }
+}
+
 /// `tpc run fixture` as `np` MPI processes gives the tokens of the same run as threads,
 /// HF's greedy tokens, and logits bit-identical to the threads'.
 fn processes_equal_threads_and_hf(

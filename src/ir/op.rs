@@ -272,6 +272,40 @@ impl ReduceScatterOp {
     }
 }
 
+/// What a local slice or a reduce-scatter cuts: its dim, and its uneven pieces and their
+/// starts (empty: even pieces; starts empty: one after another).
+#[derive(Debug, Clone, Copy)]
+pub struct Cut<'a> {
+    pub dim: u32,
+    pub pieces: &'a [u64],
+    pub starts: &'a [u64],
+}
+
+impl Op {
+    /// The cut of a local slice or a reduce-scatter; `None` for other ops.
+    pub fn cut(&self) -> Option<Cut<'_>> {
+        let (dim, pieces, starts) = match self {
+            Op::ReduceScatter(r) => (r.dim, &r.pieces, &r.starts),
+            Op::LocalSlice(s) => (s.dim, &s.pieces, &s.starts),
+            _ => return None,
+        };
+        Some(Cut {
+            dim,
+            pieces,
+            starts,
+        })
+    }
+
+    /// Sets a local slice's or a reduce-scatter's uneven `pieces` and `starts`.
+    pub fn set_cut(&mut self, pieces: Vec<u64>, starts: Vec<u64>) {
+        match self {
+            Op::ReduceScatter(r) => (r.pieces, r.starts) = (pieces, starts),
+            Op::LocalSlice(s) => (s.pieces, s.starts) = (pieces, starts),
+            _ => {}
+        }
+    }
+}
+
 /// Rank `rank`'s window of an uneven cut (a local slice's or a reduce-scatter's `pieces`
 /// and `starts`): its offset, its real length, and the width every rank's piece is padded
 /// to (the largest).
@@ -487,16 +521,15 @@ impl Op {
                 }
                 text
             }
-            Op::ReduceScatter(ReduceScatterOp {
-                dim,
-                pieces,
-                starts,
-            })
-            | Op::LocalSlice(LocalSliceOp {
-                dim,
-                pieces,
-                starts,
-            }) => {
+            Op::ReduceScatter(_) | Op::LocalSlice(_) => {
+                let Some(Cut {
+                    dim,
+                    pieces,
+                    starts,
+                }) = self.cut()
+                else {
+                    return String::new();
+                };
                 let mut text = format!("dim={dim}");
                 for (name, list) in [("pieces", pieces), ("starts", starts)] {
                     if !list.is_empty() {

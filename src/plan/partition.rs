@@ -508,20 +508,12 @@ fn rank_program(graph: &Graph, walk: &Walk, deal: Deal, rank: u64) -> Result<Ran
                     shape,
                 }
             }
-            Op::ReduceScatter(ReduceScatterOp {
-                dim,
-                pieces,
-                starts,
-            })
-            | Op::LocalSlice(LocalSliceOp {
-                dim,
-                pieces,
-                starts,
-            }) if !walk.cut_pieces[pos].pieces.is_empty() => {
-                *pieces = walk.cut_pieces[pos].pieces.clone();
-                *starts = walk.cut_pieces[pos].starts.clone();
-                let local = pieces.iter().copied().max().unwrap_or(0);
-                let shape = resize(&local_in[0].shape, *dim, |_| Some(local))
+            Op::ReduceScatter(_) | Op::LocalSlice(_) if !walk.cut_pieces[pos].pieces.is_empty() => {
+                let cut = &walk.cut_pieces[pos];
+                op.set_cut(cut.pieces.clone(), cut.starts.clone());
+                let dim = op.cut().map_or(0, |c| c.dim);
+                let local = cut.pieces.iter().copied().max().unwrap_or(0);
+                let shape = resize(&local_in[0].shape, dim, |_| Some(local))
                     .ok_or_else(|| bad("an uneven cut of a symbolic dim".into()))?;
                 TensorFact {
                     dtype: local_in[0].dtype,

@@ -9,7 +9,7 @@ use super::{Instr, Plan, RankProgram, WeightSlice, PLAN_VERSION};
 use crate::error::plan::{Issued, Place, PlanError, PlanProblem, Problem, WeightKey, MAX_LISTED};
 use crate::ir::shape::infer;
 use crate::ir::{
-    AllGatherOp, Dim, LocalSliceOp, Op, ReduceScatterOp, Shape, SliceRange, TensorFact,
+    op::Cut, AllGatherOp, Dim, LocalSliceOp, Op, ReduceScatterOp, Shape, SliceRange, TensorFact,
 };
 use smallvec::SmallVec;
 use std::collections::hash_map::Entry;
@@ -616,18 +616,19 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             }
             Ok(with_dim(x, g.dim, size))
         }
-        Op::ReduceScatter(ReduceScatterOp {
-            dim,
-            pieces,
-            starts,
-        })
-        | Op::LocalSlice(LocalSliceOp {
-            dim,
-            pieces,
-            starts,
-        }) if !pieces.is_empty() => {
+        Op::ReduceScatter(_) | Op::LocalSlice(_)
+            if op.cut().is_some_and(|c| !c.pieces.is_empty()) =>
+        {
+            let Some(Cut {
+                dim,
+                pieces,
+                starts,
+            }) = op.cut()
+            else {
+                return Ok(inputs[0].clone());
+            };
             let x = inputs[0];
-            let n = moved_dim(op.kind(), *dim, x)?;
+            let n = moved_dim(op.kind(), dim, x)?;
             let counted = pieces.iter().try_fold(0u64, |t, &p| t.checked_add(p));
             let local = pieces.iter().copied().max().unwrap_or(0);
             // Pieces one after another cover the dim once; placed by `starts` (replicated
@@ -644,13 +645,13 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             };
             if pieces.len() as u64 != tp || !fits {
                 return Err(Problem::BadPieces {
-                    pieces: pieces.clone(),
+                    pieces: pieces.to_vec(),
                     tp,
                     local,
                     size: n,
                 });
             }
-            Ok(with_dim(x, *dim, local))
+            Ok(with_dim(x, dim, local))
         }
         Op::ReduceScatter(ReduceScatterOp { dim, .. })
         | Op::LocalSlice(LocalSliceOp { dim, .. }) => {

@@ -395,7 +395,9 @@ fn every_fixture_under_shares_on_one_gpu_matches_hf() {
         }
         // A replicated down_proj reads the MLP product whole: an all-gather of unequal
         // pieces joined by gate/up's counts; a rowwise gate_proj slices whole values into
-        // uneven pieces at tp 3 (Llama and Qwen weight names only).
+        // uneven pieces at tp 3; a rowwise up_proj splits the hidden state (a
+        // reduce-scatter of unequal pieces: an all-reduce each rank cuts); a rowwise k_proj
+        // at tp 4 cuts replicated kv heads by their starts (Llama and Qwen names only).
         let overrides = [
             (
                 "model.layers.*.mlp.down_proj",
@@ -404,6 +406,8 @@ fn every_fixture_under_shares_on_one_gpu_matches_hf() {
                 Some("1,3"),
             ),
             ("model.layers.*.mlp.gate_proj", TpWord::Rowwise, 3, None),
+            ("model.layers.*.mlp.up_proj", TpWord::Rowwise, 3, None),
+            ("model.layers.*.self_attn.k_proj", TpWord::Rowwise, 4, None),
         ];
         for (pattern, word, tp, shares) in overrides {
             let Some(over) = with_llama_override(&def, pattern, word) else {

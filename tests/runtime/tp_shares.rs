@@ -468,15 +468,17 @@ fn overrides_that_split_undealt_dims_cut_unequal_pieces() {
     assert!(ran >= 150, "only {ran} runs");
 }
 
+/// The llama-gqa fixture's model (8 query heads over 2 kv heads).
+fn gqa_model() -> ModelDef {
+    let dir = fixtures().into_iter().find(|d| d.ends_with("llama-gqa"));
+    load_model(&dir.expect("the llama-gqa fixture")).unwrap()
+}
+
 /// A row-parallel `k_proj` at tp 4 over 2 kv heads: its output is summed whole and cut
 /// with each kv head on the two ranks that serve its group (starts 0, 0, 8, 8 of 16).
 #[test]
 fn a_row_parallel_k_proj_cuts_replicated_kv_heads_by_their_starts() {
-    let dir = fixtures()
-        .into_iter()
-        .find(|d| d.ends_with("llama-gqa"))
-        .unwrap();
-    let def = load_model(&dir).unwrap();
+    let def = gqa_model();
     let over =
         with_llama_override(&def, "model.layers.*.self_attn.k_proj", TpWord::Rowwise).unwrap();
     let plan = compile_with(&over, 4, ShardOptions::default())
@@ -495,11 +497,7 @@ fn a_row_parallel_k_proj_cuts_replicated_kv_heads_by_their_starts() {
 
 #[test]
 fn shares_that_do_not_name_every_rank_are_refused() {
-    let dir = fixtures()
-        .into_iter()
-        .find(|d| d.ends_with("llama-gqa"))
-        .unwrap();
-    let def = load_model(&dir).unwrap();
+    let def = gqa_model();
     let err = compile_with(&def, 4, options("2,1"))
         .unwrap_err()
         .to_string();
