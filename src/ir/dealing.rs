@@ -80,7 +80,8 @@ pub fn dealing_weight(graph: &Graph, id: NodeId, dim: u32) -> Option<NodeId> {
 }
 
 /// The weight, and its dim, whose structure made dim `dim` of value `id`: followed back
-/// through ops that carry the dim (whatever their layout) and all-reduces, to the linear
+/// through ops that carry the dim (whatever their layout), all-reduces, and collectives
+/// and cuts of other dims (the sequence's), to the linear
 /// that made it (its weight's output dim, split or not: a row-parallel `q_proj`'s heads)
 /// or to an all-gather of it (the split dim of the weight that dealt the gathered pieces:
 /// OLMoE's q and k around their whole-width norms). `None` where the trail reaches
@@ -91,9 +92,22 @@ fn origin_weight(graph: &Graph, id: NodeId, dim: u32) -> Option<Origin> {
     loop {
         let node = graph.node(at);
         let inputs = graph.inputs(at);
+        // A collective or cut of another dim (sequence parallelism's, over the tokens)
+        // carries this one as it is.
+        let other_dim = match &node.op {
+            Op::AllGather(g) => g.dim != dim,
+            Op::ReduceScatter(r) => r.dim != dim,
+            Op::LocalSlice(s) => s.dim != dim,
+            Op::AllReduce(_) => true,
+            _ => false,
+        };
+        if other_dim {
+            at = *inputs.first()?;
+            continue;
+        }
         match &node.op {
             Op::AllGather(g) => {
-                let w = dealing_weight(graph, *inputs.first()?, g.dim).filter(|_| g.dim == dim)?;
+                let w = dealing_weight(graph, *inputs.first()?, g.dim)?;
                 let Some(Layout::Split { dim: split }) = graph.node(w).layout else {
                     return None;
                 };
@@ -108,10 +122,6 @@ fn origin_weight(graph: &Graph, id: NodeId, dim: u32) -> Option<Origin> {
                     weight: (*inputs.get(1)?, l.weight_order.out_dim()),
                     gathered: false,
                 });
-            }
-            Op::AllReduce(_) => {
-                at = *inputs.first()?;
-                continue;
             }
             _ => {}
         }

@@ -94,17 +94,20 @@ pub fn split_sequence(graph: &mut Graph, ctx: &mut ShardCtx) -> Result<()> {
             let Some(dim) = sequence_dim(graph, id) else {
                 continue;
             };
-            let node = graph.node_mut(id);
-            if let Op::AllReduce(_) = node.op {
+            if let Op::AllReduce(_) = graph.node(id).op {
+                let name = &graph.node(id).name;
+                let base = name.strip_suffix(".all_reduce").unwrap_or(name);
+                // A `tp_plan` override may have made a reduce-scatter of the same value's
+                // hidden dim already (a rowwise up_proj): names stay unique.
+                let mut name = format!("{base}.reduce_scatter");
+                if graph.find(&name).is_some() {
+                    name = format!("{base}.sequence_reduce_scatter");
+                }
+                let node = graph.node_mut(id);
                 node.op = Op::ReduceScatter(ReduceScatterOp::even(dim));
-                let base = node
-                    .name
-                    .strip_suffix(".all_reduce")
-                    .unwrap_or(&node.name)
-                    .to_string();
-                node.name = format!("{base}.reduce_scatter").into();
+                node.name = name.into();
             }
-            node.layout = Some(Layout::Split { dim });
+            graph.node_mut(id).layout = Some(Layout::Split { dim });
             continue;
         }
         // Anything else that reads a token-split value needs every token back.

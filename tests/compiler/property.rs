@@ -1115,8 +1115,10 @@ fn any_override() -> impl Strategy<Value = (&'static str, tpc::frontend::TpWord)
     )
 }
 
-/// A random `tp_plan` override at a random tp (1 to 8) or random shares: a plan that
-/// verifies, or a refusal that is not tpc's own error (a pass leaving a broken graph).
+/// A random `tp_plan` override at a random tp (1 to 8) or random shares, with or without
+/// sequence parallelism: a plan that
+/// verifies and gives tp 1's logits and tokens on seeded weights, or a refusal that is not
+/// tpc's own error (a pass leaving a broken graph).
 /// Overrides that split what no linear deals (the hidden state) or cut replicated kv heads
 /// once failed in partitioning at uneven tps.
 fn check_override(
@@ -1124,30 +1126,44 @@ fn check_override(
     (pattern, word): (&str, tpc::frontend::TpWord),
     tp: u64,
     shares: Option<&[u64]>,
+    sequence_parallel: bool,
 ) -> Check {
     let mut c = c.clone();
     c.tp_plan.insert(pattern.into(), word);
     let def = ModelDef::Preset(c);
-    let (tp, options) = match shares {
+    let (tp, shares_option) = match shares {
         Some(s) => {
             let list: Vec<String> = s.iter().map(u64::to_string).collect();
-            let options = tpc::passes::ShardOptions {
-                shares: Some(list.join(",").parse().map_err(|e: String| e)?),
-                ..Default::default()
-            };
-            (s.len() as u64, options)
+            (
+                s.len() as u64,
+                Some(list.join(",").parse().map_err(|e: String| e)?),
+            )
         }
-        None => (tp, Default::default()),
+        None => (tp, None),
     };
-    let at = format!("{pattern}: {} at tp {tp} shares {shares:?}", word.word());
-    match tpc::pipeline::compile_with(&def, tp, options) {
-        Ok(compiled) => compiled
-            .plan
-            .verify()
-            .map_err(|e| format!("{at}: the plan does not verify: {e}")),
-        Err(e @ TpcError::Verify { .. }) => Err(format!("{at}: {e}")),
-        Err(_) => Ok(()),
-    }
+    let options = tpc::passes::ShardOptions {
+        shares: shares_option,
+        sequence_parallel,
+        ..Default::default()
+    };
+    let at = format!(
+        "{pattern}: {} at tp {tp} shares {shares:?} sequence parallel {sequence_parallel}",
+        word.word()
+    );
+    let plan = match tpc::pipeline::compile_with(&def, tp, options) {
+        Ok(compiled) => compiled.plan,
+        Err(e @ TpcError::Verify { .. }) => return Err(format!("{at}: {e}")),
+        Err(_) => return Ok(()),
+    };
+    plan.verify()
+        .map_err(|e| format!("{at}: the plan does not verify: {e}"))?;
+    // And it computes the model: tp 1's logits and tokens on seeded weights.
+    let one = tpc::pipeline::compile(&def, 1).map_err(|e| format!("{at}: tp 1: {e}"))?;
+    let device = tpc::runtime::generate::Device::cpu();
+    let report = tpc::runtime::verify::verify_plans(&one.plan, &plan, None, 1, 5, &device)
+        .map_err(|e| format!("{at}: the run failed: {e}"))?;
+    ensure!(report.passed, "{at}: does not reproduce tp 1: {report:?}");
+    Ok(())
 }
 
 proptest! {
@@ -1160,7 +1176,8 @@ proptest! {
         over in any_override(),
         tp in 1u64..=8,
         shares in proptest::option::of(any_shares()),
+        sequence_parallel in any::<bool>(),
     ) {
-        report(&c, check_override(&c, over, tp, shares.as_deref()))?;
+        report(&c, check_override(&c, over, tp, shares.as_deref(), sequence_parallel))?;
     }
 }
