@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use std::collections::{BTreeMap, BTreeSet};
 use tpc::frontend::load::ron_options;
-use tpc::frontend::{Family, FamilyConfig, ModelDef};
+use tpc::frontend::{Family, FamilyConfig, ModelDef, TpWord};
 use tpc::ir::verify::verify;
 use tpc::ir::{DType, Layout};
 use tpc::passes::partial_check::linear_in;
@@ -1097,22 +1097,45 @@ proptest! {
     }
 }
 
-/// One `tp_plan` override of a Llama-like model's weights: a pattern and its word.
-fn any_override() -> impl Strategy<Value = (&'static str, tpc::frontend::TpWord)> {
-    use tpc::frontend::TpWord;
-    (
-        prop::sample::select(vec![
-            "model.embed_tokens",
-            "model.layers.*.self_attn.q_proj",
-            "model.layers.*.self_attn.k_proj",
-            "model.layers.*.self_attn.v_proj",
-            "model.layers.*.self_attn.o_proj",
-            "model.layers.*.mlp.gate_proj",
-            "model.layers.*.mlp.up_proj",
-            "model.layers.*.mlp.down_proj",
-        ]),
-        prop::sample::select(vec![TpWord::Colwise, TpWord::Rowwise, TpWord::Replicate]),
-    )
+/// A random model of a family with separate or fused q|k|v weights, and one `tp_plan`
+/// override of its weights: a pattern and its word.
+fn any_model_with_override() -> impl Strategy<Value = (FamilyConfig, (&'static str, TpWord))> {
+    let word = || prop::sample::select(vec![TpWord::Colwise, TpWord::Rowwise, TpWord::Replicate]);
+    let llama = [
+        "model.embed_tokens",
+        "model.layers.*.self_attn.q_proj",
+        "model.layers.*.self_attn.k_proj",
+        "model.layers.*.self_attn.v_proj",
+        "model.layers.*.self_attn.o_proj",
+        "model.layers.*.mlp.gate_proj",
+        "model.layers.*.mlp.up_proj",
+        "model.layers.*.mlp.down_proj",
+    ];
+    let gpt2_patterns = [
+        "transformer.wte",
+        "transformer.h.*.attn.c_attn",
+        "transformer.h.*.attn.c_proj",
+        "transformer.h.*.mlp.c_fc",
+        "transformer.h.*.mlp.c_proj",
+    ];
+    let neox_patterns = [
+        "gpt_neox.embed_in",
+        "gpt_neox.layers.*.attention.query_key_value",
+        "gpt_neox.layers.*.attention.dense",
+        "gpt_neox.layers.*.mlp.dense_h_to_4h",
+        "gpt_neox.layers.*.mlp.dense_4h_to_h",
+    ];
+    prop_oneof![
+        (llama_like(), (prop::sample::select(llama.to_vec()), word())),
+        (
+            gpt2(),
+            (prop::sample::select(gpt2_patterns.to_vec()), word())
+        ),
+        (
+            neox(),
+            (prop::sample::select(neox_patterns.to_vec()), word())
+        ),
+    ]
 }
 
 /// A random `tp_plan` override at a random tp (1 to 8) or random shares, with or without
@@ -1123,13 +1146,15 @@ fn any_override() -> impl Strategy<Value = (&'static str, tpc::frontend::TpWord)
 /// once failed in partitioning at uneven tps.
 fn check_override(
     c: &FamilyConfig,
-    (pattern, word): (&str, tpc::frontend::TpWord),
+    (pattern, word): (&str, TpWord),
     tp: u64,
     shares: Option<&[u64]>,
     sequence_parallel: bool,
 ) -> Check {
     let mut c = c.clone();
     c.tp_plan.insert(pattern.into(), word);
+    // Room for the check's 5 prompt tokens and 4 new ones (GPT-2's learned positions).
+    c.max_position_embeddings = c.max_position_embeddings.map(|p| p.max(16));
     let def = ModelDef::Preset(c);
     let (tp, shares_option) = match shares {
         Some(s) => {
@@ -1169,11 +1194,10 @@ fn check_override(
 proptest! {
     #![proptest_config(config(96))]
 
-    /// Random Llama-like models with a random override, at a random tp or random shares.
+    /// Random models with a random override, at a random tp or random shares.
     #[test]
     fn overrides_give_a_verified_plan_or_a_clear_refusal(
-        c in llama_like(),
-        over in any_override(),
+        (c, over) in any_model_with_override(),
         tp in 1u64..=8,
         shares in proptest::option::of(any_shares()),
         sequence_parallel in any::<bool>(),
