@@ -217,9 +217,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         let (compiled, decision) = a.shard.compile(&def, a.tp, Some(&hw), work, number_types)?;
         let plan = compiled.plan;
         if dp > 1 {
-            if let Some(why) =
-                tpc::runtime::expert_exchange::why_experts_cannot_span_replicas(&plan)
-            {
+            if let Some(why) = plan.why_experts_cannot_span_replicas() {
                 anyhow::bail!("--ep: {why}");
             }
         }
@@ -253,7 +251,7 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         },
         number_types,
         // A mixture of experts is also priced on replicas sharing its experts (`--ep`).
-        |plan| tpc::runtime::expert_exchange::why_experts_cannot_span_replicas(plan).is_none(),
+        |plan| plan.why_experts_cannot_span_replicas().is_none(),
         |tp, last| bar.set_message(format!("searching: pricing tp {tp} of up to {last}")),
     );
     bar.finish_and_clear();

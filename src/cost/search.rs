@@ -169,9 +169,7 @@ mod tests {
             prompt: 512,
             gen: 128,
         };
-        let spans = |p: &Plan| {
-            crate::runtime::expert_exchange::why_experts_cannot_span_replicas(p).is_none()
-        };
+        let spans = |p: &Plan| p.why_experts_cannot_span_replicas().is_none();
         let found = search(
             &hw,
             work,

@@ -318,6 +318,15 @@ impl PlanFormat {
 }
 
 impl Plan {
+    /// Why this plan's experts cannot be dealt over replicas (`--ep`), if they cannot:
+    /// every launcher and `simulate` ask this one question.
+    pub fn why_experts_cannot_span_replicas(&self) -> Option<&'static str> {
+        if !self.ranks.first().is_some_and(RankProgram::has_experts) {
+            return Some("the model has no mixture-of-experts layers to deal over replicas");
+        }
+        None
+    }
+
     /// Writes RON, or JSON when the path ends in `.json` (any case).
     pub fn save(&self, path: &Path) -> Result<()> {
         let text = match PlanFormat::for_output(path) {

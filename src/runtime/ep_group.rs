@@ -10,7 +10,7 @@ use crate::plan::Plan;
 /// replicas.
 pub(crate) fn expert_seats_for(plan: &Plan, dp: usize) -> Result<Vec<ExpertSeat>, RunError> {
     let refuse = |why: String| RunError::Replicas(format!("--ep: {why}"));
-    if let Some(why) = super::expert_exchange::why_experts_cannot_span_replicas(plan) {
+    if let Some(why) = plan.why_experts_cannot_span_replicas() {
         return Err(refuse(why.into()));
     }
     super::expert_exchange::expert_seats(plan.ranks.len(), plan.pp(), dp).map_err(refuse)

@@ -241,19 +241,6 @@ impl Exchanger for ExpertExchange {
     }
 }
 
-/// Why `plan`'s experts cannot be dealt over replicas (`--ep`), if they cannot: every
-/// launcher and `simulate` ask this one question.
-pub fn why_experts_cannot_span_replicas(plan: &crate::plan::Plan) -> Option<&'static str> {
-    if !plan
-        .ranks
-        .first()
-        .is_some_and(crate::plan::RankProgram::has_experts)
-    {
-        return Some("the model has no mixture-of-experts layers to deal over replicas");
-    }
-    None
-}
-
 /// Routing columns `0..columns` dealt to `members` in order, as evenly as whole columns
 /// allow (the first ones one more): member j computes the experts of `deal[j]`.
 pub fn deal_columns(columns: usize, members: usize) -> Vec<Range<usize>> {

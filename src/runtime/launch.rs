@@ -123,10 +123,7 @@ where
     C: Collectives<B::Act>,
     T: Send,
 {
-    if let (Some(_), Some(why)) = (
-        seat,
-        super::expert_exchange::why_experts_cannot_span_replicas(plan),
-    ) {
+    if let (Some(_), Some(why)) = (seat, plan.why_experts_cannot_span_replicas()) {
         return Err(RunError::Replicas(format!("--ep: {why}")));
     }
     // The plan is a contract: checked before any rank starts.

@@ -207,7 +207,7 @@ fn split_raw(
 /// replicas, checked alike on every process before any collective.
 fn check_expert_parallel(plan: &Plan, opts: &RunOptions) -> Result<()> {
     let refuse = |why: &str| Err(RunError::Replicas(format!("--ep: {why}")));
-    if let Some(why) = super::expert_exchange::why_experts_cannot_span_replicas(plan) {
+    if let Some(why) = plan.why_experts_cannot_span_replicas() {
         return refuse(why);
     }
     if matches!(opts.device, Device::Cuda(_)) {
