@@ -196,10 +196,15 @@ fn gather_pieces(
     if node.fact.shape.is_sequence(g.dim) {
         return Ok(Vec::new());
     }
-    let refuse = |problem: String| TpcError::SharesUnsupported {
-        model: graph.name.clone(),
-        shares: deal.shares.map(|s| s.to_string()).unwrap_or_default(),
-        problem: format!("`{}` {problem}", node.name),
+    // Under shares a refusal names them; without, every gather tpc makes has its counts,
+    // so one that has none is tpc's own error.
+    let refuse = |problem: String| match deal.shares {
+        Some(shares) => TpcError::SharesUnsupported {
+            model: graph.name.clone(),
+            shares: shares.to_string(),
+            problem: format!("`{}` {problem}", node.name),
+        },
+        None => bug("partition", &node.name, problem),
     };
     let dealer = graph
         .inputs(id)
@@ -238,7 +243,7 @@ fn gather_pieces(
                     true => Vec::new(),
                     false => pieces,
                 }),
-                (Err(e), None) => Err(bug("partition", &node.name, e.to_string())),
+                (Err(e), None) => Err(e),
             }
         }
         Some((cutter, _)) => match cut(cutter) {
