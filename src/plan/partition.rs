@@ -324,13 +324,14 @@ fn uneven_or_empty(pieces: Vec<u64>) -> Vec<u64> {
 }
 
 /// Each rank's piece of a `len`-long dim of `what_of` structured by `groups`, which must
-/// be one run per rank; where the runs follow each other in rank order, their counts, else
-/// (heads replicated on several ranks) their starts too. Empty where the pieces are even.
-fn cut_by(
+/// be one run per rank (`what` it does names the op in `refuse`'s message otherwise): its
+/// real length and where it starts, for every rank.
+fn runs(
     groups: &Groups,
     len: u64,
     what_of: &str,
     deal: Deal,
+    what: &str,
     refuse: &dyn Fn(String) -> TpcError,
 ) -> Result<Cut> {
     let mut cut = Cut::default();
@@ -340,29 +341,45 @@ fn cut_by(
             .map_err(|e| refuse(e.describe(deal.tp)))?;
         if piece.ranges.len() > 1 || piece.padded_inside() {
             return Err(refuse(format!(
-                "cuts pieces of `{what_of}` that are not one run each"
+                "{what} pieces of `{what_of}` that are not one run each"
             )));
         }
         cut.starts
             .push(piece.ranges.first().map_or(0, |r| r.offset));
         cut.pieces.push(piece.real_len());
     }
+    Ok(cut)
+}
+
+/// Whether each rank's run starts where the earlier ranks' end (empty runs anywhere).
+fn in_rank_order(cut: &Cut) -> bool {
     let mut next = 0u64;
-    let in_order = cut.pieces.iter().zip(&cut.starts).all(|(&p, &s)| {
+    cut.pieces.iter().zip(&cut.starts).all(|(&p, &s)| {
         let at = next;
         next = next.saturating_add(p);
         p == 0 || s == at
-    });
-    if in_order {
+    })
+}
+
+/// [`runs`] as a cut: where the runs follow each other in rank order, their counts, else
+/// (heads replicated on several ranks) their starts too. Empty where the pieces are even.
+fn cut_by(
+    groups: &Groups,
+    len: u64,
+    what_of: &str,
+    deal: Deal,
+    refuse: &dyn Fn(String) -> TpcError,
+) -> Result<Cut> {
+    let mut cut = runs(groups, len, what_of, deal, "cuts", refuse)?;
+    if in_rank_order(&cut) {
         cut.starts.clear();
         cut.pieces = uneven_or_empty(cut.pieces);
     }
     Ok(cut)
 }
 
-/// Each rank's real length of a `len`-long dim of `what_of` structured by `groups`, which
-/// must be one run per rank, the runs in rank order (so that the real parts in rank order
-/// rebuild the dim); `refuse` names the op (`what` it does) otherwise.
+/// [`runs`]' real lengths, which must follow each other in rank order (so that the real
+/// parts in rank order rebuild the dim); `refuse` names the op (`what` it does) otherwise.
 fn run_counts(
     groups: &Groups,
     len: u64,
@@ -371,25 +388,13 @@ fn run_counts(
     what: &str,
     refuse: &dyn Fn(String) -> TpcError,
 ) -> Result<Vec<u64>> {
-    let mut pieces = Vec::with_capacity(deal.tp as usize);
-    let mut next = 0u64;
-    for rank in 0..deal.tp {
-        let piece = groups
-            .slice_dealt(len, deal, rank)
-            .map_err(|e| refuse(e.describe(deal.tp)))?;
-        let real = piece.real_len();
-        if piece.ranges.len() > 1
-            || piece.padded_inside()
-            || piece.ranges.first().is_some_and(|r| r.offset != next)
-        {
-            return Err(refuse(format!(
-                "{what} pieces of `{what_of}` that are not one run each in rank order"
-            )));
-        }
-        next += real;
-        pieces.push(real);
+    let cut = runs(groups, len, what_of, deal, what, refuse)?;
+    if !in_rank_order(&cut) {
+        return Err(refuse(format!(
+            "{what} pieces of `{what_of}` that are not in rank order"
+        )));
     }
-    Ok(pieces)
+    Ok(cut.pieces)
 }
 
 /// The per-rank counts of a local slice or a non-sequence reduce-scatter whose pieces are

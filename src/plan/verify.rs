@@ -575,6 +575,12 @@ fn check_param_weight(
 /// shape inference, which is shape-generic and so holds for local shapes too.
 fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact, Problem> {
     let tp = plan.tp;
+    let uneven = op
+        .cut()
+        .filter(|c| !c.pieces.is_empty() && !inputs[0].shape.is_sequence(c.dim));
+    if let Some(cut) = uneven {
+        return uneven_cut_fact(tp, op.kind(), cut, inputs);
+    }
     match op {
         // Sequence parallelism: the sequence dim stays symbolic (a rank's block of a
         // call's tokens is decided at run time).
@@ -616,43 +622,6 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             }
             Ok(with_dim(x, g.dim, size))
         }
-        Op::ReduceScatter(_) | Op::LocalSlice(_)
-            if op.cut().is_some_and(|c| !c.pieces.is_empty()) =>
-        {
-            let Some(Cut {
-                dim,
-                pieces,
-                starts,
-            }) = op.cut()
-            else {
-                return Ok(inputs[0].clone());
-            };
-            let x = inputs[0];
-            let n = moved_dim(op.kind(), dim, x)?;
-            let counted = pieces.iter().try_fold(0u64, |t, &p| t.checked_add(p));
-            let local = pieces.iter().copied().max().unwrap_or(0);
-            // Pieces one after another cover the dim once; placed by `starts` (replicated
-            // heads), each lies inside it.
-            let fits = match starts.is_empty() {
-                true => counted == Some(n),
-                false => {
-                    starts.len() == pieces.len()
-                        && starts
-                            .iter()
-                            .zip(pieces)
-                            .all(|(&s, &p)| s.checked_add(p).is_some_and(|end| end <= n))
-                }
-            };
-            if pieces.len() as u64 != tp || !fits {
-                return Err(Problem::BadPieces {
-                    pieces: pieces.to_vec(),
-                    tp,
-                    local,
-                    size: n,
-                });
-            }
-            Ok(with_dim(x, dim, local))
-        }
         Op::ReduceScatter(ReduceScatterOp { dim, .. })
         | Op::LocalSlice(LocalSliceOp { dim, .. }) => {
             let x = inputs[0];
@@ -676,6 +645,46 @@ fn local_fact(plan: &Plan, op: &Op, inputs: &[&TensorFact]) -> Result<TensorFact
             infer(op, inputs, plan.dtype).map_err(|message| Problem::Inference { message })
         }
     }
+}
+
+/// The fact of a local slice or reduce-scatter of uneven pieces: each rank holds the
+/// largest piece; the pieces one after another cover the dim once, or, placed by their
+/// starts (replicated heads), each lies inside it.
+fn uneven_cut_fact(
+    tp: u64,
+    kind: &'static str,
+    Cut {
+        dim,
+        pieces,
+        starts,
+    }: Cut<'_>,
+    inputs: &[&TensorFact],
+) -> Result<TensorFact, Problem> {
+    let x = inputs[0];
+    let n = moved_dim(kind, dim, x)?;
+    let counted = pieces.iter().try_fold(0u64, |t, &p| t.checked_add(p));
+    let local = pieces.iter().copied().max().unwrap_or(0);
+    // Pieces one after another cover the dim once; placed by `starts` (replicated
+    // heads), each lies inside it.
+    let fits = match starts.is_empty() {
+        true => counted == Some(n),
+        false => {
+            starts.len() == pieces.len()
+                && starts
+                    .iter()
+                    .zip(pieces)
+                    .all(|(&s, &p)| s.checked_add(p).is_some_and(|end| end <= n))
+        }
+    };
+    if pieces.len() as u64 != tp || !fits {
+        return Err(Problem::BadPieces {
+            pieces: pieces.to_vec(),
+            tp,
+            local,
+            size: n,
+        });
+    }
+    Ok(with_dim(x, dim, local))
 }
 
 /// The size of the dim a collective moves: fixed, and the last one (the runtime treats
