@@ -15,16 +15,7 @@ pub mod simulate;
 pub(crate) mod shipped {
     use std::path::Path;
 
-    /// `models/NAME.ron`.
-    pub fn model(name: &str) -> crate::frontend::ModelDef {
-        let path = format!("{}/models/{name}.ron", env!("CARGO_MANIFEST_DIR"));
-        crate::frontend::load::load_model(Path::new(&path)).unwrap()
-    }
-
-    /// `models/NAME.ron` compiled for `tp` ranks.
-    pub fn plan(name: &str, tp: u64) -> crate::plan::Plan {
-        crate::pipeline::compile(&model(name), tp).unwrap().plan
-    }
+    pub use crate::plan::build::shipped::{model, plan};
 
     /// `models/hw/NAME.ron`.
     pub fn profile(name: &str) -> super::profile::HwProfile {

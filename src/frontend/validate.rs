@@ -296,7 +296,7 @@ mod tests {
     }
 
     fn compile_error(def: &ModelDef) -> String {
-        crate::pipeline::compile(def, 2).unwrap_err().to_string()
+        crate::frontend::to_graph(def).unwrap_err().to_string()
     }
 
     #[test]

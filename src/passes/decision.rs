@@ -153,6 +153,11 @@ mod tests {
         crate::frontend::load::load_model(&path).expect("loads")
     }
 
+    fn sharded(def: &ModelDef, tp: u64) -> crate::passes::Sharded {
+        let no_overrides = std::collections::BTreeMap::new();
+        crate::passes::shard_model(def, tp, &no_overrides, Default::default()).expect("shards")
+    }
+
     /// (reason, consumer name, chain names, opener names) of the weight `tensor`.
     fn why(s: &crate::passes::Sharded, tensor: &str) -> (Reason, String, Vec<String>, Vec<String>) {
         let g = &s.graph;
@@ -172,8 +177,7 @@ mod tests {
 
     #[test]
     fn every_weight_of_a_llama_gets_the_branch_that_placed_it() {
-        let c = crate::pipeline::compile(&tiny("tiny-llama.ron"), 2).expect("compiles");
-        let s = &c.sharded;
+        let s = &sharded(&tiny("tiny-llama.ron"), 2);
         let l = "model.layers.1";
         let (r, by, chain, _) = why(s, &format!("{l}.self_attn.q_proj.weight"));
         assert_eq!(
@@ -214,12 +218,11 @@ mod tests {
 
     #[test]
     fn a_tied_head_is_decided_by_the_embedding_and_tp_1_by_nothing() {
-        let c = crate::pipeline::compile(&tiny("tiny-gpt2.ron"), 2).expect("compiles");
-        let (r, by, ..) = why(&c.sharded, "transformer.wte.weight");
+        let s = sharded(&tiny("tiny-gpt2.ron"), 2);
+        let (r, by, ..) = why(&s, "transformer.wte.weight");
         assert_eq!((r, by.as_str()), (Reason::Lookup, "transformer.wte"));
-        let c = crate::pipeline::compile(&tiny("tiny-gpt2.ron"), 1).expect("compiles");
-        assert!(c
-            .sharded
+        let s = sharded(&tiny("tiny-gpt2.ron"), 1);
+        assert!(s
             .ctx
             .decisions
             .values()
@@ -234,10 +237,10 @@ mod tests {
         };
         p.tp_plan
             .insert("layers.*.mlp.down_proj".into(), TpWord::Colwise);
-        let c = crate::pipeline::compile(&def, 2).expect("compiles");
-        let (r, ..) = why(&c.sharded, "model.layers.0.mlp.down_proj.weight");
+        let s = sharded(&def, 2);
+        let (r, ..) = why(&s, "model.layers.0.mlp.down_proj.weight");
         assert_eq!(r, Reason::Override(TpWord::Colwise));
-        let (r, ..) = why(&c.sharded, "model.layers.0.mlp.up_proj.weight");
+        let (r, ..) = why(&s, "model.layers.0.mlp.up_proj.weight");
         assert_eq!(r, Reason::ReadsWhole);
     }
 }

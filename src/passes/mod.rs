@@ -121,6 +121,23 @@ pub struct ShardOptions {
     pub moe: Option<crate::ir::ExpertSplit>,
 }
 
+/// A model definition's graph sharded for `tp` ranks with the model's overrides and the
+/// `forced` ones (where the plan's builder starts, and the passes' tests with it).
+pub fn shard_model(
+    def: &crate::frontend::ModelDef,
+    tp: u64,
+    forced: &BTreeMap<String, TpWord>,
+    options: ShardOptions,
+) -> Result<Sharded> {
+    shard_with(
+        crate::frontend::to_graph(def)?,
+        tp,
+        &def.tp_plan(),
+        forced,
+        options,
+    )
+}
+
 /// Shards `graph` for `tp` ranks with the model's overrides.
 pub fn shard(graph: Graph, tp: u64, tp_plan: &BTreeMap<String, TpWord>) -> Result<Sharded> {
     shard_with(

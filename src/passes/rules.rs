@@ -420,8 +420,11 @@ mod tests {
         for path in &models {
             let def = crate::frontend::load::load_model(path).expect("loads");
             for tp in [1, 2, 4] {
-                let compiled = crate::pipeline::compile(&def, tp).expect("compiles");
-                let g = &compiled.sharded.graph;
+                let no_overrides = std::collections::BTreeMap::new();
+                let sharded =
+                    crate::passes::shard_model(&def, tp, &no_overrides, Default::default())
+                        .expect("shards");
+                let g = &sharded.graph;
                 for id in g.g.node_indices() {
                     let node = g.node(id);
                     let inputs = g.inputs(id);

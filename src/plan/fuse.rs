@@ -228,7 +228,7 @@ mod tests {
     use super::*;
     use crate::frontend::load::load_model;
     use crate::ir::Layout;
-    use crate::pipeline::compile;
+    use crate::plan::build::compile;
     use std::path::Path;
 
     fn plan(model: &str, tp: u64) -> crate::plan::Plan {
@@ -415,7 +415,7 @@ mod tests {
     #[test]
     fn each_pipeline_stage_runs_the_products_of_its_layers() {
         let mut plan = plan("models/tiny-llama.ron", 2);
-        crate::pipeline::split_stages(&mut plan, 2, None).unwrap();
+        crate::plan::stages::split_stages(&mut plan, 2, None).unwrap();
         for stage in 0..2 {
             let sp = crate::plan::stages::stage_program(&plan, 1, stage).unwrap();
             let layers: Vec<Option<u32>> = sp

@@ -136,7 +136,7 @@ mod tests {
             ..Default::default()
         };
         let def = crate::frontend::load::load_model(&path).unwrap();
-        crate::pipeline::compile_with(&def, 2, options)
+        crate::plan::build::compile_with(&def, 2, options)
             .unwrap()
             .plan
     }

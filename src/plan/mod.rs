@@ -2,6 +2,7 @@
 //! every collective. The runtime consumes only plans.
 
 pub mod balance;
+pub mod build;
 pub mod diff;
 pub mod dot;
 pub mod experts;

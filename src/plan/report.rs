@@ -613,7 +613,7 @@ mod tests {
 
     fn plan(model: &str, tp: u64) -> Plan {
         let def = crate::frontend::load::load_model(std::path::Path::new(model)).unwrap();
-        crate::pipeline::compile(&def, tp).unwrap().plan
+        crate::plan::build::compile(&def, tp).unwrap().plan
     }
 
     #[test]

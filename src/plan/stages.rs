@@ -442,14 +442,31 @@ pub fn rank0_stages(plan: &Plan) -> Result<Vec<StageProgram>, StageError> {
     (0..plan.pp()).map(|s| stage_program(plan, 0, s)).collect()
 }
 
+/// Splits a compiled plan's layers into `pp` pipeline stages (`layers`: the count of each,
+/// else balanced by cost); `pp = 1` without `layers` leaves the plan as it is.
+pub fn split_stages(plan: &mut Plan, pp: u64, layers: Option<&[u64]>) -> crate::error::Result<()> {
+    if pp == 1 && layers.is_none() {
+        plan.pipeline = None;
+        return Ok(());
+    }
+    let pipeline = split(plan, pp, layers)?;
+    plan.pipeline = (pipeline.stages.len() > 1).then_some(pipeline);
+    // The derived stage programs must hold together (no value read before a stage has it).
+    if let Err(e) = rank0_stages(plan) {
+        plan.pipeline = None;
+        return Err(e.into());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::shipped;
+    use crate::plan::build::shipped;
 
     fn pipelined(name: &str, tp: u64, pp: u64) -> Plan {
         let mut plan = shipped::plan(name, tp);
-        crate::pipeline::split_stages(&mut plan, pp, None).unwrap();
+        crate::plan::stages::split_stages(&mut plan, pp, None).unwrap();
         plan
     }
 
@@ -524,7 +541,7 @@ mod tests {
     #[test]
     fn four_stages_pass_values_through() {
         let mut plan = shipped::plan("tinyllama-1.1b", 1);
-        crate::pipeline::split_stages(&mut plan, 4, Some(&[6, 6, 5, 5])).unwrap();
+        crate::plan::stages::split_stages(&mut plan, 4, Some(&[6, 6, 5, 5])).unwrap();
         let spans: Vec<(u32, u32)> = plan
             .pipeline
             .as_ref()

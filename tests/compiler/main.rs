@@ -9,3 +9,4 @@ mod plan_verify;
 mod property;
 #[path = "../common/scratch.rs"]
 mod scratch;
+mod sequence_parallel;

@@ -12,7 +12,7 @@ fn models_dir() -> std::path::PathBuf {
 fn compiled(model: &str, tp: u64) -> Plan {
     let def = crate::frontend::load::load_model(&models_dir().join(format!("{model}.ron")))
         .unwrap_or_else(|e| panic!("{model}: {e}"));
-    crate::pipeline::compile(&def, tp)
+    crate::plan::build::compile(&def, tp)
         .unwrap_or_else(|e| panic!("{model} tp={tp}: {e}"))
         .plan
 }
@@ -879,7 +879,7 @@ fn gather_pieces_must_give_each_rank_a_count_that_sums_to_the_gathered_dim() {
         shares: Some("3,1".parse().unwrap()),
         ..Default::default()
     };
-    let plan = crate::pipeline::compile_with(&def, 2, options)
+    let plan = crate::plan::build::compile_with(&def, 2, options)
         .unwrap()
         .plan;
     let g = plan.ranks[0]
@@ -1287,7 +1287,7 @@ fn an_invariant_plan_keeps_its_exact_sums_or_is_refused() {
         numerics: crate::ir::NumericsMode::Invariant,
         ..Default::default()
     };
-    let plan = crate::pipeline::compile_with(&def, 2, options)
+    let plan = crate::plan::build::compile_with(&def, 2, options)
         .unwrap()
         .plan;
     plan.verify().unwrap();

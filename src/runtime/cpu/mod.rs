@@ -8,6 +8,7 @@ pub mod affinity;
 pub mod aligned;
 pub mod attention;
 pub mod backend;
+pub(crate) mod check_operands;
 pub mod fastmath;
 pub mod isa;
 pub mod options;

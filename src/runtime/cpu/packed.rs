@@ -1436,7 +1436,7 @@ fn pack_row_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::cpu::self_check::{operands, reference};
+    use crate::runtime::cpu::check_operands::{operands, reference};
 
     /// Every variant this host runs; the others are printed, not counted.
     fn host_variants() -> Vec<Kernels> {
@@ -1462,7 +1462,7 @@ mod tests {
         let packed = PackedMatrix::pack(&w, order, bf16);
         for kernels in host_variants() {
             let round = bf16 && kernels.isa().bf16_activations();
-            let want = reference(&x, &packed, round);
+            let want = reference(&x, packed.n, |j, p| packed.get(j, p), round);
             for &threads in if cfg!(miri) { &[2][..] } else { &[1, 2, 3] } {
                 // The output is not zeroed first: leave NaNs where it will be taken from, so
                 // a value no kernel writes shows.
@@ -2345,7 +2345,7 @@ mod slice_tests {
         bytes: usize,
         kept: impl Fn(&Panels) -> bool,
     ) {
-        use crate::runtime::cpu::self_check::operands;
+        use crate::runtime::cpu::check_operands::operands;
         let ckpt = Checkpoint::open(dir).unwrap();
         let dense = load_slice(&ckpt, w).unwrap();
         let (n, k) = (dense.shape[0], dense.shape[1]);

@@ -6,7 +6,8 @@
 //! [`Kernels`] (`select`, `detect`, `exact`) live here, above both the kernels and the
 //! packed weights the check multiplies.
 
-use super::isa::{round_bf16, widen, CodeKind, Isa, KernelError, Kernels};
+use super::check_operands::{operands, reference};
+use super::isa::{CodeKind, Isa, KernelError, Kernels};
 use crate::ir::WeightOrder;
 use crate::runtime::cpu::packed::PackedMatrix;
 use crate::runtime::cpu::team::Team;
@@ -59,39 +60,6 @@ const SHAPES: [(usize, usize, usize); 3] = [(37, 40, 70), (3, 40, 71), (1, 16, 6
 pub fn passed(kernels: Kernels) -> Result<(), String> {
     let team = Team::new(1);
     compare(kernels, |w, x| w.matmul_with(kernels, x, &team))
-}
-
-/// Operands of a check: `m × k` activations and `n · k` weight values, in [-1, 1].
-pub(crate) fn operands(m: usize, n: usize, k: usize) -> (Tensor, Vec<f32>) {
-    let x = (0..m * k)
-        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-        .collect();
-    let w = (0..n * k)
-        .map(|i| ((i * 53 % 97) as f32 - 48.0) / 97.0)
-        .collect();
-    (Tensor::new(vec![m, k], x), w)
-}
-
-/// `x · wᵀ` in f64, with `x` rounded to bf16 first when `round` (as the bf16-product
-/// variants do).
-pub(crate) fn reference(x: &Tensor, w: &PackedMatrix, round: bool) -> Vec<f64> {
-    let (m, k) = x.rows_cols();
-    let xv = |i: usize| {
-        let v = x.data[i];
-        if round {
-            widen(round_bf16(v))
-        } else {
-            v
-        }
-    };
-    (0..m * w.n)
-        .map(|i| {
-            let (r, j) = (i / w.n, i % w.n);
-            (0..k)
-                .map(|p| xv(r * k + p) as f64 * w.get(j, p) as f64)
-                .sum()
-        })
-        .collect()
 }
 
 /// The weights a check multiplies: values packed f32 or bf16, or a checkpoint's codes.
@@ -185,7 +153,7 @@ fn compare(
                 Some(q) if gemv => q,
                 _ => x,
             };
-            let reference = reference(&x, &packed, round);
+            let reference = reference(&x, packed.n, |j, p| packed.get(j, p), round);
             for (i, (&g, &want)) in got.data.iter().zip(&reference).enumerate() {
                 let (r, j) = (i / n, i % n);
                 let bound = 1e-5 * (1.0 + want.abs()) * (k as f64).sqrt();

@@ -1,10 +1,12 @@
-//! The whole compiler: model definition → sharded graph → plan.
+//! The compiler up to its last layer: a model definition → dataflow graph (frontend) →
+//! sharded graph (passes) → plan (`partition`), with what the plan records of its source.
+//! `crate::pipeline` re-exports these as the crate's entry points.
 
 use crate::error::{Result, TpcError};
+use crate::frontend::ModelDef;
 use crate::frontend::TpWord;
-use crate::frontend::{to_graph, ModelDef};
 use crate::passes::feasibility::MAX_TP;
-use crate::passes::{shard_with, ShardOptions, Sharded};
+use crate::passes::{shard_model, ShardOptions, Sharded};
 use crate::plan::partition::partition;
 use crate::plan::source::PlanSource;
 use crate::plan::Plan;
@@ -58,8 +60,7 @@ pub fn compile_full(
         }
         None => def,
     };
-    let graph = to_graph(def)?;
-    let sharded = shard_with(graph, tp, &def.tp_plan(), forced, options)?;
+    let sharded = shard_model(def, tp, forced, options)?;
     let mut plan = partition(&sharded)?;
     plan.max_positions = def.max_positions();
     plan.attention_window = def.sliding_window();
@@ -76,19 +77,25 @@ pub fn compile_full(
     Ok(Compiled { sharded, plan })
 }
 
-/// Splits a compiled plan's layers into `pp` pipeline stages (`layers`: the count of each,
-/// else balanced by cost); `pp = 1` without `layers` leaves the plan as it is.
-pub fn split_stages(plan: &mut Plan, pp: u64, layers: Option<&[u64]>) -> Result<()> {
-    if pp == 1 && layers.is_none() {
-        plan.pipeline = None;
-        return Ok(());
+/// Shipped models compiled, for the tests of the plan and the layers above it.
+#[cfg(test)]
+pub(crate) mod shipped {
+    use crate::frontend::ModelDef;
+    use crate::plan::Plan;
+    use std::path::Path;
+
+    /// `models/NAME.ron`.
+    pub fn model(name: &str) -> ModelDef {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models")
+            .join(format!("{name}.ron"));
+        crate::frontend::load::load_model(&path).unwrap_or_else(|e| panic!("{name}: {e}"))
     }
-    let pipeline = crate::plan::stages::split(plan, pp, layers)?;
-    plan.pipeline = (pipeline.stages.len() > 1).then_some(pipeline);
-    // The derived stage programs must hold together (no value read before a stage has it).
-    if let Err(e) = crate::plan::stages::rank0_stages(plan) {
-        plan.pipeline = None;
-        return Err(e.into());
+
+    /// `models/NAME.ron` compiled for `tp` ranks.
+    pub fn plan(name: &str, tp: u64) -> Plan {
+        super::compile(&model(name), tp)
+            .unwrap_or_else(|e| panic!("{name} tp={tp}: {e}"))
+            .plan
     }
-    Ok(())
 }
