@@ -29,5 +29,6 @@ mod backend_contract;
 mod device;
 mod invariant;
 mod kernels;
+mod processes;
 mod quantized;
 mod serve;

@@ -205,15 +205,11 @@ fn split_raw(
 
 /// Under `--ep` with more than one replica: why this run cannot deal its experts over the
 /// replicas, checked alike on every process before any collective.
-fn check_expert_parallel(plan: &Plan, opts: &RunOptions) -> Result<()> {
-    let refuse = |why: &str| Err(RunError::Replicas(format!("--ep: {why}")));
-    if let Some(why) = plan.why_experts_cannot_span_replicas() {
-        return refuse(why);
+fn check_expert_parallel(plan: &Plan) -> Result<()> {
+    match plan.why_experts_cannot_span_replicas() {
+        Some(why) => Err(RunError::Replicas(format!("--ep: {why}"))),
+        None => Ok(()),
     }
-    if matches!(opts.device, Device::Cuda(_)) {
-        return refuse("under mpirun the replicas share their experts on the CPU only; run the GPU replicas as threads (without mpirun)");
-    }
-    Ok(())
 }
 
 /// The global rank that leads `replica`: tp rank 0 of its last stage.
@@ -342,7 +338,7 @@ pub fn run_batch_mpi(
     check_before_start(plan, weights, requests, opts)?;
     let sharing = opts.expert_parallel && dp > 1;
     if sharing {
-        check_expert_parallel(plan, opts)?;
+        check_expert_parallel(plan)?;
     }
     let coords = groups.ranks[me];
     let replicas = groups.ext_dp * groups.dp;
@@ -386,7 +382,8 @@ pub fn run_batch_mpi(
                     stage: coords.pp,
                     listed,
                 };
-                generate_on_gpu(&gpu, plan, weights, &mine, opts, comm, pipe).map(Some)
+                generate_on_gpu(&gpu, plan, weights, &mine, opts, (comm, pipe), member)
+                    .map(Some)
             }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => Err(RunError::DeviceUnavailable(
@@ -456,7 +453,9 @@ struct GpuProcess<'a> {
 /// This process's rank on a GPU: the processes on a host take its GPUs (the listed ones, or
 /// all) in turn by their rank on the host; the tp group all-reduces through NCCL, its unique
 /// id made by tp rank 0 and broadcast over the group's MPI communicator (so every rank of a
-/// tp group needs a GPU of its own); everything else is staged through MPI.
+/// tp group needs a GPU of its own); everything else is staged through MPI. Under `--ep`
+/// (`member`) the rank's experts are those of its seat in its DP group, whose routed rows
+/// travel between the replicas' processes through host memory, as on the CPU.
 #[cfg(feature = "cuda")]
 fn generate_on_gpu(
     p: &GpuProcess<'_>,
@@ -464,8 +463,8 @@ fn generate_on_gpu(
     weights: &dyn WeightSource,
     mine: &[Request],
     opts: &RunOptions,
-    mut comm: MpiComm,
-    pipe: Option<MpiComm>,
+    (mut comm, pipe): (MpiComm, Option<MpiComm>),
+    member: Option<ExpertMember>,
 ) -> Result<BatchOutput> {
     use super::cuda::backend::CudaBackend;
     use super::cuda::comm::GpuComm;
@@ -499,18 +498,19 @@ fn generate_on_gpu(
         Some(pipe) => {
             stage =
                 stage_program(plan, p.tp_rank, p.stage).map_err(|e| RunError::Input(e.into()))?;
-            crate::runtime::generate::stage_runtime(
+            stage_runtime_sharing(
                 &stage,
                 backend,
                 comm,
                 GpuComm::new(pipe, None, None),
                 weights,
+                member,
             )?
         }
-        None => super::generate::rank_runtime(plan, p.tp_rank, backend, comm, weights)?,
+        None => rank_runtime_sharing(plan, p.tp_rank, backend, comm, weights, member)?,
     };
     injected_fault(p.me)?;
-    rt.generate(mine, opts)
+    rt.generate_in_expert_group(mine, opts)
 }
 
 /// The replicas' results in request order; timings are the slowest replica's, the other

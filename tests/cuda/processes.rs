@@ -1,0 +1,134 @@
+//! GPU ranks as MPI processes (features `cuda` and `mpi`): `--dp D --ep` replicas on the
+//! emulated GPUs, one process each, deal their experts over the replicas' processes and
+//! swap the routed rows through MPI, as the CPU ranks do (`tests/mpi.rs`). The stand-in
+//! NCCL joins threads of one process only, so these layouts have one rank per tp group.
+#![cfg(all(feature = "cuda", feature = "mpi"))]
+
+use super::common::{read_reference, MOE_FIXTURES};
+use super::device::{emulated_gpu_path, emulation_wanted};
+use std::path::Path;
+use std::process::Command;
+
+const TPC: &str = env!("CARGO_BIN_EXE_tpc");
+
+/// `tpc ARGS` on the emulated GPUs: as threads, or as `np` processes under `mpirun`; its
+/// stdout, failing the test unless it exited 0.
+fn tpc_on_emulated_gpus(np: Option<usize>, args: &[String], path: &str, what: &str) -> String {
+    let mut c = match np {
+        Some(np) => {
+            let mut c = Command::new("mpirun");
+            c.args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-x",
+                "LD_LIBRARY_PATH",
+            ])
+            .args(["-np", &np.to_string(), TPC]);
+            c
+        }
+        None => Command::new(TPC),
+    };
+    let out = c
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("LD_LIBRARY_PATH", path)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{what}: {stderr}");
+    stdout.into_owned()
+}
+
+/// (each sequence's tokens, each EP rank's routed pairs, rank 0's weight bytes) of a
+/// `run --json` with `sequences` prompts.
+fn parsed(out: &str, sequences: usize) -> (Vec<serde_json::Value>, serde_json::Value, u64) {
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tokens = lines[..sequences]
+        .iter()
+        .map(|l| l["generated"].clone())
+        .collect();
+    let summary = &lines[sequences]["summary"];
+    (
+        tokens,
+        summary["moe_routed_pairs_per_rank"].clone(),
+        summary["weight_bytes_rank0"].as_u64().unwrap(),
+    )
+}
+
+/// Every MoE fixture with `--moe expert --ep` on the emulated GPUs, at (np, pp, dp) =
+/// (2, 1, 2) and, with two stages each sharing its layers' experts, (4, 2, 2): the
+/// processes print the threaded run's tokens, load per EP rank and rank 0's weight bytes
+/// (its own experts only), and HF's greedy tokens for the sequences with HF's prompt, while
+/// the replica given the 2-token request answers the other's rounds after it is done.
+#[test]
+fn expert_parallel_gpu_replicas_as_processes_equal_threads_and_hf() {
+    if !emulation_wanted("expert_parallel_gpu_replicas_as_processes_equal_threads_and_hf") {
+        return;
+    }
+    let path = emulated_gpu_path();
+    let dir = std::env::temp_dir().join(format!("tpc-cuda-mpi-ep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut ran = 0;
+    for name in MOE_FIXTURES {
+        let fixture = Path::new("tests/fixtures/checkpoints").join(name);
+        let reference = read_reference(&Path::new(env!("CARGO_MANIFEST_DIR")).join(&fixture));
+        let n = reference.greedy.len().min(4);
+        let ids = |p: &[i64]| {
+            let s: Vec<String> = p.iter().map(i64::to_string).collect();
+            format!("[{}]", s.join(","))
+        };
+        let prompts = dir.join(format!("{name}.jsonl"));
+        std::fs::write(
+            &prompts,
+            format!(
+                "{{\"prompt_ids\":{}}}\n{{\"prompt_ids\":{},\"max_new_tokens\":2}}\n",
+                ids(&reference.prompt),
+                ids(&reference.prompt),
+            ),
+        )
+        .unwrap();
+        for (np, pp, dp) in [(2usize, 1u64, 2u64), (4, 2, 2)] {
+            let what = format!("{name} np={np} pp={pp} dp={dp} --ep on the emulated GPUs");
+            let args: Vec<String> = [
+                "run",
+                &fixture.to_string_lossy(),
+                "--pp",
+                &pp.to_string(),
+                "--dp",
+                &dp.to_string(),
+                "--ep",
+                "--moe",
+                "expert",
+                "--device",
+                "cuda",
+                "--prompts",
+                &prompts.to_string_lossy(),
+                "--max-new-tokens",
+                &n.to_string(),
+                "--json",
+            ]
+            .map(String::from)
+            .to_vec();
+            let threads = parsed(&tpc_on_emulated_gpus(None, &args, &path, &what), 2);
+            let procs = parsed(&tpc_on_emulated_gpus(Some(np), &args, &path, &what), 2);
+            assert_eq!(procs.0, threads.0, "{what}: tokens");
+            assert_eq!(procs.1, threads.1, "{what}: load per EP rank");
+            assert_eq!(procs.2, threads.2, "{what}: rank 0's weight bytes");
+            assert_eq!(procs.1.as_array().map(Vec::len), Some(np), "{what}: loads");
+            for (got, want) in procs.0.iter().zip([n, 2]) {
+                let hf = serde_json::json!(reference.greedy[..want]);
+                assert_eq!(got, &hf, "{what}: HF's tokens");
+            }
+            eprintln!("{what}: tokens, loads and weight bytes equal the threads'");
+            ran += 1;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(ran, 2 * MOE_FIXTURES.len());
+}
