@@ -203,13 +203,7 @@ pub fn serve_as_process<T: Send>(
         ) -> T
         + Send,
 ) -> anyhow::Result<Served<T>> {
-    use tpc::runtime::generate::Device;
     let opts = job.exec.options();
-    let Device::Cpu(cpu) = &opts.device else {
-        anyhow::bail!(
-            "tpc serve under mpirun runs its ranks on CPUs; for --device cuda run `tpc serve` without mpirun (its ranks are then threads, one per GPU)"
-        );
-    };
     anyhow::ensure!(
         job.dp == 1,
         "tpc serve under mpirun serves one replica; for --dp {} run it without mpirun (replicas as threads), or start one server per replica",
@@ -249,7 +243,7 @@ pub fn serve_as_process<T: Send>(
         world,
         job.plan,
         job.checkpoint,
-        cpu,
+        &opts.device,
         opts.dtype,
         job.engine,
         client,

@@ -106,6 +106,17 @@ impl Server {
         values.iter().sum()
     }
 
+    /// The pid of the leading process of a server under `mpirun`, which the line it listens
+    /// with names.
+    pub fn leading_pid(&self) -> String {
+        self.line
+            .split_once("leading process pid ")
+            .and_then(|(_, p)| p.split([',', ')']).next())
+            .unwrap_or_else(|| panic!("no leading pid in `{}`", self.line))
+            .trim()
+            .to_string()
+    }
+
     /// SIGTERM to `pid` (the server's process, or one of its job); then the child's exit
     /// status and what it said. A child still running after `hang` fails the test.
     pub fn terminate(mut self, pid: &str, hang: Duration) -> (ExitStatus, String) {

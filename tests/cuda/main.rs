@@ -22,7 +22,10 @@ mod contract;
 mod emulator;
 #[cfg(feature = "cuda")]
 #[path = "../common/serve_client.rs"]
-#[allow(dead_code, reason = "no SIGTERM test on the GPUs")]
+#[allow(
+    dead_code,
+    reason = "SIGTERM only in the tests of GPU ranks as MPI processes"
+)]
 mod serve_client;
 
 mod backend_contract;

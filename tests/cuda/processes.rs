@@ -1,13 +1,29 @@
-//! GPU ranks as MPI processes (features `cuda` and `mpi`): `--dp D --ep` replicas on the
-//! emulated GPUs, one process each, deal their experts over the replicas' processes and
-//! swap the routed rows through MPI, as the CPU ranks do (`tests/mpi.rs`). The stand-in
-//! NCCL joins threads of one process only, so these layouts have one rank per tp group.
+//! GPU ranks as MPI processes (features `cuda` and `mpi`) on the emulated GPUs: `--dp D
+//! --ep` replicas, one process each, deal their experts over the replicas' processes and
+//! swap the routed rows through MPI, as the CPU ranks do (`tests/mpi.rs`); and a server
+//! whose stages are processes serves as the threads' does. The stand-in NCCL joins threads
+//! of one process only, so these layouts have one rank per tp group.
 #![cfg(all(feature = "cuda", feature = "mpi"))]
 
-use super::common::{read_reference, MOE_FIXTURES};
+use super::common::{fixtures, read_reference, MOE_FIXTURES};
 use super::device::{emulated_gpu_path, emulation_wanted};
+use super::serve_client::{requests, Server};
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
+
+/// `mpirun` for `np` processes of tpc that see the `LD_LIBRARY_PATH` this test sets.
+fn mpirun(np: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe"]).args([
+        "-x",
+        "LD_LIBRARY_PATH",
+        "-np",
+        &np.to_string(),
+        TPC,
+    ]);
+    c
+}
 
 const TPC: &str = env!("CARGO_BIN_EXE_tpc");
 
@@ -15,17 +31,7 @@ const TPC: &str = env!("CARGO_BIN_EXE_tpc");
 /// stdout, failing the test unless it exited 0.
 fn tpc_on_emulated_gpus(np: Option<usize>, args: &[String], path: &str, what: &str) -> String {
     let mut c = match np {
-        Some(np) => {
-            let mut c = Command::new("mpirun");
-            c.args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "-x",
-                "LD_LIBRARY_PATH",
-            ])
-            .args(["-np", &np.to_string(), TPC]);
-            c
-        }
+        Some(np) => mpirun(np),
         None => Command::new(TPC),
     };
     let out = c
@@ -131,4 +137,70 @@ fn expert_parallel_gpu_replicas_as_processes_equal_threads_and_hf() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(ran, 2 * MOE_FIXTURES.len());
+}
+
+/// `mpirun -np 2 tpc serve … --pp 2 --device cuda`: one server whose two stages are
+/// processes, each on an emulated GPU of its own, the activations between them staged
+/// through MPI. Requests one at a time and all at once get the tokens each gets alone, the
+/// reference prompt HF's; with a pool squeezed so that requests are preempted too; SIGTERM
+/// to the leading process drains the server and every process exits 0.
+#[test]
+fn a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens() {
+    let test = "a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens";
+    if !emulation_wanted(test) {
+        return;
+    }
+    let path = emulated_gpu_path();
+    let dir = fixtures()
+        .into_iter()
+        .find(|d| d.ends_with("llama-gqa"))
+        .unwrap();
+    let model = dir.to_str().unwrap();
+    let reference = read_reference(&dir);
+    let reqs = requests(&reference.prompt, reference.greedy.len(), 5);
+    // llama-gqa at tp 1: the pool is sized by a tp rank's layers, 2 of 2 kv heads of 8 dims,
+    // keys and values in f32; 12 blocks of 4 tokens: the longest request fits, all of them
+    // together do not.
+    let per_token = 2 * 2 * 2 * 8 * 4;
+    let squeezed_bytes = (per_token * 4 * 12).to_string();
+    let configs: [(&str, Vec<&str>); 2] = [
+        ("pp 2", vec![]),
+        (
+            "pp 2, squeezed pool",
+            vec!["--block-size", "4", "--no-prefix-caching"]
+                .into_iter()
+                .chain(["--kv-cache-memory", &squeezed_bytes])
+                .chain(["--max-num-batched-tokens", "16"])
+                .collect(),
+        ),
+    ];
+    for (what, args) in configs {
+        let mut c = mpirun(2);
+        c.args(["serve", model, "--port", "0", "--host", "127.0.0.1"])
+            .args(["--pp", "2", "--device", "cuda"])
+            .args(&args)
+            .env("LD_LIBRARY_PATH", &path);
+        let server = Server::start(c, &format!("`mpirun -np 2 tpc serve {args:?}`"));
+        let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
+        assert_eq!(solo[0], reference.greedy, "{what}: not HF's tokens");
+        let together: Vec<Vec<i64>> = server.complete_all_at_once(&reqs);
+        for (k, (got, want)) in together.iter().zip(&solo).enumerate() {
+            assert_eq!(got, want, "{what}: request {k} at once differs from alone");
+            assert_eq!(got.len(), reqs[k].1, "{what}: request {k}");
+        }
+        assert_eq!(server.metric("tpc_kv_blocks_in_use"), 0.0, "{what}");
+        if what.contains("squeezed") {
+            assert!(
+                server.metric("tpc_preemptions_total") > 0.0,
+                "{what}: the pool was meant to force preemption"
+            );
+        }
+        let pid = server.leading_pid();
+        let (status, said) = server.terminate(&pid, Duration::from_secs(300));
+        assert!(
+            status.success(),
+            "{what}: SIGTERM to the leading process should drain and exit 0, got {status}:\n{said}"
+        );
+        eprintln!("{what}: {} requests alone and at once agree", reqs.len());
+    }
 }

@@ -26,17 +26,6 @@ fn start(np: usize, model: &str, args: &[&str]) -> Server {
     Server::start(c, &format!("`mpirun -np {np} tpc serve {args:?}`"))
 }
 
-/// The pid of the leading process, which the line it listens with names.
-fn lead_pid(server: &Server) -> String {
-    server
-        .line
-        .split_once("leading process pid ")
-        .and_then(|(_, p)| p.split([',', ')']).next())
-        .unwrap_or_else(|| panic!("no leading pid in `{}`", server.line))
-        .trim()
-        .to_string()
-}
-
 #[test]
 fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
     let dir = llama_gqa();
@@ -84,7 +73,7 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
                 "{what}: the pool was meant to force preemption"
             );
         }
-        let pid = lead_pid(&server);
+        let pid = server.leading_pid();
         let (status, said) = server.terminate(&pid, HANG);
         assert!(
             status.success(),

@@ -57,12 +57,16 @@ fn default_kv_bytes(
         let ranks_here = (0..ranks)
             .filter(|r| devices[r % devices.len()] == ordinal)
             .count() as u64;
-        let spare =
-            free_bytes(ordinal)?.saturating_sub(per_rank_weights.saturating_mul(ranks_here));
-        let share = (spare as f64 * DEFAULT_KV_SHARE) as u64 / ranks_here.max(1);
-        least = least.min(share);
+        least = least.min(kv_bytes_on(ordinal, ranks_here, per_rank_weights)?);
     }
     Ok(least)
+}
+
+/// KV bytes for each of the `ranks_here` ranks on GPU `ordinal`, each with
+/// `per_rank_weights` bytes of weights: [`DEFAULT_KV_SHARE`] of what is free after them.
+pub(crate) fn kv_bytes_on(ordinal: usize, ranks_here: u64, per_rank_weights: u64) -> Result<u64> {
+    let spare = free_bytes(ordinal)?.saturating_sub(per_rank_weights.saturating_mul(ranks_here));
+    Ok((spare as f64 * DEFAULT_KV_SHARE) as u64 / ranks_here.max(1))
 }
 
 /// Engines over `plan` on GPU ranks as threads (`listed` GPUs, or all), `dp` replicas of

@@ -13,6 +13,8 @@
 //! there together ([`super::agreement`]).
 
 pub mod expert_exchange;
+#[cfg(feature = "cuda")]
+mod gpu;
 pub mod serve;
 
 use super::agreement::{verdict, Record};
@@ -88,7 +90,14 @@ impl MpiWorld {
 
     /// How many processes of the job run on this host (this one included).
     pub fn ranks_on_host(&self) -> usize {
-        self.world.split_shared(self.world.rank()).size().max(1) as usize
+        self.place_on_host().1
+    }
+
+    /// This process's place among the job's processes on its host: (its index, by world
+    /// rank, and how many there are). Collective.
+    pub fn place_on_host(&self) -> (usize, usize) {
+        let host = self.world.split_shared(self.world.rank());
+        (host.rank().max(0) as usize, host.size().max(1) as usize)
     }
 
     /// The least of every rank's `mine`: a figure the ranks must share (the KV pool's size)
@@ -362,7 +371,7 @@ pub fn run_batch_mpi(
     } else {
         None
     };
-    let on_this_host = mpi.world.split_shared(me as i32).size().max(1) as usize;
+    let on_this_host = mpi.ranks_on_host();
     let mine: Vec<Request> = requests
         .iter()
         .enumerate()
@@ -375,14 +384,14 @@ pub fn run_batch_mpi(
         outcome = match &opts.device {
             #[cfg(feature = "cuda")]
             Device::Cuda(listed) => {
-                let gpu = GpuProcess {
+                let gpu = gpu::GpuProcess {
                     mpi,
                     me,
                     tp_rank: coords.tp,
                     stage: coords.pp,
                     listed,
                 };
-                generate_on_gpu(&gpu, plan, weights, &mine, opts, (comm, pipe), member)
+                gpu::generate_on_gpu(&gpu, plan, weights, &mine, opts, (comm, pipe), member)
                     .map(Some)
             }
             #[cfg(not(feature = "cuda"))]
@@ -438,79 +447,6 @@ pub fn run_batch_mpi(
         out.unwrap_or_default(),
         sharing,
     )))
-}
-
-/// A GPU rank's place among the processes.
-#[cfg(feature = "cuda")]
-struct GpuProcess<'a> {
-    mpi: &'a MpiWorld,
-    me: usize,
-    tp_rank: usize,
-    stage: usize,
-    listed: &'a [usize],
-}
-
-/// This process's rank on a GPU: the processes on a host take its GPUs (the listed ones, or
-/// all) in turn by their rank on the host; the tp group all-reduces through NCCL, its unique
-/// id made by tp rank 0 and broadcast over the group's MPI communicator (so every rank of a
-/// tp group needs a GPU of its own); everything else is staged through MPI. Under `--ep`
-/// (`member`) the rank's experts are those of its seat in its DP group, whose routed rows
-/// travel between the replicas' processes through host memory, as on the CPU.
-#[cfg(feature = "cuda")]
-fn generate_on_gpu(
-    p: &GpuProcess<'_>,
-    plan: &Plan,
-    weights: &dyn WeightSource,
-    mine: &[Request],
-    opts: &RunOptions,
-    (mut comm, pipe): (MpiComm, Option<MpiComm>),
-    member: Option<ExpertMember>,
-) -> Result<BatchOutput> {
-    use super::cuda::backend::CudaBackend;
-    use super::cuda::comm::GpuComm;
-    use super::cuda::device::GpuRank;
-    use super::cuda::nccl::{new_id, IdBytes, NcclLink};
-    use std::sync::{Arc, OnceLock};
-    let devices = super::cuda::launch::gpus(p.listed)?;
-    let on_host = p.mpi.world.split_shared(p.me as i32).rank().max(0) as usize;
-    let gpu = Arc::new(GpuRank::open(p.me, devices[on_host % devices.len()])?);
-    let tp = plan.ranks.len();
-    let nccl = if tp > 1 {
-        let mut id: IdBytes = [0; 128];
-        if p.tp_rank == 0 {
-            id = new_id()?;
-        }
-        let mut bytes: Vec<u8> = id.iter().map(|&c| c as u8).collect();
-        comm.broadcast_bytes(&mut bytes, 0)?;
-        for (c, b) in id.iter_mut().zip(&bytes) {
-            *c = *b as std::ffi::c_char;
-        }
-        let slot = Arc::new(OnceLock::new());
-        let _ = slot.set(gpu.clone());
-        Some(NcclLink::new(id, p.tp_rank, tp, slot))
-    } else {
-        None
-    };
-    let comm = GpuComm::new(comm, None, nccl);
-    let backend = CudaBackend::new(gpu, opts.dtype.bf16_linears(plan));
-    let stage;
-    let mut rt = match pipe {
-        Some(pipe) => {
-            stage =
-                stage_program(plan, p.tp_rank, p.stage).map_err(|e| RunError::Input(e.into()))?;
-            stage_runtime_sharing(
-                &stage,
-                backend,
-                comm,
-                GpuComm::new(pipe, None, None),
-                weights,
-                member,
-            )?
-        }
-        None => rank_runtime_sharing(plan, p.tp_rank, backend, comm, weights, member)?,
-    };
-    injected_fault(p.me)?;
-    rt.generate_in_expert_group(mine, opts)
 }
 
 /// The replicas' results in request order; timings are the slowest replica's, the other
