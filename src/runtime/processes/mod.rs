@@ -1,7 +1,8 @@
 //! Ranks as processes (`mpirun -np W tpc run …`): each MPI process is one global rank of
 //! the `[ExternalDP, DP, PP, TP]` layout ([`rank_groups`]); its tensor-parallel and pipeline
 //! groups are MPI sub-communicators cut from that layout, it loads only its own weight
-//! slices, and it runs its rank's program on the CPU backend. Every (ExternalDP, DP)
+//! slices, and it runs its rank's program on the CPU backend or, with `--device cuda`, on a
+//! GPU of its host (`gpu.rs`). Every (ExternalDP, DP)
 //! replica takes the requests [`placement`] deals it, and each replica's leading rank (tp
 //! rank 0 of its last stage) sends its results to world rank 0, which returns them in
 //! request order.
