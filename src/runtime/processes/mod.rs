@@ -2,10 +2,9 @@
 //! the `[ExternalDP, DP, PP, TP]` layout ([`rank_groups`]); its tensor-parallel and pipeline
 //! groups are MPI sub-communicators cut from that layout, it loads only its own weight
 //! slices, and it runs its rank's program on the CPU backend or, with `--device cuda`, on a
-//! GPU of its host (`gpu.rs`). Every (ExternalDP, DP)
-//! replica takes the requests [`placement`] deals it, and each replica's leading rank (tp
-//! rank 0 of its last stage) sends its results to world rank 0, which returns them in
-//! request order.
+//! GPU of its host (`gpu.rs`). Every (ExternalDP, DP) replica takes the requests
+//! [`placement`] deals it, and each replica's leading rank (tp rank 0 of its last stage)
+//! sends its results to world rank 0, which returns them in request order.
 //!
 //! Failure: MPI reports no error to the peers of a failed process. The caller prints a
 //! failed rank's error (naming it) and calls [`MpiWorld::abort`]; `mpirun` then stops every
