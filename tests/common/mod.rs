@@ -35,6 +35,17 @@ pub const INT4_FIXTURES: [&str; 6] = [
 pub const RESTORED_FIXTURES: [&str; 1] = ["llama-gqa-w8a16"];
 
 /// The tiny dense HF reference checkpoints (`scripts/make_fixtures.py`), in a fixed order.
+/// The fixture checkpoint `name` (`tests/fixtures/checkpoints/NAME`), which must exist.
+pub fn fixture(name: &str) -> PathBuf {
+    let dir = Path::new("tests/fixtures/checkpoints").join(name);
+    assert!(
+        dir.join("config.json").exists(),
+        "no fixture {}",
+        dir.display()
+    );
+    dir
+}
+
 pub fn fixtures() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("tests/fixtures/checkpoints")
         .unwrap()

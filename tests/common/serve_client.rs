@@ -84,6 +84,33 @@ impl Server {
         })
     }
 
+    /// Every request alone, then all at once: the same greedy tokens both ways, as many as
+    /// each asked, the first request `greedy` (HF's tokens for its prompt); the pool is
+    /// empty after, and requests were preempted on the way where `squeezed` (a pool too
+    /// small for all of them together).
+    pub fn check_alone_and_at_once(
+        &self,
+        reqs: &[(Vec<i64>, usize)],
+        greedy: &[i64],
+        squeezed: bool,
+        what: &str,
+    ) {
+        let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| self.complete(p, *n)).collect();
+        assert_eq!(solo[0], greedy, "{what}: not HF's tokens");
+        let together: Vec<Vec<i64>> = self.complete_all_at_once(reqs);
+        for (k, (got, want)) in together.iter().zip(&solo).enumerate() {
+            assert_eq!(got, want, "{what}: request {k} at once differs from alone");
+            assert_eq!(got.len(), reqs[k].1, "{what}: request {k}");
+        }
+        assert_eq!(self.metric("tpc_kv_blocks_in_use"), 0.0, "{what}");
+        if squeezed {
+            assert!(
+                self.metric("tpc_preemptions_total") > 0.0,
+                "{what}: the pool was meant to force preemption"
+            );
+        }
+    }
+
     pub fn metric(&self, name: &str) -> f64 {
         let text = ureq::get(&format!("{}/metrics", self.url))
             .call()

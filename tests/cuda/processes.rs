@@ -5,7 +5,7 @@
 //! of one process only, so these layouts have one rank per tp group.
 #![cfg(all(feature = "cuda", feature = "mpi"))]
 
-use super::common::{fixtures, read_reference, MOE_FIXTURES};
+use super::common::{fixture, read_reference, MOE_FIXTURES};
 use super::device::{emulated_gpu_path, emulation_wanted};
 use super::serve_client::{requests, Server};
 use std::path::Path;
@@ -151,10 +151,7 @@ fn a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens() 
         return;
     }
     let path = emulated_gpu_path();
-    let dir = fixtures()
-        .into_iter()
-        .find(|d| d.ends_with("llama-gqa"))
-        .unwrap();
+    let dir = fixture("llama-gqa");
     let model = dir.to_str().unwrap();
     let reference = read_reference(&dir);
     let reqs = requests(&reference.prompt, reference.greedy.len(), 5);
@@ -181,20 +178,7 @@ fn a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens() 
             .args(&args)
             .env("LD_LIBRARY_PATH", &path);
         let server = Server::start(c, &format!("`mpirun -np 2 tpc serve {args:?}`"));
-        let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
-        assert_eq!(solo[0], reference.greedy, "{what}: not HF's tokens");
-        let together: Vec<Vec<i64>> = server.complete_all_at_once(&reqs);
-        for (k, (got, want)) in together.iter().zip(&solo).enumerate() {
-            assert_eq!(got, want, "{what}: request {k} at once differs from alone");
-            assert_eq!(got.len(), reqs[k].1, "{what}: request {k}");
-        }
-        assert_eq!(server.metric("tpc_kv_blocks_in_use"), 0.0, "{what}");
-        if what.contains("squeezed") {
-            assert!(
-                server.metric("tpc_preemptions_total") > 0.0,
-                "{what}: the pool was meant to force preemption"
-            );
-        }
+        server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
         let pid = server.leading_pid();
         let (status, said) = server.terminate(&pid, Duration::from_secs(300));
         assert!(
@@ -203,4 +187,31 @@ fn a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens() 
         );
         eprintln!("{what}: {} requests alone and at once agree", reqs.len());
     }
+}
+
+/// Two ranks of one tp group on one GPU (`--device cuda:0`, two processes on this host):
+/// NCCL would refuse them, or leave the other waiting; every process refuses first, naming
+/// the ranks and the GPU, and the job ends with exit 1, no rank printing results.
+#[test]
+fn two_ranks_of_a_tp_group_on_one_gpu_are_refused_naming_them() {
+    if !emulation_wanted("two_ranks_of_a_tp_group_on_one_gpu_are_refused_naming_them") {
+        return;
+    }
+    // `timeout`: a guard against a hang (exit 124), not a speed limit.
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", "300", "mpirun", "--allow-run-as-root"])
+        .args(["--oversubscribe", "-x", "LD_LIBRARY_PATH", "-np", "2", TPC])
+        .args(["run", "tests/fixtures/checkpoints/llama-gqa", "--tp", "2"])
+        .args(["--device", "cuda:0", "--prompt-ids", "1,2,3"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("LD_LIBRARY_PATH", emulated_gpu_path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{}: {err}", out.status);
+    // The first rank to refuse aborts the job, so another's line may be cut or missing.
+    let said = "--device cuda: ranks 0 and 1, of one tp group, would share GPU 0 of host";
+    assert!(err.contains("error: rank ") && err.contains(said), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).trim().is_empty());
 }

@@ -8,7 +8,7 @@
 //! (`scripts/device_check.sh`).
 #![cfg(feature = "cuda")]
 
-use crate::common::{fixtures, read_reference};
+use crate::common::{fixture, read_reference};
 use crate::device::{emulated_gpu_path, emulation_wanted, gpu_present};
 use crate::serve_client::{requests, Server};
 use std::process::Command;
@@ -37,10 +37,7 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
     let Some(path) = library_path(test) else {
         return;
     };
-    let dir = fixtures()
-        .into_iter()
-        .find(|d| d.ends_with("llama-gqa"))
-        .unwrap();
+    let dir = fixture("llama-gqa");
     let model = dir.to_str().unwrap();
     let reference = read_reference(&dir);
     let reqs = requests(&reference.prompt, reference.greedy.len(), 11);
@@ -88,20 +85,7 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
         let mut args = args;
         args.extend(["--tp", "2"]);
         let server = start(model, &args, &path);
-        let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
-        assert_eq!(solo[0], reference.greedy, "{what}: not HF's tokens");
-        let together: Vec<Vec<i64>> = server.complete_all_at_once(&reqs);
-        for (k, (got, want)) in together.iter().zip(&solo).enumerate() {
-            assert_eq!(got, want, "{what}: request {k} at once differs from alone");
-            assert_eq!(got.len(), reqs[k].1, "{what}: request {k}");
-        }
-        assert_eq!(server.metric("tpc_kv_blocks_in_use"), 0.0, "{what}");
-        if what == "squeezed pool" {
-            assert!(
-                server.metric("tpc_preemptions_total") > 0.0,
-                "{what}: the pool was meant to force preemption"
-            );
-        }
+        server.check_alone_and_at_once(&reqs, &reference.greedy, what == "squeezed pool", what);
         if what == "two replicas" {
             for r in 0..2 {
                 let done =

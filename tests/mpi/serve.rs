@@ -6,16 +6,8 @@
 //! job with status 1 whatever the processes do.)
 
 use super::serve_client::{requests, Server};
-use super::{fixtures, mpirun, read_reference, HANG};
-use std::path::PathBuf;
-
-/// The fixture these tests serve.
-fn llama_gqa() -> PathBuf {
-    fixtures()
-        .into_iter()
-        .find(|d| d.ends_with("llama-gqa"))
-        .unwrap()
-}
+use super::{mpirun, read_reference, HANG};
+use crate::common::fixture;
 
 /// `mpirun -np NP tpc serve MODEL ARGS` on a free port, one compute thread per rank.
 fn start(np: usize, model: &str, args: &[&str]) -> Server {
@@ -28,7 +20,7 @@ fn start(np: usize, model: &str, args: &[&str]) -> Server {
 
 #[test]
 fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
-    let dir = llama_gqa();
+    let dir = fixture("llama-gqa");
     let model = dir.to_str().unwrap();
     let reference = read_reference(&dir);
     let reqs = requests(&reference.prompt, reference.greedy.len(), 9);
@@ -59,20 +51,7 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
     ];
     for (what, np, args) in configs {
         let server = start(np, model, &args);
-        let solo: Vec<Vec<i64>> = reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
-        assert_eq!(solo[0], reference.greedy, "{what}: not HF's tokens");
-        let together: Vec<Vec<i64>> = server.complete_all_at_once(&reqs);
-        for (k, (got, want)) in together.iter().zip(&solo).enumerate() {
-            assert_eq!(got, want, "{what}: request {k} at once differs from alone");
-            assert_eq!(got.len(), reqs[k].1, "{what}: request {k}");
-        }
-        assert_eq!(server.metric("tpc_kv_blocks_in_use"), 0.0, "{what}");
-        if what.contains("squeezed") {
-            assert!(
-                server.metric("tpc_preemptions_total") > 0.0,
-                "{what}: the pool was meant to force preemption"
-            );
-        }
+        server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
         let pid = server.leading_pid();
         let (status, said) = server.terminate(&pid, HANG);
         assert!(
@@ -85,7 +64,7 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
 
 #[test]
 fn a_server_under_mpirun_refuses_replicas_and_a_wrong_process_count() {
-    let dir = llama_gqa();
+    let dir = fixture("llama-gqa");
     let model = dir.to_str().unwrap();
     for (np, args, says) in [
         (4usize, vec!["--tp", "2"], "takes tp · pp = 2 processes"),

@@ -6,7 +6,7 @@
 //! gathered logits give.
 
 use crate::common;
-use common::{fixtures, read_reference, rel_error, with_llama_override, REL_TOL};
+use common::{fixture, fixtures, read_reference, rel_error, with_llama_override, REL_TOL};
 
 use tpc::frontend::load::load_model;
 use tpc::frontend::{Family, ModelDef, TpWord};
@@ -476,8 +476,7 @@ fn overrides_that_split_undealt_dims_cut_unequal_pieces() {
 
 /// The llama-gqa fixture's model (8 query heads over 2 kv heads).
 fn gqa_model() -> ModelDef {
-    let dir = fixtures().into_iter().find(|d| d.ends_with("llama-gqa"));
-    load_model(&dir.expect("the llama-gqa fixture")).unwrap()
+    load_model(&fixture("llama-gqa")).unwrap()
 }
 
 /// A row-parallel `k_proj` at tp 4 over 2 kv heads: its output is summed whole and cut

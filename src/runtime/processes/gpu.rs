@@ -47,6 +47,7 @@ pub(super) fn open_gpu_rank(p: &GpuProcess<'_>, tp: usize, mut comm: MpiComm) ->
     let slot = on_host % devices.len();
     let ordinal = devices[slot];
     let sharing = (0..here).filter(|r| r % devices.len() == slot).count();
+    check_a_gpu_per_tp_rank(p, tp, ordinal)?;
     let gpu = Arc::new(GpuRank::open(p.me, ordinal)?);
     let nccl = if tp > 1 {
         let mut id: IdBytes = [0; 128];
@@ -70,6 +71,37 @@ pub(super) fn open_gpu_rank(p: &GpuProcess<'_>, tp: usize, mut comm: MpiComm) ->
         sharing,
         comm: GpuComm::new(comm, None, nccl),
     })
+}
+
+/// NCCL refuses two ranks of one communicator on one GPU (and a refused or half-made
+/// communicator can leave its peers waiting): every process learns where every other's GPU
+/// is (collective) and all refuse alike where two ranks of a tp group would share one.
+fn check_a_gpu_per_tp_rank(p: &GpuProcess<'_>, tp: usize, ordinal: usize) -> Result<()> {
+    if tp < 2 {
+        return Ok(());
+    }
+    let host = mpi::environment::processor_name().unwrap_or_default();
+    let seats: Vec<String> = p
+        .mpi
+        .all_gather_bytes(format!("{ordinal} {host}").as_bytes())?
+        .iter()
+        .map(|b| String::from_utf8_lossy(b).into_owned())
+        .collect();
+    // Global ranks run [.., PP, TP], tp fastest: a tp group is `tp` consecutive ranks.
+    for (g, members) in seats.chunks(tp).enumerate() {
+        for a in 0..members.len() {
+            let Some(b) = (a + 1..members.len()).find(|&b| members[b] == members[a]) else {
+                continue;
+            };
+            let (gpu, host) = members[a].split_once(' ').unwrap_or((&members[a], ""));
+            return Err(RunError::DeviceUnavailable(format!(
+                "--device cuda: ranks {} and {}, of one tp group, would share GPU {gpu} of host `{host}`, and NCCL needs a GPU for each rank of a tp group; list as many GPUs as a host runs processes (--device cuda:0,1,…) or start fewer processes per host",
+                g * tp + a,
+                g * tp + b
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// This process's rank of `plan` on its GPU, generating `mine`. Under `--ep` (`member`) the
