@@ -1,8 +1,8 @@
 //! The module graph is one-way: a test reads the sources and fails when a module cycle
-//! appears, between the crate's top-level modules (ir → frontend → passes → plan → pipeline
-//! → cost → runtime, with cli the binary above them all) and between the modules inside `runtime/`
-//! (there each device folder, `cpu/` and `cuda/`, counts as its files: a device's launcher
-//! sits above the generic launcher while its kernels sit below it).
+//! appears, between the crate's top-level modules (ir → frontend → passes → plan →
+//! pipeline → cost → runtime, with cli the binary above them all) and between the modules
+//! inside `runtime/` (there each device folder, `cpu/` and `cuda/`, counts as its files: a
+//! device's launcher sits above the generic launcher while its kernels sit below it).
 //!
 //! A reference counts where code names a module: `crate::x`, and `super::x` from a file
 //! directly under the folder compared. Comments do not count; tests do, as the compiler
