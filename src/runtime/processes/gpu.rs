@@ -27,6 +27,8 @@ pub(super) struct GpuProcess<'a> {
     pub tp_rank: usize,
     pub stage: usize,
     pub listed: &'a [usize],
+    /// Its place among the job's processes on its host ([`MpiWorld::place_on_host`]).
+    pub host: (usize, usize),
 }
 
 /// This process's GPU rank, opened.
@@ -43,7 +45,7 @@ pub(super) struct OpenedGpu {
 /// Opens this process's GPU and its tp group's communicator (`comm`, of `tp` ranks).
 pub(super) fn open_gpu_rank(p: &GpuProcess<'_>, tp: usize, mut comm: MpiComm) -> Result<OpenedGpu> {
     let devices = crate::runtime::cuda::launch::gpus(p.listed)?;
-    let (on_host, here) = p.mpi.place_on_host();
+    let (on_host, here) = p.host;
     let slot = on_host % devices.len();
     let ordinal = devices[slot];
     let sharing = (0..here).filter(|r| r % devices.len() == slot).count();

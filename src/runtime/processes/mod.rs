@@ -88,11 +88,6 @@ impl MpiWorld {
         split(&self.world, groups, self.rank())
     }
 
-    /// How many processes of the job run on this host (this one included).
-    pub fn ranks_on_host(&self) -> usize {
-        self.place_on_host().1
-    }
-
     /// This process's place among the job's processes on its host: (its index, by world
     /// rank, and how many there are). Collective.
     pub fn place_on_host(&self) -> (usize, usize) {
@@ -371,7 +366,8 @@ pub fn run_batch_mpi(
     } else {
         None
     };
-    let on_this_host = mpi.ranks_on_host();
+    let host = mpi.place_on_host();
+    let on_this_host = host.1;
     let mine: Vec<Request> = requests
         .iter()
         .enumerate()
@@ -390,6 +386,7 @@ pub fn run_batch_mpi(
                     tp_rank: coords.tp,
                     stage: coords.pp,
                     listed,
+                    host,
                 };
                 gpu::generate_on_gpu(&gpu, plan, weights, &mine, opts, (comm, pipe), member)
                     .map(Some)

@@ -59,7 +59,8 @@ pub fn serve_mpi<T: Send>(
     } else {
         None
     };
-    let on_host = mpi.ranks_on_host();
+    let host = mpi.place_on_host();
+    let on_host = host.1;
     let bf16 = dtype.bf16_linears(plan);
     let (weight_bytes, _) = crate::runtime::memory::least_run_bytes(plan, bf16, 0);
     // The engine, its pool `memory` bytes a rank: the least over the ranks (collective).
@@ -90,6 +91,7 @@ pub fn serve_mpi<T: Send>(
                 tp_rank: coords.tp,
                 stage: coords.pp,
                 listed,
+                host,
             };
             let opened = super::gpu::open_gpu_rank(&p, tp, comm)?;
             let per_rank_weights = weight_bytes / world.max(1) as u64;
