@@ -51,7 +51,12 @@ pub struct Args {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    super::launcher::with_launcher("bench", a.launcher, |mpi| execute_with(a, mpi))
+    super::launcher::with_launcher(
+        "bench",
+        a.launcher,
+        super::launcher::MpiThreads::OneAtATime,
+        |mpi| execute_with(a, mpi),
+    )
 }
 
 /// Benchmarks with ranks as threads (`mpi` None) or as this MPI process's rank (world

@@ -67,24 +67,29 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         ),
     };
     super::sizes::check_memory(needed, &what, "--to-log2 or --tp")?;
-    super::launcher::with_launcher("bench-comm", a.launcher, |mpi| match mpi {
-        None => in_process(&a),
-        Some(world) => {
-            // Before the communicator's copy, itself a collective.
-            let mut record = tpc::runtime::agreement::Record::new("bench-comm");
-            record
-                .argument("--iters", a.iters)
-                .argument("--from-log2", a.from_log2)
-                .argument("--to-log2", a.to_log2)
-                .argument("--dtype", format!("{:?}", a.dtype).to_lowercase());
-            super::launcher::agree(world, &record)?;
-            anyhow::ensure!(
-                matches!(a.dtype, Dtype::F32),
-                "over MPI bench-comm measures f32 all-reduces only; drop --dtype bf16"
-            );
-            over_mpi(world, &a)
-        }
-    })
+    super::launcher::with_launcher(
+        "bench-comm",
+        a.launcher,
+        super::launcher::MpiThreads::OneAtATime,
+        |mpi| match mpi {
+            None => in_process(&a),
+            Some(world) => {
+                // Before the communicator's copy, itself a collective.
+                let mut record = tpc::runtime::agreement::Record::new("bench-comm");
+                record
+                    .argument("--iters", a.iters)
+                    .argument("--from-log2", a.from_log2)
+                    .argument("--to-log2", a.to_log2)
+                    .argument("--dtype", format!("{:?}", a.dtype).to_lowercase());
+                super::launcher::agree(world, &record)?;
+                anyhow::ensure!(
+                    matches!(a.dtype, Dtype::F32),
+                    "over MPI bench-comm measures f32 all-reduces only; drop --dtype bf16"
+                );
+                over_mpi(world, &a)
+            }
+        },
+    )
 }
 
 #[cfg(feature = "mpi")]

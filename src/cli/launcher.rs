@@ -3,6 +3,7 @@
 
 use tpc::plan::Plan;
 use tpc::runtime::generate::{BatchOutput, Request, RunOptions};
+pub use tpc::runtime::launch::MpiThreads;
 use tpc::runtime::weights::WeightSource;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -27,6 +28,7 @@ pub type MpiWorld = std::convert::Infallible;
 pub fn with_launcher(
     command: &str,
     launcher: Launcher,
+    threads: MpiThreads,
     body: impl FnOnce(Option<&MpiWorld>) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     let mpi = match launcher {
@@ -38,7 +40,7 @@ pub fn with_launcher(
         stand_by(&format!("{command} --launcher threads"))?;
         return body(None);
     }
-    as_process(body)
+    as_process(threads, body)
 }
 
 /// Whether an MPI launcher started this process as one of several.
@@ -59,7 +61,7 @@ pub fn stand_by(command: &str) -> anyhow::Result<()> {
     if !launched_with_peers() {
         return Ok(());
     }
-    let world = MpiWorld::init()?;
+    let world = MpiWorld::init(MpiThreads::OneAtATime)?;
     match world.agree(&tpc::runtime::agreement::Record::new(command)) {
         // MPI_Finalize on drop: every process agreed, so every one reaches it.
         Ok(()) => Ok(()),
@@ -85,15 +87,21 @@ fn stop_disagreeing(world: MpiWorld, e: &anyhow::Error) -> ! {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn as_process(_: impl FnOnce(Option<&MpiWorld>) -> anyhow::Result<()>) -> anyhow::Result<()> {
+fn as_process(
+    _: MpiThreads,
+    _: impl FnOnce(Option<&MpiWorld>) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     anyhow::bail!(
         "an MPI launcher started this process (or --launcher mpi was given), but this tpc was built without MPI: build it with `cargo build --release --features mpi` (needs Open MPI: libopenmpi-dev, openmpi-bin, libclang-dev), or run without mpirun for ranks as threads"
     )
 }
 
 #[cfg(feature = "mpi")]
-fn as_process(body: impl FnOnce(Option<&MpiWorld>) -> anyhow::Result<()>) -> anyhow::Result<()> {
-    let world = MpiWorld::init()?;
+fn as_process(
+    threads: MpiThreads,
+    body: impl FnOnce(Option<&MpiWorld>) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let world = MpiWorld::init(threads)?;
     tpc::runtime::processes::abort_job_on_panic();
     let (rank, size) = (world.rank(), world.size());
     match body(Some(&world)) {
@@ -204,11 +212,6 @@ pub fn serve_as_process<T: Send>(
         + Send,
 ) -> anyhow::Result<Served<T>> {
     let opts = job.exec.options();
-    anyhow::ensure!(
-        job.dp == 1,
-        "tpc serve under mpirun serves one replica; for --dp {} run it without mpirun (replicas as threads), or start one server per replica",
-        job.dp
-    );
     let e = job.engine;
     let mut record = super::agreement::record(&super::agreement::Job {
         command: "serve",
@@ -246,6 +249,7 @@ pub fn serve_as_process<T: Send>(
         &opts.device,
         opts.dtype,
         job.engine,
+        usize::try_from(job.dp)?,
         client,
     )?)
 }

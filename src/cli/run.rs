@@ -277,7 +277,12 @@ fn figures(out: &BatchOutput, tp: u64, pp: usize, a: &Args) -> serde_json::Value
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    super::launcher::with_launcher("run", a.launcher, |mpi| execute_with(a, mpi))
+    super::launcher::with_launcher(
+        "run",
+        a.launcher,
+        super::launcher::MpiThreads::OneAtATime,
+        |mpi| execute_with(a, mpi),
+    )
 }
 
 /// Runs the ranks as threads (`mpi` None) or as this MPI process's rank.

@@ -23,7 +23,8 @@ pub struct Args {
     #[command(flatten)]
     pipe: super::PipelineArgs,
     /// Data parallelism: this many replicas of the ranks, each with its own weights and
-    /// engine; requests go to the least loaded. 1 to 64.
+    /// engine (under mpirun, in processes of their own); requests go to the least loaded.
+    /// 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     dp: u64,
     /// Expert parallelism over the replicas: deal each tp rank's experts of a
@@ -74,8 +75,9 @@ pub struct Args {
     #[command(flatten)]
     exec: ExecArgs,
     /// Where the ranks run: `mpi` (or `auto` under an MPI launcher with more than one rank)
-    /// makes this process one rank of the server, started by `mpirun -np tp·pp`; the
-    /// process of tp rank 0 of the last stage listens.
+    /// makes this process one rank of the server, started by `mpirun -np dp·tp·pp`; the
+    /// process of tp rank 0 of the last stage of replica 0 listens, and sends requests to
+    /// the other replicas' processes.
     #[arg(long, value_enum, default_value_t = super::launcher::Launcher::Auto)]
     launcher: super::launcher::Launcher,
 }
@@ -85,7 +87,13 @@ fn size(flag: &str, v: u64) -> anyhow::Result<usize> {
 }
 
 pub fn execute(a: Args) -> anyhow::Result<()> {
-    super::launcher::with_launcher("serve", a.launcher, |mpi| execute_with(a, mpi))
+    // Replicas as processes: each leading process's relay talks while its engine computes.
+    let threads = if a.dp > 1 {
+        super::launcher::MpiThreads::AtOnce
+    } else {
+        super::launcher::MpiThreads::OneAtATime
+    };
+    super::launcher::with_launcher("serve", a.launcher, threads, |mpi| execute_with(a, mpi))
 }
 
 /// Serves with the ranks as threads (`mpi` None) or as this MPI process's rank.
@@ -161,7 +169,7 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     if let Some(world) = mpi {
         anyhow::ensure!(
             !a.ep,
-            "--ep: under mpirun `tpc serve` runs one replica, so there are no replicas to deal the experts over; serve with `--dp D --ep` and the ranks as threads (without mpirun)"
+            "--ep: under mpirun `tpc serve` does not yet deal the experts over replicas in other processes; serve with `--dp D --ep` and the ranks as threads (without mpirun), or under mpirun with --dp and every replica holding its experts"
         );
         let (engine, served) = super::launcher::serve_as_process(
             world,

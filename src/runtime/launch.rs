@@ -285,6 +285,16 @@ fn root_cause<T>(results: Vec<std::thread::Result<Result<T>>>, lead: usize) -> R
 /// the PMI/PMIx ones MPICH and Slurm use), holding the world size.
 const MPI_LAUNCHER_SIZE_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
 
+/// Which threads of an MPI process may call MPI (feature `mpi`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MpiThreads {
+    /// Any thread, one at a time (`MPI_THREAD_SERIALIZED`): enough for a rank.
+    OneAtATime,
+    /// Several at once, if the library provides it (`MPI_THREAD_MULTIPLE`): a server's
+    /// replicas as processes, whose relays talk while their engines compute.
+    AtOnce,
+}
+
 /// The world size an MPI launcher (`mpirun`, `srun`) gave this process, if one started it.
 pub fn mpi_launched_world_size() -> Option<usize> {
     MPI_LAUNCHER_SIZE_VARS

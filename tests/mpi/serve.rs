@@ -1,8 +1,9 @@
 //! `mpirun -np W tpc serve …`: one server whose ranks are MPI processes, driven over HTTP.
 //! Many requests at once get exactly the greedy tokens each gets alone — at tp 2, with
 //! pipeline stages, with prompts prefilled in chunks, with a pool so small that requests are
-//! preempted — the reference prompt gets HF's tokens, and SIGTERM to the leading process
-//! drains the server: every process exits 0. (SIGTERM to Open MPI's `mpirun` itself ends the
+//! preempted, with replicas (`--dp`) in processes of their own behind the one front — the
+//! reference prompt gets HF's tokens, and SIGTERM to the leading process drains the server:
+//! every process exits 0. (SIGTERM to Open MPI's `mpirun` itself ends the
 //! job with status 1 whatever the processes do.)
 
 use super::serve_client::{requests, Server};
@@ -62,13 +63,66 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
     }
 }
 
+/// Replicas as processes behind one front: each replica's engine runs requests (the front
+/// sends each to the least loaded), their tokens are the same as alone and HF's, /metrics
+/// lists every replica, and SIGTERM to the front drains them all.
 #[test]
-fn a_server_under_mpirun_refuses_replicas_and_a_wrong_process_count() {
+fn replicas_as_processes_serve_behind_one_front() {
+    let dir = fixture("llama-gqa");
+    let model = dir.to_str().unwrap();
+    let reference = read_reference(&dir);
+    let reqs = requests(&reference.prompt, reference.greedy.len(), 9);
+    // llama-gqa at tp 1: keys and values of 2 layers, 2 kv heads of 8 dims, f32 (the pool
+    // is sized by every layer of a tp rank, stages or not); 12 blocks of 4 tokens per
+    // replica: the longest request fits, the requests a replica gets at once do not.
+    let per_token = 2 * 2 * 2 * 8 * 4;
+    let squeezed_bytes = (per_token * 4 * 12).to_string();
+    let configs: [(&str, usize, Vec<&str>); 3] = [
+        ("dp 2", 2, vec!["--dp", "2"]),
+        ("tp 2, dp 2", 4, vec!["--tp", "2", "--dp", "2"]),
+        (
+            "pp 2, dp 2, squeezed pool",
+            4,
+            vec!["--pp", "2", "--dp", "2", "--block-size", "4"]
+                .into_iter()
+                .chain(["--no-prefix-caching", "--kv-cache-memory", &squeezed_bytes])
+                .chain(["--max-num-batched-tokens", "16"])
+                .collect(),
+        ),
+    ];
+    for (what, np, args) in configs {
+        let server = start(np, model, &args);
+        assert!(server.line.contains("dp=2"), "{what}: {}", server.line);
+        server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
+        for r in 0..2 {
+            let tokens = server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
+            assert!(tokens > 0.0, "{what}: replica {r} ran no request");
+        }
+        let pid = server.leading_pid();
+        let (status, said) = server.terminate(&pid, HANG);
+        assert!(
+            status.success(),
+            "{what}: SIGTERM to the leading process should drain every replica and exit 0, got {status}:\n{said}"
+        );
+        eprintln!("{what}: {} requests alone and at once agree", reqs.len());
+    }
+}
+
+#[test]
+fn a_server_under_mpirun_refuses_a_wrong_process_count() {
     let dir = fixture("llama-gqa");
     let model = dir.to_str().unwrap();
     for (np, args, says) in [
-        (4usize, vec!["--tp", "2"], "takes tp · pp = 2 processes"),
-        (2, vec!["--tp", "2", "--dp", "2"], "serves one replica"),
+        (
+            4usize,
+            vec!["--tp", "2"],
+            "1 replica(s) of tp · pp = 2 ranks take 2 processes",
+        ),
+        (
+            2,
+            vec!["--tp", "2", "--dp", "2"],
+            "2 replica(s) of tp · pp = 2 ranks take 4 processes",
+        ),
     ] {
         let mut c = mpirun(np);
         c.args(["serve", model, "--port", "0"]).args(&args);

@@ -9,6 +9,7 @@ pub mod handle;
 pub mod launch;
 pub mod metrics;
 pub mod rank;
+pub mod remote;
 pub mod replicas;
 pub mod scheduler;
 pub mod step;

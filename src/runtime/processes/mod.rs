@@ -15,6 +15,7 @@
 pub mod expert_exchange;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod replica_link;
 pub mod serve;
 
 use super::agreement::{verdict, Record};
@@ -27,7 +28,7 @@ use super::generate::{
     rank_runtime_sharing, stage_runtime_sharing, BatchOutput, Device, Request, RunOptions,
     SequenceOutput,
 };
-use super::launch::{check_before_start, check_host_memory};
+use super::launch::{check_before_start, check_host_memory, MpiThreads};
 use super::rank_groups::{rank_groups, RankGroups};
 use super::replicas::placement;
 use super::tensor::Tensor;
@@ -44,6 +45,7 @@ use mpi::Threading;
 /// The initialized MPI environment of this process (finalized when dropped).
 pub struct MpiWorld {
     world: SimpleCommunicator,
+    threading: Threading,
     _universe: Universe,
 }
 
@@ -54,9 +56,13 @@ fn processes(problem: impl Into<String>) -> RunError {
 impl MpiWorld {
     /// Initializes MPI. Communicators move between threads (the rank's runtime is built on
     /// one thread and may run on another), so calls must be allowed from any thread, one
-    /// at a time: `MPI_THREAD_SERIALIZED`.
-    pub fn init() -> Result<MpiWorld> {
-        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+    /// at a time: `MPI_THREAD_SERIALIZED` at least; `threads` asks for more.
+    pub fn init(threads: MpiThreads) -> Result<MpiWorld> {
+        let asked = match threads {
+            MpiThreads::OneAtATime => Threading::Serialized,
+            MpiThreads::AtOnce => Threading::Multiple,
+        };
+        let (universe, provided) = mpi::initialize_with_threading(asked)
             .ok_or_else(|| processes("MPI was already initialized in this process"))?;
         if provided < Threading::Serialized {
             return Err(processes(format!(
@@ -65,8 +71,14 @@ impl MpiWorld {
         }
         Ok(MpiWorld {
             world: universe.world(),
+            threading: provided,
             _universe: universe,
         })
+    }
+
+    /// Whether several threads may call MPI at once (`MPI_THREAD_MULTIPLE` was provided).
+    pub fn many_threads(&self) -> bool {
+        self.threading >= Threading::Multiple
     }
 
     pub fn rank(&self) -> usize {
