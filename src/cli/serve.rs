@@ -31,7 +31,7 @@ pub struct Args {
     /// mixture-of-experts model over the --dp replicas (the EP group DP × TP of `tpc ranks`)
     /// instead of every replica holding them all; the replicas swap the routed tokens at
     /// every MoE layer, and a replica without requests answers the others' (with --pp, each
-    /// stage its own layers'). Replicas as threads.
+    /// stage its own layers'). Replicas as threads, or as processes under mpirun.
     #[arg(long)]
     ep: bool,
     /// Address to listen on.
@@ -167,10 +167,6 @@ fn execute_with(a: Args, mpi: Option<&super::launcher::MpiWorld>) -> anyhow::Res
     let exec = a.exec.options();
     let dp = a.dp as usize;
     if let Some(world) = mpi {
-        anyhow::ensure!(
-            !a.ep,
-            "--ep: under mpirun `tpc serve` does not yet deal the experts over replicas in other processes; serve with `--dp D --ep` and the ranks as threads (without mpirun), or under mpirun with --dp and every replica holding its experts"
-        );
         let (engine, served) = super::launcher::serve_as_process(
             world,
             &super::launcher::ServeJob {

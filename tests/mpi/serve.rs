@@ -108,6 +108,62 @@ fn replicas_as_processes_serve_behind_one_front() {
     }
 }
 
+/// `--dp 2 --ep` with the replicas as processes: each tp rank's experts are dealt over the
+/// two replicas, whose leading processes tick together so that a replica without a request
+/// answers the other's calls. Every MoE fixture, requests one at a time (one replica
+/// working, the other answering) and all at once (both working), gets the tokens a server
+/// of threads gives at `--dp 1`, and HF's for HF's prompt; at tp 2 and with pipeline
+/// stages too (one fixture each); both replicas serve, and SIGTERM drains them.
+#[test]
+fn moe_replicas_as_processes_sharing_experts_give_their_dp_1_tokens() {
+    let mut cases: Vec<(&str, usize, Vec<&str>)> = crate::common::MOE_FIXTURES
+        .iter()
+        .map(|&name| (name, 2, vec![]))
+        .collect();
+    cases.push(("qwen3-moe", 4, vec!["--tp", "2"]));
+    cases.push(("mixtral-moe", 4, vec!["--pp", "2"]));
+    for (name, np, layout) in cases {
+        let dir = fixture(name);
+        let model = dir.to_str().unwrap();
+        let reference = read_reference(&dir);
+        let reqs = requests(&reference.prompt, reference.greedy.len(), 5);
+        let mut common = vec!["--moe", "expert"];
+        common.extend(&layout);
+        let alone: Vec<Vec<i64>> = {
+            let mut c = std::process::Command::new(super::TPC);
+            c.args(["serve", model, "--port", "0", "--launcher", "threads"])
+                .args(&common);
+            let server = Server::start(c, &format!("{name} {common:?} as threads"));
+            reqs.iter().map(|(p, n)| server.complete(p, *n)).collect()
+        };
+        assert_eq!(
+            alone[0], reference.greedy,
+            "{name} {layout:?} --dp 1: not HF's tokens"
+        );
+        let mut args = common.clone();
+        args.extend(["--dp", "2", "--ep"]);
+        let what = format!("{name} {args:?} under mpirun -np {np}");
+        let server = start(np, model, &args);
+        assert!(server.line.contains("ep="), "{what}: {}", server.line);
+        let one_at_a_time: Vec<Vec<i64>> =
+            reqs.iter().map(|(p, n)| server.complete(p, *n)).collect();
+        assert_eq!(one_at_a_time, alone, "{what}, one at a time");
+        let together = server.complete_all_at_once(&reqs);
+        assert_eq!(together, alone, "{what}, all at once");
+        for r in 0..2 {
+            let tokens = server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
+            assert!(tokens > 0.0, "{what}: replica {r} ran no request");
+        }
+        let pid = server.leading_pid();
+        let (status, said) = server.terminate(&pid, HANG);
+        assert!(
+            status.success(),
+            "{what}: SIGTERM should drain and exit 0, got {status}:\n{said}"
+        );
+        eprintln!("{what}: {} requests agree with --dp 1", reqs.len());
+    }
+}
+
 #[test]
 fn a_server_under_mpirun_refuses_a_wrong_process_count() {
     let dir = fixture("llama-gqa");

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 /// How long an idle replica sharing its experts waits for the others' calls before it looks
 /// for a command again: a new request waits at most this long (calls wake it at once).
-const IDLE_CALL_WAIT: Duration = Duration::from_millis(2);
+pub(crate) const IDLE_CALL_WAIT: Duration = Duration::from_millis(2);
 
 /// What one rank does in a step, over its executor and communicators.
 pub trait StepRunner {
@@ -46,6 +46,16 @@ pub trait StepRunner {
     /// until every replica is done, this one having no requests again).
     fn answer_experts(&mut self, _done: bool) -> Result<()> {
         Ok(())
+    }
+    /// The leading rank of a replica sharing its experts is about to run a forward call
+    /// (replicas as processes tick first: [`super::ticks`]).
+    fn before_forward(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// The leading rank of a drained replica sharing its experts: every rank of it answers
+    /// the others' calls until every replica is done.
+    fn answer_until_all_done(&mut self) -> Result<()> {
+        answer_experts(self, true)
     }
 }
 
@@ -130,7 +140,7 @@ fn lead_steps<R: StepRunner>(
             if !open || shared.draining.load(Ordering::Acquire) {
                 if runner.shares_experts() {
                     // The other replicas may still call on this one's experts.
-                    answer_experts(runner, true)?;
+                    runner.answer_until_all_done()?;
                 }
                 return Ok(());
             }
@@ -166,6 +176,9 @@ fn lead_steps<R: StepRunner>(
             });
         };
         shared.publish(scheduler);
+        if runner.shares_experts() && matches!(message, StepMessage::Step { .. }) {
+            runner.before_forward()?;
+        }
         runner.share(Some(&message))?;
         let StepMessage::Step { seqs, exchange } = &message else {
             continue;
@@ -183,7 +196,7 @@ fn lead_steps<R: StepRunner>(
 
 /// Every rank of this replica answers one forward call of the others (`done`: all of
 /// them, until every replica is done).
-fn answer_experts<R: StepRunner>(runner: &mut R, done: bool) -> Result<()> {
+pub(crate) fn answer_experts<R: StepRunner + ?Sized>(runner: &mut R, done: bool) -> Result<()> {
     let message = StepMessage::Answer { done };
     runner.share(Some(&message))?;
     runner.answer_experts(done)

@@ -7,14 +7,14 @@ use super::api::{ModelInfo, Serving};
 use super::driver::{follow, lead, Command, Shared};
 use super::handle::{Admission, EngineHandle};
 use super::metrics::Metrics;
-use super::rank::RankSteps;
+use super::rank::{ExpertWatch, RankSteps};
 use super::replicas::ReplicaSet;
 use super::scheduler::{Scheduler, SchedulerConfig};
 use crate::plan::Plan;
 use crate::runtime::backend::Backend;
 use crate::runtime::collectives::Collectives;
 use crate::runtime::error::{Result, RunError};
-use crate::runtime::expert_exchange::{ExpertMember, ExpertSeat};
+use crate::runtime::expert_exchange::ExpertSeat;
 use crate::runtime::generate::RankRuntime;
 use crate::runtime::launch::{check_replicas, launch_sharing_experts};
 use crate::runtime::weights::WeightSource;
@@ -207,7 +207,7 @@ pub fn prepare(
 pub(crate) struct RankBody {
     leader: Mutex<Option<(Scheduler, Receiver<Command>)>>,
     /// Where the leading rank waits for the other replicas' expert calls (`--ep`).
-    watch: Option<ExpertMember>,
+    watch: Mutex<Option<ExpertWatch>>,
     ready: Mutex<Option<Sender<()>>>,
     shared: Arc<Shared>,
     block_size: usize,
@@ -256,7 +256,7 @@ impl RankBody {
         lead(
             &mut RankSteps {
                 rt,
-                watch: self.watch.clone(),
+                watch: self.watch.lock().ok().and_then(|mut w| w.take()),
             },
             &mut scheduler,
             &commands,
@@ -274,7 +274,7 @@ impl RankBody {
 /// client's (`None` if it never started).
 pub(crate) fn serve_with<T: Send>(
     setup: EngineSetup,
-    watch: Option<ExpertMember>,
+    watch: Option<ExpertWatch>,
     client: impl FnOnce(Arc<EngineHandle>, Receiver<()>) -> T + Send,
     ranks: impl FnOnce(&RankBody) -> Result<()>,
 ) -> (Result<()>, Option<T>) {
@@ -290,7 +290,7 @@ pub(crate) fn serve_with<T: Send>(
     let (stopped_tx, stopped_rx) = channel::<()>();
     let body = RankBody {
         leader: Mutex::new(Some((scheduler, commands))),
-        watch,
+        watch: Mutex::new(watch),
         ready: Mutex::new(Some(ready_tx)),
         shared: shared.clone(),
         block_size,
@@ -337,7 +337,9 @@ where
 {
     let watch = match seat {
         Some(seat) => match first_stage_with_experts(plan) {
-            Some(stage) => seat.member(stage * plan.ranks.len()),
+            Some(stage) => seat
+                .member(stage * plan.ranks.len())
+                .map(ExpertWatch::Exchange),
             None => None,
         },
         None => None,

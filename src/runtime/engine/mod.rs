@@ -15,3 +15,4 @@ pub mod scheduler;
 pub mod step;
 #[cfg(test)]
 mod tests;
+pub mod ticks;

@@ -7,6 +7,7 @@
 use super::driver::StepRunner;
 use super::scheduler::StepOutput;
 use super::step::{Exchange, PlannedSeq, StepMessage};
+use super::ticks::ReplicaTicks;
 use crate::runtime::backend::Backend;
 use crate::runtime::collectives::Collectives;
 use crate::runtime::error::{Result, RunError};
@@ -14,15 +15,23 @@ use crate::runtime::executor::{OutputRows, SeqStep};
 use crate::runtime::expert_exchange::ExpertMember;
 use crate::runtime::generate::RankRuntime;
 
+/// How a server's leading rank whose replica shares its experts (`--ep`) learns that the
+/// other replicas call on them.
+pub enum ExpertWatch {
+    /// Replicas as threads: the exchange of its first stage with MoE layers, tp rank 0,
+    /// where another replica's call arrives first.
+    Exchange(ExpertMember),
+    /// Replicas as processes: the replicas' leading ranks tick together.
+    Ticks(Box<dyn ReplicaTicks>),
+}
+
 /// A rank of a running plan as the engine drives it.
 pub struct RankSteps<'r, 'p, B: Backend, C: Collectives<B::Act>> {
     pub rt: &'r mut RankRuntime<'p, B, C>,
-    /// On a server's leading rank (`tpc serve`) whose replica shares its experts: the seat
-    /// whose exchange a call from another replica reaches first (its first stage with MoE
-    /// layers, tp rank 0), watched between requests. `None` elsewhere, and in `tpc run`'s
-    /// batch, which answers the calls after its generations instead
-    /// (`RankRuntime::generate_in_expert_group`).
-    pub watch: Option<ExpertMember>,
+    /// On a server's leading rank (`tpc serve`) whose replica shares its experts, watched
+    /// between requests. `None` elsewhere, and in `tpc run`'s batch, which answers the
+    /// calls after its generations instead (`RankRuntime::generate_in_expert_group`).
+    pub watch: Option<ExpertWatch>,
 }
 
 fn protocol(e: impl std::fmt::Display) -> RunError {
@@ -105,11 +114,19 @@ impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> 
     }
 
     fn wait_for_expert_call(&mut self, timeout: std::time::Duration) -> Result<bool> {
-        match &self.watch {
-            Some(m) => m
+        match &mut self.watch {
+            Some(ExpertWatch::Exchange(m)) => m
                 .exchange
                 .wait_for_call(m.member, timeout)
                 .map_err(RunError::ExpertExchange),
+            Some(ExpertWatch::Ticks(t)) => {
+                if t.tick(false, false)?.any_busy {
+                    return Ok(true);
+                }
+                // Nobody runs anything: look for a request of this replica's again soon.
+                std::thread::sleep(timeout);
+                Ok(false)
+            }
             None => Ok(false),
         }
     }
@@ -119,6 +136,35 @@ impl<B: Backend, C: Collectives<B::Act>> StepRunner for RankSteps<'_, '_, B, C> 
             self.rt.exec.serve_expert_group()
         } else {
             self.rt.exec.answer_expert_calls(false).map(|_| ())
+        }
+    }
+
+    fn before_forward(&mut self) -> Result<()> {
+        if let Some(ExpertWatch::Ticks(t)) = &mut self.watch {
+            t.tick(true, false)?;
+        }
+        Ok(())
+    }
+
+    fn answer_until_all_done(&mut self) -> Result<()> {
+        if !matches!(self.watch, Some(ExpertWatch::Ticks(_))) {
+            return super::driver::answer_experts(self, true);
+        }
+        // Every tick until all are done: answer a forward call where one runs, else wait
+        // a little (the others may be between requests for a while).
+        loop {
+            let Some(ExpertWatch::Ticks(t)) = &mut self.watch else {
+                return Ok(());
+            };
+            let tick = t.tick(false, true)?;
+            if tick.all_done {
+                return Ok(());
+            }
+            if tick.any_busy {
+                super::driver::answer_experts(self, false)?;
+            } else {
+                std::thread::sleep(super::driver::IDLE_CALL_WAIT);
+            }
         }
     }
 

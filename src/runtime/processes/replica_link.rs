@@ -5,8 +5,12 @@
 //! needs `MPI_THREAD_MULTIPLE` ([`super::MpiWorld::many_threads`]).
 
 use crate::runtime::engine::remote::{Link, LinkError};
+use crate::runtime::engine::ticks::{ReplicaTicks, Tick};
+use crate::runtime::error::Result;
+use mpi::collective::SystemOperation;
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::CommunicatorCollectives;
 
 pub struct MpiLink {
     comm: SimpleCommunicator,
@@ -28,7 +32,7 @@ impl MpiLink {
 unsafe impl Send for MpiLink {}
 
 impl Link for MpiLink {
-    fn send(&mut self, to: usize, message: &[u8]) -> Result<(), LinkError> {
+    fn send(&mut self, to: usize, message: &[u8]) -> std::result::Result<(), LinkError> {
         if i32::try_from(message.len()).is_err() {
             return Err(LinkError::Transport(format!(
                 "a message of {} bytes exceeds MPI's counts",
@@ -43,7 +47,7 @@ impl Link for MpiLink {
         Ok(())
     }
 
-    fn try_receive(&mut self) -> Result<Option<(usize, Vec<u8>)>, LinkError> {
+    fn try_receive(&mut self) -> std::result::Result<Option<(usize, Vec<u8>)>, LinkError> {
         Ok(self
             .comm
             .any_process()
@@ -52,5 +56,33 @@ impl Link for MpiLink {
                 let (bytes, status) = probed.matched_receive_vec::<u8>();
                 (status.source_rank().max(0) as usize, bytes)
             }))
+    }
+}
+
+/// The replicas' leading ranks ticking together (`--ep`, [`crate::runtime::engine::ticks`]):
+/// an all-reduce of the busy and done flags on their own communicator.
+pub struct MpiTicks {
+    comm: SimpleCommunicator,
+}
+
+impl MpiTicks {
+    pub fn new(comm: SimpleCommunicator) -> Self {
+        MpiTicks { comm }
+    }
+}
+
+// SAFETY: as for `MpiLink`; only the leading rank's engine thread ticks.
+unsafe impl Send for MpiTicks {}
+
+impl ReplicaTicks for MpiTicks {
+    fn tick(&mut self, busy: bool, done: bool) -> Result<Tick> {
+        let mine = [u64::from(busy), u64::from(done)];
+        let mut sum = [0u64; 2];
+        self.comm
+            .all_reduce_into(&mine[..], &mut sum[..], SystemOperation::sum());
+        Ok(Tick {
+            any_busy: sum[0] > 0,
+            all_done: sum[1] == self.comm.size().max(1) as u64,
+        })
     }
 }

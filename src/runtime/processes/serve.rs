@@ -8,7 +8,7 @@
 //! to the least loaded replica. The KV pool must be the same on every rank, so its size is
 //! the least any rank would give from its host or its GPU.
 
-use super::replica_link::MpiLink;
+use super::replica_link::{MpiLink, MpiTicks};
 use super::MpiWorld;
 use crate::plan::stages::stage_program;
 use crate::plan::Plan;
@@ -20,13 +20,16 @@ use crate::runtime::engine::api::Serving;
 use crate::runtime::engine::handle::EngineHandle;
 use crate::runtime::engine::launch::{kv_memory, prepare, serve_with, EngineOptions, EngineSetup};
 use crate::runtime::engine::metrics::Metrics;
+use crate::runtime::engine::rank::ExpertWatch;
 use crate::runtime::engine::remote::LinkError;
 use crate::runtime::engine::remote::{relay_requests, start_front};
 use crate::runtime::engine::replicas::ReplicaSet;
 use crate::runtime::error::{Result, RunError};
-use crate::runtime::generate::{rank_runtime, stage_runtime, ComputeDtype, Device};
+use crate::runtime::expert_exchange::ExpertMember;
+use crate::runtime::generate::{rank_runtime_sharing, stage_runtime_sharing, ComputeDtype, Device};
 use crate::runtime::rank_groups::{rank_groups, RankGroups};
 use crate::runtime::weights::WeightSource;
+use mpi::topology::{Communicator, SimpleCommunicator};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
@@ -60,6 +63,10 @@ pub fn serve_mpi<T: Send>(
             "serving replicas as processes needs an MPI library that provides MPI_THREAD_MULTIPLE (Open MPI does unless built without it); or serve --dp with the ranks as threads".into(),
         ));
     }
+    let sharing = opts.expert_parallel && dp > 1;
+    if sharing {
+        super::check_expert_parallel(plan)?;
+    }
     let groups = rank_groups(world as u64, tp as u64, pp as u64, dp as u64)
         .map_err(|e| RunError::Processes(format!("mpirun -np {world}: {e}")))?;
     weights.check(plan)?;
@@ -76,7 +83,28 @@ pub fn serve_mpi<T: Send>(
     } else {
         None
     };
-    let link = replica_link(mpi, &groups, dp)?;
+    // `--ep`: the DP group (this stage and tp rank of every replica) shares its experts,
+    // member = this replica's place in it.
+    let member = if sharing {
+        let dp_comm = super::split_raw(&mpi.world, &groups.dp_groups, me)?;
+        let member = dp_comm.rank().max(0) as usize;
+        Some(ExpertMember {
+            exchange: Arc::new(super::expert_exchange::MpiExchange::new(dp_comm)),
+            member,
+        })
+    } else {
+        None
+    };
+    let (link, watch) = match replica_link(mpi, &groups, dp)? {
+        Some(leaders) => {
+            // The leading ranks tick on a communicator of their own (`ticks.rs`).
+            let watch =
+                sharing.then(|| ExpertWatch::Ticks(Box::new(MpiTicks::new(leaders.duplicate()))));
+            (Some(MpiLink::new(leaders)), watch)
+        }
+        None => (None, None),
+    };
+    let sharing_rank = Sharing { member, watch };
     let host = mpi.place_on_host();
     let on_host = host.1;
     let bf16 = dtype.bf16_linears(plan);
@@ -103,7 +131,8 @@ pub fn serve_mpi<T: Send>(
             let host_weights = per_rank_weights.saturating_mul(on_host as u64);
             let setup = engine(kv_memory(opts, on_host, host_weights))?;
             let backend = cpu_backend(me, cpu.threads_per_rank(on_host), &[], bf16, kernels)?;
-            let out = serve_rank(plan, place, (backend, comm, pipe), weights, setup, client)?;
+            let ranks = (backend, comm, pipe);
+            let out = serve_rank(plan, place, ranks, sharing_rank, weights, setup, client)?;
             Ok(client_outcome(out))
         }
         #[cfg(feature = "cuda")]
@@ -129,7 +158,8 @@ pub fn serve_mpi<T: Send>(
             let setup = engine(memory)?;
             let backend = crate::runtime::cuda::backend::CudaBackend::new(opened.gpu, bf16);
             let pipe = pipe.map(|p| GpuComm::new(p, None, None));
-            let out = serve_rank(plan, place, (backend, opened.comm, pipe), weights, setup, client)?;
+            let ranks = (backend, opened.comm, pipe);
+            let out = serve_rank(plan, place, ranks, sharing_rank, weights, setup, client)?;
             Ok(client_outcome(out))
         }
         #[cfg(not(feature = "cuda"))]
@@ -139,9 +169,13 @@ pub fn serve_mpi<T: Send>(
     }
 }
 
-/// The link of this process among the replicas' leading processes (ranked by replica), if
-/// it leads one and there are replicas. Collective over the world.
-fn replica_link(mpi: &MpiWorld, groups: &RankGroups, dp: usize) -> Result<Option<MpiLink>> {
+/// The communicator of the replicas' leading processes (ranked by replica), in a process
+/// that leads one where there are replicas. Collective over the world.
+fn replica_link(
+    mpi: &MpiWorld,
+    groups: &RankGroups,
+    dp: usize,
+) -> Result<Option<SimpleCommunicator>> {
     if dp < 2 {
         return Ok(None);
     }
@@ -161,7 +195,14 @@ fn replica_link(mpi: &MpiWorld, groups: &RankGroups, dp: usize) -> Result<Option
             .map(|r| vec![r]),
     );
     let comm = super::split_raw(&mpi.world, &split, me)?;
-    Ok(leaders.contains(&me).then(|| MpiLink::new(comm)))
+    Ok(leaders.contains(&me).then_some(comm))
+}
+
+/// How a rank shares its experts with the other replicas (`--ep`): its seat in its DP
+/// group's exchange, and on a leading rank how it learns of the others' calls.
+struct Sharing {
+    member: Option<ExpertMember>,
+    watch: Option<ExpertWatch>,
 }
 
 /// What the client of a leading process runs: in replica 0's, the front (over the other
@@ -232,24 +273,29 @@ struct Place {
 }
 
 /// Runs this rank of the engine `setup` on `backend`, its tp group `comm` and its pipeline
-/// link `pipe` (with stages), the client in the leading process.
+/// link `pipe` (with stages), sharing its experts as `sharing` says, the client in the
+/// leading process.
 fn serve_rank<B: Backend, C: Collectives<B::Act>, T: Send>(
     plan: &Plan,
     place: Place,
     (backend, comm, pipe): (B, C, Option<C>),
+    sharing: Sharing,
     weights: &dyn WeightSource,
     setup: EngineSetup,
     client: impl FnOnce(Arc<dyn Serving>, Receiver<()>) -> T + Send,
 ) -> Result<(Result<()>, Option<T>)> {
     let stage;
+    let member = sharing.member;
     let mut rt = match pipe {
         Some(pipe) => {
             stage = stage_program(plan, place.tp, place.stage)
                 .map_err(|e| RunError::Input(e.into()))?;
-            stage_runtime(&stage, backend, comm, pipe, weights)?
+            stage_runtime_sharing(&stage, backend, comm, pipe, weights, member)?
         }
-        None => rank_runtime(plan, place.tp, backend, comm, weights)?,
+        None => rank_runtime_sharing(plan, place.tp, backend, comm, weights, member)?,
     };
     let front = |handle: Arc<EngineHandle>, stopped: Receiver<()>| client(handle, stopped);
-    Ok(serve_with(setup, None, front, |body| body.run(&mut rt)))
+    Ok(serve_with(setup, sharing.watch, front, |body| {
+        body.run(&mut rt)
+    }))
 }
