@@ -141,9 +141,11 @@ fn expert_parallel_gpu_replicas_as_processes_equal_threads_and_hf() {
 
 /// `mpirun -np 2 tpc serve … --pp 2 --device cuda`: one server whose two stages are
 /// processes, each on an emulated GPU of its own, the activations between them staged
-/// through MPI. Requests one at a time and all at once get the tokens each gets alone, the
-/// reference prompt HF's; with a pool squeezed so that requests are preempted too; SIGTERM
-/// to the leading process drains the server and every process exits 0.
+/// through MPI; and `--dp 2` (with `--ep` on an MoE fixture): two replicas' processes, a GPU
+/// each, behind one front. Requests one at a time and all at once get the tokens each gets
+/// alone, the reference prompt HF's; with a pool squeezed so that requests are preempted
+/// too; both replicas serve; SIGTERM to the leading process drains the server and every
+/// process exits 0.
 #[test]
 fn a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens() {
     let test = "a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens";
@@ -151,34 +153,50 @@ fn a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens() 
         return;
     }
     let path = emulated_gpu_path();
-    let dir = fixture("llama-gqa");
-    let model = dir.to_str().unwrap();
-    let reference = read_reference(&dir);
-    let reqs = requests(&reference.prompt, reference.greedy.len(), 5);
     // llama-gqa at tp 1: the pool is sized by a tp rank's layers, 2 of 2 kv heads of 8 dims,
     // keys and values in f32; 12 blocks of 4 tokens: the longest request fits, all of them
     // together do not.
     let per_token = 2 * 2 * 2 * 8 * 4;
     let squeezed_bytes = (per_token * 4 * 12).to_string();
-    let configs: [(&str, Vec<&str>); 2] = [
-        ("pp 2", vec![]),
+    let configs: [(&str, &str, Vec<&str>); 4] = [
+        ("pp 2", "llama-gqa", vec!["--pp", "2"]),
         (
             "pp 2, squeezed pool",
-            vec!["--block-size", "4", "--no-prefix-caching"]
+            "llama-gqa",
+            vec!["--pp", "2", "--block-size", "4", "--no-prefix-caching"]
                 .into_iter()
                 .chain(["--kv-cache-memory", &squeezed_bytes])
                 .chain(["--max-num-batched-tokens", "16"])
                 .collect(),
         ),
+        // Replicas as processes behind one front, a GPU each.
+        ("dp 2", "llama-gqa", vec!["--dp", "2"]),
+        // And dealing their experts over each other.
+        (
+            "dp 2 --ep",
+            "qwen3-moe",
+            vec!["--dp", "2", "--ep", "--moe", "expert"],
+        ),
     ];
-    for (what, args) in configs {
+    for (what, name, args) in configs {
+        let dir = fixture(name);
+        let model = dir.to_str().unwrap();
+        let reference = read_reference(&dir);
+        let reqs = requests(&reference.prompt, reference.greedy.len(), 5);
         let mut c = mpirun(2);
         c.args(["serve", model, "--port", "0", "--host", "127.0.0.1"])
-            .args(["--pp", "2", "--device", "cuda"])
+            .args(["--device", "cuda"])
             .args(&args)
             .env("LD_LIBRARY_PATH", &path);
         let server = Server::start(c, &format!("`mpirun -np 2 tpc serve {args:?}`"));
         server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
+        if what.starts_with("dp") {
+            for r in 0..2 {
+                let tokens =
+                    server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
+                assert!(tokens > 0.0, "{what}: replica {r} ran no request");
+            }
+        }
         let pid = server.leading_pid();
         let (status, said) = server.terminate(&pid, Duration::from_secs(300));
         assert!(
