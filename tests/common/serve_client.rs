@@ -155,6 +155,25 @@ impl Server {
             .to_string()
     }
 
+    /// Every one of `replicas` replicas has generated tokens (its labelled metric).
+    pub fn check_every_replica_served(&self, replicas: usize, what: &str) {
+        for r in 0..replicas {
+            let tokens = self.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
+            assert!(tokens > 0.0, "{what}: replica {r} ran no request");
+        }
+    }
+
+    /// SIGTERM to the leading process of a server under mpirun: it drains, and every
+    /// process of the job exits 0 within `hang`.
+    pub fn drain_from_leading(self, hang: Duration, what: &str) {
+        let pid = self.leading_pid();
+        let (status, said) = self.terminate(&pid, hang);
+        assert!(
+            status.success(),
+            "{what}: SIGTERM to the leading process should drain and exit 0, got {status}:\n{said}"
+        );
+    }
+
     /// SIGTERM to `pid` (the server's process, or one of its job); then the child's exit
     /// status and what it said. A child still running after `hang` fails the test.
     pub fn terminate(mut self, pid: &str, hang: Duration) -> (ExitStatus, String) {

@@ -191,18 +191,9 @@ fn a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens() 
         let server = Server::start(c, &format!("`mpirun -np 2 tpc serve {args:?}`"));
         server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
         if what.starts_with("dp") {
-            for r in 0..2 {
-                let tokens =
-                    server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
-                assert!(tokens > 0.0, "{what}: replica {r} ran no request");
-            }
+            server.check_every_replica_served(2, what);
         }
-        let pid = server.leading_pid();
-        let (status, said) = server.terminate(&pid, Duration::from_secs(300));
-        assert!(
-            status.success(),
-            "{what}: SIGTERM to the leading process should drain and exit 0, got {status}:\n{said}"
-        );
+        server.drain_from_leading(Duration::from_secs(300), what);
         eprintln!("{what}: {} requests alone and at once agree", reqs.len());
     }
 }

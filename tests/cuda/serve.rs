@@ -87,11 +87,7 @@ fn serving_on_gpus_gives_every_request_its_solo_greedy_tokens() {
         let server = start(model, &args, &path);
         server.check_alone_and_at_once(&reqs, &reference.greedy, what == "squeezed pool", what);
         if what == "two replicas" {
-            for r in 0..2 {
-                let done =
-                    server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
-                assert!(done > 0.0, "{what}: replica {r} served no request");
-            }
+            server.check_every_replica_served(2, what);
         }
         eprintln!("{what}: {} requests alone and at once agree", reqs.len());
     }
@@ -133,10 +129,7 @@ fn serving_moe_replicas_sharing_experts_on_gpus_gives_their_dp_1_tokens() {
         assert_eq!(one_at_a_time, alone, "{name} --dp 2 --ep, one at a time");
         let together: Vec<Vec<i64>> = server.complete_all_at_once(&reqs);
         assert_eq!(together, alone, "{name} --dp 2 --ep, all at once");
-        for r in 0..2 {
-            let done = server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
-            assert!(done > 0.0, "{name}: replica {r} served no request");
-        }
+        server.check_every_replica_served(2, name);
         eprintln!(
             "{name}: {} requests at --dp 2 --ep agree with --dp 1",
             reqs.len()

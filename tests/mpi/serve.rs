@@ -53,12 +53,7 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
     for (what, np, args) in configs {
         let server = start(np, model, &args);
         server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
-        let pid = server.leading_pid();
-        let (status, said) = server.terminate(&pid, HANG);
-        assert!(
-            status.success(),
-            "{what}: SIGTERM to the leading process should drain and exit 0, got {status}:\n{said}"
-        );
+        server.drain_from_leading(HANG, what);
         eprintln!("{what}: {} requests alone and at once agree", reqs.len());
     }
 }
@@ -94,16 +89,8 @@ fn replicas_as_processes_serve_behind_one_front() {
         let server = start(np, model, &args);
         assert!(server.line.contains("dp=2"), "{what}: {}", server.line);
         server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
-        for r in 0..2 {
-            let tokens = server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
-            assert!(tokens > 0.0, "{what}: replica {r} ran no request");
-        }
-        let pid = server.leading_pid();
-        let (status, said) = server.terminate(&pid, HANG);
-        assert!(
-            status.success(),
-            "{what}: SIGTERM to the leading process should drain every replica and exit 0, got {status}:\n{said}"
-        );
+        server.check_every_replica_served(2, what);
+        server.drain_from_leading(HANG, what);
         eprintln!("{what}: {} requests alone and at once agree", reqs.len());
     }
 }
@@ -150,16 +137,8 @@ fn moe_replicas_as_processes_sharing_experts_give_their_dp_1_tokens() {
         assert_eq!(one_at_a_time, alone, "{what}, one at a time");
         let together = server.complete_all_at_once(&reqs);
         assert_eq!(together, alone, "{what}, all at once");
-        for r in 0..2 {
-            let tokens = server.metric(&format!("tpc_generation_tokens_total{{replica=\"{r}\"}}"));
-            assert!(tokens > 0.0, "{what}: replica {r} ran no request");
-        }
-        let pid = server.leading_pid();
-        let (status, said) = server.terminate(&pid, HANG);
-        assert!(
-            status.success(),
-            "{what}: SIGTERM should drain and exit 0, got {status}:\n{said}"
-        );
+        server.check_every_replica_served(2, &what);
+        server.drain_from_leading(HANG, &what);
         eprintln!("{what}: {} requests agree with --dp 1", reqs.len());
     }
 }

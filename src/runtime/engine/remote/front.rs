@@ -59,31 +59,27 @@ impl State {
         peer.waiting = 0;
         peer.stop = None;
         peer.stopped.get_or_insert(why.clone());
-        let mine: Vec<u64> = self
-            .sinks
-            .iter()
-            .filter(|(_, (q, _))| *q == p)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in mine {
+        for id in ids_of(&self.sinks, p) {
             if let Some((_, mut sink)) = self.sinks.remove(&id) {
                 sink(Event::Failed {
                     message: format!("the engine has stopped: {why}"),
                 });
             }
         }
-        let acks: Vec<u64> = self
-            .acks
-            .iter()
-            .filter(|(_, (q, _))| *q == p)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in acks {
+        for id in ids_of(&self.acks, p) {
             if let Some((_, tx)) = self.acks.remove(&id) {
                 let _ = tx.send(Err(SubmitError::Stopped(why.clone())));
             }
         }
     }
+}
+
+/// The requests of `map` that went to peer `p`.
+fn ids_of<V>(map: &HashMap<u64, (usize, V)>, p: usize) -> Vec<u64> {
+    map.iter()
+        .filter(|(_, (q, _))| *q == p)
+        .map(|(&id, _)| id)
+        .collect()
 }
 
 struct Shared {
