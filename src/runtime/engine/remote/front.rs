@@ -297,6 +297,7 @@ pub fn start_front(
     let thread = std::thread::Builder::new()
         .name("tpc-front-relay".into())
         .spawn(move || {
+            let guard = StopAllOnExit(relay_shared.clone());
             let out = relay(link.as_mut(), &relay_shared, &out_rx);
             if let Err(e) = &out {
                 let mut st = relay_shared.state();
@@ -304,10 +305,24 @@ pub fn start_front(
                     st.stopped(p, e.to_string());
                 }
             }
+            drop(guard);
             out
         })
         .map_err(|e| LinkError::Transport(format!("cannot start the front's relay: {e}")))?;
     Ok((remotes, stops, FrontRelay { out, thread }))
+}
+
+/// However the relay ends (a panic too), no submission waits for it and no request stays
+/// open: every replica not yet stopped counts as stopped.
+struct StopAllOnExit(Arc<Shared>);
+
+impl Drop for StopAllOnExit {
+    fn drop(&mut self) {
+        let mut st = self.0.state();
+        for p in 1..st.peers.len() {
+            st.stopped(p, "the front's relay has ended".into());
+        }
+    }
 }
 
 /// The relay's loop: until closed and every replica has stopped.
