@@ -153,10 +153,9 @@ fn a_server_of_gpu_stage_processes_gives_every_request_its_solo_greedy_tokens() 
         return;
     }
     let path = emulated_gpu_path();
-    // llama-gqa at tp 1: the pool is sized by a tp rank's layers, 2 of 2 kv heads of 8 dims,
-    // keys and values in f32; 12 blocks of 4 tokens: the longest request fits, all of them
-    // together do not.
-    let per_token = 2 * 2 * 2 * 8 * 4;
+    // llama-gqa at pp 2: keys and values of a stage's 1 layer, 2 kv heads of 8 dims, f32;
+    // 12 blocks of 4 tokens: the longest request fits, all of them together do not.
+    let per_token = 2 * 2 * 8 * 4;
     let squeezed_bytes = (per_token * 4 * 12).to_string();
     let configs: [(&str, &str, Vec<&str>); 4] = [
         ("pp 2", "llama-gqa", vec!["--pp", "2"]),

@@ -67,10 +67,10 @@ fn replicas_as_processes_serve_behind_one_front() {
     let model = dir.to_str().unwrap();
     let reference = read_reference(&dir);
     let reqs = requests(&reference.prompt, reference.greedy.len(), 9);
-    // llama-gqa at tp 1: keys and values of 2 layers, 2 kv heads of 8 dims, f32 (the pool
-    // is sized by every layer of a tp rank, stages or not); 12 blocks of 4 tokens per
-    // replica: the longest request fits, the requests a replica gets at once do not.
-    let per_token = 2 * 2 * 2 * 8 * 4;
+    // llama-gqa at pp 2: keys and values of a stage's 1 layer, 2 kv heads of 8 dims, f32;
+    // 12 blocks of 4 tokens per replica: the longest request fits, the requests a replica
+    // gets at once do not.
+    let per_token = 2 * 2 * 8 * 4;
     let squeezed_bytes = (per_token * 4 * 12).to_string();
     let configs: [(&str, usize, Vec<&str>); 3] = [
         ("dp 2", 2, vec!["--dp", "2"]),

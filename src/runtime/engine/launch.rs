@@ -68,12 +68,23 @@ fn refuse(problem: String) -> RunError {
     }
 }
 
-/// Bytes one token's keys and values take on the rank that stores the most (f32).
+/// Bytes one token's keys and values take on the rank that stores the most (f32). With
+/// pipeline stages a rank keeps only its stage's layers' caches, so the pool's blocks are
+/// sized by the stages' ranks, not by whole tp ranks (that would give a pool of pp times
+/// fewer blocks than the memory holds).
 pub fn kv_bytes_per_token(plan: &Plan) -> u64 {
     let summary = crate::plan::report::summarize(plan);
     let per_element = plan.dtype.size_bytes().max(1);
-    summary
-        .kv_cache_bytes_per_token_per_rank
+    let per_rank: Vec<u64> = if summary.stages.is_empty() {
+        summary.kv_cache_bytes_per_token_per_rank
+    } else {
+        summary
+            .stages
+            .iter()
+            .flat_map(|s| s.kv_cache_bytes_per_token_per_rank.iter().copied())
+            .collect()
+    };
+    per_rank
         .iter()
         .map(|&b| b.saturating_mul(4) / per_element)
         .max()
