@@ -176,9 +176,20 @@ impl Server {
 
     /// SIGTERM to `pid` (the server's process, or one of its job); then the child's exit
     /// status and what it said. A child still running after `hang` fails the test.
-    pub fn terminate(mut self, pid: &str, hang: Duration) -> (ExitStatus, String) {
+    pub fn terminate(self, pid: &str, hang: Duration) -> (ExitStatus, String) {
         let sent = Command::new("kill").args(["-TERM", pid]).status().unwrap();
         assert!(sent.success(), "kill -TERM {pid}");
+        self.wait_exit(hang)
+    }
+
+    /// The pid of the child (the server, or `mpirun`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the child to exit; its exit status and what it said. A child still running
+    /// after `hang` fails the test.
+    pub fn wait_exit(mut self, hang: Duration) -> (ExitStatus, String) {
         let start = Instant::now();
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -188,7 +199,7 @@ impl Server {
             }
             assert!(
                 start.elapsed() < hang,
-                "still running {hang:?} after SIGTERM (hung)"
+                "still running {hang:?} later (hung)"
             );
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -9,6 +9,7 @@
 use super::serve_client::{requests, Server};
 use super::{mpirun, read_reference, HANG};
 use crate::common::fixture;
+use std::process::Command;
 
 /// `mpirun -np NP tpc serve MODEL ARGS` on a free port, one compute thread per rank.
 fn start(np: usize, model: &str, args: &[&str]) -> Server {
@@ -141,6 +142,36 @@ fn moe_replicas_as_processes_sharing_experts_give_their_dp_1_tokens() {
         server.drain_from_leading(HANG, &what);
         eprintln!("{what}: {} requests agree with --dp 1", reqs.len());
     }
+}
+
+/// A replica's leading process killed while the front serves: mpirun ends the whole job
+/// (no process waits on the dead one: not the front's relay, not the other replica's
+/// engine), and says which rank died.
+#[test]
+fn a_replica_process_killed_ends_the_server() {
+    let dir = fixture("llama-gqa");
+    let server = start(2, dir.to_str().unwrap(), &["--dp", "2"]);
+    assert_eq!(server.complete(&[1, 2, 3], 4).len(), 4);
+    let ranks = super::ranks_of(server.pid());
+    let victim = ranks
+        .iter()
+        .find(|(_, r)| *r == 1)
+        .unwrap_or_else(|| panic!("no world rank 1 among {ranks:?}"))
+        .0;
+    let killed = Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (status, said) = server.wait_exit(HANG);
+    assert!(
+        !status.success(),
+        "the server exited 0 after a replica was killed:\n{said}"
+    );
+    assert!(
+        said.contains("rank 1") && said.contains("signal 9"),
+        "mpirun does not name rank 1 and SIGKILL:\n{said}"
+    );
 }
 
 #[test]
