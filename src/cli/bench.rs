@@ -33,9 +33,9 @@ pub struct Args {
     /// Expert parallelism over the replicas: deal each tp rank's experts of a
     /// mixture-of-experts model over the --dp replicas (the EP group DP × TP of `tpc ranks`)
     /// instead of every replica holding them all; the replicas swap the routed tokens at
-    /// every MoE layer. Replicas as threads (with --pp too: each stage shares its layers'
-    /// experts with the same stage of the others), or as MPI processes on the CPU with one
-    /// stage.
+    /// every MoE layer (with --pp, each stage shares its layers' experts with the same
+    /// stage of the others). Replicas as threads, or as MPI processes under mpirun; on CPUs
+    /// or GPUs.
     #[arg(long)]
     ep: bool,
     #[command(flatten)]
