@@ -20,43 +20,66 @@ fn start(np: usize, model: &str, args: &[&str]) -> Server {
     Server::start(c, &format!("`mpirun -np {np} tpc serve {args:?}`"))
 }
 
-#[test]
-fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
+/// A squeezed pool for llama-gqa: 12 blocks of 4 tokens at 128 bytes a token (keys and
+/// values in f32, 8 dims: at tp 2, 2 layers of 1 kv head a rank; at pp 2, 1 layer of 2 kv
+/// heads a stage). The longest request (46 tokens) fits, the requests an engine gets at
+/// once do not.
+fn squeezed_pool() -> String {
+    let per_token = 2 * 2 * 8 * 4;
+    (per_token * 4 * 12).to_string()
+}
+
+/// Serves llama-gqa under each config (what, -np, flags): ten requests alone and all at
+/// once get the same tokens, the reference prompt HF's (a squeezed pool must preempt);
+/// with `replicas`, every replica ran some; SIGTERM to the leading process drains the
+/// server and every process exits 0.
+fn check_configs(configs: &[(&str, usize, Vec<&str>)], replicas: usize) {
     let dir = fixture("llama-gqa");
     let model = dir.to_str().unwrap();
     let reference = read_reference(&dir);
     let reqs = requests(&reference.prompt, reference.greedy.len(), 9);
-    // llama-gqa at tp 2: 2 layers, 1 kv head of 8 dims per rank, keys and values in f32;
-    // 12 blocks of 4 tokens: the longest request (46 tokens) fits, all of them together
-    // do not.
-    let per_token = 2 * 2 * 8 * 4;
-    let squeezed_bytes = (per_token * 4 * 12).to_string();
-    let configs: [(&str, usize, Vec<&str>); 3] = [
-        ("tp 2", 2, vec!["--tp", "2"]),
-        (
-            "tp 2, pp 2, chunked prefill",
-            4,
-            vec!["--tp", "2", "--pp", "2", "--block-size", "4"]
-                .into_iter()
-                .chain(["--max-num-batched-tokens", "3"])
-                .collect(),
-        ),
-        (
-            "tp 2, squeezed pool",
-            2,
-            vec!["--tp", "2", "--block-size", "4", "--no-prefix-caching"]
-                .into_iter()
-                .chain(["--kv-cache-memory", &squeezed_bytes])
-                .chain(["--max-num-batched-tokens", "16"])
-                .collect(),
-        ),
-    ];
     for (what, np, args) in configs {
-        let server = start(np, model, &args);
+        let server = start(*np, model, args);
+        assert!(
+            server.line.contains(&format!("dp={replicas}")),
+            "{what}: {}",
+            server.line
+        );
         server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
+        if replicas > 1 {
+            server.check_every_replica_served(replicas, what);
+        }
         server.drain_from_leading(HANG, what);
         eprintln!("{what}: {} requests alone and at once agree", reqs.len());
     }
+}
+
+#[test]
+fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
+    let squeezed = squeezed_pool();
+    check_configs(
+        &[
+            ("tp 2", 2, vec!["--tp", "2"]),
+            (
+                "tp 2, pp 2, chunked prefill",
+                4,
+                vec!["--tp", "2", "--pp", "2", "--block-size", "4"]
+                    .into_iter()
+                    .chain(["--max-num-batched-tokens", "3"])
+                    .collect(),
+            ),
+            (
+                "tp 2, squeezed pool",
+                2,
+                vec!["--tp", "2", "--block-size", "4", "--no-prefix-caching"]
+                    .into_iter()
+                    .chain(["--kv-cache-memory", &squeezed])
+                    .chain(["--max-num-batched-tokens", "16"])
+                    .collect(),
+            ),
+        ],
+        1,
+    );
 }
 
 /// Replicas as processes behind one front: each replica's engine runs requests (the front
@@ -64,36 +87,23 @@ fn a_server_of_mpi_processes_gives_every_request_its_solo_greedy_tokens() {
 /// lists every replica, and SIGTERM to the front drains them all.
 #[test]
 fn replicas_as_processes_serve_behind_one_front() {
-    let dir = fixture("llama-gqa");
-    let model = dir.to_str().unwrap();
-    let reference = read_reference(&dir);
-    let reqs = requests(&reference.prompt, reference.greedy.len(), 9);
-    // llama-gqa at pp 2: keys and values of a stage's 1 layer, 2 kv heads of 8 dims, f32;
-    // 12 blocks of 4 tokens per replica: the longest request fits, the requests a replica
-    // gets at once do not.
-    let per_token = 2 * 2 * 8 * 4;
-    let squeezed_bytes = (per_token * 4 * 12).to_string();
-    let configs: [(&str, usize, Vec<&str>); 3] = [
-        ("dp 2", 2, vec!["--dp", "2"]),
-        ("tp 2, dp 2", 4, vec!["--tp", "2", "--dp", "2"]),
-        (
-            "pp 2, dp 2, squeezed pool",
-            4,
-            vec!["--pp", "2", "--dp", "2", "--block-size", "4"]
-                .into_iter()
-                .chain(["--no-prefix-caching", "--kv-cache-memory", &squeezed_bytes])
-                .chain(["--max-num-batched-tokens", "16"])
-                .collect(),
-        ),
-    ];
-    for (what, np, args) in configs {
-        let server = start(np, model, &args);
-        assert!(server.line.contains("dp=2"), "{what}: {}", server.line);
-        server.check_alone_and_at_once(&reqs, &reference.greedy, what.contains("squeezed"), what);
-        server.check_every_replica_served(2, what);
-        server.drain_from_leading(HANG, what);
-        eprintln!("{what}: {} requests alone and at once agree", reqs.len());
-    }
+    let squeezed = squeezed_pool();
+    check_configs(
+        &[
+            ("dp 2", 2, vec!["--dp", "2"]),
+            ("tp 2, dp 2", 4, vec!["--tp", "2", "--dp", "2"]),
+            (
+                "pp 2, dp 2, squeezed pool",
+                4,
+                vec!["--pp", "2", "--dp", "2", "--block-size", "4"]
+                    .into_iter()
+                    .chain(["--no-prefix-caching", "--kv-cache-memory", &squeezed])
+                    .chain(["--max-num-batched-tokens", "16"])
+                    .collect(),
+            ),
+        ],
+        2,
+    );
 }
 
 /// `--dp 2 --ep` with the replicas as processes: each tp rank's experts are dealt over the
