@@ -332,8 +332,12 @@ fn relay(link: &mut dyn Link, shared: &Shared, out: &Receiver<Out>) -> Result<()
         let mut next = match out.recv_timeout(POLL) {
             Ok(o) => Some(o),
             Err(RecvTimeoutError::Timeout) => None,
-            // Every sender gone without a close: close.
-            Err(RecvTimeoutError::Disconnected) => Some(Out::Close),
+            // Every sender gone without a close: close (and wait as a timeout would, so
+            // the loop does not spin while the replicas stop).
+            Err(RecvTimeoutError::Disconnected) => {
+                std::thread::sleep(POLL);
+                Some(Out::Close)
+            }
         };
         while let Some(o) = next.take() {
             match o {
