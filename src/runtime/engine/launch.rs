@@ -451,18 +451,12 @@ pub(crate) fn serve_replicas<T: Send>(
             ready_rx.iter().take(dp).collect();
         let client_result = if ready.len() == dp {
             ready.sort_by_key(|(r, _, _)| *r);
-            let (stop_tx, stop_rx) = channel::<()>();
-            let mut fronts: Vec<Arc<dyn Serving>> = Vec::with_capacity(dp);
-            for (_, handle, stopped) in ready {
-                fronts.push(handle);
-                let stop_tx = stop_tx.clone();
-                // Any replica that stops stops the client.
-                s.spawn(move || {
-                    let _ = stopped.recv();
-                    let _ = stop_tx.send(());
-                });
-            }
-            drop(stop_tx);
+            let (mut fronts, stops): (Vec<Arc<dyn Serving>>, Vec<_>) = ready
+                .into_iter()
+                .map(|(_, handle, stopped)| (handle as Arc<dyn Serving>, stopped))
+                .unzip();
+            // Any replica that stops stops the client.
+            let stop_rx = any_stops(stops);
             let front: Arc<dyn Serving> = if dp == 1 {
                 fronts.remove(0)
             } else {
@@ -493,6 +487,20 @@ pub(crate) fn serve_replicas<T: Send>(
         };
         (result, client_result)
     }))
+}
+
+/// A receiver that hears (or disconnects) once any of `stops` does (each disconnects when
+/// its engine stops).
+pub(crate) fn any_stops(stops: impl IntoIterator<Item = Receiver<()>>) -> Receiver<()> {
+    let (tx, rx) = channel();
+    for stop in stops {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let _ = stop.recv();
+            let _ = tx.send(());
+        });
+    }
+    rx
 }
 
 /// Engines over `plan` on CPU ranks, `dp` replicas of them (each its own ranks and copy of

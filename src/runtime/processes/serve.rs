@@ -18,7 +18,9 @@ use crate::runtime::cpu::isa::Kernels;
 use crate::runtime::cpu_rank::cpu_backend;
 use crate::runtime::engine::api::Serving;
 use crate::runtime::engine::handle::EngineHandle;
-use crate::runtime::engine::launch::{kv_memory, prepare, serve_with, EngineOptions, EngineSetup};
+use crate::runtime::engine::launch::{
+    any_stops, kv_memory, prepare, serve_with, EngineOptions, EngineSetup,
+};
 use crate::runtime::engine::metrics::Metrics;
 use crate::runtime::engine::rank::ExpertWatch;
 use crate::runtime::engine::remote::LinkError;
@@ -225,26 +227,13 @@ fn front_or_relay<T>(
         let mut replicas: Vec<Arc<dyn Serving>> = vec![engine];
         replicas.extend(remotes.into_iter().map(|r| r as Arc<dyn Serving>));
         let front: Arc<dyn Serving> = Arc::new(ReplicaSet::new(replicas, registry));
-        let out = client(front, any_stops(stopped, stops));
+        let out = client(front, any_stops(std::iter::once(stopped).chain(stops)));
         relay.close()?;
         Ok(Some(out))
     } else {
         relay_requests(&mut link, engine, stopped)?;
         Ok(None)
     }
-}
-
-/// A receiver that hears (or disconnects) once any of `first` and `more` does.
-fn any_stops(first: Receiver<()>, more: Vec<Receiver<()>>) -> Receiver<()> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    for stop in std::iter::once(first).chain(more) {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            let _ = stop.recv();
-            let _ = tx.send(());
-        });
-    }
-    rx
 }
 
 /// This rank's result and the client's, a broken replica link counted as this rank's
