@@ -521,40 +521,44 @@ impl PackedMatrix {
                     &|range| match codes {
                         None => bf16.gemm(kernels, variant, range),
                         Some(c) => {
+                            // AMX takes groups of panel pairs: the chunk is widened at once.
+                            // The tile kernels take one pair at a time: each pair is widened
+                            // just before its tiles, so it is still in L1/L2 when they read
+                            // it (a chunk's widened panels overflow L2 and came back from L3).
+                            let step = if variant == Isa::Amx {
+                                range.panels.len()
+                            } else {
+                                2
+                            };
                             let len = u16::panel_len(k);
                             let mut widened = CODE_PANELS.take();
-                            widened.set_len(range.panels.len() * len);
-                            for (q, out) in range.panels.clone().zip(widened.chunks_exact_mut(len))
-                            {
-                                match c {
-                                    Panels::Codes(c) => kernels.codes_to_bf16_pairs(
-                                        c.kind,
-                                        c.panel(q, k),
-                                        c.panel_scales(q, k),
-                                        c.kblock,
-                                        k,
-                                        out,
-                                    ),
-                                    Panels::Int4(c) => kernels.int4_to_bf16_pairs(
-                                        c.panel(q, k),
-                                        c.panel_scales(q, k),
-                                        c.panel_zeros(q, k),
-                                        c.kblock,
-                                        k,
-                                        out,
-                                    ),
-                                    Panels::Bf16(_) | Panels::F32(_) => {
-                                        unreachable!("only quantized panels are widened")
+                            for first in range.panels.clone().step_by(step) {
+                                let panels = first..(first + step).min(range.panels.end);
+                                widened.set_len(panels.len() * len);
+                                for (q, out) in panels.clone().zip(widened.chunks_exact_mut(len)) {
+                                    widen_to_bf16_pairs(kernels, c, q, k, out);
+                                }
+                                // The next pair's codes come from memory while these tiles
+                                // run (widening them waited on every line otherwise).
+                                if step == 2 {
+                                    for q in panels.end..(panels.end + 2).min(range.panels.end) {
+                                        prefetch_codes(c, q, k);
                                     }
                                 }
+                                let chunk = Bf16Product {
+                                    w: &widened,
+                                    first,
+                                    ..bf16
+                                };
+                                chunk.gemm(
+                                    kernels,
+                                    variant,
+                                    Chunk {
+                                        panels,
+                                        block: range.block,
+                                    },
+                                );
                             }
-                            let first = range.panels.start;
-                            let chunk = Bf16Product {
-                                w: &widened,
-                                first,
-                                ..bf16
-                            };
-                            chunk.gemm(kernels, variant, range);
                             CODE_PANELS.set(widened);
                         }
                     },
@@ -834,6 +838,44 @@ fn gemv_panels(
 struct Chunk {
     panels: std::ops::Range<usize>,
     block: usize,
+}
+
+/// Panel `q` of quantized codes widened to the bf16 pairs the bf16 products read.
+fn widen_to_bf16_pairs(kernels: Kernels, panels: &Panels, q: usize, k: usize, out: &mut [u16]) {
+    match panels {
+        Panels::Codes(c) => kernels.codes_to_bf16_pairs(
+            c.kind,
+            c.panel(q, k),
+            c.panel_scales(q, k),
+            c.kblock,
+            k,
+            out,
+        ),
+        Panels::Int4(c) => kernels.int4_to_bf16_pairs(
+            c.panel(q, k),
+            c.panel_scales(q, k),
+            c.panel_zeros(q, k),
+            c.kblock,
+            k,
+            out,
+        ),
+        Panels::Bf16(_) | Panels::F32(_) => unreachable!("only quantized panels are widened"),
+    }
+}
+
+/// Asks for panel `q`'s codes into L2, a line at a time.
+fn prefetch_codes(panels: &Panels, q: usize, k: usize) {
+    let codes = match panels {
+        Panels::Codes(c) => c.panel(q, k),
+        Panels::Int4(c) => c.panel(q, k),
+        Panels::Bf16(_) | Panels::F32(_) => return,
+    };
+    #[cfg(target_arch = "x86_64")]
+    for line in codes.chunks(64) {
+        prefetch_l2(line.as_ptr());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = codes;
 }
 
 /// Runs `work` over `blocks` row blocks × chunks of `panels` (an even number each, so the

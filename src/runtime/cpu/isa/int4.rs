@@ -512,6 +512,8 @@ mod x86 {
         let (quads, rest) = out.split_at_mut(k / 4 * 4 * NR);
         let nibbles = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
         for (i, two) in quads.chunks_exact_mut(4 * NR).enumerate() {
+            // Lines not yet in cache (the first pair of a chunk) are asked for ahead.
+            prefetch_one_stream(codes.as_ptr().add(i * QUAD_BYTES));
             let g = 4 * i / kblock * NR;
             let s = _mm512_loadu_ps(scales.as_ptr().add(g));
             let z = _mm512_loadu_ps(zeros.as_ptr().add(g));
