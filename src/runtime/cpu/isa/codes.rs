@@ -216,7 +216,7 @@ fn gemv_portable<const R: usize>(
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::super::streams::{prefetch_one_stream, PREFETCH_BYTES};
+    use super::super::streams::prefetch_one_stream;
     use super::NR;
     use std::arch::x86_64::*;
 
@@ -301,12 +301,6 @@ pub(super) mod x86 {
         }
     }
 
-    #[inline(always)]
-    fn prefetch(p: *const u8) {
-        // SAFETY: a prefetch reads nothing architecturally, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8) };
-    }
-
     /// 16 codes from `p` as f32 values times 2⁻⁸, through fp16: a code's bits shifted
     /// left 7 in a 16-bit lane are an fp16's (bias 15 against e4m3's 7, subnormals
     /// included) once the sign's copy in bit 14 is cleared; fp16 → f32 is one instruction.
@@ -351,7 +345,7 @@ pub(super) mod x86 {
             let mut acc = [[_mm512_setzero_ps(); 4]; R];
             let mut p = b0;
             while p + 4 <= b1 {
-                prefetch(c.add(p * NR));
+                prefetch_one_stream(c.add(p * NR));
                 let w = [0, 1, 2, 3].map(|i| W::gemv16(c.add((p + i) * NR)));
                 for (r, a) in acc.iter_mut().enumerate() {
                     for i in 0..4 {

@@ -16,7 +16,10 @@ pub const PREFETCH_BYTES: usize = 512;
 /// AVX2 code GEMV) 8.91–8.95 with 512 B, 9.02–9.09 with 4 KiB; W8A16 in an f32 run (the same
 /// GEMV) 10.91–10.97 before (512 B and widening through i32), 11.34–11.40 after. Reading a
 /// block of INT8 codes as several parts at once, as the bf16 GEMV does, ran slower there
-/// (14.3–15.5).
+/// (14.3–15.5). On a Zen 5 guest the AVX-512 code GEMV (INT8, FP8), then 512 B ahead,
+/// waited on its loads (perf: half its cycles on the widening's load); with 4 KiB, INT8
+/// decode 33.1 → 47.0 tok/s and FP8 32.5 → 41.2 (medians of 4 alternating passes; 8 KiB
+/// 37.2 and 31.5 in the same passes, on a guest whose bandwidth drifted by 20 %).
 pub const ONE_STREAM_PREFETCH_BYTES: usize = 4096;
 
 /// Runs `body` for every pair row `j` in `0..pairs`, each once: the first
@@ -48,7 +51,7 @@ macro_rules! for_each_pair {
 pub(super) use for_each_pair;
 
 /// Asks for the line [`ONE_STREAM_PREFETCH_BYTES`] past `p` in L1: the GEMVs that read a
-/// panel as one stream (INT8, INT4, and the AVX2 code GEMV) call it once a step.
+/// panel as one stream (INT8, INT4, and the code GEMVs) call it once a step.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub fn prefetch_one_stream(p: *const u8) {
