@@ -289,9 +289,15 @@ impl Kernels {
             );
             // The vector rounding assumes no NaN: finite scales and zeros give none.
             if scales[..n].iter().chain(&zeros[..n]).all(|v| v.is_finite()) {
-                // SAFETY: AVX-512F was checked against the host; the asserts bound every
-                // access.
-                return unsafe { x86::bf16_pairs_avx512(codes, scales, zeros, kblock, k, out) };
+                // SAFETY: AVX-512F (and BW and BF16 for that variant) were checked against
+                // the host; the asserts bound every access.
+                return unsafe {
+                    if self.isa() >= Isa::Avx512Bf16 {
+                        x86::bf16_pairs_avx512bf16(codes, scales, zeros, kblock, k, out)
+                    } else {
+                        x86::bf16_pairs_avx512(codes, scales, zeros, kblock, k, out)
+                    }
+                };
             }
         }
         let mut pair = [0f32; 2 * NR];
@@ -313,6 +319,7 @@ impl Kernels {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::codes::x86::{PairBits, PairByBf16, PairByIntegers};
     use super::super::streams::prefetch_one_stream;
     use super::{NR, QUAD_BYTES};
     use std::arch::x86_64::*;
@@ -493,9 +500,6 @@ mod x86 {
         _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code), zeros), scales)
     }
 
-    /// A quad (4 steps, 2 pairs) at a time: its masked halves side by side are the 16
-    /// columns' 4 codes a lane; each step widened, rounded to bf16 and paired.
-    ///
     /// # Safety
     /// AVX-512F; `k` and `kblock` multiples of 4, as `Kernels::int4_to_bf16_pairs`
     /// asserts, with finite scales and zeros.
@@ -508,7 +512,34 @@ mod x86 {
         k: usize,
         out: &mut [u16],
     ) {
-        use super::super::codes::x86::round_bf16x16;
+        bf16_pairs::<PairByIntegers>(codes, scales, zeros, kblock, k, out)
+    }
+
+    /// # Safety
+    /// AVX-512F, BW and BF16; as [`bf16_pairs_avx512`].
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn bf16_pairs_avx512bf16(
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        kblock: usize,
+        k: usize,
+        out: &mut [u16],
+    ) {
+        bf16_pairs::<PairByBf16>(codes, scales, zeros, kblock, k, out)
+    }
+
+    /// A quad (4 steps, 2 pairs) at a time: its masked halves side by side are the 16
+    /// columns' 4 codes a lane; each step widened, and the steps paired as `P` rounds them.
+    #[inline(always)]
+    unsafe fn bf16_pairs<P: PairBits>(
+        codes: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        kblock: usize,
+        k: usize,
+        out: &mut [u16],
+    ) {
         let (quads, rest) = out.split_at_mut(k / 4 * 4 * NR);
         let nibbles = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
         for (i, two) in quads.chunks_exact_mut(4 * NR).enumerate() {
@@ -520,17 +551,15 @@ mod x86 {
             let v = _mm256_loadu_si256(codes.as_ptr().add(i * QUAD_BYTES) as *const __m256i);
             let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), v);
             let cols = _mm512_and_si512(_mm512_srlv_epi32(both, nibbles), _mm512_set1_epi8(0xf));
-            let r = [
-                round_bf16x16(step_values::<0>(cols, z, s)),
-                round_bf16x16(step_values::<8>(cols, z, s)),
-                round_bf16x16(step_values::<16>(cols, z, s)),
-                round_bf16x16(step_values::<24>(cols, z, s)),
-            ];
             let at = two.as_mut_ptr() as *mut __m512i;
-            _mm512_storeu_si512(at, _mm512_or_si512(_mm512_srli_epi32::<16>(r[0]), r[1]));
+            let pair = |even, odd| P::pair(even, odd);
+            _mm512_storeu_si512(
+                at,
+                pair(step_values::<0>(cols, z, s), step_values::<8>(cols, z, s)),
+            );
             _mm512_storeu_si512(
                 at.add(1),
-                _mm512_or_si512(_mm512_srli_epi32::<16>(r[2]), r[3]),
+                pair(step_values::<16>(cols, z, s), step_values::<24>(cols, z, s)),
             );
         }
         rest.fill(0);
