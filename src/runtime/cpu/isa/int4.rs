@@ -320,7 +320,7 @@ impl Kernels {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::codes::x86::{PairBits, PairByBf16, PairByIntegers};
-    use super::super::streams::prefetch_one_stream;
+    use super::super::streams::{prefetch_one_stream, prefetch_runs};
     use super::{NR, QUAD_BYTES};
     use std::arch::x86_64::*;
 
@@ -442,6 +442,8 @@ mod x86 {
     #[inline(always)]
     unsafe fn gemv_blocks<const R: usize, P: QuadProduct>(g: &Int4Gemv, out: &mut [[f32; NR]; R]) {
         let c = g.codes.as_ptr();
+        let groups = g.k.div_ceil(g.kblock) * NR;
+        prefetch_runs(&[&g.scales[..groups], &g.zeros[..groups]]);
         let mut tot = [[_mm256_setzero_ps(); 2]; R];
         let mut b0 = 0;
         while b0 < g.k {

