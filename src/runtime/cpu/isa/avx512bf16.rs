@@ -57,9 +57,8 @@ pub unsafe fn tile<const R: usize, const P: usize>(
     }
 }
 
-/// Decode rows: `R` bf16 rows against one panel, read in the order of
-/// [`super::streams::for_each_pair`], with four sums per row (parts `s` and `s + 4` share
-/// one).
+/// Decode rows: `R` bf16 rows against one panel, read as one stream with four sums per row
+/// taking the pair rows in turn (see `gemv_one_row`).
 ///
 /// # Safety
 /// AVX512-BF16; `x` holds `R` rows of `2·pairs` values `ldx` apart; `panel` `pairs` pair
@@ -79,54 +78,53 @@ pub unsafe fn gemv<const R: usize>(
         return;
     }
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    super::streams::for_each_pair!(pairs, w as *const u8, 4 * NR, |j, s| {
+    // The order of `gemv_one_row`: so a row's sums have the same bits whatever the rows
+    // beside it.
+    let whole = pairs / 16 * 16;
+    for j in 0..pairs {
+        super::streams::prefetch_one_stream(w.add(j * 2 * NR) as *const u8);
         let wv = weights(w.add(j * 2 * NR));
+        let s = if j < whole { j % 4 } else { 0 };
         for (r, a) in acc.iter_mut().enumerate() {
-            a[s % 4] = _mm512_dpbf16_ps(a[s % 4], pair(xp.add(r * ldx + 2 * j)), wv);
+            a[s] = _mm512_dpbf16_ps(a[s], pair(xp.add(r * ldx + 2 * j)), wv);
         }
-    });
+    }
     for (a, o) in acc.iter().zip(out.iter_mut()) {
         let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
         _mm512_storeu_ps(o.as_mut_ptr(), sum);
     }
 }
 
-/// One row's sums against one panel, in the order of `gemv`: each part's next 16 activation
-/// pairs are loaded once into a register and broadcast from there (`vpermd`), so a weight
-/// line costs one load instead of two; fewer loads per line leave room for more lines in
-/// flight (`tpc bench-gemm --rows 1`, cold sweep of 5632x2048 weights, alternating: 29.3,
-/// 29.5, 30.1 GB/s before, 30.6, 31.0, 30.4 after).
+/// One row's sums against one panel, in the order of `gemv`: the panel read as one stream,
+/// prefetched 4 KiB ahead (`prefetch_one_stream`), four sums taking the pair rows in turn;
+/// each 16 activation pairs are loaded once into a register and broadcast from there
+/// (`vpermd`), so a weight line costs one load. On the Zen 5 guest the panel read as eight
+/// parts at once, each prefetched 512 B ahead, had read more slowly from memory: cold
+/// sweeps (`tpc bench-gemm --rows 1 --isa avx512bf16`) of 768x2048 weights 39.1–39.2 GB/s
+/// before, 42.2–42.8 after; of 5632x2048 38.3 before, 40.6 after; TinyLlama-shaped bf16
+/// decode at tp 1, 5 alternating passes: a median per-pass ratio of 1.12. From cache it
+/// runs as before (13.4–17.8 µs a 768x2048 product, 13.9–14.0 after).
 ///
 /// # Safety
 /// AVX512-BF16; `x` holds `2·pairs` values, `w` `pairs` pair rows.
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn gemv_one_row(x: *const u16, w: *const u16, pairs: usize) -> __m512 {
-    use super::streams::{prefetch_pair, STREAMS};
+    use super::streams::prefetch_one_stream;
     let mut acc = [_mm512_setzero_ps(); 4];
-    let mut xv = [_mm512_setzero_si512(); STREAMS];
-    let part = pairs / STREAMS;
-    for i in 0..part {
-        if i % 16 == 0 {
-            // Pairs i .. i + 16 of every part; the mask stops at the part's end.
-            let mask: __mmask16 = if part - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (part - i)) - 1
-            };
-            for (s, v) in xv.iter_mut().enumerate() {
-                let first = (x as *const i32).add(s * part + i);
-                *v = _mm512_maskz_loadu_epi32(mask, first);
-            }
+    let whole = pairs / 16 * 16;
+    let mut j0 = 0;
+    while j0 < whole {
+        let xv = _mm512_loadu_si512(x.add(2 * j0) as *const __m512i);
+        for t in 0..16 {
+            let j = j0 + t;
+            prefetch_one_stream(w.add(j * 2 * NR) as *const u8);
+            let lane = _mm512_set1_epi32(t as i32);
+            let xb = std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi32(lane, xv));
+            acc[t % 4] = _mm512_dpbf16_ps(acc[t % 4], xb, weights(w.add(j * 2 * NR)));
         }
-        let lane = _mm512_set1_epi32((i % 16) as i32);
-        for (s, v) in xv.iter().enumerate() {
-            let j = s * part + i;
-            prefetch_pair(w as *const u8, j, 4 * NR);
-            let xb = std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi32(lane, *v));
-            acc[s % 4] = _mm512_dpbf16_ps(acc[s % 4], xb, weights(w.add(j * 2 * NR)));
-        }
+        j0 += 16;
     }
-    for j in STREAMS * part..pairs {
+    for j in whole..pairs {
         acc[0] = _mm512_dpbf16_ps(acc[0], pair(x.add(2 * j)), weights(w.add(j * 2 * NR)));
     }
     _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]))
