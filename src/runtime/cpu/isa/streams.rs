@@ -4,6 +4,9 @@
 //! flight. Measured on this project's 2-core Xeon (two threads summing 64 KiB panels of a
 //! 1 GiB buffer): one stream with a prefetch 2 KiB ahead 26.1 GB/s, four streams 28.7, eight
 //! streams each with a prefetch 512 B ahead 30.3; TinyLlama bf16 decode 11.3 → 13.0 tok/s.
+//! The AVX512-BF16 GEMV no longer reads that way: on a Zen 5 guest one stream prefetched
+//! 4 KiB ahead read faster (`avx512bf16::gemv_one_row`); the AVX2 and AVX-512F GEMVs
+//! still do (not re-measured on that host).
 
 /// Parts a panel is read as at once.
 pub const STREAMS: usize = 8;
