@@ -526,7 +526,7 @@ impl PackedMatrix {
                             // just before its tiles, so it is still in L1/L2 when they read
                             // it (a chunk's widened panels overflow L2 and came back from L3).
                             let step = if variant == Isa::Amx {
-                                range.panels.len()
+                                range.panels.len().max(1)
                             } else {
                                 2
                             };

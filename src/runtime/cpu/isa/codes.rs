@@ -464,8 +464,9 @@ pub(super) mod x86 {
     }
 
     /// With `vcvtne2ps2bf16` and a word permute (AVX512-BF16 and BW): two operations
-    /// instead of eleven. The instruction takes subnormal values as zero; a weight that
-    /// small (under 1.2e-38) is zero to the products either way.
+    /// instead of eleven. The instruction takes subnormal values as zero: a weight under
+    /// 1.2e-38 becomes 0 here where the integer form keeps it, a difference far below
+    /// the rounding of any sum it enters.
     pub struct PairByBf16;
 
     /// Word `2j` of a pair row is word `j` of the conversion (the even step), word `2j + 1`
