@@ -528,7 +528,6 @@ pub(super) mod x86 {
         // Scales are read once per block (no division per step).
         let scale = |b: usize| _mm512_loadu_ps(scales.as_ptr().add(b * NR));
         let value = |p: usize, s: __m512| _mm512_mul_ps(W::exact16(codes.as_ptr().add(p * NR)), s);
-        let pair = |even: __m512, odd: __m512| P::pair(even, odd);
         let dst = out.as_mut_ptr() as *mut __m512i;
         let mut p = 0;
         while p < k {
@@ -538,7 +537,7 @@ pub(super) mod x86 {
             while p + 1 < end {
                 // Lines not yet in cache (the first pair of a chunk) are asked for ahead.
                 prefetch_one_stream(codes.as_ptr().add(p * NR));
-                _mm512_storeu_si512(dst.add(p / 2), pair(value(p, s), value(p + 1, s)));
+                _mm512_storeu_si512(dst.add(p / 2), P::pair(value(p, s), value(p + 1, s)));
                 p += 2;
             }
             if p < end {
@@ -548,7 +547,7 @@ pub(super) mod x86 {
                 } else {
                     _mm512_setzero_ps()
                 };
-                _mm512_storeu_si512(dst.add(p / 2), pair(value(p, s), odd));
+                _mm512_storeu_si512(dst.add(p / 2), P::pair(value(p, s), odd));
                 p += 2;
             }
         }

@@ -554,14 +554,13 @@ mod x86 {
             let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), v);
             let cols = _mm512_and_si512(_mm512_srlv_epi32(both, nibbles), _mm512_set1_epi8(0xf));
             let at = two.as_mut_ptr() as *mut __m512i;
-            let pair = |even, odd| P::pair(even, odd);
             _mm512_storeu_si512(
                 at,
-                pair(step_values::<0>(cols, z, s), step_values::<8>(cols, z, s)),
+                P::pair(step_values::<0>(cols, z, s), step_values::<8>(cols, z, s)),
             );
             _mm512_storeu_si512(
                 at.add(1),
-                pair(step_values::<16>(cols, z, s), step_values::<24>(cols, z, s)),
+                P::pair(step_values::<16>(cols, z, s), step_values::<24>(cols, z, s)),
             );
         }
         rest.fill(0);
