@@ -7,6 +7,9 @@
 //   (j % 8) * 4 + p % 4 holds step 4t + p % 4 of column j in its low nibble (j < 8) or high
 //   nibble (j >= 8); scales and zero points are [ceil(k / kblock)][16] f32, a value is
 //   (code - zero) * scale.
+// FP8 prompts on GPUs with FP8 tensor cores (cuBLASLt, block-scaled) take the codes as plain
+// rows ([n][k], a weight's inputs contiguous) and the activations quantized to e4m3 in blocks
+// of 128 inputs per row (quantize_rows_e4m3), as transformers' and vLLM's FP8 linears do.
 // A decode step (at most GEMV_ROWS rows) multiplies the codes in place: one block of
 // GEMV_WARPS warps per panel, the warps taking interleaved runs of steps, every lane a 32-bit
 // word of codes a load (a warp reads 128 consecutive bytes), the lanes' and warps' sums added
@@ -215,5 +218,77 @@ extern "C" __global__ void permute_steps(float* out, const float* x, const unsig
         const i64 r = i / slots;
         const unsigned int from = order[i % slots];
         out[i] = from == 0xffffffffu ? 0.0f : x[r * inputs + from];
+    }
+}
+
+// The e4m3 code nearest to v (ties to the even code), saturated to +-448 (0x7e / 0xfe; 0x7f
+// would be NaN): normals keep 3 mantissa bits of the f32 by rounding at bit 20, values below
+// 2^-6 are multiples of 2^-9 (a code of 8 is 2^-6, the first normal, so rounding up into it
+// needs no case of its own). v is finite.
+__device__ __forceinline__ unsigned char e4m3_code(float v) {
+    const unsigned int sign = (__float_as_uint(v) >> 24) & 0x80u;
+    const float a = fabsf(v);
+    if (a >= 448.0f) {
+        return (unsigned char)(sign | 0x7eu);
+    }
+    if (a < 0.015625f) {  // 2^-6
+        return (unsigned char)(sign | (unsigned int)rintf(a * 512.0f));
+    }
+    unsigned int u = __float_as_uint(a);
+    u += 0x7ffffu + ((u >> 20) & 1u);
+    const int e = (int)(u >> 23) - 127;
+    const unsigned int m = (u >> 20) & 7u;
+    if (e > 8 || (e == 8 && m == 7u)) {  // rounded past 448 (from below 448: not reached)
+        return (unsigned char)(sign | 0x7eu);
+    }
+    return (unsigned char)(sign | ((unsigned int)(e + 7) << 3) | m);
+}
+
+// Activations x [rows][k] as e4m3 codes [rows_pad][k] and one scale per row per block of 128
+// inputs: scale = amax / 448 over the block (1 where the block is all zeros), code =
+// e4m3(x / scale). Scales are stored [ceil(k / 128)][rows_pad] (rows contiguous: cuBLASLt's
+// VEC128_32F layout for the operand whose other dimension is the rows); rows from `rows` to
+// rows_pad (a multiple of 4 that cuBLASLt asks for) get zero codes and scale 1.
+// Grid: one warp per (row, block), warps in blocks of any multiple of 32 threads; a lane
+// takes 4 consecutive inputs.
+extern "C" __global__ void quantize_rows_e4m3(unsigned char* codes, float* scales,
+                                              const float* x, i64 rows, i64 rows_pad, i64 k) {
+    const i64 blocks = (k + 127) / 128;
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x & 31;
+    if (warp >= rows_pad * blocks) {
+        return;  // the whole warp leaves together: the shuffles below see every lane
+    }
+    const i64 r = warp / blocks, b = warp % blocks;
+    const i64 first = b * 128 + lane * 4;
+    float v[4];
+    float amax = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+        const i64 p = first + i;
+        v[i] = (r < rows && p < k) ? x[r * k + p] : 0.0f;
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    for (int step = 16; step > 0; step >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, step));
+    }
+    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    for (int i = 0; i < 4; ++i) {
+        const i64 p = first + i;
+        if (p < k) {
+            codes[r * k + p] = e4m3_code(v[i] / scale);
+        }
+    }
+    if (lane == 0) {
+        scales[b * rows_pad + r] = scale;
+    }
+}
+
+// A weight's byte codes (FP8 or INT8 panels) as plain rows: out[j][p] = the code of column j
+// at step p, for j < n, p < k. Grid-stride.
+extern "C" __global__ void codes_to_rows(unsigned char* out, const unsigned char* codes, i64 n,
+                                         i64 k) {
+    FOR_EACH(i, n * k) {
+        const i64 j = i / k, p = i % k;
+        out[i] = codes[((j / PANEL) * k + p) * PANEL + j % PANEL];
     }
 }

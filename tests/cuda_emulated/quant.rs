@@ -1,7 +1,8 @@
 //! The quantized-weight kernels of `kernels/quant.cu` on the CPU (`tests/emulator`), with
 //! the CUDA backend's launch shapes, against f64 products of the weights they encode: the
 //! decode GEMVs over FP8 / INT8 and INT4 panels, the widening of panels to bf16 or f32 rows
-//! for cuBLAS, and the act-order permutation of activations. The panels are built here from
+//! for cuBLAS, the act-order permutation of activations, and what cuBLASLt's FP8 products
+//! take: activations quantized to e4m3 per row in blocks of 128, and codes as plain rows. The panels are built here from
 //! the layout `quant.cu` states, which is the CPU backend's (`src/runtime/cpu/packed/`).
 
 use crate::emulator;
@@ -303,5 +304,144 @@ fn act_order_permutes_steps_and_zeros_padding_slots() {
         ];
         launch("permute_steps", grid, block, &args, &mut bufs);
         assert_eq!(bufs.read_f32(out), want);
+    }
+}
+
+/// The e4m3 code nearest to `y` by value, ties to the even code, saturated to ±448, with
+/// `y`'s sign (-0 and values that round to zero included): a search over the magnitudes of
+/// every finite code, apart from the kernel's bit arithmetic.
+fn nearest_e4m3(y: f32) -> u8 {
+    let a = y.abs().min(448.0) as f64;
+    let mut best = 0u8;
+    for c in 1..0x7fu8 {
+        let (d, b) = (
+            (e4m3_to_f32(c) as f64 - a).abs(),
+            (e4m3_to_f32(best) as f64 - a).abs(),
+        );
+        if d < b || (d == b && c & 1 == 0) {
+            best = c;
+        }
+    }
+    best | if y.is_sign_negative() { 0x80 } else { 0 }
+}
+
+#[test]
+fn activations_quantize_to_the_nearest_e4m3_code_per_block_of_128() {
+    let mut v = Values(89);
+    // Row 0's first block has 448 at its top, so its scale is 1 and these land as they are:
+    // ties between codes (even mantissa wins), subnormals and the step into the normals,
+    // and the largest values.
+    let exact: [f32; 16] = [
+        448.0,
+        1.0625,
+        1.1875,
+        -1.1875,
+        0.0009765625,   // 2^-10: halfway from 0 to 2^-9
+        0.0029296875,   // 3 * 2^-10: halfway from 2^-9 to 2^-8
+        0.0146484375,   // 15 * 2^-10: halfway from 7 * 2^-9 to 2^-6
+        0.015625,       // 2^-6
+        -0.01513671875, // between the largest subnormal and 2^-6
+        432.0,          // halfway from 416 to 448
+        440.0,
+        -447.0,
+        0.0,
+        -0.0,
+        3.0e-5,
+        240.0,
+    ];
+    for &(rows, rows_pad, k) in &[(3usize, 4usize, 300usize), (1, 4, 128), (5, 8, 256)] {
+        let blocks = k.div_ceil(128);
+        let mut x = Vec::with_capacity(rows * k);
+        for r in 0..rows {
+            for p in 0..k {
+                // Magnitudes over many binades; row 1's second block all zeros.
+                let value = if r == 1 && p / 128 == 1 {
+                    0.0
+                } else {
+                    v.next() * 2f32.powi(v.below(24) as i32 - 12)
+                };
+                x.push(value);
+            }
+        }
+        if k >= 128 {
+            x[..exact.len()].copy_from_slice(&exact);
+            x[exact.len()..128]
+                .iter_mut()
+                .for_each(|e| *e = e.clamp(-1.0, 1.0));
+        }
+        let mut want_codes = vec![0u8; rows_pad * k];
+        let mut want_scales = vec![1f32; blocks * rows_pad];
+        for r in 0..rows {
+            for b in 0..blocks {
+                let block = &x[r * k + b * 128..r * k + (b * 128 + 128).min(k)];
+                let amax = block.iter().fold(0f32, |m, e| m.max(e.abs()));
+                let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+                want_scales[b * rows_pad + r] = scale;
+                for (i, &e) in block.iter().enumerate() {
+                    want_codes[r * k + b * 128 + i] = nearest_e4m3(e / scale);
+                }
+            }
+        }
+        if k >= 128 {
+            assert_eq!(want_scales[0], 1.0, "the exact block's scale");
+        }
+        let warps = rows_pad * blocks;
+        for (grid, block) in [((warps * 32).div_ceil(128) as u32, 128), (warps as u32, 32)] {
+            let mut bufs = Buffers::default();
+            let codes = bufs.bytes(&vec![0xaa; rows_pad * k]);
+            let scales = bufs.f32(&vec![f32::NAN; blocks * rows_pad]);
+            let args = [
+                Arg::Buf(codes),
+                Arg::Buf(scales),
+                Arg::Buf(bufs.f32(&x)),
+                Arg::I64(rows as i64),
+                Arg::I64(rows_pad as i64),
+                Arg::I64(k as i64),
+            ];
+            launch("quantize_rows_e4m3", grid, block, &args, &mut bufs);
+            let what = format!("quantize_rows_e4m3 rows={rows}/{rows_pad} k={k} grid={grid}");
+            let got = bufs.read_bytes(codes);
+            for (i, (&g, &w)) in got.iter().zip(&want_codes).enumerate() {
+                let (r, p) = (i / k, i % k);
+                let input = if r < rows { x[i] } else { 0.0 };
+                assert_eq!(
+                    g, w,
+                    "{what}: row {r} input {p} ({input:e}): code {g:#04x}, not {w:#04x}"
+                );
+            }
+            let got = bufs.read_f32(scales);
+            let same = got
+                .iter()
+                .zip(&want_scales)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{what}: scales {got:?} against {want_scales:?}");
+        }
+    }
+}
+
+#[test]
+fn byte_panels_unpack_to_plain_rows() {
+    let mut v = Values(97);
+    for (n, k) in [(37usize, 100usize), (16, 128), (5, 3)] {
+        let w = byte_codes(n, k, 32, true, &mut v);
+        let want: Vec<u8> = (0..n * k)
+            .map(|i| w.codes[(i / k / PANEL * k + i % k) * PANEL + i / k % PANEL])
+            .collect();
+        for (grid, block) in [((n * k).div_ceil(256) as u32, 256), (1, 32)] {
+            let mut bufs = Buffers::default();
+            let out = bufs.bytes(&vec![0xaa; n * k]);
+            let args = [
+                Arg::Buf(out),
+                Arg::Buf(bufs.bytes(&w.codes)),
+                Arg::I64(n as i64),
+                Arg::I64(k as i64),
+            ];
+            launch("codes_to_rows", grid, block, &args, &mut bufs);
+            assert_eq!(
+                &bufs.read_bytes(out)[..n * k],
+                &want[..],
+                "codes_to_rows n={n} k={k}"
+            );
+        }
     }
 }

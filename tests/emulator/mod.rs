@@ -95,6 +95,13 @@ impl Buffers {
             .flat_map(|&w| [w as u16, (w >> 16) as u16])
             .collect()
     }
+    /// Bytes, four to a word as [`Buffers::bytes`] stores them (a padded last word's too).
+    pub fn read_bytes(&self, id: BufId) -> Vec<u8> {
+        self.words(id)
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect()
+    }
     pub fn read_u64(&self, id: BufId) -> Vec<u64> {
         self.words(id)
             .chunks(2)
