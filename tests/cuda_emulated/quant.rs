@@ -340,7 +340,7 @@ fn activations_quantize_to_the_nearest_e4m3_code_per_block_of_128() {
         0.0029296875,   // 3 * 2^-10: halfway from 2^-9 to 2^-8
         0.0146484375,   // 15 * 2^-10: halfway from 7 * 2^-9 to 2^-6
         0.015625,       // 2^-6
-        -0.01513671875, // between the largest subnormal and 2^-6
+        -31.0 / 2048.0, // between the largest subnormal and 2^-6
         432.0,          // halfway from 416 to 448
         440.0,
         -447.0,
