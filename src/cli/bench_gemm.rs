@@ -7,7 +7,7 @@ use std::time::Duration;
 use tpc::ir::WeightOrder;
 use tpc::runtime::calibrate::best;
 use tpc::runtime::cpu::gemm_f32;
-use tpc::runtime::cpu::isa::{peak_flops, Isa, Kernels};
+use tpc::runtime::cpu::isa::{peak_flops, CodeKind, Isa, Kernels};
 use tpc::runtime::cpu::packed::PackedMatrix;
 use tpc::runtime::cpu::team::Team;
 use tpc::runtime::tensor::Tensor;
@@ -30,6 +30,11 @@ pub struct Args {
     /// the last-level cache, as in decode, where every weight comes from memory (at most 8192).
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(0..=8192))]
     sweep_mib: u64,
+    /// Also sweep one-byte code panels of the same shape and as many bytes — INT8 and FP8
+    /// e4m3, one scale per output, packed as a bf16 run packs a checkpoint's — right after
+    /// each variant's bf16 sweep: what quantized decode reads, beside what bf16 decode reads.
+    #[arg(long)]
+    sweep_codes: bool,
     /// Kernel variants to measure (default: every one this host runs).
     #[arg(long, value_delimiter = ',', value_parser = super::parse_isa)]
     isa: Vec<Isa>,
@@ -86,9 +91,12 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
         let (n, k) = (n as u64, k as u64);
         10 * n * k + 4 * most_rows * (k + 2 * n)
     };
+    // With --sweep-codes, two more sets of the same bytes, and one weight's codes and
+    // scales being packed.
+    let sets = if a.sweep_codes { 3 } else { 1 };
     let sweep = match (a.sweep_mib, shapes.first()) {
         (0, _) | (_, None) => 0,
-        (mib, Some(&(n, k))) => (mib << 20) + 4 * (n * k) as u64,
+        (mib, Some(&(n, k))) => sets * (mib << 20) + 6 * (n * k) as u64,
     };
     let needed = shapes
         .iter()
@@ -243,21 +251,44 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
                 PackedMatrix::pack(&w, WeightOrder::OutIn, true)
             })
             .collect();
-        let bytes: usize = mats.iter().map(PackedMatrix::bytes).sum();
+        let mut sets = vec![("bf16", mats)];
+        if a.sweep_codes {
+            let count = ((a.sweep_mib as usize) << 20).div_ceil(n * k).max(2);
+            for (name, kind) in [("INT8", CodeKind::Int8), ("FP8", CodeKind::E4m3)] {
+                let mats = (0..count)
+                    .map(|s| {
+                        // Every byte but e4m3's NaN codes (0x7f, 0xff), which loading refuses.
+                        let codes: Vec<u8> = (0..n * k)
+                            .map(|i| match ((i * 53 + s * 7) % 251) as u8 {
+                                b if b & 0x7f == 0x7f => b ^ 1,
+                                b => b,
+                            })
+                            .collect();
+                        let scales = vec![0.01; n];
+                        PackedMatrix::from_codes(kind, n, k, &codes, &scales, k, true)
+                    })
+                    .collect();
+                sets.push((name, mats));
+            }
+        }
         let x = Tensor::new(vec![1, k], vec![0.5; k]);
         for &kern in &kernels {
-            let t = best(a.seconds, || {
-                for m in &mats {
-                    std::hint::black_box(m.matmul_with(kern, &x, &team));
-                }
-            });
-            let gbs = bytes as f64 / t.as_secs_f64() / 1e9;
-            super::outln!(
-                "cold sweep, --isa {}: one row through {count} distinct {n}x{k} bf16 weights ({} MiB): {gbs:.1} GB/s = {:.2}x the read bandwidth",
-                kern.isa(),
-                bytes >> 20,
-                gbs / (bw / 1e9)
-            );
+            for (name, mats) in &sets {
+                let bytes: usize = mats.iter().map(PackedMatrix::bytes).sum();
+                let t = best(a.seconds, || {
+                    for m in mats {
+                        std::hint::black_box(m.matmul_with(kern, &x, &team));
+                    }
+                });
+                let gbs = bytes as f64 / t.as_secs_f64() / 1e9;
+                super::outln!(
+                    "cold sweep, --isa {}: one row through {} distinct {n}x{k} {name} weights ({} MiB): {gbs:.1} GB/s = {:.2}x the read bandwidth",
+                    kern.isa(),
+                    mats.len(),
+                    bytes >> 20,
+                    gbs / (bw / 1e9)
+                );
+            }
         }
     }
     Ok(())

@@ -313,6 +313,43 @@ fn absurd_execution_flags_are_usage_errors() {
 }
 
 #[test]
+fn bench_gemm_sweeps_code_panels_beside_bf16() {
+    let o = tpc(&[
+        "bench-gemm",
+        "--rows",
+        "1",
+        "--shapes",
+        "48x64",
+        "--sweep-mib",
+        "1",
+        "--sweep-codes",
+        "--seconds",
+        "0.01",
+        "--isa",
+        "portable",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for name in ["bf16", "INT8", "FP8"] {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("cold sweep") && l.contains(&format!("48x64 {name} weights")))
+            .unwrap_or_else(|| panic!("no {name} sweep in:\n{out}"));
+        let gbs: f64 = line
+            .split("MiB): ")
+            .nth(1)
+            .and_then(|r| r.split(" GB/s").next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no GB/s in {line:?}"));
+        assert!(gbs > 0.0 && gbs.is_finite(), "{line}");
+    }
+}
+
+#[test]
 fn a_closed_or_full_stdout_is_an_error_not_a_panic() {
     use std::process::Stdio;
     // /dev/full: every write fails with ENOSPC.

@@ -286,8 +286,9 @@ impl PackedMatrix {
 
     /// A weight of `kind` codes `[n][k]` (row-major, no NaN codes) with scales
     /// `[n][⌈k/kblock⌉]`, packed as a checkpoint's FP8 or INT8 weight is (for the start-up
-    /// self-check and tests); `bf16` as for [`PackedMatrix::pack`].
-    pub(crate) fn from_codes(
+    /// self-check, tests and `tpc bench-gemm --sweep-codes`); `bf16` as for
+    /// [`PackedMatrix::pack`].
+    pub fn from_codes(
         kind: super::isa::CodeKind,
         n: usize,
         k: usize,
