@@ -93,10 +93,10 @@ pub fn execute(a: Args) -> anyhow::Result<()> {
     };
     // With --sweep-codes, two more sets of the same bytes, and one weight's codes and
     // scales being packed.
-    let sets = if a.sweep_codes { 3 } else { 1 };
+    let sweep_sets = if a.sweep_codes { 3 } else { 1 };
     let sweep = match (a.sweep_mib, shapes.first()) {
         (0, _) | (_, None) => 0,
-        (mib, Some(&(n, k))) => sets * (mib << 20) + 6 * (n * k) as u64,
+        (mib, Some(&(n, k))) => sweep_sets * (mib << 20) + 6 * (n * k) as u64,
     };
     let needed = shapes
         .iter()

@@ -2,8 +2,9 @@
 //! the CUDA backend's launch shapes, against f64 products of the weights they encode: the
 //! decode GEMVs over FP8 / INT8 and INT4 panels, the widening of panels to bf16 or f32 rows
 //! for cuBLAS, the act-order permutation of activations, and what cuBLASLt's FP8 products
-//! take: activations quantized to e4m3 per row in blocks of 128, and codes as plain rows. The panels are built here from
-//! the layout `quant.cu` states, which is the CPU backend's (`src/runtime/cpu/packed/`).
+//! take: activations quantized to e4m3 per row in blocks of 128, and codes as plain rows.
+//! The panels are built here from the layout `quant.cu` states, which is the CPU backend's
+//! (`src/runtime/cpu/packed/`).
 
 use crate::emulator;
 
