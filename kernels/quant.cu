@@ -224,7 +224,8 @@ extern "C" __global__ void permute_steps(float* out, const float* x, const unsig
 // The e4m3 code nearest to v (ties to the even code), saturated to +-448 (0x7e / 0xfe; 0x7f
 // would be NaN): normals keep 3 mantissa bits of the f32 by rounding at bit 20, values below
 // 2^-6 are multiples of 2^-9 (a code of 8 is 2^-6, the first normal, so rounding up into it
-// needs no case of its own). v is finite.
+// needs no case of its own). A NaN (from a NaN activation: the block's amax skips it) fails
+// both comparisons and ends in the exponent check below, as +-448.
 __device__ __forceinline__ unsigned char e4m3_code(float v) {
     const unsigned int sign = (__float_as_uint(v) >> 24) & 0x80u;
     const float a = fabsf(v);
@@ -238,7 +239,7 @@ __device__ __forceinline__ unsigned char e4m3_code(float v) {
     u += 0x7ffffu + ((u >> 20) & 1u);
     const int e = (int)(u >> 23) - 127;
     const unsigned int m = (u >> 20) & 7u;
-    if (e > 8 || (e == 8 && m == 7u)) {  // rounded past 448 (from below 448: not reached)
+    if (e > 8 || (e == 8 && m == 7u)) {  // a NaN; a finite v below 448 never rounds past it
         return (unsigned char)(sign | 0x7eu);
     }
     return (unsigned char)(sign | ((unsigned int)(e + 7) << 3) | m);
